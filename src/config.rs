@@ -1,0 +1,894 @@
+//! The broker's configuration (SPEC §2): a TOML file parsed into raw serde structs, then
+//! validated into typed values. Anything wrong is refused at start with an error that names the
+//! key and the problem, so a bad deploy fails before it serves a single request.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::Method;
+use serde::Deserialize;
+
+use crate::policy::{Jitter, RetryPolicy};
+
+/// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Syntax(String),
+    #[error("config key `{key}`: {problem}")]
+    Invalid { key: String, problem: String },
+}
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub auth: AuthConfig,
+    pub routes: Vec<Route>,
+    pub worker: WorkerConfig,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `sqlite://…` or `postgres://…`; the scheme picks the backend.
+    pub url: String,
+    /// How long `done` records are kept and replayed.
+    pub retention: Duration,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    /// The admin bearer token, read from the environment variable the config names.
+    /// `None` means the admin API takes no token.
+    pub admin_token: Option<String>,
+    /// Empty means every caller is tenant "default".
+    pub tenants: Vec<Tenant>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub name: String,
+    /// SHA-256 of the tenant's bearer token; the token itself is never stored.
+    pub token_sha256: [u8; 32],
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Records executed at once by this process.
+    pub concurrency: usize,
+    /// An `in_progress` record whose lease is not renewed within this is taken over.
+    pub lease: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path_prefix: String,
+    /// Base URL of the upstream, without a trailing slash; the request path is appended.
+    pub upstream: String,
+    /// Methods that require an `Idempotency-Key`; any other method is proxied unrecorded.
+    pub methods: Vec<Method>,
+    /// May an attempt that possibly executed be sent again?
+    pub replay_safe: bool,
+    pub forward_idempotency_key: bool,
+    pub max_body: usize,
+    pub max_concurrency: usize,
+    pub retry: RetryPolicy,
+    pub probe: Option<Probe>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub method: Method,
+    /// A path template; `{idempotency_key}` is replaced by the record's key.
+    pub path: String,
+    /// How long after the outcome became unknown the first probe is sent.
+    pub settle: Duration,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates a config, reading secrets from the process environment.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse_with_env(text, |name| std::env::var(name).ok())
+    }
+
+    pub fn parse_with_env(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        raw.validate(&env)
+    }
+
+    /// The route whose `path_prefix` is the longest prefix of `path`, on a segment boundary.
+    pub fn route_for(&self, path: &str) -> Option<&Route> {
+        self.routes
+            .iter()
+            .filter(|r| prefix_matches(&r.path_prefix, path))
+            .max_by_key(|r| r.path_prefix.len())
+    }
+
+    pub fn route_named(&self, name: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    pub fn uses_tenants(&self) -> bool {
+        !self.auth.tenants.is_empty()
+    }
+}
+
+/// `/payments` matches `/payments`, `/payments/1` and `/payments?x`, but not `/paymentsX`.
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    if prefix == "/" {
+        return true;
+    }
+    match path.strip_prefix(prefix.trim_end_matches('/')) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// The effective configuration, as `idem check` prints it.
+pub fn describe(c: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let h = humantime::format_duration;
+    let _ = writeln!(out, "config ok");
+    let _ = writeln!(out, "listen        {}", c.server.listen);
+    let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
+    let _ = writeln!(
+        out,
+        "store         {} (retention {})",
+        redact(&c.store.url),
+        h(c.store.retention)
+    );
+    let _ = writeln!(
+        out,
+        "auth          {} tenant(s); admin token {}",
+        c.auth.tenants.len(),
+        if c.auth.admin_token.is_some() {
+            "set"
+        } else {
+            "not required"
+        }
+    );
+    let _ = writeln!(
+        out,
+        "worker        concurrency {}, lease {}",
+        c.worker.concurrency,
+        h(c.worker.lease)
+    );
+    for r in &c.routes {
+        let p = &r.retry;
+        let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
+        let _ = writeln!(
+            out,
+            "\nroute {}  {} -> {}",
+            r.name, r.path_prefix, r.upstream
+        );
+        let _ = writeln!(
+            out,
+            "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_concurrency {}",
+            methods.join(","),
+            r.replay_safe,
+            r.forward_idempotency_key,
+            r.max_body,
+            r.max_concurrency
+        );
+        let _ = writeln!(
+            out,
+            "  retry: {} attempts within {} (per try {}, min {}); backoff {:?} jitter, base {}, cap {}",
+            p.max_attempts,
+            h(p.deadline),
+            h(p.per_try_timeout),
+            h(p.min_try),
+            p.jitter,
+            h(p.base),
+            h(p.cap)
+        );
+        let _ = writeln!(
+            out,
+            "  not_processed {:?}; ambiguous {:?}; budget {}% of first attempts + {}/s",
+            p.not_processed,
+            p.ambiguous,
+            p.budget_ratio * 100.0,
+            p.budget_min_per_sec
+        );
+        if let Some(probe) = &r.probe {
+            let _ = writeln!(
+                out,
+                "  probe {} {} after {}",
+                probe.method,
+                probe.path,
+                h(probe.settle)
+            );
+        }
+    }
+    out
+}
+
+/// A store URL without its password, for printing.
+fn redact(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("***"));
+            u.to_string()
+        }
+        _ => url.to_string(),
+    }
+}
+
+// ---- raw TOML shape -------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    store: Option<RawStore>,
+    auth: Option<RawAuth>,
+    #[serde(default)]
+    routes: Vec<RawRoute>,
+    worker: Option<RawWorker>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<String>,
+    admin_listen: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    url: Option<String>,
+    retention: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAuth {
+    admin_token_env: Option<String>,
+    #[serde(default)]
+    tenants: Vec<RawTenant>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTenant {
+    name: String,
+    token_sha256: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    concurrency: Option<i64>,
+    lease: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    name: String,
+    path_prefix: String,
+    upstream: String,
+    methods: Option<Vec<String>>,
+    replay_safe: Option<bool>,
+    forward_idempotency_key: Option<bool>,
+    max_body: Option<String>,
+    max_concurrency: Option<i64>,
+    retry: Option<RawRetry>,
+    probe: Option<RawProbe>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawRetry {
+    max_attempts: Option<i64>,
+    deadline: Option<String>,
+    per_try_timeout: Option<String>,
+    min_try: Option<String>,
+    base: Option<String>,
+    cap: Option<String>,
+    jitter: Option<String>,
+    not_processed: Option<Vec<i64>>,
+    ambiguous: Option<Vec<i64>>,
+    budget_ratio: Option<f64>,
+    budget_min_per_sec: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProbe {
+    method: Option<String>,
+    path: String,
+    settle: Option<String>,
+}
+
+// ---- validation -----------------------------------------------------------------------------
+
+fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
+    let text = value.unwrap_or(default);
+    let d = humantime::parse_duration(text).map_err(|e| {
+        invalid(
+            key,
+            format!("`{text}` is not a duration like \"250ms\" or \"30s\": {e}"),
+        )
+    })?;
+    if d.is_zero() {
+        return Err(invalid(key, "must be greater than zero"));
+    }
+    Ok(d)
+}
+
+fn socket_addr(key: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let text = value.unwrap_or(default);
+    text.parse().map_err(|_| {
+        invalid(
+            key,
+            format!("`{text}` is not an address like \"127.0.0.1:8080\""),
+        )
+    })
+}
+
+fn positive(key: &str, value: Option<i64>, default: i64) -> Result<usize, ConfigError> {
+    let v = value.unwrap_or(default);
+    if v < 1 {
+        return Err(invalid(key, format!("must be at least 1, got {v}")));
+    }
+    usize::try_from(v).map_err(|_| invalid(key, "is too large"))
+}
+
+fn statuses(key: &str, value: Option<&[i64]>, default: &[u16]) -> Result<Vec<u16>, ConfigError> {
+    match value {
+        None => Ok(default.to_vec()),
+        Some(list) => list
+            .iter()
+            .map(|&s| {
+                if (100..=599).contains(&s) {
+                    Ok(s as u16)
+                } else {
+                    Err(invalid(key, format!("{s} is not an HTTP status (100-599)")))
+                }
+            })
+            .collect(),
+    }
+}
+
+fn method(key: &str, text: &str) -> Result<Method, ConfigError> {
+    let valid = !text.is_empty() && text.bytes().all(|b| b.is_ascii_uppercase());
+    if !valid {
+        return Err(invalid(
+            key,
+            format!("`{text}` is not an upper-case HTTP method"),
+        ));
+    }
+    Method::from_bytes(text.as_bytes())
+        .map_err(|_| invalid(key, format!("`{text}` is not an HTTP method")))
+}
+
+impl RawConfig {
+    fn validate(self, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let server = self.server.unwrap_or_default();
+        let server = ServerConfig {
+            listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
+            admin_listen: socket_addr(
+                "server.admin_listen",
+                server.admin_listen.as_deref(),
+                "127.0.0.1:8081",
+            )?,
+        };
+
+        let store = self.store.unwrap_or_default();
+        let url = store.url.unwrap_or_else(|| "sqlite://idem.db".into());
+        if !(url.starts_with("sqlite:")
+            || url.starts_with("postgres://")
+            || url.starts_with("postgresql://"))
+        {
+            return Err(invalid(
+                "store.url",
+                format!("`{url}` must start with sqlite: or postgres://"),
+            ));
+        }
+        let store = StoreConfig {
+            url,
+            retention: duration("store.retention", store.retention.as_deref(), "24h")?,
+        };
+
+        let auth = validate_auth(self.auth.unwrap_or_default(), env)?;
+
+        let worker = self.worker.unwrap_or_default();
+        let worker = WorkerConfig {
+            concurrency: positive("worker.concurrency", worker.concurrency, 64)?,
+            lease: duration("worker.lease", worker.lease.as_deref(), "15s")?,
+        };
+
+        let mut names = HashSet::new();
+        let mut prefixes = HashSet::new();
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (i, raw) in self.routes.into_iter().enumerate() {
+            let route = raw.validate(&format!("routes[{i}]"))?;
+            if !names.insert(route.name.clone()) {
+                return Err(invalid(
+                    format!("routes[{i}].name"),
+                    format!("`{}` is used by two routes", route.name),
+                ));
+            }
+            if !prefixes.insert(route.path_prefix.clone()) {
+                return Err(invalid(
+                    format!("routes[{i}].path_prefix"),
+                    format!("`{}` is used by two routes", route.path_prefix),
+                ));
+            }
+            routes.push(route);
+        }
+
+        Ok(Config {
+            server,
+            store,
+            auth,
+            routes,
+            worker,
+        })
+    }
+}
+
+fn validate_auth(
+    raw: RawAuth,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<AuthConfig, ConfigError> {
+    let admin_token = match raw.admin_token_env {
+        None => None,
+        Some(var) => match env(&var) {
+            Some(token) if !token.is_empty() => Some(token),
+            _ => {
+                return Err(invalid(
+                    "auth.admin_token_env",
+                    format!("the environment variable {var} is not set (or empty)"),
+                ))
+            }
+        },
+    };
+    let mut seen = HashSet::new();
+    let mut tenants = Vec::new();
+    for (i, t) in raw.tenants.into_iter().enumerate() {
+        let key = format!("auth.tenants[{i}]");
+        if t.name.is_empty() || !t.name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid(
+                format!("{key}.name"),
+                "must be non-empty visible ASCII",
+            ));
+        }
+        if !seen.insert(t.name.clone()) {
+            return Err(invalid(
+                format!("{key}.name"),
+                format!("tenant `{}` is listed twice", t.name),
+            ));
+        }
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(t.token_sha256.trim(), &mut digest).map_err(|_| {
+            invalid(
+                format!("{key}.token_sha256"),
+                "must be the 64 hex digits of the token's SHA-256 (the token itself is never configured)",
+            )
+        })?;
+        tenants.push(Tenant {
+            name: t.name,
+            token_sha256: digest,
+        });
+    }
+    Ok(AuthConfig {
+        admin_token,
+        tenants,
+    })
+}
+
+impl RawRoute {
+    fn validate(self, key: &str) -> Result<Route, ConfigError> {
+        if self.name.is_empty()
+            || !self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return Err(invalid(
+                format!("{key}.name"),
+                "must be non-empty and use only letters, digits, - _ .",
+            ));
+        }
+        if !self.path_prefix.starts_with('/') {
+            return Err(invalid(format!("{key}.path_prefix"), "must start with /"));
+        }
+        let upstream = reqwest::Url::parse(&self.upstream)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+            .ok_or_else(|| {
+                invalid(
+                    format!("{key}.upstream"),
+                    format!("`{}` is not an http(s) URL", self.upstream),
+                )
+            })?;
+        if upstream.query().is_some() || upstream.fragment().is_some() {
+            return Err(invalid(
+                format!("{key}.upstream"),
+                "must not carry a query or fragment",
+            ));
+        }
+        let methods = match self.methods {
+            None => vec![Method::POST, Method::PATCH],
+            Some(list) if list.is_empty() => {
+                return Err(invalid(
+                    format!("{key}.methods"),
+                    "must name at least one method",
+                ))
+            }
+            Some(list) => list
+                .iter()
+                .map(|m| method(&format!("{key}.methods"), m))
+                .collect::<Result<_, _>>()?,
+        };
+        let max_body_text = self.max_body.unwrap_or_else(|| "1MiB".into());
+        let max_body = max_body_text
+            .parse::<bytesize::ByteSize>()
+            .map_err(|_| {
+                invalid(
+                    format!("{key}.max_body"),
+                    format!("`{max_body_text}` is not a size like \"1MiB\""),
+                )
+            })?
+            .as_u64();
+        if max_body == 0 {
+            return Err(invalid(
+                format!("{key}.max_body"),
+                "must be greater than zero",
+            ));
+        }
+        let probe = self
+            .probe
+            .map(|p| p.validate(&format!("{key}.probe")))
+            .transpose()?;
+        Ok(Route {
+            name: self.name,
+            path_prefix: self.path_prefix,
+            upstream: self.upstream.trim_end_matches('/').to_string(),
+            methods,
+            replay_safe: self.replay_safe.unwrap_or(false),
+            forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
+            max_body: usize::try_from(max_body)
+                .map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
+            max_concurrency: positive(
+                &format!("{key}.max_concurrency"),
+                self.max_concurrency,
+                256,
+            )?,
+            retry: self
+                .retry
+                .unwrap_or_default()
+                .validate(&format!("{key}.retry"))?,
+            probe,
+        })
+    }
+}
+
+impl RawRetry {
+    fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
+        let k = |name: &str| format!("{key}.{name}");
+        let max_attempts = positive(&k("max_attempts"), self.max_attempts, 3)?;
+        let max_attempts =
+            u32::try_from(max_attempts).map_err(|_| invalid(k("max_attempts"), "is too large"))?;
+        let deadline = duration(&k("deadline"), self.deadline.as_deref(), "30s")?;
+        let per_try_timeout = duration(
+            &k("per_try_timeout"),
+            self.per_try_timeout.as_deref(),
+            "10s",
+        )?;
+        let min_try = duration(&k("min_try"), self.min_try.as_deref(), "100ms")?;
+        let base = duration(&k("base"), self.base.as_deref(), "100ms")?;
+        let cap = duration(&k("cap"), self.cap.as_deref(), "2s")?;
+        if min_try > per_try_timeout {
+            return Err(invalid(
+                k("min_try"),
+                "must not exceed per_try_timeout: no attempt could ever start",
+            ));
+        }
+        if min_try > deadline {
+            return Err(invalid(
+                k("min_try"),
+                "must not exceed deadline: no attempt could ever start",
+            ));
+        }
+        if base > cap {
+            return Err(invalid(k("base"), "must not exceed cap"));
+        }
+        let jitter = match self.jitter.as_deref().unwrap_or("full") {
+            "full" => Jitter::Full,
+            "equal" => Jitter::Equal,
+            "decorrelated" => Jitter::Decorrelated,
+            "none" => Jitter::None,
+            other => {
+                return Err(invalid(
+                    k("jitter"),
+                    format!("`{other}` is not one of full, equal, decorrelated, none"),
+                ))
+            }
+        };
+        let not_processed = statuses(
+            &k("not_processed"),
+            self.not_processed.as_deref(),
+            &[429, 503],
+        )?;
+        let ambiguous = statuses(&k("ambiguous"), self.ambiguous.as_deref(), &[502, 504])?;
+        if let Some(s) = not_processed.iter().find(|s| ambiguous.contains(s)) {
+            return Err(invalid(
+                k("ambiguous"),
+                format!("{s} is also listed in not_processed"),
+            ));
+        }
+        if let Some(s) = not_processed
+            .iter()
+            .chain(&ambiguous)
+            .find(|s| (200..300).contains(*s))
+        {
+            return Err(invalid(
+                k("not_processed"),
+                format!("{s} is a success status and cannot be retried"),
+            ));
+        }
+        let budget_ratio = self.budget_ratio.unwrap_or(0.1);
+        if !budget_ratio.is_finite() || !(0.0..=1.0).contains(&budget_ratio) {
+            return Err(invalid(
+                k("budget_ratio"),
+                "must be a fraction between 0 and 1",
+            ));
+        }
+        let budget_min_per_sec = self.budget_min_per_sec.unwrap_or(10.0);
+        if !budget_min_per_sec.is_finite() || budget_min_per_sec < 0.0 {
+            return Err(invalid(k("budget_min_per_sec"), "must be zero or more"));
+        }
+        Ok(RetryPolicy {
+            max_attempts,
+            deadline,
+            per_try_timeout,
+            min_try,
+            base,
+            cap,
+            jitter,
+            not_processed,
+            ambiguous,
+            budget_ratio,
+            budget_min_per_sec,
+        })
+    }
+}
+
+impl RawProbe {
+    fn validate(self, key: &str) -> Result<Probe, ConfigError> {
+        if !self.path.starts_with('/') {
+            return Err(invalid(format!("{key}.path"), "must start with /"));
+        }
+        Ok(Probe {
+            method: method(
+                &format!("{key}.method"),
+                self.method.as_deref().unwrap_or("GET"),
+            )?,
+            path: self.path,
+            settle: duration(&format!("{key}.settle"), self.settle.as_deref(), "5s")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [[routes]]
+        name = "payments"
+        path_prefix = "/payments"
+        upstream = "http://127.0.0.1:9000"
+    "#;
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn error_of(text: &str) -> String {
+        Config::parse_with_env(text, no_env)
+            .unwrap_err()
+            .to_string()
+    }
+
+    fn with_route_line(line: &str) -> String {
+        format!("{MINIMAL}{line}\n")
+    }
+
+    fn with_retry_line(line: &str) -> String {
+        format!("{MINIMAL}[routes.retry]\n{line}\n")
+    }
+
+    #[test]
+    fn a_minimal_config_gets_the_documented_defaults() {
+        let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
+        assert_eq!(c.server.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:8081");
+        assert_eq!(c.store.url, "sqlite://idem.db");
+        assert_eq!(c.store.retention, Duration::from_secs(86400));
+        let r = &c.routes[0];
+        assert_eq!(r.methods, vec![Method::POST, Method::PATCH]);
+        assert!(!r.replay_safe);
+        assert!(r.forward_idempotency_key);
+        assert_eq!(r.max_body, 1024 * 1024);
+        assert_eq!(r.max_concurrency, 256);
+        assert_eq!(r.retry.max_attempts, 3);
+        assert_eq!(r.retry.deadline, Duration::from_secs(30));
+        assert_eq!(r.retry.not_processed, vec![429, 503]);
+        assert_eq!(r.retry.ambiguous, vec![502, 504]);
+        assert_eq!(r.retry.jitter, Jitter::Full);
+        assert_eq!(c.worker.concurrency, 64);
+        assert_eq!(c.worker.lease, Duration::from_secs(15));
+        assert!(c.auth.admin_token.is_none() && c.auth.tenants.is_empty());
+    }
+
+    #[test]
+    fn bad_durations_name_their_key() {
+        let e = error_of(&with_retry_line("deadline = \"soon\""));
+        assert!(
+            e.contains("routes[0].retry.deadline") && e.contains("soon"),
+            "{e}"
+        );
+        let e = error_of(&with_retry_line("per_try_timeout = \"0s\""));
+        assert!(
+            e.contains("routes[0].retry.per_try_timeout") && e.contains("greater than zero"),
+            "{e}"
+        );
+        let e = error_of(&format!("[store]\nretention = \"-1h\"\n{MINIMAL}"));
+        assert!(e.contains("store.retention"), "{e}");
+    }
+
+    #[test]
+    fn contradictory_retry_settings_are_refused() {
+        let e = error_of(&with_retry_line(
+            "min_try = \"2s\"\nper_try_timeout = \"1s\"",
+        ));
+        assert!(e.contains("routes[0].retry.min_try"), "{e}");
+        let e = error_of(&with_retry_line("max_attempts = 0"));
+        assert!(
+            e.contains("routes[0].retry.max_attempts") && e.contains("at least 1"),
+            "{e}"
+        );
+        let e = error_of(&with_retry_line("max_attempts = -2"));
+        assert!(e.contains("max_attempts"), "{e}");
+        let e = error_of(&with_retry_line("base = \"5s\"\ncap = \"1s\""));
+        assert!(e.contains("routes[0].retry.base"), "{e}");
+        let e = error_of(&with_retry_line("jitter = \"random\""));
+        assert!(
+            e.contains("routes[0].retry.jitter") && e.contains("random"),
+            "{e}"
+        );
+        let e = error_of(&with_retry_line("not_processed = [503]\nambiguous = [503]"));
+        assert!(e.contains("routes[0].retry.ambiguous"), "{e}");
+        let e = error_of(&with_retry_line("ambiguous = [700]"));
+        assert!(
+            e.contains("routes[0].retry.ambiguous") && e.contains("700"),
+            "{e}"
+        );
+        let e = error_of(&with_retry_line("budget_ratio = 1.5"));
+        assert!(e.contains("budget_ratio"), "{e}");
+        let e = error_of(&with_retry_line("budget_ratio = nan"));
+        assert!(e.contains("budget_ratio"), "{e}");
+        let e = error_of(&with_retry_line("budget_min_per_sec = -1"));
+        assert!(e.contains("budget_min_per_sec"), "{e}");
+    }
+
+    #[test]
+    fn bad_route_fields_name_their_key() {
+        let e = error_of(&with_route_line("max_body = \"lots\""));
+        assert!(e.contains("routes[0].max_body"), "{e}");
+        let e = error_of(&with_route_line("methods = [\"post\"]"));
+        assert!(e.contains("routes[0].methods"), "{e}");
+        let e = error_of(&with_route_line("max_concurrency = 0"));
+        assert!(e.contains("routes[0].max_concurrency"), "{e}");
+        let e =
+            error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://x\"\n");
+        assert!(e.contains("routes[0].upstream"), "{e}");
+        let e =
+            error_of("[[routes]]\nname = \"p\"\npath_prefix = \"p\"\nupstream = \"http://x\"\n");
+        assert!(e.contains("routes[0].path_prefix"), "{e}");
+        let e = error_of(&format!("{MINIMAL}{MINIMAL}"));
+        assert!(e.contains("routes[1].name"), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_and_wrong_types_are_refused() {
+        let e = error_of(&with_route_line("replay_safe = \"yes\""));
+        assert!(e.contains("replay_safe"), "{e}");
+        let e = error_of(&with_route_line("retries = 3"));
+        assert!(e.contains("retries"), "{e}");
+        let e = error_of("[server]\nlisten = \"localhost\"\n");
+        assert!(e.contains("server.listen"), "{e}");
+        let e = error_of("[store]\nurl = \"mysql://x\"\n");
+        assert!(e.contains("store.url"), "{e}");
+    }
+
+    #[test]
+    fn secrets_come_from_the_environment() {
+        let text = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
+        let e = error_of(text);
+        assert!(
+            e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"),
+            "{e}"
+        );
+        let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into()))
+            .unwrap();
+        assert_eq!(c.auth.admin_token.as_deref(), Some("s3cret"));
+    }
+
+    #[test]
+    fn tenant_tokens_are_configured_as_digests() {
+        let ok = format!(
+            "[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n",
+            "ab".repeat(32)
+        );
+        let c = Config::parse_with_env(&ok, no_env).unwrap();
+        assert_eq!(c.auth.tenants[0].token_sha256, [0xab; 32]);
+        let e = error_of("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"plain-token\"\n");
+        assert!(e.contains("auth.tenants[0].token_sha256"), "{e}");
+    }
+
+    #[test]
+    fn the_longest_prefix_wins_on_segment_boundaries() {
+        let text = r#"
+            [[routes]]
+            name = "all"
+            path_prefix = "/"
+            upstream = "http://127.0.0.1:1"
+            [[routes]]
+            name = "payments"
+            path_prefix = "/payments"
+            upstream = "http://127.0.0.1:2"
+            [[routes]]
+            name = "refunds"
+            path_prefix = "/payments/refunds/"
+            upstream = "http://127.0.0.1:3"
+        "#;
+        let c = Config::parse_with_env(text, no_env).unwrap();
+        let name = |p: &str| c.route_for(p).map(|r| r.name.as_str());
+        assert_eq!(name("/payments"), Some("payments"));
+        assert_eq!(name("/payments/42"), Some("payments"));
+        assert_eq!(name("/payments/refunds/9"), Some("refunds"));
+        assert_eq!(name("/paymentsX"), Some("all"));
+        assert_eq!(name("/other"), Some("all"));
+        let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
+        assert!(c.route_for("/other").is_none());
+    }
+}

@@ -1,0 +1,223 @@
+//! `idem demo`: the broker on a fresh SQLite file in front of a built-in flaky "payments"
+//! upstream that counts executions per key, so the behaviour can be seen with curl alone.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use crate::config::Config;
+use crate::server::{self, StartError};
+
+/// The demo upstream's memory: executions per idempotency key, and keys that already failed once.
+#[derive(Default)]
+pub struct Payments {
+    executions: Mutex<HashMap<String, u32>>,
+    flaked: Mutex<HashMap<String, u32>>,
+}
+
+#[derive(Deserialize, Default)]
+pub struct Behaviour {
+    /// Answer 503 with `Retry-After: 1` this many times per key before executing.
+    flaky: Option<u32>,
+    /// Hang this many seconds before answering (longer than the per-try timeout: `unknown`).
+    hang: Option<u64>,
+    /// Execute, then answer with this status instead of 201.
+    status: Option<u16>,
+}
+
+pub fn payments_router(state: Arc<Payments>) -> Router {
+    Router::new()
+        .route("/payments", post(create_payment))
+        .route("/payments/by-key/{key}", get(payment_by_key))
+        .with_state(state)
+}
+
+async fn create_payment(
+    State(payments): State<Arc<Payments>>,
+    Query(behaviour): Query<Behaviour>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("(none)")
+        .trim_matches('"')
+        .to_string();
+    if let Some(times) = behaviour.flaky {
+        let mut flaked = payments.flaked.lock().unwrap_or_else(|p| p.into_inner());
+        let count = flaked.entry(key.clone()).or_default();
+        if *count < times {
+            *count += 1;
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [("retry-after", "1")],
+                "busy, try again\n",
+            )
+                .into_response();
+        }
+    }
+    if let Some(secs) = behaviour.hang {
+        // The payment executes, but the answer comes too late: the broker cannot know.
+        payments.count(&key);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+    }
+    let executions = if behaviour.hang.is_some() {
+        payments.executions(&key)
+    } else {
+        payments.count(&key)
+    };
+    let amount = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v.get("amount").cloned())
+        .unwrap_or(json!(null));
+    let status = behaviour
+        .status
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    let reply = json!({
+        "id": format!("pay_{}", uuid::Uuid::new_v4().simple()),
+        "amount": amount,
+        "idempotency_key": key,
+        "executions": executions,
+    });
+    (
+        status,
+        [("content-type", "application/json")],
+        reply.to_string(),
+    )
+        .into_response()
+}
+
+async fn payment_by_key(
+    State(payments): State<Arc<Payments>>,
+    Path(key): Path<String>,
+) -> Response {
+    match payments.executions(&key) {
+        0 => (StatusCode::NOT_FOUND, "no such payment\n").into_response(),
+        n => axum::Json(json!({"idempotency_key": key, "executions": n})).into_response(),
+    }
+}
+
+impl Payments {
+    fn count(&self, key: &str) -> u32 {
+        let mut map = self.executions.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(key.to_string()).or_default();
+        *n += 1;
+        *n
+    }
+
+    pub fn executions(&self, key: &str) -> u32 {
+        self.executions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The demo's config: one `payments` route in front of the demo upstream.
+pub fn demo_config(
+    listen: SocketAddr,
+    admin_listen: SocketAddr,
+    upstream: SocketAddr,
+    db: &std::path::Path,
+) -> String {
+    format!(
+        r#"
+[server]
+listen = "{listen}"
+admin_listen = "{admin_listen}"
+
+[store]
+url = "sqlite://{db}"
+retention = "24h"
+
+[[routes]]
+name = "payments"
+path_prefix = "/payments"
+upstream = "http://{upstream}"
+methods = ["POST"]
+replay_safe = false
+
+[routes.retry]
+max_attempts = 3
+deadline = "10s"
+per_try_timeout = "2s"
+base = "200ms"
+cap = "2s"
+"#,
+        db = db.display()
+    )
+}
+
+pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), StartError> {
+    let upstream_listener =
+        TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: "127.0.0.1:0".parse().expect("a literal address"),
+                source,
+            })?;
+    let upstream = upstream_listener
+        .local_addr()
+        .map_err(|source| StartError::Bind {
+            addr: "127.0.0.1:0".parse().expect("a literal address"),
+            source,
+        })?;
+    tokio::spawn(async move {
+        let _ = axum::serve(
+            upstream_listener,
+            payments_router(Arc::new(Payments::default())),
+        )
+        .await;
+    });
+
+    let db = std::env::temp_dir().join(format!("idem-demo-{}.db", std::process::id()));
+    let config = Config::parse(&demo_config(listen, admin_listen, upstream, &db))
+        .map_err(|e| StartError::Store(crate::store::StoreError::Unavailable(e.to_string())))?;
+    let running = server::start(config).await?;
+    let base = format!("http://{}", running.listen);
+    println!(
+        r#"Idem demo
+  broker      {base}          (routes /payments/* to the demo upstream)
+  admin       http://{admin}    (/healthz, /readyz)
+  upstream    http://{upstream}   (a flaky payments service; counts executions per key)
+  store       {db}
+
+Try it:
+  # a new key executes once; the same call again is replayed (Idempotent-Replayed: true)
+  curl -i -X POST {base}/payments -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{"amount": 42}}'
+  curl -i -X POST {base}/payments -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{ "amount" : 42 }}'
+  # the same key with another body is refused (422)
+  curl -i -X POST {base}/payments -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{"amount": 99}}'
+  # the upstream answers 503 + Retry-After once; the broker waits and retries
+  curl -i -X POST '{base}/payments?flaky=1' -H 'Idempotency-Key: order-2' -d '{{"amount": 7}}'
+  # the upstream hangs past the per-try timeout: the outcome is unknown (502), never re-sent
+  curl -i -X POST '{base}/payments?hang=30' -H 'Idempotency-Key: order-3' -d '{{"amount": 5}}'
+  # the record, with its attempts
+  curl -s {base}/_idem/requests/order-3
+  # did the upstream execute it? (ask the upstream directly)
+  curl -s http://{upstream}/payments/by-key/order-3
+
+Serving until Ctrl-C."#,
+        admin = running.admin_listen,
+        db = db.display(),
+    );
+    server::termination().await;
+    running.shutdown().await;
+    let _ = std::fs::remove_file(&db);
+    Ok(())
+}

@@ -1,0 +1,545 @@
+//! The data plane (SPEC §3): a request comes in, is matched to a route, authenticated, keyed and
+//! fingerprinted, recorded, and answered — by a fresh execution, a replay, or a problem.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State as AxumState};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use crate::config::{Config, Route};
+use crate::fingerprint::Fingerprint;
+use crate::key::{IdempotencyKey, KeyError};
+use crate::policy::StopReason;
+use crate::problem::{Problem, STATUS_HEADER};
+use crate::record::{
+    duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+};
+use crate::store::{Admission, Cancelled, NewRecord, Store};
+use crate::upstream::{self, Upstream};
+use crate::worker::{Outcome, Settled, Worker};
+
+pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// The longest `Prefer: wait=N` honoured, in seconds.
+const MAX_WAIT_SECS: u64 = 300;
+/// How often a waiting request re-reads its record, for outcomes settled by another node.
+const WAIT_POLL: Duration = Duration::from_millis(250);
+
+pub struct Ingress {
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub worker: Worker,
+    pub settled: Arc<Settled>,
+    pub upstream: Upstream,
+}
+
+pub fn router(ingress: Arc<Ingress>) -> Router {
+    Router::new()
+        .route(
+            "/_idem/requests/{*key}",
+            get(show_request).delete(cancel_request),
+        )
+        .fallback(handle)
+        .with_state(ingress)
+}
+
+/// A client's preferences (RFC 7240). Unknown or malformed preferences are ignored.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct Prefer {
+    respond_async: bool,
+    wait: Option<Duration>,
+}
+
+impl Prefer {
+    fn from_headers(headers: &HeaderMap) -> Prefer {
+        let mut prefer = Prefer::default();
+        for token in headers
+            .get_all("prefer")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+        {
+            let token = token.split(';').next().unwrap_or("").trim();
+            let (name, value) = match token.split_once('=') {
+                Some((n, v)) => (n.trim(), Some(v.trim().trim_matches('"'))),
+                None => (token, None),
+            };
+            if name.eq_ignore_ascii_case("respond-async") {
+                prefer.respond_async = true;
+            } else if name.eq_ignore_ascii_case("wait") {
+                if let Some(secs) = value.and_then(|v| v.parse::<u64>().ok()) {
+                    prefer.wait = Some(Duration::from_secs(secs.min(MAX_WAIT_SECS)));
+                }
+            }
+        }
+        prefer
+    }
+}
+
+/// The caller's tenant: "default" when no tenants are configured, else the one whose token
+/// digest matches the bearer token.
+fn authenticate(config: &Config, headers: &HeaderMap) -> Result<String, Problem> {
+    if !config.uses_tenants() {
+        return Ok("default".to_string());
+    }
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
+        .ok_or_else(Problem::unauthorized)?;
+    let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+    config
+        .auth
+        .tenants
+        .iter()
+        .find(|t| constant_time_eq(&t.token_sha256, &digest))
+        .map(|t| t.name.clone())
+        .ok_or_else(Problem::unauthorized)
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
+    let arrival = now_ms();
+    let path = request.uri().path().to_string();
+    let Some(route) = app.config.route_for(&path) else {
+        return Problem::no_route(&path).into_response();
+    };
+    let route = route.clone();
+    let keyed = route.methods.contains(request.method());
+    let answer = match authenticate(&app.config, request.headers()) {
+        Err(p) => Err(p),
+        Ok(tenant) if keyed => app.keyed(route, tenant, request, arrival).await,
+        Ok(_) => Ok(app.plain(&route, request).await),
+    };
+    match answer {
+        Ok(response) => response,
+        Err(problem) if keyed && problem.idempotency_status.is_none() => {
+            problem.state(State::NotStarted).into_response()
+        }
+        Err(problem) => problem.into_response(),
+    }
+}
+
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, Problem> {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        if too_large {
+            Problem::too_large(limit)
+        } else {
+            Problem::bad_request(
+                "unreadable-body",
+                "The request body could not be read completely.",
+            )
+        }
+    })
+}
+
+impl Ingress {
+    async fn keyed(
+        &self,
+        route: Route,
+        tenant: String,
+        request: Request,
+        arrival: Millis,
+    ) -> Result<Response, Problem> {
+        let (parts, body) = request.into_parts();
+        let key = IdempotencyKey::from_headers(&parts.headers).map_err(|e| match e {
+            KeyError::Missing => Problem::missing_key(),
+            KeyError::Invalid(why) => Problem::invalid_key(why),
+        })?;
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > route.max_body as u64) {
+            return Err(Problem::too_large(route.max_body));
+        }
+        let body = read_body(body, route.max_body).await?;
+        let query = parts.uri.query().unwrap_or("");
+        let fingerprint = Fingerprint::of(
+            &route.name,
+            parts.method.as_str(),
+            parts.uri.path(),
+            query,
+            parts
+                .headers
+                .get(header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
+            &body,
+        );
+        let prefer = Prefer::from_headers(&parts.headers);
+        let new = NewRecord {
+            id: Uuid::new_v4(),
+            tenant,
+            key: key.as_str().to_string(),
+            route: route.name.clone(),
+            method: parts.method.as_str().to_string(),
+            path: parts.uri.path().to_string(),
+            query: query.to_string(),
+            fingerprint,
+            request: StoredRequest {
+                headers: upstream::forwardable_request_headers(
+                    &parts.headers,
+                    route.forward_idempotency_key,
+                ),
+                body,
+            },
+            deadline_at: arrival + duration_ms(route.retry.deadline),
+            now: arrival,
+        };
+
+        // Read first: replays and in-progress duplicates never touch the writer.
+        let existing = self
+            .store
+            .lookup(&new.tenant, &new.key)
+            .await
+            .map_err(|e| Problem::store(&e))?;
+        let record = match existing {
+            Some(record)
+                if !self.expired(&record)
+                    && (record.fingerprint != fingerprint || record.phase() != Phase::Free) =>
+            {
+                record
+            }
+            _ => match self
+                .store
+                .admit(new, self.retention_cutoff())
+                .await
+                .map_err(|e| Problem::store(&e))?
+            {
+                Admission::Created(record) | Admission::Requeued(record) => {
+                    return Ok(self.execute(record, prefer).await);
+                }
+                Admission::Existing(record) => record,
+            },
+        };
+        if record.fingerprint != fingerprint {
+            return Err(Problem::key_reused().state(record.state));
+        }
+        Ok(self.answer_existing(record, prefer.wait).await)
+    }
+
+    fn retention_cutoff(&self) -> Millis {
+        now_ms() - duration_ms(self.config.store.retention)
+    }
+
+    fn expired(&self, record: &Record) -> bool {
+        record.state == State::Done && record.updated_at < self.retention_cutoff()
+    }
+
+    /// This request owns the record: hand it to a worker and answer with the outcome.
+    async fn execute(&self, record: Record, prefer: Prefer) -> Response {
+        if prefer.respond_async {
+            let location = format!("/_idem/requests/{}", encode_key(&record.key));
+            let body = record.to_json(false);
+            self.worker.submit(record, None);
+            let mut response = (StatusCode::ACCEPTED, Json(body)).into_response();
+            let headers = response.headers_mut();
+            headers.insert(
+                STATUS_HEADER,
+                HeaderValue::from_static(State::NotStarted.as_str()),
+            );
+            headers.insert(
+                "preference-applied",
+                HeaderValue::from_static("respond-async"),
+            );
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                headers.insert(header::LOCATION, v);
+            }
+            return response;
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = record.id;
+        let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64)
+            + Duration::from_secs(5);
+        self.worker.submit(record, Some(tx));
+        match tokio::time::timeout(patience, rx).await {
+            Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => outcome_response(outcome),
+            _ => match self.store.get(id).await {
+                Ok(Some(record)) => self.answer_existing(record, None).await,
+                Ok(None) => Problem::not_found().into_response(),
+                Err(e) => Problem::store(&e).into_response(),
+            },
+        }
+    }
+
+    /// A request for a key this request does not own (same fingerprint): replay, wait, refuse.
+    async fn answer_existing(&self, mut record: Record, wait: Option<Duration>) -> Response {
+        if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
+            match self.wait_for(record.id, wait).await {
+                Ok(Some(settled)) => record = settled,
+                Ok(None) => return Problem::not_found().into_response(),
+                Err(problem) => return problem.into_response(),
+            }
+        }
+        match record.phase() {
+            Phase::Done => match &record.response {
+                Some(response) => stored_response(response, true),
+                None => Problem::outcome_unknown()
+                    .state(State::Done)
+                    .into_response(),
+            },
+            Phase::Unknown => Problem::outcome_unknown()
+                .state(State::Unknown)
+                .into_response(),
+            Phase::Queued | Phase::InProgress => {
+                let left = (record.deadline_at - now_ms()).max(0) as u64;
+                let seconds = left.div_ceil(1000).clamp(1, 5);
+                Problem::in_progress(seconds)
+                    .state(record.state)
+                    .into_response()
+            }
+            // Freed while we waited: the client may send it again, and it will execute afresh.
+            Phase::Free => match record.stop_reason {
+                Some(StopReason::Cancelled) => Problem::cancelled()
+                    .state(State::NotStarted)
+                    .into_response(),
+                Some(StopReason::Deadline) => Problem::deadline_exceeded()
+                    .state(State::NotStarted)
+                    .into_response(),
+                _ => Problem::upstream_unavailable("the upstream did not execute it")
+                    .retry_after(1)
+                    .state(State::NotStarted)
+                    .into_response(),
+            },
+        }
+    }
+
+    /// Waits up to `max` for a record to leave `in_progress`/queued; `None` if it disappeared.
+    async fn wait_for(&self, id: Uuid, max: Duration) -> Result<Option<Record>, Problem> {
+        let until = tokio::time::Instant::now() + max;
+        loop {
+            let watch = self.settled.watch(id);
+            let notified = watch.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let record = self.store.get(id).await.map_err(|e| Problem::store(&e))?;
+            let Some(record) = record else {
+                return Ok(None);
+            };
+            let now = tokio::time::Instant::now();
+            if !matches!(record.phase(), Phase::Queued | Phase::InProgress) || now >= until {
+                return Ok(Some(record));
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep((until - now).min(WAIT_POLL)) => {}
+            }
+        }
+    }
+
+    /// Methods that need no key are proxied as they are: nothing is recorded.
+    async fn plain(&self, route: &Route, request: Request) -> Response {
+        let (parts, body) = request.into_parts();
+        let body = match read_body(body, route.max_body).await {
+            Ok(body) => body,
+            Err(problem) => return problem.into_response(),
+        };
+        let url = format!(
+            "{}{}",
+            route.upstream,
+            parts
+                .uri
+                .path_and_query()
+                .map(|p| p.as_str())
+                .unwrap_or("/")
+        );
+        let headers = upstream::forwardable_request_headers(&parts.headers, true);
+        match self
+            .upstream
+            .send(
+                parts.method.as_str(),
+                &url,
+                &headers,
+                body,
+                route.retry.deadline,
+            )
+            .await
+        {
+            Ok(answer) => response_of(&answer.response),
+            Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
+            Err(_) => Problem::upstream_unavailable("it could not be reached")
+                .retry_after(1)
+                .into_response(),
+        }
+    }
+}
+
+fn encode_key(key: &str) -> String {
+    percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
+
+/// The answer for the request that drove an execution.
+fn outcome_response(outcome: Outcome) -> Response {
+    match outcome {
+        Outcome::Done(StopReason::Deadline, _) => Problem::deadline_exceeded()
+            .state(State::Done)
+            .into_response(),
+        Outcome::Done(_, response) => stored_response(&response, false),
+        Outcome::Unknown(_) => Problem::outcome_unknown()
+            .state(State::Unknown)
+            .into_response(),
+        Outcome::Free(_, Some(last)) => {
+            let mut response = response_of(&last);
+            response.headers_mut().insert(
+                STATUS_HEADER,
+                HeaderValue::from_static(State::NotStarted.as_str()),
+            );
+            response
+        }
+        Outcome::Free(stop, None) => {
+            let problem = match stop {
+                StopReason::Deadline => Problem::deadline_exceeded(),
+                StopReason::Cancelled => Problem::cancelled(),
+                StopReason::CircuitOpen => {
+                    Problem::upstream_unavailable("its circuit breaker is open").retry_after(1)
+                }
+                StopReason::RetryBudget => {
+                    Problem::upstream_unavailable("the route's retry budget is spent")
+                        .retry_after(1)
+                }
+                _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
+            };
+            problem.state(State::NotStarted).into_response()
+        }
+        Outcome::Lost => Problem::in_progress(1)
+            .state(State::InProgress)
+            .into_response(),
+    }
+}
+
+/// A stored response, as the upstream gave it; replays are marked.
+fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
+    let mut response = response_of(stored);
+    let headers = response.headers_mut();
+    headers.insert(
+        STATUS_HEADER,
+        HeaderValue::from_static(State::Done.as_str()),
+    );
+    if replayed {
+        headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+fn response_of(stored: &StoredResponse) -> Response {
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    *response.headers_mut() = upstream::to_header_map(&stored.headers);
+    response
+}
+
+// ---- /_idem/requests/{key} -----------------------------------------------------------------
+
+async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
+    let tenant = authenticate(&app.config, headers)?;
+    let key = IdempotencyKey::parse(key).map_err(|e| match e {
+        KeyError::Missing => Problem::missing_key(),
+        KeyError::Invalid(why) => Problem::invalid_key(why),
+    })?;
+    match app.store.lookup(&tenant, key.as_str()).await {
+        Ok(Some(record)) if !app.expired(&record) => Ok(record),
+        Ok(_) => Err(Problem::not_found()),
+        Err(e) => Err(Problem::store(&e)),
+    }
+}
+
+fn record_response(status: StatusCode, record: &Record) -> Response {
+    let mut response = (status, Json(record.to_json(true))).into_response();
+    response.headers_mut().insert(
+        STATUS_HEADER,
+        HeaderValue::from_static(record.state.as_str()),
+    );
+    response
+}
+
+async fn show_request(
+    AxumState(app): AxumState<Arc<Ingress>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    match find(&app, &headers, &key).await {
+        Ok(record) => record_response(StatusCode::OK, &record),
+        Err(problem) => problem.into_response(),
+    }
+}
+
+async fn cancel_request(
+    AxumState(app): AxumState<Arc<Ingress>>,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let record = match find(&app, &headers, &key).await {
+        Ok(record) => record,
+        Err(problem) => return problem.into_response(),
+    };
+    let entry = HistoryEntry {
+        at: now_ms(),
+        actor: format!("client:{}", record.tenant),
+        action: "cancel".into(),
+        note: None,
+    };
+    match app.store.cancel(record.id, entry).await {
+        Ok(Cancelled::Dequeued(record)) => {
+            app.settled.settled(record.id);
+            record_response(StatusCode::OK, &record)
+        }
+        Ok(Cancelled::Flagged(record)) => {
+            app.worker.cancel(record.id);
+            record_response(StatusCode::ACCEPTED, &record)
+        }
+        Ok(Cancelled::Refused(record)) => Problem::not_cancellable(record.state).into_response(),
+        Ok(Cancelled::Missing) => Problem::not_found().into_response(),
+        Err(e) => Problem::store(&e).into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefer(values: &[&str]) -> Prefer {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append("prefer", v.parse().unwrap());
+        }
+        Prefer::from_headers(&h)
+    }
+
+    #[test]
+    fn preferences_are_read_leniently() {
+        assert_eq!(prefer(&[]), Prefer::default());
+        assert!(prefer(&["respond-async"]).respond_async);
+        assert_eq!(prefer(&["wait=10"]).wait, Some(Duration::from_secs(10)));
+        let both = prefer(&["Respond-Async, wait=3"]);
+        assert!(both.respond_async && both.wait == Some(Duration::from_secs(3)));
+        assert_eq!(prefer(&["wait=forever"]).wait, None);
+        assert_eq!(prefer(&["wait=-1"]).wait, None);
+        assert_eq!(
+            prefer(&["wait=99999"]).wait,
+            Some(Duration::from_secs(MAX_WAIT_SECS))
+        );
+    }
+
+    #[test]
+    fn keys_in_locations_are_percent_encoded() {
+        assert_eq!(encode_key("a/b?c#d"), "a%2Fb%3Fc%23d");
+        assert_eq!(encode_key("abc123"), "abc123");
+    }
+}

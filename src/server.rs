@@ -1,0 +1,163 @@
+//! Wiring: opens the store, starts the worker and both listeners, and stops them on request.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::admin::{self, Admin};
+use crate::config::Config;
+use crate::ingress::{self, Ingress};
+use crate::reconcile;
+use crate::store::{self, StoreError};
+use crate::upstream::Upstream;
+use crate::worker::{Settled, Worker};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A running broker. Dropping it does not stop it; call [`Running::shutdown`].
+pub struct Running {
+    /// The data plane's bound address (useful when the config asked for port 0).
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub worker: Worker,
+    stop: watch::Sender<bool>,
+    servers: Vec<JoinHandle<()>>,
+    upkeep: Vec<JoinHandle<()>>,
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// A name for this process in leases: unique even for two processes with the same pid.
+fn node_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "idem".into());
+    let nonce = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}-{}", std::process::id(), &nonce[..8])
+}
+
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let config = Arc::new(config);
+    let data = bind(config.server.listen).await?;
+    let admin_listener = bind(config.server.admin_listen).await?;
+    let store = store::open(&config.store.url).await?;
+    let settled = Arc::new(Settled::default());
+    let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
+
+    let ingress = Arc::new(Ingress {
+        config: config.clone(),
+        store: store.clone(),
+        worker: worker.clone(),
+        settled,
+        upstream: Upstream::new(),
+    });
+    let admin = Arc::new(Admin {
+        store: store.clone(),
+    });
+
+    let (stop, stopped) = watch::channel(false);
+    let listen = data.local_addr().map_err(|source| StartError::Bind {
+        addr: config.server.listen,
+        source,
+    })?;
+    let admin_listen = admin_listener
+        .local_addr()
+        .map_err(|source| StartError::Bind {
+            addr: config.server.admin_listen,
+            source,
+        })?;
+    let servers = vec![
+        tokio::spawn(serve_until(data, ingress::router(ingress), stopped.clone())),
+        tokio::spawn(serve_until(admin_listener, admin::router(admin), stopped)),
+    ];
+    let upkeep = vec![tokio::spawn(reconcile::retention_sweep(
+        store,
+        config.store.retention,
+    ))];
+    tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
+    Ok(Running {
+        listen,
+        admin_listen,
+        worker,
+        stop,
+        servers,
+        upkeep,
+    })
+}
+
+async fn serve_until(
+    listener: TcpListener,
+    router: axum::Router,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let shutdown = async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    };
+    if let Err(e) = axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        tracing::error!(error = %e, "listener failed");
+    }
+}
+
+impl Running {
+    /// Stops accepting requests, lets answers in flight finish, and stops background upkeep.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for server in self.servers {
+            let _ = server.await;
+        }
+        for task in self.upkeep {
+            task.abort();
+        }
+    }
+}
+
+/// Runs a broker until `shutdown` resolves.
+pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    let running = start(config).await?;
+    shutdown.await;
+    tracing::info!("shutting down");
+    running.shutdown().await;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn termination() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

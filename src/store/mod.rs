@@ -1,0 +1,190 @@
+//! Durable records. One trait, one implementation per backend, each with its own SQL: SQLite
+//! (embedded default, one writer fed by group commit) and PostgreSQL.
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use crate::fingerprint::Fingerprint;
+use crate::policy::StopReason;
+use crate::record::{Attempt, HistoryEntry, Millis, Record, StoredRequest, StoredResponse};
+
+pub mod sqlite;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached or refused the operation; nothing was changed.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
+    /// A stored row could not be read back; a bug or a hand-edited database.
+    #[error("a stored record is unreadable: {0}")]
+    Corrupt(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::ColumnDecode { .. }
+            | sqlx::Error::Decode(_)
+            | sqlx::Error::ColumnNotFound(_) => StoreError::Corrupt(e.to_string()),
+            other => StoreError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+impl From<serde_json::Error> for StoreError {
+    fn from(e: serde_json::Error) -> Self {
+        StoreError::Corrupt(e.to_string())
+    }
+}
+
+/// A request about to be recorded.
+#[derive(Debug, Clone)]
+pub struct NewRecord {
+    pub id: Uuid,
+    pub tenant: String,
+    pub key: String,
+    pub route: String,
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    pub fingerprint: Fingerprint,
+    pub request: StoredRequest,
+    pub deadline_at: Millis,
+    pub now: Millis,
+}
+
+/// The result of recording a request: either this request owns execution now, or a record for
+/// the key already exists and decides the answer.
+#[derive(Debug, Clone)]
+pub enum Admission {
+    /// A new record, queued. The caller hands it to a worker.
+    Created(Record),
+    /// A free record with the same fingerprint, queued again. The caller hands it to a worker.
+    Requeued(Record),
+    /// A record that this request does not own: replay it, or refuse.
+    Existing(Record),
+}
+
+/// How an attempt ended, for the record.
+#[derive(Debug, Clone)]
+pub enum AfterAttempt {
+    /// Another attempt follows after a wait; the lease is kept.
+    Wait,
+    /// `done`, with the response to replay.
+    Done(StopReason, StoredResponse),
+    /// `unknown`: it may have executed and must not be sent again automatically.
+    Unknown(StopReason),
+    /// `not_started`, free: nothing executed (or the route is replay-safe); the key is released.
+    Free(StopReason),
+}
+
+/// Whether a worker still holds a record's lease, and whether someone asked it to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lease {
+    Held {
+        cancel_requested: bool,
+    },
+    /// Another worker took the record over (or it was settled): stop touching it.
+    Lost,
+}
+
+impl Lease {
+    pub fn is_held(self) -> bool {
+        matches!(self, Lease::Held { .. })
+    }
+
+    pub fn cancel_requested(self) -> bool {
+        matches!(
+            self,
+            Lease::Held {
+                cancel_requested: true
+            }
+        )
+    }
+}
+
+/// The outcome of a cancel request.
+#[derive(Debug, Clone)]
+pub enum Cancelled {
+    /// It was queued: nothing was sent, and the key is free again.
+    Dequeued(Record),
+    /// A worker holds it: no further attempt starts; one in flight finishes.
+    Flagged(Record),
+    /// Done or unknown (or already free): there is nothing to cancel.
+    Refused(Record),
+    Missing,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Records a request unless its key exists. Atomic under any concurrency: of many requests
+    /// with one key, exactly one gets `Created` (or `Requeued`). A `done` record past retention
+    /// counts as absent and is replaced.
+    async fn admit(
+        &self,
+        new: NewRecord,
+        retention_cutoff: Millis,
+    ) -> Result<Admission, StoreError>;
+
+    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError>;
+
+    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
+
+    /// Queued → in_progress under `owner`'s lease. False if it is no longer queued.
+    async fn claim(
+        &self,
+        id: Uuid,
+        owner: &str,
+        lease_until: Millis,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+
+    /// Persists "attempt `number` may have been sent" before it is sent, and extends the lease.
+    /// If `owner` no longer holds the lease, the attempt must not be sent.
+    async fn attempt_started(
+        &self,
+        id: Uuid,
+        owner: &str,
+        number: u32,
+        started_at: Millis,
+        lease_until: Millis,
+    ) -> Result<Lease, StoreError>;
+
+    /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
+    async fn attempt_ended(
+        &self,
+        id: Uuid,
+        owner: &str,
+        attempt: Option<Attempt>,
+        then: AfterAttempt,
+        now: Millis,
+    ) -> Result<Lease, StoreError>;
+
+    /// Extends `owner`'s lease.
+    async fn renew(
+        &self,
+        id: Uuid,
+        owner: &str,
+        lease_until: Millis,
+        now: Millis,
+    ) -> Result<Lease, StoreError>;
+
+    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError>;
+
+    /// Deletes up to `limit` `done` records finished before `cutoff`; returns how many.
+    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError>;
+
+    /// Is the database answering?
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Opens the store named by a `store.url`, applying migrations.
+pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(std::sync::Arc::new(sqlite::SqliteStore::open(url).await?))
+    } else {
+        Err(StoreError::Unavailable(format!(
+            "unsupported store url `{url}`"
+        )))
+    }
+}

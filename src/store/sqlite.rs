@@ -1,0 +1,651 @@
+//! The SQLite store. SQLite allows one writer at a time, so instead of a pool of connections
+//! fighting over the write lock, every write goes to one task that owns the only writing
+//! connection and commits whatever has queued up in one transaction (group commit): under load,
+//! one fsync covers many requests. Reads run on a separate pool of read-only connections, which
+//! WAL lets proceed while the writer writes.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteRow, SqliteSynchronous,
+};
+use sqlx::{Connection, Executor, Row};
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+use super::{Admission, AfterAttempt, Cancelled, Lease, NewRecord, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::policy::StopReason;
+use crate::record::{Attempt, HistoryEntry, Millis, Record, State, StoredRequest, StoredResponse};
+
+/// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
+const MAX_BATCH: usize = 256;
+
+pub struct SqliteStore {
+    writes: mpsc::Sender<Write>,
+    reads: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database at `url` and applies migrations. The url may end
+    /// in `?synchronous=normal` to trade the last commits on power loss for speed; the default,
+    /// `full`, makes every record durable before its request is sent upstream.
+    pub async fn open(url: &str) -> Result<SqliteStore, StoreError> {
+        let (url, synchronous) = split_synchronous(url)?;
+        let options = SqliteConnectOptions::from_str(&url)
+            .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(synchronous)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+
+        let mut writer = SqliteConnection::connect_with(&options).await?;
+        sqlx::migrate!("migrations/sqlite")
+            .run(&mut writer)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+
+        let reads = SqlitePoolOptions::new()
+            .max_connections(8)
+            .min_connections(1)
+            .connect_with(options.read_only(true))
+            .await?;
+
+        let (writes, queue) = mpsc::channel(4 * MAX_BATCH);
+        tokio::spawn(write_loop(writer, queue));
+        Ok(SqliteStore { writes, reads })
+    }
+
+    async fn write<T>(
+        &self,
+        op: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Write,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.writes
+            .send(op(tx))
+            .await
+            .map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?;
+        rx.await
+            .map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?
+    }
+}
+
+/// Migrations only, for `idem migrate`.
+pub async fn migrate(url: &str) -> Result<(), StoreError> {
+    SqliteStore::open(url).await.map(drop)
+}
+
+fn split_synchronous(url: &str) -> Result<(String, SqliteSynchronous), StoreError> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_string(), SqliteSynchronous::Full));
+    };
+    let mut synchronous = SqliteSynchronous::Full;
+    let mut rest = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("synchronous", value)) => {
+                synchronous = match value.to_ascii_lowercase().as_str() {
+                    "full" => SqliteSynchronous::Full,
+                    "normal" => SqliteSynchronous::Normal,
+                    "extra" => SqliteSynchronous::Extra,
+                    _ => {
+                        return Err(StoreError::Unavailable(format!(
+                            "synchronous={value}: use full, normal or extra (off would lose acknowledged records)"
+                        )))
+                    }
+                }
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((url, synchronous))
+}
+
+// ---- the writer ------------------------------------------------------------------------------
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+enum Write {
+    Admit(NewRecord, Millis, Reply<Admission>),
+    Claim(Uuid, String, Millis, Millis, Reply<bool>),
+    AttemptStarted(Uuid, String, u32, Millis, Millis, Reply<Lease>),
+    AttemptEnded(
+        Uuid,
+        String,
+        Option<Attempt>,
+        AfterAttempt,
+        Millis,
+        Reply<Lease>,
+    ),
+    Renew(Uuid, String, Millis, Millis, Reply<Lease>),
+    Cancel(Uuid, HistoryEntry, Reply<Cancelled>),
+    SweepDone(Millis, u32, Reply<u64>),
+}
+
+/// A write's result, held back until its transaction commits.
+trait Deliver: Send {
+    fn deliver(self: Box<Self>, commit: &Result<(), StoreError>);
+}
+
+struct Pending<T> {
+    reply: Reply<T>,
+    result: Result<T, StoreError>,
+}
+
+impl<T: Send> Deliver for Pending<T> {
+    fn deliver(self: Box<Self>, commit: &Result<(), StoreError>) {
+        let result = match commit {
+            Ok(()) => self.result,
+            Err(e) => Err(e.clone()),
+        };
+        let _ = self.reply.send(result);
+    }
+}
+
+fn pending<T: Send + 'static>(reply: Reply<T>, result: Result<T, StoreError>) -> Box<dyn Deliver> {
+    Box::new(Pending { reply, result })
+}
+
+async fn write_loop(mut conn: SqliteConnection, mut queue: mpsc::Receiver<Write>) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut done: Vec<Box<dyn Deliver>> = Vec::with_capacity(MAX_BATCH);
+    while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
+        let commit = match conn.execute("BEGIN IMMEDIATE").await {
+            Err(e) => Err(StoreError::from(e)),
+            Ok(_) => {
+                for write in batch.drain(..) {
+                    done.push(apply(&mut conn, write).await);
+                }
+                match conn.execute("COMMIT").await {
+                    Ok(_) => Ok(()),
+                    Err(e) => {
+                        let _ = conn.execute("ROLLBACK").await;
+                        Err(StoreError::from(e))
+                    }
+                }
+            }
+        };
+        if commit.is_err() {
+            // BEGIN failed: nothing ran. Fail every write in the batch.
+            for write in batch.drain(..) {
+                done.push(fail(write));
+            }
+        }
+        for d in done.drain(..) {
+            d.deliver(&commit);
+        }
+    }
+}
+
+/// A write that never ran; its reply will carry the batch's error.
+fn fail(write: Write) -> Box<dyn Deliver> {
+    fn e<T>() -> Result<T, StoreError> {
+        Err(StoreError::Unavailable(
+            "transaction could not start".into(),
+        ))
+    }
+    match write {
+        Write::Admit(.., r) => pending(r, e()),
+        Write::Claim(.., r) => pending(r, e()),
+        Write::AttemptStarted(.., r) => pending(r, e()),
+        Write::AttemptEnded(.., r) => pending(r, e()),
+        Write::Renew(.., r) => pending(r, e()),
+        Write::Cancel(.., r) => pending(r, e()),
+        Write::SweepDone(.., r) => pending(r, e()),
+    }
+}
+
+async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
+    match write {
+        Write::Admit(new, cutoff, r) => pending(r, admit(conn, new, cutoff).await),
+        Write::Claim(id, owner, until, now, r) => {
+            pending(r, claim(conn, id, &owner, until, now).await)
+        }
+        Write::AttemptStarted(id, owner, n, at, until, r) => {
+            pending(r, attempt_started(conn, id, &owner, n, at, until).await)
+        }
+        Write::AttemptEnded(id, owner, attempt, then, now, r) => {
+            pending(r, attempt_ended(conn, id, &owner, attempt, then, now).await)
+        }
+        Write::Renew(id, owner, until, now, r) => {
+            pending(r, renew(conn, id, &owner, until, now).await)
+        }
+        Write::Cancel(id, entry, r) => pending(r, cancel(conn, id, entry).await),
+        Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit).await),
+    }
+}
+
+// ---- SQL -------------------------------------------------------------------------------------
+
+/// Insert, or take over a key whose record is expired (`done` past retention) or free with the
+/// same fingerprint. One statement, so one writer makes it atomic.
+const ADMIT: &str = "
+INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
+                     request_body, state, queued, deadline_at, created_at, updated_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_started', 1, ?11, ?12, ?12)
+ON CONFLICT (tenant, key) DO UPDATE SET
+    id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
+    attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
+    history = CASE WHEN records.state = 'done' THEN '[]'
+                   ELSE json_insert(records.history, '$[#]', json(?13)) END,
+    created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
+    route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
+    fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
+    request_body = excluded.request_body, state = 'not_started', queued = 1,
+    deadline_at = excluded.deadline_at, lease_owner = NULL, lease_expires_at = NULL,
+    in_flight_number = NULL, in_flight_started_at = NULL, stop_reason = NULL,
+    response_status = NULL, response_headers = NULL, response_body = NULL, done_at = NULL,
+    cancel_requested = 0, updated_at = excluded.updated_at
+WHERE (records.state = 'done' AND records.done_at < ?14)
+   OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
+RETURNING *";
+
+async fn admit(
+    conn: &mut SqliteConnection,
+    new: NewRecord,
+    cutoff: Millis,
+) -> Result<Admission, StoreError> {
+    let requeued = serde_json::to_string(&HistoryEntry {
+        at: new.now,
+        actor: "client".into(),
+        action: "requeued".into(),
+        note: Some("the same request was sent again for a free key".into()),
+    })?;
+    let row = sqlx::query(ADMIT)
+        .bind(new.id.to_string())
+        .bind(&new.tenant)
+        .bind(&new.key)
+        .bind(&new.route)
+        .bind(&new.method)
+        .bind(&new.path)
+        .bind(&new.query)
+        .bind(&new.fingerprint.as_bytes()[..])
+        .bind(serde_json::to_string(&new.request.headers)?)
+        .bind(&new.request.body[..])
+        .bind(new.deadline_at)
+        .bind(new.now)
+        .bind(requeued)
+        .bind(cutoff)
+        .fetch_optional(&mut *conn)
+        .await?;
+    match row {
+        Some(row) => {
+            let record = decode(&row)?;
+            Ok(if record.id == new.id {
+                Admission::Created(record)
+            } else {
+                Admission::Requeued(record)
+            })
+        }
+        None => {
+            let row = sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
+                .bind(&new.tenant)
+                .bind(&new.key)
+                .fetch_one(&mut *conn)
+                .await?;
+            Ok(Admission::Existing(decode(&row)?))
+        }
+    }
+}
+
+async fn claim(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    owner: &str,
+    until: Millis,
+    now: Millis,
+) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE records SET state = 'in_progress', queued = 0, lease_owner = ?2, lease_expires_at = ?3,
+                updated_at = ?4
+         WHERE id = ?1 AND state = 'not_started' AND queued = 1",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(until)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+fn lease_of(row: Option<SqliteRow>) -> Result<Lease, StoreError> {
+    Ok(match row {
+        Some(row) => Lease::Held {
+            cancel_requested: row.try_get::<i64, _>(0)? != 0,
+        },
+        None => Lease::Lost,
+    })
+}
+
+async fn attempt_started(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    owner: &str,
+    number: u32,
+    at: Millis,
+    until: Millis,
+) -> Result<Lease, StoreError> {
+    let row = sqlx::query(
+        "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
+                updated_at = ?4
+         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(number as i64)
+    .bind(at)
+    .bind(until)
+    .fetch_optional(&mut *conn)
+    .await?;
+    lease_of(row)
+}
+
+async fn attempt_ended(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    owner: &str,
+    attempt: Option<Attempt>,
+    then: AfterAttempt,
+    now: Millis,
+) -> Result<Lease, StoreError> {
+    let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
+    let (state, stop, response) = match &then {
+        AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
+        AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
+        AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
+    };
+    let row = sqlx::query(
+        "UPDATE records SET
+            attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
+            in_flight_number = NULL, in_flight_started_at = NULL,
+            state = ?4, queued = 0,
+            lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
+            lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
+            stop_reason = ?5, response_status = ?6, response_headers = ?7, response_body = ?8,
+            done_at = CASE WHEN ?4 = 'done' THEN ?9 END,
+            updated_at = ?9
+         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(attempt)
+    .bind(state.as_str())
+    .bind(stop.map(StopReason::as_str))
+    .bind(response.map(|r| r.status as i64))
+    .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
+    .bind(response.map(|r| r.body.to_vec()))
+    .bind(now)
+    .fetch_optional(&mut *conn)
+    .await?;
+    lease_of(row)
+}
+
+async fn renew(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    owner: &str,
+    until: Millis,
+    now: Millis,
+) -> Result<Lease, StoreError> {
+    let row = sqlx::query(
+        "UPDATE records SET lease_expires_at = ?3, updated_at = ?4
+         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(until)
+    .bind(now)
+    .fetch_optional(&mut *conn)
+    .await?;
+    lease_of(row)
+}
+
+async fn cancel(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    entry: HistoryEntry,
+) -> Result<Cancelled, StoreError> {
+    let Some(record) = get(&mut *conn, id).await? else {
+        return Ok(Cancelled::Missing);
+    };
+    let entry = serde_json::to_string(&entry)?;
+    let sql = match (record.state, record.queued) {
+        (State::NotStarted, true) => {
+            "UPDATE records SET queued = 0, stop_reason = 'cancelled', updated_at = ?3,
+                    history = json_insert(history, '$[#]', json(?2))
+             WHERE id = ?1"
+        }
+        (State::InProgress, _) => {
+            "UPDATE records SET cancel_requested = 1, updated_at = ?3,
+                    history = json_insert(history, '$[#]', json(?2))
+             WHERE id = ?1"
+        }
+        _ => return Ok(Cancelled::Refused(record)),
+    };
+    sqlx::query(sql)
+        .bind(id.to_string())
+        .bind(entry)
+        .bind(crate::record::now_ms())
+        .execute(&mut *conn)
+        .await?;
+    let updated = get(&mut *conn, id)
+        .await?
+        .ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
+    Ok(if record.state == State::InProgress {
+        Cancelled::Flagged(updated)
+    } else {
+        Cancelled::Dequeued(updated)
+    })
+}
+
+async fn sweep_done(
+    conn: &mut SqliteConnection,
+    cutoff: Millis,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM records WHERE id IN (
+            SELECT id FROM records WHERE state = 'done' AND done_at < ?1 LIMIT ?2)",
+    )
+    .bind(cutoff)
+    .bind(limit as i64)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+async fn get<'e, E: sqlx::SqliteExecutor<'e>>(
+    executor: E,
+    id: Uuid,
+) -> Result<Option<Record>, StoreError> {
+    sqlx::query("SELECT * FROM records WHERE id = ?1")
+        .bind(id.to_string())
+        .fetch_optional(executor)
+        .await?
+        .map(|row| decode(&row))
+        .transpose()
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
+    let id: String = row.try_get("id")?;
+    let state: String = row.try_get("state")?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    let request_headers: String = row.try_get("request_headers")?;
+    let request_body: Vec<u8> = row.try_get("request_body")?;
+    let lease_owner: Option<String> = row.try_get("lease_owner")?;
+    let lease_expires_at: Option<i64> = row.try_get("lease_expires_at")?;
+    let in_flight_number: Option<i64> = row.try_get("in_flight_number")?;
+    let in_flight_started_at: Option<i64> = row.try_get("in_flight_started_at")?;
+    let attempts: String = row.try_get("attempts")?;
+    let stop_reason: Option<String> = row.try_get("stop_reason")?;
+    let response_status: Option<i64> = row.try_get("response_status")?;
+    let history: String = row.try_get("history")?;
+    let response = match response_status {
+        None => None,
+        Some(status) => {
+            let headers: Option<String> = row.try_get("response_headers")?;
+            let body: Option<Vec<u8>> = row.try_get("response_body")?;
+            Some(StoredResponse {
+                status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
+                headers: serde_json::from_str(headers.as_deref().unwrap_or("[]"))?,
+                body: Bytes::from(body.unwrap_or_default()),
+            })
+        }
+    };
+    Ok(Record {
+        id: Uuid::parse_str(&id).map_err(|_| corrupt("id"))?,
+        tenant: row.try_get("tenant")?,
+        key: row.try_get("key")?,
+        route: row.try_get("route")?,
+        method: row.try_get("method")?,
+        path: row.try_get("path")?,
+        query: row.try_get("query")?,
+        fingerprint: Fingerprint::from_bytes(&fingerprint).ok_or_else(|| corrupt("fingerprint"))?,
+        request: StoredRequest {
+            headers: serde_json::from_str(&request_headers)?,
+            body: Bytes::from(request_body),
+        },
+        state: State::parse(&state).ok_or_else(|| corrupt("state"))?,
+        queued: row.try_get::<i64, _>("queued")? != 0,
+        deadline_at: row.try_get("deadline_at")?,
+        lease: lease_owner
+            .zip(lease_expires_at)
+            .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at }),
+        in_flight: in_flight_number
+            .zip(in_flight_started_at)
+            .map(|(n, at)| (n as u32, at)),
+        attempts: serde_json::from_str(&attempts)?,
+        stop_reason: stop_reason
+            .as_deref()
+            .map(|s| StopReason::parse(s).ok_or_else(|| corrupt("stop_reason")))
+            .transpose()?,
+        response,
+        history: serde_json::from_str(&history)?,
+        cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn admit(
+        &self,
+        new: NewRecord,
+        retention_cutoff: Millis,
+    ) -> Result<Admission, StoreError> {
+        self.write(|r| Write::Admit(new, retention_cutoff, r)).await
+    }
+
+    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.reads)
+            .await?
+            .map(|row| decode(&row))
+            .transpose()
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
+        get(&self.reads, id).await
+    }
+
+    async fn claim(
+        &self,
+        id: Uuid,
+        owner: &str,
+        lease_until: Millis,
+        now: Millis,
+    ) -> Result<bool, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::Claim(id, owner, lease_until, now, r))
+            .await
+    }
+
+    async fn attempt_started(
+        &self,
+        id: Uuid,
+        owner: &str,
+        number: u32,
+        started_at: Millis,
+        lease_until: Millis,
+    ) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, r))
+            .await
+    }
+
+    async fn attempt_ended(
+        &self,
+        id: Uuid,
+        owner: &str,
+        attempt: Option<Attempt>,
+        then: AfterAttempt,
+        now: Millis,
+    ) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::AttemptEnded(id, owner, attempt, then, now, r))
+            .await
+    }
+
+    async fn renew(
+        &self,
+        id: Uuid,
+        owner: &str,
+        lease_until: Millis,
+        now: Millis,
+    ) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::Renew(id, owner, lease_until, now, r))
+            .await
+    }
+
+    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+        self.write(|r| Write::Cancel(id, entry, r)).await
+    }
+
+    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
+        self.write(|r| Write::SweepDone(cutoff, limit, r)).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.reads).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_synchronous_setting_is_taken_out_of_the_url() {
+        let (url, s) = split_synchronous("sqlite://idem.db").unwrap();
+        assert_eq!(url, "sqlite://idem.db");
+        assert!(matches!(s, SqliteSynchronous::Full));
+        let (url, s) = split_synchronous("sqlite://idem.db?synchronous=normal&mode=rwc").unwrap();
+        assert_eq!(url, "sqlite://idem.db?mode=rwc");
+        assert!(matches!(s, SqliteSynchronous::Normal));
+        assert!(split_synchronous("sqlite://idem.db?synchronous=off").is_err());
+    }
+}

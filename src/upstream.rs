@@ -1,0 +1,238 @@
+//! Talking to upstreams: one HTTP attempt, reported as what the broker can know about it, and
+//! the header rules shared by the recorded and the plain proxy paths.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+
+use crate::policy::Observed;
+use crate::record::{header_bytes, header_text, StoredResponse};
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1): meaningful for one connection only, never forwarded or
+/// stored. `content-length` is recomputed from the body we send.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+/// Request headers that belong to the broker or to the client's session with it, not upstream.
+const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "prefer"];
+
+/// The request headers to send upstream (and to store, so a retry or take-over sends the same).
+/// The client's credentials and cookies are never forwarded nor stored; the Idempotency-Key goes
+/// along only when the route says so.
+pub fn forwardable_request_headers(
+    headers: &HeaderMap,
+    forward_key: bool,
+) -> Vec<(String, String)> {
+    let listed = connection_listed(headers);
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            let n = name.as_str();
+            !HOP_BY_HOP.contains(&n)
+                && !CLIENT_ONLY.contains(&n)
+                && !listed.iter().any(|l| l == n)
+                && (forward_key || n != crate::key::HEADER)
+        })
+        .map(|(name, value)| (name.as_str().to_string(), header_text(value.as_bytes())))
+        .collect()
+}
+
+/// The response headers to store and return: everything end-to-end.
+pub fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    let listed = connection_listed(headers);
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            !HOP_BY_HOP.contains(&name.as_str()) && !listed.iter().any(|l| l == name.as_str())
+        })
+        .map(|(name, value)| (name.as_str().to_string(), header_text(value.as_bytes())))
+        .collect()
+}
+
+/// Header names that the `Connection` header marks as hop-by-hop for this message.
+fn connection_listed(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect()
+}
+
+pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(pairs.len());
+    for (name, value) in pairs {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(&header_bytes(value)),
+        ) {
+            map.append(n, v);
+        }
+    }
+    map
+}
+
+/// The HTTP client for every upstream: no redirects followed (a 3xx is the upstream's answer),
+/// no proxy taken from the environment (only configured upstreams are ever called).
+#[derive(Clone)]
+pub struct Upstream {
+    client: reqwest::Client,
+}
+
+/// A complete upstream answer, as received within the attempt's limit.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub response: StoredResponse,
+    pub retry_after: Option<String>,
+}
+
+impl Upstream {
+    pub fn new() -> Upstream {
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(5))
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()
+            .expect("the HTTP client's static configuration is valid");
+        Upstream { client }
+    }
+
+    /// Sends one attempt and waits at most `limit` for the whole answer, body included. A
+    /// response that would arrive later is dropped with the connection: it is never used.
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(String, String)],
+        body: Bytes,
+        limit: Duration,
+    ) -> Result<Answer, Observed> {
+        let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
+        let request = self
+            .client
+            .request(method, url)
+            .headers(to_header_map(headers))
+            .body(body)
+            .timeout(limit);
+        let response = request.send().await.map_err(|e| observed(&e))?;
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get(http::header::RETRY_AFTER)
+            .map(|v| header_text(v.as_bytes()));
+        let headers = storable_response_headers(response.headers());
+        // The status arrived: from here on, any failure may follow an execution.
+        let body = response.bytes().await.map_err(|e| {
+            if e.is_timeout() {
+                Observed::TimedOut
+            } else {
+                Observed::Broken
+            }
+        })?;
+        Ok(Answer {
+            response: StoredResponse {
+                status,
+                headers,
+                body,
+            },
+            retry_after,
+        })
+    }
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream::new()
+    }
+}
+
+/// What a failed send tells us: only a failure to connect proves nothing was sent.
+fn observed(e: &reqwest::Error) -> Observed {
+    if e.is_connect() {
+        Observed::ConnectFailed
+    } else if e.is_timeout() {
+        Observed::TimedOut
+    } else if e.is_builder() {
+        Observed::ConnectFailed
+    } else {
+        Observed::Broken
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        for (n, v) in pairs {
+            m.append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        m
+    }
+
+    fn names(pairs: &[(String, String)]) -> Vec<&str> {
+        pairs.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn credentials_hop_by_hop_and_broker_headers_are_not_forwarded() {
+        let h = map(&[
+            ("authorization", "Bearer t"),
+            ("cookie", "s=1"),
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("transfer-encoding", "chunked"),
+            ("prefer", "respond-async"),
+            ("host", "broker"),
+            ("idempotency-key", "k1"),
+            ("content-type", "application/json"),
+            ("x-request-id", "abc"),
+        ]);
+        assert_eq!(
+            names(&forwardable_request_headers(&h, true)),
+            ["idempotency-key", "content-type", "x-request-id"]
+        );
+        assert_eq!(
+            names(&forwardable_request_headers(&h, false)),
+            ["content-type", "x-request-id"]
+        );
+    }
+
+    #[test]
+    fn stored_responses_keep_end_to_end_headers_only() {
+        let h = map(&[
+            ("content-type", "application/json"),
+            ("content-length", "12"),
+            ("connection", "close"),
+            ("set-cookie", "a=1"),
+            ("set-cookie", "b=2"),
+            ("location", "/payments/1"),
+        ]);
+        let kept = storable_response_headers(&h);
+        assert_eq!(
+            names(&kept),
+            ["content-type", "set-cookie", "set-cookie", "location"]
+        );
+        let back = to_header_map(&kept);
+        assert_eq!(back.get_all("set-cookie").iter().count(), 2);
+    }
+}

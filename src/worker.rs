@@ -1,0 +1,533 @@
+//! The worker: claims a queued record, executes it under its deadline, and stores every attempt
+//! and the outcome. It runs apart from the client's request, so a client that disconnects does
+//! not cancel an execution, and no database transaction is ever held across an upstream call.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::{oneshot, Notify, Semaphore};
+use tracing::{info_span, warn, Instrument};
+use uuid::Uuid;
+
+use crate::config::{Config, Route};
+use crate::policy::{self, AfterAttempt, Class, Decision, Observed, Settlement, StopReason};
+use crate::record::{duration_ms, now_ms, Attempt, Millis, Record, StoredResponse};
+use crate::store::{self, Lease, Store};
+use crate::upstream::Upstream;
+
+/// What the request that started an execution is told when it ends.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// `done`: the stored response. `stop` is `deadline` when it arrived too late for the client.
+    Done(StopReason, StoredResponse),
+    /// `unknown`: it may have executed; it waits for reconciliation.
+    Unknown(StopReason),
+    /// The key is free again: nothing executed (or the route is replay-safe). `last` is the last
+    /// upstream answer, if any attempt got one.
+    Free(StopReason, Option<StoredResponse>),
+    /// This worker lost the record (claimed elsewhere, cancelled before it started, or the store
+    /// failed): the record in the store is the answer.
+    Lost,
+}
+
+/// Wakes the requests that wait for a record to settle (`Prefer: wait`).
+#[derive(Default)]
+pub struct Settled {
+    watchers: Mutex<HashMap<Uuid, Weak<Notify>>>,
+}
+
+impl Settled {
+    pub fn watch(&self, id: Uuid) -> Arc<Notify> {
+        let mut map = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(existing) = map.get(&id).and_then(Weak::upgrade) {
+            return existing;
+        }
+        if map.len() > 1024 {
+            map.retain(|_, w| w.strong_count() > 0);
+        }
+        let notify = Arc::new(Notify::new());
+        map.insert(id, Arc::downgrade(&notify));
+        notify
+    }
+
+    pub fn settled(&self, id: Uuid) {
+        let watcher = self
+            .watchers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
+        if let Some(n) = watcher.and_then(|w| w.upgrade()) {
+            n.notify_waiters();
+        }
+    }
+}
+
+/// Lets a cancel reach an execution running in this process at once, even mid-wait.
+#[derive(Default)]
+struct CancelSignal {
+    raised: AtomicBool,
+    notify: Notify,
+}
+
+#[derive(Clone)]
+pub struct Worker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    upstream: Upstream,
+    config: Arc<Config>,
+    /// This process's name in leases.
+    owner: String,
+    /// At most `worker.concurrency` records execute at once.
+    permits: Semaphore,
+    settled: Arc<Settled>,
+    cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+}
+
+enum WaitEnd {
+    Elapsed,
+    Cancelled,
+    Lost,
+}
+
+impl Worker {
+    pub fn new(
+        store: Arc<dyn Store>,
+        config: Arc<Config>,
+        owner: String,
+        settled: Arc<Settled>,
+    ) -> Worker {
+        Worker {
+            inner: Arc::new(Inner {
+                permits: Semaphore::new(config.worker.concurrency),
+                store,
+                upstream: Upstream::new(),
+                config,
+                owner,
+                settled,
+                cancels: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    pub fn owner(&self) -> &str {
+        &self.inner.owner
+    }
+
+    /// Executes a queued record in the background; `reply`, if given, gets the outcome.
+    pub fn submit(&self, record: Record, reply: Option<oneshot::Sender<Outcome>>) {
+        let inner = self.inner.clone();
+        let span = info_span!("execution", record = %record.id, route = %record.route, tenant = %record.tenant);
+        tokio::spawn(
+            async move {
+                let Ok(_permit) = inner.permits.acquire().await else {
+                    return;
+                };
+                let outcome = inner.claim_and_run(record).await;
+                if let Some(reply) = reply {
+                    let _ = reply.send(outcome);
+                }
+            }
+            .instrument(span),
+        );
+    }
+
+    /// Stops an execution running here: no further attempt starts; one in flight finishes.
+    pub fn cancel(&self, id: Uuid) {
+        let signal = self
+            .inner
+            .cancels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned();
+        if let Some(s) = signal {
+            s.raised.store(true, Ordering::SeqCst);
+            s.notify.notify_waiters();
+        }
+    }
+}
+
+impl Inner {
+    fn lease_until(&self, now: Millis) -> Millis {
+        now + duration_ms(self.config.worker.lease)
+    }
+
+    async fn claim_and_run(&self, record: Record) -> Outcome {
+        let now = now_ms();
+        match self
+            .store
+            .claim(record.id, &self.owner, self.lease_until(now), now)
+            .await
+        {
+            Ok(true) => self.run(record).await,
+            Ok(false) => Outcome::Lost,
+            Err(e) => {
+                warn!(error = %e, "could not claim a record; it stays queued");
+                Outcome::Lost
+            }
+        }
+    }
+
+    /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
+    async fn run(&self, record: Record) -> Outcome {
+        let Some(route) = self.config.route_named(&record.route).cloned() else {
+            warn!(route = %record.route, "the record's route is no longer configured");
+            return self
+                .finish(
+                    &record,
+                    false,
+                    None,
+                    StopReason::Cancelled,
+                    None,
+                    None,
+                    false,
+                )
+                .await;
+        };
+        let signal = Arc::new(CancelSignal::default());
+        self.cancels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(record.id, signal.clone());
+        let outcome = self.attempts(&record, &route, &signal).await;
+        self.cancels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&record.id);
+        outcome
+    }
+
+    async fn attempts(&self, record: &Record, route: &Route, signal: &CancelSignal) -> Outcome {
+        let policy = &route.retry;
+        let arrival = record.deadline_at - duration_ms(policy.deadline);
+        let url = format!("{}{}", route.upstream, record.path_and_query());
+        let earlier = record.attempts.len() as u32;
+        let mut made = 0;
+        let mut wait_before = Duration::ZERO;
+        let mut previous_wait = None;
+        let mut any_ambiguous = false;
+        let mut last: Option<(Class, Option<StoredResponse>)> = None;
+        loop {
+            let started = now_ms();
+            let limit = match policy.attempt_limit(since(arrival, started)) {
+                Ok(limit) => limit,
+                Err(stop) => {
+                    return self
+                        .finish_after(record, route, None, stop, last, any_ambiguous)
+                        .await
+                }
+            };
+            if signal.raised.load(Ordering::SeqCst) {
+                return self
+                    .finish_after(
+                        record,
+                        route,
+                        None,
+                        StopReason::Cancelled,
+                        last,
+                        any_ambiguous,
+                    )
+                    .await;
+            }
+            made += 1;
+            let number = earlier + made;
+            match self
+                .store
+                .attempt_started(
+                    record.id,
+                    &self.owner,
+                    number,
+                    started,
+                    self.lease_until(started),
+                )
+                .await
+            {
+                Ok(Lease::Held {
+                    cancel_requested: false,
+                }) => {}
+                Ok(Lease::Held {
+                    cancel_requested: true,
+                }) => {
+                    return self
+                        .finish_after(
+                            record,
+                            route,
+                            None,
+                            StopReason::Cancelled,
+                            last,
+                            any_ambiguous,
+                        )
+                        .await
+                }
+                Ok(Lease::Lost) => return Outcome::Lost,
+                Err(e) => {
+                    // Without a durable "may have been sent" mark the attempt must not go out.
+                    warn!(error = %e, "could not record an attempt; not sending it");
+                    return Outcome::Lost;
+                }
+            }
+
+            let clock = Instant::now();
+            let sent = self.upstream.send(
+                &record.method,
+                &url,
+                &record.request.headers,
+                record.request.body.clone(),
+                limit,
+            );
+            let result = self.renewing(record.id, sent).await;
+            let took = clock.elapsed();
+
+            let (observed, answer) = match result {
+                Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
+                Err(observed) => (observed, None),
+            };
+            let class = policy.classify(observed);
+            any_ambiguous |= class == Class::Ambiguous;
+            let retry_after = answer
+                .as_ref()
+                .and_then(|a| a.retry_after.as_deref())
+                .and_then(|value| {
+                    let parsed = policy::parse_retry_after(value, SystemTime::now());
+                    if parsed.is_none() {
+                        warn!(
+                            value,
+                            "ignoring an unparseable Retry-After from the upstream"
+                        );
+                    }
+                    parsed
+                });
+            let attempt = Attempt {
+                number,
+                started_at: started,
+                duration_ms: took.as_millis() as u64,
+                outcome: class.as_str().to_string(),
+                status: answer.as_ref().map(|a| a.response.status),
+                error: match observed {
+                    Observed::Response(_) => None,
+                    Observed::ConnectFailed => Some("connect_failed".into()),
+                    Observed::TimedOut => Some("timed_out".into()),
+                    Observed::Broken => Some("broken".into()),
+                },
+                wait_ms: wait_before.as_millis() as u64,
+            };
+            tracing::info!(
+                attempt = number,
+                outcome = class.as_str(),
+                status = attempt.status,
+                took_ms = attempt.duration_ms,
+                "attempt"
+            );
+            last = Some((class, answer.map(|a| a.response)));
+
+            let decision = policy.after_attempt(
+                route.replay_safe,
+                AfterAttempt {
+                    attempts: made,
+                    class,
+                    retry_after,
+                    elapsed: since(arrival, now_ms()),
+                    previous_wait,
+                    cancelled: signal.raised.load(Ordering::SeqCst),
+                    circuit_open: false,
+                },
+                rand::random::<f64>,
+                || true,
+            );
+            let wait = match decision {
+                Decision::Stop(stop) => {
+                    return self
+                        .finish_after(record, route, Some(attempt), stop, last, any_ambiguous)
+                        .await
+                }
+                Decision::RetryAfter(wait) => wait,
+            };
+            match self
+                .store
+                .attempt_ended(
+                    record.id,
+                    &self.owner,
+                    Some(attempt),
+                    store::AfterAttempt::Wait,
+                    now_ms(),
+                )
+                .await
+            {
+                Ok(Lease::Held {
+                    cancel_requested: false,
+                }) => {}
+                Ok(Lease::Held {
+                    cancel_requested: true,
+                }) => {
+                    return self
+                        .finish_after(
+                            record,
+                            route,
+                            None,
+                            StopReason::Cancelled,
+                            last,
+                            any_ambiguous,
+                        )
+                        .await
+                }
+                Ok(Lease::Lost) => return Outcome::Lost,
+                Err(e) => {
+                    warn!(error = %e, "could not record an attempt's outcome");
+                    return Outcome::Lost;
+                }
+            }
+            match self.wait(record.id, wait, signal).await {
+                WaitEnd::Elapsed => {}
+                WaitEnd::Cancelled => {
+                    return self
+                        .finish_after(
+                            record,
+                            route,
+                            None,
+                            StopReason::Cancelled,
+                            last,
+                            any_ambiguous,
+                        )
+                        .await
+                }
+                WaitEnd::Lost => return Outcome::Lost,
+            }
+            previous_wait = Some(wait);
+            wait_before = wait;
+        }
+    }
+
+    async fn finish_after(
+        &self,
+        record: &Record,
+        route: &Route,
+        attempt: Option<Attempt>,
+        stop: StopReason,
+        last: Option<(Class, Option<StoredResponse>)>,
+        any_ambiguous: bool,
+    ) -> Outcome {
+        let (class, response) = match last {
+            Some((class, response)) => (Some(class), response),
+            None => (None, None),
+        };
+        self.finish(
+            record,
+            route.replay_safe,
+            attempt,
+            stop,
+            class,
+            response,
+            any_ambiguous,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn finish(
+        &self,
+        record: &Record,
+        replay_safe: bool,
+        attempt: Option<Attempt>,
+        stop: StopReason,
+        last_class: Option<Class>,
+        last_response: Option<StoredResponse>,
+        any_ambiguous: bool,
+    ) -> Outcome {
+        let (then, outcome) = match (
+            policy::settle(stop, last_class, any_ambiguous, replay_safe),
+            last_response,
+        ) {
+            (Settlement::Done, Some(response)) => (
+                store::AfterAttempt::Done(stop, response.clone()),
+                Outcome::Done(stop, response),
+            ),
+            (Settlement::Free, last) => {
+                (store::AfterAttempt::Free(stop), Outcome::Free(stop, last))
+            }
+            // `Done` always comes with the response that made it so; should it ever not, the
+            // safe reading of an execution we cannot show is "unknown".
+            (Settlement::Unknown, _) | (Settlement::Done, None) => {
+                (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
+            }
+        };
+        let result = self
+            .store
+            .attempt_ended(record.id, &self.owner, attempt, then, now_ms())
+            .await;
+        self.settled.settled(record.id);
+        match result {
+            Ok(Lease::Held { .. }) => {
+                tracing::info!(stop = stop.as_str(), "settled");
+                outcome
+            }
+            Ok(Lease::Lost) => Outcome::Lost,
+            Err(e) => {
+                warn!(error = %e, "could not store an outcome; the lease will expire and be taken over");
+                Outcome::Lost
+            }
+        }
+    }
+
+    /// Awaits an attempt while keeping the lease alive.
+    async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
+        tokio::pin!(attempt);
+        let every = self.config.worker.lease / 3;
+        loop {
+            tokio::select! {
+                out = &mut attempt => return out,
+                _ = tokio::time::sleep(every) => {
+                    let now = now_ms();
+                    if let Ok(Lease::Lost) = self.store.renew(id, &self.owner, self.lease_until(now), now).await {
+                        warn!("lost the lease while an attempt was in flight");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sleeps before a retry, renewing the lease, and stops at once on a cancel.
+    async fn wait(&self, id: Uuid, total: Duration, signal: &CancelSignal) -> WaitEnd {
+        let until = tokio::time::Instant::now() + total;
+        let slice = self.config.worker.lease / 3;
+        loop {
+            let notified = signal.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if signal.raised.load(Ordering::SeqCst) {
+                return WaitEnd::Cancelled;
+            }
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return WaitEnd::Elapsed;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep((until - now).min(slice)) => {}
+                _ = &mut notified => return WaitEnd::Cancelled,
+            }
+            if tokio::time::Instant::now() < until {
+                let now = now_ms();
+                match self
+                    .store
+                    .renew(id, &self.owner, self.lease_until(now), now)
+                    .await
+                {
+                    Ok(Lease::Held {
+                        cancel_requested: true,
+                    }) => return WaitEnd::Cancelled,
+                    Ok(Lease::Lost) => return WaitEnd::Lost,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+fn since(arrival: Millis, now: Millis) -> Duration {
+    Duration::from_millis((now - arrival).max(0) as u64)
+}
