@@ -1,0 +1,347 @@
+//! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
+#![allow(dead_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use idem::config::Config;
+use idem::server::{self, Running};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+use tokio::net::TcpListener;
+
+/// One scripted upstream answer.
+#[derive(Clone, Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+    pub delay: Duration,
+}
+
+impl Reply {
+    pub fn status(status: u16) -> Reply {
+        Reply {
+            status,
+            headers: vec![],
+            body: format!("{{\"status\":{status}}}"),
+            delay: Duration::ZERO,
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Reply {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    pub fn delay(mut self, d: Duration) -> Reply {
+        self.delay = d;
+        self
+    }
+
+    /// Never answers within any test's patience.
+    pub fn hang() -> Reply {
+        Reply::status(200).delay(Duration::from_secs(3600))
+    }
+}
+
+#[derive(Default)]
+struct Seen {
+    /// Requests that reached the upstream, per Idempotency-Key (or path for unkeyed calls).
+    hits: HashMap<String, u32>,
+    arrivals: HashMap<String, Vec<Instant>>,
+    headers: HashMap<String, HeaderMap>,
+    scripts: HashMap<String, VecDeque<Reply>>,
+}
+
+/// A fake upstream that counts every request per operation. By default it answers
+/// `201 {"key":…,"n":<hit number>,"echo":<body>}`, so a second execution is visible in the body;
+/// `?delay_ms=N` and `?status=N` change that; scripts set answers per key.
+#[derive(Clone)]
+pub struct Upstream {
+    pub addr: SocketAddr,
+    seen: Arc<Mutex<Seen>>,
+}
+
+#[derive(serde::Deserialize, Default)]
+struct Knobs {
+    delay_ms: Option<u64>,
+    status: Option<u16>,
+}
+
+fn operation(headers: &HeaderMap, path: &str) -> String {
+    headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .map(|k| k.trim_matches('"').to_string())
+        .unwrap_or_else(|| path.to_string())
+}
+
+async fn answer(
+    State(seen): State<Arc<Mutex<Seen>>>,
+    Query(knobs): Query<Knobs>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let op = operation(&headers, uri.path());
+    let (n, scripted) = {
+        let mut seen = seen.lock().unwrap();
+        let n = {
+            let hits = seen.hits.entry(op.clone()).or_default();
+            *hits += 1;
+            *hits
+        };
+        seen.arrivals
+            .entry(op.clone())
+            .or_default()
+            .push(Instant::now());
+        seen.headers.insert(op.clone(), headers.clone());
+        let scripted = seen.scripts.get_mut(&op).and_then(|q| q.pop_front());
+        (n, scripted)
+    };
+    let reply = scripted.unwrap_or_else(|| {
+        let status = knobs.status.unwrap_or(201);
+        Reply {
+            status,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: json!({"key": op, "n": n, "echo": String::from_utf8_lossy(&body)}).to_string(),
+            delay: Duration::from_millis(knobs.delay_ms.unwrap_or(0)),
+        }
+    });
+    tokio::time::sleep(reply.delay).await;
+    let mut response = (StatusCode::from_u16(reply.status).unwrap(), reply.body).into_response();
+    response
+        .headers_mut()
+        .insert("x-upstream", "fake".parse().unwrap());
+    response
+        .headers_mut()
+        .insert("connection", "keep-alive".parse().unwrap());
+    for (name, _) in &reply.headers {
+        response.headers_mut().remove(name.as_str());
+    }
+    for (name, value) in reply.headers {
+        response.headers_mut().append(
+            axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            value.parse().unwrap(),
+        );
+    }
+    response
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Upstream::serve(listener).await
+    }
+
+    pub async fn serve(listener: TcpListener) -> Upstream {
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let app = axum::Router::new()
+            .fallback(answer)
+            .with_state(seen.clone());
+        tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Upstream { addr, seen }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn hits(&self, op: &str) -> u32 {
+        self.seen.lock().unwrap().hits.get(op).copied().unwrap_or(0)
+    }
+
+    pub fn arrivals(&self, op: &str) -> Vec<Instant> {
+        self.seen
+            .lock()
+            .unwrap()
+            .arrivals
+            .get(op)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    pub fn headers(&self, op: &str) -> Option<HeaderMap> {
+        self.seen.lock().unwrap().headers.get(op).cloned()
+    }
+
+    pub fn script(&self, op: &str, replies: Vec<Reply>) {
+        self.seen
+            .lock()
+            .unwrap()
+            .scripts
+            .insert(op.to_string(), replies.into());
+    }
+}
+
+/// A broker on port 0 with one route, `payments` at `/payments`, in front of `upstream`.
+pub struct Broker {
+    pub url: String,
+    pub admin: String,
+    pub http: reqwest::Client,
+    running: Option<Running>,
+    pub dir: Arc<TempDir>,
+    pub config_text: String,
+}
+
+/// The config for a test broker. `route_extra` is added to the `payments` route table and
+/// `extra` after it (e.g. `[routes.retry]` or `[auth]` sections).
+pub fn config_text(db_url: &str, upstream: &str, route_extra: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+
+[store]
+url = "{db_url}"
+
+[[routes]]
+name = "payments"
+path_prefix = "/payments"
+upstream = "{upstream}"
+{route_extra}
+
+{extra}
+"#
+    )
+}
+
+impl Broker {
+    pub async fn start(upstream: &str, route_extra: &str, extra: &str) -> Broker {
+        let dir = Arc::new(TempDir::new().unwrap());
+        Broker::start_in(dir, upstream, route_extra, extra).await
+    }
+
+    /// Starts a broker on the SQLite file in `dir` (a restart when one ran there before).
+    pub async fn start_in(
+        dir: Arc<TempDir>,
+        upstream: &str,
+        route_extra: &str,
+        extra: &str,
+    ) -> Broker {
+        let db = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let text = config_text(&db, upstream, route_extra, extra);
+        Broker::start_with(dir, text).await
+    }
+
+    pub async fn start_with(dir: Arc<TempDir>, config_text: String) -> Broker {
+        let config = Config::parse_with_env(&config_text, |name| std::env::var(name).ok()).unwrap();
+        let running = server::start(config).await.unwrap();
+        Broker {
+            url: format!("http://{}", running.listen),
+            admin: format!("http://{}", running.admin_listen),
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            running: Some(running),
+            dir,
+            config_text,
+        }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(r) = self.running.take() {
+            r.shutdown().await;
+        }
+    }
+
+    pub fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+        self.http
+            .post(format!("{}{}", self.url, path))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body.to_string())
+    }
+
+    pub async fn record(&self, key: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}/_idem/requests/{}", self.url, key))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn record_json(&self, key: &str) -> Value {
+        let r = self.record(key).await;
+        assert_eq!(r.status(), 200, "no record for {key}");
+        r.json().await.unwrap()
+    }
+
+    /// Polls the record until `pred` holds; fails after `within`.
+    pub async fn await_record(
+        &self,
+        key: &str,
+        within: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let until = Instant::now() + within;
+        loop {
+            let r = self.record(key).await;
+            if r.status() == 200 {
+                let v: Value = r.json().await.unwrap();
+                if pred(&v) {
+                    return v;
+                }
+                if Instant::now() > until {
+                    panic!("record {key} never reached the expected state: {v:#}");
+                }
+            } else if Instant::now() > until {
+                panic!("record {key} never appeared");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A response read fully: what tests compare.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub async fn of(r: reqwest::Response) -> Answer {
+        Answer {
+            status: r.status().as_u16(),
+            headers: r.headers().clone(),
+            body: r.bytes().await.unwrap(),
+        }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {:?}", self.body))
+    }
+
+    /// Asserts a problem+json answer of the given status and name.
+    pub fn assert_problem(&self, status: u16, name: &str) {
+        assert_eq!(self.status, status, "body: {:?}", self.body);
+        assert_eq!(
+            self.header("content-type"),
+            Some("application/problem+json")
+        );
+        let p = self.json();
+        assert_eq!(p["type"], format!("urn:idem:problem:{name}"), "{p}");
+        assert_eq!(p["status"], status);
+        assert!(p["title"].as_str().is_some_and(|t| !t.is_empty()));
+        assert!(p["detail"].as_str().is_some_and(|t| !t.is_empty()));
+    }
+}
+
+pub async fn send(r: reqwest::RequestBuilder) -> Answer {
+    Answer::of(r.send().await.unwrap()).await
+}
