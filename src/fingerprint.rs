@@ -3,6 +3,7 @@
 //! ignore what does not change meaning (JSON key order and whitespace) and keep everything that
 //! does (every digit of a number, every character of a string).
 
+use std::borrow::Cow;
 use std::fmt;
 
 use sha2::{Digest, Sha256};
@@ -88,6 +89,7 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
         s: text.as_bytes(),
         i: 0,
         depth: 0,
+        members: Vec::new(),
     };
     let mut out = Vec::with_capacity(body.len());
     p.skip_ws();
@@ -102,9 +104,11 @@ struct Parser<'a> {
     s: &'a [u8],
     i: usize,
     depth: usize,
+    /// The members of the objects being parsed, innermost last: one allocation for the body.
+    members: Vec<(Cow<'a, str>, std::ops::Range<usize>)>,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
     fn peek(&self) -> Option<u8> {
         self.s.get(self.i).copied()
     }
@@ -212,16 +216,21 @@ impl Parser<'_> {
         }
     }
 
-    /// Members are written into `out` as they come, then reordered in place if needed.
+    /// Members are written into `out` as they come; only when they are out of order (rare for
+    /// bodies produced by one serializer) are they copied aside and written again, sorted.
     fn object(&mut self, out: &mut Vec<u8>) -> Option<()> {
         self.eat(b'{')?;
+        out.push(b'{');
         self.skip_ws();
         let start = out.len();
-        let mut members: Vec<(String, std::ops::Range<usize>)> = Vec::new();
+        let base = self.members.len();
         if self.eat(b'}').is_none() {
             loop {
                 self.skip_ws();
                 let key = self.string()?;
+                if self.members.len() > base {
+                    out.push(b',');
+                }
                 let from = out.len();
                 write_string(out, &key);
                 self.skip_ws();
@@ -229,7 +238,7 @@ impl Parser<'_> {
                 out.push(b':');
                 self.skip_ws();
                 self.value(out)?;
-                members.push((key, from..out.len()));
+                self.members.push((key, from..out.len()));
                 self.skip_ws();
                 match self.peek()? {
                     b',' => self.i += 1,
@@ -241,24 +250,25 @@ impl Parser<'_> {
                 }
             }
         }
-        let written = out.split_off(start);
-        out.push(b'{');
-        // Bodies produced by one serializer are usually in order already: skip the sort then.
+        let members = &mut self.members[base..];
         if !members.is_sorted_by(|a, b| a.0 <= b.0) {
+            let written = out.split_off(start);
             members.sort_by(|a, b| a.0.cmp(&b.0));
-        }
-        for (n, (_, r)) in members.iter().enumerate() {
-            if n > 0 {
-                out.push(b',');
+            for (n, (_, r)) in members.iter().enumerate() {
+                if n > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(&written[r.start - start..r.end - start]);
             }
-            out.extend_from_slice(&written[r.start - start..r.end - start]);
         }
+        self.members.truncate(base);
         out.push(b'}');
         Some(())
     }
 
-    /// Decodes a JSON string (the input is already known to be UTF-8).
-    fn string(&mut self) -> Option<String> {
+    /// Decodes a JSON string (the input is already known to be UTF-8). A string without
+    /// escapes, the common case, is borrowed from the input as it is.
+    fn string(&mut self) -> Option<Cow<'a, str>> {
         self.eat(b'"')?;
         let mut buf = Vec::new();
         loop {
@@ -269,13 +279,19 @@ impl Parser<'_> {
                 }
                 self.i += 1;
             }
-            buf.extend_from_slice(&self.s[run..self.i]);
+            let text = &self.s[run..self.i];
             match self.peek()? {
-                b'"' => {
+                b'"' if buf.is_empty() => {
                     self.i += 1;
-                    return String::from_utf8(buf).ok();
+                    return std::str::from_utf8(text).ok().map(Cow::Borrowed);
+                }
+                b'"' => {
+                    buf.extend_from_slice(text);
+                    self.i += 1;
+                    return String::from_utf8(buf).ok().map(Cow::Owned);
                 }
                 b'\\' => {
+                    buf.extend_from_slice(text);
                     self.i += 1;
                     let c = match self.peek()? {
                         b'"' => '"',
@@ -329,22 +345,30 @@ impl Parser<'_> {
 
 fn write_string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
-    for &b in s.as_bytes() {
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            b'\n' => out.extend_from_slice(b"\\n"),
-            b'\r' => out.extend_from_slice(b"\\r"),
-            b'\t' => out.extend_from_slice(b"\\t"),
-            0..=0x1f => {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                out.extend_from_slice(b"\\u00");
-                out.push(HEX[(b >> 4) as usize]);
-                out.push(HEX[(b & 0xf) as usize]);
-            }
-            _ => out.push(b),
+    let bytes = s.as_bytes();
+    let mut run = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        let escaped: &[u8] = match b {
+            b'"' => b"\\\"",
+            b'\\' => b"\\\\",
+            b'\n' => b"\\n",
+            b'\r' => b"\\r",
+            b'\t' => b"\\t",
+            0..=0x1f => b"",
+            _ => continue,
+        };
+        out.extend_from_slice(&bytes[run..i]);
+        run = i + 1;
+        if escaped.is_empty() {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[(b >> 4) as usize]);
+            out.push(HEX[(b & 0xf) as usize]);
+        } else {
+            out.extend_from_slice(escaped);
         }
     }
+    out.extend_from_slice(&bytes[run..]);
     out.push(b'"');
 }
 
