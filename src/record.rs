@@ -86,6 +86,16 @@ impl Phase {
         }
     }
 
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Queued => "queued",
+            Phase::Free => "free",
+            Phase::InProgress => "in_progress",
+            Phase::Done => "done",
+            Phase::Unknown => "unknown",
+        }
+    }
+
     pub fn state(self) -> State {
         match self {
             Phase::Queued | Phase::Free => State::NotStarted,
@@ -236,6 +246,9 @@ pub struct Record {
     pub response: Option<StoredResponse>,
     pub history: Vec<HistoryEntry>,
     pub cancel_requested: bool,
+    /// Probes sent so far for an `unknown` record, and when the next is due.
+    pub probe_count: u32,
+    pub next_probe_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }

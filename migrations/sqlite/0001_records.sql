@@ -24,6 +24,8 @@ CREATE TABLE records (
     response_body        BLOB,
     history              TEXT    NOT NULL DEFAULT '[]',
     cancel_requested     INTEGER NOT NULL DEFAULT 0,
+    probe_count          INTEGER NOT NULL DEFAULT 0,
+    next_probe_at        INTEGER,
     created_at           INTEGER NOT NULL,
     updated_at           INTEGER NOT NULL,
     done_at              INTEGER,
@@ -35,5 +37,8 @@ CREATE INDEX records_done ON records (done_at) WHERE state = 'done';
 -- Work to pick up: queued records, and leases to take over.
 CREATE INDEX records_queued ON records (created_at) WHERE state = 'not_started' AND queued = 1;
 CREATE INDEX records_leases ON records (lease_expires_at) WHERE state = 'in_progress';
+-- The reconciliation queue: unknown records, oldest first, and their next probe.
+CREATE INDEX records_unknown ON records (next_probe_at, created_at) WHERE state = 'unknown';
 -- Operator listings, newest first, by state.
-CREATE INDEX records_listing ON records (state, created_at, id);
+CREATE INDEX records_listing ON records (created_at, id);
+CREATE INDEX records_listing_by_state ON records (state, created_at, id);

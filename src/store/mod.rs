@@ -6,7 +6,9 @@ use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Record, StoredRequest, StoredResponse};
+use crate::record::{
+    Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+};
 
 pub mod sqlite;
 
@@ -115,6 +117,83 @@ pub enum Cancelled {
     Missing,
 }
 
+/// Which records an operator listing shows, oldest first (a queue is worked from its head);
+/// `cursor` continues a listing after the last record shown.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<State>,
+    pub route: Option<String>,
+    pub tenant: Option<String>,
+    pub limit: u32,
+    pub cursor: Option<Cursor>,
+}
+
+/// A position in a listing: the last record shown (listings are ordered by creation, then id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub created_at: Millis,
+    pub id: Uuid,
+}
+
+impl Cursor {
+    pub fn of(record: &Record) -> Cursor {
+        Cursor {
+            created_at: record.created_at,
+            id: record.id,
+        }
+    }
+
+    /// An opaque token for clients: `<created_at>.<id>`.
+    pub fn encode(&self) -> String {
+        format!("{}.{}", self.created_at, self.id.simple())
+    }
+
+    pub fn decode(token: &str) -> Option<Cursor> {
+        let (at, id) = token.split_once('.')?;
+        Some(Cursor {
+            created_at: at.parse().ok()?,
+            id: Uuid::parse_str(id).ok()?,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Page {
+    pub items: Vec<Record>,
+    pub next_cursor: Option<Cursor>,
+}
+
+/// A page of `limit` records from rows fetched with `limit + 1`: the extra row only says that
+/// more follow.
+pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
+    let more = items.len() > limit as usize;
+    items.truncate(limit as usize);
+    let next_cursor = if more {
+        items.last().map(Cursor::of)
+    } else {
+        None
+    };
+    Ok(Page { items, next_cursor })
+}
+
+/// How an `unknown` record is settled, by an operator or a probe.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// It executed: `done`, with this response replayed to duplicates.
+    Executed(StoredResponse),
+    /// It did not execute: the key is freed.
+    NotExecuted,
+}
+
+/// The result of an operator action on one record.
+#[derive(Debug, Clone)]
+pub enum Action {
+    Applied(Record),
+    /// The record is not in a state the action applies to; it is returned unchanged.
+    Refused(Record),
+    Missing,
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Records a request unless its key exists. Atomic under any concurrency: of many requests
@@ -171,11 +250,100 @@ pub trait Store: Send + Sync + 'static {
 
     async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError>;
 
+    // ---- operators --------------------------------------------------------------------------
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError>;
+
+    /// Settles an `unknown` record; anything else is refused.
+    async fn resolve(
+        &self,
+        id: Uuid,
+        resolution: Resolution,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError>;
+
+    /// Re-drives an `unknown` record (the operator asserts a re-send is safe): queued again with
+    /// a fresh deadline. Anything else is refused.
+    async fn retry(
+        &self,
+        id: Uuid,
+        deadline_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError>;
+
+    // ---- take-over and reconciliation ---------------------------------------------------------
+
+    /// `in_progress` records whose lease expired before `now`.
+    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
+
+    /// Moves a record whose lease expired to `to` (`Queued`, `Free` or `Unknown`), recording the
+    /// attempt that was lost in flight, if any. Only if the lease is still the expired one seen
+    /// (`owner`, `until`): of several nodes sweeping at once, one wins.
+    #[allow(clippy::too_many_arguments)]
+    async fn take_over(
+        &self,
+        id: Uuid,
+        owner: &str,
+        until: Millis,
+        to: Phase,
+        lost: Option<Attempt>,
+        entry: HistoryEntry,
+    ) -> Result<bool, StoreError>;
+
+    /// Claims, for `owner`, up to `limit` queued records that nobody has claimed since
+    /// `idle_since` (the node that queued them died, or is busy). Safe to call from many nodes
+    /// at once: each record is claimed by one.
+    async fn claim_unclaimed(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        idle_since: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError>;
+
+    /// `unknown` records of `route` whose next probe is due at `now`; the first probe is due
+    /// `settle` after the record became unknown.
+    async fn probes_due(
+        &self,
+        route: &str,
+        settle: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError>;
+
+    /// Records a probe: settles the record with `resolution`, or schedules the next probe.
+    async fn probed(
+        &self,
+        id: Uuid,
+        resolution: Option<Resolution>,
+        next_probe_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError>;
+
+    /// How many records are in each phase (queued and free `not_started` counted apart).
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError>;
+
     /// Deletes up to `limit` `done` records finished before `cutoff`; returns how many.
     async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError>;
 
     /// Is the database answering?
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// News of records changed by other processes sharing this database, where the backend
+    /// can deliver it (PostgreSQL's LISTEN/NOTIFY); `None` for a single-process store.
+    fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
+        None
+    }
+}
+
+/// A change to a record, announced to every process that shares the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notice {
+    /// It left `in_progress`/queued: waiting requests can answer.
+    Settled(Uuid),
+    /// It was queued: an idle worker may claim it.
+    Queued(Uuid),
 }
 
 /// Opens the store named by a `store.url`, applying migrations.

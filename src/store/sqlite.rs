@@ -17,10 +17,15 @@ use sqlx::{Connection, Executor, Row};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use super::{Admission, AfterAttempt, Cancelled, Lease, NewRecord, Store, StoreError};
+use super::{
+    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page,
+    Resolution, Store, StoreError,
+};
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Record, State, StoredRequest, StoredResponse};
+use crate::record::{
+    Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -129,7 +134,27 @@ enum Write {
     ),
     Renew(Uuid, String, Millis, Millis, Reply<Lease>),
     Cancel(Uuid, HistoryEntry, Reply<Cancelled>),
+    Resolve(Uuid, Resolution, HistoryEntry, Reply<Action>),
+    Retry(Uuid, Millis, HistoryEntry, Reply<Action>),
+    TakeOver(TakeOver, Reply<bool>),
+    Probed(
+        Uuid,
+        Option<Resolution>,
+        Millis,
+        HistoryEntry,
+        Reply<Action>,
+    ),
+    ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
     SweepDone(Millis, u32, Reply<u64>),
+}
+
+struct TakeOver {
+    id: Uuid,
+    owner: String,
+    until: Millis,
+    to: Phase,
+    lost: Option<Attempt>,
+    entry: HistoryEntry,
 }
 
 /// A write's result, held back until its transaction commits.
@@ -201,6 +226,11 @@ fn fail(write: Write) -> Box<dyn Deliver> {
         Write::AttemptEnded(.., r) => pending(r, e()),
         Write::Renew(.., r) => pending(r, e()),
         Write::Cancel(.., r) => pending(r, e()),
+        Write::Resolve(.., r) => pending(r, e()),
+        Write::Retry(.., r) => pending(r, e()),
+        Write::TakeOver(_, r) => pending(r, e()),
+        Write::Probed(.., r) => pending(r, e()),
+        Write::ClaimUnclaimed(.., r) => pending(r, e()),
         Write::SweepDone(.., r) => pending(r, e()),
     }
 }
@@ -221,6 +251,20 @@ async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
             pending(r, renew(conn, id, &owner, until, now).await)
         }
         Write::Cancel(id, entry, r) => pending(r, cancel(conn, id, entry).await),
+        Write::Resolve(id, resolution, entry, r) => {
+            pending(r, settle(conn, id, resolution, false, entry).await)
+        }
+        Write::Retry(id, deadline_at, entry, r) => {
+            pending(r, retry(conn, id, deadline_at, entry).await)
+        }
+        Write::TakeOver(t, r) => pending(r, take_over(conn, t).await),
+        Write::Probed(id, resolution, next_at, entry, r) => {
+            pending(r, probed(conn, id, resolution, next_at, entry).await)
+        }
+        Write::ClaimUnclaimed(owner, until, idle_since, now, limit, r) => pending(
+            r,
+            claim_unclaimed(conn, &owner, until, idle_since, now, limit).await,
+        ),
         Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit).await),
     }
 }
@@ -453,6 +497,170 @@ async fn cancel(
     })
 }
 
+/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+async fn settle(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    resolution: Resolution,
+    probe: bool,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    let Some(record) = get(&mut *conn, id).await? else {
+        return Ok(Action::Missing);
+    };
+    if record.state != State::Unknown {
+        return Ok(Action::Refused(record));
+    }
+    let now = entry.at;
+    let entry = serde_json::to_string(&entry)?;
+    let (state, response) = match &resolution {
+        Resolution::Executed(response) => (State::Done, Some(response)),
+        Resolution::NotExecuted => (State::NotStarted, None),
+    };
+    sqlx::query(
+        "UPDATE records SET state = ?2, queued = 0, response_status = ?3, response_headers = ?4,
+                response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
+                next_probe_at = NULL, probe_count = probe_count + ?7,
+                history = json_insert(history, '$[#]', json(?8))
+         WHERE id = ?1 AND state = 'unknown'",
+    )
+    .bind(id.to_string())
+    .bind(state.as_str())
+    .bind(response.map(|r| r.status as i64))
+    .bind(
+        response
+            .map(|r| serde_json::to_string(&r.headers))
+            .transpose()?,
+    )
+    .bind(response.map(|r| r.body.to_vec()))
+    .bind(now)
+    .bind(probe as i64)
+    .bind(entry)
+    .execute(&mut *conn)
+    .await?;
+    applied(conn, id).await
+}
+
+async fn applied(conn: &mut SqliteConnection, id: Uuid) -> Result<Action, StoreError> {
+    get(&mut *conn, id)
+        .await?
+        .map(Action::Applied)
+        .ok_or_else(|| StoreError::Corrupt("record vanished".into()))
+}
+
+async fn retry(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    deadline_at: Millis,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    let Some(record) = get(&mut *conn, id).await? else {
+        return Ok(Action::Missing);
+    };
+    if record.state != State::Unknown {
+        return Ok(Action::Refused(record));
+    }
+    sqlx::query(
+        "UPDATE records SET state = 'not_started', queued = 1, deadline_at = ?2, stop_reason = NULL,
+                cancel_requested = 0, next_probe_at = NULL, updated_at = ?3,
+                history = json_insert(history, '$[#]', json(?4))
+         WHERE id = ?1 AND state = 'unknown'",
+    )
+    .bind(id.to_string())
+    .bind(deadline_at)
+    .bind(entry.at)
+    .bind(serde_json::to_string(&entry)?)
+    .execute(&mut *conn)
+    .await?;
+    applied(conn, id).await
+}
+
+async fn take_over(conn: &mut SqliteConnection, t: TakeOver) -> Result<bool, StoreError> {
+    let (state, queued, stop) = match t.to {
+        Phase::Queued => (State::NotStarted, true, None),
+        Phase::Free => (State::NotStarted, false, Some(StopReason::Deadline)),
+        Phase::Unknown => (State::Unknown, false, Some(StopReason::UnsafeReplay)),
+        other => {
+            return Err(StoreError::Corrupt(format!(
+                "a take-over cannot lead to {other:?}"
+            )))
+        }
+    };
+    let lost = t.lost.map(|a| serde_json::to_string(&a)).transpose()?;
+    let done = sqlx::query(
+        "UPDATE records SET state = ?4, queued = ?5, stop_reason = ?6, lease_owner = NULL,
+                lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
+                attempts = CASE WHEN ?7 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?7)) END,
+                history = json_insert(history, '$[#]', json(?8)), updated_at = ?9
+         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2 AND lease_expires_at = ?3",
+    )
+    .bind(t.id.to_string())
+    .bind(&t.owner)
+    .bind(t.until)
+    .bind(state.as_str())
+    .bind(queued as i64)
+    .bind(stop.map(StopReason::as_str))
+    .bind(lost)
+    .bind(serde_json::to_string(&t.entry)?)
+    .bind(t.entry.at)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+async fn probed(
+    conn: &mut SqliteConnection,
+    id: Uuid,
+    resolution: Option<Resolution>,
+    next_at: Millis,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    if let Some(resolution) = resolution {
+        return settle(conn, id, resolution, true, entry).await;
+    }
+    let done = sqlx::query(
+        "UPDATE records SET probe_count = probe_count + 1, next_probe_at = ?2, updated_at = ?3,
+                history = json_insert(history, '$[#]', json(?4))
+         WHERE id = ?1 AND state = 'unknown'",
+    )
+    .bind(id.to_string())
+    .bind(next_at)
+    .bind(entry.at)
+    .bind(serde_json::to_string(&entry)?)
+    .execute(&mut *conn)
+    .await?;
+    match get(&mut *conn, id).await? {
+        Some(record) if done.rows_affected() == 1 => Ok(Action::Applied(record)),
+        Some(record) => Ok(Action::Refused(record)),
+        None => Ok(Action::Missing),
+    }
+}
+
+async fn claim_unclaimed(
+    conn: &mut SqliteConnection,
+    owner: &str,
+    until: Millis,
+    idle_since: Millis,
+    now: Millis,
+    limit: u32,
+) -> Result<Vec<Record>, StoreError> {
+    let rows = sqlx::query(
+        "UPDATE records SET state = 'in_progress', queued = 0, lease_owner = ?1, lease_expires_at = ?2,
+                updated_at = ?4
+         WHERE id IN (SELECT id FROM records WHERE state = 'not_started' AND queued = 1 AND updated_at < ?3
+                      ORDER BY created_at LIMIT ?5)
+         RETURNING *",
+    )
+    .bind(owner)
+    .bind(until)
+    .bind(idle_since)
+    .bind(now)
+    .bind(limit as i64)
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.iter().map(decode).collect()
+}
+
 async fn sweep_done(
     conn: &mut SqliteConnection,
     cutoff: Millis,
@@ -541,6 +749,8 @@ fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
         response,
         history: serde_json::from_str(&history)?,
         cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
+        probe_count: row.try_get::<i64, _>("probe_count")? as u32,
+        next_probe_at: row.try_get("next_probe_at")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
     })
@@ -622,6 +832,140 @@ impl Store for SqliteStore {
 
     async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
         self.write(|r| Write::Cancel(id, entry, r)).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, 1000);
+        let rows = sqlx::query(
+            "SELECT * FROM records
+             WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR route = ?2) AND (?3 IS NULL OR tenant = ?3)
+               AND (?4 IS NULL OR (created_at, id) > (?4, ?5))
+             ORDER BY created_at, id LIMIT ?6",
+        )
+        .bind(filter.state.map(State::as_str))
+        .bind(filter.route.as_deref())
+        .bind(filter.tenant.as_deref())
+        .bind(filter.cursor.map(|c| c.created_at))
+        .bind(filter.cursor.map(|c| c.id.to_string()))
+        .bind(limit as i64 + 1)
+        .fetch_all(&self.reads)
+        .await?;
+        page(
+            rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?,
+            limit,
+        )
+    }
+
+    async fn resolve(
+        &self,
+        id: Uuid,
+        resolution: Resolution,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        self.write(|r| Write::Resolve(id, resolution, entry, r))
+            .await
+    }
+
+    async fn retry(
+        &self,
+        id: Uuid,
+        deadline_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        self.write(|r| Write::Retry(id, deadline_at, entry, r))
+            .await
+    }
+
+    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM records WHERE state = 'in_progress' AND lease_expires_at < ?1
+             ORDER BY lease_expires_at LIMIT ?2",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn take_over(
+        &self,
+        id: Uuid,
+        owner: &str,
+        until: Millis,
+        to: Phase,
+        lost: Option<Attempt>,
+        entry: HistoryEntry,
+    ) -> Result<bool, StoreError> {
+        let t = TakeOver {
+            id,
+            owner: owner.to_string(),
+            until,
+            to,
+            lost,
+            entry,
+        };
+        self.write(|r| Write::TakeOver(t, r)).await
+    }
+
+    async fn claim_unclaimed(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        idle_since: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::ClaimUnclaimed(owner, lease_until, idle_since, now, limit, r))
+            .await
+    }
+
+    async fn probes_due(
+        &self,
+        route: &str,
+        settle: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM records WHERE state = 'unknown' AND route = ?1
+               AND COALESCE(next_probe_at, updated_at + ?2) <= ?3
+             ORDER BY created_at LIMIT ?4",
+        )
+        .bind(route)
+        .bind(settle)
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn probed(
+        &self,
+        id: Uuid,
+        resolution: Option<Resolution>,
+        next_probe_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        self.write(|r| Write::Probed(id, resolution, next_probe_at, entry, r))
+            .await
+    }
+
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        let rows =
+            sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
+                .fetch_all(&self.reads)
+                .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get(0)?;
+                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
+                let queued = row.try_get::<i64, _>(1)? != 0;
+                Ok((Phase::of(state, queued), row.try_get::<i64, _>(2)? as u64))
+            })
+            .collect()
     }
 
     async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
