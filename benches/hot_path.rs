@@ -20,11 +20,7 @@ fn json_body(approx_bytes: usize) -> Vec<u8> {
         items.push(item);
         i += 1;
     }
-    format!(
-        r#"{{"customer":"cus_123","items":[{}],"note":"leave at the door"}}"#,
-        items.join(",")
-    )
-    .into_bytes()
+    format!(r#"{{"customer":"cus_123","items":[{}],"note":"leave at the door"}}"#, items.join(",")).into_bytes()
 }
 
 fn keys(c: &mut Criterion) {
@@ -33,9 +29,7 @@ fn keys(c: &mut Criterion) {
         b.iter(|| IdempotencyKey::parse_header(black_box(b"8e03978e-40d5-43e8-bc93-6894a57f9324")))
     });
     g.bench_function("sf_string_uuid", |b| {
-        b.iter(|| {
-            IdempotencyKey::parse_header(black_box(b"\"8e03978e-40d5-43e8-bc93-6894a57f9324\""))
-        })
+        b.iter(|| IdempotencyKey::parse_header(black_box(b"\"8e03978e-40d5-43e8-bc93-6894a57f9324\"")))
     });
     g.finish();
 }
@@ -45,43 +39,15 @@ fn fingerprints(c: &mut Criterion) {
     for size in [1024, 64 * 1024] {
         let body = json_body(size);
         g.throughput(Throughput::Bytes(body.len() as u64));
-        g.bench_with_input(
-            BenchmarkId::new("sha256_raw_baseline", size),
-            &body,
-            |b, body| b.iter(|| Sha256::digest(black_box(body))),
-        );
-        g.bench_with_input(
-            BenchmarkId::new("json_canonical", size),
-            &body,
-            |b, body| {
-                b.iter(|| {
-                    Fingerprint::of(
-                        "payments",
-                        "POST",
-                        "/payments",
-                        "",
-                        Some(b"application/json"),
-                        black_box(body),
-                    )
-                })
-            },
-        );
-        g.bench_with_input(
-            BenchmarkId::new("non_json_bytes", size),
-            &body,
-            |b, body| {
-                b.iter(|| {
-                    Fingerprint::of(
-                        "payments",
-                        "POST",
-                        "/payments",
-                        "",
-                        Some(b"text/plain"),
-                        black_box(body),
-                    )
-                })
-            },
-        );
+        g.bench_with_input(BenchmarkId::new("sha256_raw_baseline", size), &body, |b, body| {
+            b.iter(|| Sha256::digest(black_box(body)))
+        });
+        g.bench_with_input(BenchmarkId::new("json_canonical", size), &body, |b, body| {
+            b.iter(|| Fingerprint::of("payments", "POST", "/payments", "", Some(b"application/json"), black_box(body)))
+        });
+        g.bench_with_input(BenchmarkId::new("non_json_bytes", size), &body, |b, body| {
+            b.iter(|| Fingerprint::of("payments", "POST", "/payments", "", Some(b"text/plain"), black_box(body)))
+        });
     }
     g.finish();
 }

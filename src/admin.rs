@@ -14,10 +14,7 @@ pub struct Admin {
 }
 
 pub fn router(admin: Arc<Admin>) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .with_state(admin)
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(ready)).with_state(admin)
 }
 
 /// Ready when the store answers: without it no request can be recorded safely.

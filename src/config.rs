@@ -10,16 +10,13 @@ use std::time::Duration;
 use http::Method;
 use serde::Deserialize;
 
-use crate::policy::{Jitter, RetryPolicy};
+use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("{0}")]
     Syntax(String),
     #[error("config key `{key}`: {problem}")]
@@ -27,10 +24,7 @@ pub enum ConfigError {
 }
 
 fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        problem: problem.into(),
-    }
+    ConfigError::Invalid { key: key.into(), problem: problem.into() }
 }
 
 #[derive(Debug, Clone)]
@@ -94,6 +88,7 @@ pub struct Route {
     pub max_body: usize,
     pub max_concurrency: usize,
     pub retry: RetryPolicy,
+    pub circuit: BreakerSettings,
     pub probe: Option<Probe>,
 }
 
@@ -108,10 +103,8 @@ pub struct Probe {
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
         Config::parse(&text)
     }
 
@@ -120,21 +113,14 @@ impl Config {
         Config::parse_with_env(text, |name| std::env::var(name).ok())
     }
 
-    pub fn parse_with_env(
-        text: &str,
-        env: impl Fn(&str) -> Option<String>,
-    ) -> Result<Config, ConfigError> {
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+    pub fn parse_with_env(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         raw.validate(&env)
     }
 
     /// The route whose `path_prefix` is the longest prefix of `path`, on a segment boundary.
     pub fn route_for(&self, path: &str) -> Option<&Route> {
-        self.routes
-            .iter()
-            .filter(|r| prefix_matches(&r.path_prefix, path))
-            .max_by_key(|r| r.path_prefix.len())
+        self.routes.iter().filter(|r| prefix_matches(&r.path_prefix, path)).max_by_key(|r| r.path_prefix.len())
     }
 
     pub fn route_named(&self, name: &str) -> Option<&Route> {
@@ -165,36 +151,18 @@ pub fn describe(c: &Config) -> String {
     let _ = writeln!(out, "config ok");
     let _ = writeln!(out, "listen        {}", c.server.listen);
     let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
-    let _ = writeln!(
-        out,
-        "store         {} (retention {})",
-        redact(&c.store.url),
-        h(c.store.retention)
-    );
+    let _ = writeln!(out, "store         {} (retention {})", redact(&c.store.url), h(c.store.retention));
     let _ = writeln!(
         out,
         "auth          {} tenant(s); admin token {}",
         c.auth.tenants.len(),
-        if c.auth.admin_token.is_some() {
-            "set"
-        } else {
-            "not required"
-        }
+        if c.auth.admin_token.is_some() { "set" } else { "not required" }
     );
-    let _ = writeln!(
-        out,
-        "worker        concurrency {}, lease {}",
-        c.worker.concurrency,
-        h(c.worker.lease)
-    );
+    let _ = writeln!(out, "worker        concurrency {}, lease {}", c.worker.concurrency, h(c.worker.lease));
     for r in &c.routes {
         let p = &r.retry;
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
-        let _ = writeln!(
-            out,
-            "\nroute {}  {} -> {}",
-            r.name, r.path_prefix, r.upstream
-        );
+        let _ = writeln!(out, "\nroute {}  {} -> {}", r.name, r.path_prefix, r.upstream);
         let _ = writeln!(
             out,
             "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_concurrency {}",
@@ -224,13 +192,7 @@ pub fn describe(c: &Config) -> String {
             p.budget_min_per_sec
         );
         if let Some(probe) = &r.probe {
-            let _ = writeln!(
-                out,
-                "  probe {} {} after {}",
-                probe.method,
-                probe.path,
-                h(probe.settle)
-            );
+            let _ = writeln!(out, "  probe {} {} after {}", probe.method, probe.path, h(probe.settle));
         }
     }
     out
@@ -308,7 +270,17 @@ struct RawRoute {
     max_body: Option<String>,
     max_concurrency: Option<i64>,
     retry: Option<RawRetry>,
+    circuit: Option<RawCircuit>,
     probe: Option<RawProbe>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawCircuit {
+    failures: Option<i64>,
+    open_for: Option<String>,
+    max_open_for: Option<String>,
+    trials: Option<i64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -339,12 +311,8 @@ struct RawProbe {
 
 fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
     let text = value.unwrap_or(default);
-    let d = humantime::parse_duration(text).map_err(|e| {
-        invalid(
-            key,
-            format!("`{text}` is not a duration like \"250ms\" or \"30s\": {e}"),
-        )
-    })?;
+    let d = humantime::parse_duration(text)
+        .map_err(|e| invalid(key, format!("`{text}` is not a duration like \"250ms\" or \"30s\": {e}")))?;
     if d.is_zero() {
         return Err(invalid(key, "must be greater than zero"));
     }
@@ -353,12 +321,7 @@ fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, C
 
 fn socket_addr(key: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
     let text = value.unwrap_or(default);
-    text.parse().map_err(|_| {
-        invalid(
-            key,
-            format!("`{text}` is not an address like \"127.0.0.1:8080\""),
-        )
-    })
+    text.parse().map_err(|_| invalid(key, format!("`{text}` is not an address like \"127.0.0.1:8080\"")))
 }
 
 fn positive(key: &str, value: Option<i64>, default: i64) -> Result<usize, ConfigError> {
@@ -388,13 +351,9 @@ fn statuses(key: &str, value: Option<&[i64]>, default: &[u16]) -> Result<Vec<u16
 fn method(key: &str, text: &str) -> Result<Method, ConfigError> {
     let valid = !text.is_empty() && text.bytes().all(|b| b.is_ascii_uppercase());
     if !valid {
-        return Err(invalid(
-            key,
-            format!("`{text}` is not an upper-case HTTP method"),
-        ));
+        return Err(invalid(key, format!("`{text}` is not an upper-case HTTP method")));
     }
-    Method::from_bytes(text.as_bytes())
-        .map_err(|_| invalid(key, format!("`{text}` is not an HTTP method")))
+    Method::from_bytes(text.as_bytes()).map_err(|_| invalid(key, format!("`{text}` is not an HTTP method")))
 }
 
 impl RawConfig {
@@ -402,28 +361,15 @@ impl RawConfig {
         let server = self.server.unwrap_or_default();
         let server = ServerConfig {
             listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
-            admin_listen: socket_addr(
-                "server.admin_listen",
-                server.admin_listen.as_deref(),
-                "127.0.0.1:8081",
-            )?,
+            admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
         };
 
         let store = self.store.unwrap_or_default();
         let url = store.url.unwrap_or_else(|| "sqlite://idem.db".into());
-        if !(url.starts_with("sqlite:")
-            || url.starts_with("postgres://")
-            || url.starts_with("postgresql://"))
-        {
-            return Err(invalid(
-                "store.url",
-                format!("`{url}` must start with sqlite: or postgres://"),
-            ));
+        if !(url.starts_with("sqlite:") || url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(invalid("store.url", format!("`{url}` must start with sqlite: or postgres://")));
         }
-        let store = StoreConfig {
-            url,
-            retention: duration("store.retention", store.retention.as_deref(), "24h")?,
-        };
+        let store = StoreConfig { url, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
 
         let auth = validate_auth(self.auth.unwrap_or_default(), env)?;
 
@@ -439,10 +385,7 @@ impl RawConfig {
         for (i, raw) in self.routes.into_iter().enumerate() {
             let route = raw.validate(&format!("routes[{i}]"))?;
             if !names.insert(route.name.clone()) {
-                return Err(invalid(
-                    format!("routes[{i}].name"),
-                    format!("`{}` is used by two routes", route.name),
-                ));
+                return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
             }
             if !prefixes.insert(route.path_prefix.clone()) {
                 return Err(invalid(
@@ -453,20 +396,11 @@ impl RawConfig {
             routes.push(route);
         }
 
-        Ok(Config {
-            server,
-            store,
-            auth,
-            routes,
-            worker,
-        })
+        Ok(Config { server, store, auth, routes, worker })
     }
 }
 
-fn validate_auth(
-    raw: RawAuth,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<AuthConfig, ConfigError> {
+fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<AuthConfig, ConfigError> {
     let admin_token = match raw.admin_token_env {
         None => None,
         Some(var) => match env(&var) {
@@ -484,16 +418,10 @@ fn validate_auth(
     for (i, t) in raw.tenants.into_iter().enumerate() {
         let key = format!("auth.tenants[{i}]");
         if t.name.is_empty() || !t.name.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(invalid(
-                format!("{key}.name"),
-                "must be non-empty visible ASCII",
-            ));
+            return Err(invalid(format!("{key}.name"), "must be non-empty visible ASCII"));
         }
         if !seen.insert(t.name.clone()) {
-            return Err(invalid(
-                format!("{key}.name"),
-                format!("tenant `{}` is listed twice", t.name),
-            ));
+            return Err(invalid(format!("{key}.name"), format!("tenant `{}` is listed twice", t.name)));
         }
         let mut digest = [0u8; 32];
         hex::decode_to_slice(t.token_sha256.trim(), &mut digest).map_err(|_| {
@@ -502,81 +430,45 @@ fn validate_auth(
                 "must be the 64 hex digits of the token's SHA-256 (the token itself is never configured)",
             )
         })?;
-        tenants.push(Tenant {
-            name: t.name,
-            token_sha256: digest,
-        });
+        tenants.push(Tenant { name: t.name, token_sha256: digest });
     }
-    Ok(AuthConfig {
-        admin_token,
-        tenants,
-    })
+    Ok(AuthConfig { admin_token, tenants })
 }
 
 impl RawRoute {
     fn validate(self, key: &str) -> Result<Route, ConfigError> {
-        if self.name.is_empty()
-            || !self
-                .name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-        {
-            return Err(invalid(
-                format!("{key}.name"),
-                "must be non-empty and use only letters, digits, - _ .",
-            ));
+        if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+            return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
         }
         if !self.path_prefix.starts_with('/') {
             return Err(invalid(format!("{key}.path_prefix"), "must start with /"));
         }
+        if prefix_matches("/_idem", &self.path_prefix) {
+            return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
+        }
         let upstream = reqwest::Url::parse(&self.upstream)
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-            .ok_or_else(|| {
-                invalid(
-                    format!("{key}.upstream"),
-                    format!("`{}` is not an http(s) URL", self.upstream),
-                )
-            })?;
+            .ok_or_else(|| invalid(format!("{key}.upstream"), format!("`{}` is not an http(s) URL", self.upstream)))?;
         if upstream.query().is_some() || upstream.fragment().is_some() {
-            return Err(invalid(
-                format!("{key}.upstream"),
-                "must not carry a query or fragment",
-            ));
+            return Err(invalid(format!("{key}.upstream"), "must not carry a query or fragment"));
         }
         let methods = match self.methods {
             None => vec![Method::POST, Method::PATCH],
             Some(list) if list.is_empty() => {
-                return Err(invalid(
-                    format!("{key}.methods"),
-                    "must name at least one method",
-                ))
+                return Err(invalid(format!("{key}.methods"), "must name at least one method"))
             }
-            Some(list) => list
-                .iter()
-                .map(|m| method(&format!("{key}.methods"), m))
-                .collect::<Result<_, _>>()?,
+            Some(list) => list.iter().map(|m| method(&format!("{key}.methods"), m)).collect::<Result<_, _>>()?,
         };
         let max_body_text = self.max_body.unwrap_or_else(|| "1MiB".into());
         let max_body = max_body_text
             .parse::<bytesize::ByteSize>()
-            .map_err(|_| {
-                invalid(
-                    format!("{key}.max_body"),
-                    format!("`{max_body_text}` is not a size like \"1MiB\""),
-                )
-            })?
+            .map_err(|_| invalid(format!("{key}.max_body"), format!("`{max_body_text}` is not a size like \"1MiB\"")))?
             .as_u64();
         if max_body == 0 {
-            return Err(invalid(
-                format!("{key}.max_body"),
-                "must be greater than zero",
-            ));
+            return Err(invalid(format!("{key}.max_body"), "must be greater than zero"));
         }
-        let probe = self
-            .probe
-            .map(|p| p.validate(&format!("{key}.probe")))
-            .transpose()?;
+        let probe = self.probe.map(|p| p.validate(&format!("{key}.probe"))).transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
@@ -584,17 +476,10 @@ impl RawRoute {
             methods,
             replay_safe: self.replay_safe.unwrap_or(false),
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
-            max_body: usize::try_from(max_body)
-                .map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
-            max_concurrency: positive(
-                &format!("{key}.max_concurrency"),
-                self.max_concurrency,
-                256,
-            )?,
-            retry: self
-                .retry
-                .unwrap_or_default()
-                .validate(&format!("{key}.retry"))?,
+            max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
+            max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
+            retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
+            circuit: self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?,
             probe,
         })
     }
@@ -604,28 +489,17 @@ impl RawRetry {
     fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         let max_attempts = positive(&k("max_attempts"), self.max_attempts, 3)?;
-        let max_attempts =
-            u32::try_from(max_attempts).map_err(|_| invalid(k("max_attempts"), "is too large"))?;
+        let max_attempts = u32::try_from(max_attempts).map_err(|_| invalid(k("max_attempts"), "is too large"))?;
         let deadline = duration(&k("deadline"), self.deadline.as_deref(), "30s")?;
-        let per_try_timeout = duration(
-            &k("per_try_timeout"),
-            self.per_try_timeout.as_deref(),
-            "10s",
-        )?;
+        let per_try_timeout = duration(&k("per_try_timeout"), self.per_try_timeout.as_deref(), "10s")?;
         let min_try = duration(&k("min_try"), self.min_try.as_deref(), "100ms")?;
         let base = duration(&k("base"), self.base.as_deref(), "100ms")?;
         let cap = duration(&k("cap"), self.cap.as_deref(), "2s")?;
         if min_try > per_try_timeout {
-            return Err(invalid(
-                k("min_try"),
-                "must not exceed per_try_timeout: no attempt could ever start",
-            ));
+            return Err(invalid(k("min_try"), "must not exceed per_try_timeout: no attempt could ever start"));
         }
         if min_try > deadline {
-            return Err(invalid(
-                k("min_try"),
-                "must not exceed deadline: no attempt could ever start",
-            ));
+            return Err(invalid(k("min_try"), "must not exceed deadline: no attempt could ever start"));
         }
         if base > cap {
             return Err(invalid(k("base"), "must not exceed cap"));
@@ -636,40 +510,20 @@ impl RawRetry {
             "decorrelated" => Jitter::Decorrelated,
             "none" => Jitter::None,
             other => {
-                return Err(invalid(
-                    k("jitter"),
-                    format!("`{other}` is not one of full, equal, decorrelated, none"),
-                ))
+                return Err(invalid(k("jitter"), format!("`{other}` is not one of full, equal, decorrelated, none")))
             }
         };
-        let not_processed = statuses(
-            &k("not_processed"),
-            self.not_processed.as_deref(),
-            &[429, 503],
-        )?;
+        let not_processed = statuses(&k("not_processed"), self.not_processed.as_deref(), &[429, 503])?;
         let ambiguous = statuses(&k("ambiguous"), self.ambiguous.as_deref(), &[502, 504])?;
         if let Some(s) = not_processed.iter().find(|s| ambiguous.contains(s)) {
-            return Err(invalid(
-                k("ambiguous"),
-                format!("{s} is also listed in not_processed"),
-            ));
+            return Err(invalid(k("ambiguous"), format!("{s} is also listed in not_processed")));
         }
-        if let Some(s) = not_processed
-            .iter()
-            .chain(&ambiguous)
-            .find(|s| (200..300).contains(*s))
-        {
-            return Err(invalid(
-                k("not_processed"),
-                format!("{s} is a success status and cannot be retried"),
-            ));
+        if let Some(s) = not_processed.iter().chain(&ambiguous).find(|s| (200..300).contains(*s)) {
+            return Err(invalid(k("not_processed"), format!("{s} is a success status and cannot be retried")));
         }
         let budget_ratio = self.budget_ratio.unwrap_or(0.1);
         if !budget_ratio.is_finite() || !(0.0..=1.0).contains(&budget_ratio) {
-            return Err(invalid(
-                k("budget_ratio"),
-                "must be a fraction between 0 and 1",
-            ));
+            return Err(invalid(k("budget_ratio"), "must be a fraction between 0 and 1"));
         }
         let budget_min_per_sec = self.budget_min_per_sec.unwrap_or(10.0);
         if !budget_min_per_sec.is_finite() || budget_min_per_sec < 0.0 {
@@ -691,16 +545,32 @@ impl RawRetry {
     }
 }
 
+impl RawCircuit {
+    fn validate(self, key: &str) -> Result<BreakerSettings, ConfigError> {
+        let k = |name: &str| format!("{key}.{name}");
+        let failures = positive(&k("failures"), self.failures, 5)?;
+        let trials = positive(&k("trials"), self.trials, 1)?;
+        let open_for = duration(&k("open_for"), self.open_for.as_deref(), "5s")?;
+        let max_open_for = duration(&k("max_open_for"), self.max_open_for.as_deref(), "60s")?;
+        if open_for > max_open_for {
+            return Err(invalid(k("open_for"), "must not exceed max_open_for"));
+        }
+        Ok(BreakerSettings {
+            failures: u32::try_from(failures).map_err(|_| invalid(k("failures"), "is too large"))?,
+            open_for,
+            max_open_for,
+            trials: u32::try_from(trials).map_err(|_| invalid(k("trials"), "is too large"))?,
+        })
+    }
+}
+
 impl RawProbe {
     fn validate(self, key: &str) -> Result<Probe, ConfigError> {
         if !self.path.starts_with('/') {
             return Err(invalid(format!("{key}.path"), "must start with /"));
         }
         Ok(Probe {
-            method: method(
-                &format!("{key}.method"),
-                self.method.as_deref().unwrap_or("GET"),
-            )?,
+            method: method(&format!("{key}.method"), self.method.as_deref().unwrap_or("GET"))?,
             path: self.path,
             settle: duration(&format!("{key}.settle"), self.settle.as_deref(), "5s")?,
         })
@@ -723,9 +593,7 @@ mod tests {
     }
 
     fn error_of(text: &str) -> String {
-        Config::parse_with_env(text, no_env)
-            .unwrap_err()
-            .to_string()
+        Config::parse_with_env(text, no_env).unwrap_err().to_string()
     }
 
     fn with_route_line(line: &str) -> String {
@@ -762,46 +630,29 @@ mod tests {
     #[test]
     fn bad_durations_name_their_key() {
         let e = error_of(&with_retry_line("deadline = \"soon\""));
-        assert!(
-            e.contains("routes[0].retry.deadline") && e.contains("soon"),
-            "{e}"
-        );
+        assert!(e.contains("routes[0].retry.deadline") && e.contains("soon"), "{e}");
         let e = error_of(&with_retry_line("per_try_timeout = \"0s\""));
-        assert!(
-            e.contains("routes[0].retry.per_try_timeout") && e.contains("greater than zero"),
-            "{e}"
-        );
+        assert!(e.contains("routes[0].retry.per_try_timeout") && e.contains("greater than zero"), "{e}");
         let e = error_of(&format!("[store]\nretention = \"-1h\"\n{MINIMAL}"));
         assert!(e.contains("store.retention"), "{e}");
     }
 
     #[test]
     fn contradictory_retry_settings_are_refused() {
-        let e = error_of(&with_retry_line(
-            "min_try = \"2s\"\nper_try_timeout = \"1s\"",
-        ));
+        let e = error_of(&with_retry_line("min_try = \"2s\"\nper_try_timeout = \"1s\""));
         assert!(e.contains("routes[0].retry.min_try"), "{e}");
         let e = error_of(&with_retry_line("max_attempts = 0"));
-        assert!(
-            e.contains("routes[0].retry.max_attempts") && e.contains("at least 1"),
-            "{e}"
-        );
+        assert!(e.contains("routes[0].retry.max_attempts") && e.contains("at least 1"), "{e}");
         let e = error_of(&with_retry_line("max_attempts = -2"));
         assert!(e.contains("max_attempts"), "{e}");
         let e = error_of(&with_retry_line("base = \"5s\"\ncap = \"1s\""));
         assert!(e.contains("routes[0].retry.base"), "{e}");
         let e = error_of(&with_retry_line("jitter = \"random\""));
-        assert!(
-            e.contains("routes[0].retry.jitter") && e.contains("random"),
-            "{e}"
-        );
+        assert!(e.contains("routes[0].retry.jitter") && e.contains("random"), "{e}");
         let e = error_of(&with_retry_line("not_processed = [503]\nambiguous = [503]"));
         assert!(e.contains("routes[0].retry.ambiguous"), "{e}");
         let e = error_of(&with_retry_line("ambiguous = [700]"));
-        assert!(
-            e.contains("routes[0].retry.ambiguous") && e.contains("700"),
-            "{e}"
-        );
+        assert!(e.contains("routes[0].retry.ambiguous") && e.contains("700"), "{e}");
         let e = error_of(&with_retry_line("budget_ratio = 1.5"));
         assert!(e.contains("budget_ratio"), "{e}");
         let e = error_of(&with_retry_line("budget_ratio = nan"));
@@ -818,14 +669,18 @@ mod tests {
         assert!(e.contains("routes[0].methods"), "{e}");
         let e = error_of(&with_route_line("max_concurrency = 0"));
         assert!(e.contains("routes[0].max_concurrency"), "{e}");
-        let e =
-            error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://x\"\n");
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://x\"\n");
         assert!(e.contains("routes[0].upstream"), "{e}");
-        let e =
-            error_of("[[routes]]\nname = \"p\"\npath_prefix = \"p\"\nupstream = \"http://x\"\n");
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"p\"\nupstream = \"http://x\"\n");
         assert!(e.contains("routes[0].path_prefix"), "{e}");
         let e = error_of(&format!("{MINIMAL}{MINIMAL}"));
         assert!(e.contains("routes[1].name"), "{e}");
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/_idem/x\"\nupstream = \"http://x\"\n");
+        assert!(e.contains("routes[0].path_prefix") && e.contains("/_idem"), "{e}");
+        let e = error_of(&format!("{MINIMAL}[routes.circuit]\nopen_for = \"2m\"\n"));
+        assert!(e.contains("routes[0].circuit.open_for"), "{e}");
+        let e = error_of(&format!("{MINIMAL}[routes.circuit]\nfailures = 0\n"));
+        assert!(e.contains("routes[0].circuit.failures"), "{e}");
     }
 
     #[test]
@@ -844,21 +699,14 @@ mod tests {
     fn secrets_come_from_the_environment() {
         let text = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
         let e = error_of(text);
-        assert!(
-            e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"),
-            "{e}"
-        );
-        let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into()))
-            .unwrap();
+        assert!(e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"), "{e}");
+        let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into())).unwrap();
         assert_eq!(c.auth.admin_token.as_deref(), Some("s3cret"));
     }
 
     #[test]
     fn tenant_tokens_are_configured_as_digests() {
-        let ok = format!(
-            "[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n",
-            "ab".repeat(32)
-        );
+        let ok = format!("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n", "ab".repeat(32));
         let c = Config::parse_with_env(&ok, no_env).unwrap();
         assert_eq!(c.auth.tenants[0].token_sha256, [0xab; 32]);
         let e = error_of("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"plain-token\"\n");

@@ -49,23 +49,14 @@ async fn create_payment(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("(none)")
-        .trim_matches('"')
-        .to_string();
+    let key =
+        headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or("(none)").trim_matches('"').to_string();
     if let Some(times) = behaviour.flaky {
         let mut flaked = payments.flaked.lock().unwrap_or_else(|p| p.into_inner());
         let count = flaked.entry(key.clone()).or_default();
         if *count < times {
             *count += 1;
-            return (
-                StatusCode::SERVICE_UNAVAILABLE,
-                [("retry-after", "1")],
-                "busy, try again\n",
-            )
-                .into_response();
+            return (StatusCode::SERVICE_UNAVAILABLE, [("retry-after", "1")], "busy, try again\n").into_response();
         }
     }
     if let Some(secs) = behaviour.hang {
@@ -73,37 +64,22 @@ async fn create_payment(
         payments.count(&key);
         tokio::time::sleep(Duration::from_secs(secs)).await;
     }
-    let executions = if behaviour.hang.is_some() {
-        payments.executions(&key)
-    } else {
-        payments.count(&key)
-    };
+    let executions = if behaviour.hang.is_some() { payments.executions(&key) } else { payments.count(&key) };
     let amount = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v.get("amount").cloned())
         .unwrap_or(json!(null));
-    let status = behaviour
-        .status
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .unwrap_or(StatusCode::CREATED);
+    let status = behaviour.status.and_then(|s| StatusCode::from_u16(s).ok()).unwrap_or(StatusCode::CREATED);
     let reply = json!({
         "id": format!("pay_{}", uuid::Uuid::new_v4().simple()),
         "amount": amount,
         "idempotency_key": key,
         "executions": executions,
     });
-    (
-        status,
-        [("content-type", "application/json")],
-        reply.to_string(),
-    )
-        .into_response()
+    (status, [("content-type", "application/json")], reply.to_string()).into_response()
 }
 
-async fn payment_by_key(
-    State(payments): State<Arc<Payments>>,
-    Path(key): Path<String>,
-) -> Response {
+async fn payment_by_key(State(payments): State<Arc<Payments>>, Path(key): Path<String>) -> Response {
     match payments.executions(&key) {
         0 => (StatusCode::NOT_FOUND, "no such payment\n").into_response(),
         n => axum::Json(json!({"idempotency_key": key, "executions": n})).into_response(),
@@ -119,22 +95,12 @@ impl Payments {
     }
 
     pub fn executions(&self, key: &str) -> u32 {
-        self.executions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key)
-            .copied()
-            .unwrap_or(0)
+        self.executions.lock().unwrap_or_else(|p| p.into_inner()).get(key).copied().unwrap_or(0)
     }
 }
 
 /// The demo's config: one `payments` route in front of the demo upstream.
-pub fn demo_config(
-    listen: SocketAddr,
-    admin_listen: SocketAddr,
-    upstream: SocketAddr,
-    db: &std::path::Path,
-) -> String {
+pub fn demo_config(listen: SocketAddr, admin_listen: SocketAddr, upstream: SocketAddr, db: &std::path::Path) -> String {
     format!(
         r#"
 [server]
@@ -164,25 +130,14 @@ cap = "2s"
 }
 
 pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), StartError> {
-    let upstream_listener =
-        TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: "127.0.0.1:0".parse().expect("a literal address"),
-                source,
-            })?;
+    let upstream_listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|source| StartError::Bind { addr: "127.0.0.1:0".parse().expect("a literal address"), source })?;
     let upstream = upstream_listener
         .local_addr()
-        .map_err(|source| StartError::Bind {
-            addr: "127.0.0.1:0".parse().expect("a literal address"),
-            source,
-        })?;
+        .map_err(|source| StartError::Bind { addr: "127.0.0.1:0".parse().expect("a literal address"), source })?;
     tokio::spawn(async move {
-        let _ = axum::serve(
-            upstream_listener,
-            payments_router(Arc::new(Payments::default())),
-        )
-        .await;
+        let _ = axum::serve(upstream_listener, payments_router(Arc::new(Payments::default()))).await;
     });
 
     let db = std::env::temp_dir().join(format!("idem-demo-{}.db", std::process::id()));

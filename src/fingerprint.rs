@@ -12,28 +12,13 @@ use sha2::{Digest, Sha256};
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    pub fn of(
-        route: &str,
-        method: &str,
-        path: &str,
-        query: &str,
-        content_type: Option<&[u8]>,
-        body: &[u8],
-    ) -> Self {
+    pub fn of(route: &str, method: &str, path: &str, query: &str, content_type: Option<&[u8]>, body: &[u8]) -> Self {
         let mut h = Sha256::new();
-        for field in [
-            route.as_bytes(),
-            method.as_bytes(),
-            path.as_bytes(),
-            query.as_bytes(),
-        ] {
+        for field in [route.as_bytes(), method.as_bytes(), path.as_bytes(), query.as_bytes()] {
             h.update((field.len() as u64).to_le_bytes());
             h.update(field);
         }
-        match is_json(content_type)
-            .then(|| canonical_json(body))
-            .flatten()
-        {
+        match is_json(content_type).then(|| canonical_json(body)).flatten() {
             Some(canonical) => {
                 h.update(b"json");
                 h.update(&canonical);
@@ -71,12 +56,7 @@ fn is_json(content_type: Option<&[u8]>) -> bool {
     let Ok(ct) = std::str::from_utf8(ct) else {
         return false;
     };
-    let media = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
+    let media = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
     media == "application/json" || media.ends_with("+json")
 }
 
@@ -85,12 +65,7 @@ fn is_json(content_type: Option<&[u8]>) -> bool {
 /// `None` when the body is not JSON; it is then hashed as bytes.
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     let text = std::str::from_utf8(body).ok()?;
-    let mut p = Parser {
-        s: text.as_bytes(),
-        i: 0,
-        depth: 0,
-        members: Vec::new(),
-    };
+    let mut p = Parser { s: text.as_bytes(), i: 0, depth: 0, members: Vec::new() };
     let mut out = Vec::with_capacity(body.len());
     p.skip_ws();
     p.value(&mut out)?;
@@ -139,11 +114,7 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn nested(
-        &mut self,
-        out: &mut Vec<u8>,
-        f: fn(&mut Self, &mut Vec<u8>) -> Option<()>,
-    ) -> Option<()> {
+    fn nested(&mut self, out: &mut Vec<u8>, f: fn(&mut Self, &mut Vec<u8>) -> Option<()>) -> Option<()> {
         self.depth += 1;
         if self.depth > MAX_DEPTH {
             return None;
@@ -381,14 +352,7 @@ mod tests {
     }
 
     fn fp(body: &str) -> Fingerprint {
-        Fingerprint::of(
-            "payments",
-            "POST",
-            "/payments",
-            "",
-            Some(b"application/json"),
-            body.as_bytes(),
-        )
+        Fingerprint::of("payments", "POST", "/payments", "", Some(b"application/json"), body.as_bytes())
     }
 
     #[test]
@@ -409,10 +373,7 @@ mod tests {
         assert_ne!(base, fp(r#"{"amount":100}"#));
         assert_ne!(base, fp(r#"[{"amount":100,"currency":"eur"}]"#));
         // Numbers are compared as written: no float rounding can merge two different amounts.
-        assert_ne!(
-            fp(r#"{"n":12345678901234567890123}"#),
-            fp(r#"{"n":12345678901234567890124}"#)
-        );
+        assert_ne!(fp(r#"{"n":12345678901234567890123}"#), fp(r#"{"n":12345678901234567890124}"#));
         assert_ne!(fp(r#"{"n":1.0}"#), fp(r#"{"n":1}"#));
         // Duplicate keys are kept, so a last-wins and a first-wins reading are not confused.
         assert_ne!(fp(r#"{"a":1,"a":2}"#), fp(r#"{"a":2}"#));
@@ -420,8 +381,7 @@ mod tests {
 
     #[test]
     fn route_method_path_and_query_are_part_of_the_fingerprint() {
-        let f =
-            |route, method, path, query| Fingerprint::of(route, method, path, query, None, b"{}");
+        let f = |route, method, path, query| Fingerprint::of(route, method, path, query, None, b"{}");
         let base = f("payments", "POST", "/payments", "");
         assert_ne!(base, f("refunds", "POST", "/payments", ""));
         assert_ne!(base, f("payments", "PATCH", "/payments", ""));
@@ -433,9 +393,7 @@ mod tests {
 
     #[test]
     fn non_json_bodies_are_hashed_as_bytes() {
-        let text = |body: &str| {
-            Fingerprint::of("r", "POST", "/", "", Some(b"text/plain"), body.as_bytes())
-        };
+        let text = |body: &str| Fingerprint::of("r", "POST", "/", "", Some(b"text/plain"), body.as_bytes());
         assert_ne!(text(r#"{"a":1,"b":2}"#), text(r#"{"b":2,"a":1}"#));
         assert_eq!(text("hello"), text("hello"));
         // Invalid JSON under a JSON content type falls back to bytes instead of failing.

@@ -20,12 +20,10 @@ use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::policy::StopReason;
 use crate::problem::{Problem, STATUS_HEADER};
-use crate::record::{
-    duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
-};
+use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, NewRecord, Store};
 use crate::upstream::{self, Upstream};
-use crate::worker::{Outcome, Settled, Worker};
+use crate::worker::{Outcome, Refusal, Settled, Slot, Worker};
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
@@ -44,10 +42,7 @@ pub struct Ingress {
 
 pub fn router(ingress: Arc<Ingress>) -> Router {
     Router::new()
-        .route(
-            "/_idem/requests/{*key}",
-            get(show_request).delete(cancel_request),
-        )
+        .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
         .fallback(handle)
         .with_state(ingress)
 }
@@ -62,12 +57,7 @@ struct Prefer {
 impl Prefer {
     fn from_headers(headers: &HeaderMap) -> Prefer {
         let mut prefer = Prefer::default();
-        for token in headers
-            .get_all("prefer")
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-        {
+        for token in headers.get_all("prefer").iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')) {
             let token = token.split(';').next().unwrap_or("").trim();
             let (name, value) = match token.split_once('=') {
                 Some((n, v)) => (n.trim(), Some(v.trim().trim_matches('"'))),
@@ -136,15 +126,11 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
 
 async fn read_body(body: Body, limit: usize) -> Result<Bytes, Problem> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
         if too_large {
             Problem::too_large(limit)
         } else {
-            Problem::bad_request(
-                "unreadable-body",
-                "The request body could not be read completely.",
-            )
+            Problem::bad_request("unreadable-body", "The request body could not be read completely.")
         }
     })
 }
@@ -162,11 +148,8 @@ impl Ingress {
             KeyError::Missing => Problem::missing_key(),
             KeyError::Invalid(why) => Problem::invalid_key(why),
         })?;
-        let declared = parts
-            .headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok());
+        let declared =
+            parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
         if declared.is_some_and(|n| n > route.max_body as u64) {
             return Err(Problem::too_large(route.max_body));
         }
@@ -177,10 +160,7 @@ impl Ingress {
             parts.method.as_str(),
             parts.uri.path(),
             query,
-            parts
-                .headers
-                .get(header::CONTENT_TYPE)
-                .map(|v| v.as_bytes()),
+            parts.headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
             &body,
         );
         let prefer = Prefer::from_headers(&parts.headers);
@@ -194,10 +174,7 @@ impl Ingress {
             query: query.to_string(),
             fingerprint,
             request: StoredRequest {
-                headers: upstream::forwardable_request_headers(
-                    &parts.headers,
-                    route.forward_idempotency_key,
-                ),
+                headers: upstream::forwardable_request_headers(&parts.headers, route.forward_idempotency_key),
                 body,
             },
             deadline_at: arrival + duration_ms(route.retry.deadline),
@@ -205,29 +182,27 @@ impl Ingress {
         };
 
         // Read first: replays and in-progress duplicates never touch the writer.
-        let existing = self
-            .store
-            .lookup(&new.tenant, &new.key)
-            .await
-            .map_err(|e| Problem::store(&e))?;
+        let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
         let record = match existing {
             Some(record)
-                if !self.expired(&record)
-                    && (record.fingerprint != fingerprint || record.phase() != Phase::Free) =>
+                if !self.expired(&record) && (record.fingerprint != fingerprint || record.phase() != Phase::Free) =>
             {
                 record
             }
-            _ => match self
-                .store
-                .admit(new, self.retention_cutoff())
-                .await
-                .map_err(|e| Problem::store(&e))?
-            {
-                Admission::Created(record) | Admission::Requeued(record) => {
-                    return Ok(self.execute(record, prefer).await);
+            _ => {
+                // A new execution: shed it here, before anything is recorded, if the route is
+                // saturated or its upstream's circuit is open.
+                let slot = self.worker.guards().enter(&route).map_err(|refusal| match refusal {
+                    Refusal::Overloaded => Problem::overloaded(),
+                    Refusal::CircuitOpen(wait) => Problem::circuit_open(wait.as_secs_f64().ceil() as u64),
+                })?;
+                match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
+                    Admission::Created(record) | Admission::Requeued(record) => {
+                        return Ok(self.execute(record, slot, prefer).await);
+                    }
+                    Admission::Existing(record) => record,
                 }
-                Admission::Existing(record) => record,
-            },
+            }
         };
         if record.fingerprint != fingerprint {
             return Err(Problem::key_reused().state(record.state));
@@ -244,21 +219,15 @@ impl Ingress {
     }
 
     /// This request owns the record: hand it to a worker and answer with the outcome.
-    async fn execute(&self, record: Record, prefer: Prefer) -> Response {
+    async fn execute(&self, record: Record, slot: Slot, prefer: Prefer) -> Response {
         if prefer.respond_async {
             let location = format!("/_idem/requests/{}", encode_key(&record.key));
             let body = record.to_json(false);
-            self.worker.submit(record, None);
+            self.worker.submit(record, Some(slot), None);
             let mut response = (StatusCode::ACCEPTED, Json(body)).into_response();
             let headers = response.headers_mut();
-            headers.insert(
-                STATUS_HEADER,
-                HeaderValue::from_static(State::NotStarted.as_str()),
-            );
-            headers.insert(
-                "preference-applied",
-                HeaderValue::from_static("respond-async"),
-            );
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
+            headers.insert("preference-applied", HeaderValue::from_static("respond-async"));
             if let Ok(v) = HeaderValue::from_str(&location) {
                 headers.insert(header::LOCATION, v);
             }
@@ -266,9 +235,8 @@ impl Ingress {
         }
         let (tx, rx) = oneshot::channel();
         let id = record.id;
-        let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64)
-            + Duration::from_secs(5);
-        self.worker.submit(record, Some(tx));
+        let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64) + Duration::from_secs(5);
+        self.worker.submit(record, Some(slot), Some(tx));
         match tokio::time::timeout(patience, rx).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => outcome_response(outcome),
             _ => match self.store.get(id).await {
@@ -291,28 +259,18 @@ impl Ingress {
         match record.phase() {
             Phase::Done => match &record.response {
                 Some(response) => stored_response(response, true),
-                None => Problem::outcome_unknown()
-                    .state(State::Done)
-                    .into_response(),
+                None => Problem::outcome_unknown().state(State::Done).into_response(),
             },
-            Phase::Unknown => Problem::outcome_unknown()
-                .state(State::Unknown)
-                .into_response(),
+            Phase::Unknown => Problem::outcome_unknown().state(State::Unknown).into_response(),
             Phase::Queued | Phase::InProgress => {
                 let left = (record.deadline_at - now_ms()).max(0) as u64;
                 let seconds = left.div_ceil(1000).clamp(1, 5);
-                Problem::in_progress(seconds)
-                    .state(record.state)
-                    .into_response()
+                Problem::in_progress(seconds).state(record.state).into_response()
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
             Phase::Free => match record.stop_reason {
-                Some(StopReason::Cancelled) => Problem::cancelled()
-                    .state(State::NotStarted)
-                    .into_response(),
-                Some(StopReason::Deadline) => Problem::deadline_exceeded()
-                    .state(State::NotStarted)
-                    .into_response(),
+                Some(StopReason::Cancelled) => Problem::cancelled().state(State::NotStarted).into_response(),
+                Some(StopReason::Deadline) => Problem::deadline_exceeded().state(State::NotStarted).into_response(),
                 _ => Problem::upstream_unavailable("the upstream did not execute it")
                     .retry_after(1)
                     .state(State::NotStarted)
@@ -351,32 +309,12 @@ impl Ingress {
             Ok(body) => body,
             Err(problem) => return problem.into_response(),
         };
-        let url = format!(
-            "{}{}",
-            route.upstream,
-            parts
-                .uri
-                .path_and_query()
-                .map(|p| p.as_str())
-                .unwrap_or("/")
-        );
+        let url = format!("{}{}", route.upstream, parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"));
         let headers = upstream::forwardable_request_headers(&parts.headers, true);
-        match self
-            .upstream
-            .send(
-                parts.method.as_str(),
-                &url,
-                &headers,
-                body,
-                route.retry.deadline,
-            )
-            .await
-        {
+        match self.upstream.send(parts.method.as_str(), &url, &headers, body, route.retry.deadline).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
-            Err(_) => Problem::upstream_unavailable("it could not be reached")
-                .retry_after(1)
-                .into_response(),
+            Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
         }
     }
 }
@@ -388,39 +326,27 @@ fn encode_key(key: &str) -> String {
 /// The answer for the request that drove an execution.
 fn outcome_response(outcome: Outcome) -> Response {
     match outcome {
-        Outcome::Done(StopReason::Deadline, _) => Problem::deadline_exceeded()
-            .state(State::Done)
-            .into_response(),
+        Outcome::Done(StopReason::Deadline, _) => Problem::deadline_exceeded().state(State::Done).into_response(),
         Outcome::Done(_, response) => stored_response(&response, false),
-        Outcome::Unknown(_) => Problem::outcome_unknown()
-            .state(State::Unknown)
-            .into_response(),
+        Outcome::Unknown(_) => Problem::outcome_unknown().state(State::Unknown).into_response(),
         Outcome::Free(_, Some(last)) => {
             let mut response = response_of(&last);
-            response.headers_mut().insert(
-                STATUS_HEADER,
-                HeaderValue::from_static(State::NotStarted.as_str()),
-            );
+            response.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
             response
         }
         Outcome::Free(stop, None) => {
             let problem = match stop {
                 StopReason::Deadline => Problem::deadline_exceeded(),
                 StopReason::Cancelled => Problem::cancelled(),
-                StopReason::CircuitOpen => {
-                    Problem::upstream_unavailable("its circuit breaker is open").retry_after(1)
-                }
+                StopReason::CircuitOpen => Problem::upstream_unavailable("its circuit breaker is open").retry_after(1),
                 StopReason::RetryBudget => {
-                    Problem::upstream_unavailable("the route's retry budget is spent")
-                        .retry_after(1)
+                    Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
                 }
                 _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
             };
             problem.state(State::NotStarted).into_response()
         }
-        Outcome::Lost => Problem::in_progress(1)
-            .state(State::InProgress)
-            .into_response(),
+        Outcome::Lost => Problem::in_progress(1).state(State::InProgress).into_response(),
     }
 }
 
@@ -428,10 +354,7 @@ fn outcome_response(outcome: Outcome) -> Response {
 fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
     let mut response = response_of(stored);
     let headers = response.headers_mut();
-    headers.insert(
-        STATUS_HEADER,
-        HeaderValue::from_static(State::Done.as_str()),
-    );
+    headers.insert(STATUS_HEADER, HeaderValue::from_static(State::Done.as_str()));
     if replayed {
         headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     }
@@ -462,10 +385,7 @@ async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, P
 
 fn record_response(status: StatusCode, record: &Record) -> Response {
     let mut response = (status, Json(record.to_json(true))).into_response();
-    response.headers_mut().insert(
-        STATUS_HEADER,
-        HeaderValue::from_static(record.state.as_str()),
-    );
+    response.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
     response
 }
 
@@ -489,12 +409,8 @@ async fn cancel_request(
         Ok(record) => record,
         Err(problem) => return problem.into_response(),
     };
-    let entry = HistoryEntry {
-        at: now_ms(),
-        actor: format!("client:{}", record.tenant),
-        action: "cancel".into(),
-        note: None,
-    };
+    let entry =
+        HistoryEntry { at: now_ms(), actor: format!("client:{}", record.tenant), action: "cancel".into(), note: None };
     match app.store.cancel(record.id, entry).await {
         Ok(Cancelled::Dequeued(record)) => {
             app.settled.settled(record.id);
@@ -531,10 +447,7 @@ mod tests {
         assert!(both.respond_async && both.wait == Some(Duration::from_secs(3)));
         assert_eq!(prefer(&["wait=forever"]).wait, None);
         assert_eq!(prefer(&["wait=-1"]).wait, None);
-        assert_eq!(
-            prefer(&["wait=99999"]).wait,
-            Some(Duration::from_secs(MAX_WAIT_SECS))
-        );
+        assert_eq!(prefer(&["wait=99999"]).wait, Some(Duration::from_secs(MAX_WAIT_SECS)));
     }
 
     #[test]

@@ -26,9 +26,7 @@ impl IdempotencyKey {
         let mut values = headers.get_all(HEADER).iter();
         let value = values.next().ok_or(KeyError::Missing)?;
         if values.next().is_some() {
-            return Err(KeyError::Invalid(
-                "the request carries more than one Idempotency-Key header",
-            ));
+            return Err(KeyError::Invalid("the request carries more than one Idempotency-Key header"));
         }
         IdempotencyKey::parse_header(value.as_bytes())
     }
@@ -47,9 +45,7 @@ impl IdempotencyKey {
             return Err(KeyError::Invalid("the Idempotency-Key is empty"));
         }
         if key.len() > MAX_LEN {
-            return Err(KeyError::Invalid(
-                "the Idempotency-Key is longer than 255 characters",
-            ));
+            return Err(KeyError::Invalid("the Idempotency-Key is longer than 255 characters"));
         }
         if !key.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(not_visible());
@@ -68,12 +64,8 @@ fn not_visible() -> KeyError {
 
 /// Decodes an sf-string (RFC 8941 §3.3.3): a quoted string whose only escapes are `\"` and `\\`.
 fn unquote(raw: &[u8]) -> Result<String, KeyError> {
-    let malformed =
-        KeyError::Invalid("the quoted Idempotency-Key is not a valid structured-field string");
-    let inner = raw
-        .strip_prefix(b"\"")
-        .and_then(|r| r.strip_suffix(b"\""))
-        .ok_or(malformed.clone())?;
+    let malformed = KeyError::Invalid("the quoted Idempotency-Key is not a valid structured-field string");
+    let inner = raw.strip_prefix(b"\"").and_then(|r| r.strip_suffix(b"\"")).ok_or(malformed.clone())?;
     let mut out = String::with_capacity(inner.len());
     let mut bytes = inner.iter();
     while let Some(&b) = bytes.next() {
@@ -106,10 +98,7 @@ mod tests {
 
     #[test]
     fn bare_and_quoted_keys_mean_the_same_key() {
-        assert_eq!(
-            parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(),
-            "8e03978e-40d5-43e8-bc93-6894a57f9324"
-        );
+        assert_eq!(parse("8e03978e-40d5-43e8-bc93-6894a57f9324").unwrap(), "8e03978e-40d5-43e8-bc93-6894a57f9324");
         assert_eq!(parse("\"8e03978e\"").unwrap(), "8e03978e");
         assert_eq!(parse("  abc  ").unwrap(), "abc");
         assert_eq!(parse(r#""a\"b\\c""#).unwrap(), r#"a"b\c"#);
@@ -131,13 +120,7 @@ mod tests {
 
     #[test]
     fn malformed_sf_strings_are_invalid() {
-        for raw in [
-            r#""abc"#,
-            r#""ab"c""#,
-            r#""ab\c""#,
-            r#""abc\""#,
-            r#""abc";param=1"#,
-        ] {
+        for raw in [r#""abc"#, r#""ab"c""#, r#""ab\c""#, r#""abc\""#, r#""abc";param=1"#] {
             assert!(matches!(parse(raw), Err(KeyError::Invalid(_))), "{raw}");
         }
     }
@@ -145,19 +128,10 @@ mod tests {
     #[test]
     fn a_missing_or_repeated_header_is_refused() {
         let mut headers = HeaderMap::new();
-        assert_eq!(
-            IdempotencyKey::from_headers(&headers),
-            Err(KeyError::Missing)
-        );
+        assert_eq!(IdempotencyKey::from_headers(&headers), Err(KeyError::Missing));
         headers.append(HEADER, "one".parse().unwrap());
-        assert_eq!(
-            IdempotencyKey::from_headers(&headers).unwrap().as_str(),
-            "one"
-        );
+        assert_eq!(IdempotencyKey::from_headers(&headers).unwrap().as_str(), "one");
         headers.append(HEADER, "two".parse().unwrap());
-        assert!(matches!(
-            IdempotencyKey::from_headers(&headers),
-            Err(KeyError::Invalid(_))
-        ));
+        assert!(matches!(IdempotencyKey::from_headers(&headers), Err(KeyError::Invalid(_))));
     }
 }

@@ -53,9 +53,7 @@ enum Command {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -81,15 +79,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(&config)?;
             idem::server::serve(config, idem::server::termination()).await?;
         }
-        Command::Demo {
-            listen,
-            admin_listen,
-        } => idem::demo::run(listen, admin_listen).await?,
+        Command::Demo { listen, admin_listen } => idem::demo::run(listen, admin_listen).await?,
         Command::Migrate { config } => {
             let config = Config::load(&config)?;
-            idem::store::open(&config.store.url)
-                .await
-                .with_context(|| format!("migrating {}", config.store.url))?;
+            idem::store::open(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;
             println!("migrations applied to {}", config.store.url);
         }
         Command::Check { config } => {

@@ -23,20 +23,8 @@ pub struct Problem {
 }
 
 impl Problem {
-    pub fn new(
-        status: StatusCode,
-        name: &'static str,
-        title: &'static str,
-        detail: impl Into<String>,
-    ) -> Problem {
-        Problem {
-            status,
-            name,
-            title,
-            detail: detail.into(),
-            retry_after: None,
-            idempotency_status: None,
-        }
+    pub fn new(status: StatusCode, name: &'static str, title: &'static str, detail: impl Into<String>) -> Problem {
+        Problem { status, name, title, detail: detail.into(), retry_after: None, idempotency_status: None }
     }
 
     pub fn retry_after(mut self, seconds: u64) -> Problem {
@@ -164,12 +152,31 @@ impl Problem {
             StatusCode::CONFLICT,
             "request-not-cancellable",
             "Request cannot be cancelled",
-            format!(
-                "The request is {}: there is nothing left to cancel.",
-                state.as_str()
-            ),
+            format!("The request is {}: there is nothing left to cancel.", state.as_str()),
         )
         .state(state)
+    }
+
+    pub fn overloaded() -> Problem {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "Route overloaded",
+            "This route has as many requests in flight and queued as it accepts. Nothing was recorded or \
+             sent: retry after the indicated time with the same key.",
+        )
+        .retry_after(1)
+    }
+
+    pub fn circuit_open(retry_after: u64) -> Problem {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "circuit-open",
+            "Upstream circuit open",
+            "The upstream has been failing, so requests to it are refused for a while to let it recover. \
+             Nothing was recorded or sent: retry after the indicated time with the same key.",
+        )
+        .retry_after(retry_after)
     }
 
     pub fn not_found() -> Problem {
@@ -208,10 +215,7 @@ impl IntoResponse for Problem {
         });
         let mut response = (self.status, body.to_string()).into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let Some(seconds) = self.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }

@@ -44,17 +44,8 @@ mod tests {
 
     #[test]
     fn the_sweep_runs_often_enough_for_short_and_long_retentions() {
-        assert_eq!(
-            sweep_interval(Duration::from_secs(2)),
-            Duration::from_secs(1)
-        );
-        assert_eq!(
-            sweep_interval(Duration::from_secs(100)),
-            Duration::from_secs(10)
-        );
-        assert_eq!(
-            sweep_interval(Duration::from_secs(86400)),
-            Duration::from_secs(60)
-        );
+        assert_eq!(sweep_interval(Duration::from_secs(2)), Duration::from_secs(1));
+        assert_eq!(sweep_interval(Duration::from_secs(100)), Duration::from_secs(10));
+        assert_eq!(sweep_interval(Duration::from_secs(86400)), Duration::from_secs(60));
     }
 }

@@ -16,10 +16,7 @@ use crate::policy::StopReason;
 pub type Millis = i64;
 
 pub fn now_ms() -> Millis {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as Millis)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
 }
 
 pub fn rfc3339(ms: Millis) -> String {
@@ -44,12 +41,7 @@ pub enum State {
 }
 
 impl State {
-    pub const ALL: [State; 4] = [
-        State::NotStarted,
-        State::InProgress,
-        State::Done,
-        State::Unknown,
-    ];
+    pub const ALL: [State; 4] = [State::NotStarted, State::InProgress, State::Done, State::Unknown];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -149,14 +141,7 @@ pub fn transition(from: Phase, event: Event) -> Result<Phase, Refused> {
         (InProgress, FinalResponse) => Done,
         (InProgress, AmbiguousNotReplaySafe) => Unknown,
         (InProgress, StopFree) => Free,
-        (
-            InProgress,
-            LeaseExpired {
-                attempt_unrecorded,
-                replay_safe,
-                deadline_passed,
-            },
-        ) => {
+        (InProgress, LeaseExpired { attempt_unrecorded, replay_safe, deadline_passed }) => {
             if attempt_unrecorded && !replay_safe {
                 Unknown
             } else if deadline_passed {
@@ -339,9 +324,7 @@ pub fn response_json(r: &StoredResponse) -> Value {
     let mut v = json!({"status": r.status, "headers": headers});
     match std::str::from_utf8(&r.body) {
         Ok(text) => v["body"] = json!(text),
-        Err(_) => {
-            v["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(&r.body))
-        }
+        Err(_) => v["body_base64"] = json!(base64::engine::general_purpose::STANDARD.encode(&r.body)),
     }
     v
 }
@@ -364,11 +347,7 @@ mod tests {
     const ALL_PHASES: [Phase; 5] = [Queued, Free, InProgress, Done, Unknown];
 
     fn expired(attempt_unrecorded: bool, replay_safe: bool, deadline_passed: bool) -> Event {
-        LeaseExpired {
-            attempt_unrecorded,
-            replay_safe,
-            deadline_passed,
-        }
+        LeaseExpired { attempt_unrecorded, replay_safe, deadline_passed }
     }
 
     #[test]
@@ -391,39 +370,16 @@ mod tests {
 
     #[test]
     fn lease_expiry_follows_what_may_have_been_sent() {
-        assert_eq!(
-            transition(InProgress, expired(true, false, false)),
-            Ok(Unknown)
-        );
-        assert_eq!(
-            transition(InProgress, expired(true, false, true)),
-            Ok(Unknown)
-        );
-        assert_eq!(
-            transition(InProgress, expired(true, true, false)),
-            Ok(Queued)
-        );
-        assert_eq!(
-            transition(InProgress, expired(false, false, false)),
-            Ok(Queued)
-        );
-        assert_eq!(
-            transition(InProgress, expired(false, false, true)),
-            Ok(Free)
-        );
+        assert_eq!(transition(InProgress, expired(true, false, false)), Ok(Unknown));
+        assert_eq!(transition(InProgress, expired(true, false, true)), Ok(Unknown));
+        assert_eq!(transition(InProgress, expired(true, true, false)), Ok(Queued));
+        assert_eq!(transition(InProgress, expired(false, false, false)), Ok(Queued));
+        assert_eq!(transition(InProgress, expired(false, false, true)), Ok(Free));
     }
 
     #[test]
     fn done_is_final_and_only_settled_records_are_resolved() {
-        for event in [
-            Requeue,
-            Claim,
-            AttemptSent,
-            FinalResponse,
-            ResolveExecuted,
-            ResolveNotExecuted,
-            OperatorRetry,
-        ] {
+        for event in [Requeue, Claim, AttemptSent, FinalResponse, ResolveExecuted, ResolveNotExecuted, OperatorRetry] {
             assert!(transition(Done, event).is_err(), "{event:?}");
         }
         for from in [Queued, Free, InProgress, Done] {

@@ -19,10 +19,7 @@ use crate::worker::{Settled, Worker};
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -39,9 +36,7 @@ pub struct Running {
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, source })
+    TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })
 }
 
 /// A name for this process in leases: unique even for two processes with the same pid.
@@ -68,52 +63,26 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         settled,
         upstream: Upstream::new(),
     });
-    let admin = Arc::new(Admin {
-        store: store.clone(),
-    });
+    let admin = Arc::new(Admin { store: store.clone() });
 
     let (stop, stopped) = watch::channel(false);
-    let listen = data.local_addr().map_err(|source| StartError::Bind {
-        addr: config.server.listen,
-        source,
-    })?;
-    let admin_listen = admin_listener
-        .local_addr()
-        .map_err(|source| StartError::Bind {
-            addr: config.server.admin_listen,
-            source,
-        })?;
+    let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
+    let admin_listen =
+        admin_listener.local_addr().map_err(|source| StartError::Bind { addr: config.server.admin_listen, source })?;
     let servers = vec![
         tokio::spawn(serve_until(data, ingress::router(ingress), stopped.clone())),
         tokio::spawn(serve_until(admin_listener, admin::router(admin), stopped)),
     ];
-    let upkeep = vec![tokio::spawn(reconcile::retention_sweep(
-        store,
-        config.store.retention,
-    ))];
+    let upkeep = vec![tokio::spawn(reconcile::retention_sweep(store, config.store.retention))];
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running {
-        listen,
-        admin_listen,
-        worker,
-        stop,
-        servers,
-        upkeep,
-    })
+    Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
 }
 
-async fn serve_until(
-    listener: TcpListener,
-    router: axum::Router,
-    mut stopped: watch::Receiver<bool>,
-) {
+async fn serve_until(listener: TcpListener, router: axum::Router, mut stopped: watch::Receiver<bool>) {
     let shutdown = async move {
         let _ = stopped.wait_for(|s| *s).await;
     };
-    if let Err(e) = axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-    {
+    if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
         tracing::error!(error = %e, "listener failed");
     }
 }

@@ -30,10 +30,7 @@ const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "prefer"];
 /// The request headers to send upstream (and to store, so a retry or take-over sends the same).
 /// The client's credentials and cookies are never forwarded nor stored; the Idempotency-Key goes
 /// along only when the route says so.
-pub fn forwardable_request_headers(
-    headers: &HeaderMap,
-    forward_key: bool,
-) -> Vec<(String, String)> {
+pub fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool) -> Vec<(String, String)> {
     let listed = connection_listed(headers);
     headers
         .iter()
@@ -53,9 +50,7 @@ pub fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, String)> {
     let listed = connection_listed(headers);
     headers
         .iter()
-        .filter(|(name, _)| {
-            !HOP_BY_HOP.contains(&name.as_str()) && !listed.iter().any(|l| l == name.as_str())
-        })
+        .filter(|(name, _)| !HOP_BY_HOP.contains(&name.as_str()) && !listed.iter().any(|l| l == name.as_str()))
         .map(|(name, value)| (name.as_str().to_string(), header_text(value.as_bytes())))
         .collect()
 }
@@ -75,10 +70,8 @@ fn connection_listed(headers: &HeaderMap) -> Vec<String> {
 pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
     let mut map = HeaderMap::with_capacity(pairs.len());
     for (name, value) in pairs {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(name.as_bytes()),
-            HeaderValue::from_bytes(&header_bytes(value)),
-        ) {
+        if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(&header_bytes(value)))
+        {
             map.append(n, v);
         }
     }
@@ -122,35 +115,15 @@ impl Upstream {
         limit: Duration,
     ) -> Result<Answer, Observed> {
         let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
-        let request = self
-            .client
-            .request(method, url)
-            .headers(to_header_map(headers))
-            .body(body)
-            .timeout(limit);
+        let request = self.client.request(method, url).headers(to_header_map(headers)).body(body).timeout(limit);
         let response = request.send().await.map_err(|e| observed(&e))?;
         let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get(http::header::RETRY_AFTER)
-            .map(|v| header_text(v.as_bytes()));
+        let retry_after = response.headers().get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
         let headers = storable_response_headers(response.headers());
         // The status arrived: from here on, any failure may follow an execution.
-        let body = response.bytes().await.map_err(|e| {
-            if e.is_timeout() {
-                Observed::TimedOut
-            } else {
-                Observed::Broken
-            }
-        })?;
-        Ok(Answer {
-            response: StoredResponse {
-                status,
-                headers,
-                body,
-            },
-            retry_after,
-        })
+        let body =
+            response.bytes().await.map_err(|e| if e.is_timeout() { Observed::TimedOut } else { Observed::Broken })?;
+        Ok(Answer { response: StoredResponse { status, headers, body }, retry_after })
     }
 }
 
@@ -180,10 +153,7 @@ mod tests {
     fn map(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut m = HeaderMap::new();
         for (n, v) in pairs {
-            m.append(
-                HeaderName::from_bytes(n.as_bytes()).unwrap(),
-                v.parse().unwrap(),
-            );
+            m.append(HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
         }
         m
     }
@@ -207,14 +177,8 @@ mod tests {
             ("content-type", "application/json"),
             ("x-request-id", "abc"),
         ]);
-        assert_eq!(
-            names(&forwardable_request_headers(&h, true)),
-            ["idempotency-key", "content-type", "x-request-id"]
-        );
-        assert_eq!(
-            names(&forwardable_request_headers(&h, false)),
-            ["content-type", "x-request-id"]
-        );
+        assert_eq!(names(&forwardable_request_headers(&h, true)), ["idempotency-key", "content-type", "x-request-id"]);
+        assert_eq!(names(&forwardable_request_headers(&h, false)), ["content-type", "x-request-id"]);
     }
 
     #[test]
@@ -228,10 +192,7 @@ mod tests {
             ("location", "/payments/1"),
         ]);
         let kept = storable_response_headers(&h);
-        assert_eq!(
-            names(&kept),
-            ["content-type", "set-cookie", "set-cookie", "location"]
-        );
+        assert_eq!(names(&kept), ["content-type", "set-cookie", "set-cookie", "location"]);
         let back = to_header_map(&kept);
         assert_eq!(back.get_all("set-cookie").iter().count(), 2);
     }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -13,7 +13,9 @@ use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::config::{Config, Route};
-use crate::policy::{self, AfterAttempt, Class, Decision, Observed, Settlement, StopReason};
+use crate::policy::{
+    self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, RetryBudget, Settlement, StopReason,
+};
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Record, StoredResponse};
 use crate::store::{self, Lease, Store};
 use crate::upstream::Upstream;
@@ -54,15 +56,125 @@ impl Settled {
     }
 
     pub fn settled(&self, id: Uuid) {
-        let watcher = self
-            .watchers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&id);
+        let watcher = self.watchers.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
         if let Some(n) = watcher.and_then(|w| w.upgrade()) {
             n.notify_waiters();
         }
     }
+}
+
+/// The protections shared by the ingress and the workers: per route, a retry budget, a cap on
+/// attempts in flight and a bound on executions waiting for one; per upstream, a breaker.
+pub struct Guards {
+    routes: HashMap<String, Arc<RouteGuard>>,
+    breakers: HashMap<String, Mutex<Breaker>>,
+}
+
+struct RouteGuard {
+    budget: Mutex<RetryBudget>,
+    /// Attempts in flight on the route (`max_concurrency`).
+    attempts: Semaphore,
+    /// Executions admitted and not finished: those in flight plus those queued behind them.
+    pending: AtomicUsize,
+    max_pending: usize,
+}
+
+/// An execution's place on its route; the route counts it until this is dropped.
+pub struct Slot(Arc<RouteGuard>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Why the ingress refuses to start an execution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The route's attempts and its queue are full.
+    Overloaded,
+    /// The upstream's circuit is open; ask again after this long.
+    CircuitOpen(Duration),
+}
+
+/// Executions may queue behind a full route up to a quarter of `max_concurrency` (at least 4).
+fn queue_bound(max_concurrency: usize) -> usize {
+    (max_concurrency / 4).max(4)
+}
+
+impl Guards {
+    pub fn new(config: &Config) -> Guards {
+        let now = Instant::now();
+        let routes = config
+            .routes
+            .iter()
+            .map(|r| {
+                let guard = RouteGuard {
+                    budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
+                    attempts: Semaphore::new(r.max_concurrency),
+                    pending: AtomicUsize::new(0),
+                    max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
+                };
+                (r.name.clone(), Arc::new(guard))
+            })
+            .collect();
+        let mut breakers = HashMap::new();
+        for r in &config.routes {
+            breakers.entry(r.upstream.clone()).or_insert_with(|| Mutex::new(Breaker::new(r.circuit)));
+        }
+        Guards { routes, breakers }
+    }
+
+    /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
+    pub fn enter(&self, route: &Route) -> Result<Slot, Refusal> {
+        if let Some(breaker) = self.breakers.get(&route.upstream) {
+            lock(breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
+        }
+        let guard = self.routes.get(&route.name).ok_or(Refusal::Overloaded)?;
+        let before = guard.pending.fetch_add(1, Ordering::SeqCst);
+        let slot = Slot(guard.clone());
+        if before >= guard.max_pending {
+            return Err(Refusal::Overloaded);
+        }
+        Ok(slot)
+    }
+
+    /// A place for an execution that did not come through the ingress (take-over, operator
+    /// retry): counted, never refused.
+    pub fn slot(&self, route: &str) -> Option<Slot> {
+        let guard = self.routes.get(route)?;
+        guard.pending.fetch_add(1, Ordering::SeqCst);
+        Some(Slot(guard.clone()))
+    }
+
+    pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
+        let now = Instant::now();
+        self.breakers.iter().map(|(u, b)| (u.clone(), lock(b).state(now))).collect()
+    }
+
+    fn circuit_open(&self, upstream: &str) -> bool {
+        self.breakers.get(upstream).is_some_and(|b| lock(b).is_open(Instant::now()))
+    }
+
+    fn record_outcome(&self, upstream: &str, success: bool) {
+        if let Some(b) = self.breakers.get(upstream) {
+            lock(b).record(success, Instant::now());
+        }
+    }
+
+    fn first_attempt(&self, route: &str) {
+        if let Some(g) = self.routes.get(route) {
+            lock(&g.budget).deposit(Instant::now());
+        }
+    }
+
+    fn take_retry(&self, route: &str) -> bool {
+        self.routes.get(route).is_some_and(|g| lock(&g.budget).try_withdraw(Instant::now()))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Lets a cancel reach an execution running in this process at once, even mid-wait.
@@ -86,6 +198,7 @@ struct Inner {
     /// At most `worker.concurrency` records execute at once.
     permits: Semaphore,
     settled: Arc<Settled>,
+    guards: Arc<Guards>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
 }
 
@@ -96,15 +209,11 @@ enum WaitEnd {
 }
 
 impl Worker {
-    pub fn new(
-        store: Arc<dyn Store>,
-        config: Arc<Config>,
-        owner: String,
-        settled: Arc<Settled>,
-    ) -> Worker {
+    pub fn new(store: Arc<dyn Store>, config: Arc<Config>, owner: String, settled: Arc<Settled>) -> Worker {
         Worker {
             inner: Arc::new(Inner {
                 permits: Semaphore::new(config.worker.concurrency),
+                guards: Arc::new(Guards::new(&config)),
                 store,
                 upstream: Upstream::new(),
                 config,
@@ -119,16 +228,33 @@ impl Worker {
         &self.inner.owner
     }
 
+    pub fn guards(&self) -> &Guards {
+        &self.inner.guards
+    }
+
     /// Executes a queued record in the background; `reply`, if given, gets the outcome.
-    pub fn submit(&self, record: Record, reply: Option<oneshot::Sender<Outcome>>) {
+    /// `slot` is the place the ingress took on the route; without one, one is taken here.
+    pub fn submit(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>) {
+        let slot = slot.or_else(|| self.inner.guards.slot(&record.route));
+        self.spawn(record, slot, reply, true);
+    }
+
+    /// Executes a record this process already claimed (a take-over or an unclaimed record).
+    pub fn resume(&self, record: Record) {
+        let slot = self.inner.guards.slot(&record.route);
+        self.spawn(record, slot, None, false);
+    }
+
+    fn spawn(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, claim: bool) {
         let inner = self.inner.clone();
         let span = info_span!("execution", record = %record.id, route = %record.route, tenant = %record.tenant);
         tokio::spawn(
             async move {
+                let _slot = slot;
                 let Ok(_permit) = inner.permits.acquire().await else {
                     return;
                 };
-                let outcome = inner.claim_and_run(record).await;
+                let outcome = if claim { inner.claim_and_run(record).await } else { inner.run(record).await };
                 if let Some(reply) = reply {
                     let _ = reply.send(outcome);
                 }
@@ -139,13 +265,7 @@ impl Worker {
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
     pub fn cancel(&self, id: Uuid) {
-        let signal = self
-            .inner
-            .cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned();
+        let signal = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
         if let Some(s) = signal {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();
@@ -160,11 +280,7 @@ impl Inner {
 
     async fn claim_and_run(&self, record: Record) -> Outcome {
         let now = now_ms();
-        match self
-            .store
-            .claim(record.id, &self.owner, self.lease_until(now), now)
-            .await
-        {
+        match self.store.claim(record.id, &self.owner, self.lease_until(now), now).await {
             Ok(true) => self.run(record).await,
             Ok(false) => Outcome::Lost,
             Err(e) => {
@@ -178,28 +294,12 @@ impl Inner {
     async fn run(&self, record: Record) -> Outcome {
         let Some(route) = self.config.route_named(&record.route).cloned() else {
             warn!(route = %record.route, "the record's route is no longer configured");
-            return self
-                .finish(
-                    &record,
-                    false,
-                    None,
-                    StopReason::Cancelled,
-                    None,
-                    None,
-                    false,
-                )
-                .await;
+            return self.finish(&record, false, None, StopReason::Cancelled, None, None, false).await;
         };
         let signal = Arc::new(CancelSignal::default());
-        self.cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(record.id, signal.clone());
+        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).insert(record.id, signal.clone());
         let outcome = self.attempts(&record, &route, &signal).await;
-        self.cancels
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&record.id);
+        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(&record.id);
         outcome
     }
 
@@ -217,53 +317,17 @@ impl Inner {
             let started = now_ms();
             let limit = match policy.attempt_limit(since(arrival, started)) {
                 Ok(limit) => limit,
-                Err(stop) => {
-                    return self
-                        .finish_after(record, route, None, stop, last, any_ambiguous)
-                        .await
-                }
+                Err(stop) => return self.finish_after(record, route, None, stop, last, any_ambiguous).await,
             };
             if signal.raised.load(Ordering::SeqCst) {
-                return self
-                    .finish_after(
-                        record,
-                        route,
-                        None,
-                        StopReason::Cancelled,
-                        last,
-                        any_ambiguous,
-                    )
-                    .await;
+                return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await;
             }
             made += 1;
             let number = earlier + made;
-            match self
-                .store
-                .attempt_started(
-                    record.id,
-                    &self.owner,
-                    number,
-                    started,
-                    self.lease_until(started),
-                )
-                .await
-            {
-                Ok(Lease::Held {
-                    cancel_requested: false,
-                }) => {}
-                Ok(Lease::Held {
-                    cancel_requested: true,
-                }) => {
-                    return self
-                        .finish_after(
-                            record,
-                            route,
-                            None,
-                            StopReason::Cancelled,
-                            last,
-                            any_ambiguous,
-                        )
-                        .await
+            match self.store.attempt_started(record.id, &self.owner, number, started, self.lease_until(started)).await {
+                Ok(Lease::Held { cancel_requested: false }) => {}
+                Ok(Lease::Held { cancel_requested: true }) => {
+                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
                 }
                 Ok(Lease::Lost) => return Outcome::Lost,
                 Err(e) => {
@@ -273,16 +337,21 @@ impl Inner {
                 }
             }
 
+            if made == 1 {
+                self.guards.first_attempt(&route.name);
+            }
+            // A place among the route's attempts in flight, held for this attempt only.
+            let route_guard = self.guards.routes.get(&route.name).cloned();
+            let in_flight = match &route_guard {
+                Some(g) => g.attempts.acquire().await.ok(),
+                None => None,
+            };
             let clock = Instant::now();
-            let sent = self.upstream.send(
-                &record.method,
-                &url,
-                &record.request.headers,
-                record.request.body.clone(),
-                limit,
-            );
+            let sent =
+                self.upstream.send(&record.method, &url, &record.request.headers, record.request.body.clone(), limit);
             let result = self.renewing(record.id, sent).await;
             let took = clock.elapsed();
+            drop(in_flight);
 
             let (observed, answer) = match result {
                 Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
@@ -290,19 +359,13 @@ impl Inner {
             };
             let class = policy.classify(observed);
             any_ambiguous |= class == Class::Ambiguous;
-            let retry_after = answer
-                .as_ref()
-                .and_then(|a| a.retry_after.as_deref())
-                .and_then(|value| {
-                    let parsed = policy::parse_retry_after(value, SystemTime::now());
-                    if parsed.is_none() {
-                        warn!(
-                            value,
-                            "ignoring an unparseable Retry-After from the upstream"
-                        );
-                    }
-                    parsed
-                });
+            let retry_after = answer.as_ref().and_then(|a| a.retry_after.as_deref()).and_then(|value| {
+                let parsed = policy::parse_retry_after(value, SystemTime::now());
+                if parsed.is_none() {
+                    warn!(value, "ignoring an unparseable Retry-After from the upstream");
+                }
+                parsed
+            });
             let attempt = Attempt {
                 number,
                 started_at: started,
@@ -335,46 +398,25 @@ impl Inner {
                     elapsed: since(arrival, now_ms()),
                     previous_wait,
                     cancelled: signal.raised.load(Ordering::SeqCst),
-                    circuit_open: false,
+                    circuit_open: self.guards.circuit_open(&route.upstream),
                 },
                 rand::random::<f64>,
-                || true,
+                || self.guards.take_retry(&route.name),
             );
             let wait = match decision {
                 Decision::Stop(stop) => {
-                    return self
-                        .finish_after(record, route, Some(attempt), stop, last, any_ambiguous)
-                        .await
+                    return self.finish_after(record, route, Some(attempt), stop, last, any_ambiguous).await
                 }
                 Decision::RetryAfter(wait) => wait,
             };
             match self
                 .store
-                .attempt_ended(
-                    record.id,
-                    &self.owner,
-                    Some(attempt),
-                    store::AfterAttempt::Wait,
-                    now_ms(),
-                )
+                .attempt_ended(record.id, &self.owner, Some(attempt), store::AfterAttempt::Wait, now_ms())
                 .await
             {
-                Ok(Lease::Held {
-                    cancel_requested: false,
-                }) => {}
-                Ok(Lease::Held {
-                    cancel_requested: true,
-                }) => {
-                    return self
-                        .finish_after(
-                            record,
-                            route,
-                            None,
-                            StopReason::Cancelled,
-                            last,
-                            any_ambiguous,
-                        )
-                        .await
+                Ok(Lease::Held { cancel_requested: false }) => {}
+                Ok(Lease::Held { cancel_requested: true }) => {
+                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
                 }
                 Ok(Lease::Lost) => return Outcome::Lost,
                 Err(e) => {
@@ -385,16 +427,7 @@ impl Inner {
             match self.wait(record.id, wait, signal).await {
                 WaitEnd::Elapsed => {}
                 WaitEnd::Cancelled => {
-                    return self
-                        .finish_after(
-                            record,
-                            route,
-                            None,
-                            StopReason::Cancelled,
-                            last,
-                            any_ambiguous,
-                        )
-                        .await
+                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
                 }
                 WaitEnd::Lost => return Outcome::Lost,
             }
@@ -416,16 +449,13 @@ impl Inner {
             Some((class, response)) => (Some(class), response),
             None => (None, None),
         };
-        self.finish(
-            record,
-            route.replay_safe,
-            attempt,
-            stop,
-            class,
-            response,
-            any_ambiguous,
-        )
-        .await
+        // The breaker hears the request's logical outcome, once: did the upstream serve it?
+        if stop != StopReason::Cancelled && class.is_some() {
+            let served =
+                matches!(class, Some(Class::Success | Class::Final)) && response.as_ref().is_some_and(|r| r.status < 500);
+            self.guards.record_outcome(&route.upstream, served);
+        }
+        self.finish(record, route.replay_safe, attempt, stop, class, response, any_ambiguous).await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -439,27 +469,18 @@ impl Inner {
         last_response: Option<StoredResponse>,
         any_ambiguous: bool,
     ) -> Outcome {
-        let (then, outcome) = match (
-            policy::settle(stop, last_class, any_ambiguous, replay_safe),
-            last_response,
-        ) {
-            (Settlement::Done, Some(response)) => (
-                store::AfterAttempt::Done(stop, response.clone()),
-                Outcome::Done(stop, response),
-            ),
-            (Settlement::Free, last) => {
-                (store::AfterAttempt::Free(stop), Outcome::Free(stop, last))
+        let (then, outcome) = match (policy::settle(stop, last_class, any_ambiguous, replay_safe), last_response) {
+            (Settlement::Done, Some(response)) => {
+                (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
+            (Settlement::Free, last) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
             // `Done` always comes with the response that made it so; should it ever not, the
             // safe reading of an execution we cannot show is "unknown".
             (Settlement::Unknown, _) | (Settlement::Done, None) => {
                 (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
             }
         };
-        let result = self
-            .store
-            .attempt_ended(record.id, &self.owner, attempt, then, now_ms())
-            .await;
+        let result = self.store.attempt_ended(record.id, &self.owner, attempt, then, now_ms()).await;
         self.settled.settled(record.id);
         match result {
             Ok(Lease::Held { .. }) => {
@@ -512,14 +533,8 @@ impl Inner {
             }
             if tokio::time::Instant::now() < until {
                 let now = now_ms();
-                match self
-                    .store
-                    .renew(id, &self.owner, self.lease_until(now), now)
-                    .await
-                {
-                    Ok(Lease::Held {
-                        cancel_requested: true,
-                    }) => return WaitEnd::Cancelled,
+                match self.store.renew(id, &self.owner, self.lease_until(now), now).await {
+                    Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
                     Ok(Lease::Lost) => return WaitEnd::Lost,
                     _ => {}
                 }

@@ -19,13 +19,7 @@ async fn setup(route_extra: &str, extra: &str) -> (Upstream, Broker) {
 #[tokio::test]
 async fn a_request_without_a_key_is_refused_and_nothing_is_sent() {
     let (upstream, broker) = setup("", "").await;
-    let r = send(
-        broker
-            .http
-            .post(format!("{}/payments", broker.url))
-            .body(BODY),
-    )
-    .await;
+    let r = send(broker.http.post(format!("{}/payments", broker.url)).body(BODY)).await;
     r.assert_problem(400, "missing-idempotency-key");
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
     assert_eq!(upstream.hits("/payments"), 0);
@@ -40,12 +34,7 @@ async fn empty_long_or_invisible_keys_are_refused() {
         r.assert_problem(400, "invalid-idempotency-key");
         assert_eq!(r.header("idempotency-status"), Some("not_started"));
     }
-    let r = send(
-        broker
-            .post("/payments", "k", BODY)
-            .header("idempotency-key", "second"),
-    )
-    .await;
+    let r = send(broker.post("/payments", "k", BODY).header("idempotency-key", "second")).await;
     r.assert_problem(400, "invalid-idempotency-key");
     assert_eq!(upstream.hits("/payments"), 0);
     // 255 characters is still a key.
@@ -62,16 +51,13 @@ async fn an_oversize_body_is_refused_and_nothing_is_recorded() {
     assert_eq!(broker.record("big").await.status(), 404);
 
     // Without a Content-Length (chunked), the limit still holds.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
-        big.as_bytes().chunks(256).map(|c| Ok(c.to_vec())).collect();
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big.as_bytes().chunks(256).map(|c| Ok(c.to_vec())).collect();
     let r = send(
         broker
             .http
             .post(format!("{}/payments", broker.url))
             .header("idempotency-key", "big-chunked")
-            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-                chunks,
-            ))),
+            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(chunks))),
     )
     .await;
     r.assert_problem(413, "payload-too-large");
@@ -95,20 +81,10 @@ async fn a_bad_or_missing_token_is_unauthorized_when_tenants_are_configured() {
     r.assert_problem(401, "unauthorized");
     let r = send(broker.post("/payments", "k1", BODY).bearer_auth("wrong")).await;
     r.assert_problem(401, "unauthorized");
-    let r = send(
-        broker
-            .post("/payments", "k1", BODY)
-            .header("authorization", "Basic YWNtZTp4"),
-    )
-    .await;
+    let r = send(broker.post("/payments", "k1", BODY).header("authorization", "Basic YWNtZTp4")).await;
     r.assert_problem(401, "unauthorized");
     assert_eq!(upstream.hits("k1"), 0);
-    let r = send(
-        broker
-            .post("/payments", "k1", BODY)
-            .bearer_auth("acme-token"),
-    )
-    .await;
+    let r = send(broker.post("/payments", "k1", BODY).bearer_auth("acme-token")).await;
     assert_eq!(r.status, 201);
 }
 
@@ -209,12 +185,7 @@ async fn prefer_wait_waits_for_the_outcome_instead_of_409() {
     let slow = broker.post("/payments?delay_ms=500", "patient", BODY);
     let first = tokio::spawn(async move { send(slow).await });
     wait_for_hits(&upstream, "patient", 1).await;
-    let waited = send(
-        broker
-            .post("/payments?delay_ms=500", "patient", BODY)
-            .header("prefer", "wait=10"),
-    )
-    .await;
+    let waited = send(broker.post("/payments?delay_ms=500", "patient", BODY).header("prefer", "wait=10")).await;
     let first = first.await.unwrap();
     assert_eq!(waited.status, 201);
     assert_eq!(waited.body, first.body);
@@ -226,39 +197,22 @@ async fn prefer_wait_waits_for_the_outcome_instead_of_409() {
     let first = tokio::spawn(async move { send(slow).await });
     wait_for_hits(&upstream, "impatient", 1).await;
     let started = Instant::now();
-    let r = send(
-        broker
-            .post("/payments?delay_ms=3000", "impatient", BODY)
-            .header("prefer", "wait=1"),
-    )
-    .await;
+    let r = send(broker.post("/payments?delay_ms=3000", "impatient", BODY).header("prefer", "wait=1")).await;
     r.assert_problem(409, "request-in-progress");
-    assert!(
-        started.elapsed() >= Duration::from_millis(900),
-        "answered after {:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() >= Duration::from_millis(900), "answered after {:?}", started.elapsed());
     assert_eq!(first.await.unwrap().status, 201);
 }
 
 #[tokio::test]
 async fn a_timeout_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome() {
-    let (upstream, broker) = setup(
-        "",
-        "[routes.retry]\nper_try_timeout = \"300ms\"\nmin_try = \"100ms\"\n",
-    )
-    .await;
+    let (upstream, broker) = setup("", "[routes.retry]\nper_try_timeout = \"300ms\"\nmin_try = \"100ms\"\n").await;
     upstream.script("hung", vec![Reply::hang()]);
     let r = send(broker.post("/payments", "hung", BODY)).await;
     r.assert_problem(502, "outcome-unknown");
     assert_eq!(r.header("idempotency-status"), Some("unknown"));
     let again = send(broker.post("/payments", "hung", BODY)).await;
     again.assert_problem(502, "outcome-unknown");
-    assert_eq!(
-        upstream.hits("hung"),
-        1,
-        "an unknown outcome is never sent again"
-    );
+    assert_eq!(upstream.hits("hung"), 1, "an unknown outcome is never sent again");
     let record = broker.record_json("hung").await;
     assert_eq!(record["state"], "unknown");
     assert_eq!(record["stop_reason"], "unsafe_replay");
@@ -278,27 +232,14 @@ async fn an_ambiguous_status_on_a_route_that_is_not_replay_safe_is_an_unknown_ou
 #[tokio::test]
 async fn respond_async_answers_202_with_the_record_location() {
     let (upstream, broker) = setup("", "").await;
-    let r = send(
-        broker
-            .post("/payments?delay_ms=300", "later/1", BODY)
-            .header("prefer", "respond-async"),
-    )
-    .await;
+    let r = send(broker.post("/payments?delay_ms=300", "later/1", BODY).header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
     assert_eq!(r.header("location"), Some("/_idem/requests/later%2F1"));
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
     let location = format!("{}{}", broker.url, r.header("location").unwrap());
     let until = Instant::now() + Duration::from_secs(10);
     let record = loop {
-        let v: serde_json::Value = broker
-            .http
-            .get(&location)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: serde_json::Value = broker.http.get(&location).send().await.unwrap().json().await.unwrap();
         if v["state"] == "done" || Instant::now() > until {
             break v;
         }
@@ -307,8 +248,7 @@ async fn respond_async_answers_202_with_the_record_location() {
     assert_eq!(record["state"], "done");
     assert_eq!(record["response"]["status"], 201);
     assert_eq!(
-        serde_json::from_str::<serde_json::Value>(record["response"]["body"].as_str().unwrap())
-            .unwrap()["n"],
+        serde_json::from_str::<serde_json::Value>(record["response"]["body"].as_str().unwrap()).unwrap()["n"],
         1
     );
     assert_eq!(upstream.hits("later/1"), 1);
@@ -317,18 +257,8 @@ async fn respond_async_answers_202_with_the_record_location() {
 #[tokio::test]
 async fn the_record_is_visible_to_its_tenant_only() {
     let (_upstream, broker) = setup("", &tenants_section()).await;
-    send(
-        broker
-            .post("/payments", "mine", BODY)
-            .bearer_auth("acme-token"),
-    )
-    .await;
-    let get = |token: &'static str| {
-        broker
-            .http
-            .get(format!("{}/_idem/requests/mine", broker.url))
-            .bearer_auth(token)
-    };
+    send(broker.post("/payments", "mine", BODY).bearer_auth("acme-token")).await;
+    let get = |token: &'static str| broker.http.get(format!("{}/_idem/requests/mine", broker.url)).bearer_auth(token);
     let r = send(get("acme-token")).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("idempotency-status"), Some("done"));
@@ -361,40 +291,21 @@ async fn the_record_is_visible_to_its_tenant_only() {
     assert_eq!(v["response"]["status"], 201);
     assert!(v.get("request").is_none(), "the request body is not shown");
 
-    send(get("globex-token"))
-        .await
-        .assert_problem(404, "request-not-found");
-    send(get("nobody"))
-        .await
-        .assert_problem(401, "unauthorized");
+    send(get("globex-token")).await.assert_problem(404, "request-not-found");
+    send(get("nobody")).await.assert_problem(401, "unauthorized");
 }
 
 #[tokio::test]
 async fn the_same_key_under_two_tenants_is_two_requests() {
     let (upstream, broker) = setup("", &tenants_section()).await;
-    let a = send(
-        broker
-            .post("/payments", "shared", BODY)
-            .bearer_auth("acme-token"),
-    )
-    .await;
-    let b = send(
-        broker
-            .post("/payments", "shared", r#"{"other":"body"}"#)
-            .bearer_auth("globex-token"),
-    )
-    .await;
+    let a = send(broker.post("/payments", "shared", BODY).bearer_auth("acme-token")).await;
+    let b = send(broker.post("/payments", "shared", r#"{"other":"body"}"#).bearer_auth("globex-token")).await;
     assert_eq!((a.status, b.status), (201, 201));
     assert!(b.header("idempotent-replayed").is_none());
     assert_eq!(a.json()["n"], 1);
     assert_eq!(b.json()["n"], 2);
     assert_eq!(upstream.hits("shared"), 2);
-    let replay = send(
-        broker
-            .post("/payments", "shared", BODY)
-            .bearer_auth("acme-token"),
-    )
-    .await;
+    let replay = send(broker.post("/payments", "shared", BODY).bearer_auth("acme-token")).await;
     assert_eq!(replay.body, a.body);
 }
 
@@ -408,13 +319,7 @@ async fn methods_without_a_key_requirement_are_proxied_unrecorded() {
     }
     assert_eq!(upstream.hits("/payments/42"), 2);
     // A GET with a key is proxied too, and nothing is recorded under it.
-    let r = send(
-        broker
-            .http
-            .get(format!("{}/payments/7", broker.url))
-            .header("idempotency-key", "get-key"),
-    )
-    .await;
+    let r = send(broker.http.get(format!("{}/payments/7", broker.url)).header("idempotency-key", "get-key")).await;
     assert_eq!(r.status, 201);
     assert_eq!(broker.record("get-key").await.status(), 404);
 }
@@ -455,9 +360,7 @@ async fn sixty_four_concurrent_duplicates_execute_once_and_agree() {
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let b = broker.clone();
-        tasks.push(tokio::spawn(async move {
-            send(b.post("/payments?delay_ms=200", "storm", BODY)).await
-        }));
+        tasks.push(tokio::spawn(async move { send(b.post("/payments?delay_ms=200", "storm", BODY)).await }));
     }
     let mut answers: Vec<Answer> = Vec::new();
     for t in tasks {
@@ -499,12 +402,7 @@ async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let broker = Broker::start(
-        &format!("http://{addr}"),
-        "",
-        "[routes.retry]\nmax_attempts = 1\n",
-    )
-    .await;
+    let broker = Broker::start(&format!("http://{addr}"), "", "[routes.retry]\nmax_attempts = 1\n").await;
     let r = send(broker.post("/payments", "down", BODY)).await;
     r.assert_problem(503, "upstream-unavailable");
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
@@ -525,18 +423,12 @@ async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes() {
 #[tokio::test]
 async fn a_not_processed_status_frees_the_key_and_returns_the_upstream_answer() {
     let (upstream, broker) = setup("", "[routes.retry]\nmax_attempts = 1\n").await;
-    upstream.script(
-        "busy-503",
-        vec![Reply::status(503).header("retry-after", "7")],
-    );
+    upstream.script("busy-503", vec![Reply::status(503).header("retry-after", "7")]);
     let r = send(broker.post("/payments", "busy-503", BODY)).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.header("retry-after"), Some("7"));
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
-    assert_eq!(
-        broker.record_json("busy-503").await["stop_reason"],
-        "attempt_cap"
-    );
+    assert_eq!(broker.record_json("busy-503").await["stop_reason"], "attempt_cap");
     let r = send(broker.post("/payments", "busy-503", BODY)).await;
     assert_eq!(r.status, 201);
     assert_eq!(upstream.hits("busy-503"), 2);
@@ -560,13 +452,9 @@ async fn client_errors_and_500s_are_final_and_replayed() {
 #[tokio::test]
 async fn a_client_that_disconnects_does_not_cancel_the_execution() {
     let (upstream, broker) = setup("", "").await;
-    let impatient = broker
-        .post("/payments?delay_ms=600", "gone", BODY)
-        .timeout(Duration::from_millis(100));
+    let impatient = broker.post("/payments?delay_ms=600", "gone", BODY).timeout(Duration::from_millis(100));
     assert!(impatient.send().await.is_err(), "the client gave up");
-    let record = broker
-        .await_record("gone", Duration::from_secs(10), |v| v["state"] == "done")
-        .await;
+    let record = broker.await_record("gone", Duration::from_secs(10), |v| v["state"] == "done").await;
     assert_eq!(record["response"]["status"], 201);
     let replay = send(broker.post("/payments?delay_ms=600", "gone", BODY)).await;
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
@@ -578,8 +466,7 @@ async fn done_records_expire_after_retention_and_the_key_executes_afresh() {
     let upstream = Upstream::start().await;
     let dir = Arc::new(tempfile::TempDir::new().unwrap());
     let db = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let text = common::config_text(&db, &upstream.url(), "", "")
-        .replace("[store]\n", "[store]\nretention = \"1s\"\n");
+    let text = common::config_text(&db, &upstream.url(), "", "").replace("[store]\n", "[store]\nretention = \"1s\"\n");
     let broker = Broker::start_with(dir, text).await;
     let first = send(broker.post("/payments", "brief", BODY)).await;
     assert_eq!(first.json()["n"], 1);
@@ -597,53 +484,26 @@ async fn done_records_expire_after_retention_and_the_key_executes_afresh() {
 
 #[tokio::test]
 async fn a_cancelled_request_starts_no_further_attempt() {
-    let (upstream, broker) = setup(
-        "",
-        "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n",
-    )
-    .await;
+    let (upstream, broker) = setup("", "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
     upstream.script("stop-me", vec![Reply::status(503)]);
-    let r = send(
-        broker
-            .post("/payments", "stop-me", BODY)
-            .header("prefer", "respond-async"),
-    )
-    .await;
+    let r = send(broker.post("/payments", "stop-me", BODY).header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
     // The first attempt fails with 503; the worker now waits 5 s before the next.
     broker
-        .await_record("stop-me", Duration::from_secs(5), |v| {
-            v["attempts"].as_array().is_some_and(|a| a.len() == 1)
-        })
+        .await_record("stop-me", Duration::from_secs(5), |v| v["attempts"].as_array().is_some_and(|a| a.len() == 1))
         .await;
     let started = Instant::now();
-    let r = send(
-        broker
-            .http
-            .delete(format!("{}/_idem/requests/stop-me", broker.url)),
-    )
-    .await;
+    let r = send(broker.http.delete(format!("{}/_idem/requests/stop-me", broker.url))).await;
     assert_eq!(r.status, 202);
-    let record = broker
-        .await_record("stop-me", Duration::from_secs(3), |v| {
-            v["state"] == "not_started"
-        })
-        .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "the wait was not cut short"
-    );
+    let record = broker.await_record("stop-me", Duration::from_secs(3), |v| v["state"] == "not_started").await;
+    assert!(started.elapsed() < Duration::from_secs(3), "the wait was not cut short");
     assert_eq!(record["stop_reason"], "cancelled");
     assert_eq!(record["history"][0]["action"], "cancel");
     assert_eq!(upstream.hits("stop-me"), 1);
     // Nothing is left to cancel.
-    send(
-        broker
-            .http
-            .delete(format!("{}/_idem/requests/stop-me", broker.url)),
-    )
-    .await
-    .assert_problem(409, "request-not-cancellable");
+    send(broker.http.delete(format!("{}/_idem/requests/stop-me", broker.url)))
+        .await
+        .assert_problem(409, "request-not-cancellable");
 }
 
 async fn wait_for_hits(upstream: &Upstream, op: &str, n: u32) {

@@ -5,6 +5,12 @@
 
 use std::time::{Duration, SystemTime};
 
+mod breaker;
+mod budget;
+
+pub use breaker::{Breaker, BreakerSettings, BreakerState};
+pub use budget::RetryBudget;
+
 /// A route's retry settings (SPEC §2 `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
@@ -150,9 +156,7 @@ impl RetryPolicy {
     pub fn classify(&self, observed: Observed) -> Class {
         match observed {
             Observed::Response(status) if (200..300).contains(&status) => Class::Success,
-            Observed::Response(status) if self.not_processed.contains(&status) => {
-                Class::NotExecuted
-            }
+            Observed::Response(status) if self.not_processed.contains(&status) => Class::NotExecuted,
             Observed::Response(status) if self.ambiguous.contains(&status) => Class::Ambiguous,
             Observed::Response(_) => Class::Final,
             Observed::ConnectFailed => Class::NotExecuted,
@@ -171,19 +175,13 @@ impl RetryPolicy {
 
     /// The backoff ceiling before retry `n` (1 for the first retry): min(cap, base·2^(n-1)).
     pub fn ceiling(&self, retry: u32) -> Duration {
-        let factor = 1u32
-            .checked_shl(retry.saturating_sub(1))
-            .unwrap_or(u32::MAX);
+        let factor = 1u32.checked_shl(retry.saturating_sub(1)).unwrap_or(u32::MAX);
         self.base.saturating_mul(factor).min(self.cap)
     }
 
     /// The jittered wait before retry `retry`; `draw` is a uniform sample in [0, 1].
     pub fn jittered(&self, retry: u32, previous_wait: Option<Duration>, draw: f64) -> Duration {
-        let draw = if draw.is_finite() {
-            draw.clamp(0.0, 1.0)
-        } else {
-            0.0
-        };
+        let draw = if draw.is_finite() { draw.clamp(0.0, 1.0) } else { 0.0 };
         let ceiling = self.ceiling(retry);
         match self.jitter {
             Jitter::None => ceiling,
@@ -191,10 +189,7 @@ impl RetryPolicy {
             Jitter::Equal => floor_ms(ceiling / 2 + (ceiling / 2).mul_f64(draw)),
             Jitter::Decorrelated => {
                 let low = self.base;
-                let high = previous_wait
-                    .unwrap_or(self.base)
-                    .saturating_mul(3)
-                    .max(low);
+                let high = previous_wait.unwrap_or(self.base).saturating_mul(3).max(low);
                 floor_ms(low + (high - low).mul_f64(draw)).min(self.cap)
             }
         }
@@ -235,8 +230,8 @@ impl RetryPolicy {
         let wait = jittered.max(a.retry_after.unwrap_or_default());
         let remaining = self.deadline - a.elapsed;
         if remaining.saturating_sub(wait) < self.min_try {
-            let floor_was_the_cause = a.retry_after.is_some_and(|ra| ra > jittered)
-                && remaining.saturating_sub(jittered) >= self.min_try;
+            let floor_was_the_cause =
+                a.retry_after.is_some_and(|ra| ra > jittered) && remaining.saturating_sub(jittered) >= self.min_try;
             return Decision::Stop(if floor_was_the_cause {
                 StopReason::RetryAfterBeyondDeadline
             } else {
@@ -264,12 +259,7 @@ pub enum Settlement {
 /// Decides the record's fate from why execution stopped and what the attempts showed.
 /// `last` is the class of the last attempt, if one ran; `any_ambiguous` says whether any attempt
 /// of this execution may have executed.
-pub fn settle(
-    stop: StopReason,
-    last: Option<Class>,
-    any_ambiguous: bool,
-    replay_safe: bool,
-) -> Settlement {
+pub fn settle(stop: StopReason, last: Option<Class>, any_ambiguous: bool, replay_safe: bool) -> Settlement {
     match stop {
         StopReason::Success | StopReason::FinalResponse => Settlement::Done,
         StopReason::UnsafeReplay => Settlement::Unknown,
@@ -362,11 +352,7 @@ mod tests {
         assert_eq!(p.classify(Observed::ConnectFailed), Class::NotExecuted);
         assert_eq!(p.classify(Observed::TimedOut), Class::Ambiguous);
         assert_eq!(p.classify(Observed::Broken), Class::Ambiguous);
-        let custom = RetryPolicy {
-            not_processed: vec![],
-            ambiguous: vec![503],
-            ..seed()
-        };
+        let custom = RetryPolicy { not_processed: vec![], ambiguous: vec![503], ..seed() };
         assert_eq!(custom.classify(Observed::Response(503)), Class::Ambiguous);
         assert_eq!(custom.classify(Observed::Response(429)), Class::Final);
     }
@@ -374,66 +360,39 @@ mod tests {
     #[test]
     fn a_401_stops_after_one_attempt_without_waiting() {
         let p = seed();
-        let d = p.after_attempt(
-            false,
-            after(1, p.classify(Observed::Response(401)), 30),
-            no_draw,
-            || panic!("budget consulted"),
-        );
+        let d = p.after_attempt(false, after(1, p.classify(Observed::Response(401)), 30), no_draw, || {
+            panic!("budget consulted")
+        });
         assert_eq!(d, Decision::Stop(StopReason::FinalResponse));
     }
 
     #[test]
     fn an_ambiguous_503_on_an_unsafe_route_stops_as_unknown() {
-        let p = RetryPolicy {
-            not_processed: vec![429],
-            ambiguous: vec![502, 503, 504],
-            ..seed()
-        };
+        let p = RetryPolicy { not_processed: vec![429], ambiguous: vec![502, 503, 504], ..seed() };
         let class = p.classify(Observed::Response(503));
         assert_eq!(
             p.after_attempt(false, after(1, class, 100), no_draw, budget),
             Decision::Stop(StopReason::UnsafeReplay)
         );
         // The same answer on a replay-safe route is retried.
-        assert!(matches!(
-            p.after_attempt(true, after(1, class, 100), half, budget),
-            Decision::RetryAfter(_)
-        ));
+        assert!(matches!(p.after_attempt(true, after(1, class, 100), half, budget), Decision::RetryAfter(_)));
     }
 
     #[test]
     fn a_retry_after_is_a_floor_that_is_never_shortened() {
         let p = seed();
-        let a = AfterAttempt {
-            retry_after: Some(ms(300)),
-            ..after(1, Class::NotExecuted, 400)
-        };
+        let a = AfterAttempt { retry_after: Some(ms(300)), ..after(1, Class::NotExecuted, 400) };
         // Full jitter at 0.5 of a 200 ms ceiling is 100 ms; the server asked for 300 ms.
-        assert_eq!(
-            p.after_attempt(false, a, half, budget),
-            Decision::RetryAfter(ms(300))
-        );
-        let a = AfterAttempt {
-            retry_after: Some(ms(50)),
-            ..a
-        };
-        assert_eq!(
-            p.after_attempt(false, a, half, budget),
-            Decision::RetryAfter(ms(100))
-        );
+        assert_eq!(p.after_attempt(false, a, half, budget), Decision::RetryAfter(ms(300)));
+        let a = AfterAttempt { retry_after: Some(ms(50)), ..a };
+        assert_eq!(p.after_attempt(false, a, half, budget), Decision::RetryAfter(ms(100)));
     }
 
     #[test]
     fn a_retry_after_beyond_the_remaining_budget_stops_without_sleeping_or_sending() {
         let p = seed();
-        let a = AfterAttempt {
-            retry_after: Some(ms(3000)),
-            ..after(1, Class::NotExecuted, 1000)
-        };
-        let d = p.after_attempt(false, a, half, || {
-            panic!("budget taken for a retry that will not happen")
-        });
+        let a = AfterAttempt { retry_after: Some(ms(3000)), ..after(1, Class::NotExecuted, 1000) };
+        let d = p.after_attempt(false, a, half, || panic!("budget taken for a retry that will not happen"));
         assert_eq!(d, Decision::Stop(StopReason::RetryAfterBeyondDeadline));
     }
 
@@ -447,25 +406,14 @@ mod tests {
     #[test]
     fn a_cancel_stops_retrying() {
         let p = seed();
-        let a = AfterAttempt {
-            cancelled: true,
-            ..after(1, Class::NotExecuted, 100)
-        };
-        assert_eq!(
-            p.after_attempt(true, a, no_draw, budget),
-            Decision::Stop(StopReason::Cancelled)
-        );
+        let a = AfterAttempt { cancelled: true, ..after(1, Class::NotExecuted, 100) };
+        assert_eq!(p.after_attempt(true, a, no_draw, budget), Decision::Stop(StopReason::Cancelled));
     }
 
     #[test]
     fn a_single_attempt_policy_never_draws_or_waits() {
-        let p = RetryPolicy {
-            max_attempts: 1,
-            ..seed()
-        };
-        let d = p.after_attempt(true, after(1, Class::NotExecuted, 10), no_draw, || {
-            panic!("budget")
-        });
+        let p = RetryPolicy { max_attempts: 1, ..seed() };
+        let d = p.after_attempt(true, after(1, Class::NotExecuted, 10), no_draw, || panic!("budget"));
         assert_eq!(d, Decision::Stop(StopReason::AttemptCap));
     }
 
@@ -474,14 +422,8 @@ mod tests {
         let p = seed();
         let d = p.after_attempt(false, after(1, Class::NotExecuted, 10), half, || false);
         assert_eq!(d, Decision::Stop(StopReason::RetryBudget));
-        let a = AfterAttempt {
-            circuit_open: true,
-            ..after(1, Class::NotExecuted, 10)
-        };
-        assert_eq!(
-            p.after_attempt(false, a, no_draw, budget),
-            Decision::Stop(StopReason::CircuitOpen)
-        );
+        let a = AfterAttempt { circuit_open: true, ..after(1, Class::NotExecuted, 10) };
+        assert_eq!(p.after_attempt(false, a, no_draw, budget), Decision::Stop(StopReason::CircuitOpen));
     }
 
     #[test]
@@ -537,25 +479,16 @@ mod tests {
         let limit = p.attempt_limit(elapsed).unwrap();
         assert_eq!(limit, ms(600));
         elapsed += ms(400);
-        let first = AfterAttempt {
-            retry_after: Some(ms(300)),
-            elapsed,
-            ..after(1, p.classify(Observed::Response(503)), 0)
-        };
-        let Decision::RetryAfter(wait) = p.after_attempt(true, first, half, budget) else {
-            panic!("expected a retry")
-        };
+        let first =
+            AfterAttempt { retry_after: Some(ms(300)), elapsed, ..after(1, p.classify(Observed::Response(503)), 0) };
+        let Decision::RetryAfter(wait) = p.after_attempt(true, first, half, budget) else { panic!("expected a retry") };
         assert_eq!(wait, ms(300));
         elapsed += wait;
 
         let limit = p.attempt_limit(elapsed).unwrap();
         assert_eq!(limit, ms(600));
         elapsed += limit; // the 700 ms hang is cut at the limit; its late answer is never used
-        let second = AfterAttempt {
-            previous_wait: Some(wait),
-            elapsed,
-            ..after(2, p.classify(Observed::TimedOut), 0)
-        };
+        let second = AfterAttempt { previous_wait: Some(wait), elapsed, ..after(2, p.classify(Observed::TimedOut), 0) };
         let d = p.after_attempt(true, second, half, budget);
         assert_eq!(d, Decision::Stop(StopReason::Deadline));
         assert_eq!(elapsed, ms(1300));
@@ -567,28 +500,12 @@ mod tests {
         assert_eq!(parse_retry_after("3", now), Some(Duration::from_secs(3)));
         assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
         let later = httpdate::fmt_http_date(now + Duration::from_secs(120));
-        assert_eq!(
-            parse_retry_after(&later, now),
-            Some(Duration::from_secs(120))
-        );
+        assert_eq!(parse_retry_after(&later, now), Some(Duration::from_secs(120)));
         let past = httpdate::fmt_http_date(now - Duration::from_secs(120));
         assert_eq!(parse_retry_after(&past, now), Some(Duration::ZERO));
-        assert_eq!(
-            parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now),
-            Some(Duration::ZERO)
-        );
-        assert_eq!(
-            parse_retry_after("99999999999999999999999", now),
-            Some(Duration::from_secs(u32::MAX as u64))
-        );
-        for garbage in [
-            "",
-            "-1",
-            "1.5",
-            "soon",
-            "3s",
-            "Mon, 99 Foo 2024 00:00:00 GMT",
-        ] {
+        assert_eq!(parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after("99999999999999999999999", now), Some(Duration::from_secs(u32::MAX as u64)));
+        for garbage in ["", "-1", "1.5", "soon", "3s", "Mon, 99 Foo 2024 00:00:00 GMT"] {
             assert_eq!(parse_retry_after(garbage, now), None, "{garbage:?}");
         }
     }
@@ -596,53 +513,23 @@ mod tests {
     #[test]
     fn settlement_never_forgets_a_possible_execution() {
         use Settlement::*;
-        assert_eq!(
-            settle(StopReason::Success, Some(Class::Success), false, false),
-            Done
-        );
-        assert_eq!(
-            settle(StopReason::FinalResponse, Some(Class::Final), false, false),
-            Done
-        );
-        assert_eq!(
-            settle(
-                StopReason::UnsafeReplay,
-                Some(Class::Ambiguous),
-                true,
-                false
-            ),
-            Unknown
-        );
+        assert_eq!(settle(StopReason::Success, Some(Class::Success), false, false), Done);
+        assert_eq!(settle(StopReason::FinalResponse, Some(Class::Final), false, false), Done);
+        assert_eq!(settle(StopReason::UnsafeReplay, Some(Class::Ambiguous), true, false), Unknown);
         // A success at the deadline executed: it is stored, not released.
-        assert_eq!(
-            settle(StopReason::Deadline, Some(Class::Success), false, false),
-            Done
-        );
+        assert_eq!(settle(StopReason::Deadline, Some(Class::Success), false, false), Done);
         // A deadline or cancel after an ambiguous attempt on an unsafe route is unknown...
-        assert_eq!(
-            settle(StopReason::Deadline, Some(Class::Ambiguous), true, false),
-            Unknown
-        );
-        assert_eq!(
-            settle(StopReason::Cancelled, Some(Class::NotExecuted), true, false),
-            Unknown
-        );
+        assert_eq!(settle(StopReason::Deadline, Some(Class::Ambiguous), true, false), Unknown);
+        assert_eq!(settle(StopReason::Cancelled, Some(Class::NotExecuted), true, false), Unknown);
         // ...and on a replay-safe route the key is released.
-        assert_eq!(
-            settle(StopReason::Deadline, Some(Class::Ambiguous), true, true),
-            Free
-        );
+        assert_eq!(settle(StopReason::Deadline, Some(Class::Ambiguous), true, true), Free);
         for stop in [
             StopReason::AttemptCap,
             StopReason::RetryBudget,
             StopReason::RetryAfterBeyondDeadline,
             StopReason::CircuitOpen,
         ] {
-            assert_eq!(
-                settle(stop, Some(Class::NotExecuted), false, false),
-                Free,
-                "{stop:?}"
-            );
+            assert_eq!(settle(stop, Some(Class::NotExecuted), false, false), Free, "{stop:?}");
         }
         assert_eq!(settle(StopReason::Deadline, None, false, false), Free);
     }

@@ -6,9 +6,7 @@ use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{
-    Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
-};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
 pub mod sqlite;
 
@@ -25,9 +23,9 @@ pub enum StoreError {
 impl From<sqlx::Error> for StoreError {
     fn from(e: sqlx::Error) -> Self {
         match e {
-            sqlx::Error::ColumnDecode { .. }
-            | sqlx::Error::Decode(_)
-            | sqlx::Error::ColumnNotFound(_) => StoreError::Corrupt(e.to_string()),
+            sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
+                StoreError::Corrupt(e.to_string())
+            }
             other => StoreError::Unavailable(other.to_string()),
         }
     }
@@ -96,12 +94,7 @@ impl Lease {
     }
 
     pub fn cancel_requested(self) -> bool {
-        matches!(
-            self,
-            Lease::Held {
-                cancel_requested: true
-            }
-        )
+        matches!(self, Lease::Held { cancel_requested: true })
     }
 }
 
@@ -137,10 +130,7 @@ pub struct Cursor {
 
 impl Cursor {
     pub fn of(record: &Record) -> Cursor {
-        Cursor {
-            created_at: record.created_at,
-            id: record.id,
-        }
+        Cursor { created_at: record.created_at, id: record.id }
     }
 
     /// An opaque token for clients: `<created_at>.<id>`.
@@ -150,10 +140,7 @@ impl Cursor {
 
     pub fn decode(token: &str) -> Option<Cursor> {
         let (at, id) = token.split_once('.')?;
-        Some(Cursor {
-            created_at: at.parse().ok()?,
-            id: Uuid::parse_str(id).ok()?,
-        })
+        Some(Cursor { created_at: at.parse().ok()?, id: Uuid::parse_str(id).ok()? })
     }
 }
 
@@ -168,11 +155,7 @@ pub struct Page {
 pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
     let more = items.len() > limit as usize;
     items.truncate(limit as usize);
-    let next_cursor = if more {
-        items.last().map(Cursor::of)
-    } else {
-        None
-    };
+    let next_cursor = if more { items.last().map(Cursor::of) } else { None };
     Ok(Page { items, next_cursor })
 }
 
@@ -199,24 +182,14 @@ pub trait Store: Send + Sync + 'static {
     /// Records a request unless its key exists. Atomic under any concurrency: of many requests
     /// with one key, exactly one gets `Created` (or `Requeued`). A `done` record past retention
     /// counts as absent and is replaced.
-    async fn admit(
-        &self,
-        new: NewRecord,
-        retention_cutoff: Millis,
-    ) -> Result<Admission, StoreError>;
+    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError>;
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError>;
 
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
 
     /// Queued → in_progress under `owner`'s lease. False if it is no longer queued.
-    async fn claim(
-        &self,
-        id: Uuid,
-        owner: &str,
-        lease_until: Millis,
-        now: Millis,
-    ) -> Result<bool, StoreError>;
+    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError>;
 
     /// Persists "attempt `number` may have been sent" before it is sent, and extends the lease.
     /// If `owner` no longer holds the lease, the attempt must not be sent.
@@ -240,13 +213,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Lease, StoreError>;
 
     /// Extends `owner`'s lease.
-    async fn renew(
-        &self,
-        id: Uuid,
-        owner: &str,
-        lease_until: Millis,
-        now: Millis,
-    ) -> Result<Lease, StoreError>;
+    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError>;
 
     async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError>;
 
@@ -255,21 +222,11 @@ pub trait Store: Send + Sync + 'static {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError>;
 
     /// Settles an `unknown` record; anything else is refused.
-    async fn resolve(
-        &self,
-        id: Uuid,
-        resolution: Resolution,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError>;
+    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError>;
 
     /// Re-drives an `unknown` record (the operator asserts a re-send is safe): queued again with
     /// a fresh deadline. Anything else is refused.
-    async fn retry(
-        &self,
-        id: Uuid,
-        deadline_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError>;
+    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError>;
 
     // ---- take-over and reconciliation ---------------------------------------------------------
 
@@ -304,13 +261,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// `unknown` records of `route` whose next probe is due at `now`; the first probe is due
     /// `settle` after the record became unknown.
-    async fn probes_due(
-        &self,
-        route: &str,
-        settle: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError>;
+    async fn probes_due(&self, route: &str, settle: Millis, now: Millis, limit: u32)
+        -> Result<Vec<Record>, StoreError>;
 
     /// Records a probe: settles the record with `resolution`, or schedules the next probe.
     async fn probed(
@@ -351,8 +303,6 @@ pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if url.starts_with("sqlite:") {
         Ok(std::sync::Arc::new(sqlite::SqliteStore::open(url).await?))
     } else {
-        Err(StoreError::Unavailable(format!(
-            "unsupported store url `{url}`"
-        )))
+        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
     }
 }

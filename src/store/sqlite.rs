@@ -10,22 +10,19 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
-    SqliteRow, SqliteSynchronous,
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
 };
 use sqlx::{Connection, Executor, Row};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{
-    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page,
-    Resolution, Store, StoreError,
+    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store, StoreError,
 };
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{
-    Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
-};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -71,12 +68,8 @@ impl SqliteStore {
         op: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> Write,
     ) -> Result<T, StoreError> {
         let (tx, rx) = oneshot::channel();
-        self.writes
-            .send(op(tx))
-            .await
-            .map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?;
-        rx.await
-            .map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?
+        self.writes.send(op(tx)).await.map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?;
+        rx.await.map_err(|_| StoreError::Unavailable("the sqlite writer has stopped".into()))?
     }
 }
 
@@ -108,11 +101,7 @@ fn split_synchronous(url: &str) -> Result<(String, SqliteSynchronous), StoreErro
             _ => rest.push(pair),
         }
     }
-    let url = if rest.is_empty() {
-        base.to_string()
-    } else {
-        format!("{base}?{}", rest.join("&"))
-    };
+    let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
     Ok((url, synchronous))
 }
 
@@ -124,26 +113,13 @@ enum Write {
     Admit(NewRecord, Millis, Reply<Admission>),
     Claim(Uuid, String, Millis, Millis, Reply<bool>),
     AttemptStarted(Uuid, String, u32, Millis, Millis, Reply<Lease>),
-    AttemptEnded(
-        Uuid,
-        String,
-        Option<Attempt>,
-        AfterAttempt,
-        Millis,
-        Reply<Lease>,
-    ),
+    AttemptEnded(Uuid, String, Option<Attempt>, AfterAttempt, Millis, Reply<Lease>),
     Renew(Uuid, String, Millis, Millis, Reply<Lease>),
     Cancel(Uuid, HistoryEntry, Reply<Cancelled>),
     Resolve(Uuid, Resolution, HistoryEntry, Reply<Action>),
     Retry(Uuid, Millis, HistoryEntry, Reply<Action>),
     TakeOver(TakeOver, Reply<bool>),
-    Probed(
-        Uuid,
-        Option<Resolution>,
-        Millis,
-        HistoryEntry,
-        Reply<Action>,
-    ),
+    Probed(Uuid, Option<Resolution>, Millis, HistoryEntry, Reply<Action>),
     ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
     SweepDone(Millis, u32, Reply<u64>),
 }
@@ -215,9 +191,7 @@ async fn write_loop(mut conn: SqliteConnection, mut queue: mpsc::Receiver<Write>
 /// A write that never ran; its reply will carry the batch's error.
 fn fail(write: Write) -> Box<dyn Deliver> {
     fn e<T>() -> Result<T, StoreError> {
-        Err(StoreError::Unavailable(
-            "transaction could not start".into(),
-        ))
+        Err(StoreError::Unavailable("transaction could not start".into()))
     }
     match write {
         Write::Admit(.., r) => pending(r, e()),
@@ -238,33 +212,24 @@ fn fail(write: Write) -> Box<dyn Deliver> {
 async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
     match write {
         Write::Admit(new, cutoff, r) => pending(r, admit(conn, new, cutoff).await),
-        Write::Claim(id, owner, until, now, r) => {
-            pending(r, claim(conn, id, &owner, until, now).await)
-        }
+        Write::Claim(id, owner, until, now, r) => pending(r, claim(conn, id, &owner, until, now).await),
         Write::AttemptStarted(id, owner, n, at, until, r) => {
             pending(r, attempt_started(conn, id, &owner, n, at, until).await)
         }
         Write::AttemptEnded(id, owner, attempt, then, now, r) => {
             pending(r, attempt_ended(conn, id, &owner, attempt, then, now).await)
         }
-        Write::Renew(id, owner, until, now, r) => {
-            pending(r, renew(conn, id, &owner, until, now).await)
-        }
+        Write::Renew(id, owner, until, now, r) => pending(r, renew(conn, id, &owner, until, now).await),
         Write::Cancel(id, entry, r) => pending(r, cancel(conn, id, entry).await),
-        Write::Resolve(id, resolution, entry, r) => {
-            pending(r, settle(conn, id, resolution, false, entry).await)
-        }
-        Write::Retry(id, deadline_at, entry, r) => {
-            pending(r, retry(conn, id, deadline_at, entry).await)
-        }
+        Write::Resolve(id, resolution, entry, r) => pending(r, settle(conn, id, resolution, false, entry).await),
+        Write::Retry(id, deadline_at, entry, r) => pending(r, retry(conn, id, deadline_at, entry).await),
         Write::TakeOver(t, r) => pending(r, take_over(conn, t).await),
         Write::Probed(id, resolution, next_at, entry, r) => {
             pending(r, probed(conn, id, resolution, next_at, entry).await)
         }
-        Write::ClaimUnclaimed(owner, until, idle_since, now, limit, r) => pending(
-            r,
-            claim_unclaimed(conn, &owner, until, idle_since, now, limit).await,
-        ),
+        Write::ClaimUnclaimed(owner, until, idle_since, now, limit, r) => {
+            pending(r, claim_unclaimed(conn, &owner, until, idle_since, now, limit).await)
+        }
         Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit).await),
     }
 }
@@ -294,11 +259,7 @@ WHERE (records.state = 'done' AND records.done_at < ?14)
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
 RETURNING *";
 
-async fn admit(
-    conn: &mut SqliteConnection,
-    new: NewRecord,
-    cutoff: Millis,
-) -> Result<Admission, StoreError> {
+async fn admit(conn: &mut SqliteConnection, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
     let requeued = serde_json::to_string(&HistoryEntry {
         at: new.now,
         actor: "client".into(),
@@ -325,11 +286,7 @@ async fn admit(
     match row {
         Some(row) => {
             let record = decode(&row)?;
-            Ok(if record.id == new.id {
-                Admission::Created(record)
-            } else {
-                Admission::Requeued(record)
-            })
+            Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) })
         }
         None => {
             let row = sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
@@ -365,9 +322,7 @@ async fn claim(
 
 fn lease_of(row: Option<SqliteRow>) -> Result<Lease, StoreError> {
     Ok(match row {
-        Some(row) => Lease::Held {
-            cancel_requested: row.try_get::<i64, _>(0)? != 0,
-        },
+        Some(row) => Lease::Held { cancel_requested: row.try_get::<i64, _>(0)? != 0 },
         None => Lease::Lost,
     })
 }
@@ -459,11 +414,7 @@ async fn renew(
     lease_of(row)
 }
 
-async fn cancel(
-    conn: &mut SqliteConnection,
-    id: Uuid,
-    entry: HistoryEntry,
-) -> Result<Cancelled, StoreError> {
+async fn cancel(conn: &mut SqliteConnection, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
     let Some(record) = get(&mut *conn, id).await? else {
         return Ok(Cancelled::Missing);
     };
@@ -481,20 +432,9 @@ async fn cancel(
         }
         _ => return Ok(Cancelled::Refused(record)),
     };
-    sqlx::query(sql)
-        .bind(id.to_string())
-        .bind(entry)
-        .bind(crate::record::now_ms())
-        .execute(&mut *conn)
-        .await?;
-    let updated = get(&mut *conn, id)
-        .await?
-        .ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
-    Ok(if record.state == State::InProgress {
-        Cancelled::Flagged(updated)
-    } else {
-        Cancelled::Dequeued(updated)
-    })
+    sqlx::query(sql).bind(id.to_string()).bind(entry).bind(crate::record::now_ms()).execute(&mut *conn).await?;
+    let updated = get(&mut *conn, id).await?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
+    Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
@@ -527,11 +467,7 @@ async fn settle(
     .bind(id.to_string())
     .bind(state.as_str())
     .bind(response.map(|r| r.status as i64))
-    .bind(
-        response
-            .map(|r| serde_json::to_string(&r.headers))
-            .transpose()?,
-    )
+    .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
     .bind(response.map(|r| r.body.to_vec()))
     .bind(now)
     .bind(probe as i64)
@@ -542,10 +478,7 @@ async fn settle(
 }
 
 async fn applied(conn: &mut SqliteConnection, id: Uuid) -> Result<Action, StoreError> {
-    get(&mut *conn, id)
-        .await?
-        .map(Action::Applied)
-        .ok_or_else(|| StoreError::Corrupt("record vanished".into()))
+    get(&mut *conn, id).await?.map(Action::Applied).ok_or_else(|| StoreError::Corrupt("record vanished".into()))
 }
 
 async fn retry(
@@ -580,11 +513,7 @@ async fn take_over(conn: &mut SqliteConnection, t: TakeOver) -> Result<bool, Sto
         Phase::Queued => (State::NotStarted, true, None),
         Phase::Free => (State::NotStarted, false, Some(StopReason::Deadline)),
         Phase::Unknown => (State::Unknown, false, Some(StopReason::UnsafeReplay)),
-        other => {
-            return Err(StoreError::Corrupt(format!(
-                "a take-over cannot lead to {other:?}"
-            )))
-        }
+        other => return Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
     };
     let lost = t.lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let done = sqlx::query(
@@ -661,11 +590,7 @@ async fn claim_unclaimed(
     rows.iter().map(decode).collect()
 }
 
-async fn sweep_done(
-    conn: &mut SqliteConnection,
-    cutoff: Millis,
-    limit: u32,
-) -> Result<u64, StoreError> {
+async fn sweep_done(conn: &mut SqliteConnection, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
     let done = sqlx::query(
         "DELETE FROM records WHERE id IN (
             SELECT id FROM records WHERE state = 'done' AND done_at < ?1 LIMIT ?2)",
@@ -677,10 +602,7 @@ async fn sweep_done(
     Ok(done.rows_affected())
 }
 
-async fn get<'e, E: sqlx::SqliteExecutor<'e>>(
-    executor: E,
-    id: Uuid,
-) -> Result<Option<Record>, StoreError> {
+async fn get<'e, E: sqlx::SqliteExecutor<'e>>(executor: E, id: Uuid) -> Result<Option<Record>, StoreError> {
     sqlx::query("SELECT * FROM records WHERE id = ?1")
         .bind(id.to_string())
         .fetch_optional(executor)
@@ -728,19 +650,12 @@ fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
         path: row.try_get("path")?,
         query: row.try_get("query")?,
         fingerprint: Fingerprint::from_bytes(&fingerprint).ok_or_else(|| corrupt("fingerprint"))?,
-        request: StoredRequest {
-            headers: serde_json::from_str(&request_headers)?,
-            body: Bytes::from(request_body),
-        },
+        request: StoredRequest { headers: serde_json::from_str(&request_headers)?, body: Bytes::from(request_body) },
         state: State::parse(&state).ok_or_else(|| corrupt("state"))?,
         queued: row.try_get::<i64, _>("queued")? != 0,
         deadline_at: row.try_get("deadline_at")?,
-        lease: lease_owner
-            .zip(lease_expires_at)
-            .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at }),
-        in_flight: in_flight_number
-            .zip(in_flight_started_at)
-            .map(|(n, at)| (n as u32, at)),
+        lease: lease_owner.zip(lease_expires_at).map(|(owner, expires_at)| crate::record::Lease { owner, expires_at }),
+        in_flight: in_flight_number.zip(in_flight_started_at).map(|(n, at)| (n as u32, at)),
         attempts: serde_json::from_str(&attempts)?,
         stop_reason: stop_reason
             .as_deref()
@@ -758,11 +673,7 @@ fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn admit(
-        &self,
-        new: NewRecord,
-        retention_cutoff: Millis,
-    ) -> Result<Admission, StoreError> {
+    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
         self.write(|r| Write::Admit(new, retention_cutoff, r)).await
     }
 
@@ -780,16 +691,9 @@ impl Store for SqliteStore {
         get(&self.reads, id).await
     }
 
-    async fn claim(
-        &self,
-        id: Uuid,
-        owner: &str,
-        lease_until: Millis,
-        now: Millis,
-    ) -> Result<bool, StoreError> {
+    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::Claim(id, owner, lease_until, now, r))
-            .await
+        self.write(|r| Write::Claim(id, owner, lease_until, now, r)).await
     }
 
     async fn attempt_started(
@@ -801,8 +705,7 @@ impl Store for SqliteStore {
         lease_until: Millis,
     ) -> Result<Lease, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, r))
-            .await
+        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, r)).await
     }
 
     async fn attempt_ended(
@@ -814,20 +717,12 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<Lease, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::AttemptEnded(id, owner, attempt, then, now, r))
-            .await
+        self.write(|r| Write::AttemptEnded(id, owner, attempt, then, now, r)).await
     }
 
-    async fn renew(
-        &self,
-        id: Uuid,
-        owner: &str,
-        lease_until: Millis,
-        now: Millis,
-    ) -> Result<Lease, StoreError> {
+    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::Renew(id, owner, lease_until, now, r))
-            .await
+        self.write(|r| Write::Renew(id, owner, lease_until, now, r)).await
     }
 
     async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
@@ -850,30 +745,15 @@ impl Store for SqliteStore {
         .bind(limit as i64 + 1)
         .fetch_all(&self.reads)
         .await?;
-        page(
-            rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?,
-            limit,
-        )
+        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
     }
 
-    async fn resolve(
-        &self,
-        id: Uuid,
-        resolution: Resolution,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError> {
-        self.write(|r| Write::Resolve(id, resolution, entry, r))
-            .await
+    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
+        self.write(|r| Write::Resolve(id, resolution, entry, r)).await
     }
 
-    async fn retry(
-        &self,
-        id: Uuid,
-        deadline_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError> {
-        self.write(|r| Write::Retry(id, deadline_at, entry, r))
-            .await
+    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
+        self.write(|r| Write::Retry(id, deadline_at, entry, r)).await
     }
 
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
@@ -897,14 +777,7 @@ impl Store for SqliteStore {
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError> {
-        let t = TakeOver {
-            id,
-            owner: owner.to_string(),
-            until,
-            to,
-            lost,
-            entry,
-        };
+        let t = TakeOver { id, owner: owner.to_string(), until, to, lost, entry };
         self.write(|r| Write::TakeOver(t, r)).await
     }
 
@@ -917,8 +790,7 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<Record>, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::ClaimUnclaimed(owner, lease_until, idle_since, now, limit, r))
-            .await
+        self.write(|r| Write::ClaimUnclaimed(owner, lease_until, idle_since, now, limit, r)).await
     }
 
     async fn probes_due(
@@ -949,15 +821,13 @@ impl Store for SqliteStore {
         next_probe_at: Millis,
         entry: HistoryEntry,
     ) -> Result<Action, StoreError> {
-        self.write(|r| Write::Probed(id, resolution, next_probe_at, entry, r))
-            .await
+        self.write(|r| Write::Probed(id, resolution, next_probe_at, entry, r)).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        let rows =
-            sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
-                .fetch_all(&self.reads)
-                .await?;
+        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
+            .fetch_all(&self.reads)
+            .await?;
         rows.iter()
             .map(|row| {
                 let state: String = row.try_get(0)?;

@@ -27,12 +27,7 @@ pub struct Reply {
 
 impl Reply {
     pub fn status(status: u16) -> Reply {
-        Reply {
-            status,
-            headers: vec![],
-            body: format!("{{\"status\":{status}}}"),
-            delay: Duration::ZERO,
-        }
+        Reply { status, headers: vec![], body: format!("{{\"status\":{status}}}"), delay: Duration::ZERO }
     }
 
     pub fn header(mut self, name: &str, value: &str) -> Reply {
@@ -98,10 +93,7 @@ async fn answer(
             *hits += 1;
             *hits
         };
-        seen.arrivals
-            .entry(op.clone())
-            .or_default()
-            .push(Instant::now());
+        seen.arrivals.entry(op.clone()).or_default().push(Instant::now());
         seen.headers.insert(op.clone(), headers.clone());
         let scripted = seen.scripts.get_mut(&op).and_then(|q| q.pop_front());
         (n, scripted)
@@ -117,20 +109,15 @@ async fn answer(
     });
     tokio::time::sleep(reply.delay).await;
     let mut response = (StatusCode::from_u16(reply.status).unwrap(), reply.body).into_response();
-    response
-        .headers_mut()
-        .insert("x-upstream", "fake".parse().unwrap());
-    response
-        .headers_mut()
-        .insert("connection", "keep-alive".parse().unwrap());
+    response.headers_mut().insert("x-upstream", "fake".parse().unwrap());
+    response.headers_mut().insert("connection", "keep-alive".parse().unwrap());
     for (name, _) in &reply.headers {
         response.headers_mut().remove(name.as_str());
     }
     for (name, value) in reply.headers {
-        response.headers_mut().append(
-            axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(),
-            value.parse().unwrap(),
-        );
+        response
+            .headers_mut()
+            .append(axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
     }
     response
 }
@@ -144,9 +131,7 @@ impl Upstream {
     pub async fn serve(listener: TcpListener) -> Upstream {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Seen::default()));
-        let app = axum::Router::new()
-            .fallback(answer)
-            .with_state(seen.clone());
+        let app = axum::Router::new().fallback(answer).with_state(seen.clone());
         tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
@@ -162,13 +147,7 @@ impl Upstream {
     }
 
     pub fn arrivals(&self, op: &str) -> Vec<Instant> {
-        self.seen
-            .lock()
-            .unwrap()
-            .arrivals
-            .get(op)
-            .cloned()
-            .unwrap_or_default()
+        self.seen.lock().unwrap().arrivals.get(op).cloned().unwrap_or_default()
     }
 
     pub fn headers(&self, op: &str) -> Option<HeaderMap> {
@@ -176,11 +155,7 @@ impl Upstream {
     }
 
     pub fn script(&self, op: &str, replies: Vec<Reply>) {
-        self.seen
-            .lock()
-            .unwrap()
-            .scripts
-            .insert(op.to_string(), replies.into());
+        self.seen.lock().unwrap().scripts.insert(op.to_string(), replies.into());
     }
 }
 
@@ -224,12 +199,7 @@ impl Broker {
     }
 
     /// Starts a broker on the SQLite file in `dir` (a restart when one ran there before).
-    pub async fn start_in(
-        dir: Arc<TempDir>,
-        upstream: &str,
-        route_extra: &str,
-        extra: &str,
-    ) -> Broker {
+    pub async fn start_in(dir: Arc<TempDir>, upstream: &str, route_extra: &str, extra: &str) -> Broker {
         let db = format!("sqlite://{}", dir.path().join("idem.db").display());
         let text = config_text(&db, upstream, route_extra, extra);
         Broker::start_with(dir, text).await
@@ -263,11 +233,7 @@ impl Broker {
     }
 
     pub async fn record(&self, key: &str) -> reqwest::Response {
-        self.http
-            .get(format!("{}/_idem/requests/{}", self.url, key))
-            .send()
-            .await
-            .unwrap()
+        self.http.get(format!("{}/_idem/requests/{}", self.url, key)).send().await.unwrap()
     }
 
     pub async fn record_json(&self, key: &str) -> Value {
@@ -277,12 +243,7 @@ impl Broker {
     }
 
     /// Polls the record until `pred` holds; fails after `within`.
-    pub async fn await_record(
-        &self,
-        key: &str,
-        within: Duration,
-        pred: impl Fn(&Value) -> bool,
-    ) -> Value {
+    pub async fn await_record(&self, key: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
         let until = Instant::now() + within;
         loop {
             let r = self.record(key).await;
@@ -312,11 +273,7 @@ pub struct Answer {
 
 impl Answer {
     pub async fn of(r: reqwest::Response) -> Answer {
-        Answer {
-            status: r.status().as_u16(),
-            headers: r.headers().clone(),
-            body: r.bytes().await.unwrap(),
-        }
+        Answer { status: r.status().as_u16(), headers: r.headers().clone(), body: r.bytes().await.unwrap() }
     }
 
     pub fn header(&self, name: &str) -> Option<&str> {
@@ -330,10 +287,7 @@ impl Answer {
     /// Asserts a problem+json answer of the given status and name.
     pub fn assert_problem(&self, status: u16, name: &str) {
         assert_eq!(self.status, status, "body: {:?}", self.body);
-        assert_eq!(
-            self.header("content-type"),
-            Some("application/problem+json")
-        );
+        assert_eq!(self.header("content-type"), Some("application/problem+json"));
         let p = self.json();
         assert_eq!(p["type"], format!("urn:idem:problem:{name}"), "{p}");
         assert_eq!(p["status"], status);

@@ -1,0 +1,111 @@
+//! The retry budget (Finagle's `RetryBudget`): over a sliding window, retries may add at most
+//! `ratio` of the first attempts, plus a floor of `min_per_sec` retries per second so that a
+//! quiet route can still retry. When the budget is spent, failures are returned instead of
+//! retried: in a storm, load is never multiplied.
+
+use std::time::{Duration, Instant};
+
+/// The window is kept as one-second buckets.
+const BUCKETS: usize = 10;
+const BUCKET: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+pub struct RetryBudget {
+    ratio: f64,
+    min_per_sec: f64,
+    /// (first attempts, retries) per bucket; `start` is the beginning of bucket 0's second.
+    buckets: [(u64, u64); BUCKETS],
+    /// Index (in whole seconds since `origin`) of the newest bucket written.
+    newest: u64,
+    origin: Instant,
+}
+
+impl RetryBudget {
+    pub fn new(ratio: f64, min_per_sec: f64, now: Instant) -> RetryBudget {
+        RetryBudget { ratio, min_per_sec, buckets: [(0, 0); BUCKETS], newest: 0, origin: now }
+    }
+
+    /// Moves the window to `now`, clearing buckets that fell out of it.
+    fn advance(&mut self, now: Instant) -> usize {
+        let second = now.saturating_duration_since(self.origin).as_secs() / BUCKET.as_secs();
+        if second > self.newest {
+            let stale = (second - self.newest).min(BUCKETS as u64);
+            for s in 1..=stale {
+                self.buckets[((self.newest + s) % BUCKETS as u64) as usize] = (0, 0);
+            }
+            self.newest = second;
+        }
+        (self.newest % BUCKETS as u64) as usize
+    }
+
+    /// A first attempt: earns `ratio` of a retry.
+    pub fn deposit(&mut self, now: Instant) {
+        let i = self.advance(now);
+        self.buckets[i].0 += 1;
+    }
+
+    /// Takes one retry from the budget if it allows one.
+    pub fn try_withdraw(&mut self, now: Instant) -> bool {
+        let i = self.advance(now);
+        let (firsts, retries) = self.buckets.iter().fold((0u64, 0u64), |(f, r), (bf, br)| (f + bf, r + br));
+        let allowed = self.min_per_sec * BUCKETS as f64 + self.ratio * firsts as f64;
+        if (retries + 1) as f64 <= allowed {
+            self.buckets[i].1 += 1;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_are_capped_at_a_fraction_of_first_attempts() {
+        let t0 = Instant::now();
+        let mut b = RetryBudget::new(0.1, 0.0, t0);
+        for _ in 0..100 {
+            b.deposit(t0);
+        }
+        let granted = (0..50).filter(|_| b.try_withdraw(t0)).count();
+        assert_eq!(granted, 10, "10% of 100 first attempts");
+    }
+
+    #[test]
+    fn a_floor_lets_a_quiet_route_retry() {
+        let t0 = Instant::now();
+        let mut b = RetryBudget::new(0.1, 1.0, t0);
+        // No traffic at all: the floor of 1/s over a 10 s window allows 10 retries.
+        let granted = (0..50).filter(|_| b.try_withdraw(t0)).count();
+        assert_eq!(granted, 10);
+    }
+
+    #[test]
+    fn the_window_slides() {
+        let t0 = Instant::now();
+        let mut b = RetryBudget::new(0.5, 0.0, t0);
+        for _ in 0..10 {
+            b.deposit(t0);
+        }
+        assert_eq!((0..10).filter(|_| b.try_withdraw(t0)).count(), 5);
+        // Nine seconds on, the old deposits and withdrawals still count.
+        assert!(!b.try_withdraw(t0 + Duration::from_secs(9)));
+        // Past the window they are gone: no deposits left, so no retries either.
+        let later = t0 + Duration::from_secs(11);
+        assert!(!b.try_withdraw(later));
+        for _ in 0..4 {
+            b.deposit(later);
+        }
+        assert_eq!((0..10).filter(|_| b.try_withdraw(later)).count(), 2);
+    }
+
+    #[test]
+    fn a_zero_budget_refuses_every_retry() {
+        let t0 = Instant::now();
+        let mut b = RetryBudget::new(0.0, 0.0, t0);
+        b.deposit(t0);
+        assert!(!b.try_withdraw(t0));
+    }
+}
