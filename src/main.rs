@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use idem::admin::cli;
 use idem::config::Config;
 
 /// Idem, an idempotency-aware request broker: every keyed request is recorded before it is sent,
@@ -48,6 +49,74 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Operate on records through the admin API: the reconciliation queue and its actions.
+    Requests {
+        /// The admin listener's URL.
+        #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
+        admin: String,
+        /// The admin bearer token.
+        #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
+        token: Option<String>,
+        /// Who is acting, kept in the record's history.
+        #[arg(long, env = "USER", default_value = "operator", global = true)]
+        actor: String,
+        /// Print the API's JSON instead of a table.
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        action: RequestsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum RequestsAction {
+    /// List records, oldest first (the reconciliation queue: `--state unknown`).
+    List {
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        route: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// Continue a listing where the previous page ended.
+        #[arg(long)]
+        cursor: Option<String>,
+    },
+    /// Show one record: its attempts, response and history.
+    Show { id: String },
+    /// Settle an unknown record: it executed (give the response to replay) or it did not.
+    Resolve {
+        id: String,
+        /// It executed upstream; duplicates will get the response given here.
+        #[arg(long, conflicts_with = "not_executed", requires = "status")]
+        executed: bool,
+        /// It did not execute: the key is freed and the next request with it executes.
+        #[arg(long)]
+        not_executed: bool,
+        #[arg(long)]
+        status: Option<u16>,
+        /// A response header, `name: value` (repeatable).
+        #[arg(long = "header")]
+        headers: Vec<String>,
+        #[arg(long, default_value = "")]
+        body: String,
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Send an unknown record again (you assert a re-send is safe).
+    Retry {
+        id: String,
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// Stop a record: no further attempt starts.
+    Cancel {
+        id: String,
+        #[arg(long)]
+        note: Option<String>,
+    },
 }
 
 fn init_logging(format: LogFormat) {
@@ -89,6 +158,37 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(&config)?;
             print!("{}", idem::config::describe(&config));
         }
+        Command::Requests { admin, token, actor, json, action } => {
+            let client = cli::Client::new(&admin, token, actor);
+            print!("{}", client.run(requests_command(action)?, json).await?);
+        }
     }
     Ok(())
+}
+
+fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliError> {
+    Ok(match action {
+        RequestsAction::List { state, route, tenant, limit, cursor } => {
+            cli::Command::List { state, route, tenant, limit, cursor }
+        }
+        RequestsAction::Show { id } => cli::Command::Show { id },
+        RequestsAction::Resolve { id, executed, not_executed, status, headers, body, note } => {
+            let outcome = match (executed, not_executed, status) {
+                (true, false, Some(status)) => cli::Outcome::Executed {
+                    status,
+                    headers: headers.iter().map(|h| cli::parse_header(h)).collect::<Result<_, _>>()?,
+                    body,
+                },
+                (false, true, _) => cli::Outcome::NotExecuted,
+                _ => {
+                    return Err(cli::CliError::Usage(
+                        "say --executed --status N [--header …] [--body …], or --not-executed".into(),
+                    ))
+                }
+            };
+            cli::Command::Resolve { id, outcome, note }
+        }
+        RequestsAction::Retry { id, note } => cli::Command::Retry { id, note },
+        RequestsAction::Cancel { id, note } => cli::Command::Cancel { id, note },
+    })
 }

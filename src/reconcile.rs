@@ -1,13 +1,20 @@
-//! Background upkeep of the store: done records past retention are deleted, in batches, so
-//! that a key can be used afresh and the table does not grow without bound.
+//! Background upkeep of the store, on every node:
+//! - take-over: records whose worker died (lease expired) are continued, freed or moved to
+//!   `unknown` by SPEC §4's rule; queued records nobody claimed are claimed here;
+//! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
+//! - retention: `done` records past retention are deleted in batches.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::record::{duration_ms, now_ms};
-use crate::store::Store;
+use crate::config::{Config, Probe, Route};
+use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
+use crate::store::{Action, Resolution, Store};
+use crate::upstream::Upstream;
+use crate::worker::Worker;
 
 const SWEEP_BATCH: u32 = 1000;
+const BATCH: u32 = 64;
 
 /// How often the retention sweep runs: a tenth of the retention, between 1 s and 1 min.
 pub fn sweep_interval(retention: Duration) -> Duration {
@@ -38,6 +45,146 @@ pub async fn retention_sweep(store: Arc<dyn Store>, retention: Duration) {
     }
 }
 
+/// Where a record whose lease expired goes (SPEC §4): `unknown` if an attempt may have been sent
+/// and the route is not replay-safe; otherwise queued again, or freed if its deadline passed.
+pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis) -> Phase {
+    let event = Event::LeaseExpired {
+        attempt_unrecorded: record.in_flight.is_some(),
+        // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
+        replay_safe: route.is_some_and(|r| r.replay_safe),
+        deadline_passed: now >= record.deadline_at,
+    };
+    transition(Phase::InProgress, event).unwrap_or(Phase::Unknown)
+}
+
+/// Takes over what dead workers left, and claims orphaned queued records, every `every`.
+pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Config>) {
+    let lease = config.worker.lease;
+    let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = take_over_once(&*store, &worker, &config).await {
+            tracing::warn!(error = %e, "take-over sweep failed; will try again");
+        }
+    }
+}
+
+pub async fn take_over_once(
+    store: &dyn Store,
+    worker: &Worker,
+    config: &Config,
+) -> Result<(), crate::store::StoreError> {
+    let now = now_ms();
+    for record in store.expired_leases(now, BATCH).await? {
+        let Some(lease) = &record.lease else { continue };
+        let route = config.route_named(&record.route);
+        let to = after_lease_expiry(&record, route, now);
+        let lost = record.in_flight.map(|(number, started_at)| Attempt {
+            number,
+            started_at,
+            duration_ms: (lease.expires_at - started_at).max(0) as u64,
+            outcome: "lost".into(),
+            status: None,
+            error: Some("worker_lost".into()),
+            wait_ms: 0,
+        });
+        let entry = HistoryEntry {
+            at: now,
+            actor: format!("node:{}", worker.owner()),
+            action: format!("take-over → {}", to.as_str()),
+            note: Some(format!(
+                "the lease of {} expired{}",
+                lease.owner,
+                if lost.is_some() { " while an attempt may have been in flight" } else { "" }
+            )),
+        };
+        if store.take_over(record.id, &lease.owner, lease.expires_at, to, lost, entry).await? {
+            tracing::warn!(record = %record.id, from = %lease.owner, to = to.as_str(), "took over a record");
+            if to == Phase::Queued {
+                if let Some(record) = store.get(record.id).await? {
+                    worker.submit(record, None, None);
+                }
+            } else {
+                worker.settled(record.id);
+            }
+        }
+    }
+    let idle_since = now - duration_ms(config.worker.lease);
+    let lease_until = now + duration_ms(config.worker.lease);
+    for record in store.claim_unclaimed(worker.owner(), lease_until, idle_since, now, BATCH).await? {
+        tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
+        worker.resume(record);
+    }
+    Ok(())
+}
+
+/// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
+pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
+    let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
+    settle.saturating_mul(factor).min(Duration::from_secs(300))
+}
+
+/// Probes the upstream about `unknown` records of routes that declare how.
+pub async fn probes(store: Arc<dyn Store>, config: Arc<Config>, worker: Worker) {
+    let upstream = Upstream::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        for route in config.routes.iter().filter(|r| r.probe.is_some()) {
+            if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
+                tracing::warn!(route = %route.name, error = %e, "probing failed; will try again");
+            }
+        }
+    }
+}
+
+async fn probe_route(
+    store: &dyn Store,
+    upstream: &Upstream,
+    route: &Route,
+    worker: &Worker,
+) -> Result<(), crate::store::StoreError> {
+    let Some(probe) = &route.probe else { return Ok(()) };
+    let now = now_ms();
+    for record in store.probes_due(&route.name, duration_ms(probe.settle), now, BATCH).await? {
+        let (resolution, note) = ask(upstream, route, probe, &record).await;
+        let next = now_ms() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
+        let entry = HistoryEntry { at: now_ms(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
+        if let Action::Applied(settled) = store.probed(record.id, resolution, next, entry).await? {
+            if settled.phase() != Phase::Unknown {
+                tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
+                worker.settled(record.id);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One probe: 2xx → it executed (the answer is the resolution), 404 → it did not, anything
+/// else → still unknown.
+async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
+    let key = percent_encoding::utf8_percent_encode(&record.key, percent_encoding::NON_ALPHANUMERIC).to_string();
+    let path = probe.path.replace("{idempotency_key}", &key);
+    let url = format!("{}{}", route.upstream, path);
+    let headers = vec![("idempotency-key".to_string(), record.key.clone())];
+    let asked = format!("{} {}", probe.method, path);
+    match upstream.send(probe.method.as_str(), &url, &headers, bytes::Bytes::new(), route.retry.per_try_timeout).await {
+        Ok(answer) => {
+            let status = answer.response.status;
+            let note = format!("{asked} → {status}");
+            match status {
+                200..=299 => (Some(Resolution::Executed(answer.response)), note),
+                404 => (Some(Resolution::NotExecuted), note),
+                _ => (None, note),
+            }
+        }
+        Err(observed) => (None, format!("{asked} → no answer ({observed:?})")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -47,5 +194,15 @@ mod tests {
         assert_eq!(sweep_interval(Duration::from_secs(2)), Duration::from_secs(1));
         assert_eq!(sweep_interval(Duration::from_secs(100)), Duration::from_secs(10));
         assert_eq!(sweep_interval(Duration::from_secs(86400)), Duration::from_secs(60));
+    }
+
+    #[test]
+    fn probes_back_off_up_to_five_minutes() {
+        let s = Duration::from_secs(5);
+        assert_eq!(probe_backoff(s, 0), Duration::from_secs(5));
+        assert_eq!(probe_backoff(s, 1), Duration::from_secs(10));
+        assert_eq!(probe_backoff(s, 3), Duration::from_secs(40));
+        assert_eq!(probe_backoff(s, 10), Duration::from_secs(300));
+        assert_eq!(probe_backoff(s, 99), Duration::from_secs(300));
     }
 }

@@ -60,10 +60,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         config: config.clone(),
         store: store.clone(),
         worker: worker.clone(),
-        settled,
+        settled: settled.clone(),
         upstream: Upstream::new(),
     });
-    let admin = Arc::new(Admin { store: store.clone() });
+    let admin = Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled });
 
     let (stop, stopped) = watch::channel(false);
     let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
@@ -73,7 +73,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(serve_until(data, ingress::router(ingress), stopped.clone())),
         tokio::spawn(serve_until(admin_listener, admin::router(admin), stopped)),
     ];
-    let upkeep = vec![tokio::spawn(reconcile::retention_sweep(store, config.store.retention))];
+    let upkeep = vec![
+        tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
+        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
+        tokio::spawn(reconcile::probes(store, config.clone(), worker.clone())),
+    ];
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
     Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
 }

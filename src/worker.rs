@@ -263,6 +263,11 @@ impl Worker {
         );
     }
 
+    /// Wakes requests waiting for a record that was settled outside a worker.
+    pub fn settled(&self, id: Uuid) {
+        self.inner.settled.settled(id);
+    }
+
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
     pub fn cancel(&self, id: Uuid) {
         let signal = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
@@ -307,8 +312,10 @@ impl Inner {
         let policy = &route.retry;
         let arrival = record.deadline_at - duration_ms(policy.deadline);
         let url = format!("{}{}", route.upstream, record.path_and_query());
-        let earlier = record.attempts.len() as u32;
-        let mut made = 0;
+        let mut number = record.attempts.len() as u32;
+        // Attempts of this execution that an earlier worker already made (before a take-over):
+        // they count against `max_attempts`, as the deadline they spent does.
+        let mut made = record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32;
         let mut wait_before = Duration::ZERO;
         let mut previous_wait = None;
         let mut any_ambiguous = false;
@@ -323,7 +330,7 @@ impl Inner {
                 return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await;
             }
             made += 1;
-            let number = earlier + made;
+            number += 1;
             match self.store.attempt_started(record.id, &self.owner, number, started, self.lease_until(started)).await {
                 Ok(Lease::Held { cancel_requested: false }) => {}
                 Ok(Lease::Held { cancel_requested: true }) => {
@@ -451,8 +458,8 @@ impl Inner {
         };
         // The breaker hears the request's logical outcome, once: did the upstream serve it?
         if stop != StopReason::Cancelled && class.is_some() {
-            let served =
-                matches!(class, Some(Class::Success | Class::Final)) && response.as_ref().is_some_and(|r| r.status < 500);
+            let served = matches!(class, Some(Class::Success | Class::Final))
+                && response.as_ref().is_some_and(|r| r.status < 500);
             self.guards.record_outcome(&route.upstream, served);
         }
         self.finish(record, route.replay_safe, attempt, stop, class, response, any_ambiguous).await

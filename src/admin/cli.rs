@@ -1,0 +1,271 @@
+//! `idem requests …`: the operator CLI, a client of the admin API. Readable tables by default,
+//! the API's JSON with `--json` for scripts.
+
+use std::fmt::Write;
+
+use serde_json::{json, Value};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("cannot reach the admin API at {url}: {source}")]
+    Unreachable { url: String, source: reqwest::Error },
+    /// The API answered with a problem; its title and detail say what to do.
+    #[error("{status} {title}: {detail}")]
+    Refused { status: u16, title: String, detail: String },
+    #[error("{0}")]
+    Usage(String),
+}
+
+/// How to reach the admin API, and who is acting.
+pub struct Client {
+    pub base: String,
+    pub token: Option<String>,
+    pub actor: String,
+    http: reqwest::Client,
+}
+
+pub enum Command {
+    List { state: Option<String>, route: Option<String>, tenant: Option<String>, limit: u32, cursor: Option<String> },
+    Show { id: String },
+    Resolve { id: String, outcome: Outcome, note: Option<String> },
+    Retry { id: String, note: Option<String> },
+    Cancel { id: String, note: Option<String> },
+}
+
+pub enum Outcome {
+    /// It executed; this is the response duplicates will get.
+    Executed {
+        status: u16,
+        headers: Vec<(String, String)>,
+        body: String,
+    },
+    NotExecuted,
+}
+
+impl Client {
+    pub fn new(base: &str, token: Option<String>, actor: String) -> Client {
+        Client {
+            base: base.trim_end_matches('/').to_string(),
+            token,
+            actor,
+            http: reqwest::Client::builder().no_proxy().build().expect("a static client configuration"),
+        }
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<Value, CliError> {
+        let url = format!("{}{}", self.base, path);
+        let mut request = self.http.request(method, &url);
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.map_err(|source| CliError::Unreachable { url: url.clone(), source })?;
+        let status = response.status().as_u16();
+        let bytes = response.bytes().await.map_err(|source| CliError::Unreachable { url, source })?;
+        let value: Value =
+            serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({"detail": String::from_utf8_lossy(&bytes)}));
+        if status >= 400 {
+            return Err(CliError::Refused {
+                status,
+                title: value["title"].as_str().unwrap_or("error").to_string(),
+                detail: value["detail"].as_str().unwrap_or("").to_string(),
+            });
+        }
+        Ok(value)
+    }
+
+    /// Runs a command; returns what to print.
+    pub async fn run(&self, command: Command, as_json: bool) -> Result<String, CliError> {
+        let attribution = |note: Option<String>| json!({"actor": self.actor, "note": note});
+        let (value, render): (Value, fn(&Value) -> String) = match command {
+            Command::List { state, route, tenant, limit, cursor } => {
+                let mut query = vec![format!("limit={limit}")];
+                for (name, value) in [("state", state), ("route", route), ("tenant", tenant), ("cursor", cursor)] {
+                    if let Some(v) = value {
+                        query.push(format!(
+                            "{name}={}",
+                            percent_encoding::utf8_percent_encode(&v, percent_encoding::NON_ALPHANUMERIC)
+                        ));
+                    }
+                }
+                let path = format!("/admin/requests?{}", query.join("&"));
+                (self.call(reqwest::Method::GET, &path, None).await?, render_list)
+            }
+            Command::Show { id } => {
+                (self.call(reqwest::Method::GET, &format!("/admin/requests/{id}"), None).await?, render_record)
+            }
+            Command::Resolve { id, outcome, note } => {
+                let mut body = attribution(note);
+                match outcome {
+                    Outcome::Executed { status, headers, body: text } => {
+                        let mut map = serde_json::Map::new();
+                        for (name, value) in headers {
+                            map.insert(name, json!(value));
+                        }
+                        body["outcome"] = json!("executed");
+                        body["response"] = json!({"status": status, "headers": map, "body": text});
+                    }
+                    Outcome::NotExecuted => body["outcome"] = json!("not_executed"),
+                }
+                let path = format!("/admin/requests/{id}/resolve");
+                (self.call(reqwest::Method::POST, &path, Some(body)).await?, render_record)
+            }
+            Command::Retry { id, note } => {
+                let path = format!("/admin/requests/{id}/retry");
+                (self.call(reqwest::Method::POST, &path, Some(attribution(note))).await?, render_record)
+            }
+            Command::Cancel { id, note } => {
+                let path = format!("/admin/requests/{id}/cancel");
+                (self.call(reqwest::Method::POST, &path, Some(attribution(note))).await?, render_record)
+            }
+        };
+        Ok(if as_json { format!("{value:#}\n") } else { render(&value) })
+    }
+}
+
+/// Parses `name: value` header arguments.
+pub fn parse_header(arg: &str) -> Result<(String, String), CliError> {
+    let (name, value) =
+        arg.split_once(':').ok_or_else(|| CliError::Usage(format!("`{arg}` is not a header: use `name: value`")))?;
+    Ok((name.trim().to_ascii_lowercase(), value.trim().to_string()))
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn clip(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        s.to_string()
+    } else {
+        let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+        out.push('…');
+        out
+    }
+}
+
+fn render_list(v: &Value) -> String {
+    let empty = vec![];
+    let items = v["items"].as_array().unwrap_or(&empty);
+    let rows: Vec<[String; 8]> = items
+        .iter()
+        .map(|r| {
+            [
+                text(&r["id"]),
+                text(&r["state"]),
+                text(&r["route"]),
+                text(&r["tenant"]),
+                clip(&text(&r["key"]), 24),
+                r["attempts"].as_array().map_or(0, Vec::len).to_string(),
+                text(&r["stop_reason"]),
+                text(&r["created_at"]),
+            ]
+        })
+        .collect();
+    let header = ["ID", "STATE", "ROUTE", "TENANT", "KEY", "ATTEMPTS", "STOP", "CREATED"];
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let padded: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        let _ = writeln!(out, "{}", padded.join("  ").trim_end());
+    };
+    line(header.to_vec(), &mut out);
+    for row in &rows {
+        line(row.iter().map(String::as_str).collect(), &mut out);
+    }
+    match v["next_cursor"].as_str() {
+        Some(c) => {
+            let _ = writeln!(out, "\n{} shown; more with --cursor {c}", rows.len());
+        }
+        None => {
+            let _ = writeln!(out, "\n{} shown", rows.len());
+        }
+    }
+    out
+}
+
+fn render_record(r: &Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "record    {}", text(&r["id"]));
+    let _ =
+        writeln!(out, "state     {}{}", text(&r["state"]), if r["queued"] == json!(true) { " (queued)" } else { "" });
+    let _ = writeln!(
+        out,
+        "request   {} {}  (route {}, tenant {})",
+        text(&r["method"]),
+        text(&r["path"]),
+        text(&r["route"]),
+        text(&r["tenant"])
+    );
+    let _ = writeln!(out, "key       {}", text(&r["key"]));
+    let _ = writeln!(out, "stop      {}", text(&r["stop_reason"]));
+    let _ = writeln!(out, "created   {}   updated {}", text(&r["created_at"]), text(&r["updated_at"]));
+    let empty = vec![];
+    let attempts = r["attempts"].as_array().unwrap_or(&empty);
+    let _ = writeln!(out, "\nattempts  {}", attempts.len());
+    for a in attempts {
+        let what = a.get("status").map(text).or_else(|| a.get("error").map(text)).unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            out,
+            "  #{:<3} {}  after wait {:>6} ms  took {:>6} ms  {:<13} {}",
+            text(&a["number"]),
+            text(&a["started_at"]),
+            text(&a["wait_ms"]),
+            text(&a["duration_ms"]),
+            text(&a["outcome"]),
+            what
+        );
+    }
+    if let Some(resp) = r.get("response") {
+        let body = resp.get("body").map(text).unwrap_or_else(|| "(binary body)".into());
+        let _ = writeln!(out, "\nresponse  {}  {}", text(&resp["status"]), clip(&body, 200));
+    }
+    if let Some(history) = r["history"].as_array().filter(|h| !h.is_empty()) {
+        let _ = writeln!(out, "\nhistory");
+        for h in history {
+            let note = h.get("note").map(|n| format!("  — {}", text(n))).unwrap_or_default();
+            let _ = writeln!(out, "  {}  {:<12} {}{}", text(&h["at"]), text(&h["actor"]), text(&h["action"]), note);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_are_given_as_name_colon_value() {
+        assert_eq!(
+            parse_header("Content-Type: application/json").unwrap(),
+            ("content-type".into(), "application/json".into())
+        );
+        assert!(parse_header("no colon").is_err());
+    }
+
+    #[test]
+    fn a_listing_is_a_table_with_a_continuation_hint() {
+        let v = json!({
+            "items": [{"id": "0190-a", "state": "unknown", "route": "payments", "tenant": "default",
+                       "key": "a-very-long-key-that-will-not-fit-the-column", "attempts": [{}],
+                       "stop_reason": "unsafe_replay", "created_at": "2026-11-30T05:00:00.000Z"}],
+            "next_cursor": "123.abc"
+        });
+        let out = render_list(&v);
+        let lines: Vec<&str> = out.lines().collect();
+        assert!(lines[0].starts_with("ID") && lines[0].contains("STATE") && lines[0].contains("STOP"));
+        assert!(lines[1].contains("unknown") && lines[1].contains("unsafe_replay") && lines[1].contains('…'));
+        assert!(out.contains("--cursor 123.abc"));
+    }
+}

@@ -1,0 +1,325 @@
+//! The admin listener (SPEC §5): the operator API over records — listing, inspection, and the
+//! actions that settle the reconciliation queue — plus health and readiness probes.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine;
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::config::Config;
+use crate::problem::Problem;
+use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
+use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
+use crate::worker::{Settled, Worker};
+
+pub mod cli;
+
+pub struct Admin {
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub worker: Worker,
+    pub settled: Arc<Settled>,
+}
+
+pub fn router(admin: Arc<Admin>) -> Router {
+    let api = Router::new()
+        .route("/admin/requests", get(list))
+        .route("/admin/requests/{id}", get(show))
+        .route("/admin/requests/{id}/resolve", post(resolve))
+        .route("/admin/requests/{id}/retry", post(retry))
+        .route("/admin/requests/{id}/cancel", post(cancel))
+        .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(ready)).merge(api).with_state(admin)
+}
+
+/// Ready when the store answers: without it no request can be recorded safely.
+async fn ready(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
+    match admin.store.ping().await {
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
+    }
+}
+
+/// With an admin token configured, every operator call must carry it as a bearer token.
+async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
+    if let Some(expected) = &admin.config.auth.admin_token {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim());
+        let ok =
+            given.is_some_and(|g| g.len() == expected.len() && constant_time_eq(g.as_bytes(), expected.as_bytes()));
+        if !ok {
+            return Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "Unauthorized",
+                "The admin API needs the admin bearer token (the value of the variable named by auth.admin_token_env).",
+            )
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn record_id(id: &str) -> Result<Uuid, Problem> {
+    Uuid::parse_str(id).map_err(|_| Problem::bad_request("invalid-id", format!("`{id}` is not a record id (a UUID).")))
+}
+
+fn not_found() -> Problem {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "request-not-found",
+        "No such record",
+        "No record has this id (it may have expired).",
+    )
+}
+
+fn refused(record: &Record, action: &str) -> Problem {
+    let why = match record.state {
+        RecordState::Done => "it is done: its response is final and replayed to every duplicate",
+        RecordState::InProgress => "it is in progress: wait for its outcome (or cancel it)",
+        RecordState::NotStarted => "it is not_started: nothing is uncertain about it",
+        RecordState::Unknown => "it is unknown",
+    };
+    Problem::new(
+        StatusCode::CONFLICT,
+        "invalid-transition",
+        "Action not allowed in this state",
+        format!("Only an unknown record can be {action}; this one cannot, because {why}."),
+    )
+    .state(record.state)
+}
+
+fn record_json(record: &Record) -> Response {
+    Json(record.to_json(true)).into_response()
+}
+
+fn store_problem(e: crate::store::StoreError) -> Problem {
+    Problem::store(&e)
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    state: Option<String>,
+    route: Option<String>,
+    tenant: Option<String>,
+    limit: Option<u32>,
+    cursor: Option<String>,
+}
+
+async fn list(State(admin): State<Arc<Admin>>, Query(q): Query<ListQuery>) -> Result<Response, Problem> {
+    let state = match q.state.as_deref().filter(|s| !s.is_empty()) {
+        None => None,
+        Some(s) => Some(RecordState::parse(s).ok_or_else(|| {
+            Problem::bad_request(
+                "invalid-filter",
+                format!("`{s}` is not a state: use not_started, in_progress, done or unknown."),
+            )
+        })?),
+    };
+    let cursor = match q.cursor.as_deref().filter(|c| !c.is_empty()) {
+        None => None,
+        Some(c) => Some(Cursor::decode(c).ok_or_else(|| {
+            Problem::bad_request("invalid-cursor", "The cursor is not one this API returned as next_cursor.")
+        })?),
+    };
+    let filter = ListFilter {
+        state,
+        route: q.route.filter(|s| !s.is_empty()),
+        tenant: q.tenant.filter(|s| !s.is_empty()),
+        limit: q.limit.unwrap_or(50).clamp(1, 1000),
+        cursor,
+    };
+    let page = admin.store.list(&filter).await.map_err(store_problem)?;
+    let items: Vec<Value> = page.items.iter().map(|r| r.to_json(false)).collect();
+    Ok(Json(json!({"items": items, "next_cursor": page.next_cursor.map(|c| c.encode())})).into_response())
+}
+
+async fn show(State(admin): State<Arc<Admin>>, Path(id): Path<String>) -> Result<Response, Problem> {
+    let id = record_id(&id)?;
+    match admin.store.get(id).await.map_err(store_problem)? {
+        Some(record) => Ok(record_json(&record)),
+        None => Err(not_found()),
+    }
+}
+
+/// Who did it and why, as the operator's request says; `actor` defaults to "admin".
+#[derive(Deserialize, Default)]
+struct Attribution {
+    actor: Option<String>,
+    note: Option<String>,
+}
+
+impl Attribution {
+    fn entry(&self, action: &str) -> HistoryEntry {
+        HistoryEntry {
+            at: now_ms(),
+            actor: self.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
+            action: action.into(),
+            note: self.note.clone().filter(|n| !n.trim().is_empty()),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ResolveBody {
+    outcome: String,
+    response: Option<ResponseBody>,
+    #[serde(flatten)]
+    who: Attribution,
+}
+
+#[derive(Deserialize)]
+struct ResponseBody {
+    status: u16,
+    #[serde(default)]
+    headers: serde_json::Map<String, Value>,
+    body: Option<String>,
+    body_base64: Option<String>,
+}
+
+impl ResponseBody {
+    /// The operator's response, checked: a real status, header names and values HTTP accepts.
+    fn into_stored(self) -> Result<StoredResponse, Problem> {
+        let bad = |detail: String| Problem::bad_request("invalid-resolution", detail);
+        if !(100..=599).contains(&self.status) {
+            return Err(bad(format!("{} is not an HTTP status.", self.status)));
+        }
+        let mut headers = Vec::new();
+        for (name, value) in self.headers {
+            let values = match value {
+                Value::String(s) => vec![s],
+                Value::Array(list) => list
+                    .into_iter()
+                    .map(|v| v.as_str().map(str::to_string).ok_or(()))
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| bad(format!("header `{name}` must be a string or a list of strings.")))?,
+                _ => return Err(bad(format!("header `{name}` must be a string or a list of strings."))),
+            };
+            let lower = name.to_ascii_lowercase();
+            if http::HeaderName::from_bytes(lower.as_bytes()).is_err() {
+                return Err(bad(format!("`{name}` is not a header name.")));
+            }
+            for v in values {
+                if http::HeaderValue::from_str(&v).is_err() {
+                    return Err(bad(format!("the value of header `{name}` is not a valid header value.")));
+                }
+                headers.push((lower.clone(), header_text(v.as_bytes())));
+            }
+        }
+        let body = match (self.body, self.body_base64) {
+            (Some(_), Some(_)) => return Err(bad("give body or body_base64, not both.".into())),
+            (Some(text), None) => Bytes::from(text),
+            (None, Some(b64)) => Bytes::from(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64)
+                    .map_err(|_| bad("body_base64 is not valid base64.".into()))?,
+            ),
+            (None, None) => Bytes::new(),
+        };
+        Ok(StoredResponse { status: self.status, headers, body })
+    }
+}
+
+fn json_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Problem> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return serde_json::from_str("{}").map_err(|e| Problem::bad_request("invalid-body", e.to_string()));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| Problem::bad_request("invalid-body", format!("The body is not the expected JSON: {e}.")))
+}
+
+async fn resolve(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: Bytes) -> Result<Response, Problem> {
+    let id = record_id(&id)?;
+    let body: ResolveBody = json_body(&body)?;
+    let resolution =
+        match (body.outcome.as_str(), body.response) {
+            ("executed", Some(response)) => Resolution::Executed(response.into_stored()?),
+            ("executed", None) => return Err(Problem::bad_request(
+                "invalid-resolution",
+                "outcome \"executed\" needs the response to replay: {\"status\":…, \"headers\":{…}, \"body\":\"…\"}.",
+            )),
+            ("not_executed", None) => Resolution::NotExecuted,
+            ("not_executed", Some(_)) => {
+                return Err(Problem::bad_request("invalid-resolution", "outcome \"not_executed\" takes no response."))
+            }
+            (other, _) => {
+                return Err(Problem::bad_request(
+                    "invalid-resolution",
+                    format!("`{other}` is not an outcome: use \"executed\" or \"not_executed\"."),
+                ))
+            }
+        };
+    let action = match &resolution {
+        Resolution::Executed(_) => "resolve executed",
+        Resolution::NotExecuted => "resolve not_executed",
+    };
+    match admin.store.resolve(id, resolution, body.who.entry(action)).await.map_err(store_problem)? {
+        Action::Applied(record) => {
+            admin.settled.settled(record.id);
+            Ok(record_json(&record))
+        }
+        Action::Refused(record) => Err(refused(&record, "resolved")),
+        Action::Missing => Err(not_found()),
+    }
+}
+
+async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: Bytes) -> Result<Response, Problem> {
+    let id = record_id(&id)?;
+    let who: Attribution = json_body(&body)?;
+    let Some(record) = admin.store.get(id).await.map_err(store_problem)? else {
+        return Err(not_found());
+    };
+    let Some(route) = admin.config.route_named(&record.route) else {
+        return Err(Problem::new(
+            StatusCode::CONFLICT,
+            "route-gone",
+            "Route no longer configured",
+            format!("The record's route `{}` is not in the current config, so it cannot be sent.", record.route),
+        ));
+    };
+    let deadline_at = now_ms() + duration_ms(route.retry.deadline);
+    match admin.store.retry(id, deadline_at, who.entry("retry")).await.map_err(store_problem)? {
+        Action::Applied(record) => {
+            let shown = record.to_json(true);
+            admin.worker.submit(record, None, None);
+            Ok((StatusCode::ACCEPTED, Json(shown)).into_response())
+        }
+        Action::Refused(record) => Err(refused(&record, "retried")),
+        Action::Missing => Err(not_found()),
+    }
+}
+
+async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: Bytes) -> Result<Response, Problem> {
+    let id = record_id(&id)?;
+    let who: Attribution = json_body(&body)?;
+    match admin.store.cancel(id, who.entry("cancel")).await.map_err(store_problem)? {
+        Cancelled::Dequeued(record) => {
+            admin.settled.settled(record.id);
+            Ok(record_json(&record))
+        }
+        Cancelled::Flagged(record) => {
+            admin.worker.cancel(record.id);
+            Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response())
+        }
+        Cancelled::Refused(record) => Err(Problem::not_cancellable(record.state)),
+        Cancelled::Missing => Err(not_found()),
+    }
+}
