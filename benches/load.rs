@@ -1,0 +1,596 @@
+//! Load benchmark: what Idem costs over a plain reverse proxy, measured in one run on one machine.
+//!
+//! Everything runs in this process on 127.0.0.1: a fast upstream (axum, `201` + ~60 bytes of
+//! JSON), a plain reverse proxy (axum + a shared `reqwest::Client`, no recording) as the
+//! baseline, and Idem started with `idem::server::start` once per store (SQLite with
+//! `synchronous=FULL`, SQLite with `synchronous=NORMAL`, and PostgreSQL when
+//! `IDEM_BENCH_POSTGRES_URL` or `IDEM_TEST_POSTGRES_URL` is set). Each target is driven by the same
+//! closed-loop generator: N tasks, one keep-alive `reqwest::Client` each, sending POSTs back to
+//! back for a fixed time after a warm-up, at concurrency 1 and 64.
+//!
+//! Cases: the plain proxy; Idem with a fresh `Idempotency-Key` per request; Idem replaying keys
+//! that were created during the warm-up. Every answered request's latency goes into an HDR
+//! histogram; non-2xx answers (and, for replays, answers without `Idempotent-Replayed: true`)
+//! and transport failures are counted as errors and printed.
+//!
+//! `IDEM_BENCH_SECS` (default 5) and `IDEM_BENCH_WARMUP_SECS` (default 1) set the measured and
+//! warm-up seconds per case. Run with `cargo bench --bench load`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use hdrhistogram::Histogram;
+use idem::config::Config;
+use sqlx::Connection;
+use tokio::net::TcpListener;
+
+/// The request body every case sends (the same bytes, so replays match their fingerprint).
+const REQUEST_BODY: &str = r#"{"amount":1000,"currency":"eur","customer":"cus_bench"}"#;
+/// The upstream's answer to every request.
+const UPSTREAM_BODY: &str = r#"{"id":"pay_bench_000001","status":"succeeded","amount":1000}"#;
+const CONCURRENCIES: [usize; 2] = [1, 64];
+/// Keys a replay task creates during its warm-up, at most.
+const MAX_REPLAY_KEYS: usize = 4096;
+
+// ---- settings and machine ---------------------------------------------------------------------
+
+struct Settings {
+    measure: Duration,
+    warmup: Duration,
+}
+
+fn seconds_from_env(name: &str, default: f64) -> Duration {
+    match std::env::var(name) {
+        Ok(text) if !text.trim().is_empty() => match text.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s >= 0.0 => Duration::from_secs_f64(s),
+            _ => panic!("{name}={text:?} is not a number of seconds"),
+        },
+        _ => Duration::from_secs_f64(default),
+    }
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn nproc() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+// ---- the fast upstream -------------------------------------------------------------------------
+
+async fn start_upstream() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(|_body: Bytes| async {
+        (StatusCode::CREATED, [(header::CONTENT_TYPE, "application/json")], UPSTREAM_BODY)
+    });
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    format!("http://{addr}")
+}
+
+// ---- the plain reverse proxy (baseline) ---------------------------------------------------------
+
+struct Proxy {
+    upstream: String,
+    client: reqwest::Client,
+}
+
+/// Headers that belong to one connection (plus `host` and `content-length`, which the client
+/// recomputes), never forwarded either way.
+const HOP_BY_HOP: [&str; 10] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+];
+
+async fn forward(State(proxy): State<Arc<Proxy>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
+        return StatusCode::PAYLOAD_TOO_LARGE.into_response();
+    };
+    let path = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let mut headers = parts.headers;
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    headers.remove(header::HOST);
+    let sent = proxy
+        .client
+        .request(parts.method, format!("{}{}", proxy.upstream, path))
+        .headers(headers)
+        .body(body)
+        .send()
+        .await;
+    let Ok(answer) = sent else {
+        return StatusCode::BAD_GATEWAY.into_response();
+    };
+    let status = answer.status();
+    let mut headers = answer.headers().clone();
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+    let Ok(body) = answer.bytes().await else {
+        return StatusCode::BAD_GATEWAY.into_response();
+    };
+    let mut response = Response::new(Body::from(body));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
+}
+
+async fn start_proxy(upstream: &str) -> String {
+    // The same client settings as Idem's own upstream client.
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(5))
+        .pool_idle_timeout(Duration::from_secs(30))
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let proxy = Arc::new(Proxy { upstream: upstream.to_string(), client });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = axum::Router::new().fallback(forward).with_state(proxy);
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    });
+    format!("http://{addr}")
+}
+
+// ---- Idem --------------------------------------------------------------------------------------
+
+fn idem_config(store_url: &str, upstream: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+
+[store]
+url = "{store_url}"
+
+[[routes]]
+name = "payments"
+path_prefix = "/payments"
+upstream = "{upstream}"
+methods = ["POST"]
+
+[worker]
+concurrency = 256
+"#
+    )
+}
+
+/// A fresh database on the PostgreSQL server at `server_url`: its URL and its name.
+async fn create_postgres_database(server_url: &str) -> Result<(String, String), String> {
+    let name = format!("idem_bench_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(server_url).await.map_err(|e| format!("cannot connect: {e}"))?;
+    let create = format!("CREATE DATABASE {name}");
+    sqlx::raw_sql(&create).execute(&mut conn).await.map_err(|e| format!("cannot create database {name}: {e}"))?;
+    let _ = conn.close().await;
+    let mut url = reqwest::Url::parse(server_url).map_err(|e| format!("bad URL: {e}"))?;
+    url.set_path(&format!("/{name}"));
+    Ok((url.to_string(), name))
+}
+
+async fn drop_postgres_database(server_url: &str, name: &str) -> Result<(), String> {
+    let mut conn = sqlx::PgConnection::connect(server_url).await.map_err(|e| e.to_string())?;
+    let drop = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+    sqlx::raw_sql(&drop).execute(&mut conn).await.map_err(|e| e.to_string())?;
+    let _ = conn.close().await;
+    Ok(())
+}
+
+// ---- the closed-loop load generator -------------------------------------------------------------
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Keys {
+    /// No Idempotency-Key (the plain proxy does not need one).
+    None,
+    /// A fresh key per request.
+    Fresh,
+    /// Keys created during the warm-up, replayed during the measurement.
+    Replay,
+}
+
+struct Measured {
+    latency_us: Histogram<u64>,
+    requests: u64,
+    errors: u64,
+    error_samples: Vec<String>,
+    elapsed: Duration,
+}
+
+impl Measured {
+    fn per_second(&self) -> f64 {
+        self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+struct TaskResult {
+    latency_us: Histogram<u64>,
+    requests: u64,
+    errors: u64,
+    error_samples: Vec<String>,
+    started: Instant,
+    finished: Instant,
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()
+}
+
+enum Sent {
+    /// A 2xx answer (for replays: one marked as replayed).
+    Ok,
+    /// Answered, but not as expected.
+    Bad(String),
+    /// No answer at all.
+    Failed(String),
+}
+
+async fn send_one(client: &reqwest::Client, url: &str, key: Option<&str>, replay: bool) -> Sent {
+    let mut request = client.post(url).header(header::CONTENT_TYPE, "application/json").body(REQUEST_BODY);
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let answer = match request.send().await {
+        Ok(a) => a,
+        Err(e) => return Sent::Failed(format!("transport: {e}")),
+    };
+    let status = answer.status();
+    let replayed = answer.headers().get("idempotent-replayed").is_some_and(|v| v.as_bytes() == b"true");
+    let body = match answer.bytes().await {
+        Ok(b) => b,
+        Err(e) => return Sent::Failed(format!("reading body: {e}")),
+    };
+    if !status.is_success() {
+        let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        Sent::Bad(format!("{status}: {text}"))
+    } else if replay && !replayed {
+        Sent::Bad(format!("{status} without Idempotent-Replayed: true"))
+    } else {
+        Sent::Ok
+    }
+}
+
+async fn client_task(
+    url: Arc<str>,
+    keys: Keys,
+    key_prefix: String,
+    warmup_until: Instant,
+    measure: Duration,
+) -> TaskResult {
+    let client =
+        reqwest::Client::builder().no_proxy().tcp_nodelay(true).timeout(Duration::from_secs(30)).build().unwrap();
+    let mut counter = 0u64;
+    let mut fresh_key = || {
+        counter += 1;
+        format!("{key_prefix}-{counter}")
+    };
+
+    // Warm-up: connections opened, caches and pools filled; for replays, the keys created.
+    let mut created: Vec<String> = Vec::new();
+    while Instant::now() < warmup_until {
+        let key = (keys != Keys::None).then(&mut fresh_key);
+        let ok = matches!(send_one(&client, &url, key.as_deref(), false).await, Sent::Ok);
+        if ok && keys == Keys::Replay && created.len() < MAX_REPLAY_KEYS {
+            created.extend(key);
+        }
+        if !ok {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    if keys == Keys::Replay && created.is_empty() {
+        for _ in 0..10 {
+            let key = fresh_key();
+            if let Sent::Ok = send_one(&client, &url, Some(&key), false).await {
+                created.push(key);
+                break;
+            }
+        }
+        if created.is_empty() {
+            created.push(fresh_key()); // replays of it will fail and be counted as errors
+        }
+    }
+
+    let mut result = TaskResult {
+        latency_us: histogram(),
+        requests: 0,
+        errors: 0,
+        error_samples: Vec::new(),
+        started: Instant::now(),
+        finished: Instant::now(),
+    };
+    let until = result.started + measure;
+    let mut n = 0usize;
+    while Instant::now() < until {
+        let key = match keys {
+            Keys::None => None,
+            Keys::Fresh => Some(fresh_key()),
+            Keys::Replay => Some(created[n % created.len()].clone()),
+        };
+        n += 1;
+        let start = Instant::now();
+        let sent = send_one(&client, &url, key.as_deref(), keys == Keys::Replay).await;
+        let took = start.elapsed();
+        let problem = match sent {
+            Sent::Ok => None,
+            Sent::Bad(p) => Some(p),
+            Sent::Failed(p) => {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                result.errors += 1;
+                if result.error_samples.len() < 3 {
+                    result.error_samples.push(p);
+                }
+                continue;
+            }
+        };
+        result.latency_us.saturating_record((took.as_micros() as u64).max(1));
+        result.requests += 1;
+        if let Some(p) = problem {
+            result.errors += 1;
+            if result.error_samples.len() < 3 {
+                result.error_samples.push(p);
+            }
+        }
+    }
+    result.finished = Instant::now();
+    result
+}
+
+async fn drive(url: &str, keys: Keys, concurrency: usize, settings: &Settings) -> Measured {
+    let url: Arc<str> = Arc::from(url);
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let warmup_until = Instant::now() + settings.warmup;
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|i| {
+            tokio::spawn(client_task(
+                url.clone(),
+                keys,
+                format!("bench-{}-{i}", &run[..12]),
+                warmup_until,
+                settings.measure,
+            ))
+        })
+        .collect();
+    let mut measured = Measured {
+        latency_us: histogram(),
+        requests: 0,
+        errors: 0,
+        error_samples: Vec::new(),
+        elapsed: Duration::ZERO,
+    };
+    let mut first_start: Option<Instant> = None;
+    let mut last_finish: Option<Instant> = None;
+    for task in tasks {
+        let r = task.await.expect("a client task panicked");
+        measured.latency_us.add(&r.latency_us).unwrap();
+        measured.requests += r.requests;
+        measured.errors += r.errors;
+        for s in r.error_samples {
+            if measured.error_samples.len() < 5 && !measured.error_samples.contains(&s) {
+                measured.error_samples.push(s);
+            }
+        }
+        first_start = Some(first_start.map_or(r.started, |f| f.min(r.started)));
+        last_finish = Some(last_finish.map_or(r.finished, |l| l.max(r.finished)));
+    }
+    measured.elapsed = last_finish.unwrap() - first_start.unwrap();
+    measured
+}
+
+// ---- the cases and the table -------------------------------------------------------------------
+
+struct Row {
+    target: &'static str,
+    store: String,
+    concurrency: usize,
+    measured: Measured,
+}
+
+async fn run_case(
+    rows: &mut Vec<Row>,
+    settings: &Settings,
+    target: &'static str,
+    store: &str,
+    url: &str,
+    keys: Keys,
+    concurrency: usize,
+) {
+    let measured = drive(url, keys, concurrency, settings).await;
+    let label = format!("{target} [{store}] c={concurrency}");
+    println!(
+        "  {label:<40} {:>9.0} req/s  p50 {:>6} us  errors {}",
+        measured.per_second(),
+        measured.latency_us.value_at_quantile(0.5),
+        measured.errors
+    );
+    if measured.errors > 0 {
+        println!(
+            "    ERRORS in {label}: {} of {} requests failed or answered unexpectedly; e.g.:",
+            measured.errors,
+            measured.requests + measured.errors
+        );
+        for sample in &measured.error_samples {
+            println!("      {sample}");
+        }
+    }
+    rows.push(Row { target, store: store.to_string(), concurrency, measured });
+}
+
+async fn bench_idem(
+    rows: &mut Vec<Row>,
+    settings: &Settings,
+    store: &str,
+    store_url: &str,
+    upstream: &str,
+) -> Result<(), String> {
+    let config = Config::parse_with_env(&idem_config(store_url, upstream), |_| None)
+        .map_err(|e| format!("config refused: {e}"))?;
+    let running = idem::server::start(config).await.map_err(|e| format!("idem did not start: {e}"))?;
+    let url = format!("http://{}/payments", running.listen);
+    for keys in [Keys::Fresh, Keys::Replay] {
+        let target = match keys {
+            Keys::Fresh => "idem new keys",
+            _ => "idem replays",
+        };
+        for c in CONCURRENCIES {
+            run_case(rows, settings, target, store, &url, keys, c).await;
+        }
+    }
+    if tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await.is_err() {
+        println!("  (idem on {store} did not shut down within 10s; going on)");
+    }
+    Ok(())
+}
+
+fn print_table(rows: &[Row]) {
+    let proxy = |c: usize| rows.iter().find(|r| r.target == "plain proxy" && r.concurrency == c).map(|r| &r.measured);
+    println!();
+    println!(
+        "{:<14} {:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9}",
+        "target", "store", "c", "req/s", "p50 us", "p99 us", "p99.9 us", "errors", "x proxy", "+p50 us"
+    );
+    println!("{}", "-".repeat(101));
+    for row in rows {
+        let m = &row.measured;
+        let base = proxy(row.concurrency);
+        let ratio =
+            base.map(|b| format!("{:.2}", m.per_second() / b.per_second().max(1e-9))).unwrap_or_else(|| "-".into());
+        let added = match base {
+            Some(b) if row.concurrency == 1 => {
+                format!("{:+}", m.latency_us.value_at_quantile(0.5) as i64 - b.latency_us.value_at_quantile(0.5) as i64)
+            }
+            _ => "-".into(),
+        };
+        println!(
+            "{:<14} {:<14} {:>3} {:>10.0} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9}",
+            row.target,
+            row.store,
+            row.concurrency,
+            m.per_second(),
+            m.latency_us.value_at_quantile(0.5),
+            m.latency_us.value_at_quantile(0.99),
+            m.latency_us.value_at_quantile(0.999),
+            m.errors,
+            ratio,
+            added
+        );
+    }
+}
+
+async fn bench(settings: Settings) {
+    println!("idem load benchmark");
+    println!("machine: nproc {}, cpu {}", nproc(), cpu_model());
+    println!(
+        "per case: {:.1}s warm-up, {:.1}s measured; closed loop, one keep-alive client per task; \
+         load generator, proxies and upstream share this process and its cores",
+        settings.warmup.as_secs_f64(),
+        settings.measure.as_secs_f64()
+    );
+
+    let upstream = start_upstream().await;
+    let proxy = start_proxy(&upstream).await;
+    let mut rows = Vec::new();
+    let mut notes = Vec::new();
+
+    println!("plain proxy:");
+    for c in CONCURRENCIES {
+        let url = format!("{proxy}/payments");
+        run_case(&mut rows, &settings, "plain proxy", "-", &url, Keys::None, c).await;
+    }
+
+    // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
+    let dir = tempfile::Builder::new().prefix("idem-load-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    println!("SQLite files under {}", dir.path().display());
+    for (store, query) in [("sqlite FULL", ""), ("sqlite NORMAL", "?synchronous=normal")] {
+        let sub = dir.path().join(store.replace(' ', "-"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let url = format!("sqlite://{}{query}", sub.join("idem.db").display());
+        println!("idem on {store} ({url}):");
+        if let Err(e) = bench_idem(&mut rows, &settings, store, &url, &upstream).await {
+            let note = format!("{store} rows skipped: {e}");
+            println!("  {note}");
+            notes.push(note);
+        }
+    }
+
+    let postgres = std::env::var("IDEM_BENCH_POSTGRES_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .map(|u| ("IDEM_BENCH_POSTGRES_URL", u))
+        .or_else(|| {
+            std::env::var("IDEM_TEST_POSTGRES_URL")
+                .ok()
+                .filter(|u| !u.is_empty())
+                .map(|u| ("IDEM_TEST_POSTGRES_URL", u))
+        });
+    match postgres {
+        None => notes
+            .push("postgres rows skipped: neither IDEM_BENCH_POSTGRES_URL nor IDEM_TEST_POSTGRES_URL is set".into()),
+        Some((var, server)) => match create_postgres_database(&server).await {
+            Err(e) => notes.push(format!("postgres rows skipped ({var}): {e}")),
+            Ok((url, name)) => {
+                println!("idem on postgres (fresh database {name}, from {var}):");
+                if let Err(e) = bench_idem(&mut rows, &settings, "postgres", &url, &upstream).await {
+                    let note = format!("postgres rows skipped: {e}");
+                    println!("  {note}");
+                    notes.push(note);
+                }
+                if let Err(e) = drop_postgres_database(&server, &name).await {
+                    println!("  could not drop database {name}: {e}");
+                }
+            }
+        },
+    }
+    drop(dir);
+
+    let errors: u64 = rows.iter().map(|r| r.measured.errors).sum();
+    println!();
+    for note in &notes {
+        println!("note: {note}");
+    }
+    if errors > 0 {
+        println!("note: {errors} requests failed or answered unexpectedly in total (see ERRORS above)");
+    }
+    println!(
+        "x proxy: throughput / plain proxy's at the same c; +p50 us: p50 minus the plain proxy's \
+         (c=1 only); latencies of every answered request, in microseconds"
+    );
+    print_table(&rows);
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter or other flags are not used by this benchmark.
+    let settings = Settings {
+        measure: seconds_from_env("IDEM_BENCH_SECS", 5.0),
+        warmup: seconds_from_env("IDEM_BENCH_WARMUP_SECS", 1.0),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    runtime.block_on(bench(settings));
+    runtime.shutdown_timeout(Duration::from_secs(2));
+}
