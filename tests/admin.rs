@@ -1,0 +1,237 @@
+//! The operator's side (SPEC §5): the admin API and the `idem requests` CLI over it.
+
+mod common;
+
+use common::{send, Answer, Broker, Reply, Upstream};
+use serde_json::{json, Value};
+
+const BODY: &str = r#"{"amount":42}"#;
+
+async fn setup(extra: &str) -> (Upstream, Broker) {
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&upstream.url(), "", extra).await;
+    (upstream, broker)
+}
+
+/// Makes `key` unknown: the upstream answers 504 (ambiguous) on a route that is not replay-safe.
+async fn unknown(upstream: &Upstream, broker: &Broker, key: &str) -> String {
+    upstream.script(key, vec![Reply::status(504)]);
+    send(broker.post("/payments", key, BODY)).await.assert_problem(502, "outcome-unknown");
+    broker.record_json(key).await["id"].as_str().unwrap().to_string()
+}
+
+async fn admin_post(broker: &Broker, path: &str, body: Value) -> Answer {
+    send(broker.http.post(format!("{}{}", broker.admin, path)).json(&body)).await
+}
+
+async fn admin_get(broker: &Broker, path: &str) -> Answer {
+    send(broker.http.get(format!("{}{}", broker.admin, path))).await
+}
+
+#[tokio::test]
+async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging() {
+    // Five ambiguous answers in a row would open the default circuit; this test needs it closed.
+    let (upstream, broker) = setup("[routes.circuit]\nfailures = 100\n").await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        ids.push(unknown(&upstream, &broker, &format!("u{i}")).await);
+    }
+    send(broker.post("/payments", "fine", BODY)).await;
+
+    let mut seen = Vec::new();
+    let mut path = "/admin/requests?state=unknown&limit=2".to_string();
+    loop {
+        let page = admin_get(&broker, &path).await;
+        assert_eq!(page.status, 200);
+        let v = page.json();
+        for item in v["items"].as_array().unwrap() {
+            assert_eq!(item["state"], "unknown");
+            seen.push(item["id"].as_str().unwrap().to_string());
+        }
+        match v["next_cursor"].as_str() {
+            Some(c) => path = format!("/admin/requests?state=unknown&limit=2&cursor={c}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, ids, "every unknown record once, oldest first");
+
+    let all = admin_get(&broker, "/admin/requests?route=payments&tenant=default").await.json();
+    assert_eq!(all["items"].as_array().unwrap().len(), 6, "{all:#}");
+    let none = admin_get(&broker, "/admin/requests?tenant=nobody").await.json();
+    assert!(none["items"].as_array().unwrap().is_empty());
+    admin_get(&broker, "/admin/requests?state=bogus").await.assert_problem(400, "invalid-filter");
+    admin_get(&broker, "/admin/requests?cursor=nonsense").await.assert_problem(400, "invalid-cursor");
+}
+
+#[tokio::test]
+async fn resolving_executed_makes_duplicates_replay_the_operators_response() {
+    let (upstream, broker) = setup("").await;
+    let id = unknown(&upstream, &broker, "settle-me").await;
+    let body = json!({
+        "outcome": "executed",
+        "response": {"status": 201, "headers": {"content-type": "application/json", "x-settled": ["by", "hand"]},
+                     "body": "{\"id\":\"pay_1\"}"},
+        "actor": "alice",
+        "note": "found pay_1 in the provider dashboard"
+    });
+    let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), body).await;
+    assert_eq!(r.status, 200);
+    let record = r.json();
+    assert_eq!(record["state"], "done");
+    let last = record["history"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["actor"], "alice");
+    assert_eq!(last["action"], "resolve executed");
+    assert_eq!(last["note"], "found pay_1 in the provider dashboard");
+    assert!(last["at"].as_str().is_some());
+
+    let dup = send(broker.post("/payments", "settle-me", BODY)).await;
+    assert_eq!(dup.status, 201);
+    assert_eq!(&dup.body[..], b"{\"id\":\"pay_1\"}");
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(dup.headers.get_all("x-settled").iter().count(), 2);
+    assert_eq!(upstream.hits("settle-me"), 1);
+}
+
+#[tokio::test]
+async fn resolving_not_executed_frees_the_key_for_a_fresh_execution() {
+    let (upstream, broker) = setup("").await;
+    let id = unknown(&upstream, &broker, "free-me").await;
+    let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), json!({"outcome": "not_executed"})).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["state"], "not_started");
+    let again = send(broker.post("/payments", "free-me", BODY)).await;
+    assert_eq!(again.status, 201);
+    assert!(again.header("idempotent-replayed").is_none());
+    assert_eq!(upstream.hits("free-me"), 2);
+}
+
+#[tokio::test]
+async fn an_operator_retry_redrives_an_unknown_record() {
+    let (upstream, broker) = setup("").await;
+    let id = unknown(&upstream, &broker, "again").await;
+    let r =
+        admin_post(&broker, &format!("/admin/requests/{id}/retry"), json!({"note": "provider confirmed no charge"}))
+            .await;
+    assert_eq!(r.status, 202);
+    let record = broker.await_record("again", std::time::Duration::from_secs(10), |v| v["state"] == "done").await;
+    assert_eq!(record["response"]["status"], 201);
+    assert_eq!(upstream.hits("again"), 2);
+    let history = record["history"].as_array().unwrap();
+    assert!(history.iter().any(|h| h["action"] == "retry" && h["note"] == "provider confirmed no charge"));
+}
+
+#[tokio::test]
+async fn actions_on_records_that_are_not_unknown_are_refused_clearly() {
+    let (_upstream, broker) = setup("").await;
+    send(broker.post("/payments", "finished", BODY)).await;
+    let id = broker.record_json("finished").await["id"].as_str().unwrap().to_string();
+    let executed = json!({"outcome": "executed", "response": {"status": 200, "body": "x"}});
+    let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), executed).await;
+    r.assert_problem(409, "invalid-transition");
+    assert!(r.json()["detail"].as_str().unwrap().contains("done"));
+    admin_post(&broker, &format!("/admin/requests/{id}/retry"), json!({}))
+        .await
+        .assert_problem(409, "invalid-transition");
+    admin_post(&broker, &format!("/admin/requests/{id}/cancel"), json!({}))
+        .await
+        .assert_problem(409, "request-not-cancellable");
+    // The record is untouched.
+    assert_eq!(broker.record_json("finished").await["state"], "done");
+}
+
+#[tokio::test]
+async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing() {
+    let (upstream, broker) = setup("").await;
+    let id = unknown(&upstream, &broker, "careful").await;
+    let resolve = format!("/admin/requests/{id}/resolve");
+    for (body, name) in [
+        (json!({"outcome": "maybe"}), "invalid-resolution"),
+        (json!({"outcome": "executed"}), "invalid-resolution"),
+        (json!({"outcome": "executed", "response": {"status": 42}}), "invalid-resolution"),
+        (
+            json!({"outcome": "executed", "response": {"status": 200, "headers": {"bad header": "x"}}}),
+            "invalid-resolution",
+        ),
+        (json!({"outcome": "executed", "response": {"status": 200, "body_base64": "***"}}), "invalid-resolution"),
+        (json!({"outcome": "not_executed", "response": {"status": 200}}), "invalid-resolution"),
+        (json!(["not", "an", "object"]), "invalid-body"),
+    ] {
+        admin_post(&broker, &resolve, body).await.assert_problem(400, name);
+    }
+    let r = send(broker.http.post(format!("{}{}", broker.admin, resolve)).body("{not json")).await;
+    r.assert_problem(400, "invalid-body");
+    admin_get(&broker, "/admin/requests/not-a-uuid").await.assert_problem(400, "invalid-id");
+    admin_get(&broker, &format!("/admin/requests/{}", uuid::Uuid::new_v4()))
+        .await
+        .assert_problem(404, "request-not-found");
+    assert_eq!(broker.record_json("careful").await["state"], "unknown");
+}
+
+#[tokio::test]
+async fn the_admin_api_requires_its_token_when_one_is_configured() {
+    std::env::set_var("IDEM_TEST_ADMIN_TOKEN_A", "op-secret");
+    let (_upstream, broker) = setup("[auth]\nadmin_token_env = \"IDEM_TEST_ADMIN_TOKEN_A\"\n").await;
+    let list = format!("{}/admin/requests", broker.admin);
+    send(broker.http.get(&list)).await.assert_problem(401, "unauthorized");
+    send(broker.http.get(&list).bearer_auth("wrong")).await.assert_problem(401, "unauthorized");
+    assert_eq!(send(broker.http.get(&list).bearer_auth("op-secret")).await.status, 200);
+    // Probes for orchestrators need no token.
+    assert_eq!(send(broker.http.get(format!("{}/healthz", broker.admin))).await.status, 200);
+    assert_eq!(send(broker.http.get(format!("{}/readyz", broker.admin))).await.status, 200);
+}
+
+fn cli(broker: &Broker, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("requests")
+        .args(args)
+        .args(["--admin", &broker.admin, "--actor", "bob"])
+        .env_remove("IDEM_ADMIN_TOKEN")
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_lists_shows_and_settles_the_queue() {
+    let (upstream, broker) = setup("").await;
+    let id = unknown(&upstream, &broker, "cli-key").await;
+
+    let out = tokio::task::block_in_place(|| cli(&broker, &["list", "--state", "unknown"]));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("ID") && lines[0].contains("STATE"), "{table}");
+    assert!(lines[1].contains(&id) && lines[1].contains("unknown") && lines[1].contains("cli-key"), "{table}");
+
+    let out = tokio::task::block_in_place(|| cli(&broker, &["show", &id, "--json"]));
+    let shown: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(shown["id"], id.as_str());
+
+    let out = tokio::task::block_in_place(|| {
+        cli(
+            &broker,
+            &[
+                "resolve",
+                &id,
+                "--executed",
+                "--status",
+                "201",
+                "--header",
+                "content-type: application/json",
+                "--body",
+                "{\"ok\":true}",
+                "--note",
+                "seen upstream",
+            ],
+        )
+    });
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("state     done") && text.contains("bob") && text.contains("seen upstream"), "{text}");
+    let dup = send(broker.post("/payments", "cli-key", BODY)).await;
+    assert_eq!(&dup.body[..], b"{\"ok\":true}");
+
+    // A refused action is an error exit with the API's explanation.
+    let out = tokio::task::block_in_place(|| cli(&broker, &["retry", &id]));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Only an unknown record"));
+}
