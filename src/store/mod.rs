@@ -8,6 +8,7 @@ use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
+pub mod postgres;
 pub mod sqlite;
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -302,6 +303,8 @@ pub enum Notice {
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if url.starts_with("sqlite:") {
         Ok(std::sync::Arc::new(sqlite::SqliteStore::open(url).await?))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(std::sync::Arc::new(postgres::PostgresStore::open(url).await?))
     } else {
         Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
     }

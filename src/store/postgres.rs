@@ -1,0 +1,821 @@
+//! The PostgreSQL store, for several `idem serve` processes sharing one database. Every write is
+//! one conditional statement (`INSERT … ON CONFLICT`, `UPDATE … WHERE <expected state>`), so row
+//! locks and the unique index make it safe from any number of connections; the operator actions
+//! that read before they write lock their row for that one transaction only. Work queues are
+//! taken with `FOR UPDATE SKIP LOCKED`, so nodes sweeping at once never wait on each other. A
+//! trigger announces settled and queued records on the `idem_records` channel, which one
+//! listening connection per process relays as [`Notice`]s.
+//!
+//! The SQL mirrors `sqlite.rs` statement for statement; that store's semantics are the
+//! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
+//! text (see [`COLUMNS`]), so the store needs no sqlx type features beyond the defaults.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+use tokio::sync::{broadcast, oneshot};
+use uuid::Uuid;
+
+use super::{
+    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution, Store,
+    StoreError,
+};
+use crate::fingerprint::Fingerprint;
+use crate::policy::StopReason;
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest};
+use crate::record::{Lease as RecordLease, StoredResponse};
+
+/// The channel the trigger of `migrations/postgres` notifies on.
+const CHANNEL: &str = "idem_records";
+/// Connections per process: enough for a node's workers and requests, few enough that a dozen
+/// nodes fit in PostgreSQL's default `max_connections`.
+const MAX_CONNECTIONS: u32 = 16;
+/// Notices held for a slow subscriber before it starts missing some (it then sees `Lagged` and
+/// re-reads what it waits for).
+const NOTICE_BACKLOG: usize = 1024;
+/// How many times `admit` retries when the row it conflicted with changed before it could read
+/// it. Each retry needs another request to change that very row in between; more than a few in a
+/// row means something is wrong.
+const ADMIT_TRIES: usize = 8;
+
+/// Every column of `records`, in the shape [`decode`] reads: ids and JSON as text.
+const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, fingerprint,
+    request_headers::text AS request_headers, request_body, state, queued, deadline_at,
+    lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
+    attempts::text AS attempts, stop_reason, response_status,
+    response_headers::text AS response_headers, response_body, history::text AS history,
+    cancel_requested, probe_count, next_probe_at, created_at, updated_at";
+
+pub struct PostgresStore {
+    pool: PgPool,
+    notices: broadcast::Sender<Notice>,
+    /// Dropped with the store, which stops the task relaying notifications.
+    _relay: oneshot::Sender<()>,
+}
+
+impl PostgresStore {
+    /// Connects to the database at `url` (`postgres://…`), applies migrations, and starts
+    /// listening for changes made by other processes.
+    pub async fn open(url: &str) -> Result<PostgresStore, StoreError> {
+        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect(url).await?;
+        sqlx::migrate!("migrations/postgres")
+            .run(&pool)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+        // Listen before returning, so no change made after `open` goes unannounced.
+        let listener = listen(url).await?;
+        let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
+        let (relay, stop) = oneshot::channel();
+        tokio::spawn(relay_notices(url.to_string(), listener, notices.clone(), stop));
+        Ok(PostgresStore { pool, notices, _relay: relay })
+    }
+}
+
+async fn listen(url: &str) -> Result<PgListener, StoreError> {
+    let mut listener = PgListener::connect(url).await?;
+    listener.listen(CHANNEL).await?;
+    Ok(listener)
+}
+
+/// Forwards notifications until the store is dropped. `PgListener` reconnects by itself after a
+/// dropped connection; when that fails too, the listener is rebuilt after a growing pause.
+/// Notifications sent while disconnected are lost: subscribers must not rely on them alone.
+async fn relay_notices(
+    url: String,
+    mut listener: PgListener,
+    notices: broadcast::Sender<Notice>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let failure = tokio::select! {
+            _ = &mut stop => return,
+            failure = forward(&mut listener, &notices) => failure,
+        };
+        tracing::warn!(error = %failure, "lost the store's notification channel; reconnecting");
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(10));
+            match listen(&url).await {
+                Ok(fresh) => {
+                    listener = fresh;
+                    pause = Duration::from_millis(100);
+                    break;
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot listen for store notifications"),
+            }
+        }
+    }
+}
+
+/// Relays notifications until the listener fails.
+async fn forward(listener: &mut PgListener, notices: &broadcast::Sender<Notice>) -> StoreError {
+    loop {
+        match listener.try_recv().await {
+            Ok(Some(notification)) => match parse_notice(notification.payload()) {
+                // No subscriber is not an error: nobody is waiting right now.
+                Some(notice) => drop(notices.send(notice)),
+                None => tracing::warn!(payload = notification.payload(), "unexpected store notification"),
+            },
+            // The connection dropped and was re-established; notifications in between are lost.
+            Ok(None) => tracing::warn!("store notification connection was re-established"),
+            Err(e) => return e.into(),
+        }
+    }
+}
+
+fn parse_notice(payload: &str) -> Option<Notice> {
+    let (kind, id) = payload.split_once(':')?;
+    let id = Uuid::parse_str(id).ok()?;
+    match kind {
+        "settled" => Some(Notice::Settled(id)),
+        "queued" => Some(Notice::Queued(id)),
+        _ => None,
+    }
+}
+
+// ---- SQL -------------------------------------------------------------------------------------
+
+/// Insert, or take over a key whose record is expired (`done` past retention) or free with the
+/// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
+/// any number of concurrent admits one inserts or updates and the others see its result.
+fn admit_sql() -> String {
+    format!(
+        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
+                              request_headers, request_body, state, queued, deadline_at,
+                              created_at, updated_at)
+         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, 'not_started', TRUE, $11,
+                 $12, $12)
+         ON CONFLICT (tenant, key) DO UPDATE SET
+            id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
+            attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
+            history = CASE WHEN records.state = 'done' THEN '[]'::jsonb
+                           ELSE records.history || $13::jsonb END,
+            created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
+                              ELSE records.created_at END,
+            route = excluded.route, method = excluded.method, path = excluded.path,
+            query = excluded.query, fingerprint = excluded.fingerprint,
+            request_headers = excluded.request_headers, request_body = excluded.request_body,
+            state = 'not_started', queued = TRUE, deadline_at = excluded.deadline_at,
+            lease_owner = NULL, lease_expires_at = NULL, in_flight_number = NULL,
+            in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
+            response_headers = NULL, response_body = NULL, done_at = NULL,
+            cancel_requested = FALSE, updated_at = excluded.updated_at
+         WHERE (records.state = 'done' AND records.done_at < $14)
+            OR (records.state = 'not_started' AND NOT records.queued
+                AND records.fingerprint = excluded.fingerprint)
+         RETURNING {COLUMNS}"
+    )
+}
+
+/// The record that refused an admit, and whether it has since become admissible (then the
+/// admit is tried again rather than answered with a record that no longer refuses it).
+fn existing_sql() -> String {
+    format!(
+        "SELECT {COLUMNS},
+                COALESCE((state = 'done' AND done_at < $3)
+                         OR (state = 'not_started' AND NOT queued AND fingerprint = $4),
+                         FALSE) AS admissible
+         FROM records WHERE tenant = $1 AND key = $2"
+    )
+}
+
+async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
+    let requeued = serde_json::to_string(&[HistoryEntry {
+        at: new.now,
+        actor: "client".into(),
+        action: "requeued".into(),
+        note: Some("the same request was sent again for a free key".into()),
+    }])?;
+    let request_headers = serde_json::to_string(&new.request.headers)?;
+    let (insert, existing) = (admit_sql(), existing_sql());
+    for _ in 0..ADMIT_TRIES {
+        let row = sqlx::query(&insert)
+            .bind(new.id.to_string())
+            .bind(&new.tenant)
+            .bind(&new.key)
+            .bind(&new.route)
+            .bind(&new.method)
+            .bind(&new.path)
+            .bind(&new.query)
+            .bind(&new.fingerprint.as_bytes()[..])
+            .bind(&request_headers)
+            .bind(&new.request.body[..])
+            .bind(new.deadline_at)
+            .bind(new.now)
+            .bind(&requeued)
+            .bind(cutoff)
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = row {
+            let record = decode(&row)?;
+            return Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) });
+        }
+        // The key's record refused this request. Read it; it may have changed (or been swept)
+        // since, in which case the insert decides again.
+        let row = sqlx::query(&existing)
+            .bind(&new.tenant)
+            .bind(&new.key)
+            .bind(cutoff)
+            .bind(&new.fingerprint.as_bytes()[..])
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = row {
+            if !row.try_get::<bool, _>("admissible")? {
+                return Ok(Admission::Existing(decode(&row)?));
+            }
+        }
+    }
+    Err(StoreError::Unavailable(format!("the record for key `{}` kept changing while it was admitted", new.key)))
+}
+
+async fn claim(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<bool, StoreError> {
+    let done = sqlx::query(
+        "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $2,
+                lease_expires_at = $3, updated_at = $4
+         WHERE id = $1::uuid AND state = 'not_started' AND queued",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(until)
+    .bind(now)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+fn lease_of(row: Option<PgRow>) -> Result<Lease, StoreError> {
+    Ok(match row {
+        Some(row) => Lease::Held { cancel_requested: row.try_get("cancel_requested")? },
+        None => Lease::Lost,
+    })
+}
+
+async fn attempt_started(
+    pool: &PgPool,
+    id: Uuid,
+    owner: &str,
+    number: u32,
+    at: Millis,
+    until: Millis,
+) -> Result<Lease, StoreError> {
+    let row = sqlx::query(
+        "UPDATE records SET in_flight_number = $3, in_flight_started_at = $4,
+                lease_expires_at = $5, updated_at = $4
+         WHERE id = $1::uuid AND state = 'in_progress' AND lease_owner = $2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(i64::from(number))
+    .bind(at)
+    .bind(until)
+    .fetch_optional(pool)
+    .await?;
+    lease_of(row)
+}
+
+/// A JSON array holding `item`: what `jsonb || …` appends as one element.
+fn one_element<T: serde::Serialize>(item: &T) -> Result<String, StoreError> {
+    Ok(serde_json::to_string(&[item])?)
+}
+
+async fn attempt_ended(
+    pool: &PgPool,
+    id: Uuid,
+    owner: &str,
+    attempt: Option<Attempt>,
+    then: AfterAttempt,
+    now: Millis,
+) -> Result<Lease, StoreError> {
+    let attempt = attempt.as_ref().map(one_element).transpose()?;
+    let (state, stop, response) = match &then {
+        AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
+        AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
+        AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
+    };
+    let row = sqlx::query(
+        "UPDATE records SET
+            attempts = attempts || COALESCE($3::jsonb, '[]'::jsonb),
+            in_flight_number = NULL, in_flight_started_at = NULL,
+            state = $4, queued = FALSE,
+            lease_owner = CASE WHEN $4 = 'in_progress' THEN lease_owner END,
+            lease_expires_at = CASE WHEN $4 = 'in_progress' THEN lease_expires_at END,
+            stop_reason = $5, response_status = $6, response_headers = $7::jsonb,
+            response_body = $8, done_at = CASE WHEN $4 = 'done' THEN $9 END,
+            updated_at = $9
+         WHERE id = $1::uuid AND state = 'in_progress' AND lease_owner = $2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(attempt)
+    .bind(state.as_str())
+    .bind(stop.map(StopReason::as_str))
+    .bind(response.map(|r| i32::from(r.status)))
+    .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
+    .bind(response.map(|r| &r.body[..]))
+    .bind(now)
+    .fetch_optional(pool)
+    .await?;
+    lease_of(row)
+}
+
+async fn renew(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<Lease, StoreError> {
+    let row = sqlx::query(
+        "UPDATE records SET lease_expires_at = $3, updated_at = $4
+         WHERE id = $1::uuid AND state = 'in_progress' AND lease_owner = $2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(until)
+    .bind(now)
+    .fetch_optional(pool)
+    .await?;
+    lease_of(row)
+}
+
+/// Reads a record and locks it until `tx` ends: the read-then-write actions decide on what they
+/// read, so nothing may change it in between.
+async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: Uuid) -> Result<Option<Record>, StoreError> {
+    sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid FOR UPDATE"))
+        .bind(id.to_string())
+        .fetch_optional(&mut **tx)
+        .await?
+        .map(|row| decode(&row))
+        .transpose()
+}
+
+async fn cancel(pool: &PgPool, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+    let mut tx = pool.begin().await?;
+    let Some(record) = lock(&mut tx, id).await? else {
+        return Ok(Cancelled::Missing);
+    };
+    let set = match (record.state, record.queued) {
+        (State::NotStarted, true) => "queued = FALSE, stop_reason = 'cancelled'",
+        (State::InProgress, _) => "cancel_requested = TRUE",
+        _ => return Ok(Cancelled::Refused(record)),
+    };
+    let row = sqlx::query(&format!(
+        "UPDATE records SET {set}, updated_at = $3, history = history || $2::jsonb
+         WHERE id = $1::uuid
+         RETURNING {COLUMNS}"
+    ))
+    .bind(id.to_string())
+    .bind(one_element(&entry)?)
+    .bind(crate::record::now_ms())
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let updated = decode(&row)?;
+    Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
+}
+
+/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+async fn settle(
+    pool: &PgPool,
+    id: Uuid,
+    resolution: Resolution,
+    probe: bool,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    let mut tx = pool.begin().await?;
+    let Some(record) = lock(&mut tx, id).await? else {
+        return Ok(Action::Missing);
+    };
+    if record.state != State::Unknown {
+        return Ok(Action::Refused(record));
+    }
+    let (state, response) = match &resolution {
+        Resolution::Executed(response) => (State::Done, Some(response)),
+        Resolution::NotExecuted => (State::NotStarted, None),
+    };
+    let row = sqlx::query(&format!(
+        "UPDATE records SET state = $2, queued = FALSE, response_status = $3,
+                response_headers = $4::jsonb, response_body = $5,
+                done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
+                next_probe_at = NULL, probe_count = probe_count + $7,
+                history = history || $8::jsonb
+         WHERE id = $1::uuid AND state = 'unknown'
+         RETURNING {COLUMNS}"
+    ))
+    .bind(id.to_string())
+    .bind(state.as_str())
+    .bind(response.map(|r| i32::from(r.status)))
+    .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
+    .bind(response.map(|r| &r.body[..]))
+    .bind(entry.at)
+    .bind(i32::from(probe))
+    .bind(one_element(&entry)?)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Action::Applied(decode(&row)?))
+}
+
+async fn retry(pool: &PgPool, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
+    let mut tx = pool.begin().await?;
+    let Some(record) = lock(&mut tx, id).await? else {
+        return Ok(Action::Missing);
+    };
+    if record.state != State::Unknown {
+        return Ok(Action::Refused(record));
+    }
+    let row = sqlx::query(&format!(
+        "UPDATE records SET state = 'not_started', queued = TRUE, deadline_at = $2,
+                stop_reason = NULL, cancel_requested = FALSE, next_probe_at = NULL,
+                updated_at = $3, history = history || $4::jsonb
+         WHERE id = $1::uuid AND state = 'unknown'
+         RETURNING {COLUMNS}"
+    ))
+    .bind(id.to_string())
+    .bind(deadline_at)
+    .bind(entry.at)
+    .bind(one_element(&entry)?)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Action::Applied(decode(&row)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn take_over(
+    pool: &PgPool,
+    id: Uuid,
+    owner: &str,
+    until: Millis,
+    to: Phase,
+    lost: Option<Attempt>,
+    entry: HistoryEntry,
+) -> Result<bool, StoreError> {
+    let (state, queued, stop) = match to {
+        Phase::Queued => (State::NotStarted, true, None),
+        Phase::Free => (State::NotStarted, false, Some(StopReason::Deadline)),
+        Phase::Unknown => (State::Unknown, false, Some(StopReason::UnsafeReplay)),
+        other => return Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
+    };
+    let done = sqlx::query(
+        "UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
+                lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
+                attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
+                history = history || $8::jsonb, updated_at = $9
+         WHERE id = $1::uuid AND state = 'in_progress' AND lease_owner = $2
+           AND lease_expires_at = $3",
+    )
+    .bind(id.to_string())
+    .bind(owner)
+    .bind(until)
+    .bind(state.as_str())
+    .bind(queued)
+    .bind(stop.map(StopReason::as_str))
+    .bind(lost.as_ref().map(one_element).transpose()?)
+    .bind(one_element(&entry)?)
+    .bind(entry.at)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+async fn probed(
+    pool: &PgPool,
+    id: Uuid,
+    resolution: Option<Resolution>,
+    next_at: Millis,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    if let Some(resolution) = resolution {
+        return settle(pool, id, resolution, true, entry).await;
+    }
+    let mut tx = pool.begin().await?;
+    let Some(record) = lock(&mut tx, id).await? else {
+        return Ok(Action::Missing);
+    };
+    if record.state != State::Unknown {
+        return Ok(Action::Refused(record));
+    }
+    let row = sqlx::query(&format!(
+        "UPDATE records SET probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3,
+                history = history || $4::jsonb
+         WHERE id = $1::uuid AND state = 'unknown'
+         RETURNING {COLUMNS}"
+    ))
+    .bind(id.to_string())
+    .bind(next_at)
+    .bind(entry.at)
+    .bind(one_element(&entry)?)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Action::Applied(decode(&row)?))
+}
+
+/// Of several nodes claiming at once, each skips the rows another has locked: every record goes
+/// to exactly one, and none waits.
+async fn claim_unclaimed(
+    pool: &PgPool,
+    owner: &str,
+    until: Millis,
+    idle_since: Millis,
+    now: Millis,
+    limit: u32,
+) -> Result<Vec<Record>, StoreError> {
+    let rows = sqlx::query(&format!(
+        "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $1,
+                lease_expires_at = $2, updated_at = $4
+         WHERE id IN (SELECT id FROM records
+                      WHERE state = 'not_started' AND queued AND updated_at < $3
+                      ORDER BY created_at LIMIT $5
+                      FOR UPDATE SKIP LOCKED)
+         RETURNING {COLUMNS}"
+    ))
+    .bind(owner)
+    .bind(until)
+    .bind(idle_since)
+    .bind(now)
+    .bind(i64::from(limit))
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(decode).collect()
+}
+
+async fn sweep_done(pool: &PgPool, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM records WHERE id IN (
+            SELECT id FROM records WHERE state = 'done' AND done_at < $1
+            LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(cutoff)
+    .bind(i64::from(limit))
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+/// A row of `SELECT {COLUMNS}` (or `RETURNING {COLUMNS}`) as a record.
+fn decode(row: &PgRow) -> Result<Record, StoreError> {
+    let id: String = row.try_get("id")?;
+    let state: String = row.try_get("state")?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
+    let request_headers: String = row.try_get("request_headers")?;
+    let request_body: Vec<u8> = row.try_get("request_body")?;
+    let lease_owner: Option<String> = row.try_get("lease_owner")?;
+    let lease_expires_at: Option<i64> = row.try_get("lease_expires_at")?;
+    let in_flight_number: Option<i64> = row.try_get("in_flight_number")?;
+    let in_flight_started_at: Option<i64> = row.try_get("in_flight_started_at")?;
+    let attempts: String = row.try_get("attempts")?;
+    let stop_reason: Option<String> = row.try_get("stop_reason")?;
+    let response_status: Option<i32> = row.try_get("response_status")?;
+    let history: String = row.try_get("history")?;
+    let response = match response_status {
+        None => None,
+        Some(status) => {
+            let headers: Option<String> = row.try_get("response_headers")?;
+            let body: Option<Vec<u8>> = row.try_get("response_body")?;
+            Some(StoredResponse {
+                status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
+                headers: serde_json::from_str(headers.as_deref().unwrap_or("[]"))?,
+                body: Bytes::from(body.unwrap_or_default()),
+            })
+        }
+    };
+    let in_flight = match in_flight_number.zip(in_flight_started_at) {
+        None => None,
+        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
+    };
+    Ok(Record {
+        id: Uuid::parse_str(&id).map_err(|_| corrupt("id"))?,
+        tenant: row.try_get("tenant")?,
+        key: row.try_get("key")?,
+        route: row.try_get("route")?,
+        method: row.try_get("method")?,
+        path: row.try_get("path")?,
+        query: row.try_get("query")?,
+        fingerprint: Fingerprint::from_bytes(&fingerprint).ok_or_else(|| corrupt("fingerprint"))?,
+        request: StoredRequest { headers: serde_json::from_str(&request_headers)?, body: Bytes::from(request_body) },
+        state: State::parse(&state).ok_or_else(|| corrupt("state"))?,
+        queued: row.try_get("queued")?,
+        deadline_at: row.try_get("deadline_at")?,
+        lease: lease_owner.zip(lease_expires_at).map(|(owner, expires_at)| RecordLease { owner, expires_at }),
+        in_flight,
+        attempts: serde_json::from_str(&attempts)?,
+        stop_reason: stop_reason
+            .as_deref()
+            .map(|s| StopReason::parse(s).ok_or_else(|| corrupt("stop_reason")))
+            .transpose()?,
+        response,
+        history: serde_json::from_str(&history)?,
+        cancel_requested: row.try_get("cancel_requested")?,
+        probe_count: u32::try_from(row.try_get::<i32, _>("probe_count")?).map_err(|_| corrupt("probe_count"))?,
+        next_probe_at: row.try_get("next_probe_at")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
+        admit(&self.pool, new, retention_cutoff).await
+    }
+
+    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE tenant = $1 AND key = $2"))
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?
+            .map(|row| decode(&row))
+            .transpose()
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
+        sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
+            .bind(id.to_string())
+            .fetch_optional(&self.pool)
+            .await?
+            .map(|row| decode(&row))
+            .transpose()
+    }
+
+    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
+        claim(&self.pool, id, owner, lease_until, now).await
+    }
+
+    async fn attempt_started(
+        &self,
+        id: Uuid,
+        owner: &str,
+        number: u32,
+        started_at: Millis,
+        lease_until: Millis,
+    ) -> Result<Lease, StoreError> {
+        attempt_started(&self.pool, id, owner, number, started_at, lease_until).await
+    }
+
+    async fn attempt_ended(
+        &self,
+        id: Uuid,
+        owner: &str,
+        attempt: Option<Attempt>,
+        then: AfterAttempt,
+        now: Millis,
+    ) -> Result<Lease, StoreError> {
+        attempt_ended(&self.pool, id, owner, attempt, then, now).await
+    }
+
+    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
+        renew(&self.pool, id, owner, lease_until, now).await
+    }
+
+    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+        cancel(&self.pool, id, entry).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, 1000);
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM records
+             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR route = $2)
+               AND ($3::text IS NULL OR tenant = $3)
+               AND ($4::bigint IS NULL OR (created_at, id) > ($4, $5::uuid))
+             ORDER BY created_at, id LIMIT $6"
+        ))
+        .bind(filter.state.map(State::as_str))
+        .bind(filter.route.as_deref())
+        .bind(filter.tenant.as_deref())
+        .bind(filter.cursor.map(|c| c.created_at))
+        .bind(filter.cursor.map(|c| c.id.to_string()))
+        .bind(i64::from(limit) + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
+    }
+
+    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
+        settle(&self.pool, id, resolution, false, entry).await
+    }
+
+    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
+        retry(&self.pool, id, deadline_at, entry).await
+    }
+
+    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM records WHERE state = 'in_progress' AND lease_expires_at < $1
+             ORDER BY lease_expires_at LIMIT $2"
+        ))
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn take_over(
+        &self,
+        id: Uuid,
+        owner: &str,
+        until: Millis,
+        to: Phase,
+        lost: Option<Attempt>,
+        entry: HistoryEntry,
+    ) -> Result<bool, StoreError> {
+        take_over(&self.pool, id, owner, until, to, lost, entry).await
+    }
+
+    async fn claim_unclaimed(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        idle_since: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        claim_unclaimed(&self.pool, owner, lease_until, idle_since, now, limit).await
+    }
+
+    async fn probes_due(
+        &self,
+        route: &str,
+        settle: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM records WHERE state = 'unknown' AND route = $1
+               AND COALESCE(next_probe_at, updated_at + $2) <= $3
+             ORDER BY created_at LIMIT $4"
+        ))
+        .bind(route)
+        .bind(settle)
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn probed(
+        &self,
+        id: Uuid,
+        resolution: Option<Resolution>,
+        next_probe_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        probed(&self.pool, id, resolution, next_probe_at, entry).await
+    }
+
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get(0)?;
+                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
+                let count = u64::try_from(row.try_get::<i64, _>(2)?).map_err(|_| corrupt("record count"))?;
+                Ok((Phase::of(state, row.try_get(1)?), count))
+            })
+            .collect()
+    }
+
+    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
+        sweep_done(&self.pool, cutoff, limit).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    fn notices(&self) -> Option<broadcast::Receiver<Notice>> {
+        Some(self.notices.subscribe())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notifications_are_read_as_notices_and_anything_else_is_ignored() {
+        let id = Uuid::new_v4();
+        assert_eq!(parse_notice(&format!("settled:{id}")), Some(Notice::Settled(id)));
+        assert_eq!(parse_notice(&format!("queued:{id}")), Some(Notice::Queued(id)));
+        assert_eq!(parse_notice(&format!("deleted:{id}")), None);
+        assert_eq!(parse_notice("queued:not-a-uuid"), None);
+        assert_eq!(parse_notice("queued"), None);
+    }
+}
