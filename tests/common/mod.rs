@@ -1,5 +1,6 @@
 //! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
 #![allow(dead_code)]
+pub mod backend;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
