@@ -18,6 +18,7 @@ use uuid::Uuid;
 use crate::config::{Config, Route};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
+use crate::metrics;
 use crate::policy::StopReason;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
@@ -193,11 +194,18 @@ impl Ingress {
                 // A new execution: shed it here, before anything is recorded, if the route is
                 // saturated or its upstream's circuit is open.
                 let slot = self.worker.guards().enter(&route).map_err(|refusal| match refusal {
-                    Refusal::Overloaded => Problem::overloaded(),
-                    Refusal::CircuitOpen(wait) => Problem::circuit_open(wait.as_secs_f64().ceil() as u64),
+                    Refusal::Overloaded => {
+                        metrics::answered(&route.name, "overloaded");
+                        Problem::overloaded()
+                    }
+                    Refusal::CircuitOpen(wait) => {
+                        metrics::answered(&route.name, "circuit_open");
+                        Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
+                    }
                 })?;
                 match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
                     Admission::Created(record) | Admission::Requeued(record) => {
+                        metrics::request(&route.name);
                         return Ok(self.execute(record, slot, prefer).await);
                     }
                     Admission::Existing(record) => record,
@@ -205,6 +213,7 @@ impl Ingress {
             }
         };
         if record.fingerprint != fingerprint {
+            metrics::answered(&route.name, "key_reused");
             return Err(Problem::key_reused().state(record.state));
         }
         Ok(self.answer_existing(record, prefer.wait).await)
@@ -256,6 +265,13 @@ impl Ingress {
                 Err(problem) => return problem.into_response(),
             }
         }
+        let kind = match record.phase() {
+            Phase::Done => "replay",
+            Phase::Unknown => "unknown",
+            Phase::Queued | Phase::InProgress => "in_progress",
+            Phase::Free => "freed",
+        };
+        metrics::answered(&record.route, kind);
         match record.phase() {
             Phase::Done => match &record.response {
                 Some(response) => stored_response(response, true),

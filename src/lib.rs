@@ -21,6 +21,7 @@ pub mod demo;
 pub mod fingerprint;
 pub mod ingress;
 pub mod key;
+pub mod metrics;
 pub mod policy;
 pub mod problem;
 pub mod reconcile;

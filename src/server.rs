@@ -3,6 +3,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -23,6 +24,9 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
 }
+
+/// How long a shutdown waits for attempts in flight.
+pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
 
 /// A running broker. Dropping it does not stop it; call [`Running::shutdown`].
 pub struct Running {
@@ -50,6 +54,7 @@ fn node_name() -> String {
 
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let config = Arc::new(config);
+    crate::metrics::handle();
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
     let store = store::open(&config.store.url).await?;
@@ -73,11 +78,25 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(serve_until(data, ingress::router(ingress), stopped.clone())),
         tokio::spawn(serve_until(admin_listener, admin::router(admin), stopped)),
     ];
-    let upkeep = vec![
+    let mut upkeep = vec![
         tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
-        tokio::spawn(reconcile::probes(store, config.clone(), worker.clone())),
+        tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
     ];
+    // Other nodes sharing the store announce the records they settle: wake our waiters.
+    if let Some(mut notices) = store.notices() {
+        let worker = worker.clone();
+        upkeep.push(tokio::spawn(async move {
+            loop {
+                match notices.recv().await {
+                    Ok(store::Notice::Settled(id)) => worker.settled(id),
+                    Ok(store::Notice::Queued(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
+                }
+            }
+        }));
+    }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
     Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
 }
@@ -92,14 +111,19 @@ async fn serve_until(listener: TcpListener, router: axum::Router, mut stopped: w
 }
 
 impl Running {
-    /// Stops accepting requests, lets answers in flight finish, and stops background upkeep.
+    /// Graceful shutdown: stops accepting connections, hands back records waiting between
+    /// attempts, gives attempts in flight up to `SHUTDOWN_BOUND` to finish and be stored, lets
+    /// their answers go out, and stops background upkeep.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
-        for server in self.servers {
-            let _ = server.await;
-        }
-        for task in self.upkeep {
+        for task in &self.upkeep {
             task.abort();
+        }
+        self.worker.shutdown(SHUTDOWN_BOUND).await;
+        for server in self.servers {
+            if tokio::time::timeout(SHUTDOWN_BOUND, server).await.is_err() {
+                tracing::warn!("a listener did not finish its answers in time");
+            }
         }
     }
 }

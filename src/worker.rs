@@ -8,11 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::{oneshot, Notify, Semaphore};
+use tokio::sync::{oneshot, watch, Notify, Semaphore};
 use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::config::{Config, Route};
+use crate::metrics;
 use crate::policy::{
     self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, RetryBudget, Settlement, StopReason,
 };
@@ -200,12 +201,51 @@ struct Inner {
     settled: Arc<Settled>,
     guards: Arc<Guards>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+    /// Set at shutdown: executions hand their records back instead of waiting or starting.
+    stopping: watch::Sender<bool>,
+    /// Executions running in this process, and a wake-up for when there are none.
+    active: AtomicUsize,
+    idle: Notify,
 }
 
 enum WaitEnd {
     Elapsed,
     Cancelled,
+    /// The process is shutting down: hand the record back.
+    Stopping,
     Lost,
+}
+
+/// Where an execution stands between attempts.
+struct Progress {
+    /// When the request arrived: its deadline counts from here.
+    arrival: Millis,
+    /// The number of the last attempt stored with the record (all executions).
+    number: u32,
+    /// Attempts of this execution, including any an earlier worker made before a take-over:
+    /// they count against `max_attempts`, as the deadline they spent does.
+    made: u32,
+    wait_before: Duration,
+    previous_wait: Option<Duration>,
+    /// Whether any attempt of this execution may have executed.
+    any_ambiguous: bool,
+    /// The last attempt's class and, if one came, its response.
+    last: Option<(Class, Option<StoredResponse>)>,
+}
+
+impl Progress {
+    fn new(record: &Record, deadline: Duration) -> Progress {
+        let arrival = record.deadline_at - duration_ms(deadline);
+        Progress {
+            arrival,
+            number: record.attempts.len() as u32,
+            made: record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32,
+            wait_before: Duration::ZERO,
+            previous_wait: None,
+            any_ambiguous: false,
+            last: None,
+        }
+    }
 }
 
 impl Worker {
@@ -214,6 +254,9 @@ impl Worker {
             inner: Arc::new(Inner {
                 permits: Semaphore::new(config.worker.concurrency),
                 guards: Arc::new(Guards::new(&config)),
+                stopping: watch::channel(false).0,
+                active: AtomicUsize::new(0),
+                idle: Notify::new(),
                 store,
                 upstream: Upstream::new(),
                 config,
@@ -251,6 +294,7 @@ impl Worker {
         tokio::spawn(
             async move {
                 let _slot = slot;
+                let _running = Running::new(&inner);
                 let Ok(_permit) = inner.permits.acquire().await else {
                     return;
                 };
@@ -261,6 +305,27 @@ impl Worker {
             }
             .instrument(span),
         );
+    }
+
+    /// Graceful shutdown: no attempt starts from now on and waits end at once, handing their
+    /// records back to the queue; attempts in flight get up to `bound` to finish and be stored.
+    pub async fn shutdown(&self, bound: Duration) {
+        let inner = &self.inner;
+        inner.stopping.send_replace(true);
+        let drained = async {
+            loop {
+                let idle = inner.idle.notified();
+                tokio::pin!(idle);
+                idle.as_mut().enable();
+                if inner.active.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        if tokio::time::timeout(bound, drained).await.is_err() {
+            warn!(running = inner.active.load(Ordering::SeqCst), "shutdown bound reached with attempts in flight");
+        }
     }
 
     /// Wakes requests waiting for a record that was settled outside a worker.
@@ -278,7 +343,29 @@ impl Worker {
     }
 }
 
+/// Counts a running execution for the shutdown drain.
+struct Running<'a>(&'a Inner);
+
+impl<'a> Running<'a> {
+    fn new(inner: &'a Inner) -> Running<'a> {
+        inner.active.fetch_add(1, Ordering::SeqCst);
+        Running(inner)
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if self.0.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
 impl Inner {
+    fn stopping(&self) -> bool {
+        *self.stopping.borrow()
+    }
+
     fn lease_until(&self, now: Millis) -> Millis {
         now + duration_ms(self.config.worker.lease)
     }
@@ -299,42 +386,39 @@ impl Inner {
     async fn run(&self, record: Record) -> Outcome {
         let Some(route) = self.config.route_named(&record.route).cloned() else {
             warn!(route = %record.route, "the record's route is no longer configured");
-            return self.finish(&record, false, None, StopReason::Cancelled, None, None, false).await;
+            let progress = Progress::new(&record, Duration::ZERO);
+            return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
         };
         let signal = Arc::new(CancelSignal::default());
-        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).insert(record.id, signal.clone());
+        lock(&self.cancels).insert(record.id, signal.clone());
         let outcome = self.attempts(&record, &route, &signal).await;
-        self.cancels.lock().unwrap_or_else(|p| p.into_inner()).remove(&record.id);
+        lock(&self.cancels).remove(&record.id);
         outcome
     }
 
     async fn attempts(&self, record: &Record, route: &Route, signal: &CancelSignal) -> Outcome {
         let policy = &route.retry;
-        let arrival = record.deadline_at - duration_ms(policy.deadline);
         let url = format!("{}{}", route.upstream, record.path_and_query());
-        let mut number = record.attempts.len() as u32;
-        // Attempts of this execution that an earlier worker already made (before a take-over):
-        // they count against `max_attempts`, as the deadline they spent does.
-        let mut made = record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32;
-        let mut wait_before = Duration::ZERO;
-        let mut previous_wait = None;
-        let mut any_ambiguous = false;
-        let mut last: Option<(Class, Option<StoredResponse>)> = None;
+        let mut p = Progress::new(record, policy.deadline);
         loop {
             let started = now_ms();
-            let limit = match policy.attempt_limit(since(arrival, started)) {
+            let limit = match policy.attempt_limit(since(p.arrival, started)) {
                 Ok(limit) => limit,
-                Err(stop) => return self.finish_after(record, route, None, stop, last, any_ambiguous).await,
+                Err(stop) => return self.finish_after(record, route, None, stop, p).await,
             };
             if signal.raised.load(Ordering::SeqCst) {
-                return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await;
+                return self.finish_after(record, route, None, StopReason::Cancelled, p).await;
             }
-            made += 1;
-            number += 1;
-            match self.store.attempt_started(record.id, &self.owner, number, started, self.lease_until(started)).await {
+            if self.stopping() {
+                return self.release(record).await;
+            }
+            p.made += 1;
+            p.number += 1;
+            match self.store.attempt_started(record.id, &self.owner, p.number, started, self.lease_until(started)).await
+            {
                 Ok(Lease::Held { cancel_requested: false }) => {}
                 Ok(Lease::Held { cancel_requested: true }) => {
-                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
+                    return self.finish_after(record, route, None, StopReason::Cancelled, p).await
                 }
                 Ok(Lease::Lost) => return Outcome::Lost,
                 Err(e) => {
@@ -344,7 +428,7 @@ impl Inner {
                 }
             }
 
-            if made == 1 {
+            if p.made == 1 {
                 self.guards.first_attempt(&route.name);
             }
             // A place among the route's attempts in flight, held for this attempt only.
@@ -365,7 +449,7 @@ impl Inner {
                 Err(observed) => (observed, None),
             };
             let class = policy.classify(observed);
-            any_ambiguous |= class == Class::Ambiguous;
+            p.any_ambiguous |= class == Class::Ambiguous;
             let retry_after = answer.as_ref().and_then(|a| a.retry_after.as_deref()).and_then(|value| {
                 let parsed = policy::parse_retry_after(value, SystemTime::now());
                 if parsed.is_none() {
@@ -374,7 +458,7 @@ impl Inner {
                 parsed
             });
             let attempt = Attempt {
-                number,
+                number: p.number,
                 started_at: started,
                 duration_ms: took.as_millis() as u64,
                 outcome: class.as_str().to_string(),
@@ -385,25 +469,27 @@ impl Inner {
                     Observed::TimedOut => Some("timed_out".into()),
                     Observed::Broken => Some("broken".into()),
                 },
-                wait_ms: wait_before.as_millis() as u64,
+                wait_ms: p.wait_before.as_millis() as u64,
             };
             tracing::info!(
-                attempt = number,
+                attempt = p.number,
                 outcome = class.as_str(),
                 status = attempt.status,
                 took_ms = attempt.duration_ms,
+                wait_ms = attempt.wait_ms,
                 "attempt"
             );
-            last = Some((class, answer.map(|a| a.response)));
+            metrics::attempt(&route.name, class, took);
+            p.last = Some((class, answer.map(|a| a.response)));
 
             let decision = policy.after_attempt(
                 route.replay_safe,
                 AfterAttempt {
-                    attempts: made,
+                    attempts: p.made,
                     class,
                     retry_after,
-                    elapsed: since(arrival, now_ms()),
-                    previous_wait,
+                    elapsed: since(p.arrival, now_ms()),
+                    previous_wait: p.previous_wait,
                     cancelled: signal.raised.load(Ordering::SeqCst),
                     circuit_open: self.guards.circuit_open(&route.upstream),
                 },
@@ -411,9 +497,7 @@ impl Inner {
                 || self.guards.take_retry(&route.name),
             );
             let wait = match decision {
-                Decision::Stop(stop) => {
-                    return self.finish_after(record, route, Some(attempt), stop, last, any_ambiguous).await
-                }
+                Decision::Stop(stop) => return self.finish_after(record, route, Some(attempt), stop, p).await,
                 Decision::RetryAfter(wait) => wait,
             };
             match self
@@ -423,7 +507,7 @@ impl Inner {
             {
                 Ok(Lease::Held { cancel_requested: false }) => {}
                 Ok(Lease::Held { cancel_requested: true }) => {
-                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
+                    return self.finish_after(record, route, None, StopReason::Cancelled, p).await
                 }
                 Ok(Lease::Lost) => return Outcome::Lost,
                 Err(e) => {
@@ -433,14 +517,23 @@ impl Inner {
             }
             match self.wait(record.id, wait, signal).await {
                 WaitEnd::Elapsed => {}
-                WaitEnd::Cancelled => {
-                    return self.finish_after(record, route, None, StopReason::Cancelled, last, any_ambiguous).await
-                }
+                WaitEnd::Cancelled => return self.finish_after(record, route, None, StopReason::Cancelled, p).await,
+                WaitEnd::Stopping => return self.release(record).await,
                 WaitEnd::Lost => return Outcome::Lost,
             }
-            previous_wait = Some(wait);
-            wait_before = wait;
+            p.previous_wait = Some(wait);
+            p.wait_before = wait;
         }
+    }
+
+    /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
+    /// this node after its restart) to continue within the same deadline.
+    async fn release(&self, record: &Record) -> Outcome {
+        match self.store.attempt_ended(record.id, &self.owner, None, store::AfterAttempt::Release, now_ms()).await {
+            Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
+            Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
+        }
+        Outcome::Lost
     }
 
     async fn finish_after(
@@ -449,34 +542,31 @@ impl Inner {
         route: &Route,
         attempt: Option<Attempt>,
         stop: StopReason,
-        last: Option<(Class, Option<StoredResponse>)>,
-        any_ambiguous: bool,
+        p: Progress,
     ) -> Outcome {
-        let (class, response) = match last {
-            Some((class, response)) => (Some(class), response),
-            None => (None, None),
-        };
         // The breaker hears the request's logical outcome, once: did the upstream serve it?
-        if stop != StopReason::Cancelled && class.is_some() {
-            let served = matches!(class, Some(Class::Success | Class::Final))
-                && response.as_ref().is_some_and(|r| r.status < 500);
+        if let (true, Some((class, response))) = (stop != StopReason::Cancelled, &p.last) {
+            let served =
+                matches!(class, Class::Success | Class::Final) && response.as_ref().is_some_and(|r| r.status < 500);
             self.guards.record_outcome(&route.upstream, served);
         }
-        self.finish(record, route.replay_safe, attempt, stop, class, response, any_ambiguous).await
+        metrics::stopped(&route.name, stop, p.made, since(p.arrival, now_ms()));
+        self.finish(record, route.replay_safe, attempt, stop, p).await
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn finish(
         &self,
         record: &Record,
         replay_safe: bool,
         attempt: Option<Attempt>,
         stop: StopReason,
-        last_class: Option<Class>,
-        last_response: Option<StoredResponse>,
-        any_ambiguous: bool,
+        p: Progress,
     ) -> Outcome {
-        let (then, outcome) = match (policy::settle(stop, last_class, any_ambiguous, replay_safe), last_response) {
+        let (last_class, last_response) = match p.last {
+            Some((class, response)) => (Some(class), response),
+            None => (None, None),
+        };
+        let (then, outcome) = match (policy::settle(stop, last_class, p.any_ambiguous, replay_safe), last_response) {
             (Settlement::Done, Some(response)) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
@@ -523,7 +613,11 @@ impl Inner {
     async fn wait(&self, id: Uuid, total: Duration, signal: &CancelSignal) -> WaitEnd {
         let until = tokio::time::Instant::now() + total;
         let slice = self.config.worker.lease / 3;
+        let mut stopping = self.stopping.subscribe();
         loop {
+            if *stopping.borrow_and_update() {
+                return WaitEnd::Stopping;
+            }
             let notified = signal.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
@@ -537,6 +631,7 @@ impl Inner {
             tokio::select! {
                 _ = tokio::time::sleep((until - now).min(slice)) => {}
                 _ = &mut notified => return WaitEnd::Cancelled,
+                _ = stopping.changed() => return WaitEnd::Stopping,
             }
             if tokio::time::Instant::now() < until {
                 let now = now_ms();

@@ -1,12 +1,13 @@
 //! The admin listener (SPEC §5): the operator API over records — listing, inspection, and the
-//! actions that settle the reconciliation queue — plus health and readiness probes.
+//! actions that settle the reconciliation queue — the console page that drives it, metrics, and
+//! health and readiness probes.
 
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
@@ -23,6 +24,10 @@ use crate::worker::{Settled, Worker};
 
 pub mod cli;
 
+/// The operator console: one static page that calls this API with the operator's token. It
+/// needs no build step and holds no data of its own.
+const CONSOLE: &str = include_str!("console.html");
+
 pub struct Admin {
     pub config: Arc<Config>,
     pub store: Arc<dyn Store>,
@@ -38,7 +43,13 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/retry", post(retry))
         .route("/admin/requests/{id}/cancel", post(cancel))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/readyz", get(ready)).merge(api).with_state(admin)
+    Router::new()
+        .route("/", get(|| async { Html(CONSOLE) }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
+        .merge(api)
+        .with_state(admin)
 }
 
 /// Ready when the store answers: without it no request can be recorded safely.
@@ -47,6 +58,15 @@ async fn ready(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
         Ok(()) => (StatusCode::OK, "ready\n".into()),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
     }
+}
+
+async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
+    let phases = match admin.store.count_by_phase().await {
+        Ok(phases) => phases,
+        Err(e) => return Problem::store(&e).into_response(),
+    };
+    let body = crate::metrics::render(&phases, &admin.worker.guards().breaker_states());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 
 /// With an admin token configured, every operator call must carry it as a bearer token.

@@ -77,6 +77,9 @@ pub enum AfterAttempt {
     Unknown(StopReason),
     /// `not_started`, free: nothing executed (or the route is replay-safe); the key is released.
     Free(StopReason),
+    /// `not_started`, queued: handed back between attempts (at shutdown) for any worker to
+    /// continue within the same deadline.
+    Release,
 }
 
 /// Whether a worker still holds a record's lease, and whether someone asked it to stop.

@@ -297,6 +297,7 @@ async fn attempt_ended(
     let attempt = attempt.as_ref().map(one_element).transpose()?;
     let (state, stop, response) = match &then {
         AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Release => (State::NotStarted, None, None),
         AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
         AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
         AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
@@ -305,7 +306,7 @@ async fn attempt_ended(
         "UPDATE records SET
             attempts = attempts || COALESCE($3::jsonb, '[]'::jsonb),
             in_flight_number = NULL, in_flight_started_at = NULL,
-            state = $4, queued = FALSE,
+            state = $4, queued = $10,
             lease_owner = CASE WHEN $4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN $4 = 'in_progress' THEN lease_expires_at END,
             stop_reason = $5, response_status = $6, response_headers = $7::jsonb,
@@ -323,6 +324,7 @@ async fn attempt_ended(
     .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
     .bind(response.map(|r| &r.body[..]))
     .bind(now)
+    .bind(matches!(then, AfterAttempt::Release))
     .fetch_optional(pool)
     .await?;
     lease_of(row)

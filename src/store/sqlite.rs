@@ -362,6 +362,7 @@ async fn attempt_ended(
     let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
     let (state, stop, response) = match &then {
         AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Release => (State::NotStarted, None, None),
         AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
         AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
         AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
@@ -370,7 +371,7 @@ async fn attempt_ended(
         "UPDATE records SET
             attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
             in_flight_number = NULL, in_flight_started_at = NULL,
-            state = ?4, queued = 0,
+            state = ?4, queued = ?10,
             lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
             stop_reason = ?5, response_status = ?6, response_headers = ?7, response_body = ?8,
@@ -388,6 +389,7 @@ async fn attempt_ended(
     .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
     .bind(response.map(|r| r.body.to_vec()))
     .bind(now)
+    .bind(matches!(then, AfterAttempt::Release) as i64)
     .fetch_optional(&mut *conn)
     .await?;
     lease_of(row)

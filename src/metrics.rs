@@ -1,0 +1,84 @@
+//! Metrics, in the Prometheus text format on the admin listener's `/metrics`. They keep the
+//! *logical* request (what a client asked for) apart from the *physical* attempt (what reached
+//! the upstream), so that amplification — attempts / requests — can be graphed and alerted on
+//! before users see failures.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::policy::{BreakerState, Class, StopReason};
+use crate::record::Phase;
+
+/// The process-wide recorder; the first broker started in a process installs it.
+pub fn handle() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let buckets = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
+            .expect("the bucket list is not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (an embedding application's): then ours
+        // still renders, it just sees nothing recorded through the global macros.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// A new execution was admitted: one logical request.
+pub fn request(route: &str) {
+    counter!("idem_requests_total", "route" => route.to_string()).increment(1);
+}
+
+/// One physical attempt and how it was classified.
+pub fn attempt(route: &str, class: Class, took: Duration) {
+    let class = class.as_str();
+    counter!("idem_attempts_total", "route" => route.to_string(), "class" => class).increment(1);
+    histogram!("idem_attempt_duration_seconds", "route" => route.to_string(), "class" => class)
+        .record(took.as_secs_f64());
+}
+
+/// An execution stopped. `attempts` it took; `took` from the request's arrival.
+pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
+    let route = route.to_string();
+    counter!("idem_stops_total", "route" => route.clone(), "reason" => stop.as_str()).increment(1);
+    histogram!("idem_request_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
+    if stop == StopReason::Success {
+        counter!("idem_success_total", "route" => route.clone()).increment(1);
+        if attempts == 1 {
+            counter!("idem_first_try_success_total", "route" => route).increment(1);
+        } else {
+            counter!("idem_retry_salvaged_total", "route" => route).increment(1);
+        }
+    } else if stop == StopReason::RetryBudget {
+        counter!("idem_retry_budget_exhausted_total", "route" => route).increment(1);
+    }
+}
+
+/// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
+/// (422), `unknown` (502), `overloaded` or `circuit_open` (503, shed before recording).
+pub fn answered(route: &str, kind: &'static str) {
+    counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
+}
+
+/// Renders every series, with the store's records by phase (the reconciliation queue depth is
+/// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time.
+pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> String {
+    for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
+        let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
+        gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
+    }
+    for (upstream, state) in circuits {
+        let value = match state {
+            BreakerState::Closed => 0.0,
+            BreakerState::HalfOpen => 1.0,
+            BreakerState::Open => 2.0,
+        };
+        gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
+    }
+    handle().render()
+}

@@ -1,0 +1,203 @@
+//! The operator console in a real browser: headless Chromium, driven over the DevTools protocol,
+//! loads the page, selects an `unknown` record, fills the resolution form and clicks "Resolve:
+//! executed" with real mouse events; then the record must be `done` and replay what was typed.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{send, Broker, Reply, Upstream};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::Message;
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+/// A headless Chromium with its own profile, killed when dropped.
+struct Browser {
+    child: Child,
+    _profile: tempfile::TempDir,
+    port: u16,
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Browser {
+    fn start() -> Option<Browser> {
+        if !Path::new(CHROMIUM).exists() {
+            assert!(std::env::var_os("CI").is_none(), "{CHROMIUM} is missing: .ci/run must install chromium");
+            eprintln!("skipped: {CHROMIUM} is not installed (apt-get install chromium)");
+            return None;
+        }
+        let profile = tempfile::TempDir::new().unwrap();
+        let child = Command::new(CHROMIUM)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--remote-debugging-port=0",
+                "--window-size=1400,1000",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Chromium writes the port it chose into the profile.
+        let file = profile.path().join("DevToolsActivePort");
+        let until = Instant::now() + Duration::from_secs(30);
+        let port = loop {
+            if let Some(port) = std::fs::read_to_string(&file).ok().and_then(|t| t.lines().next()?.parse().ok()) {
+                break port;
+            }
+            assert!(Instant::now() < until, "chromium did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        Some(Browser { child, _profile: profile, port })
+    }
+}
+
+/// One page, spoken to over its DevTools websocket.
+struct Page {
+    ws: tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+    next_id: u64,
+}
+
+impl Page {
+    async fn open(browser: &Browser, url: &str) -> Page {
+        let http = reqwest::Client::builder().no_proxy().build().unwrap();
+        let target: Value = http
+            .put(format!("http://127.0.0.1:{}/json/new?{}", browser.port, url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let (ws, _) = tokio_tungstenite::connect_async(target["webSocketDebuggerUrl"].as_str().unwrap()).await.unwrap();
+        Page { ws, next_id: 0 }
+    }
+
+    async fn call(&mut self, method: &str, params: Value) -> Value {
+        self.next_id += 1;
+        let id = self.next_id;
+        self.ws
+            .send(Message::Text(json!({"id": id, "method": method, "params": params}).to_string().into()))
+            .await
+            .unwrap();
+        loop {
+            let msg = self.ws.next().await.unwrap().unwrap();
+            let Message::Text(text) = msg else { continue };
+            let v: Value = serde_json::from_str(&text).unwrap();
+            if v["id"] == id {
+                assert!(v.get("error").is_none(), "{method} failed: {v}");
+                return v["result"].clone();
+            }
+        }
+    }
+
+    async fn eval(&mut self, expression: &str) -> Value {
+        let r = self
+            .call("Runtime.evaluate", json!({"expression": expression, "returnByValue": true, "awaitPromise": true}))
+            .await;
+        assert!(r.get("exceptionDetails").is_none(), "{expression}: {r}");
+        r["result"]["value"].clone()
+    }
+
+    /// Waits until `expression` is true in the page.
+    async fn until(&mut self, expression: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let guarded = format!("(() => {{ try {{ return {expression}; }} catch (e) {{ return false; }} }})()");
+        while self.eval(&guarded).await != json!(true) {
+            if Instant::now() > deadline {
+                let message = self.eval("document.getElementById('message').textContent").await;
+                panic!("the page never satisfied `{expression}`; it says {message}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A real click: mouse pressed and released at the element's centre.
+    async fn click(&mut self, selector: &str) {
+        let js = format!(
+            "(() => {{ const e = document.querySelector({selector:?}); e.scrollIntoView({{block: 'center'}}); \
+             const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
+        );
+        let at = self.eval(&js).await;
+        let (x, y) = (at[0].as_f64().unwrap(), at[1].as_f64().unwrap());
+        for kind in ["mousePressed", "mouseReleased"] {
+            self.call(
+                "Input.dispatchMouseEvent",
+                json!({"type": kind, "x": x, "y": y, "button": "left", "clickCount": 1}),
+            )
+            .await;
+        }
+    }
+
+    /// Focuses a field, clears it, and types `text` as key events.
+    async fn type_into(&mut self, selector: &str, text: &str) {
+        self.click(selector).await;
+        self.eval(&format!(
+            "document.querySelector({selector:?}).select ? document.querySelector({selector:?}).select() : null"
+        ))
+        .await;
+        self.call("Input.insertText", json!({"text": text})).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_resolves_an_unknown_record_from_the_console() {
+    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    std::env::set_var("IDEM_TEST_CONSOLE_TOKEN", "console-secret");
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&upstream.url(), "", "[auth]\nadmin_token_env = \"IDEM_TEST_CONSOLE_TOKEN\"\n").await;
+    upstream.script("charge-7", vec![Reply::status(504)]);
+    send(broker.post("/payments", "charge-7", r#"{"amount":7}"#)).await.assert_problem(502, "outcome-unknown");
+    send(broker.post("/payments", "fine", r#"{"amount":1}"#)).await;
+
+    let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
+    page.until("document.readyState === 'complete'").await;
+    // Without the token the API refuses, and the page says so.
+    page.until("document.getElementById('message').textContent.includes('Unauthorized')").await;
+    page.type_into("#token", "console-secret").await;
+    page.eval("document.getElementById('token').dispatchEvent(new Event('change'))").await;
+
+    // The queue shows the unknown record (and only it: the done one is not in the queue).
+    page.until("document.querySelectorAll('tr.record').length === 1").await;
+    assert_eq!(page.eval("document.querySelector('tr.record').textContent.includes('charge-7')").await, json!(true));
+    page.click("tr.record").await;
+    page.until("!document.getElementById('record').hidden").await;
+    assert_eq!(page.eval("document.getElementById('attempts').textContent.includes('ambiguous')").await, json!(true));
+
+    page.type_into("#status", "201").await;
+    page.type_into("#body", r#"{"id":"pay_7","status":"succeeded"}"#).await;
+    page.type_into("#note", "found in the provider dashboard").await;
+    page.click("#resolve-executed").await;
+    page.until("document.getElementById('message').className === 'ok'").await;
+    page.until("document.querySelector('#facts .state').textContent === 'done'").await;
+
+    // The broker agrees: done, with the operator's response replayed to duplicates.
+    let record = broker.record_json("charge-7").await;
+    assert_eq!(record["state"], "done");
+    let last = record["history"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["action"], "resolve executed");
+    assert_eq!(last["note"], "found in the provider dashboard");
+    let dup = send(broker.post("/payments", "charge-7", r#"{"amount":7}"#)).await;
+    assert_eq!(dup.status, 201);
+    assert_eq!(&dup.body[..], br#"{"id":"pay_7","status":"succeeded"}"#);
+    assert_eq!(dup.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.hits("charge-7"), 1);
+}

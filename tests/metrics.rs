@@ -1,0 +1,87 @@
+//! `/metrics` after a scripted run: the numbers must add up. One test in this binary, so the
+//! process-wide recorder sees this broker alone.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{send, Broker, Reply, Upstream};
+
+/// Sums the samples of `name` whose labels contain every `label="value"` pair given.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            (metric == name && labels.iter().all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn the_metrics_add_up_after_a_scripted_run() {
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&upstream.url(), "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n").await;
+    let body = r#"{"amount":1}"#;
+
+    upstream.script("salvaged", vec![Reply::status(503), Reply::status(201)]);
+    upstream.script("unknown", vec![Reply::status(504)]);
+    upstream.script("refused", vec![Reply::status(400)]);
+    upstream.script("exhausted", vec![Reply::status(503), Reply::status(503), Reply::status(503)]);
+    for key in ["first", "salvaged", "unknown", "refused", "exhausted"] {
+        send(broker.post("/payments", key, body)).await;
+    }
+    // A replay, a key reused with another body, and a duplicate while in progress.
+    send(broker.post("/payments", "first", body)).await;
+    send(broker.post("/payments", "first", r#"{"amount":2}"#)).await.assert_problem(422, "idempotency-key-reused");
+    let slow = broker.post("/payments?delay_ms=500", "slow", body);
+    let slow = tokio::spawn(async move { send(slow).await });
+    while upstream.hits("slow") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    send(broker.post("/payments?delay_ms=500", "slow", body)).await.assert_problem(409, "request-in-progress");
+    slow.await.unwrap();
+
+    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let route = [("route", "payments")];
+    let m = |name: &str, extra: &[(&str, &str)]| {
+        let labels: Vec<(&str, &str)> = route.iter().chain(extra).copied().collect();
+        sample(&text, name, &labels)
+    };
+
+    // Logical requests: six executions; physical attempts: one per stored attempt.
+    assert_eq!(m("idem_requests_total", &[]), 6.0, "{text}");
+    let mut stored_attempts = 0;
+    for key in ["first", "salvaged", "unknown", "refused", "exhausted", "slow"] {
+        stored_attempts += broker.record_json(key).await["attempts"].as_array().unwrap().len();
+    }
+    assert_eq!(stored_attempts, 1 + 2 + 1 + 1 + 3 + 1);
+    assert_eq!(m("idem_attempts_total", &[]), stored_attempts as f64);
+    assert_eq!(m("idem_attempts_total", &[("class", "not_executed")]), 4.0);
+    assert_eq!(m("idem_attempts_total", &[("class", "ambiguous")]), 1.0);
+
+    assert_eq!(m("idem_success_total", &[]), 3.0);
+    assert_eq!(m("idem_first_try_success_total", &[]), 2.0);
+    assert_eq!(m("idem_retry_salvaged_total", &[]), 1.0);
+    assert_eq!(m("idem_stops_total", &[("reason", "unsafe_replay")]), 1.0);
+    assert_eq!(m("idem_stops_total", &[("reason", "final_response")]), 1.0);
+    assert_eq!(m("idem_stops_total", &[("reason", "attempt_cap")]), 1.0);
+    assert_eq!(m("idem_stops_total", &[]), 6.0);
+
+    assert_eq!(m("idem_answers_total", &[("kind", "replay")]), 1.0);
+    assert_eq!(m("idem_answers_total", &[("kind", "key_reused")]), 1.0);
+    assert_eq!(m("idem_answers_total", &[("kind", "in_progress")]), 1.0);
+
+    // The reconciliation queue depth and the records by state.
+    assert_eq!(sample(&text, "idem_records", &[("phase", "unknown")]), 1.0);
+    assert_eq!(sample(&text, "idem_records", &[("phase", "done")]), 4.0);
+    assert_eq!(sample(&text, "idem_records", &[("phase", "free")]), 1.0);
+    assert_eq!(sample(&text, "idem_circuit_state", &[]), 0.0);
+
+    // Durations: one request observation per execution, one attempt observation per attempt.
+    assert_eq!(m("idem_request_duration_seconds_count", &[]), 6.0);
+    assert_eq!(m("idem_attempt_duration_seconds_count", &[]), stored_attempts as f64);
+}
