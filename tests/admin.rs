@@ -2,14 +2,16 @@
 
 mod common;
 
+use common::{both_stores, Backend, Db};
+
 use common::{send, Answer, Broker, Reply, Upstream};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;
 
-async fn setup(extra: &str) -> (Upstream, Broker) {
+async fn setup(b: Backend, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), "", extra).await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", extra).await;
     (upstream, broker)
 }
 
@@ -28,10 +30,9 @@ async fn admin_get(broker: &Broker, path: &str) -> Answer {
     send(broker.http.get(format!("{}{}", broker.admin, path))).await
 }
 
-#[tokio::test]
-async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging() {
+async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging(b: Backend) {
     // Five ambiguous answers in a row would open the default circuit; this test needs it closed.
-    let (upstream, broker) = setup("[routes.circuit]\nfailures = 100\n").await;
+    let (upstream, broker) = setup(b, "[routes.circuit]\nfailures = 100\n").await;
     let mut ids = Vec::new();
     for i in 0..5 {
         ids.push(unknown(&upstream, &broker, &format!("u{i}")).await);
@@ -63,9 +64,8 @@ async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging() {
     admin_get(&broker, "/admin/requests?cursor=nonsense").await.assert_problem(400, "invalid-cursor");
 }
 
-#[tokio::test]
-async fn resolving_executed_makes_duplicates_replay_the_operators_response() {
-    let (upstream, broker) = setup("").await;
+async fn resolving_executed_makes_duplicates_replay_the_operators_response(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
     let id = unknown(&upstream, &broker, "settle-me").await;
     let body = json!({
         "outcome": "executed",
@@ -92,9 +92,8 @@ async fn resolving_executed_makes_duplicates_replay_the_operators_response() {
     assert_eq!(upstream.hits("settle-me"), 1);
 }
 
-#[tokio::test]
-async fn resolving_not_executed_frees_the_key_for_a_fresh_execution() {
-    let (upstream, broker) = setup("").await;
+async fn resolving_not_executed_frees_the_key_for_a_fresh_execution(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
     let id = unknown(&upstream, &broker, "free-me").await;
     let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), json!({"outcome": "not_executed"})).await;
     assert_eq!(r.status, 200);
@@ -105,9 +104,8 @@ async fn resolving_not_executed_frees_the_key_for_a_fresh_execution() {
     assert_eq!(upstream.hits("free-me"), 2);
 }
 
-#[tokio::test]
-async fn an_operator_retry_redrives_an_unknown_record() {
-    let (upstream, broker) = setup("").await;
+async fn an_operator_retry_redrives_an_unknown_record(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
     let id = unknown(&upstream, &broker, "again").await;
     let r =
         admin_post(&broker, &format!("/admin/requests/{id}/retry"), json!({"note": "provider confirmed no charge"}))
@@ -120,9 +118,8 @@ async fn an_operator_retry_redrives_an_unknown_record() {
     assert!(history.iter().any(|h| h["action"] == "retry" && h["note"] == "provider confirmed no charge"));
 }
 
-#[tokio::test]
-async fn actions_on_records_that_are_not_unknown_are_refused_clearly() {
-    let (_upstream, broker) = setup("").await;
+async fn actions_on_records_that_are_not_unknown_are_refused_clearly(b: Backend) {
+    let (_upstream, broker) = setup(b, "").await;
     send(broker.post("/payments", "finished", BODY)).await;
     let id = broker.record_json("finished").await["id"].as_str().unwrap().to_string();
     let executed = json!({"outcome": "executed", "response": {"status": 200, "body": "x"}});
@@ -139,9 +136,8 @@ async fn actions_on_records_that_are_not_unknown_are_refused_clearly() {
     assert_eq!(broker.record_json("finished").await["state"], "done");
 }
 
-#[tokio::test]
-async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing() {
-    let (upstream, broker) = setup("").await;
+async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
     let id = unknown(&upstream, &broker, "careful").await;
     let resolve = format!("/admin/requests/{id}/resolve");
     for (body, name) in [
@@ -167,10 +163,9 @@ async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing() {
     assert_eq!(broker.record_json("careful").await["state"], "unknown");
 }
 
-#[tokio::test]
-async fn the_admin_api_requires_its_token_when_one_is_configured() {
+async fn the_admin_api_requires_its_token_when_one_is_configured(b: Backend) {
     std::env::set_var("IDEM_TEST_ADMIN_TOKEN_A", "op-secret");
-    let (_upstream, broker) = setup("[auth]\nadmin_token_env = \"IDEM_TEST_ADMIN_TOKEN_A\"\n").await;
+    let (_upstream, broker) = setup(b, "[auth]\nadmin_token_env = \"IDEM_TEST_ADMIN_TOKEN_A\"\n").await;
     let list = format!("{}/admin/requests", broker.admin);
     send(broker.http.get(&list)).await.assert_problem(401, "unauthorized");
     send(broker.http.get(&list).bearer_auth("wrong")).await.assert_problem(401, "unauthorized");
@@ -190,9 +185,8 @@ fn cli(broker: &Broker, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn the_cli_lists_shows_and_settles_the_queue() {
-    let (upstream, broker) = setup("").await;
+async fn the_cli_lists_shows_and_settles_the_queue(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
     let id = unknown(&upstream, &broker, "cli-key").await;
 
     let out = tokio::task::block_in_place(|| cli(&broker, &["list", "--state", "unknown"]));
@@ -235,3 +229,14 @@ async fn the_cli_lists_shows_and_settles_the_queue() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("Only an unknown record"));
 }
+
+both_stores!(
+    the_reconciliation_queue_lists_unknown_records_with_cursor_paging,
+    resolving_executed_makes_duplicates_replay_the_operators_response,
+    resolving_not_executed_frees_the_key_for_a_fresh_execution,
+    an_operator_retry_redrives_an_unknown_record,
+    actions_on_records_that_are_not_unknown_are_refused_clearly,
+    malformed_operator_input_gets_a_clear_error_and_changes_nothing,
+    the_admin_api_requires_its_token_when_one_is_configured,
+    the_cli_lists_shows_and_settles_the_queue,
+);

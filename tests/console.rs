@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{send, Broker, Reply, Upstream};
+use common::{send, Backend, Broker, Db, Reply, Upstream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
@@ -163,7 +163,13 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
     let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
     std::env::set_var("IDEM_TEST_CONSOLE_TOKEN", "console-secret");
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), "", "[auth]\nadmin_token_env = \"IDEM_TEST_CONSOLE_TOKEN\"\n").await;
+    let broker = Broker::start(
+        &Db::new(Backend::Sqlite).await,
+        &upstream.url(),
+        "",
+        "[auth]\nadmin_token_env = \"IDEM_TEST_CONSOLE_TOKEN\"\n",
+    )
+    .await;
     upstream.script("charge-7", vec![Reply::status(504)]);
     send(broker.post("/payments", "charge-7", r#"{"amount":7}"#)).await.assert_problem(502, "outcome-unknown");
     send(broker.post("/payments", "fine", r#"{"amount":1}"#)).await;

@@ -2,6 +2,8 @@
 
 mod common;
 
+use common::{both_stores, Backend, Db};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,24 +12,22 @@ use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
 
-async fn setup(route_extra: &str, extra: &str) -> (Upstream, Broker) {
+async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), route_extra, extra).await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
     (upstream, broker)
 }
 
-#[tokio::test]
-async fn a_request_without_a_key_is_refused_and_nothing_is_sent() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_request_without_a_key_is_refused_and_nothing_is_sent(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let r = send(broker.http.post(format!("{}/payments", broker.url)).body(BODY)).await;
     r.assert_problem(400, "missing-idempotency-key");
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
     assert_eq!(upstream.hits("/payments"), 0);
 }
 
-#[tokio::test]
-async fn empty_long_or_invisible_keys_are_refused() {
-    let (upstream, broker) = setup("", "").await;
+async fn empty_long_or_invisible_keys_are_refused(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let long = "k".repeat(256);
     for key in ["", "\"\"", long.as_str(), "with space", "\"tab\there\""] {
         let r = send(broker.post("/payments", key, BODY)).await;
@@ -42,9 +42,8 @@ async fn empty_long_or_invisible_keys_are_refused() {
     assert_eq!(ok.status, 201);
 }
 
-#[tokio::test]
-async fn an_oversize_body_is_refused_and_nothing_is_recorded() {
-    let (upstream, broker) = setup("max_body = \"1KiB\"", "").await;
+async fn an_oversize_body_is_refused_and_nothing_is_recorded(b: Backend) {
+    let (upstream, broker) = setup(b, "max_body = \"1KiB\"", "").await;
     let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(2000));
     let r = send(broker.post("/payments", "big", &big)).await;
     r.assert_problem(413, "payload-too-large");
@@ -74,9 +73,8 @@ fn tenants_section() -> String {
     )
 }
 
-#[tokio::test]
-async fn a_bad_or_missing_token_is_unauthorized_when_tenants_are_configured() {
-    let (upstream, broker) = setup("", &tenants_section()).await;
+async fn a_bad_or_missing_token_is_unauthorized_when_tenants_are_configured(b: Backend) {
+    let (upstream, broker) = setup(b, "", &tenants_section()).await;
     let r = send(broker.post("/payments", "k1", BODY)).await;
     r.assert_problem(401, "unauthorized");
     let r = send(broker.post("/payments", "k1", BODY).bearer_auth("wrong")).await;
@@ -88,9 +86,8 @@ async fn a_bad_or_missing_token_is_unauthorized_when_tenants_are_configured() {
     assert_eq!(r.status, 201);
 }
 
-#[tokio::test]
-async fn a_path_outside_every_route_is_no_route() {
-    let (_upstream, broker) = setup("", "").await;
+async fn a_path_outside_every_route_is_no_route(b: Backend) {
+    let (_upstream, broker) = setup(b, "", "").await;
     let r = send(broker.post("/elsewhere", "k", BODY)).await;
     r.assert_problem(404, "no-route");
     // A prefix matches whole segments only.
@@ -98,9 +95,8 @@ async fn a_path_outside_every_route_is_no_route() {
     r.assert_problem(404, "no-route");
 }
 
-#[tokio::test]
-async fn a_new_key_is_executed_and_the_upstream_answer_returned() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_new_key_is_executed_and_the_upstream_answer_returned(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let r = send(broker.post("/payments/charges?expand=1", "new-1", BODY)).await;
     assert_eq!(r.status, 201);
     assert_eq!(r.header("idempotency-status"), Some("done"));
@@ -120,9 +116,8 @@ async fn a_new_key_is_executed_and_the_upstream_answer_returned() {
     assert_eq!(record["stop_reason"], "success");
 }
 
-#[tokio::test]
-async fn an_exact_duplicate_gets_the_stored_response_byte_for_byte() {
-    let (upstream, broker) = setup("", "").await;
+async fn an_exact_duplicate_gets_the_stored_response_byte_for_byte(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let first = send(broker.post("/payments", "dup", BODY)).await;
     let second = send(broker.post("/payments", "dup", BODY)).await;
     let third = send(broker.post("/payments", "\"dup\"", BODY)).await;
@@ -140,9 +135,8 @@ async fn an_exact_duplicate_gets_the_stored_response_byte_for_byte() {
     assert_eq!(stored["x-upstream"], "fake");
 }
 
-#[tokio::test]
-async fn a_reserialised_json_body_is_the_same_request() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_reserialised_json_body_is_the_same_request(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let first = send(broker.post("/payments", "json", r#"{"a":1,"b":2}"#)).await;
     let again = send(broker.post("/payments", "json", "{ \"b\": 2,\n \"a\": 1 }")).await;
     assert_eq!(again.status, 201);
@@ -151,9 +145,8 @@ async fn a_reserialised_json_body_is_the_same_request() {
     assert_eq!(upstream.hits("json"), 1);
 }
 
-#[tokio::test]
-async fn a_duplicate_with_another_body_is_refused() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_duplicate_with_another_body_is_refused(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     send(broker.post("/payments", "reuse", BODY)).await;
     let r = send(broker.post("/payments", "reuse", r#"{"amount":43,"currency":"eur"}"#)).await;
     r.assert_problem(422, "idempotency-key-reused");
@@ -164,9 +157,8 @@ async fn a_duplicate_with_another_body_is_refused() {
     assert_eq!(upstream.hits("reuse"), 1);
 }
 
-#[tokio::test]
-async fn a_concurrent_duplicate_is_told_the_request_is_in_progress() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_concurrent_duplicate_is_told_the_request_is_in_progress(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let slow = broker.post("/payments?delay_ms=800", "busy", BODY);
     let first = tokio::spawn(async move { send(slow).await });
     wait_for_hits(&upstream, "busy", 1).await;
@@ -179,9 +171,8 @@ async fn a_concurrent_duplicate_is_told_the_request_is_in_progress() {
     assert_eq!(upstream.hits("busy"), 1);
 }
 
-#[tokio::test]
-async fn prefer_wait_waits_for_the_outcome_instead_of_409() {
-    let (upstream, broker) = setup("", "").await;
+async fn prefer_wait_waits_for_the_outcome_instead_of_409(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let slow = broker.post("/payments?delay_ms=500", "patient", BODY);
     let first = tokio::spawn(async move { send(slow).await });
     wait_for_hits(&upstream, "patient", 1).await;
@@ -203,9 +194,8 @@ async fn prefer_wait_waits_for_the_outcome_instead_of_409() {
     assert_eq!(first.await.unwrap().status, 201);
 }
 
-#[tokio::test]
-async fn a_timeout_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome() {
-    let (upstream, broker) = setup("", "[routes.retry]\nper_try_timeout = \"300ms\"\nmin_try = \"100ms\"\n").await;
+async fn a_timeout_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nper_try_timeout = \"300ms\"\nmin_try = \"100ms\"\n").await;
     upstream.script("hung", vec![Reply::hang()]);
     let r = send(broker.post("/payments", "hung", BODY)).await;
     r.assert_problem(502, "outcome-unknown");
@@ -220,18 +210,16 @@ async fn a_timeout_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome() {
     assert_eq!(record["attempts"][0]["error"], "timed_out");
 }
 
-#[tokio::test]
-async fn an_ambiguous_status_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome() {
-    let (upstream, broker) = setup("", "").await;
+async fn an_ambiguous_status_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     upstream.script("gw", vec![Reply::status(504)]);
     let r = send(broker.post("/payments", "gw", BODY)).await;
     r.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.hits("gw"), 1);
 }
 
-#[tokio::test]
-async fn respond_async_answers_202_with_the_record_location() {
-    let (upstream, broker) = setup("", "").await;
+async fn respond_async_answers_202_with_the_record_location(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let r = send(broker.post("/payments?delay_ms=300", "later/1", BODY).header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
     assert_eq!(r.header("location"), Some("/_idem/requests/later%2F1"));
@@ -254,9 +242,8 @@ async fn respond_async_answers_202_with_the_record_location() {
     assert_eq!(upstream.hits("later/1"), 1);
 }
 
-#[tokio::test]
-async fn the_record_is_visible_to_its_tenant_only() {
-    let (_upstream, broker) = setup("", &tenants_section()).await;
+async fn the_record_is_visible_to_its_tenant_only(b: Backend) {
+    let (_upstream, broker) = setup(b, "", &tenants_section()).await;
     send(broker.post("/payments", "mine", BODY).bearer_auth("acme-token")).await;
     let get = |token: &'static str| broker.http.get(format!("{}/_idem/requests/mine", broker.url)).bearer_auth(token);
     let r = send(get("acme-token")).await;
@@ -295,9 +282,8 @@ async fn the_record_is_visible_to_its_tenant_only() {
     send(get("nobody")).await.assert_problem(401, "unauthorized");
 }
 
-#[tokio::test]
-async fn the_same_key_under_two_tenants_is_two_requests() {
-    let (upstream, broker) = setup("", &tenants_section()).await;
+async fn the_same_key_under_two_tenants_is_two_requests(b: Backend) {
+    let (upstream, broker) = setup(b, "", &tenants_section()).await;
     let a = send(broker.post("/payments", "shared", BODY).bearer_auth("acme-token")).await;
     let b = send(broker.post("/payments", "shared", r#"{"other":"body"}"#).bearer_auth("globex-token")).await;
     assert_eq!((a.status, b.status), (201, 201));
@@ -309,9 +295,8 @@ async fn the_same_key_under_two_tenants_is_two_requests() {
     assert_eq!(replay.body, a.body);
 }
 
-#[tokio::test]
-async fn methods_without_a_key_requirement_are_proxied_unrecorded() {
-    let (upstream, broker) = setup("", "").await;
+async fn methods_without_a_key_requirement_are_proxied_unrecorded(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     for _ in 0..2 {
         let r = send(broker.http.get(format!("{}/payments/42?x=1", broker.url))).await;
         assert_eq!(r.status, 201);
@@ -324,9 +309,8 @@ async fn methods_without_a_key_requirement_are_proxied_unrecorded() {
     assert_eq!(broker.record("get-key").await.status(), 404);
 }
 
-#[tokio::test]
-async fn credentials_and_hop_by_hop_headers_are_not_forwarded() {
-    let (upstream, broker) = setup("", "").await;
+async fn credentials_and_hop_by_hop_headers_are_not_forwarded(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     send(
         broker
             .post("/payments", "hdr", BODY)
@@ -344,18 +328,16 @@ async fn credentials_and_hop_by_hop_headers_are_not_forwarded() {
     assert_eq!(seen.get("idempotency-key").unwrap(), "hdr");
 }
 
-#[tokio::test]
-async fn the_key_is_not_forwarded_when_the_route_says_so() {
-    let (upstream, broker) = setup("forward_idempotency_key = false", "").await;
+async fn the_key_is_not_forwarded_when_the_route_says_so(b: Backend) {
+    let (upstream, broker) = setup(b, "forward_idempotency_key = false", "").await;
     send(broker.post("/payments/nokey", "secret-key", BODY)).await;
     assert_eq!(upstream.hits("secret-key"), 0);
     let seen = upstream.headers("/payments/nokey").unwrap();
     assert!(seen.get("idempotency-key").is_none());
 }
 
-#[tokio::test]
-async fn sixty_four_concurrent_duplicates_execute_once_and_agree() {
-    let (upstream, broker) = setup("", "").await;
+async fn sixty_four_concurrent_duplicates_execute_once_and_agree(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let broker = Arc::new(broker);
     let mut tasks = Vec::new();
     for _ in 0..64 {
@@ -381,14 +363,13 @@ async fn sixty_four_concurrent_duplicates_execute_once_and_agree() {
     assert_eq!(late.body, finals[0].body);
 }
 
-#[tokio::test]
-async fn a_replay_survives_a_broker_restart() {
+async fn a_replay_survives_a_broker_restart(b: Backend) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), "", "").await;
-    let dir = broker.dir.clone();
+    let db = Db::new(b).await;
+    let broker = Broker::start(&db, &upstream.url(), "", "").await;
     let first = send(broker.post("/payments", "durable", BODY)).await;
     broker.stop().await;
-    let broker = Broker::start_in(dir, &upstream.url(), "", "").await;
+    let broker = Broker::start(&db, &upstream.url(), "", "").await;
     let replay = send(broker.post("/payments", "durable", BODY)).await;
     assert_eq!(replay.status, 201);
     assert_eq!(replay.body, first.body);
@@ -396,13 +377,13 @@ async fn a_replay_survives_a_broker_restart() {
     assert_eq!(upstream.hits("durable"), 1);
 }
 
-#[tokio::test]
-async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes() {
+async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes(b: Backend) {
     // Reserve a port, then close it: connections are refused, so nothing can have been sent.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let broker = Broker::start(&format!("http://{addr}"), "", "[routes.retry]\nmax_attempts = 1\n").await;
+    let broker =
+        Broker::start(&Db::new(b).await, &format!("http://{addr}"), "", "[routes.retry]\nmax_attempts = 1\n").await;
     let r = send(broker.post("/payments", "down", BODY)).await;
     r.assert_problem(503, "upstream-unavailable");
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
@@ -420,9 +401,8 @@ async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes() {
     assert_eq!(broker.record_json("down").await["state"], "done");
 }
 
-#[tokio::test]
-async fn a_not_processed_status_frees_the_key_and_returns_the_upstream_answer() {
-    let (upstream, broker) = setup("", "[routes.retry]\nmax_attempts = 1\n").await;
+async fn a_not_processed_status_frees_the_key_and_returns_the_upstream_answer(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nmax_attempts = 1\n").await;
     upstream.script("busy-503", vec![Reply::status(503).header("retry-after", "7")]);
     let r = send(broker.post("/payments", "busy-503", BODY)).await;
     assert_eq!(r.status, 503);
@@ -434,9 +414,8 @@ async fn a_not_processed_status_frees_the_key_and_returns_the_upstream_answer() 
     assert_eq!(upstream.hits("busy-503"), 2);
 }
 
-#[tokio::test]
-async fn client_errors_and_500s_are_final_and_replayed() {
-    let (upstream, broker) = setup("", "").await;
+async fn client_errors_and_500s_are_final_and_replayed(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     for (key, status) in [("e400", 400), ("e500", 500)] {
         let first = send(broker.post(&format!("/payments?status={status}"), key, BODY)).await;
         assert_eq!(first.status, status);
@@ -449,9 +428,8 @@ async fn client_errors_and_500s_are_final_and_replayed() {
     }
 }
 
-#[tokio::test]
-async fn a_client_that_disconnects_does_not_cancel_the_execution() {
-    let (upstream, broker) = setup("", "").await;
+async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
     let impatient = broker.post("/payments?delay_ms=600", "gone", BODY).timeout(Duration::from_millis(100));
     assert!(impatient.send().await.is_err(), "the client gave up");
     let record = broker.await_record("gone", Duration::from_secs(10), |v| v["state"] == "done").await;
@@ -461,13 +439,12 @@ async fn a_client_that_disconnects_does_not_cancel_the_execution() {
     assert_eq!(upstream.hits("gone"), 1);
 }
 
-#[tokio::test]
-async fn done_records_expire_after_retention_and_the_key_executes_afresh() {
+async fn done_records_expire_after_retention_and_the_key_executes_afresh(b: Backend) {
     let upstream = Upstream::start().await;
-    let dir = Arc::new(tempfile::TempDir::new().unwrap());
-    let db = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let text = common::config_text(&db, &upstream.url(), "", "").replace("[store]\n", "[store]\nretention = \"1s\"\n");
-    let broker = Broker::start_with(dir, text).await;
+    let db = Db::new(b).await;
+    let text =
+        common::config_text(&db.url, &upstream.url(), "", "").replace("[store]\n", "[store]\nretention = \"1s\"\n");
+    let broker = Broker::start_with(&db, text).await;
     let first = send(broker.post("/payments", "brief", BODY)).await;
     assert_eq!(first.json()["n"], 1);
     // The sweep deletes it within a couple of seconds.
@@ -482,9 +459,8 @@ async fn done_records_expire_after_retention_and_the_key_executes_afresh() {
     assert_eq!(again.json()["n"], 2);
 }
 
-#[tokio::test]
-async fn a_cancelled_request_starts_no_further_attempt() {
-    let (upstream, broker) = setup("", "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
+async fn a_cancelled_request_starts_no_further_attempt(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
     upstream.script("stop-me", vec![Reply::status(503)]);
     let r = send(broker.post("/payments", "stop-me", BODY).header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
@@ -513,3 +489,33 @@ async fn wait_for_hits(upstream: &Upstream, op: &str, n: u32) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+both_stores!(
+    a_request_without_a_key_is_refused_and_nothing_is_sent,
+    empty_long_or_invisible_keys_are_refused,
+    an_oversize_body_is_refused_and_nothing_is_recorded,
+    a_bad_or_missing_token_is_unauthorized_when_tenants_are_configured,
+    a_path_outside_every_route_is_no_route,
+    a_new_key_is_executed_and_the_upstream_answer_returned,
+    an_exact_duplicate_gets_the_stored_response_byte_for_byte,
+    a_reserialised_json_body_is_the_same_request,
+    a_duplicate_with_another_body_is_refused,
+    a_concurrent_duplicate_is_told_the_request_is_in_progress,
+    prefer_wait_waits_for_the_outcome_instead_of_409,
+    a_timeout_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome,
+    an_ambiguous_status_on_a_route_that_is_not_replay_safe_is_an_unknown_outcome,
+    respond_async_answers_202_with_the_record_location,
+    the_record_is_visible_to_its_tenant_only,
+    the_same_key_under_two_tenants_is_two_requests,
+    methods_without_a_key_requirement_are_proxied_unrecorded,
+    credentials_and_hop_by_hop_headers_are_not_forwarded,
+    the_key_is_not_forwarded_when_the_route_says_so,
+    sixty_four_concurrent_duplicates_execute_once_and_agree,
+    a_replay_survives_a_broker_restart,
+    an_unreachable_upstream_frees_the_key_and_the_next_request_executes,
+    a_not_processed_status_frees_the_key_and_returns_the_upstream_answer,
+    client_errors_and_500s_are_final_and_replayed,
+    a_client_that_disconnects_does_not_cancel_the_execution,
+    done_records_expire_after_retention_and_the_key_executes_afresh,
+    a_cancelled_request_starts_no_further_attempt,
+);

@@ -3,6 +3,8 @@
 
 mod common;
 
+use common::{both_stores, Backend, Db};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,15 +12,14 @@ use common::{send, Broker, Reply, Upstream};
 
 const BODY: &str = r#"{"amount":42}"#;
 
-async fn setup(route_extra: &str, extra: &str) -> (Upstream, Broker) {
+async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), route_extra, extra).await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
     (upstream, broker)
 }
 
-#[tokio::test]
-async fn retry_after_is_honoured_between_real_attempts() {
-    let (upstream, broker) = setup("", "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n").await;
+async fn retry_after_is_honoured_between_real_attempts(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n").await;
     let busy = || Reply::status(503).header("retry-after", "1");
     upstream.script("ra", vec![busy(), busy(), Reply::status(201)]);
     let r = send(broker.post("/payments", "ra", BODY)).await;
@@ -40,24 +41,22 @@ async fn retry_after_is_honoured_between_real_attempts() {
     assert_eq!(record["stop_reason"], "success");
 }
 
-#[tokio::test]
-async fn an_ambiguous_answer_is_retried_only_on_a_replay_safe_route() {
-    let (upstream, broker) = setup("replay_safe = true", "[routes.retry]\nbase = \"10ms\"\n").await;
+async fn an_ambiguous_answer_is_retried_only_on_a_replay_safe_route(b: Backend) {
+    let (upstream, broker) = setup(b, "replay_safe = true", "[routes.retry]\nbase = \"10ms\"\n").await;
     upstream.script("safe", vec![Reply::status(502), Reply::status(201)]);
     let r = send(broker.post("/payments", "safe", BODY)).await;
     assert_eq!(r.status, 201);
     assert_eq!(upstream.hits("safe"), 2);
 
-    let (upstream, broker) = setup("replay_safe = false", "[routes.retry]\nbase = \"10ms\"\n").await;
+    let (upstream, broker) = setup(b, "replay_safe = false", "[routes.retry]\nbase = \"10ms\"\n").await;
     upstream.script("unsafe", vec![Reply::status(502), Reply::status(201)]);
     send(broker.post("/payments", "unsafe", BODY)).await.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.hits("unsafe"), 1);
 }
 
-#[tokio::test]
-async fn a_timeout_is_retried_on_a_replay_safe_route_and_the_late_answer_is_never_used() {
+async fn a_timeout_is_retried_on_a_replay_safe_route_and_the_late_answer_is_never_used(b: Backend) {
     let extra = "[routes.retry]\nper_try_timeout = \"300ms\"\nmin_try = \"50ms\"\nbase = \"10ms\"\n";
-    let (upstream, broker) = setup("replay_safe = true", extra).await;
+    let (upstream, broker) = setup(b, "replay_safe = true", extra).await;
     // The first answer comes after the per-try timeout, with a body that must never be seen.
     let late = Reply { body: "LATE".into(), ..Reply::status(201).delay(Duration::from_millis(800)) };
     upstream.script("slow", vec![late, Reply::status(201)]);
@@ -69,10 +68,9 @@ async fn a_timeout_is_retried_on_a_replay_safe_route_and_the_late_answer_is_neve
     assert_eq!(record["attempts"][1]["status"], 201);
 }
 
-#[tokio::test]
-async fn a_spent_retry_budget_stops_retries() {
+async fn a_spent_retry_budget_stops_retries(b: Backend) {
     let extra = "[routes.retry]\nbudget_ratio = 0.0\nbudget_min_per_sec = 0\nbase = \"10ms\"\n";
-    let (upstream, broker) = setup("", extra).await;
+    let (upstream, broker) = setup(b, "", extra).await;
     upstream.script("nobudget", vec![Reply::status(503), Reply::status(201)]);
     let r = send(broker.post("/payments", "nobudget", BODY)).await;
     assert_eq!(r.status, 503, "the upstream's own answer is returned");
@@ -81,9 +79,8 @@ async fn a_spent_retry_budget_stops_retries() {
     assert_eq!(broker.record_json("nobudget").await["stop_reason"], "retry_budget");
 }
 
-#[tokio::test]
-async fn a_retry_after_beyond_the_deadline_stops_at_once_without_sending() {
-    let (upstream, broker) = setup("", "[routes.retry]\ndeadline = \"2s\"\nper_try_timeout = \"1s\"\n").await;
+async fn a_retry_after_beyond_the_deadline_stops_at_once_without_sending(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\ndeadline = \"2s\"\nper_try_timeout = \"1s\"\n").await;
     upstream.script("later", vec![Reply::status(503).header("retry-after", "10"), Reply::status(201)]);
     let started = Instant::now();
     let r = send(broker.post("/payments", "later", BODY)).await;
@@ -94,10 +91,9 @@ async fn a_retry_after_beyond_the_deadline_stops_at_once_without_sending() {
     assert_eq!(broker.record_json("later").await["stop_reason"], "retry_after_beyond_deadline");
 }
 
-#[tokio::test]
-async fn retries_stop_at_the_end_to_end_deadline() {
+async fn retries_stop_at_the_end_to_end_deadline(b: Backend) {
     let extra = "[routes.retry]\nmax_attempts = 50\ndeadline = \"1s\"\nper_try_timeout = \"500ms\"\nmin_try = \"100ms\"\nbase = \"50ms\"\ncap = \"100ms\"\njitter = \"none\"\n";
-    let (upstream, broker) = setup("", extra).await;
+    let (upstream, broker) = setup(b, "", extra).await;
     upstream.script("dl", (0..50).map(|_| Reply::status(503)).collect());
     let started = Instant::now();
     let r = send(broker.post("/payments", "dl", BODY)).await;
@@ -110,9 +106,8 @@ async fn retries_stop_at_the_end_to_end_deadline() {
     assert!((5..50).contains(&attempts), "{attempts} attempts in 1 s with 50-100 ms waits");
 }
 
-#[tokio::test]
-async fn garbage_retry_after_is_ignored_not_obeyed() {
-    let (upstream, broker) = setup("", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n").await;
+async fn garbage_retry_after_is_ignored_not_obeyed(b: Backend) {
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n").await;
     upstream.script("garbage", vec![Reply::status(503).header("retry-after", "soon-ish"), Reply::status(201)]);
     let started = Instant::now();
     let r = send(broker.post("/payments", "garbage", BODY)).await;
@@ -120,10 +115,9 @@ async fn garbage_retry_after_is_ignored_not_obeyed() {
     assert!(started.elapsed() < Duration::from_millis(800));
 }
 
-#[tokio::test]
-async fn an_open_circuit_fails_fast_and_records_nothing() {
+async fn an_open_circuit_fails_fast_and_records_nothing(b: Backend) {
     let extra = "[routes.retry]\nmax_attempts = 1\n[routes.circuit]\nfailures = 2\nopen_for = \"30s\"\n";
-    let (upstream, broker) = setup("", extra).await;
+    let (upstream, broker) = setup(b, "", extra).await;
     for key in ["c1", "c2"] {
         upstream.script(key, vec![Reply::status(503)]);
         assert_eq!(send(broker.post("/payments", key, BODY)).await.status, 503);
@@ -136,10 +130,9 @@ async fn an_open_circuit_fails_fast_and_records_nothing() {
     assert_eq!(broker.record("c3").await.status(), 404, "nothing recorded");
 }
 
-#[tokio::test]
-async fn a_replay_is_served_even_while_the_circuit_is_open() {
+async fn a_replay_is_served_even_while_the_circuit_is_open(b: Backend) {
     let extra = "[routes.retry]\nmax_attempts = 1\n[routes.circuit]\nfailures = 1\nopen_for = \"30s\"\n";
-    let (upstream, broker) = setup("", extra).await;
+    let (upstream, broker) = setup(b, "", extra).await;
     let first = send(broker.post("/payments", "kept", BODY)).await;
     assert_eq!(first.status, 201);
     upstream.script("trip", vec![Reply::status(503)]);
@@ -150,9 +143,8 @@ async fn a_replay_is_served_even_while_the_circuit_is_open() {
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
 }
 
-#[tokio::test]
-async fn a_saturated_route_sheds_new_work_without_recording_it() {
-    let (upstream, broker) = setup("max_concurrency = 1", "").await;
+async fn a_saturated_route_sheds_new_work_without_recording_it(b: Backend) {
+    let (upstream, broker) = setup(b, "max_concurrency = 1", "").await;
     let broker = Arc::new(broker);
     let mut tasks = Vec::new();
     for i in 0..12 {
@@ -184,3 +176,16 @@ async fn a_saturated_route_sheds_new_work_without_recording_it() {
         assert_eq!(broker.record(&key).await.status(), 404);
     }
 }
+
+both_stores!(
+    retry_after_is_honoured_between_real_attempts,
+    an_ambiguous_answer_is_retried_only_on_a_replay_safe_route,
+    a_timeout_is_retried_on_a_replay_safe_route_and_the_late_answer_is_never_used,
+    a_spent_retry_budget_stops_retries,
+    a_retry_after_beyond_the_deadline_stops_at_once_without_sending,
+    retries_stop_at_the_end_to_end_deadline,
+    garbage_retry_after_is_ignored_not_obeyed,
+    an_open_circuit_fails_fast_and_records_nothing,
+    a_replay_is_served_even_while_the_circuit_is_open,
+    a_saturated_route_sheds_new_work_without_recording_it,
+);

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{send, Broker, Reply, Upstream};
+use common::{send, Backend, Broker, Db, Reply, Upstream};
 
 /// Sums the samples of `name` whose labels contain every `label="value"` pair given.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -24,7 +24,13 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 #[tokio::test]
 async fn the_metrics_add_up_after_a_scripted_run() {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&upstream.url(), "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n").await;
+    let broker = Broker::start(
+        &Db::new(Backend::Sqlite).await,
+        &upstream.url(),
+        "",
+        "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n",
+    )
+    .await;
     let body = r#"{"amount":1}"#;
 
     upstream.script("salvaged", vec![Reply::status(503), Reply::status(201)]);

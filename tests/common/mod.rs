@@ -160,13 +160,95 @@ impl Upstream {
     }
 }
 
+pub use backend::Backend;
+
+/// An empty database for one test, on either backend; every broker the test starts on it (a
+/// restart, several nodes) shares it. A PostgreSQL database is dropped when the last handle goes.
+#[derive(Clone)]
+pub struct Db {
+    pub url: String,
+    pub backend: Backend,
+    _guard: Arc<DbGuard>,
+}
+
+struct DbGuard {
+    backend: Backend,
+    url: String,
+    _dir: Option<TempDir>,
+}
+
+impl Drop for DbGuard {
+    fn drop(&mut self) {
+        if self.backend == Backend::Postgres {
+            let url = self.url.clone();
+            // Drop runs inside the test's runtime: do the async clean-up on a thread of its own.
+            let _ = std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(backend::drop_postgres_db(&url))
+            })
+            .join();
+        }
+    }
+}
+
+impl Db {
+    /// A new empty database. On PostgreSQL this needs `IDEM_TEST_POSTGRES_URL`; the
+    /// `both_stores!` wrappers skip the PostgreSQL variant before calling a test without it.
+    pub async fn new(backend: Backend) -> Db {
+        let (url, dir) = match backend {
+            Backend::Sqlite => {
+                let dir = TempDir::new().unwrap();
+                (format!("sqlite://{}", dir.path().join("idem.db").display()), Some(dir))
+            }
+            Backend::Postgres => {
+                (backend::postgres_url_for_new_db().await.expect("IDEM_TEST_POSTGRES_URL is not set"), None)
+            }
+        };
+        Db { url: url.clone(), backend, _guard: Arc::new(DbGuard { backend, url, _dir: dir }) }
+    }
+}
+
+/// Runs each listed `async fn case(backend: Backend)` twice, as `sqlite::case` and
+/// `postgres::case`: the same black-box test against each store. The PostgreSQL variant is
+/// skipped (loudly, and never under CI) when no server is configured.
+#[allow(unused_macros)]
+macro_rules! both_stores {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(super::common::Backend::Sqlite).await
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if super::common::backend::postgres_server_url().is_none() {
+                        super::common::backend::skipped(concat!("postgres::", stringify!($case)));
+                        return;
+                    }
+                    super::$case(super::common::Backend::Postgres).await
+                }
+            )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use both_stores;
+
 /// A broker on port 0 with one route, `payments` at `/payments`, in front of `upstream`.
 pub struct Broker {
     pub url: String,
     pub admin: String,
     pub http: reqwest::Client,
     running: Option<Running>,
-    pub dir: Arc<TempDir>,
+    pub db: Db,
     pub config_text: String,
 }
 
@@ -194,19 +276,13 @@ upstream = "{upstream}"
 }
 
 impl Broker {
-    pub async fn start(upstream: &str, route_extra: &str, extra: &str) -> Broker {
-        let dir = Arc::new(TempDir::new().unwrap());
-        Broker::start_in(dir, upstream, route_extra, extra).await
+    /// Starts a broker on `db` (a restart when one ran there before).
+    pub async fn start(db: &Db, upstream: &str, route_extra: &str, extra: &str) -> Broker {
+        let text = config_text(&db.url, upstream, route_extra, extra);
+        Broker::start_with(db, text).await
     }
 
-    /// Starts a broker on the SQLite file in `dir` (a restart when one ran there before).
-    pub async fn start_in(dir: Arc<TempDir>, upstream: &str, route_extra: &str, extra: &str) -> Broker {
-        let db = format!("sqlite://{}", dir.path().join("idem.db").display());
-        let text = config_text(&db, upstream, route_extra, extra);
-        Broker::start_with(dir, text).await
-    }
-
-    pub async fn start_with(dir: Arc<TempDir>, config_text: String) -> Broker {
+    pub async fn start_with(db: &Db, config_text: String) -> Broker {
         let config = Config::parse_with_env(&config_text, |name| std::env::var(name).ok()).unwrap();
         let running = server::start(config).await.unwrap();
         Broker {
@@ -214,7 +290,7 @@ impl Broker {
             admin: format!("http://{}", running.admin_listen),
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
             running: Some(running),
-            dir,
+            db: db.clone(),
             config_text,
         }
     }
