@@ -234,6 +234,8 @@ pub struct Record {
     /// Probes sent so far for an `unknown` record, and when the next is due.
     pub probe_count: u32,
     pub next_probe_at: Option<Millis>,
+    /// While waiting between attempts: the earliest start of the next one.
+    pub not_before: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }

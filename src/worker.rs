@@ -400,6 +400,15 @@ impl Inner {
         let policy = &route.retry;
         let url = format!("{}{}", route.upstream, record.path_and_query());
         let mut p = Progress::new(record, policy.deadline);
+        // Taken over (or handed back) in the middle of a wait: the rest of it is still owed.
+        if let Some(rest) = record.not_before.map(|t| t - now_ms()).filter(|&ms| ms > 0) {
+            match self.wait(record.id, Duration::from_millis(rest as u64), signal).await {
+                WaitEnd::Elapsed => {}
+                WaitEnd::Cancelled => return self.finish_after(record, route, None, StopReason::Cancelled, p).await,
+                WaitEnd::Stopping => return self.release(record).await,
+                WaitEnd::Lost => return Outcome::Lost,
+            }
+        }
         loop {
             let started = now_ms();
             let limit = match policy.attempt_limit(since(p.arrival, started)) {
@@ -500,11 +509,9 @@ impl Inner {
                 Decision::Stop(stop) => return self.finish_after(record, route, Some(attempt), stop, p).await,
                 Decision::RetryAfter(wait) => wait,
             };
-            match self
-                .store
-                .attempt_ended(record.id, &self.owner, Some(attempt), store::AfterAttempt::Wait, now_ms())
-                .await
-            {
+            let now = now_ms();
+            let then = store::AfterAttempt::Wait { not_before: now + duration_ms(wait) };
+            match self.store.attempt_ended(record.id, &self.owner, Some(attempt), then, now).await {
                 Ok(Lease::Held { cancel_requested: false }) => {}
                 Ok(Lease::Held { cancel_requested: true }) => {
                     return self.finish_after(record, route, None, StopReason::Cancelled, p).await

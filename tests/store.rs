@@ -424,10 +424,12 @@ async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(store
 
     let first = attempt(1, T0 + 10, "not_executed", Some(503));
     assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE).await.unwrap().is_held());
-    let lease = store.attempt_ended(record.id, WORKER, Some(first.clone()), AfterAttempt::Wait, T0 + 30).await.unwrap();
+    let wait = AfterAttempt::Wait { not_before: T0 + 250 };
+    let lease = store.attempt_ended(record.id, WORKER, Some(first.clone()), wait, T0 + 30).await.unwrap();
     assert!(lease.is_held());
     let waiting = fetch(&store, record.id).await;
     assert_eq!(waiting.phase(), Phase::InProgress, "a wait keeps the record");
+    assert_eq!(waiting.not_before, Some(T0 + 250), "and when the next attempt may start");
     assert_eq!(waiting.lease.as_ref().map(|l| l.owner.as_str()), Some(WORKER), "and the lease");
     assert_eq!(waiting.in_flight, None, "the attempt's outcome is recorded");
     assert_eq!(waiting.attempts, vec![first.clone()]);

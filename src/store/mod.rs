@@ -69,8 +69,8 @@ pub enum Admission {
 /// How an attempt ended, for the record.
 #[derive(Debug, Clone)]
 pub enum AfterAttempt {
-    /// Another attempt follows after a wait; the lease is kept.
-    Wait,
+    /// Another attempt follows, not before this time; the lease is kept.
+    Wait { not_before: Millis },
     /// `done`, with the response to replay.
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed and must not be sent again automatically.

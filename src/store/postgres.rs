@@ -47,7 +47,7 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
     attempts::text AS attempts, stop_reason, response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
-    cancel_requested, probe_count, next_probe_at, created_at, updated_at";
+    cancel_requested, probe_count, next_probe_at, not_before, created_at, updated_at";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -166,7 +166,8 @@ fn admit_sql() -> String {
             lease_owner = NULL, lease_expires_at = NULL, in_flight_number = NULL,
             in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
             response_headers = NULL, response_body = NULL, done_at = NULL,
-            cancel_requested = FALSE, updated_at = excluded.updated_at
+            cancel_requested = FALSE, probe_count = 0, next_probe_at = NULL, not_before = NULL,
+            updated_at = excluded.updated_at
          WHERE (records.state = 'done' AND records.done_at < $14)
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
@@ -296,7 +297,7 @@ async fn attempt_ended(
 ) -> Result<Lease, StoreError> {
     let attempt = attempt.as_ref().map(one_element).transpose()?;
     let (state, stop, response) = match &then {
-        AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Wait { .. } => (State::InProgress, None, None),
         AfterAttempt::Release => (State::NotStarted, None, None),
         AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
         AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
@@ -306,7 +307,7 @@ async fn attempt_ended(
         "UPDATE records SET
             attempts = attempts || COALESCE($3::jsonb, '[]'::jsonb),
             in_flight_number = NULL, in_flight_started_at = NULL,
-            state = $4, queued = $10,
+            state = $4, queued = $10, not_before = CASE WHEN $10 THEN not_before ELSE $11 END,
             lease_owner = CASE WHEN $4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN $4 = 'in_progress' THEN lease_expires_at END,
             stop_reason = $5, response_status = $6, response_headers = $7::jsonb,
@@ -325,6 +326,10 @@ async fn attempt_ended(
     .bind(response.map(|r| &r.body[..]))
     .bind(now)
     .bind(matches!(then, AfterAttempt::Release))
+    .bind(match then {
+        AfterAttempt::Wait { not_before } => Some(not_before),
+        _ => None,
+    })
     .fetch_optional(pool)
     .await?;
     lease_of(row)
@@ -621,6 +626,7 @@ fn decode(row: &PgRow) -> Result<Record, StoreError> {
         cancel_requested: row.try_get("cancel_requested")?,
         probe_count: u32::try_from(row.try_get::<i32, _>("probe_count")?).map_err(|_| corrupt("probe_count"))?,
         next_probe_at: row.try_get("next_probe_at")?,
+        not_before: row.try_get("not_before")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
     })

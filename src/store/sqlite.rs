@@ -254,7 +254,8 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     deadline_at = excluded.deadline_at, lease_owner = NULL, lease_expires_at = NULL,
     in_flight_number = NULL, in_flight_started_at = NULL, stop_reason = NULL,
     response_status = NULL, response_headers = NULL, response_body = NULL, done_at = NULL,
-    cancel_requested = 0, updated_at = excluded.updated_at
+    cancel_requested = 0, probe_count = 0, next_probe_at = NULL, not_before = NULL,
+    updated_at = excluded.updated_at
 WHERE (records.state = 'done' AND records.done_at < ?14)
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
 RETURNING *";
@@ -361,7 +362,7 @@ async fn attempt_ended(
 ) -> Result<Lease, StoreError> {
     let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
     let (state, stop, response) = match &then {
-        AfterAttempt::Wait => (State::InProgress, None, None),
+        AfterAttempt::Wait { .. } => (State::InProgress, None, None),
         AfterAttempt::Release => (State::NotStarted, None, None),
         AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
         AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
@@ -371,7 +372,7 @@ async fn attempt_ended(
         "UPDATE records SET
             attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
             in_flight_number = NULL, in_flight_started_at = NULL,
-            state = ?4, queued = ?10,
+            state = ?4, queued = ?10, not_before = CASE WHEN ?10 = 1 THEN not_before ELSE ?11 END,
             lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
             stop_reason = ?5, response_status = ?6, response_headers = ?7, response_body = ?8,
@@ -390,6 +391,10 @@ async fn attempt_ended(
     .bind(response.map(|r| r.body.to_vec()))
     .bind(now)
     .bind(matches!(then, AfterAttempt::Release) as i64)
+    .bind(match then {
+        AfterAttempt::Wait { not_before } => Some(not_before),
+        _ => None,
+    })
     .fetch_optional(&mut *conn)
     .await?;
     lease_of(row)
@@ -668,6 +673,7 @@ fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
         cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
         probe_count: row.try_get::<i64, _>("probe_count")? as u32,
         next_probe_at: row.try_get("next_probe_at")?,
+        not_before: row.try_get("not_before")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
     })
