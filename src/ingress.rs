@@ -24,7 +24,7 @@ use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, NewRecord, Store};
 use crate::upstream::{self, Upstream};
-use crate::worker::{Outcome, Refusal, Settled, Slot, Worker};
+use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
@@ -180,6 +180,7 @@ impl Ingress {
             },
             deadline_at: arrival + duration_ms(route.retry.deadline),
             now: arrival,
+            claim: None,
         };
 
         // Read first: replays and in-progress duplicates never touch the writer.
@@ -203,10 +204,14 @@ impl Ingress {
                         Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
                     }
                 })?;
+                // With a worker free right now, record it already claimed and its first attempt
+                // marked: one commit before the send instead of three.
+                let reservation = self.worker.reserve(&route.name);
+                let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms())), ..new };
                 match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
                     Admission::Created(record) | Admission::Requeued(record) => {
                         metrics::request(&route.name);
-                        return Ok(self.execute(record, slot, prefer).await);
+                        return Ok(self.execute(record, slot, reservation, prefer).await);
                     }
                     Admission::Existing(record) => record,
                 }
@@ -228,14 +233,21 @@ impl Ingress {
     }
 
     /// This request owns the record: hand it to a worker and answer with the outcome.
-    async fn execute(&self, record: Record, slot: Slot, prefer: Prefer) -> Response {
+    async fn execute(&self, record: Record, slot: Slot, reservation: Option<Reservation>, prefer: Prefer) -> Response {
+        // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
+        let reservation = reservation.filter(|_| record.state == State::InProgress);
+        let start = |record: Record, reply| match reservation {
+            Some(reservation) => self.worker.start(record, slot, reservation, reply),
+            None => self.worker.submit(record, Some(slot), reply),
+        };
         if prefer.respond_async {
             let location = format!("/_idem/requests/{}", encode_key(&record.key));
             let body = record.to_json(false);
-            self.worker.submit(record, Some(slot), None);
+            let state = record.state;
+            start(record, None);
             let mut response = (StatusCode::ACCEPTED, Json(body)).into_response();
             let headers = response.headers_mut();
-            headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(state.as_str()));
             headers.insert("preference-applied", HeaderValue::from_static("respond-async"));
             if let Ok(v) = HeaderValue::from_str(&location) {
                 headers.insert(header::LOCATION, v);
@@ -245,7 +257,7 @@ impl Ingress {
         let (tx, rx) = oneshot::channel();
         let id = record.id;
         let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64) + Duration::from_secs(5);
-        self.worker.submit(record, Some(slot), Some(tx));
+        start(record, Some(tx));
         match tokio::time::timeout(patience, rx).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => outcome_response(outcome),
             _ => match self.store.get(id).await {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::sync::{oneshot, watch, Notify, Semaphore};
+use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
@@ -18,7 +18,7 @@ use crate::policy::{
     self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, RetryBudget, Settlement, StopReason,
 };
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Record, StoredResponse};
-use crate::store::{self, Lease, Store};
+use crate::store::{self, Claim, Lease, Store};
 use crate::upstream::Upstream;
 
 /// What the request that started an execution is told when it ends.
@@ -74,7 +74,7 @@ pub struct Guards {
 struct RouteGuard {
     budget: Mutex<RetryBudget>,
     /// Attempts in flight on the route (`max_concurrency`).
-    attempts: Semaphore,
+    attempts: Arc<Semaphore>,
     /// Executions admitted and not finished: those in flight plus those queued behind them.
     pending: AtomicUsize,
     max_pending: usize,
@@ -112,7 +112,7 @@ impl Guards {
             .map(|r| {
                 let guard = RouteGuard {
                     budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
-                    attempts: Semaphore::new(r.max_concurrency),
+                    attempts: Arc::new(Semaphore::new(r.max_concurrency)),
                     pending: AtomicUsize::new(0),
                     max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
                 };
@@ -178,6 +178,21 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A worker and a place among a route's attempts, set aside for an execution that starts at once.
+pub struct Reservation {
+    worker: OwnedSemaphorePermit,
+    attempt: OwnedSemaphorePermit,
+}
+
+enum Start {
+    /// Queued: claim it first.
+    Claim,
+    /// Already claimed by this process (a take-over, an orphan).
+    Claimed,
+    /// Admitted claimed, first attempt marked, capacity in hand.
+    Reserved(Reservation),
+}
+
 /// Lets a cancel reach an execution running in this process at once, even mid-wait.
 #[derive(Default)]
 struct CancelSignal {
@@ -197,7 +212,7 @@ struct Inner {
     /// This process's name in leases.
     owner: String,
     /// At most `worker.concurrency` records execute at once.
-    permits: Semaphore,
+    permits: Arc<Semaphore>,
     settled: Arc<Settled>,
     guards: Arc<Guards>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
@@ -252,7 +267,7 @@ impl Worker {
     pub fn new(store: Arc<dyn Store>, config: Arc<Config>, owner: String, settled: Arc<Settled>) -> Worker {
         Worker {
             inner: Arc::new(Inner {
-                permits: Semaphore::new(config.worker.concurrency),
+                permits: Arc::new(Semaphore::new(config.worker.concurrency)),
                 guards: Arc::new(Guards::new(&config)),
                 stopping: watch::channel(false).0,
                 active: AtomicUsize::new(0),
@@ -279,26 +294,55 @@ impl Worker {
     /// `slot` is the place the ingress took on the route; without one, one is taken here.
     pub fn submit(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>) {
         let slot = slot.or_else(|| self.inner.guards.slot(&record.route));
-        self.spawn(record, slot, reply, true);
+        self.spawn(record, slot, reply, Start::Claim);
     }
 
     /// Executes a record this process already claimed (a take-over or an unclaimed record).
     pub fn resume(&self, record: Record) {
         let slot = self.inner.guards.slot(&record.route);
-        self.spawn(record, slot, None, false);
+        self.spawn(record, slot, None, Start::Claimed);
     }
 
-    fn spawn(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, claim: bool) {
+    /// Sets aside a worker and a place among `route`'s attempts for an execution that starts at
+    /// once, if both are free right now. With it, the ingress records the request already claimed
+    /// by this process, its first attempt marked as about to be sent, in one commit.
+    pub fn reserve(&self, route: &str) -> Option<Reservation> {
+        let worker = self.inner.permits.clone().try_acquire_owned().ok()?;
+        let attempt = self.inner.guards.routes.get(route)?.attempts.clone().try_acquire_owned().ok()?;
+        Some(Reservation { worker, attempt })
+    }
+
+    /// The claim that a reserved admission writes: this process's lease, starting `now`.
+    pub fn claim(&self, now: Millis) -> Claim {
+        Claim { owner: self.inner.owner.clone(), lease_until: self.inner.lease_until(now) }
+    }
+
+    /// Executes a record admitted with a reservation (see [`Worker::reserve`]).
+    pub fn start(&self, record: Record, slot: Slot, reservation: Reservation, reply: Option<oneshot::Sender<Outcome>>) {
+        self.spawn(record, Some(slot), reply, Start::Reserved(reservation));
+    }
+
+    fn spawn(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
         let inner = self.inner.clone();
         let span = info_span!("execution", record = %record.id, route = %record.route, tenant = %record.tenant);
         tokio::spawn(
             async move {
                 let _slot = slot;
                 let _running = Running::new(&inner);
-                let Ok(_permit) = inner.permits.acquire().await else {
-                    return;
+                let outcome = match start {
+                    Start::Reserved(Reservation { worker, attempt }) => {
+                        let _permit = worker;
+                        inner.run(record, Some(attempt)).await
+                    }
+                    Start::Claim | Start::Claimed => {
+                        let Ok(_permit) = inner.permits.acquire().await else { return };
+                        if matches!(start, Start::Claim) {
+                            inner.claim_and_run(record).await
+                        } else {
+                            inner.run(record, None).await
+                        }
+                    }
                 };
-                let outcome = if claim { inner.claim_and_run(record).await } else { inner.run(record).await };
                 if let Some(reply) = reply {
                     let _ = reply.send(outcome);
                 }
@@ -373,7 +417,7 @@ impl Inner {
     async fn claim_and_run(&self, record: Record) -> Outcome {
         let now = now_ms();
         match self.store.claim(record.id, &self.owner, self.lease_until(now), now).await {
-            Ok(true) => self.run(record).await,
+            Ok(true) => self.run(record, None).await,
             Ok(false) => Outcome::Lost,
             Err(e) => {
                 warn!(error = %e, "could not claim a record; it stays queued");
@@ -383,7 +427,7 @@ impl Inner {
     }
 
     /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
-    async fn run(&self, record: Record) -> Outcome {
+    async fn run(&self, record: Record, reserved: Option<OwnedSemaphorePermit>) -> Outcome {
         let Some(route) = self.config.route_named(&record.route).cloned() else {
             warn!(route = %record.route, "the record's route is no longer configured");
             let progress = Progress::new(&record, Duration::ZERO);
@@ -391,12 +435,18 @@ impl Inner {
         };
         let signal = Arc::new(CancelSignal::default());
         lock(&self.cancels).insert(record.id, signal.clone());
-        let outcome = self.attempts(&record, &route, &signal).await;
+        let outcome = self.attempts(&record, &route, &signal, reserved).await;
         lock(&self.cancels).remove(&record.id);
         outcome
     }
 
-    async fn attempts(&self, record: &Record, route: &Route, signal: &CancelSignal) -> Outcome {
+    async fn attempts(
+        &self,
+        record: &Record,
+        route: &Route,
+        signal: &CancelSignal,
+        reserved: Option<OwnedSemaphorePermit>,
+    ) -> Outcome {
         let policy = &route.retry;
         let url = format!("{}{}", route.upstream, record.path_and_query());
         let mut p = Progress::new(record, policy.deadline);
@@ -409,8 +459,22 @@ impl Inner {
                 WaitEnd::Lost => return Outcome::Lost,
             }
         }
+        let mut reserved = reserved;
         loop {
-            let started = now_ms();
+            let (started, in_flight) = match reserved.take() {
+                // Admitted already claimed, with this first attempt marked as about to be sent
+                // in the same commit: nothing more to write before sending it.
+                Some(place) => (record.in_flight.map_or_else(now_ms, |(_, at)| at), Some(place)),
+                None => {
+                    // A place among the route's attempts in flight, held for this attempt only.
+                    let place = match self.guards.routes.get(&route.name) {
+                        Some(g) => self.renewing(record.id, g.attempts.clone().acquire_owned()).await.ok(),
+                        None => None,
+                    };
+                    (now_ms(), place)
+                }
+            };
+            let marked = in_flight.is_some() && record.in_flight.is_some() && p.made == 0;
             let limit = match policy.attempt_limit(since(p.arrival, started)) {
                 Ok(limit) => limit,
                 Err(stop) => return self.finish_after(record, route, None, stop, p).await,
@@ -418,34 +482,32 @@ impl Inner {
             if signal.raised.load(Ordering::SeqCst) {
                 return self.finish_after(record, route, None, StopReason::Cancelled, p).await;
             }
-            if self.stopping() {
+            if self.stopping() && !marked {
                 return self.release(record).await;
             }
             p.made += 1;
             p.number += 1;
-            match self.store.attempt_started(record.id, &self.owner, p.number, started, self.lease_until(started)).await
-            {
-                Ok(Lease::Held { cancel_requested: false }) => {}
-                Ok(Lease::Held { cancel_requested: true }) => {
-                    return self.finish_after(record, route, None, StopReason::Cancelled, p).await
-                }
-                Ok(Lease::Lost) => return Outcome::Lost,
-                Err(e) => {
-                    // Without a durable "may have been sent" mark the attempt must not go out.
-                    warn!(error = %e, "could not record an attempt; not sending it");
-                    return Outcome::Lost;
+            if !marked {
+                match self
+                    .store
+                    .attempt_started(record.id, &self.owner, p.number, started, self.lease_until(started))
+                    .await
+                {
+                    Ok(Lease::Held { cancel_requested: false }) => {}
+                    Ok(Lease::Held { cancel_requested: true }) => {
+                        return self.finish_after(record, route, None, StopReason::Cancelled, p).await
+                    }
+                    Ok(Lease::Lost) => return Outcome::Lost,
+                    Err(e) => {
+                        // Without a durable "may have been sent" mark the attempt must not go out.
+                        warn!(error = %e, "could not record an attempt; not sending it");
+                        return Outcome::Lost;
+                    }
                 }
             }
-
             if p.made == 1 {
                 self.guards.first_attempt(&route.name);
             }
-            // A place among the route's attempts in flight, held for this attempt only.
-            let route_guard = self.guards.routes.get(&route.name).cloned();
-            let in_flight = match &route_guard {
-                Some(g) => g.attempts.acquire().await.ok(),
-                None => None,
-            };
             let clock = Instant::now();
             let sent =
                 self.upstream.send(&record.method, &url, &record.request.headers, record.request.body.clone(), limit);

@@ -15,7 +15,8 @@ use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use idem::store::{
-    self, Action, Admission, AfterAttempt, Cancelled, Cursor, Lease, ListFilter, NewRecord, Notice, Resolution, Store,
+    self, Action, Admission, AfterAttempt, Cancelled, Claim, Cursor, Lease, ListFilter, NewRecord, Notice, Resolution,
+    Store,
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -88,10 +89,39 @@ on_both_backends!(
     listing_filters_and_pages_through_every_record_exactly_once,
     records_are_counted_by_phase,
     sweeping_deletes_only_done_records_finished_before_the_cutoff,
+    an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked,
     ;
     postgres_only:
     notices_announce_queued_and_settled_records_to_every_process,
 );
+
+async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(store: Arc<dyn Store>) {
+    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE };
+    let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
+    let record = created(store.admit(new.clone(), 0).await.unwrap());
+    assert_eq!(record.phase(), Phase::InProgress);
+    assert_eq!(record.lease, Some(idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE }));
+    assert_eq!(record.in_flight, Some((1, T0)), "attempt 1 is marked as about to be sent");
+    // The claim holds like any other: its worker may store the outcome, nobody else may.
+    assert!(store.renew(record.id, WORKER, T0 + LEASE + 1, T0 + 2).await.unwrap().is_held());
+    assert_eq!(store.renew(record.id, "someone-else", T0 + LEASE, T0 + 2).await.unwrap(), Lease::Lost);
+    // A duplicate sees it in progress; it is not admitted twice.
+    assert!(matches!(store.admit(new, 0).await.unwrap(), Admission::Existing(r) if r.id == record.id));
+
+    // A free record taken up again is queued, whatever the claim says: its worker claims it.
+    let freed = request("default", "freed", BODY);
+    let first = in_progress(&store, freed.clone()).await;
+    store.attempt_ended(first.id, WORKER, None, AfterAttempt::Free(StopReason::AttemptCap), T0 + 5).await.unwrap();
+    let again = NewRecord { id: Uuid::new_v4(), claim: Some(claim), ..freed };
+    match store.admit(again, 0).await.unwrap() {
+        Admission::Requeued(r) => {
+            assert_eq!(r.phase(), Phase::Queued);
+            assert_eq!(r.in_flight, None);
+            assert_eq!(r.lease, None);
+        }
+        other => panic!("expected a requeue, got {other:?}"),
+    }
+}
 
 // ---- fixtures -----------------------------------------------------------------------------------
 
@@ -122,6 +152,7 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Millis) ->
         },
         deadline_at: now + 30_000,
         now,
+        claim: None,
     }
 }
 

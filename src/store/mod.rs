@@ -52,6 +52,17 @@ pub struct NewRecord {
     pub request: StoredRequest,
     pub deadline_at: Millis,
     pub now: Millis,
+    /// Record it already claimed, its first attempt marked as about to be sent, in the same
+    /// commit: for a worker that will send it at once. Applies to a fresh insert only; a record
+    /// taken over from a free or expired one is queued as usual.
+    pub claim: Option<Claim>,
+}
+
+/// A worker's lease on a record it admits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub owner: String,
+    pub lease_until: Millis,
 }
 
 /// The result of recording a request: either this request owns execution now, or a record for

@@ -149,9 +149,13 @@ fn admit_sql() -> String {
     format!(
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
-                              created_at, updated_at)
-         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, 'not_started', TRUE, $11,
-                 $12, $12)
+                              created_at, updated_at, lease_owner, lease_expires_at,
+                              in_flight_number, in_flight_started_at)
+         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
+                 CASE WHEN $15::text IS NULL THEN 'not_started' ELSE 'in_progress' END,
+                 $15::text IS NULL, $11, $12, $12, $15::text, $16::bigint,
+                 CASE WHEN $15::text IS NULL THEN NULL ELSE 1 END,
+                 CASE WHEN $15::text IS NULL THEN NULL ELSE $12 END)
          ON CONFLICT (tenant, key) DO UPDATE SET
             id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
             attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
@@ -212,6 +216,8 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .bind(new.now)
             .bind(&requeued)
             .bind(cutoff)
+            .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
+            .bind(new.claim.as_ref().map(|c| c.lease_until))
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

@@ -240,8 +240,11 @@ async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
 /// same fingerprint. One statement, so one writer makes it atomic.
 const ADMIT: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
-                     request_body, state, queued, deadline_at, created_at, updated_at)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_started', 1, ?11, ?12, ?12)
+                     request_body, state, queued, deadline_at, created_at, updated_at,
+                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
+        CASE WHEN ?15 IS NULL THEN 'not_started' ELSE 'in_progress' END, ?15 IS NULL, ?11, ?12, ?12,
+        ?15, ?16, CASE WHEN ?15 IS NULL THEN NULL ELSE 1 END, CASE WHEN ?15 IS NULL THEN NULL ELSE ?12 END)
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
@@ -282,6 +285,8 @@ async fn admit(conn: &mut SqliteConnection, new: NewRecord, cutoff: Millis) -> R
         .bind(new.now)
         .bind(requeued)
         .bind(cutoff)
+        .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
+        .bind(new.claim.as_ref().map(|c| c.lease_until))
         .fetch_optional(&mut *conn)
         .await?;
     match row {
