@@ -39,6 +39,51 @@ pub struct Ingress {
     pub worker: Worker,
     pub settled: Arc<Settled>,
     pub upstream: Upstream,
+    pub replays: Replays,
+}
+
+/// Answers of `done` records, kept in memory. A done record never changes until retention
+/// deletes it — on every node alike — so its answer can be replayed without reading the
+/// database, provided the entry expires no later than the record does.
+pub struct Replays {
+    cache: quick_cache::sync::Cache<String, Arc<Replay>, ByteWeight>,
+}
+
+pub struct Replay {
+    fingerprint: Fingerprint,
+    route: String,
+    response: StoredResponse,
+    /// No later than the record's own end of retention.
+    expires_at: Millis,
+}
+
+#[derive(Clone)]
+pub struct ByteWeight;
+
+impl quick_cache::Weighter<String, Arc<Replay>> for ByteWeight {
+    fn weight(&self, key: &String, replay: &Arc<Replay>) -> u64 {
+        let headers: usize = replay.response.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        (key.len() + headers + replay.response.body.len() + 128) as u64
+    }
+}
+
+impl Replays {
+    /// At most `bytes` of answers are kept; the least recently useful go first.
+    pub fn new(bytes: u64) -> Replays {
+        Replays { cache: quick_cache::sync::Cache::with_weighter(16 * 1024, bytes, ByteWeight) }
+    }
+
+    fn id(tenant: &str, key: &str) -> String {
+        format!("{tenant}\u{0}{key}")
+    }
+
+    fn get(&self, tenant: &str, key: &str, now: Millis) -> Option<Arc<Replay>> {
+        self.cache.get(&Replays::id(tenant, key)).filter(|r| r.expires_at > now)
+    }
+
+    fn keep(&self, tenant: &str, key: &str, replay: Replay) {
+        self.cache.insert(Replays::id(tenant, key), Arc::new(replay));
+    }
 }
 
 pub fn router(ingress: Arc<Ingress>) -> Router {
@@ -183,6 +228,15 @@ impl Ingress {
             claim: None,
         };
 
+        // A replay known to this node needs no database at all.
+        if let Some(replay) = self.replays.get(&new.tenant, &new.key, arrival) {
+            if replay.fingerprint != fingerprint {
+                metrics::answered(&route.name, "key_reused");
+                return Err(Problem::key_reused().state(State::Done));
+            }
+            metrics::answered(&replay.route, "replay");
+            return Ok(stored_response(&replay.response, true));
+        }
         // Read first: replays and in-progress duplicates never touch the writer.
         let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
         let record = match existing {
@@ -256,10 +310,21 @@ impl Ingress {
         }
         let (tx, rx) = oneshot::channel();
         let id = record.id;
+        // What a replay of the outcome needs, taken before the record moves to the worker. The
+        // record becomes done after it arrived, so its retention ends later than this entry's.
+        let (tenant, key, route) = (record.tenant.clone(), record.key.clone(), record.route.clone());
+        let fingerprint = record.fingerprint;
+        let expires_at = record.created_at + duration_ms(self.config.store.retention);
         let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64) + Duration::from_secs(5);
         start(record, Some(tx));
         match tokio::time::timeout(patience, rx).await {
-            Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => outcome_response(outcome),
+            Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
+                if let Outcome::Done(_, response) = &outcome {
+                    let replay = Replay { fingerprint, route, response: response.clone(), expires_at };
+                    self.replays.keep(&tenant, &key, replay);
+                }
+                outcome_response(outcome)
+            }
             _ => match self.store.get(id).await {
                 Ok(Some(record)) => self.answer_existing(record, None).await,
                 Ok(None) => Problem::not_found().into_response(),
@@ -286,7 +351,17 @@ impl Ingress {
         metrics::answered(&record.route, kind);
         match record.phase() {
             Phase::Done => match &record.response {
-                Some(response) => stored_response(response, true),
+                Some(response) => {
+                    let replay = Replay {
+                        fingerprint: record.fingerprint,
+                        route: record.route.clone(),
+                        response: response.clone(),
+                        // A done record is not updated again: this is when it became done.
+                        expires_at: record.updated_at + duration_ms(self.config.store.retention),
+                    };
+                    self.replays.keep(&record.tenant, &record.key, replay);
+                    stored_response(response, true)
+                }
                 None => Problem::outcome_unknown().state(State::Done).into_response(),
             },
             Phase::Unknown => Problem::outcome_unknown().state(State::Unknown).into_response(),

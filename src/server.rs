@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
 use crate::config::Config;
-use crate::ingress::{self, Ingress};
+use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::store::{self, StoreError};
 use crate::upstream::Upstream;
@@ -24,6 +24,9 @@ pub enum StartError {
     #[error(transparent)]
     Store(#[from] StoreError),
 }
+
+/// Memory for done answers kept for replays.
+const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// How long a shutdown waits for attempts in flight.
 pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
@@ -67,6 +70,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         worker: worker.clone(),
         settled: settled.clone(),
         upstream: Upstream::new(),
+        replays: Replays::new(REPLAY_CACHE_BYTES),
     });
     let admin = Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled });
 
