@@ -1,6 +1,7 @@
 //! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
 #![allow(dead_code)]
 pub mod backend;
+pub mod process;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
