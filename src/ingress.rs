@@ -237,45 +237,61 @@ impl Ingress {
             metrics::answered(&replay.route, "replay");
             return Ok(stored_response(&replay.response, true));
         }
-        // Read first: replays and in-progress duplicates never touch the writer.
-        let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
-        let record = match existing {
-            Some(record)
-                if !self.expired(&record) && (record.fingerprint != fingerprint || record.phase() != Phase::Free) =>
-            {
-                record
-            }
-            _ => {
-                // A new execution: shed it here, before anything is recorded, if the route is
-                // saturated or its upstream's circuit is open.
-                let slot = self.worker.guards().enter(&route).map_err(|refusal| match refusal {
-                    Refusal::Overloaded => {
-                        metrics::answered(&route.name, "overloaded");
-                        Problem::overloaded()
+        // A new execution is shed here, before anything is recorded, if the route is saturated
+        // or its upstream's circuit is open — unless the key exists: its record answers then.
+        let slot = match self.worker.guards().enter(&route) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
+                match existing {
+                    Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
+                        return self.answer_record(&route, record, fingerprint, prefer).await;
                     }
-                    Refusal::CircuitOpen(wait) => {
-                        metrics::answered(&route.name, "circuit_open");
-                        Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
-                    }
-                })?;
-                // With a worker free right now, record it already claimed and its first attempt
-                // marked: one commit before the send instead of three.
-                let reservation = self.worker.reserve(&route.name);
-                let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms())), ..new };
-                match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
-                    Admission::Created(record) | Admission::Requeued(record) => {
-                        metrics::request(&route.name);
-                        return Ok(self.execute(record, slot, reservation, prefer).await);
-                    }
-                    Admission::Existing(record) => record,
+                    _ => return Err(self.refused(&route, refusal)),
                 }
             }
         };
+        // With a worker free right now, record it already claimed and its first attempt marked:
+        // one commit before the send instead of three.
+        let reservation = self.worker.reserve(&route.name);
+        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms())), ..new };
+        let record = match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
+            Admission::Created(record) | Admission::Requeued(record) => {
+                metrics::request(&route.name);
+                return Ok(self.execute(record, slot, reservation, prefer).await);
+            }
+            Admission::Existing(record) => record,
+        };
+        drop((slot, reservation));
+        self.answer_record(&route, record, fingerprint, prefer).await
+    }
+
+    /// The answer for a request whose key already has a record it does not own.
+    async fn answer_record(
+        &self,
+        route: &Route,
+        record: Record,
+        fingerprint: Fingerprint,
+        prefer: Prefer,
+    ) -> Result<Response, Problem> {
         if record.fingerprint != fingerprint {
             metrics::answered(&route.name, "key_reused");
             return Err(Problem::key_reused().state(record.state));
         }
         Ok(self.answer_existing(record, prefer.wait).await)
+    }
+
+    fn refused(&self, route: &Route, refusal: Refusal) -> Problem {
+        match refusal {
+            Refusal::Overloaded => {
+                metrics::answered(&route.name, "overloaded");
+                Problem::overloaded()
+            }
+            Refusal::CircuitOpen(wait) => {
+                metrics::answered(&route.name, "circuit_open");
+                Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
+            }
+        }
     }
 
     fn retention_cutoff(&self) -> Millis {

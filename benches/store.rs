@@ -1,0 +1,111 @@
+//! Store micro-benchmarks, per backend: the writes on a new key's path (insert-or-get already
+//! claimed, then complete) and the read behind a replay. One operation at a time, so each figure
+//! is a latency: with SQLite `synchronous=FULL` it includes the commit's fsync.
+//! PostgreSQL runs when `IDEM_BENCH_POSTGRES_URL` (or `IDEM_TEST_POSTGRES_URL`) names a server.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use criterion::{criterion_group, criterion_main, Criterion};
+use idem::fingerprint::Fingerprint;
+use idem::policy::StopReason;
+use idem::record::{now_ms, Attempt, StoredRequest, StoredResponse};
+use idem::store::{self, AfterAttempt, Admission, Claim, NewRecord, Store};
+use sqlx::Connection;
+use uuid::Uuid;
+
+const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","customer":"cus_123","description":"order 42"}"#;
+
+fn new_record(key: &str) -> NewRecord {
+    let now = now_ms();
+    NewRecord {
+        id: Uuid::new_v4(),
+        tenant: "default".into(),
+        key: key.into(),
+        route: "payments".into(),
+        method: "POST".into(),
+        path: "/payments".into(),
+        query: String::new(),
+        fingerprint: Fingerprint::of("payments", "POST", "/payments", "", None, BODY),
+        request: StoredRequest {
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: Bytes::from_static(BODY),
+        },
+        deadline_at: now + 30_000,
+        now,
+        claim: Some(Claim { owner: "bench".into(), lease_until: now + 15_000 }),
+    }
+}
+
+fn response() -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![("content-type".into(), "application/json".into())],
+        body: Bytes::from_static(br#"{"id":"pay_123","status":"succeeded"}"#),
+    }
+}
+
+async fn postgres_url() -> Option<String> {
+    let server = std::env::var("IDEM_BENCH_POSTGRES_URL").or_else(|_| std::env::var("IDEM_TEST_POSTGRES_URL")).ok()?;
+    let name = format!("idem_bench_{}", Uuid::new_v4().simple());
+    let mut admin = sqlx::PgConnection::connect(&server).await.ok()?;
+    sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut admin).await.ok()?;
+    let mut url = reqwest::Url::parse(&server).ok()?;
+    url.set_path(&format!("/{name}"));
+    Some(url.to_string())
+}
+
+fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, store: Arc<dyn Store>) {
+    let mut g = c.benchmark_group(format!("store/{label}"));
+    let mut n = 0u64;
+    g.bench_function("admit_new_key", |b| {
+        b.iter(|| {
+            n += 1;
+            rt.block_on(store.admit(new_record(&format!("admit-{n}")), 0)).unwrap()
+        })
+    });
+    g.bench_function("admit_then_complete", |b| {
+        b.iter(|| {
+            n += 1;
+            rt.block_on(async {
+                let Admission::Created(r) = store.admit(new_record(&format!("full-{n}")), 0).await.unwrap() else {
+                    panic!("not created")
+                };
+                let attempt = Attempt {
+                    number: 1,
+                    started_at: now_ms(),
+                    duration_ms: 1,
+                    outcome: "success".into(),
+                    status: Some(201),
+                    error: None,
+                    wait_ms: 0,
+                };
+                let then = AfterAttempt::Done(StopReason::Success, response());
+                store.attempt_ended(r.id, "bench", Some(attempt), then, now_ms()).await.unwrap()
+            })
+        })
+    });
+    rt.block_on(store.admit(new_record("replayed"), 0)).unwrap();
+    g.bench_function("lookup_existing", |b| b.iter(|| rt.block_on(store.lookup("default", "replayed")).unwrap()));
+    g.finish();
+}
+
+fn stores(c: &mut Criterion) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::TempDir::new_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    for (label, query) in [("sqlite_full", ""), ("sqlite_normal", "?synchronous=normal")] {
+        let url = format!("sqlite://{}{query}", dir.path().join(format!("{label}.db")).display());
+        let store = rt.block_on(store::open(&url)).unwrap();
+        bench_store(c, label, &rt, store);
+    }
+    match rt.block_on(postgres_url()) {
+        Some(url) => {
+            let store = rt.block_on(store::open(&url)).unwrap();
+            bench_store(c, "postgres", &rt, store);
+        }
+        None => eprintln!("store/postgres skipped: set IDEM_BENCH_POSTGRES_URL to a PostgreSQL server"),
+    }
+}
+
+criterion_group!(benches, stores);
+criterion_main!(benches);
