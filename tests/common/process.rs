@@ -99,6 +99,7 @@ impl Node {
             .arg("--config")
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
