@@ -108,6 +108,9 @@ async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b:
     assert_eq!(replay.status, 201);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(rig.upstream.hits("waiting"), 2);
+    // The record tells the operator about that wait, as it does when no take-over intervenes.
+    let waited = record["attempts"][1]["wait_ms"].as_u64().unwrap();
+    assert!(waited >= 1900, "attempt 2 followed a 2 s wait, yet its record says wait_ms = {waited}: {record:#}");
 }
 
 /// How a client's retries for one key ended.
@@ -304,9 +307,47 @@ async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(
     assert!(gap >= Duration::from_secs(3), "the Retry-After wait was cut short by the restart: {gap:?}");
 }
 
+async fn sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_holding_the_shutdown(b: Backend) {
+    let mut rig = rig(b, "replay_safe = false", "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n").await;
+    rig.upstream.script("awaited", vec![Reply::status(503).header("retry-after", "3"), Reply::status(201)]);
+    submit(&rig.node, "awaited").await;
+    rig.node
+        .await_record("awaited", Duration::from_secs(10), |r| {
+            r["state"] == "in_progress" && r["attempts"].as_array().is_some_and(|a| a.len() == 1)
+        })
+        .await;
+    // A duplicate that prefers to wait a minute for the outcome; a local request arrives in far
+    // less than the pause before the signal.
+    let request = rig.node.post("/payments", "awaited", BODY).header("prefer", "wait=60");
+    let waiter = tokio::spawn(async move {
+        let r = request.send().await?;
+        let status = r.status().as_u16();
+        r.bytes().await.map(|body| (status, body))
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let asked = Instant::now();
+    rig.node.terminate();
+    let status = rig.node.wait_exit(idem::server::SHUTDOWN_BOUND + Duration::from_secs(5)).await;
+    let took = asked.elapsed();
+    let answer = waiter.await.unwrap();
+    assert!(status.is_some(), "still running {took:?} after SIGTERM");
+
+    // Nothing is in flight: there is nothing to wait for, and the waiting client can be told to
+    // come back (409 request-in-progress, or 503) instead of having its connection cut.
+    match answer {
+        Ok((status, body)) => {
+            assert!(matches!(status, 409 | 503), "the waiting client got {status} {body:?}")
+        }
+        Err(e) => panic!("the waiting client got no answer ({e}); the broker took {took:?} to exit after SIGTERM"),
+    }
+    assert!(took < idem::server::SHUTDOWN_BOUND, "the broker took {took:?} to exit after SIGTERM");
+}
+
 both_stores!(
     a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_sends_it_again,
     a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait,
     sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice,
     sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart,
+    sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_holding_the_shutdown,
 );
