@@ -30,8 +30,9 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 
 /// The longest `Prefer: wait=N` honoured, in seconds.
 const MAX_WAIT_SECS: u64 = 300;
-/// How often a waiting request re-reads its record, for outcomes settled by another node.
-const WAIT_POLL: Duration = Duration::from_millis(250);
+/// How often a waiting request re-reads its record anyway, should an announcement of its
+/// settlement by another node be lost.
+const WAIT_POLL: Duration = Duration::from_secs(1);
 
 pub struct Ingress {
     pub config: Arc<Config>,
@@ -341,8 +342,12 @@ impl Ingress {
                 }
                 outcome_response(outcome)
             }
+            // Another worker (of this node or another) runs it: wait for it like a duplicate.
             _ => match self.store.get(id).await {
-                Ok(Some(record)) => self.answer_existing(record, None).await,
+                Ok(Some(record)) => {
+                    let left = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64);
+                    self.answer_existing(record, Some(left + Duration::from_secs(1))).await
+                }
                 Ok(None) => Problem::not_found().into_response(),
                 Err(e) => Problem::store(&e).into_response(),
             },
@@ -401,6 +406,8 @@ impl Ingress {
     /// Waits up to `max` for a record to leave `in_progress`/queued; `None` if it disappeared.
     async fn wait_for(&self, id: Uuid, max: Duration) -> Result<Option<Record>, Problem> {
         let until = tokio::time::Instant::now() + max;
+        // Another node may settle it: have it announced.
+        self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
         loop {
             let watch = self.settled.watch(id);
             let notified = watch.notified();

@@ -94,7 +94,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             loop {
                 match notices.recv().await {
                     Ok(store::Notice::Settled(id)) => worker.settled(id),
-                    Ok(store::Notice::Queued(_)) => {}
+                    Ok(store::Notice::Queued(id)) => worker.offer(id),
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 }

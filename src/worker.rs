@@ -17,7 +17,7 @@ use crate::metrics;
 use crate::policy::{
     self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, RetryBudget, Settlement, StopReason,
 };
-use crate::record::{duration_ms, now_ms, Attempt, Millis, Record, StoredResponse};
+use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
 use crate::store::{self, Claim, Lease, Store};
 use crate::upstream::Upstream;
 
@@ -370,6 +370,23 @@ impl Worker {
         if tokio::time::timeout(bound, drained).await.is_err() {
             warn!(running = inner.active.load(Ordering::SeqCst), "shutdown bound reached with attempts in flight");
         }
+    }
+
+    /// Another process queued a record: with a worker free here, try to claim and run it. Of
+    /// every node offered it, one claims it; the others find it claimed and let it go.
+    pub fn offer(&self, id: Uuid) {
+        let Ok(permit) = self.inner.permits.clone().try_acquire_owned() else { return };
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let Ok(Some(record)) = inner.store.get(id).await else { return };
+            if record.phase() != Phase::Queued {
+                return;
+            }
+            let _slot = inner.guards.slot(&record.route);
+            let _running = Running::new(&inner);
+            inner.claim_and_run(record).await;
+        });
     }
 
     /// Wakes requests waiting for a record that was settled outside a worker.

@@ -297,6 +297,12 @@ pub trait Store: Send + Sync + 'static {
     /// Is the database answering?
     async fn ping(&self) -> Result<(), StoreError>;
 
+    /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
+    /// Call before re-reading the record, so a settlement in between is not missed.
+    async fn watch(&self, _id: Uuid) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// News of records changed by other processes sharing this database, where the backend
     /// can deliver it (PostgreSQL's LISTEN/NOTIFY); `None` for a single-process store.
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
@@ -307,7 +313,7 @@ pub trait Store: Send + Sync + 'static {
 /// A change to a record, announced to every process that shares the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Notice {
-    /// It left `in_progress`/queued: waiting requests can answer.
+    /// A watched record left `in_progress`/queued: waiting requests can answer.
     Settled(Uuid),
     /// It was queued: an idle worker may claim it.
     Queued(Uuid),

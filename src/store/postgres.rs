@@ -814,6 +814,14 @@ impl Store for PostgresStore {
         Ok(())
     }
 
+    async fn watch(&self, id: Uuid) -> Result<(), StoreError> {
+        sqlx::query("UPDATE records SET watched = TRUE WHERE id = $1::uuid AND NOT watched")
+            .bind(id.to_string())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     fn notices(&self) -> Option<broadcast::Receiver<Notice>> {
         Some(self.notices.subscribe())
     }
