@@ -346,7 +346,8 @@ impl Ingress {
             _ => match self.store.get(id).await {
                 Ok(Some(record)) => {
                     let left = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64);
-                    self.answer_existing(record, Some(left + Duration::from_secs(1))).await
+                    // Its outcome answers this request first-hand: it is not a replay.
+                    self.answer(record, Some(left + Duration::from_secs(1)), false).await
                 }
                 Ok(None) => Problem::not_found().into_response(),
                 Err(e) => Problem::store(&e).into_response(),
@@ -355,7 +356,13 @@ impl Ingress {
     }
 
     /// A request for a key this request does not own (same fingerprint): replay, wait, refuse.
-    async fn answer_existing(&self, mut record: Record, wait: Option<Duration>) -> Response {
+    async fn answer_existing(&self, record: Record, wait: Option<Duration>) -> Response {
+        self.answer(record, wait, true).await
+    }
+
+    /// Answers from the record, after waiting up to `wait` for it to settle. A `done` answer is
+    /// marked as a replay unless this request is the one whose execution produced it.
+    async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Response {
         if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
             match self.wait_for(record.id, wait).await {
                 Ok(Some(settled)) => record = settled,
@@ -369,19 +376,21 @@ impl Ingress {
             Phase::Queued | Phase::InProgress => "in_progress",
             Phase::Free => "freed",
         };
-        metrics::answered(&record.route, kind);
+        if replay {
+            metrics::answered(&record.route, kind);
+        }
         match record.phase() {
             Phase::Done => match &record.response {
                 Some(response) => {
-                    let replay = Replay {
+                    let kept = Replay {
                         fingerprint: record.fingerprint,
                         route: record.route.clone(),
                         response: response.clone(),
                         // A done record is not updated again: this is when it became done.
                         expires_at: record.updated_at + duration_ms(self.config.store.retention),
                     };
-                    self.replays.keep(&record.tenant, &record.key, replay);
-                    stored_response(response, true)
+                    self.replays.keep(&record.tenant, &record.key, kept);
+                    stored_response(response, replay)
                 }
                 None => Problem::outcome_unknown().state(State::Done).into_response(),
             },

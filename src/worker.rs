@@ -2,7 +2,7 @@
 //! and the outcome. It runs apart from the client's request, so a client that disconnects does
 //! not cancel an execution, and no database transaction is ever held across an upstream call.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -216,6 +216,9 @@ struct Inner {
     settled: Arc<Settled>,
     guards: Arc<Guards>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+    /// Queued records this process will claim itself once a worker is free: offers of them
+    /// (announced to every node, this one included) are declined here.
+    mine: Mutex<HashSet<Uuid>>,
     /// Set at shutdown: executions hand their records back instead of waiting or starting.
     stopping: watch::Sender<bool>,
     /// Executions running in this process, and a wake-up for when there are none.
@@ -270,6 +273,7 @@ impl Worker {
                 permits: Arc::new(Semaphore::new(config.worker.concurrency)),
                 guards: Arc::new(Guards::new(&config)),
                 stopping: watch::channel(false).0,
+                mine: Mutex::new(HashSet::new()),
                 active: AtomicUsize::new(0),
                 idle: Notify::new(),
                 store,
@@ -294,6 +298,7 @@ impl Worker {
     /// `slot` is the place the ingress took on the route; without one, one is taken here.
     pub fn submit(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>) {
         let slot = slot.or_else(|| self.inner.guards.slot(&record.route));
+        lock(&self.inner.mine).insert(record.id);
         self.spawn(record, slot, reply, Start::Claim);
     }
 
@@ -375,6 +380,9 @@ impl Worker {
     /// Another process queued a record: with a worker free here, try to claim and run it. Of
     /// every node offered it, one claims it; the others find it claimed and let it go.
     pub fn offer(&self, id: Uuid) {
+        if lock(&self.inner.mine).contains(&id) {
+            return;
+        }
         let Ok(permit) = self.inner.permits.clone().try_acquire_owned() else { return };
         let inner = self.inner.clone();
         tokio::spawn(async move {
@@ -433,7 +441,9 @@ impl Inner {
 
     async fn claim_and_run(&self, record: Record) -> Outcome {
         let now = now_ms();
-        match self.store.claim(record.id, &self.owner, self.lease_until(now), now).await {
+        let claimed = self.store.claim(record.id, &self.owner, self.lease_until(now), now).await;
+        lock(&self.mine).remove(&record.id);
+        match claimed {
             Ok(true) => self.run(record, None).await,
             Ok(false) => Outcome::Lost,
             Err(e) => {
