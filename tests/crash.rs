@@ -4,14 +4,14 @@
 
 mod common;
 
-use common::process::{await_until, config_body, history_entries, Node, LEASE};
+use common::process::{
+    audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
+};
 use common::{both_stores, Backend, Db, Reply, Upstream};
 
-use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -113,77 +113,25 @@ async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b:
     assert!(waited >= 1900, "attempt 2 followed a 2 s wait, yet its record says wait_ms = {waited}: {record:#}");
 }
 
-/// How a client's retries for one key ended.
-#[derive(Debug)]
-enum Ended {
-    /// A 201 arrived, with these body bytes.
-    Acknowledged(Bytes),
-    /// 502 `outcome-unknown`.
-    Unknown,
-    /// The test's time ran out while the client was still retrying; the last thing it saw.
-    GaveUp(String),
-    /// An answer the broker must never give here.
-    Unexpected(u16, Bytes),
-}
-
-/// Sends one keyed request until it gets an answer that settles it, retrying with the same key
-/// on connection errors, 409 (in progress), 503 and 504 (freed: send again).
-async fn client(http: reqwest::Client, url: String, key: String, body: String, give_up: Instant) -> Ended {
-    let mut rng = StdRng::from_entropy();
-    let mut last = String::from("nothing sent");
-    while Instant::now() < give_up {
-        let sent = http
-            .post(&url)
-            .header("idempotency-key", &key)
-            .header("content-type", "application/json")
-            .body(body.clone())
-            .send()
-            .await;
-        match sent {
-            Err(e) => last = format!("error: {e}"),
-            Ok(r) => {
-                let status = r.status().as_u16();
-                match r.bytes().await {
-                    // The broker died while it was writing the answer: nothing was received.
-                    Err(e) => last = format!("{status} cut short: {e}"),
-                    Ok(bytes) => match status {
-                        201 => return Ended::Acknowledged(bytes),
-                        502 if String::from_utf8_lossy(&bytes).contains("outcome-unknown") => return Ended::Unknown,
-                        409 | 503 | 504 => last = format!("{status}: {}", String::from_utf8_lossy(&bytes)),
-                        _ => return Ended::Unexpected(status, bytes),
-                    },
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(50..150))).await;
-    }
-    Ended::GaveUp(last)
-}
-
 async fn sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice(b: Backend) {
     const KEYS: usize = 300;
     const KILLS: usize = 5;
     let mut rig = rig(b, "replay_safe = false", "").await;
     let seed: u64 = rand::random();
     let mut rng = StdRng::seed_from_u64(seed);
-    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(20)).build().unwrap();
     let started = Instant::now();
-    let give_up = started + Duration::from_secs(40);
 
     // The keys start 33 ms apart, so requests are in every stage when the kills come.
-    let mut clients = Vec::new();
-    for i in 0..KEYS {
-        let key = format!("loop-{i:03}");
-        let url = format!("{}/payments?delay_ms={}", rig.node.url, rng.gen_range(0..120));
-        let body = json!({"order": i, "memo": "m".repeat(200)}).to_string();
-        let release = tokio::time::Instant::from_std(started + Duration::from_millis(33 * i as u64));
-        let http = http.clone();
-        clients.push(tokio::spawn(async move {
-            tokio::time::sleep_until(release).await;
-            let ended = client(http, url, key.clone(), body, give_up).await;
-            (key, ended)
-        }));
-    }
+    let keys: Vec<LoopKey> = (0..KEYS)
+        .map(|i| LoopKey {
+            key: format!("loop-{i:03}"),
+            path: format!("/payments?delay_ms={}", rng.gen_range(0..120)),
+            body: json!({"order": i, "memo": "m".repeat(200)}).to_string(),
+            release: started + Duration::from_millis(33 * i as u64),
+            nodes: vec![rig.node.url.clone()],
+        })
+        .collect();
+    let clients = start_clients(keys, started + Duration::from_secs(40));
 
     for _ in 0..KILLS {
         tokio::time::sleep(Duration::from_millis(rng.gen_range(1200..2400))).await;
@@ -192,81 +140,19 @@ async fn sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_no
         rig.node.restart().await;
     }
 
-    let mut ended = HashMap::new();
-    for c in clients {
-        let (key, e) = c.await.unwrap();
-        ended.insert(key, e);
-    }
+    let ended = join_clients(clients).await;
     // Whatever a dead process left is taken over within a lease; let that settle.
     tokio::time::sleep(2 * LEASE + Duration::from_millis(500)).await;
-
-    let (mut done, mut unknown, mut free, mut absent) = (0, 0, 0, 0);
-    let mut problems = Vec::new();
-    for i in 0..KEYS {
-        let key = format!("loop-{i:03}");
-        let hits = rig.upstream.hits(&key);
-        if hits > 1 {
-            problems.push(format!("{key}: executed {hits} times"));
-        }
-        let record = rig.node.record(&key).await;
-        let state = record.as_ref().map(|r| r["state"].as_str().unwrap().to_string());
-        match (state.as_deref(), record.as_ref().and_then(|r| r["queued"].as_bool())) {
-            (Some("done"), _) => {
-                done += 1;
-                let r = record.as_ref().unwrap();
-                if r["response"]["status"] != 201 || hits != 1 {
-                    problems.push(format!("{key}: done with {} after {hits} executions", r["response"]));
-                }
-            }
-            (Some("unknown"), _) => unknown += 1,
-            (Some("not_started"), Some(false)) => {
-                free += 1;
-                if hits != 0 {
-                    problems.push(format!("{key}: free, yet the upstream executed it {hits} times"));
-                }
-            }
-            (None, _) => {
-                absent += 1;
-                if hits != 0 {
-                    problems.push(format!("{key}: no record, yet the upstream executed it {hits} times"));
-                }
-            }
-            _ => problems.push(format!(
-                "{key}: left {state:?} (queued: {}) after the settle",
-                record.as_ref().unwrap()["queued"]
-            )),
-        }
-        match &ended[&key] {
-            Ended::Acknowledged(bytes) => {
-                let stored = record.as_ref().filter(|r| r["state"] == "done").map(|r| r["response"]["body"].clone());
-                if stored != Some(Value::String(String::from_utf8_lossy(bytes).into_owned())) {
-                    problems.push(format!(
-                        "{key}: the client got 201 {:?}, the record holds {stored:?}",
-                        String::from_utf8_lossy(bytes)
-                    ));
-                }
-            }
-            Ended::Unknown => {
-                if state.as_deref() != Some("unknown") {
-                    problems.push(format!("{key}: the client was told unknown, the record is {state:?}"));
-                }
-            }
-            Ended::GaveUp(last) => problems.push(format!("{key}: the client never got a settled answer; last {last}")),
-            Ended::Unexpected(status, body) => {
-                problems.push(format!("{key}: unexpected answer {status} {:?}", String::from_utf8_lossy(body)))
-            }
-        }
-    }
+    let audit = audit(&rig.node, &rig.upstream, &ended).await;
     // Straight to stderr, past the harness's capture: the summary is wanted when the test passes.
     let _ = writeln!(
         std::io::stderr(),
-        "kill loop ({b:?}, seed {seed}): {KEYS} keys: {done} done, {unknown} unknown, {free} free, {absent} \
-         never recorded; {KILLS} kills, {} starts, {:.1} s",
+        "kill loop ({b:?}, seed {seed}): {KEYS} keys: {}; {KILLS} kills, {} starts, {:.1} s",
+        audit.summary(),
         rig.node.starts,
         started.elapsed().as_secs_f64()
     );
-    assert!(problems.is_empty(), "{} problems:\n{}", problems.len(), problems.join("\n"));
-    assert!(done > KEYS / 2, "too little got through to mean anything: {done} done");
+    audit.assert_clean(KEYS);
 }
 
 async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(b: Backend) {

@@ -1,16 +1,24 @@
 //! Real broker processes: the built `idem` binary run as `idem serve --config <file>`, so a test
 //! can crash a broker the way production does (SIGKILL, SIGTERM) and start it again on the same
 //! ports and the same database. Each node logs to a file of its own; when a test fails while a
-//! node is alive, the tail of that log is printed.
+//! node is alive, the tail of that log is printed. Kill loops drive such nodes with clients that
+//! retry until their request is settled, then audit what every key left behind.
 
+use std::collections::BTreeMap;
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::Value;
 use tempfile::TempDir;
+use tokio::task::JoinHandle;
+
+use super::Upstream;
 
 /// The lease every node runs with: short, so a dead node's records are taken over within a
 /// second or two.
@@ -243,4 +251,174 @@ pub fn history_entries<'a>(record: &'a Value, prefix: &str) -> Vec<&'a Value> {
         .as_array()
         .map(|h| h.iter().filter(|e| e["action"].as_str().is_some_and(|a| a.starts_with(prefix))).collect())
         .unwrap_or_default()
+}
+
+// ---- kill loops: clients that retry until settled, and the audit afterwards -------------------
+
+/// One key of a kill loop: its request, when its client starts, and the nodes it may use.
+pub struct LoopKey {
+    pub key: String,
+    /// Path and query; a per-key `?delay_ms=` lets the fake upstream take its time.
+    pub path: String,
+    pub body: String,
+    pub release: Instant,
+    /// Data-plane URLs; the client moves to the next one after each failed try.
+    pub nodes: Vec<String>,
+}
+
+/// How a client's retries for one key ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// A 201 arrived, with these body bytes.
+    Acknowledged(Bytes),
+    /// 502 `outcome-unknown`.
+    Unknown,
+    /// The test's time ran out while the client was still retrying; the last thing it saw.
+    GaveUp(String),
+    /// An answer the broker must never give here.
+    Unexpected(u16, Bytes),
+}
+
+/// Sends one keyed request until it gets an answer that settles it, retrying with the same key
+/// after a short pause on connection errors, 409 (in progress), 503 and 504 (freed: send again).
+async fn send_until_settled(http: reqwest::Client, k: LoopKey, give_up: Instant) -> Ended {
+    let mut rng = StdRng::from_entropy();
+    let mut last = String::from("nothing sent");
+    let mut tries = 0;
+    while Instant::now() < give_up {
+        let url = format!("{}{}", k.nodes[tries % k.nodes.len()], k.path);
+        tries += 1;
+        let sent = http
+            .post(&url)
+            .header("idempotency-key", &k.key)
+            .header("content-type", "application/json")
+            .body(k.body.clone())
+            .send()
+            .await;
+        match sent {
+            Err(e) => last = format!("error: {e}"),
+            Ok(r) => {
+                let status = r.status().as_u16();
+                match r.bytes().await {
+                    // The broker died while it was writing the answer: nothing was received.
+                    Err(e) => last = format!("{status} cut short: {e}"),
+                    Ok(bytes) => match status {
+                        201 => return Ended::Acknowledged(bytes),
+                        502 if String::from_utf8_lossy(&bytes).contains("outcome-unknown") => return Ended::Unknown,
+                        409 | 503 | 504 => last = format!("{status}: {}", String::from_utf8_lossy(&bytes)),
+                        _ => return Ended::Unexpected(status, bytes),
+                    },
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(50..150))).await;
+    }
+    Ended::GaveUp(last)
+}
+
+/// One client task per key, each starting at its key's release time.
+pub fn start_clients(keys: Vec<LoopKey>, give_up: Instant) -> Vec<JoinHandle<(String, Ended)>> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(20)).build().unwrap();
+    keys.into_iter()
+        .map(|k| {
+            let http = http.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(k.release)).await;
+                let key = k.key.clone();
+                (key, send_until_settled(http, k, give_up).await)
+            })
+        })
+        .collect()
+}
+
+pub async fn join_clients(clients: Vec<JoinHandle<(String, Ended)>>) -> BTreeMap<String, Ended> {
+    let mut ended = BTreeMap::new();
+    for c in clients {
+        let (key, e) = c.await.unwrap();
+        ended.insert(key, e);
+    }
+    ended
+}
+
+/// What a kill loop left behind, key by key.
+#[derive(Default)]
+pub struct Audit {
+    pub done: usize,
+    pub unknown: usize,
+    pub free: usize,
+    pub absent: usize,
+    pub problems: Vec<String>,
+}
+
+impl Audit {
+    pub fn summary(&self) -> String {
+        format!("{} done, {} unknown, {} free, {} never recorded", self.done, self.unknown, self.free, self.absent)
+    }
+
+    pub fn assert_clean(&self, keys: usize) {
+        assert!(self.problems.is_empty(), "{} problems:\n{}", self.problems.len(), self.problems.join("\n"));
+        assert!(self.done > keys / 2, "too little got through to mean anything: {}", self.summary());
+    }
+}
+
+/// Checks every key of a kill loop, reading records through `node`: no key executed twice;
+/// every record `done` (with one execution and its 201), `unknown`, or free (with none); and
+/// every 201 a client received is the response its `done` record keeps, byte for byte.
+pub async fn audit(node: &Node, upstream: &Upstream, ended: &BTreeMap<String, Ended>) -> Audit {
+    let mut a = Audit::default();
+    for (key, end) in ended {
+        let hits = upstream.hits(key);
+        if hits > 1 {
+            a.problems.push(format!("{key}: executed {hits} times"));
+        }
+        let record = node.record(key).await;
+        let state = record.as_ref().map(|r| r["state"].as_str().unwrap().to_string());
+        let queued = record.as_ref().and_then(|r| r["queued"].as_bool());
+        match (state.as_deref(), queued) {
+            (Some("done"), _) => {
+                a.done += 1;
+                let response = &record.as_ref().unwrap()["response"];
+                if response["status"] != 201 || hits != 1 {
+                    a.problems.push(format!("{key}: done with {response} after {hits} executions"));
+                }
+            }
+            (Some("unknown"), _) => a.unknown += 1,
+            (Some("not_started"), Some(false)) => {
+                a.free += 1;
+                if hits != 0 {
+                    a.problems.push(format!("{key}: free, yet the upstream executed it {hits} times"));
+                }
+            }
+            (None, _) => {
+                a.absent += 1;
+                if hits != 0 {
+                    a.problems.push(format!("{key}: no record, yet the upstream executed it {hits} times"));
+                }
+            }
+            _ => a.problems.push(format!("{key}: left {state:?} (queued: {queued:?}) after the settle")),
+        }
+        match end {
+            Ended::Acknowledged(bytes) => {
+                let stored = record.as_ref().filter(|r| r["state"] == "done").map(|r| r["response"]["body"].clone());
+                if stored != Some(Value::String(String::from_utf8_lossy(bytes).into_owned())) {
+                    a.problems.push(format!(
+                        "{key}: the client got 201 {:?}, the record holds {stored:?}",
+                        String::from_utf8_lossy(bytes)
+                    ));
+                }
+            }
+            Ended::Unknown => {
+                if state.as_deref() != Some("unknown") {
+                    a.problems.push(format!("{key}: the client was told unknown, the record is {state:?}"));
+                }
+            }
+            Ended::GaveUp(last) => {
+                a.problems.push(format!("{key}: the client never got a settled answer; last {last}"))
+            }
+            Ended::Unexpected(status, body) => {
+                a.problems.push(format!("{key}: unexpected answer {status} {:?}", String::from_utf8_lossy(body)))
+            }
+        }
+    }
+    a
 }
