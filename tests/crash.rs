@@ -76,6 +76,26 @@ async fn a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_send
     assert_eq!(rig.node.record("held").await.unwrap()["state"], "unknown");
 }
 
+async fn a_kill_during_an_attempt_on_a_replay_safe_route_sends_it_again_after_the_lease(b: Backend) {
+    let mut rig = rig(b, "replay_safe = true", "").await;
+    rig.upstream.script("safe", vec![Reply::status(201).delay(Duration::from_secs(3)), Reply::status(201)]);
+    submit(&rig.node, "safe").await;
+    await_until("the upstream to receive the attempt", Duration::from_secs(10), || rig.upstream.hits("safe") == 1)
+        .await;
+
+    rig.node.kill();
+    rig.node.restart().await;
+
+    let record = rig.node.await_record("safe", 5 * LEASE + Duration::from_secs(5), settled).await;
+    assert_eq!(record["state"], "done", "a replay-safe record is continued: {record:#}");
+    let outcomes: Vec<&Value> = record["attempts"].as_array().unwrap().iter().map(|a| &a["outcome"]).collect();
+    assert_eq!(outcomes, [&json!("lost"), &json!("success")], "{record:#}");
+    let take_overs = history_entries(&record, "take-over");
+    assert_eq!(take_overs.len(), 1, "{record:#}");
+    assert!(take_overs[0]["action"].as_str().unwrap().contains("queued"), "{record:#}");
+    assert_eq!(rig.upstream.hits("safe"), 2);
+}
+
 async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b: Backend) {
     let mut rig = rig(b, "replay_safe = false", "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n").await;
     rig.upstream.script("waiting", vec![Reply::status(503).header("retry-after", "2"), Reply::status(201)]);
@@ -193,6 +213,35 @@ async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(
     assert!(gap >= Duration::from_secs(3), "the Retry-After wait was cut short by the restart: {gap:?}");
 }
 
+async fn sigterm_lets_an_attempt_in_flight_finish_and_answers_its_client(b: Backend) {
+    let mut rig = rig(b, "replay_safe = false", "").await;
+    rig.upstream.script("finishing", vec![Reply::status(201).delay(Duration::from_secs(2))]);
+    let request = rig.node.post("/payments", "finishing", BODY);
+    let client = tokio::spawn(async move {
+        let r = request.send().await?;
+        let status = r.status().as_u16();
+        r.bytes().await.map(|body| (status, body))
+    });
+    await_until("the upstream to receive the attempt", Duration::from_secs(10), || rig.upstream.hits("finishing") == 1)
+        .await;
+
+    let asked = Instant::now();
+    rig.node.terminate();
+    let status = rig.node.wait_exit(idem::server::SHUTDOWN_BOUND).await;
+    let took = asked.elapsed();
+    let status = status.unwrap_or_else(|| panic!("still running {took:?} after SIGTERM"));
+    assert!(status.success(), "exited with {status} after SIGTERM");
+    let (code, body) = client.await.unwrap().expect("the client's answer went out before the exit");
+    assert_eq!(code, 201, "{body:?}");
+
+    rig.node.restart().await;
+    let record = rig.node.record("finishing").await.unwrap();
+    assert_eq!(record["state"], "done", "{record:#}");
+    assert_eq!(record["response"]["body"], Value::String(String::from_utf8_lossy(&body).into_owned()));
+    assert!(history_entries(&record, "take-over").is_empty(), "{record:#}");
+    assert_eq!(rig.upstream.hits("finishing"), 1);
+}
+
 async fn sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_holding_the_shutdown(b: Backend) {
     let mut rig = rig(b, "replay_safe = false", "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n").await;
     rig.upstream.script("awaited", vec![Reply::status(503).header("retry-after", "3"), Reply::status(201)]);
@@ -232,8 +281,10 @@ async fn sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_hol
 
 both_stores!(
     a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_sends_it_again,
+    a_kill_during_an_attempt_on_a_replay_safe_route_sends_it_again_after_the_lease,
     a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait,
     sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice,
     sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart,
+    sigterm_lets_an_attempt_in_flight_finish_and_answers_its_client,
     sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_holding_the_shutdown,
 );
