@@ -124,9 +124,109 @@ deadline = "10s"
 per_try_timeout = "2s"
 base = "200ms"
 cap = "2s"
+
+[routes.probe]
+method = "GET"
+path = "/payments/by-key/{{idempotency_key}}"
+settle = "1s"
 "#,
         db = db.display()
     )
+}
+
+/// One line of the scenario's table.
+struct Step {
+    request: &'static str,
+    got: String,
+    attempts: usize,
+    took: Duration,
+    state: String,
+}
+
+/// Runs the scenario the demo opens with and renders its table: a new key, a replay, a key
+/// reused with another body, a 503 + Retry-After recovered by a retry, and a hang that ends
+/// `unknown` and is then settled by the route's probe.
+pub async fn scenario(base: &str) -> String {
+    let http = reqwest::Client::builder().no_proxy().build().expect("a static client configuration");
+    let mut steps = Vec::new();
+    let plan: [(&'static str, &str, &str, &str); 5] = [
+        ("POST /payments, new key", "/payments", "scenario-1", r#"{"amount": 42}"#),
+        ("the same again (re-serialised)", "/payments", "scenario-1", r#"{ "amount" : 42 }"#),
+        ("same key, another body", "/payments", "scenario-1", r#"{"amount": 99}"#),
+        ("503 + Retry-After: 1, then ok", "/payments?flaky=1", "scenario-2", r#"{"amount": 7}"#),
+        ("hangs past the per-try timeout", "/payments?hang=30", "scenario-3", r#"{"amount": 5}"#),
+    ];
+    for (request, path, key, body) in plan {
+        let started = std::time::Instant::now();
+        let answer = http
+            .post(format!("{base}{path}"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await;
+        let took = started.elapsed();
+        let got = match answer {
+            Ok(r) => {
+                let replayed = r.headers().contains_key("idempotent-replayed");
+                let status = r.status().as_u16();
+                let text = r.text().await.unwrap_or_default();
+                let problem = serde_json::from_str::<serde_json::Value>(&text)
+                    .ok()
+                    .and_then(|v| v["type"].as_str().map(|t| t.trim_start_matches("urn:idem:problem:").to_string()));
+                match (replayed, problem) {
+                    (true, _) => format!("{status} replayed"),
+                    (false, Some(name)) => format!("{status} {name}"),
+                    (false, None) => format!("{status}"),
+                }
+            }
+            Err(e) => format!("error: {e}"),
+        };
+        let record = record(&http, base, key).await;
+        steps.push(Step {
+            request,
+            got,
+            attempts: record["attempts"].as_array().map_or(0, Vec::len),
+            took,
+            state: record["state"].as_str().unwrap_or("-").to_string(),
+        });
+    }
+    // The unknown one waits for the probe: the upstream did execute it, so it becomes done.
+    let started = std::time::Instant::now();
+    let mut settled = record(&http, base, "scenario-3").await;
+    while settled["state"] == "unknown" && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        settled = record(&http, base, "scenario-3").await;
+    }
+    let probe = settled["history"].as_array().and_then(|h| h.last()).and_then(|h| h["note"].as_str()).unwrap_or("-");
+    steps.push(Step {
+        request: "…then the probe asks the upstream",
+        got: probe.to_string(),
+        attempts: settled["attempts"].as_array().map_or(0, Vec::len),
+        took: started.elapsed(),
+        state: settled["state"].as_str().unwrap_or("-").to_string(),
+    });
+
+    let mut out = format!("  {:<36} {:<44} {:>8} {:>9}  {}\n", "request", "client got", "attempts", "time", "state");
+    for s in steps {
+        out.push_str(&format!(
+            "  {:<36} {:<44} {:>8} {:>7}ms  {}\n",
+            s.request,
+            s.got,
+            s.attempts,
+            s.took.as_millis(),
+            s.state
+        ));
+    }
+    out.push('\n');
+    out
+}
+
+async fn record(http: &reqwest::Client, base: &str, key: &str) -> serde_json::Value {
+    match http.get(format!("{base}/_idem/requests/{key}")).send().await {
+        Ok(r) => r.json().await.unwrap_or_default(),
+        Err(_) => serde_json::Value::Null,
+    }
 }
 
 pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), StartError> {
@@ -145,10 +245,12 @@ pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), Sta
         .map_err(|e| StartError::Store(crate::store::StoreError::Unavailable(e.to_string())))?;
     let running = server::start(config).await?;
     let base = format!("http://{}", running.listen);
+    println!("Idem demo: a short scripted scenario first, against the flaky demo upstream…\n");
+    print!("{}", scenario(&base).await);
     println!(
         r#"Idem demo
   broker      {base}          (routes /payments/* to the demo upstream)
-  admin       http://{admin}    (/healthz, /readyz)
+  console     http://{admin}/   (the reconciliation queue; admin API under /admin, /metrics)
   upstream    http://{upstream}   (a flaky payments service; counts executions per key)
   store       {db}
 
@@ -160,12 +262,10 @@ Try it:
   curl -i -X POST {base}/payments -H 'Idempotency-Key: order-1' -H 'content-type: application/json' -d '{{"amount": 99}}'
   # the upstream answers 503 + Retry-After once; the broker waits and retries
   curl -i -X POST '{base}/payments?flaky=1' -H 'Idempotency-Key: order-2' -d '{{"amount": 7}}'
-  # the upstream hangs past the per-try timeout: the outcome is unknown (502), never re-sent
+  # the upstream hangs past the per-try timeout: the outcome is unknown (502), never re-sent…
   curl -i -X POST '{base}/payments?hang=30' -H 'Idempotency-Key: order-3' -d '{{"amount": 5}}'
-  # the record, with its attempts
+  # …until the route's probe asks the upstream (GET /payments/by-key/order-3) and settles it
   curl -s {base}/_idem/requests/order-3
-  # did the upstream execute it? (ask the upstream directly)
-  curl -s http://{upstream}/payments/by-key/order-3
 
 Serving until Ctrl-C."#,
         admin = running.admin_listen,

@@ -13,6 +13,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{Config, Route};
@@ -159,7 +160,11 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let keyed = route.methods.contains(request.method());
     let answer = match authenticate(&app.config, request.headers()) {
         Err(p) => Err(p),
-        Ok(tenant) if keyed => app.keyed(route, tenant, request, arrival).await,
+        Ok(tenant) if keyed => {
+            // One span per logical request; its executions and attempts are logged beneath it.
+            let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
+            app.keyed(route, tenant, request, arrival).instrument(span).await
+        }
         Ok(_) => Ok(app.plain(&route, request).await),
     };
     match answer {
@@ -312,7 +317,7 @@ impl Ingress {
             None => self.worker.submit(record, Some(slot), reply),
         };
         if prefer.respond_async {
-            let location = format!("/_idem/requests/{}", encode_key(&record.key));
+            let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
             let body = record.to_json(false);
             let state = record.state;
             start(record, None);
@@ -454,10 +459,6 @@ impl Ingress {
     }
 }
 
-fn encode_key(key: &str) -> String {
-    percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC).to_string()
-}
-
 /// The answer for the request that drove an execution.
 fn outcome_response(outcome: Outcome) -> Response {
     match outcome {
@@ -583,11 +584,5 @@ mod tests {
         assert_eq!(prefer(&["wait=forever"]).wait, None);
         assert_eq!(prefer(&["wait=-1"]).wait, None);
         assert_eq!(prefer(&["wait=99999"]).wait, Some(Duration::from_secs(MAX_WAIT_SECS)));
-    }
-
-    #[test]
-    fn keys_in_locations_are_percent_encoded() {
-        assert_eq!(encode_key("a/b?c#d"), "a%2Fb%3Fc%23d");
-        assert_eq!(encode_key("abc123"), "abc123");
     }
 }

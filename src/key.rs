@@ -82,6 +82,15 @@ fn unquote(raw: &[u8]) -> Result<String, KeyError> {
     Ok(out)
 }
 
+/// Everything but RFC 3986's unreserved characters is percent-encoded when a key goes in a path.
+const PATH_SEGMENT: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
+/// A key as one path segment (`/_idem/requests/{key}`, a probe's `{idempotency_key}`).
+pub fn path_segment(key: &str) -> String {
+    percent_encoding::utf8_percent_encode(key, PATH_SEGMENT).to_string()
+}
+
 impl fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
@@ -123,6 +132,12 @@ mod tests {
         for raw in [r#""abc"#, r#""ab"c""#, r#""ab\c""#, r#""abc\""#, r#""abc";param=1"#] {
             assert!(matches!(parse(raw), Err(KeyError::Invalid(_))), "{raw}");
         }
+    }
+
+    #[test]
+    fn keys_in_paths_keep_unreserved_characters_and_encode_the_rest() {
+        assert_eq!(path_segment("order-1_a.b~c"), "order-1_a.b~c");
+        assert_eq!(path_segment("a/b?c#d%e f"), "a%2Fb%3Fc%23d%25e%20f");
     }
 
     #[test]

@@ -166,12 +166,10 @@ async fn probe_route(
 /// One probe: 2xx → it executed (the answer is the resolution), 404 → it did not, anything
 /// else → still unknown.
 async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
-    let key = percent_encoding::utf8_percent_encode(&record.key, percent_encoding::NON_ALPHANUMERIC).to_string();
-    let path = probe.path.replace("{idempotency_key}", &key);
+    let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
     let url = format!("{}{}", route.upstream, path);
-    let headers = vec![("idempotency-key".to_string(), record.key.clone())];
     let asked = format!("{} {}", probe.method, path);
-    match upstream.send(probe.method.as_str(), &url, &headers, bytes::Bytes::new(), route.retry.per_try_timeout).await {
+    match upstream.send(probe.method.as_str(), &url, &[], bytes::Bytes::new(), route.retry.per_try_timeout).await {
         Ok(answer) => {
             let status = answer.response.status;
             let note = format!("{asked} → {status}");

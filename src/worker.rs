@@ -329,7 +329,13 @@ impl Worker {
 
     fn spawn(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
         let inner = self.inner.clone();
-        let span = info_span!("execution", record = %record.id, route = %record.route, tenant = %record.tenant);
+        let span = info_span!(
+            "execution",
+            record = %record.id,
+            tenant = %record.tenant,
+            key = %record.key,
+            route = %record.route
+        );
         tokio::spawn(
             async move {
                 let _slot = slot;
@@ -538,7 +544,8 @@ impl Inner {
             let clock = Instant::now();
             let sent =
                 self.upstream.send(&record.method, &url, &record.request.headers, record.request.body.clone(), limit);
-            let result = self.renewing(record.id, sent).await;
+            let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
+            let result = self.renewing(record.id, sent).instrument(span.clone()).await;
             let took = clock.elapsed();
             drop(in_flight);
 
@@ -569,14 +576,16 @@ impl Inner {
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
             };
-            tracing::info!(
-                attempt = p.number,
-                outcome = class.as_str(),
-                status = attempt.status,
-                took_ms = attempt.duration_ms,
-                wait_ms = attempt.wait_ms,
-                "attempt"
-            );
+            span.in_scope(|| {
+                tracing::info!(
+                    attempt = p.number,
+                    outcome = class.as_str(),
+                    status = attempt.status,
+                    took_ms = attempt.duration_ms,
+                    wait_ms = attempt.wait_ms,
+                    "attempt"
+                )
+            });
             metrics::attempt(&route.name, class, took);
             p.last = Some((class, answer.map(|a| a.response)));
 
