@@ -10,7 +10,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{now_ms, Attempt, StoredRequest, StoredResponse};
-use idem::store::{self, AfterAttempt, Admission, Claim, NewRecord, Store};
+use idem::store::{self, Admission, AfterAttempt, Claim, NewRecord, Store};
 use sqlx::Connection;
 use uuid::Uuid;
 

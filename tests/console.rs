@@ -191,6 +191,13 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
     page.type_into("#status", "201").await;
     page.type_into("#body", r#"{"id":"pay_7","status":"succeeded"}"#).await;
     page.type_into("#note", "found in the provider dashboard").await;
+    // `IDEM_CONSOLE_SCREENSHOT=docs/console.png` refreshes the README's picture of this moment.
+    if let Some(path) = std::env::var_os("IDEM_CONSOLE_SCREENSHOT") {
+        use base64::Engine;
+        let shot = page.call("Page.captureScreenshot", json!({"format": "png"})).await;
+        let png = base64::engine::general_purpose::STANDARD.decode(shot["data"].as_str().unwrap()).unwrap();
+        std::fs::write(path, png).unwrap();
+    }
     page.click("#resolve-executed").await;
     page.until("document.getElementById('message').className === 'ok'").await;
     page.until("document.querySelector('#facts .state').textContent === 'done'").await;

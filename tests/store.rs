@@ -863,7 +863,10 @@ async fn notices_announce_queued_and_settled_records_to_every_process(store: Arc
     let retried = in_progress(&store, request("default", "retried", BODY)).await;
     other.watch(retried.id).await.unwrap();
     let unsure = AfterAttempt::Unknown(StopReason::UnsafeReplay);
-    store.attempt_ended(retried.id, WORKER, Some(attempt(1, T0 + 10, "ambiguous", None)), unsure, T0 + 100).await.unwrap();
+    store
+        .attempt_ended(retried.id, WORKER, Some(attempt(1, T0 + 10, "ambiguous", None)), unsure, T0 + 100)
+        .await
+        .unwrap();
     expect_notice(&mut there, Notice::Settled(retried.id)).await;
     applied(store.retry(retried.id, T0 + 60_000, entry("operator", "retry", T0 + 200)).await.unwrap());
     expect_notice(&mut there, Notice::Queued(retried.id)).await;
