@@ -151,7 +151,7 @@ pub fn describe(c: &Config) -> String {
     let _ = writeln!(out, "config ok");
     let _ = writeln!(out, "listen        {}", c.server.listen);
     let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
-    let _ = writeln!(out, "store         {} (retention {})", redact(&c.store.url), h(c.store.retention));
+    let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
     let _ = writeln!(
         out,
         "auth          {} tenant(s); admin token {}",
@@ -196,17 +196,6 @@ pub fn describe(c: &Config) -> String {
         }
     }
     out
-}
-
-/// A store URL without its password, for printing.
-fn redact(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut u) if u.password().is_some() => {
-            let _ = u.set_password(Some("***"));
-            u.to_string()
-        }
-        _ => url.to_string(),
-    }
 }
 
 // ---- raw TOML shape -------------------------------------------------------------------------
@@ -368,6 +357,12 @@ impl RawConfig {
         let url = store.url.unwrap_or_else(|| "sqlite://idem.db".into());
         if !(url.starts_with("sqlite:") || url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(invalid("store.url", format!("`{url}` must start with sqlite: or postgres://")));
+        }
+        if reqwest::Url::parse(&url).is_ok_and(|u| u.password().is_some()) {
+            return Err(invalid(
+                "store.url",
+                "must not carry a password: secrets come from the environment (PGPASSWORD) or a .pgpass file",
+            ));
         }
         let store = StoreConfig { url, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
 
@@ -693,6 +688,8 @@ mod tests {
         assert!(e.contains("server.listen"), "{e}");
         let e = error_of("[store]\nurl = \"mysql://x\"\n");
         assert!(e.contains("store.url"), "{e}");
+        let e = error_of("[store]\nurl = \"postgres://idem:hunter2@db/idem\"\n");
+        assert!(e.contains("store.url") && e.contains("PGPASSWORD") && !e.contains("hunter2"), "{e}");
     }
 
     #[test]
