@@ -20,9 +20,7 @@ use serde_json::{json, Value};
 /// Three nodes on one fresh PostgreSQL database, in front of one fake upstream; `worker_extra`
 /// goes into every node's `[worker]` section.
 async fn cluster(route_extra: &str, worker_extra: &str) -> Option<(Upstream, Db, Vec<Node>)> {
-    if backend::postgres_server_url().is_none() {
-        return None;
-    }
+    backend::postgres_server_url()?;
     let upstream = Upstream::start().await;
     let db = Db::new(Backend::Postgres).await;
     let mut nodes = Vec::new();
