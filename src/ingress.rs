@@ -422,6 +422,8 @@ impl Ingress {
         let until = tokio::time::Instant::now() + max;
         // Another node may settle it: have it announced.
         self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
+        // At shutdown, waiting ends: the client is answered with where its request stands.
+        let mut stopping = self.worker.stopping();
         loop {
             let watch = self.settled.watch(id);
             let notified = watch.notified();
@@ -432,12 +434,14 @@ impl Ingress {
                 return Ok(None);
             };
             let now = tokio::time::Instant::now();
-            if !matches!(record.phase(), Phase::Queued | Phase::InProgress) || now >= until {
+            let pending = matches!(record.phase(), Phase::Queued | Phase::InProgress);
+            if !pending || now >= until || *stopping.borrow_and_update() {
                 return Ok(Some(record));
             }
             tokio::select! {
                 _ = &mut notified => {}
                 _ = tokio::time::sleep((until - now).min(WAIT_POLL)) => {}
+                _ = stopping.changed() => {}
             }
         }
     }

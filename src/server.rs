@@ -123,9 +123,11 @@ impl Running {
         for task in &self.upkeep {
             task.abort();
         }
+        // One bound for the whole shutdown, not one per step.
+        let deadline = tokio::time::Instant::now() + SHUTDOWN_BOUND;
         self.worker.shutdown(SHUTDOWN_BOUND).await;
         for server in self.servers {
-            if tokio::time::timeout(SHUTDOWN_BOUND, server).await.is_err() {
+            if tokio::time::timeout_at(deadline, server).await.is_err() {
                 tracing::warn!("a listener did not finish its answers in time");
             }
         }

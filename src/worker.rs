@@ -403,6 +403,11 @@ impl Worker {
         });
     }
 
+    /// Becomes true when the process begins to shut down.
+    pub fn stopping(&self) -> watch::Receiver<bool> {
+        self.inner.stopping.subscribe()
+    }
+
     /// Wakes requests waiting for a record that was settled outside a worker.
     pub fn settled(&self, id: Uuid) {
         self.inner.settled.settled(id);
@@ -484,12 +489,24 @@ impl Inner {
         let url = format!("{}{}", route.upstream, record.path_and_query());
         let mut p = Progress::new(record, policy.deadline);
         // Taken over (or handed back) in the middle of a wait: the rest of it is still owed.
-        if let Some(rest) = record.not_before.map(|t| t - now_ms()).filter(|&ms| ms > 0) {
-            match self.wait(record.id, Duration::from_millis(rest as u64), signal).await {
-                WaitEnd::Elapsed => {}
-                WaitEnd::Cancelled => return self.finish_after(record, route, None, StopReason::Cancelled, p).await,
-                WaitEnd::Stopping => return self.release(record).await,
-                WaitEnd::Lost => return Outcome::Lost,
+        if let Some(not_before) = record.not_before {
+            if let Some(rest) = Some(not_before - now_ms()).filter(|&ms| ms > 0) {
+                match self.wait(record.id, Duration::from_millis(rest as u64), signal).await {
+                    WaitEnd::Elapsed => {}
+                    WaitEnd::Cancelled => {
+                        return self.finish_after(record, route, None, StopReason::Cancelled, p).await
+                    }
+                    WaitEnd::Stopping => return self.release(record).await,
+                    WaitEnd::Lost => return Outcome::Lost,
+                }
+            }
+            // The next attempt follows the whole wait, wherever it was spent: it is recorded as
+            // such, and feeds decorrelated jitter as it would have.
+            if let Some(last) = record.attempts.last() {
+                let ended = last.started_at + last.duration_ms as Millis;
+                let wait = Duration::from_millis((not_before - ended).max(0) as u64);
+                p.wait_before = wait;
+                p.previous_wait = Some(wait);
             }
         }
         let mut reserved = reserved;
