@@ -13,9 +13,9 @@ const BUCKET: Duration = Duration::from_secs(1);
 pub struct RetryBudget {
     ratio: f64,
     min_per_sec: f64,
-    /// (first attempts, retries) per bucket; `start` is the beginning of bucket 0's second.
+    /// (first attempts, retries) per one-second bucket, a ring indexed by second modulo BUCKETS.
     buckets: [(u64, u64); BUCKETS],
-    /// Index (in whole seconds since `origin`) of the newest bucket written.
+    /// The newest second (counted from `origin`) the ring holds.
     newest: u64,
     origin: Instant,
 }

@@ -2,6 +2,8 @@
 //! (embedded default, one writer fed by group commit) and PostgreSQL.
 
 use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::Row;
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
@@ -36,6 +38,73 @@ impl From<serde_json::Error> for StoreError {
     fn from(e: serde_json::Error) -> Self {
         StoreError::Corrupt(e.to_string())
     }
+}
+
+/// Reads a record from a row of either backend, checking every value: ids and JSON arrive as
+/// text, integers as 64 bits (PostgreSQL's queries cast theirs), booleans as booleans.
+pub(crate) fn decode<'r, R>(row: &'r R) -> Result<Record, StoreError>
+where
+    R: Row,
+    &'r str: sqlx::ColumnIndex<R>,
+    String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    bool: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let corrupt = |what: &str| StoreError::Corrupt(format!("column {what}"));
+    let text = |name: &'static str| row.try_get::<String, _>(name);
+    let number = |name: &'static str| row.try_get::<Option<i64>, _>(name);
+    let response = match number("response_status")? {
+        None => None,
+        Some(status) => Some(StoredResponse {
+            status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
+            headers: serde_json::from_str(
+                row.try_get::<Option<String>, _>("response_headers")?.as_deref().unwrap_or("[]"),
+            )?,
+            body: Bytes::from(row.try_get::<Option<Vec<u8>>, _>("response_body")?.unwrap_or_default()),
+        }),
+    };
+    let in_flight = match number("in_flight_number")?.zip(number("in_flight_started_at")?) {
+        None => None,
+        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
+    };
+    let lease = row
+        .try_get::<Option<String>, _>("lease_owner")?
+        .zip(number("lease_expires_at")?)
+        .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at });
+    Ok(Record {
+        id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
+        tenant: text("tenant")?,
+        key: text("key")?,
+        route: text("route")?,
+        method: text("method")?,
+        path: text("path")?,
+        query: text("query")?,
+        fingerprint: Fingerprint::from_bytes(&row.try_get::<Vec<u8>, _>("fingerprint")?)
+            .ok_or_else(|| corrupt("fingerprint"))?,
+        request: StoredRequest {
+            headers: serde_json::from_str(&text("request_headers")?)?,
+            body: Bytes::from(row.try_get::<Vec<u8>, _>("request_body")?),
+        },
+        state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,
+        queued: row.try_get("queued")?,
+        deadline_at: row.try_get("deadline_at")?,
+        lease,
+        in_flight,
+        attempts: serde_json::from_str(&text("attempts")?)?,
+        stop_reason: row
+            .try_get::<Option<String>, _>("stop_reason")?
+            .map(|s| StopReason::parse(&s).ok_or_else(|| corrupt("stop_reason")))
+            .transpose()?,
+        response,
+        history: serde_json::from_str(&text("history")?)?,
+        cancel_requested: row.try_get("cancel_requested")?,
+        probe_count: u32::try_from(row.try_get::<i64, _>("probe_count")?).map_err(|_| corrupt("probe_count"))?,
+        next_probe_at: number("next_probe_at")?,
+        not_before: number("not_before")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
 }
 
 /// A request about to be recorded.

@@ -13,20 +13,17 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use super::{
-    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution, Store,
-    StoreError,
+    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
+    Store, StoreError,
 };
-use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest};
-use crate::record::{Lease as RecordLease, StoredResponse};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 
 /// The channel the trigger of `migrations/postgres` notifies on.
 const CHANNEL: &str = "idem_records";
@@ -41,13 +38,14 @@ const NOTICE_BACKLOG: usize = 1024;
 /// row means something is wrong.
 const ADMIT_TRIES: usize = 8;
 
-/// Every column of `records`, in the shape [`decode`] reads: ids and JSON as text.
+/// Every column of `records`, in the shape [`decode`] reads: ids and JSON as text, integers
+/// as 64 bits.
 const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, fingerprint,
     request_headers::text AS request_headers, request_body, state, queued, deadline_at,
     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
-    attempts::text AS attempts, stop_reason, response_status,
+    attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
-    cancel_requested, probe_count, next_probe_at, not_before, created_at, updated_at";
+    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -577,66 +575,6 @@ fn corrupt(what: &str) -> StoreError {
 }
 
 /// A row of `SELECT {COLUMNS}` (or `RETURNING {COLUMNS}`) as a record.
-fn decode(row: &PgRow) -> Result<Record, StoreError> {
-    let id: String = row.try_get("id")?;
-    let state: String = row.try_get("state")?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    let request_headers: String = row.try_get("request_headers")?;
-    let request_body: Vec<u8> = row.try_get("request_body")?;
-    let lease_owner: Option<String> = row.try_get("lease_owner")?;
-    let lease_expires_at: Option<i64> = row.try_get("lease_expires_at")?;
-    let in_flight_number: Option<i64> = row.try_get("in_flight_number")?;
-    let in_flight_started_at: Option<i64> = row.try_get("in_flight_started_at")?;
-    let attempts: String = row.try_get("attempts")?;
-    let stop_reason: Option<String> = row.try_get("stop_reason")?;
-    let response_status: Option<i32> = row.try_get("response_status")?;
-    let history: String = row.try_get("history")?;
-    let response = match response_status {
-        None => None,
-        Some(status) => {
-            let headers: Option<String> = row.try_get("response_headers")?;
-            let body: Option<Vec<u8>> = row.try_get("response_body")?;
-            Some(StoredResponse {
-                status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
-                headers: serde_json::from_str(headers.as_deref().unwrap_or("[]"))?,
-                body: Bytes::from(body.unwrap_or_default()),
-            })
-        }
-    };
-    let in_flight = match in_flight_number.zip(in_flight_started_at) {
-        None => None,
-        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
-    };
-    Ok(Record {
-        id: Uuid::parse_str(&id).map_err(|_| corrupt("id"))?,
-        tenant: row.try_get("tenant")?,
-        key: row.try_get("key")?,
-        route: row.try_get("route")?,
-        method: row.try_get("method")?,
-        path: row.try_get("path")?,
-        query: row.try_get("query")?,
-        fingerprint: Fingerprint::from_bytes(&fingerprint).ok_or_else(|| corrupt("fingerprint"))?,
-        request: StoredRequest { headers: serde_json::from_str(&request_headers)?, body: Bytes::from(request_body) },
-        state: State::parse(&state).ok_or_else(|| corrupt("state"))?,
-        queued: row.try_get("queued")?,
-        deadline_at: row.try_get("deadline_at")?,
-        lease: lease_owner.zip(lease_expires_at).map(|(owner, expires_at)| RecordLease { owner, expires_at }),
-        in_flight,
-        attempts: serde_json::from_str(&attempts)?,
-        stop_reason: stop_reason
-            .as_deref()
-            .map(|s| StopReason::parse(s).ok_or_else(|| corrupt("stop_reason")))
-            .transpose()?,
-        response,
-        history: serde_json::from_str(&history)?,
-        cancel_requested: row.try_get("cancel_requested")?,
-        probe_count: u32::try_from(row.try_get::<i32, _>("probe_count")?).map_err(|_| corrupt("probe_count"))?,
-        next_probe_at: row.try_get("next_probe_at")?,
-        not_before: row.try_get("not_before")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
 
 #[async_trait]
 impl Store for PostgresStore {

@@ -8,7 +8,6 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
@@ -18,11 +17,11 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use super::{
-    page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store, StoreError,
+    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
+    StoreError,
 };
-use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -633,63 +632,6 @@ async fn get<'e, E: sqlx::SqliteExecutor<'e>>(executor: E, id: Uuid) -> Result<O
 
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(what.to_string())
-}
-
-fn decode(row: &SqliteRow) -> Result<Record, StoreError> {
-    let id: String = row.try_get("id")?;
-    let state: String = row.try_get("state")?;
-    let fingerprint: Vec<u8> = row.try_get("fingerprint")?;
-    let request_headers: String = row.try_get("request_headers")?;
-    let request_body: Vec<u8> = row.try_get("request_body")?;
-    let lease_owner: Option<String> = row.try_get("lease_owner")?;
-    let lease_expires_at: Option<i64> = row.try_get("lease_expires_at")?;
-    let in_flight_number: Option<i64> = row.try_get("in_flight_number")?;
-    let in_flight_started_at: Option<i64> = row.try_get("in_flight_started_at")?;
-    let attempts: String = row.try_get("attempts")?;
-    let stop_reason: Option<String> = row.try_get("stop_reason")?;
-    let response_status: Option<i64> = row.try_get("response_status")?;
-    let history: String = row.try_get("history")?;
-    let response = match response_status {
-        None => None,
-        Some(status) => {
-            let headers: Option<String> = row.try_get("response_headers")?;
-            let body: Option<Vec<u8>> = row.try_get("response_body")?;
-            Some(StoredResponse {
-                status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
-                headers: serde_json::from_str(headers.as_deref().unwrap_or("[]"))?,
-                body: Bytes::from(body.unwrap_or_default()),
-            })
-        }
-    };
-    Ok(Record {
-        id: Uuid::parse_str(&id).map_err(|_| corrupt("id"))?,
-        tenant: row.try_get("tenant")?,
-        key: row.try_get("key")?,
-        route: row.try_get("route")?,
-        method: row.try_get("method")?,
-        path: row.try_get("path")?,
-        query: row.try_get("query")?,
-        fingerprint: Fingerprint::from_bytes(&fingerprint).ok_or_else(|| corrupt("fingerprint"))?,
-        request: StoredRequest { headers: serde_json::from_str(&request_headers)?, body: Bytes::from(request_body) },
-        state: State::parse(&state).ok_or_else(|| corrupt("state"))?,
-        queued: row.try_get::<i64, _>("queued")? != 0,
-        deadline_at: row.try_get("deadline_at")?,
-        lease: lease_owner.zip(lease_expires_at).map(|(owner, expires_at)| crate::record::Lease { owner, expires_at }),
-        in_flight: in_flight_number.zip(in_flight_started_at).map(|(n, at)| (n as u32, at)),
-        attempts: serde_json::from_str(&attempts)?,
-        stop_reason: stop_reason
-            .as_deref()
-            .map(|s| StopReason::parse(s).ok_or_else(|| corrupt("stop_reason")))
-            .transpose()?,
-        response,
-        history: serde_json::from_str(&history)?,
-        cancel_requested: row.try_get::<i64, _>("cancel_requested")? != 0,
-        probe_count: row.try_get::<i64, _>("probe_count")? as u32,
-        next_probe_at: row.try_get("next_probe_at")?,
-        not_before: row.try_get("not_before")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
 }
 
 #[async_trait]

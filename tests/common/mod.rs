@@ -311,7 +311,13 @@ impl Broker {
     }
 
     pub async fn record(&self, key: &str) -> reqwest::Response {
-        self.http.get(format!("{}/_idem/requests/{}", self.url, key)).send().await.unwrap()
+        // A pooled connection may have been closed by the server after an answer that left the
+        // request body unread (413): such a send fails before reaching it, so try once more.
+        let url = format!("{}/_idem/requests/{}", self.url, key);
+        match self.http.get(&url).send().await {
+            Ok(r) => r,
+            Err(_) => self.http.get(&url).send().await.unwrap(),
+        }
     }
 
     pub async fn record_json(&self, key: &str) -> Value {
