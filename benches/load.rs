@@ -403,6 +403,84 @@ async fn drive(url: &str, keys: Keys, concurrency: usize, settings: &Settings) -
     measured
 }
 
+// ---- the open-loop load generator ---------------------------------------------------------------
+
+/// Most requests outstanding at once in the open loop; a request due while this many are
+/// unanswered is counted as an error (the target cannot keep up with the rate).
+const OPEN_LOOP_IN_FLIGHT: usize = 256;
+
+/// Sends requests at a fixed `rate` (per second) whatever the answers do, for the measured
+/// time after a warm-up at the same rate. Latency counts from when a request was *due*, so a
+/// target that falls behind pays for its queue (no coordinated omission).
+async fn drive_open(url: &str, keys: Keys, rate: f64, settings: &Settings) -> Measured {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(OPEN_LOOP_IN_FLIGHT)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let url: Arc<str> = Arc::from(url);
+    let run = uuid::Uuid::new_v4().simple().to_string();
+    let latency = Arc::new(std::sync::Mutex::new(histogram()));
+    let errors = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let answered = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(OPEN_LOOP_IN_FLIGHT));
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let start = Instant::now();
+    let measure_from = start + settings.warmup;
+    let end = measure_from + settings.measure;
+    let mut due = start;
+    let mut n = 0u64;
+    let mut tasks = tokio::task::JoinSet::new();
+    while due < end {
+        tokio::time::sleep_until(due.into()).await;
+        // Everything due by now goes out, so a coarse timer does not lower the rate.
+        while due <= Instant::now() && due < end {
+            let scheduled = due;
+            due += interval;
+            n += 1;
+            let measured = scheduled >= measure_from;
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                if measured {
+                    errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                continue;
+            };
+            let key = (keys == Keys::Fresh).then(|| format!("open-{}-{n}", &run[..12]));
+            let (client, url, latency, errors, answered) =
+                (client.clone(), url.clone(), latency.clone(), errors.clone(), answered.clone());
+            tasks.spawn(async move {
+                let sent = send_one(&client, &url, key.as_deref(), false).await;
+                let took = scheduled.elapsed();
+                drop(permit);
+                if !measured {
+                    return;
+                }
+                match sent {
+                    Sent::Ok => {
+                        answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let us = (took.as_micros() as u64).clamp(1, 120_000_000);
+                        latency.lock().unwrap().record(us).unwrap();
+                    }
+                    _ => {
+                        errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+    let latency_us = latency.lock().unwrap().clone();
+    Measured {
+        latency_us,
+        requests: answered.load(std::sync::atomic::Ordering::Relaxed),
+        errors: errors.load(std::sync::atomic::Ordering::Relaxed),
+        error_samples: Vec::new(),
+        elapsed: settings.measure,
+    }
+}
+
 // ---- the cases and the table -------------------------------------------------------------------
 
 struct Row {
@@ -444,6 +522,7 @@ async fn run_case(
 
 async fn bench_idem(
     rows: &mut Vec<Row>,
+    open_rows: &mut Vec<Row>,
     settings: &Settings,
     store: &str,
     store_url: &str,
@@ -462,10 +541,51 @@ async fn bench_idem(
             run_case(rows, settings, target, store, &url, keys, c).await;
         }
     }
+    if let Some(rate) = open_rate(rows) {
+        let measured = drive_open(&url, Keys::Fresh, rate, settings).await;
+        println!(
+            "  idem new keys [{store}] open loop at {rate:.0}/s: p99 {} us",
+            measured.latency_us.value_at_quantile(0.99)
+        );
+        open_rows.push(Row { target: "idem new keys", store: store.to_string(), concurrency: 0, measured });
+    }
     if tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await.is_err() {
         println!("  (idem on {store} did not shut down within 10s; going on)");
     }
     Ok(())
+}
+
+/// The open loop runs at half the plain proxy's closed-loop maximum (its c=64 throughput).
+fn open_rate(rows: &[Row]) -> Option<f64> {
+    rows.iter().find(|r| r.target == "plain proxy" && r.concurrency == 64).map(|r| r.measured.per_second() / 2.0)
+}
+
+/// The open-loop table: latency at a fixed rate, and the p99 added to the proxy's at that rate.
+fn print_open_table(rows: &[Row], rate: f64) {
+    let proxy_p99 =
+        rows.iter().find(|r| r.target == "plain proxy").map(|r| r.measured.latency_us.value_at_quantile(0.99) as i64);
+    println!();
+    println!("open loop at {rate:.0} requests/s (half the plain proxy's maximum), latency from when each was due:");
+    println!(
+        "{:<14} {:<14} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "target", "store", "answered/s", "p50 us", "p99 us", "p99.9 us", "errors", "+p99 us"
+    );
+    println!("{}", "-".repeat(90));
+    for row in rows {
+        let m = &row.measured;
+        let p99 = m.latency_us.value_at_quantile(0.99) as i64;
+        println!(
+            "{:<14} {:<14} {:>10.0} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            row.target,
+            row.store,
+            m.per_second(),
+            m.latency_us.value_at_quantile(0.5),
+            p99,
+            m.latency_us.value_at_quantile(0.999),
+            m.errors,
+            proxy_p99.map_or("-".into(), |b| format!("{:+}", p99 - b))
+        );
+    }
 }
 
 fn print_table(rows: &[Row]) {
@@ -516,12 +636,18 @@ async fn bench(settings: Settings) {
     let upstream = start_upstream().await;
     let proxy = start_proxy(&upstream).await;
     let mut rows = Vec::new();
+    let mut open_rows = Vec::new();
     let mut notes = Vec::new();
 
     println!("plain proxy:");
     for c in CONCURRENCIES {
         let url = format!("{proxy}/payments");
         run_case(&mut rows, &settings, "plain proxy", "-", &url, Keys::None, c).await;
+    }
+    if let Some(rate) = open_rate(&rows) {
+        let measured = drive_open(&format!("{proxy}/payments"), Keys::None, rate, &settings).await;
+        println!("  plain proxy open loop at {rate:.0}/s: p99 {} us", measured.latency_us.value_at_quantile(0.99));
+        open_rows.push(Row { target: "plain proxy", store: "-".into(), concurrency: 0, measured });
     }
 
     // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
@@ -532,7 +658,7 @@ async fn bench(settings: Settings) {
         std::fs::create_dir_all(&sub).unwrap();
         let url = format!("sqlite://{}{query}", sub.join("idem.db").display());
         println!("idem on {store} ({url}):");
-        if let Err(e) = bench_idem(&mut rows, &settings, store, &url, &upstream).await {
+        if let Err(e) = bench_idem(&mut rows, &mut open_rows, &settings, store, &url, &upstream).await {
             let note = format!("{store} rows skipped: {e}");
             println!("  {note}");
             notes.push(note);
@@ -556,7 +682,7 @@ async fn bench(settings: Settings) {
             Err(e) => notes.push(format!("postgres rows skipped ({var}): {e}")),
             Ok((url, name)) => {
                 println!("idem on postgres (fresh database {name}, from {var}):");
-                if let Err(e) = bench_idem(&mut rows, &settings, "postgres", &url, &upstream).await {
+                if let Err(e) = bench_idem(&mut rows, &mut open_rows, &settings, "postgres", &url, &upstream).await {
                     let note = format!("postgres rows skipped: {e}");
                     println!("  {note}");
                     notes.push(note);
@@ -581,6 +707,9 @@ async fn bench(settings: Settings) {
         "x proxy: throughput / plain proxy's at the same c; +p50 us: p50 minus the plain proxy's \
          (c=1 only); latencies of every answered request, in microseconds"
     );
+    if let Some(rate) = open_rate(&rows) {
+        print_open_table(&open_rows, rate);
+    }
     print_table(&rows);
 }
 
