@@ -191,6 +191,15 @@ pub fn describe(c: &Config) -> String {
             p.budget_ratio * 100.0,
             p.budget_min_per_sec
         );
+        let c = &r.circuit;
+        let _ = writeln!(
+            out,
+            "  circuit: opens after {} failures in a row for {} (up to {}), {} trial(s) half-open",
+            c.failures,
+            h(c.open_for),
+            h(c.max_open_for),
+            c.trials
+        );
         if let Some(probe) = &r.probe {
             let _ = writeln!(out, "  probe {} {} after {}", probe.method, probe.path, h(probe.settle));
         }
@@ -708,6 +717,17 @@ mod tests {
         assert_eq!(c.auth.tenants[0].token_sha256, [0xab; 32]);
         let e = error_of("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"plain-token\"\n");
         assert!(e.contains("auth.tenants[0].token_sha256"), "{e}");
+    }
+
+    #[test]
+    fn check_prints_the_effective_policy_of_every_route() {
+        let text = format!("{MINIMAL}[routes.retry]\nmax_attempts = 5\njitter = \"equal\"\n[routes.probe]\npath = \"/p/{{idempotency_key}}\"\n");
+        let out = describe(&Config::parse_with_env(&text, no_env).unwrap());
+        assert!(out.starts_with("config ok"), "{out}");
+        assert!(out.contains("route payments  /payments -> http://127.0.0.1:9000"), "{out}");
+        assert!(out.contains("5 attempts within 30s") && out.contains("Equal jitter"), "{out}");
+        assert!(out.contains("circuit: opens after 5 failures"), "{out}");
+        assert!(out.contains("probe GET /p/{idempotency_key} after 5s"), "{out}");
     }
 
     #[test]
