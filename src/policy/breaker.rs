@@ -53,6 +53,9 @@ pub struct Breaker {
     /// How long the next opening lasts (grows while trials keep failing).
     next_open_for: Duration,
     trials_in_flight: u32,
+    /// When the last trial was let through: a trial whose outcome never comes back (a duplicate
+    /// that found its record, a cancelled request) must not hold the circuit half-open forever.
+    last_trial: Option<Instant>,
 }
 
 impl Breaker {
@@ -64,6 +67,7 @@ impl Breaker {
             open_until: None,
             next_open_for: settings.open_for,
             trials_in_flight: 0,
+            last_trial: None,
         }
     }
 
@@ -81,11 +85,19 @@ impl Breaker {
         match self.state(now) {
             BreakerState::Closed => Ok(()),
             BreakerState::Open => Err(self.open_until.map(|t| t - now).unwrap_or(self.settings.open_for)),
-            BreakerState::HalfOpen if self.trials_in_flight < self.settings.trials => {
-                self.trials_in_flight += 1;
-                Ok(())
+            BreakerState::HalfOpen => {
+                let stale = self.last_trial.is_some_and(|t| now.saturating_duration_since(t) >= self.settings.open_for);
+                if stale {
+                    self.trials_in_flight = 0;
+                }
+                if self.trials_in_flight < self.settings.trials {
+                    self.trials_in_flight += 1;
+                    self.last_trial = Some(now);
+                    Ok(())
+                } else {
+                    Err(Duration::from_secs(1))
+                }
             }
-            BreakerState::HalfOpen => Err(Duration::from_secs(1)),
         }
     }
 
@@ -165,6 +177,20 @@ mod tests {
         b.record(true, later);
         assert_eq!(b.state(later), BreakerState::Closed);
         assert!(b.admit(later).is_ok());
+    }
+
+    #[test]
+    fn a_trial_that_never_reports_does_not_hold_the_circuit_half_open() {
+        let t = Instant::now();
+        let mut b = breaker();
+        for _ in 0..3 {
+            b.record(false, t);
+        }
+        let later = t + Duration::from_secs(5);
+        assert!(b.admit(later).is_ok());
+        assert!(b.admit(later + Duration::from_secs(1)).is_err());
+        // No outcome ever came back for that trial: after another open period, a new one may go.
+        assert!(b.admit(later + Duration::from_secs(5)).is_ok());
     }
 
     #[test]
