@@ -3,17 +3,21 @@
 //! A request's path through the crate:
 //!
 //! - [`config`] — the TOML file, validated into routes and policies.
-//! - [`ingress`] — HTTP in: route match, tenant, [`key`] and [`fingerprint`], and the answers of
-//!   SPEC §3 (fresh execution, replay, 409, 422, 502, 202).
-//! - [`store`] — the durable [`record`]s: a trait with a SQLite implementation (group commit
-//!   through a single writer). A record is committed before anything goes upstream.
-//! - [`worker`] — claims a record, sends attempts through [`upstream`], stores each attempt and
-//!   the outcome; between attempts it asks [`policy`], which is pure: classification, backoff,
-//!   jitter, `Retry-After`, deadlines.
-//! - [`reconcile`] — background upkeep: the retention sweep.
-//! - [`admin`] — the operator listener: health and readiness.
-//! - [`server`] — wires it together and runs both listeners until shutdown; [`demo`] runs it in
-//!   front of a built-in flaky upstream.
+//! - [`ingress`] — HTTP in: route match, tenant, [`key`] and [`fingerprint`], load shedding, and
+//!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202), written by
+//!   [`problem`] when the broker answers itself. Done answers are replayed from memory.
+//! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
+//!   through a single writer) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A record is
+//!   committed before anything goes upstream.
+//! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
+//!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
+//!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
+//! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
+//!   `unknown` records, the retention sweep.
+//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; [`metrics`]
+//!   for `/metrics`.
+//! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
+//!   runs it in front of a built-in flaky upstream.
 
 pub mod admin;
 pub mod config;

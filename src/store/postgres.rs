@@ -8,7 +8,7 @@
 //!
 //! The SQL mirrors `sqlite.rs` statement for statement; that store's semantics are the
 //! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
-//! text (see [`COLUMNS`]), so the store needs no sqlx type features beyond the defaults.
+//! text (see `COLUMNS`), so the store needs no sqlx type features beyond the defaults.
 
 use std::time::Duration;
 
