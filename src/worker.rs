@@ -511,20 +511,19 @@ impl Inner {
         }
         let mut reserved = reserved;
         loop {
-            let (started, in_flight) = match reserved.take() {
-                // Admitted already claimed, with this first attempt marked as about to be sent
-                // in the same commit: nothing more to write before sending it.
-                Some(place) => (record.in_flight.map_or_else(now_ms, |(_, at)| at), Some(place)),
+            // `marked`: admitted already claimed, with this first attempt marked as about to be
+            // sent in the same commit, so nothing more is written before sending it.
+            let (started, in_flight, marked) = match reserved.take() {
+                Some(place) => (record.in_flight.map_or_else(now_ms, |(_, at)| at), Some(place), true),
                 None => {
                     // A place among the route's attempts in flight, held for this attempt only.
                     let place = match self.guards.routes.get(&route.name) {
                         Some(g) => self.renewing(record.id, g.attempts.clone().acquire_owned()).await.ok(),
                         None => None,
                     };
-                    (now_ms(), place)
+                    (now_ms(), place, false)
                 }
             };
-            let marked = in_flight.is_some() && record.in_flight.is_some() && p.made == 0;
             let limit = match policy.attempt_limit(since(p.arrival, started)) {
                 Ok(limit) => limit,
                 Err(stop) => return self.finish_after(record, route, None, stop, p).await,
