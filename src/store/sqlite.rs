@@ -162,23 +162,32 @@ async fn write_loop(mut conn: SqliteConnection, mut queue: mpsc::Receiver<Write>
     while queue.recv_many(&mut batch, MAX_BATCH).await > 0 {
         // A lone write commits by itself: BEGIN and COMMIT would only add two round trips to
         // SQLite's thread. (One writer means no other write can interleave with its statements.)
-        if batch.len() == 1 {
-            if let Some(write) = batch.pop() {
-                apply(&mut conn, write).await.deliver(&Ok(()));
-            }
-            continue;
-        }
-        let commit = match conn.execute("BEGIN IMMEDIATE").await {
-            Err(e) => Err(StoreError::from(e)),
-            Ok(_) => {
+        let lone = batch.len() == 1;
+        let begun =
+            if lone { Ok(()) } else { conn.execute("BEGIN IMMEDIATE").await.map(drop).map_err(StoreError::from) };
+        let commit = match begun {
+            Err(e) => Err(e),
+            Ok(()) => {
+                // Every admission of the batch goes in one statement; the rest one by one.
+                let mut admits = Vec::new();
                 for write in batch.drain(..) {
-                    done.push(apply(&mut conn, write).await);
+                    match write {
+                        Write::Admit(new, cutoff, reply) => admits.push((new, cutoff, reply)),
+                        other => done.push(apply(&mut conn, other).await),
+                    }
                 }
-                match conn.execute("COMMIT").await {
-                    Ok(_) => Ok(()),
-                    Err(e) => {
-                        let _ = conn.execute("ROLLBACK").await;
-                        Err(StoreError::from(e))
+                if !admits.is_empty() {
+                    done.extend(admit_all(&mut conn, admits).await);
+                }
+                if lone {
+                    Ok(())
+                } else {
+                    match conn.execute("COMMIT").await {
+                        Ok(_) => Ok(()),
+                        Err(e) => {
+                            let _ = conn.execute("ROLLBACK").await;
+                            Err(StoreError::from(e))
+                        }
                     }
                 }
             }
@@ -218,7 +227,7 @@ fn fail(write: Write) -> Box<dyn Deliver> {
 
 async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
     match write {
-        Write::Admit(new, cutoff, r) => pending(r, admit(conn, new, cutoff).await),
+        Write::Admit(new, cutoff, r) => admit_all(conn, vec![(new, cutoff, r)]).await.pop().expect("one admission"),
         Write::Claim(id, owner, until, now, r) => pending(r, claim(conn, id, &owner, until, now).await),
         Write::AttemptStarted(id, owner, n, at, until, r) => {
             pending(r, attempt_started(conn, id, &owner, n, at, until).await)
@@ -243,20 +252,38 @@ async fn apply(conn: &mut SqliteConnection, write: Write) -> Box<dyn Deliver> {
 
 // ---- SQL -------------------------------------------------------------------------------------
 
+/// The columns of one admitted row, in the order `admit_all` binds them.
+const ADMIT_COLUMNS: usize = 14;
+
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
-/// same fingerprint. One statement, so one writer makes it atomic.
-const ADMIT: &str = "
-INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
+/// same fingerprint — for every request of a batch in one statement; one writer makes it atomic.
+/// Rows are processed in order, so of duplicates within a batch the first wins and the others
+/// find its record. `?1` is the retention cutoff; each row binds `ADMIT_COLUMNS` values after it.
+fn admit_sql(rows: usize) -> String {
+    let values: Vec<String> = (0..rows)
+        .map(|r| {
+            let p = |n: usize| format!("?{}", 1 + r * ADMIT_COLUMNS + n);
+            let (owner, now) = (p(13), p(12));
+            format!(
+                "({}, {}, {}, {}, {}, {}, {}, {}, {}, {}, \
+                 CASE WHEN {owner} IS NULL THEN 'not_started' ELSE 'in_progress' END, {owner} IS NULL, {}, {now}, {now}, \
+                 {owner}, {}, CASE WHEN {owner} IS NULL THEN NULL ELSE 1 END, CASE WHEN {owner} IS NULL THEN NULL ELSE {now} END)",
+                p(1), p(2), p(3), p(4), p(5), p(6), p(7), p(8), p(9), p(10), p(11), p(14)
+            )
+        })
+        .collect();
+    format!(
+        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
-        CASE WHEN ?15 IS NULL THEN 'not_started' ELSE 'in_progress' END, ?15 IS NULL, ?11, ?12, ?12,
-        ?15, ?16, CASE WHEN ?15 IS NULL THEN NULL ELSE 1 END, CASE WHEN ?15 IS NULL THEN NULL ELSE ?12 END)
+VALUES {}
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
     history = CASE WHEN records.state = 'done' THEN '[]'
-                   ELSE json_insert(records.history, '$[#]', json(?13)) END,
+                   ELSE json_insert(records.history, '$[#]', json_object('at', excluded.updated_at,
+                        'actor', 'client', 'action', 'requeued',
+                        'note', 'the same request was sent again for a free key')) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
@@ -266,50 +293,92 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     response_status = NULL, response_headers = NULL, response_body = NULL, done_at = NULL,
     cancel_requested = 0, probe_count = 0, next_probe_at = NULL, not_before = NULL,
     updated_at = excluded.updated_at
-WHERE (records.state = 'done' AND records.done_at < ?14)
+WHERE (records.state = 'done' AND records.done_at < ?1)
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
-RETURNING *";
+RETURNING *",
+        values.join(",\n       ")
+    )
+}
 
-async fn admit(conn: &mut SqliteConnection, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
-    let requeued = serde_json::to_string(&HistoryEntry {
-        at: new.now,
-        actor: "client".into(),
-        action: "requeued".into(),
-        note: Some("the same request was sent again for a free key".into()),
-    })?;
-    let row = sqlx::query(ADMIT)
-        .bind(new.id.to_string())
-        .bind(&new.tenant)
-        .bind(&new.key)
-        .bind(&new.route)
-        .bind(&new.method)
-        .bind(&new.path)
-        .bind(&new.query)
-        .bind(&new.fingerprint.as_bytes()[..])
-        .bind(serde_json::to_string(&new.request.headers)?)
-        .bind(&new.request.body[..])
-        .bind(new.deadline_at)
-        .bind(new.now)
-        .bind(requeued)
-        .bind(cutoff)
-        .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
-        .bind(new.claim.as_ref().map(|c| c.lease_until))
-        .fetch_optional(&mut *conn)
-        .await?;
-    match row {
-        Some(row) => {
-            let record = decode(&row)?;
-            Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) })
-        }
-        None => {
-            let row = sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
-                .bind(&new.tenant)
-                .bind(&new.key)
-                .fetch_one(&mut *conn)
-                .await?;
-            Ok(Admission::Existing(decode(&row)?))
+/// Admits a batch's requests with one statement and answers each: `Created` (its own id came
+/// back), `Requeued` (the first of the batch with that key got a free record back), or
+/// `Existing` (nothing came back for it: its key's record decides).
+async fn admit_all(
+    conn: &mut SqliteConnection,
+    admits: Vec<(NewRecord, Millis, Reply<Admission>)>,
+) -> Vec<Box<dyn Deliver>> {
+    let results = admit_rows(conn, &admits).await;
+    admits.into_iter().zip(results).map(|((_, _, reply), result)| pending(reply, result)).collect()
+}
+
+async fn admit_rows(
+    conn: &mut SqliteConnection,
+    admits: &[(NewRecord, Millis, Reply<Admission>)],
+) -> Vec<Result<Admission, StoreError>> {
+    let failed = |e: StoreError| admits.iter().map(|_| Err(e.clone())).collect();
+    // The most conservative cutoff of the batch: a record counts as expired only if it is for all.
+    let cutoff = admits.iter().map(|(_, cutoff, _)| *cutoff).min().unwrap_or(0);
+    let sql = admit_sql(admits.len());
+    let mut query = sqlx::query(&sql).bind(cutoff);
+    let mut headers = Vec::with_capacity(admits.len());
+    for (new, _, _) in admits {
+        match serde_json::to_string(&new.request.headers) {
+            Ok(h) => headers.push(h),
+            Err(e) => return failed(StoreError::from(e)),
         }
     }
+    for ((new, _, _), headers) in admits.iter().zip(&headers) {
+        query = query
+            .bind(new.id.to_string())
+            .bind(&new.tenant)
+            .bind(&new.key)
+            .bind(&new.route)
+            .bind(&new.method)
+            .bind(&new.path)
+            .bind(&new.query)
+            .bind(&new.fingerprint.as_bytes()[..])
+            .bind(headers)
+            .bind(&new.request.body[..])
+            .bind(new.deadline_at)
+            .bind(new.now)
+            .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
+            .bind(new.claim.as_ref().map(|c| c.lease_until));
+    }
+    let rows = match query.fetch_all(&mut *conn).await {
+        Ok(rows) => rows,
+        Err(e) => return failed(StoreError::from(e)),
+    };
+    let mut returned = Vec::with_capacity(rows.len());
+    for row in &rows {
+        match decode(row) {
+            Ok(record) => returned.push(Some(record)),
+            Err(e) => return failed(e),
+        }
+    }
+    let mut results = Vec::with_capacity(admits.len());
+    for (new, _, _) in admits {
+        let created = returned.iter().position(|r| r.as_ref().is_some_and(|r| r.id == new.id));
+        let requeued =
+            || returned.iter().position(|r| r.as_ref().is_some_and(|r| r.tenant == new.tenant && r.key == new.key));
+        let result = if let Some(i) = created {
+            Ok(Admission::Created(returned[i].take().expect("found just above")))
+        } else if let Some(i) = requeued() {
+            Ok(Admission::Requeued(returned[i].take().expect("found just above")))
+        } else {
+            existing(conn, &new.tenant, &new.key).await
+        };
+        results.push(result);
+    }
+    results
+}
+
+async fn existing(conn: &mut SqliteConnection, tenant: &str, key: &str) -> Result<Admission, StoreError> {
+    let row = sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
+        .bind(tenant)
+        .bind(key)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(Admission::Existing(decode(&row)?))
 }
 
 async fn claim(
