@@ -256,14 +256,20 @@ pub struct Broker {
 /// The config for a test broker. `route_extra` is added to the `payments` route table and
 /// `extra` after it (e.g. `[routes.retry]` or `[auth]` sections).
 pub fn config_text(db_url: &str, upstream: &str, route_extra: &str, extra: &str) -> String {
+    let server = "\n[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
+    format!("{server}{}", config_body(db_url, upstream, "", route_extra, extra))
+}
+
+/// Everything of a test config but `[server]`: the store, `worker` lines (a `[worker]` table, or
+/// nothing), and one route, `payments` at `/payments`, in front of `upstream`, with `route_extra`
+/// in its table and `extra` after it.
+pub fn config_body(db_url: &str, upstream: &str, worker: &str, route_extra: &str, extra: &str) -> String {
     format!(
         r#"
-[server]
-listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-
 [store]
 url = "{db_url}"
+
+{worker}
 
 [[routes]]
 name = "payments"

@@ -33,29 +33,11 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Everything of a node's config but `[server]`: the store, the worker with the short [`LEASE`]
-/// (plus `worker_extra` lines), and one route, `payments` at `/payments`, in front of `upstream`,
-/// with `route_extra` in its table and `extra` after it — the shape of `common::config_text`.
+/// Everything of a node's config but `[server]`: the worker with the short [`LEASE`] (plus
+/// `worker_extra` lines) and the rest as `common::config_body` writes it.
 pub fn config_body(db_url: &str, upstream: &str, worker_extra: &str, route_extra: &str, extra: &str) -> String {
-    format!(
-        r#"
-[store]
-url = "{db_url}"
-
-[worker]
-lease = "{lease}ms"
-{worker_extra}
-
-[[routes]]
-name = "payments"
-path_prefix = "/payments"
-upstream = "{upstream}"
-{route_extra}
-
-{extra}
-"#,
-        lease = LEASE.as_millis()
-    )
+    let worker = format!("[worker]\nlease = \"{}ms\"\n{worker_extra}", LEASE.as_millis());
+    super::config_body(db_url, upstream, &worker, route_extra, extra)
 }
 
 /// One `idem serve` process, on two fixed ports that survive its restarts.
