@@ -14,7 +14,8 @@
 //! and transport failures are counted as errors and printed.
 //!
 //! `IDEM_BENCH_SECS` (default 5) and `IDEM_BENCH_WARMUP_SECS` (default 1) set the measured and
-//! warm-up seconds per case. Run with `cargo bench --bench load`.
+//! warm-up seconds per case; `IDEM_BENCH_STORES` (default `full,normal,postgres`) picks the stores.
+//! Run with `cargo bench --bench load`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,6 +42,20 @@ const MAX_REPLAY_KEYS: usize = 4096;
 struct Settings {
     measure: Duration,
     warmup: Duration,
+    /// Which stores to run Idem on: `full`, `normal`, `postgres`.
+    stores: Vec<String>,
+}
+
+fn stores_from_env() -> Vec<String> {
+    let text = std::env::var("IDEM_BENCH_STORES").unwrap_or_default();
+    let text = if text.trim().is_empty() { "full,normal,postgres" } else { text.trim() };
+    let stores: Vec<String> = text.split(',').map(|s| s.trim().to_ascii_lowercase()).collect();
+    for store in &stores {
+        if !["full", "normal", "postgres"].contains(&store.as_str()) {
+            panic!("IDEM_BENCH_STORES: `{store}` is not one of full, normal, postgres");
+        }
+    }
+    stores
 }
 
 fn seconds_from_env(name: &str, default: f64) -> Duration {
@@ -654,6 +669,9 @@ async fn bench(settings: Settings) {
     let dir = tempfile::Builder::new().prefix("idem-load-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     println!("SQLite files under {}", dir.path().display());
     for (store, query) in [("sqlite FULL", ""), ("sqlite NORMAL", "?synchronous=normal")] {
+        if !settings.stores.iter().any(|s| store.eq_ignore_ascii_case(&format!("sqlite {s}"))) {
+            continue;
+        }
         let sub = dir.path().join(store.replace(' ', "-"));
         std::fs::create_dir_all(&sub).unwrap();
         let url = format!("sqlite://{}{query}", sub.join("idem.db").display());
@@ -675,7 +693,8 @@ async fn bench(settings: Settings) {
                 .filter(|u| !u.is_empty())
                 .map(|u| ("IDEM_TEST_POSTGRES_URL", u))
         });
-    match postgres {
+    match postgres.filter(|_| settings.stores.iter().any(|s| s == "postgres")) {
+        None if !settings.stores.iter().any(|s| s == "postgres") => {}
         None => notes
             .push("postgres rows skipped: neither IDEM_BENCH_POSTGRES_URL nor IDEM_TEST_POSTGRES_URL is set".into()),
         Some((var, server)) => match create_postgres_database(&server).await {
@@ -718,6 +737,7 @@ fn main() {
     let settings = Settings {
         measure: seconds_from_env("IDEM_BENCH_SECS", 5.0),
         warmup: seconds_from_env("IDEM_BENCH_WARMUP_SECS", 1.0),
+        stores: stores_from_env(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(bench(settings));

@@ -1,0 +1,311 @@
+//! The SQLite store. SQLite allows one writer at a time, so instead of a pool of connections
+//! fighting over the write lock, every write goes to one thread that owns the only writing
+//! connection and commits whatever has queued up in one transaction ([`writer`]). Reads run on a
+//! separate pool of read-only connections, which WAL lets proceed while the writer writes.
+
+mod writer;
+
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::{Connection, Row};
+use tokio::sync::{mpsc, oneshot};
+use uuid::Uuid;
+
+use self::writer::{TakeOver, Write};
+use super::{
+    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
+    StoreError,
+};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
+
+pub struct SqliteStore {
+    writes: mpsc::Sender<Write>,
+    reads: SqlitePool,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database at `url` and applies migrations. The url may end
+    /// in `?synchronous=normal` to trade the last commits on power loss for speed; the default,
+    /// `full`, makes every record durable before its request is sent upstream.
+    pub async fn open(url: &str) -> Result<SqliteStore, StoreError> {
+        let (url, synchronous) = split_synchronous(url)?;
+        let options = SqliteConnectOptions::from_str(&url)
+            .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+
+        let mut migrator = SqliteConnection::connect_with(&options).await?;
+        sqlx::migrate!("migrations/sqlite")
+            .run(&mut migrator)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+        migrator.close().await?;
+
+        let reads = SqlitePoolOptions::new()
+            .max_connections(8)
+            .min_connections(1)
+            .connect_with(options.clone().read_only(true))
+            .await?;
+
+        let writer = writer_connection(options.get_filename(), synchronous)?;
+        Ok(SqliteStore { writes: writer::start(writer)?, reads })
+    }
+
+    async fn write<T>(&self, op: impl FnOnce(writer::Reply<T>) -> Write) -> Result<T, StoreError> {
+        let stopped = || StoreError::Unavailable("the sqlite writer has stopped".into());
+        let (tx, rx) = oneshot::channel();
+        self.writes.send(op(tx)).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?
+    }
+}
+
+/// The writer's connection, on the database the migrations just prepared.
+fn writer_connection(path: &Path, synchronous: &str) -> Result<rusqlite::Connection, StoreError> {
+    let conn = rusqlite::Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(10))?;
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;"
+    ))?;
+    Ok(conn)
+}
+
+/// Migrations only, for `idem migrate`.
+pub async fn migrate(url: &str) -> Result<(), StoreError> {
+    SqliteStore::open(url).await.map(drop)
+}
+
+/// Takes `synchronous=` out of the url (sqlx does not know it): the url left, and the setting.
+fn split_synchronous(url: &str) -> Result<(String, &'static str), StoreError> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_string(), "FULL"));
+    };
+    let mut synchronous = "FULL";
+    let mut rest = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("synchronous", value)) => {
+                synchronous = match value.to_ascii_lowercase().as_str() {
+                    "full" => "FULL",
+                    "normal" => "NORMAL",
+                    "extra" => "EXTRA",
+                    _ => {
+                        return Err(StoreError::Unavailable(format!(
+                            "synchronous={value}: use full, normal or extra (off would lose acknowledged records)"
+                        )))
+                    }
+                }
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
+    Ok((url, synchronous))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Corrupt(what.to_string())
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
+        self.write(|r| Write::Admit(new, retention_cutoff, r)).await
+    }
+
+    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
+        sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
+            .bind(tenant)
+            .bind(key)
+            .fetch_optional(&self.reads)
+            .await?
+            .map(|row| decode(&row))
+            .transpose()
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
+        sqlx::query("SELECT * FROM records WHERE id = ?1")
+            .bind(id.to_string())
+            .fetch_optional(&self.reads)
+            .await?
+            .map(|row| decode(&row))
+            .transpose()
+    }
+
+    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::Claim(id, owner, lease_until, now, r)).await
+    }
+
+    async fn attempt_started(
+        &self,
+        id: Uuid,
+        owner: &str,
+        number: u32,
+        started_at: Millis,
+        lease_until: Millis,
+    ) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, r)).await
+    }
+
+    async fn attempt_ended(
+        &self,
+        id: Uuid,
+        owner: &str,
+        attempt: Option<Attempt>,
+        then: AfterAttempt,
+        now: Millis,
+    ) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::AttemptEnded(id, owner, attempt, then, now, r)).await
+    }
+
+    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::Renew(id, owner, lease_until, now, r)).await
+    }
+
+    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+        self.write(|r| Write::Cancel(id, entry, r)).await
+    }
+
+    async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
+        let limit = filter.limit.clamp(1, 1000);
+        let rows = sqlx::query(
+            "SELECT * FROM records
+             WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR route = ?2) AND (?3 IS NULL OR tenant = ?3)
+               AND (?4 IS NULL OR (created_at, id) > (?4, ?5))
+             ORDER BY created_at, id LIMIT ?6",
+        )
+        .bind(filter.state.map(State::as_str))
+        .bind(filter.route.as_deref())
+        .bind(filter.tenant.as_deref())
+        .bind(filter.cursor.map(|c| c.created_at))
+        .bind(filter.cursor.map(|c| c.id.to_string()))
+        .bind(limit as i64 + 1)
+        .fetch_all(&self.reads)
+        .await?;
+        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
+    }
+
+    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
+        self.write(|r| Write::Resolve(id, resolution, entry, r)).await
+    }
+
+    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
+        self.write(|r| Write::Retry(id, deadline_at, entry, r)).await
+    }
+
+    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM records WHERE state = 'in_progress' AND lease_expires_at < ?1
+             ORDER BY lease_expires_at LIMIT ?2",
+        )
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn take_over(
+        &self,
+        id: Uuid,
+        owner: &str,
+        until: Millis,
+        to: Phase,
+        lost: Option<Attempt>,
+        entry: HistoryEntry,
+    ) -> Result<bool, StoreError> {
+        let t = TakeOver { id, owner: owner.to_string(), until, to, lost, entry };
+        self.write(|r| Write::TakeOver(t, r)).await
+    }
+
+    async fn claim_unclaimed(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        idle_since: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        let owner = owner.to_string();
+        self.write(|r| Write::ClaimUnclaimed(owner, lease_until, idle_since, now, limit, r)).await
+    }
+
+    async fn probes_due(
+        &self,
+        route: &str,
+        settle: Millis,
+        now: Millis,
+        limit: u32,
+    ) -> Result<Vec<Record>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM records WHERE state = 'unknown' AND route = ?1
+               AND COALESCE(next_probe_at, updated_at + ?2) <= ?3
+             ORDER BY created_at LIMIT ?4",
+        )
+        .bind(route)
+        .bind(settle)
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    async fn probed(
+        &self,
+        id: Uuid,
+        resolution: Option<Resolution>,
+        next_probe_at: Millis,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        self.write(|r| Write::Probed(id, resolution, next_probe_at, entry, r)).await
+    }
+
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
+            .fetch_all(&self.reads)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get(0)?;
+                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
+                let queued = row.try_get::<i64, _>(1)? != 0;
+                Ok((Phase::of(state, queued), row.try_get::<i64, _>(2)? as u64))
+            })
+            .collect()
+    }
+
+    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
+        self.write(|r| Write::SweepDone(cutoff, limit, r)).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1").execute(&self.reads).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_synchronous_setting_is_taken_out_of_the_url() {
+        let (url, s) = split_synchronous("sqlite://idem.db").unwrap();
+        assert_eq!(url, "sqlite://idem.db");
+        assert_eq!(s, "FULL");
+        let (url, s) = split_synchronous("sqlite://idem.db?synchronous=normal&mode=rwc").unwrap();
+        assert_eq!(url, "sqlite://idem.db?mode=rwc");
+        assert_eq!(s, "NORMAL");
+        assert!(split_synchronous("sqlite://idem.db?synchronous=off").is_err());
+    }
+}
