@@ -391,6 +391,15 @@ async fn a_done_record_past_retention_is_replaced_with_a_new_id(store: Arc<dyn S
     assert!(replaced.attempts.is_empty() && replaced.history.is_empty());
     assert!(replaced.response.is_none() && replaced.stop_reason.is_none() && replaced.lease.is_none());
     assert!(store.get(old.id).await.unwrap().is_none());
+
+    // With a claim, the replacement is still queued (its worker claims it), and says so.
+    let old = done(&store, request("default", "old-claimed", BODY), T0 + 1_000).await;
+    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE };
+    let new = NewRecord { claim: Some(claim), ..request("default", "old-claimed", BODY) };
+    let replaced = created(store.admit(new.clone(), T0 + 1_001).await.unwrap());
+    assert_eq!((replaced.id, replaced.phase(), replaced.in_flight), (new.id, Phase::Queued, None));
+    assert_eq!(fetch(&store, new.id).await.phase(), Phase::Queued, "as stored");
+    assert_ne!(replaced.id, old.id);
 }
 
 // ---- execution ----------------------------------------------------------------------------------

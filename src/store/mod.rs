@@ -161,6 +161,39 @@ pub struct NewRecord {
     pub claim: Option<Claim>,
 }
 
+impl NewRecord {
+    /// The record as a fresh insert stores it: queued, or claimed with attempt 1 marked.
+    pub fn inserted(self) -> Record {
+        let claim = self.claim;
+        Record {
+            id: self.id,
+            tenant: self.tenant,
+            key: self.key,
+            route: self.route,
+            method: self.method,
+            path: self.path,
+            query: self.query,
+            fingerprint: self.fingerprint,
+            request: self.request,
+            state: if claim.is_some() { State::InProgress } else { State::NotStarted },
+            queued: claim.is_none(),
+            deadline_at: self.deadline_at,
+            in_flight: claim.as_ref().map(|_| (1, self.now)),
+            lease: claim.map(|c| crate::record::Lease { owner: c.owner, expires_at: c.lease_until }),
+            attempts: Vec::new(),
+            stop_reason: None,
+            response: None,
+            history: Vec::new(),
+            cancel_requested: false,
+            probe_count: 0,
+            next_probe_at: None,
+            not_before: None,
+            created_at: self.now,
+            updated_at: self.now,
+        }
+    }
+}
+
 /// A worker's lease on a record it admits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {

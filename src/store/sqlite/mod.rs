@@ -5,7 +5,6 @@
 
 mod writer;
 
-use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -53,8 +52,7 @@ impl SqliteStore {
             .connect_with(options.clone().read_only(true))
             .await?;
 
-        let writer = writer_connection(options.get_filename(), synchronous)?;
-        Ok(SqliteStore { writes: writer::start(writer)?, reads })
+        Ok(SqliteStore { writes: writer::start(options.get_filename(), synchronous)?, reads })
     }
 
     async fn write<T>(&self, op: impl FnOnce(writer::Reply<T>) -> Write) -> Result<T, StoreError> {
@@ -63,16 +61,6 @@ impl SqliteStore {
         self.writes.send(op(tx)).await.map_err(|_| stopped())?;
         rx.await.map_err(|_| stopped())?
     }
-}
-
-/// The writer's connection, on the database the migrations just prepared.
-fn writer_connection(path: &Path, synchronous: &str) -> Result<rusqlite::Connection, StoreError> {
-    let conn = rusqlite::Connection::open(path)?;
-    conn.busy_timeout(Duration::from_secs(10))?;
-    conn.execute_batch(&format!(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;"
-    ))?;
-    Ok(conn)
 }
 
 /// Migrations only, for `idem migrate`.
