@@ -133,7 +133,7 @@ fn write_loop(mut conn: Connection, mut queue: mpsc::Receiver<Write>, checkpoint
     let mut commits = 0u32;
     while next_batch(&mut queue, &mut batch) {
         commits = commits.wrapping_add(1);
-        if commits % CHECKPOINT_EVERY == 0 {
+        if commits.is_multiple_of(CHECKPOINT_EVERY) {
             let _ = checkpoint.try_send(());
         }
         let commit = commit_batch(&mut conn, &mut batch, &mut done);
