@@ -173,8 +173,17 @@ fn admit_sql() -> String {
          WHERE (records.state = 'done' AND records.done_at < $14)
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
-         RETURNING {COLUMNS}"
+         RETURNING id::text AS id, state"
     )
+}
+
+async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
+    sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
+        .bind(id.to_string())
+        .fetch_optional(pool)
+        .await?
+        .map(|row| decode(&row))
+        .transpose()
 }
 
 /// The record that refused an admit, and whether it has since become admissible (then the
@@ -219,7 +228,15 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
-            let record = decode(&row)?;
+            // A fresh insert holds what `new` says and is not read back. A free record queued
+            // again, or an expired one taken over (queued, not claimed), is.
+            let (id, state): (String, String) = (row.try_get("id")?, row.try_get("state")?);
+            let inserted = if new.claim.is_some() { State::InProgress } else { State::NotStarted };
+            if id == new.id.to_string() && state == inserted.as_str() {
+                return Ok(Admission::Created(new.inserted()));
+            }
+            let id = Uuid::parse_str(&id).map_err(|_| StoreError::Corrupt("column id".into()))?;
+            let record = get(pool, id).await?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
             return Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) });
         }
         // The key's record refused this request. Read it; it may have changed (or been swept)
@@ -593,12 +610,7 @@ impl Store for PostgresStore {
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
-        sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
-            .bind(id.to_string())
-            .fetch_optional(&self.pool)
-            .await?
-            .map(|row| decode(&row))
-            .transpose()
+        get(&self.pool, id).await
     }
 
     async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
