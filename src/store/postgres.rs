@@ -143,9 +143,7 @@ fn parse_notice(payload: &str) -> Option<Notice> {
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
 /// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
 /// any number of concurrent admits one inserts or updates and the others see its result.
-fn admit_sql() -> String {
-    format!(
-        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
+const ADMIT: &str = "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
                               created_at, updated_at, lease_owner, lease_expires_at,
                               in_flight_number, in_flight_started_at)
@@ -173,9 +171,7 @@ fn admit_sql() -> String {
          WHERE (records.state = 'done' AND records.done_at < $14)
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
-         RETURNING id::text AS id, state"
-    )
-}
+         RETURNING id::text AS id, state";
 
 async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
@@ -206,9 +202,9 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
         note: Some("the same request was sent again for a free key".into()),
     }])?;
     let request_headers = serde_json::to_string(&new.request.headers)?;
-    let (insert, existing) = (admit_sql(), existing_sql());
+    let existing = existing_sql();
     for _ in 0..ADMIT_TRIES {
-        let row = sqlx::query(&insert)
+        let row = sqlx::query(ADMIT)
             .bind(new.id.to_string())
             .bind(&new.tenant)
             .bind(&new.key)
