@@ -84,6 +84,25 @@ fn nproc() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The p50 of appending 4 KiB to a file in `dir` and syncing it: the floor under each commit
+/// that `synchronous=FULL` makes durable.
+fn fsync_p50(dir: &std::path::Path) -> u64 {
+    use std::io::Write;
+    let path = dir.join("fsync-probe");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let mut took: Vec<u64> = (0..200)
+        .map(|_| {
+            let start = Instant::now();
+            file.write_all(&[0u8; 4096]).unwrap();
+            file.sync_data().unwrap();
+            start.elapsed().as_micros() as u64
+        })
+        .collect();
+    let _ = std::fs::remove_file(path);
+    took.sort_unstable();
+    took[took.len() / 2]
+}
+
 // ---- the fast upstream -------------------------------------------------------------------------
 
 async fn start_upstream() -> String {
@@ -653,6 +672,7 @@ async fn bench(settings: Settings) {
     let mut rows = Vec::new();
     let mut open_rows = Vec::new();
     let mut notes = Vec::new();
+    let mut pgbench_tps = Vec::new();
 
     println!("plain proxy:");
     for c in CONCURRENCIES {
@@ -668,6 +688,8 @@ async fn bench(settings: Settings) {
     // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
     let dir = tempfile::Builder::new().prefix("idem-load-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     println!("SQLite files under {}", dir.path().display());
+    let fsync = fsync_p50(dir.path());
+    println!("this disk: one 4 KiB write + fdatasync, p50 {fsync} us (SQLite FULL pays one per commit)");
     for (store, query) in [("sqlite FULL", ""), ("sqlite NORMAL", "?synchronous=normal")] {
         if !settings.stores.iter().any(|s| store.eq_ignore_ascii_case(&format!("sqlite {s}"))) {
             continue;
@@ -709,6 +731,10 @@ async fn bench(settings: Settings) {
                 if let Err(e) = drop_postgres_database(&server, &name).await {
                     println!("  could not drop database {name}: {e}");
                 }
+                match pgbench(&server, &settings).await {
+                    Ok(found) => pgbench_tps = found,
+                    Err(e) => notes.push(format!("pgbench comparison skipped: {e}")),
+                }
             }
         },
     }
@@ -729,7 +755,69 @@ async fn bench(settings: Settings) {
     if let Some(rate) = open_rate(&rows) {
         print_open_table(&open_rows, rate);
     }
+    print_pgbench(&rows, &pgbench_tps);
     print_table(&rows);
+}
+
+/// `pgbench -N` (its simple-update transaction: three statements and a commit) on a fresh
+/// database of the same server, at each concurrency, for the measured time: (c, tps).
+async fn pgbench(server: &str, settings: &Settings) -> Result<Vec<(usize, f64)>, String> {
+    let (url, name) = create_postgres_database(server).await?;
+    let run = |args: Vec<String>| {
+        let url = url.clone();
+        async move {
+            let out = tokio::process::Command::new("pgbench")
+                .args(&args)
+                .arg(&url)
+                .output()
+                .await
+                .map_err(|e| format!("cannot run pgbench: {e}"))?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            if !out.status.success() {
+                return Err(format!("pgbench {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+            }
+            Ok(text)
+        }
+    };
+    let mut found = Vec::new();
+    let mut result = run(vec!["-i".into(), "-q".into(), "-s".into(), "10".into()]).await.map(drop);
+    for c in CONCURRENCIES {
+        if result.is_err() {
+            break;
+        }
+        let secs = settings.measure.as_secs().max(1).to_string();
+        let args = vec!["-N".into(), "-c".into(), c.to_string(), "-j".into(), "2".into(), "-T".into(), secs];
+        result = run(args).await.and_then(|text| {
+            let tps = text
+                .lines()
+                .find_map(|l| l.strip_prefix("tps = "))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse::<f64>().ok())
+                .ok_or_else(|| "no `tps = ` line in pgbench's output".to_string())?;
+            println!("  pgbench -N c={c}: {tps:.0} tps");
+            found.push((c, tps));
+            Ok(())
+        });
+    }
+    let _ = drop_postgres_database(server, &name).await;
+    result.map(|()| found)
+}
+
+/// Idem's new keys on PostgreSQL against `pgbench -N` on the same server and concurrency.
+fn print_pgbench(rows: &[Row], pgbench: &[(usize, f64)]) {
+    if pgbench.is_empty() {
+        return;
+    }
+    println!();
+    println!("postgres new keys against pgbench -N on the same server, same concurrency:");
+    for (c, tps) in pgbench {
+        if let Some(row) =
+            rows.iter().find(|r| r.target == "idem new keys" && r.store == "postgres" && r.concurrency == *c)
+        {
+            let rate = row.measured.per_second();
+            println!("  c={c:<3} idem {rate:>8.0} req/s   pgbench {tps:>8.0} tps   x pgbench {:.2}", rate / tps);
+        }
+    }
 }
 
 fn main() {
