@@ -32,6 +32,13 @@ impl SqliteStore {
     /// `full`, makes every record durable before its request is sent upstream.
     pub async fn open(url: &str) -> Result<SqliteStore, StoreError> {
         let (url, synchronous) = split_synchronous(url)?;
+        if url.contains(":memory:") || url.contains("mode=memory") {
+            // The writer and the readers are separate connections: each would get its own empty
+            // database, and no write would ever be read back.
+            return Err(StoreError::Unavailable(format!(
+                "`{url}`: an in-memory SQLite database cannot be shared by the writer and the readers; give a file path"
+            )));
+        }
         let options = SqliteConnectOptions::from_str(&url)
             .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
             .create_if_missing(true)
@@ -285,6 +292,14 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_in_memory_database_is_refused_with_a_reason() {
+        for url in ["sqlite::memory:", "sqlite://idem.db?mode=memory"] {
+            let Err(e) = SqliteStore::open(url).await else { panic!("{url} was accepted") };
+            assert!(e.to_string().contains("give a file path"), "{e}");
+        }
+    }
 
     #[test]
     fn the_synchronous_setting_is_taken_out_of_the_url() {
