@@ -12,6 +12,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::policy::{BreakerState, Class, StopReason};
 use crate::record::Phase;
 
+/// How often histogram samples are folded into their buckets when nobody scrapes.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
 /// The process-wide recorder; the first broker started in a process installs it.
 pub fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -22,6 +25,13 @@ pub fn handle() -> &'static PrometheusHandle {
             .expect("the bucket list is not empty")
             .build_recorder();
         let handle = recorder.handle();
+        // Histogram samples pile up in the recorder until drained, which a scrape does; with
+        // nobody scraping they would grow without bound. Drain them every few seconds anyway.
+        let upkeep = handle.clone();
+        let _ = std::thread::Builder::new().name("idem-metrics-upkeep".into()).spawn(move || loop {
+            std::thread::sleep(UPKEEP_EVERY);
+            upkeep.run_upkeep();
+        });
         // Another recorder may already be installed (an embedding application's): then ours
         // still renders, it just sees nothing recorded through the global macros.
         let _ = metrics::set_global_recorder(recorder);

@@ -466,14 +466,14 @@ impl Inner {
 
     /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
     async fn run(&self, record: Record, reserved: Option<OwnedSemaphorePermit>) -> Outcome {
-        let Some(route) = self.config.route_named(&record.route).cloned() else {
+        let Some(route) = self.config.route_named(&record.route) else {
             warn!(route = %record.route, "the record's route is no longer configured");
             let progress = Progress::new(&record, Duration::ZERO);
             return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
         };
         let signal = Arc::new(CancelSignal::default());
         lock(&self.cancels).insert(record.id, signal.clone());
-        let outcome = self.attempts(&record, &route, &signal, reserved).await;
+        let outcome = self.attempts(&record, route, &signal, reserved).await;
         lock(&self.cancels).remove(&record.id);
         outcome
     }
