@@ -174,12 +174,13 @@ fn commit_batch(
         done.extend(batch.drain(..).map(fail));
         return Err(e.into());
     }
-    for write in std::mem::take(batch) {
+    let mut writes = batch.drain(..);
+    while let Some(write) = writes.next() {
         done.push(apply(conn, write));
         if conn.is_autocommit() {
             // SQLite rolls the whole transaction back on some errors (I/O, a full disk): the
             // writes before this one are undone, and the rest must not run outside it.
-            done.extend(batch.drain(..).map(fail));
+            done.extend(writes.map(fail));
             return Err(StoreError::Unavailable("the transaction was rolled back".into()));
         }
     }
