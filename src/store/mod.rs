@@ -319,6 +319,16 @@ pub enum Resolution {
     NotExecuted,
 }
 
+/// The answer of an action meant for `unknown` records (resolve, retry, a probe) when `record`
+/// is missing or in another state; `None` when the action applies.
+pub(crate) fn refusal(record: Option<Record>) -> Option<Action> {
+    match record {
+        None => Some(Action::Missing),
+        Some(record) if record.state != State::Unknown => Some(Action::Refused(record)),
+        Some(_) => None,
+    }
+}
+
 /// The result of an operator action on one record.
 #[derive(Debug, Clone)]
 pub enum Action {

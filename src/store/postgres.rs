@@ -19,8 +19,8 @@ use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use super::{
-    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError,
+    decode, page, refusal, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page,
+    Resolution, Store, StoreError,
 };
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
@@ -412,11 +412,8 @@ async fn settle(
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    let Some(record) = lock(&mut tx, id).await? else {
-        return Ok(Action::Missing);
-    };
-    if record.state != State::Unknown {
-        return Ok(Action::Refused(record));
+    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
+        return Ok(answer);
     }
     let (state, response) = match &resolution {
         Resolution::Executed(response) => (State::Done, Some(response)),
@@ -447,11 +444,8 @@ async fn settle(
 
 async fn retry(pool: &PgPool, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    let Some(record) = lock(&mut tx, id).await? else {
-        return Ok(Action::Missing);
-    };
-    if record.state != State::Unknown {
-        return Ok(Action::Refused(record));
+    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
+        return Ok(answer);
     }
     let row = sqlx::query(&format!(
         "UPDATE records SET state = 'not_started', queued = TRUE, deadline_at = $2,
@@ -519,11 +513,8 @@ async fn probed(
         return settle(pool, id, resolution, true, entry).await;
     }
     let mut tx = pool.begin().await?;
-    let Some(record) = lock(&mut tx, id).await? else {
-        return Ok(Action::Missing);
-    };
-    if record.state != State::Unknown {
-        return Ok(Action::Refused(record));
+    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
+        return Ok(answer);
     }
     let row = sqlx::query(&format!(
         "UPDATE records SET probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3,

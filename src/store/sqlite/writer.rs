@@ -15,11 +15,11 @@ use rusqlite::{params, Connection, OptionalExtension};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
-use super::super::{
-    decode, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
-};
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::store::{
+    decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
+};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -452,15 +452,6 @@ fn cancel(conn: &Connection, id: Uuid, entry: HistoryEntry) -> Result<Cancelled,
     Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
 }
 
-/// The record an operator action applies to, if it is `unknown`; otherwise the action's answer.
-fn unknown(conn: &Connection, id: Uuid) -> Result<Result<Record, Action>, StoreError> {
-    Ok(match get(conn, id)? {
-        None => Err(Action::Missing),
-        Some(record) if record.state != State::Unknown => Err(Action::Refused(record)),
-        Some(record) => Ok(record),
-    })
-}
-
 fn applied(conn: &Connection, id: Uuid) -> Result<Action, StoreError> {
     get(conn, id)?.map(Action::Applied).ok_or_else(|| StoreError::Corrupt("record vanished".into()))
 }
@@ -473,7 +464,7 @@ fn settle(
     probe: bool,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
-    if let Err(answer) = unknown(conn, id)? {
+    if let Some(answer) = refusal(get(conn, id)?) {
         return Ok(answer);
     }
     let (state, response) = match &resolution {
@@ -501,7 +492,7 @@ fn settle(
 }
 
 fn retry(conn: &Connection, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-    if let Err(answer) = unknown(conn, id)? {
+    if let Some(answer) = refusal(get(conn, id)?) {
         return Ok(answer);
     }
     conn.prepare_cached(
@@ -554,7 +545,7 @@ fn probed(
     if let Some(resolution) = resolution {
         return settle(conn, id, resolution, true, entry);
     }
-    if let Err(answer) = unknown(conn, id)? {
+    if let Some(answer) = refusal(get(conn, id)?) {
         return Ok(answer);
     }
     conn.prepare_cached(
