@@ -229,6 +229,44 @@ pub enum AfterAttempt {
     Release,
 }
 
+/// What a record stores after an attempt, whichever backend stores it.
+pub(crate) struct Stored<'a> {
+    pub state: State,
+    pub stop: Option<StopReason>,
+    pub response: Option<&'a StoredResponse>,
+    /// Handed back to the queue (a release), rather than kept or settled.
+    pub queued: bool,
+    /// While waiting: the earliest start of the next attempt.
+    pub not_before: Option<Millis>,
+}
+
+impl AfterAttempt {
+    pub(crate) fn stored(&self) -> Stored<'_> {
+        let (state, stop, response) = match self {
+            AfterAttempt::Wait { .. } => (State::InProgress, None, None),
+            AfterAttempt::Release => (State::NotStarted, None, None),
+            AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
+            AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
+            AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
+        };
+        let not_before = match self {
+            AfterAttempt::Wait { not_before } => Some(*not_before),
+            _ => None,
+        };
+        Stored { state, stop, response, queued: matches!(self, AfterAttempt::Release), not_before }
+    }
+}
+
+/// What a take-over to `to` stores: the state, whether it is queued, and the stop reason.
+pub(crate) fn taken_over(to: Phase) -> Result<(State, bool, Option<StopReason>), StoreError> {
+    match to {
+        Phase::Queued => Ok((State::NotStarted, true, None)),
+        Phase::Free => Ok((State::NotStarted, false, Some(StopReason::Deadline))),
+        Phase::Unknown => Ok((State::Unknown, false, Some(StopReason::UnsafeReplay))),
+        other => Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
+    }
+}
+
 /// Whether a worker still holds a record's lease, and whether someone asked it to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lease {
@@ -317,6 +355,16 @@ pub enum Resolution {
     Executed(StoredResponse),
     /// It did not execute: the key is freed.
     NotExecuted,
+}
+
+impl Resolution {
+    /// The state it settles a record in, and the response to store.
+    pub(crate) fn stored(&self) -> (State, Option<&StoredResponse>) {
+        match self {
+            Resolution::Executed(response) => (State::Done, Some(response)),
+            Resolution::NotExecuted => (State::NotStarted, None),
+        }
+    }
 }
 
 /// The answer of an action meant for `unknown` records (resolve, retry, a probe) when `record`

@@ -19,8 +19,8 @@ use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use super::{
-    decode, page, refusal, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page,
-    Resolution, Store, StoreError,
+    decode, page, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord,
+    Notice, Page, Resolution, Store, StoreError, Stored,
 };
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
@@ -313,13 +313,7 @@ async fn attempt_ended(
     now: Millis,
 ) -> Result<Lease, StoreError> {
     let attempt = attempt.as_ref().map(one_element).transpose()?;
-    let (state, stop, response) = match &then {
-        AfterAttempt::Wait { .. } => (State::InProgress, None, None),
-        AfterAttempt::Release => (State::NotStarted, None, None),
-        AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
-        AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
-        AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
-    };
+    let Stored { state, stop, response, queued, not_before } = then.stored();
     let row = sqlx::query(
         "UPDATE records SET
             attempts = attempts || COALESCE($3::jsonb, '[]'::jsonb),
@@ -342,11 +336,8 @@ async fn attempt_ended(
     .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
     .bind(response.map(|r| &r.body[..]))
     .bind(now)
-    .bind(matches!(then, AfterAttempt::Release))
-    .bind(match then {
-        AfterAttempt::Wait { not_before } => Some(not_before),
-        _ => None,
-    })
+    .bind(queued)
+    .bind(not_before)
     .fetch_optional(pool)
     .await?;
     lease_of(row)
@@ -415,10 +406,7 @@ async fn settle(
     if let Some(answer) = refusal(lock(&mut tx, id).await?) {
         return Ok(answer);
     }
-    let (state, response) = match &resolution {
-        Resolution::Executed(response) => (State::Done, Some(response)),
-        Resolution::NotExecuted => (State::NotStarted, None),
-    };
+    let (state, response) = resolution.stored();
     let row = sqlx::query(&format!(
         "UPDATE records SET state = $2, queued = FALSE, response_status = $3,
                 response_headers = $4::jsonb, response_body = $5,
@@ -474,12 +462,7 @@ async fn take_over(
     lost: Option<Attempt>,
     entry: HistoryEntry,
 ) -> Result<bool, StoreError> {
-    let (state, queued, stop) = match to {
-        Phase::Queued => (State::NotStarted, true, None),
-        Phase::Free => (State::NotStarted, false, Some(StopReason::Deadline)),
-        Phase::Unknown => (State::Unknown, false, Some(StopReason::UnsafeReplay)),
-        other => return Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
-    };
+    let (state, queued, stop) = taken_over(to)?;
     let done = sqlx::query(
         "UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
                 lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,

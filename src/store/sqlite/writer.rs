@@ -18,7 +18,8 @@ use uuid::Uuid;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 use crate::store::{
-    decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
+    decode, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution,
+    StoreError, Stored,
 };
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
@@ -380,17 +381,7 @@ fn attempt_ended(
     now: Millis,
 ) -> Result<Lease, StoreError> {
     let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
-    let (state, stop, response) = match &then {
-        AfterAttempt::Wait { .. } => (State::InProgress, None, None),
-        AfterAttempt::Release => (State::NotStarted, None, None),
-        AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
-        AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
-        AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
-    };
-    let not_before = match then {
-        AfterAttempt::Wait { not_before } => Some(not_before),
-        _ => None,
-    };
+    let Stored { state, stop, response, queued, not_before } = then.stored();
     lease(
         conn,
         "UPDATE records SET
@@ -414,7 +405,7 @@ fn attempt_ended(
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
             response.map(|r| &r.body[..]),
             now,
-            matches!(then, AfterAttempt::Release),
+            queued,
             not_before,
         ],
     )
@@ -467,10 +458,7 @@ fn settle(
     if let Some(answer) = refusal(get(conn, id)?) {
         return Ok(answer);
     }
-    let (state, response) = match &resolution {
-        Resolution::Executed(response) => (State::Done, Some(response)),
-        Resolution::NotExecuted => (State::NotStarted, None),
-    };
+    let (state, response) = resolution.stored();
     conn.prepare_cached(
         "UPDATE records SET state = ?2, queued = 0, response_status = ?3, response_headers = ?4,
                 response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
@@ -506,12 +494,7 @@ fn retry(conn: &Connection, id: Uuid, deadline_at: Millis, entry: HistoryEntry) 
 }
 
 fn take_over(conn: &Connection, t: TakeOver) -> Result<bool, StoreError> {
-    let (state, queued, stop) = match t.to {
-        Phase::Queued => (State::NotStarted, true, None),
-        Phase::Free => (State::NotStarted, false, Some(StopReason::Deadline)),
-        Phase::Unknown => (State::Unknown, false, Some(StopReason::UnsafeReplay)),
-        other => return Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
-    };
+    let (state, queued, stop) = taken_over(t.to)?;
     let lost = t.lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let changed = conn
         .prepare_cached(
