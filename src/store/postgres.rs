@@ -143,7 +143,9 @@ fn parse_notice(payload: &str) -> Option<Notice> {
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
 /// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
 /// any number of concurrent admits one inserts or updates and the others see its result.
-const ADMIT: &str = "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
+fn admit_sql() -> String {
+    format!(
+        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
                               created_at, updated_at, lease_owner, lease_expires_at,
                               in_flight_number, in_flight_started_at)
@@ -171,7 +173,9 @@ const ADMIT: &str = "INSERT INTO records (id, tenant, key, route, method, path, 
          WHERE (records.state = 'done' AND records.done_at < $14)
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
-         RETURNING id::text AS id, state";
+         RETURNING {COLUMNS}"
+    )
+}
 
 async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
@@ -202,9 +206,9 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
         note: Some("the same request was sent again for a free key".into()),
     }])?;
     let request_headers = serde_json::to_string(&new.request.headers)?;
-    let existing = existing_sql();
+    let (insert, existing) = (admit_sql(), existing_sql());
     for _ in 0..ADMIT_TRIES {
-        let row = sqlx::query(ADMIT)
+        let row = sqlx::query(&insert)
             .bind(new.id.to_string())
             .bind(&new.tenant)
             .bind(&new.key)
@@ -224,15 +228,9 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
-            // A fresh insert holds what `new` says and is not read back. A free record queued
-            // again, or an expired one taken over (queued, not claimed), is.
-            let (id, state): (String, String) = (row.try_get("id")?, row.try_get("state")?);
-            let inserted = if new.claim.is_some() { State::InProgress } else { State::NotStarted };
-            if id == new.id.to_string() && state == inserted.as_str() {
-                return Ok(Admission::Created(new.inserted()));
-            }
-            let id = Uuid::parse_str(&id).map_err(|_| StoreError::Corrupt("column id".into()))?;
-            let record = get(pool, id).await?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
+            // The row as this statement left it. Read back later, another worker of any node
+            // might already have claimed a requeued record, which would pass for our own claim.
+            let record = decode(&row)?;
             return Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) });
         }
         // The key's record refused this request. Read it; it may have changed (or been swept)
