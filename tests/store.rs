@@ -102,6 +102,7 @@ async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attemp
     assert_eq!(record.phase(), Phase::InProgress);
     assert_eq!(record.lease, Some(idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE }));
     assert_eq!(record.in_flight, Some((1, T0)), "attempt 1 is marked as about to be sent");
+    assert_same(&record, &fetch(&store, record.id).await);
     // The claim holds like any other: its worker may store the outcome, nobody else may.
     assert!(store.renew(record.id, WORKER, T0 + LEASE + 1, T0 + 2).await.unwrap().is_held());
     assert_eq!(store.renew(record.id, "someone-else", T0 + LEASE, T0 + 2).await.unwrap(), Lease::Lost);
@@ -183,6 +184,12 @@ fn response(status: u16, body: &[u8]) -> StoredResponse {
         ],
         body: Bytes::copy_from_slice(body),
     }
+}
+
+/// A fresh admission is answered without reading the row back: what it answers must be what
+/// was stored, field for field.
+fn assert_same(answered: &Record, stored: &Record) {
+    assert_eq!(format!("{answered:#?}"), format!("{stored:#?}"), "the admission's answer differs from the row");
 }
 
 fn created(admission: Admission) -> Record {
@@ -298,6 +305,7 @@ async fn admit_creates_a_record_then_returns_it_for_the_same_key(store: Arc<dyn 
     assert_eq!((record.deadline_at, record.created_at, record.updated_at), (T0 + 30_000, T0, T0));
     assert!(record.lease.is_none() && record.in_flight.is_none() && record.response.is_none());
     assert!(record.attempts.is_empty() && record.history.is_empty() && !record.cancel_requested);
+    assert_same(&record, &fetch(&store, new.id).await);
 
     let again = existing(store.admit(request("default", "order-1", BODY), 0).await.unwrap());
     assert_eq!(again.id, new.id);
