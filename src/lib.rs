@@ -7,8 +7,8 @@
 //!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202), written by
 //!   [`problem`] when the broker answers itself. Done answers are replayed from memory.
 //! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
-//!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A record is
-//!   committed before anything goes upstream.
+//!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A
+//!   record is committed before anything goes upstream.
 //! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
