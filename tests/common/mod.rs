@@ -18,6 +18,14 @@ use serde_json::{json, Value};
 use tempfile::TempDir;
 use tokio::net::TcpListener;
 
+/// A JSON `POST` to `base` + `path` under an Idempotency-Key: what every client here sends.
+pub fn keyed_post(http: &reqwest::Client, base: &str, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
+    http.post(format!("{base}{path}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+}
+
 /// One scripted upstream answer.
 #[derive(Clone, Debug)]
 pub struct Reply {
@@ -309,11 +317,7 @@ impl Broker {
     }
 
     pub fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
-        self.http
-            .post(format!("{}{}", self.url, path))
-            .header("idempotency-key", key)
-            .header("content-type", "application/json")
-            .body(body.to_string())
+        keyed_post(&self.http, &self.url, path, key, body)
     }
 
     pub async fn record(&self, key: &str) -> reqwest::Response {

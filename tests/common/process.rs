@@ -171,11 +171,7 @@ impl Node {
     }
 
     pub fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
-        self.http
-            .post(format!("{}{}", self.url, path))
-            .header("idempotency-key", key)
-            .header("content-type", "application/json")
-            .body(body.to_string())
+        super::keyed_post(&self.http, &self.url, path, key, body)
     }
 
     /// The record of `key` as `GET /_idem/requests/{key}` shows it (history included), or
