@@ -384,7 +384,7 @@ async fn cancel(pool: &PgPool, id: Uuid, entry: HistoryEntry) -> Result<Cancelle
     ))
     .bind(id.to_string())
     .bind(one_element(&entry)?)
-    .bind(crate::record::now_ms())
+    .bind(entry.at)
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
