@@ -13,9 +13,18 @@
 //! histogram; non-2xx answers (and, for replays, answers without `Idempotent-Replayed: true`)
 //! and transport failures are counted as errors and printed.
 //!
-//! `IDEM_BENCH_SECS` (default 5) and `IDEM_BENCH_WARMUP_SECS` (default 1) set the measured and
-//! warm-up seconds per case; `IDEM_BENCH_STORES` (default `full,normal,postgres`) picks the stores.
-//! Run with `cargo bench --bench load`.
+//! The cases take turns: each case's measured time is cut into slices, and every round gives
+//! each case one slice (the proxy included), so all of them are measured over the same stretch of
+//! the run, and a shared machine's slow minute weighs on all alike. Each slice opens fresh
+//! connections and warms up before it counts. With `pgbench` on the PATH and a PostgreSQL store,
+//! each round also runs `pgbench -N` on the same server for a slice, at the same concurrency.
+//! Then the proxy and Idem's new keys are driven, one after the other, in an open loop at half
+//! the proxy's closed-loop maximum.
+//!
+//! `IDEM_BENCH_SECS` (default 5) sets the measured seconds per case, `IDEM_BENCH_ROUNDS`
+//! (default 5) the slices it is cut into, and `IDEM_BENCH_WARMUP_SECS` (default 0.5) the warm-up
+//! before each slice (and before the open loop); `IDEM_BENCH_STORES` (default
+//! `full,normal,postgres`) picks the stores. Run with `cargo bench --bench load`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +53,8 @@ struct Settings {
     warmup: Duration,
     /// Which stores to run Idem on: `full`, `normal`, `postgres`.
     stores: Vec<String>,
+    /// How many slices each case's measured time is cut into.
+    rounds: usize,
 }
 
 fn stores_from_env() -> Vec<String> {
@@ -56,6 +67,16 @@ fn stores_from_env() -> Vec<String> {
         }
     }
     stores
+}
+
+fn rounds_from_env() -> usize {
+    match std::env::var("IDEM_BENCH_ROUNDS") {
+        Ok(text) if !text.trim().is_empty() => match text.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("IDEM_BENCH_ROUNDS={text:?} is not a positive whole number"),
+        },
+        _ => 5,
+    }
 }
 
 fn seconds_from_env(name: &str, default: f64) -> Duration {
@@ -517,6 +538,14 @@ async fn drive_open(url: &str, keys: Keys, rate: f64, settings: &Settings) -> Me
 
 // ---- the cases and the table -------------------------------------------------------------------
 
+/// What the generator drives: the plain proxy, or Idem on one store with new keys or replays.
+struct Target {
+    name: &'static str,
+    store: String,
+    url: String,
+    keys: Keys,
+}
+
 struct Row {
     target: &'static str,
     store: String,
@@ -524,69 +553,98 @@ struct Row {
     measured: Measured,
 }
 
-async fn run_case(
-    rows: &mut Vec<Row>,
+impl Measured {
+    fn empty() -> Measured {
+        Measured { latency_us: histogram(), requests: 0, errors: 0, error_samples: Vec::new(), elapsed: Duration::ZERO }
+    }
+
+    /// Adds one slice of the same case.
+    fn merge(&mut self, slice: Measured) {
+        self.latency_us.add(&slice.latency_us).unwrap();
+        self.requests += slice.requests;
+        self.errors += slice.errors;
+        self.elapsed += slice.elapsed;
+        for sample in slice.error_samples {
+            if self.error_samples.len() < 5 && !self.error_samples.contains(&sample) {
+                self.error_samples.push(sample);
+            }
+        }
+    }
+}
+
+/// Drives every target at each concurrency, in rounds: each round gives each target one slice
+/// of its measured time, in turn, starting one target further on each round. A target's figures
+/// add up its slices, so the proxy and Idem are measured across the same stretch of time and a
+/// machine that speeds up or slows down part-way through the run favours none of them. With
+/// `pgbench`, each round also runs `pgbench -N` for a slice at the same concurrency: (c, tps).
+async fn run_rounds(
+    targets: &[Target],
+    pgbench: Option<&Pgbench>,
     settings: &Settings,
-    target: &'static str,
-    store: &str,
-    url: &str,
-    keys: Keys,
-    concurrency: usize,
-) {
-    let measured = drive(url, keys, concurrency, settings).await;
-    let label = format!("{target} [{store}] c={concurrency}");
+) -> (Vec<Row>, Vec<(usize, f64)>) {
+    let slice = Settings {
+        measure: settings.measure / settings.rounds as u32,
+        warmup: settings.warmup,
+        stores: Vec::new(),
+        rounds: 1,
+    };
+    let mut rows = Vec::new();
+    let mut pgbench_tps = Vec::new();
+    for c in CONCURRENCIES {
+        let first = rows.len();
+        for target in targets {
+            let (target, store) = (target.name, target.store.clone());
+            rows.push(Row { target, store, concurrency: c, measured: Measured::empty() });
+        }
+        let mut tps = Ok(Vec::new());
+        for round in 0..settings.rounds {
+            for i in 0..targets.len() {
+                let t = (i + round) % targets.len();
+                let measured = drive(&targets[t].url, targets[t].keys, c, &slice).await;
+                rows[first + t].measured.merge(measured);
+            }
+            if let (Some(pgbench), Ok(found)) = (pgbench, &mut tps) {
+                match pgbench.tps(c, slice.measure).await {
+                    Ok(one) => found.push(one),
+                    Err(e) => tps = Err(e),
+                }
+            }
+        }
+        for row in &rows[first..] {
+            report_case(row);
+        }
+        match tps {
+            Ok(found) if !found.is_empty() => {
+                let mean = found.iter().sum::<f64>() / found.len() as f64;
+                println!("  pgbench -N c={c}: {mean:.0} tps");
+                pgbench_tps.push((c, mean));
+            }
+            Ok(_) => {}
+            Err(e) => println!("  pgbench -N c={c} skipped: {e}"),
+        }
+    }
+    (rows, pgbench_tps)
+}
+
+fn report_case(row: &Row) {
+    let m = &row.measured;
+    let label = format!("{} [{}] c={}", row.target, row.store, row.concurrency);
     println!(
         "  {label:<40} {:>9.0} req/s  p50 {:>6} us  errors {}",
-        measured.per_second(),
-        measured.latency_us.value_at_quantile(0.5),
-        measured.errors
+        m.per_second(),
+        m.latency_us.value_at_quantile(0.5),
+        m.errors
     );
-    if measured.errors > 0 {
+    if m.errors > 0 {
         println!(
             "    ERRORS in {label}: {} of {} requests failed or answered unexpectedly; e.g.:",
-            measured.errors,
-            measured.requests + measured.errors
+            m.errors,
+            m.requests + m.errors
         );
-        for sample in &measured.error_samples {
+        for sample in &m.error_samples {
             println!("      {sample}");
         }
     }
-    rows.push(Row { target, store: store.to_string(), concurrency, measured });
-}
-
-async fn bench_idem(
-    rows: &mut Vec<Row>,
-    open_rows: &mut Vec<Row>,
-    settings: &Settings,
-    store: &str,
-    store_url: &str,
-    upstream: &str,
-) -> Result<(), String> {
-    let config = Config::parse_with_env(&idem_config(store_url, upstream), |_| None)
-        .map_err(|e| format!("config refused: {e}"))?;
-    let running = idem::server::start(config).await.map_err(|e| format!("idem did not start: {e}"))?;
-    let url = format!("http://{}/payments", running.listen);
-    for keys in [Keys::Fresh, Keys::Replay] {
-        let target = match keys {
-            Keys::Fresh => "idem new keys",
-            _ => "idem replays",
-        };
-        for c in CONCURRENCIES {
-            run_case(rows, settings, target, store, &url, keys, c).await;
-        }
-    }
-    if let Some(rate) = open_rate(rows) {
-        let measured = drive_open(&url, Keys::Fresh, rate, settings).await;
-        println!(
-            "  idem new keys [{store}] open loop at {rate:.0}/s: p99 {} us",
-            measured.latency_us.value_at_quantile(0.99)
-        );
-        open_rows.push(Row { target: "idem new keys", store: store.to_string(), concurrency: 0, measured });
-    }
-    if tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await.is_err() {
-        println!("  (idem on {store} did not shut down within 10s; going on)");
-    }
-    Ok(())
 }
 
 /// The open loop runs at half the plain proxy's closed-loop maximum (its c=64 throughput).
@@ -661,47 +719,32 @@ async fn bench(settings: Settings) {
     println!("idem load benchmark");
     println!("machine: nproc {}, cpu {}", nproc(), cpu_model());
     println!(
-        "per case: {:.1}s warm-up, {:.1}s measured; closed loop, one keep-alive client per task; \
-         load generator, proxies and upstream share this process and its cores",
+        "per case: {:.1}s measured in {} slices of {:.1}s, each after a {:.1}s warm-up, interleaved with \
+         the other cases; closed loop, one keep-alive client per task; load generator, proxies and \
+         upstream share this process and its cores",
+        settings.measure.as_secs_f64(),
+        settings.rounds,
+        settings.measure.as_secs_f64() / settings.rounds as f64,
         settings.warmup.as_secs_f64(),
-        settings.measure.as_secs_f64()
     );
 
     let upstream = start_upstream().await;
     let proxy = start_proxy(&upstream).await;
-    let mut rows = Vec::new();
-    let mut open_rows = Vec::new();
     let mut notes = Vec::new();
-    let mut pgbench_tps = Vec::new();
-
-    println!("plain proxy:");
-    for c in CONCURRENCIES {
-        let url = format!("{proxy}/payments");
-        run_case(&mut rows, &settings, "plain proxy", "-", &url, Keys::None, c).await;
-    }
-    if let Some(rate) = open_rate(&rows) {
-        let measured = drive_open(&format!("{proxy}/payments"), Keys::None, rate, &settings).await;
-        println!("  plain proxy open loop at {rate:.0}/s: p99 {} us", measured.latency_us.value_at_quantile(0.99));
-        open_rows.push(Row { target: "plain proxy", store: "-".into(), concurrency: 0, measured });
-    }
+    let mut targets =
+        vec![Target { name: "plain proxy", store: "-".into(), url: format!("{proxy}/payments"), keys: Keys::None }];
 
     // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
     let dir = tempfile::Builder::new().prefix("idem-load-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     println!("SQLite files under {}", dir.path().display());
     let fsync = fsync_p50(dir.path());
     println!("this disk: one 4 KiB write + fdatasync, p50 {fsync} us (SQLite FULL pays one per commit)");
+    let mut stores = Vec::new();
     for (store, query) in [("sqlite FULL", ""), ("sqlite NORMAL", "?synchronous=normal")] {
-        if !settings.stores.iter().any(|s| store.eq_ignore_ascii_case(&format!("sqlite {s}"))) {
-            continue;
-        }
-        let sub = dir.path().join(store.replace(' ', "-"));
-        std::fs::create_dir_all(&sub).unwrap();
-        let url = format!("sqlite://{}{query}", sub.join("idem.db").display());
-        println!("idem on {store} ({url}):");
-        if let Err(e) = bench_idem(&mut rows, &mut open_rows, &settings, store, &url, &upstream).await {
-            let note = format!("{store} rows skipped: {e}");
-            println!("  {note}");
-            notes.push(note);
+        if settings.stores.iter().any(|s| store.eq_ignore_ascii_case(&format!("sqlite {s}"))) {
+            let sub = dir.path().join(store.replace(' ', "-"));
+            std::fs::create_dir_all(&sub).unwrap();
+            stores.push((store.to_string(), format!("sqlite://{}{query}", sub.join("idem.db").display())));
         }
     }
 
@@ -715,28 +758,83 @@ async fn bench(settings: Settings) {
                 .filter(|u| !u.is_empty())
                 .map(|u| ("IDEM_TEST_POSTGRES_URL", u))
         });
+    // Databases created for this run, dropped at its end: (server, name).
+    let mut databases = Vec::new();
+    let mut pgbench = None;
     match postgres.filter(|_| settings.stores.iter().any(|s| s == "postgres")) {
         None if !settings.stores.iter().any(|s| s == "postgres") => {}
         None => notes
             .push("postgres rows skipped: neither IDEM_BENCH_POSTGRES_URL nor IDEM_TEST_POSTGRES_URL is set".into()),
-        Some((var, server)) => match create_postgres_database(&server).await {
-            Err(e) => notes.push(format!("postgres rows skipped ({var}): {e}")),
-            Ok((url, name)) => {
-                println!("idem on postgres (fresh database {name}, from {var}):");
-                if let Err(e) = bench_idem(&mut rows, &mut open_rows, &settings, "postgres", &url, &upstream).await {
-                    let note = format!("postgres rows skipped: {e}");
-                    println!("  {note}");
-                    notes.push(note);
-                }
-                if let Err(e) = drop_postgres_database(&server, &name).await {
-                    println!("  could not drop database {name}: {e}");
-                }
-                match pgbench(&server, &settings).await {
-                    Ok(found) => pgbench_tps = found,
-                    Err(e) => notes.push(format!("pgbench comparison skipped: {e}")),
+        Some((var, server)) => {
+            match create_postgres_database(&server).await {
+                Err(e) => notes.push(format!("postgres rows skipped ({var}): {e}")),
+                Ok((url, name)) => {
+                    println!("postgres: fresh database {name}, from {var}");
+                    stores.push(("postgres".to_string(), url));
+                    databases.push((server.clone(), name));
                 }
             }
-        },
+            match Pgbench::prepare(&server).await {
+                Ok(found) => {
+                    databases.push((server.clone(), found.database.clone()));
+                    pgbench = Some(found);
+                }
+                Err(e) => notes.push(format!("pgbench comparison skipped: {e}")),
+            }
+        }
+    }
+
+    let mut brokers = Vec::new();
+    for (store, url) in stores {
+        let config = match Config::parse_with_env(&idem_config(&url, &upstream), |_| None) {
+            Ok(config) => config,
+            Err(e) => {
+                notes.push(format!("{store} rows skipped: config refused: {e}"));
+                continue;
+            }
+        };
+        match idem::server::start(config).await {
+            Ok(running) => {
+                println!("idem on {store} ({url})");
+                let url = format!("http://{}/payments", running.listen);
+                targets.push(Target {
+                    name: "idem new keys",
+                    store: store.clone(),
+                    url: url.clone(),
+                    keys: Keys::Fresh,
+                });
+                targets.push(Target { name: "idem replays", store: store.clone(), url, keys: Keys::Replay });
+                brokers.push((store, running));
+            }
+            Err(e) => notes.push(format!("{store} rows skipped: idem did not start: {e}")),
+        }
+    }
+
+    let (rows, pgbench_tps) = run_rounds(&targets, pgbench.as_ref(), &settings).await;
+
+    let mut open_rows = Vec::new();
+    if let Some(rate) = open_rate(&rows) {
+        for target in targets.iter().filter(|t| t.keys != Keys::Replay) {
+            let measured = drive_open(&target.url, target.keys, rate, &settings).await;
+            println!(
+                "  {} [{}] open loop at {rate:.0}/s: p99 {} us",
+                target.name,
+                target.store,
+                measured.latency_us.value_at_quantile(0.99)
+            );
+            open_rows.push(Row { target: target.name, store: target.store.clone(), concurrency: 0, measured });
+        }
+    }
+
+    for (store, running) in brokers {
+        if tokio::time::timeout(Duration::from_secs(10), running.shutdown()).await.is_err() {
+            println!("  (idem on {store} did not shut down within 10s; going on)");
+        }
+    }
+    for (server, name) in databases {
+        if let Err(e) = drop_postgres_database(&server, &name).await {
+            println!("  could not drop database {name}: {e}");
+        }
     }
     drop(dir);
 
@@ -759,48 +857,47 @@ async fn bench(settings: Settings) {
     print_table(&rows);
 }
 
-/// `pgbench -N` (its simple-update transaction: three statements and a commit) on a fresh
-/// database of the same server, at each concurrency, for the measured time: (c, tps).
-async fn pgbench(server: &str, settings: &Settings) -> Result<Vec<(usize, f64)>, String> {
-    let (url, name) = create_postgres_database(server).await?;
-    let run = |args: Vec<String>| {
-        let url = url.clone();
-        async move {
-            let out = tokio::process::Command::new("pgbench")
-                .args(&args)
-                .arg(&url)
-                .output()
-                .await
-                .map_err(|e| format!("cannot run pgbench: {e}"))?;
-            let text = String::from_utf8_lossy(&out.stdout).into_owned();
-            if !out.status.success() {
-                return Err(format!("pgbench {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
-            }
-            Ok(text)
+/// `pgbench -N` (its simple-update transaction: three statements and a commit) on its own fresh
+/// database of the PostgreSQL server Idem uses.
+struct Pgbench {
+    url: String,
+    database: String,
+}
+
+impl Pgbench {
+    async fn prepare(server: &str) -> Result<Pgbench, String> {
+        let (url, database) = create_postgres_database(server).await?;
+        let pgbench = Pgbench { url, database };
+        if let Err(e) = pgbench.run(&["-i", "-q", "-s", "10"]).await {
+            let _ = drop_postgres_database(server, &pgbench.database).await;
+            return Err(e);
         }
-    };
-    let mut found = Vec::new();
-    let mut result = run(vec!["-i".into(), "-q".into(), "-s".into(), "10".into()]).await.map(drop);
-    for c in CONCURRENCIES {
-        if result.is_err() {
-            break;
-        }
-        let secs = settings.measure.as_secs().max(1).to_string();
-        let args = vec!["-N".into(), "-c".into(), c.to_string(), "-j".into(), "2".into(), "-T".into(), secs];
-        result = run(args).await.and_then(|text| {
-            let tps = text
-                .lines()
-                .find_map(|l| l.strip_prefix("tps = "))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|n| n.parse::<f64>().ok())
-                .ok_or_else(|| "no `tps = ` line in pgbench's output".to_string())?;
-            println!("  pgbench -N c={c}: {tps:.0} tps");
-            found.push((c, tps));
-            Ok(())
-        });
+        Ok(pgbench)
     }
-    let _ = drop_postgres_database(server, &name).await;
-    result.map(|()| found)
+
+    async fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = tokio::process::Command::new("pgbench")
+            .args(args)
+            .arg(&self.url)
+            .output()
+            .await
+            .map_err(|e| format!("cannot run pgbench: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("pgbench {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Transactions per second at `clients` over `duration` (whole seconds, at least one).
+    async fn tps(&self, clients: usize, duration: Duration) -> Result<f64, String> {
+        let (clients, secs) = (clients.to_string(), duration.as_secs().max(1).to_string());
+        let text = self.run(&["-N", "-c", &clients, "-j", "2", "-T", &secs]).await?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("tps = "))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse::<f64>().ok())
+            .ok_or_else(|| "no `tps = ` line in pgbench's output".to_string())
+    }
 }
 
 /// Idem's new keys on PostgreSQL against `pgbench -N` on the same server and concurrency.
@@ -824,8 +921,9 @@ fn main() {
     // `cargo bench` passes `--bench`; a filter or other flags are not used by this benchmark.
     let settings = Settings {
         measure: seconds_from_env("IDEM_BENCH_SECS", 5.0),
-        warmup: seconds_from_env("IDEM_BENCH_WARMUP_SECS", 1.0),
+        warmup: seconds_from_env("IDEM_BENCH_WARMUP_SECS", 0.5),
         stores: stores_from_env(),
+        rounds: rounds_from_env(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(bench(settings));
