@@ -4,9 +4,10 @@
 //! that read before they write lock their row for that one transaction only. Work queues are
 //! taken with `FOR UPDATE SKIP LOCKED`, so nodes sweeping at once never wait on each other. A
 //! trigger announces settled and queued records on the `idem_records` channel, which one
-//! listening connection per process relays as [`Notice`]s.
+//! listening connection per process relays as [`Notice`]s. New keys that arrive together are
+//! inserted by one statement (see `admissions`).
 //!
-//! The SQL mirrors `sqlite.rs` statement for statement; that store's semantics are the
+//! The SQL mirrors `sqlite/writer.rs` statement for statement; that store's semantics are the
 //! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
 //! text (see `COLUMNS`), so the store needs no sqlx type features beyond the defaults.
 //!
@@ -17,6 +18,8 @@
 //! plan cached on the connection: each write then reads every in-progress record's entry. The
 //! other form cannot match an index, so the primary key is the only way in.
 
+mod admissions;
+
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -25,6 +28,7 @@ use sqlx::Row;
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
+use self::admissions::Admissions;
 use super::{
     decode, page, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord,
     Notice, Page, Resolution, Store, StoreError, Stored,
@@ -56,6 +60,7 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
 
 pub struct PostgresStore {
     pool: PgPool,
+    admissions: Admissions,
     notices: broadcast::Sender<Notice>,
     /// Dropped with the store, which stops the task relaying notifications.
     _relay: oneshot::Sender<()>,
@@ -75,7 +80,8 @@ impl PostgresStore {
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
         tokio::spawn(relay_notices(url.to_string(), listener, notices.clone(), stop));
-        Ok(PostgresStore { pool, notices, _relay: relay })
+        let admissions = Admissions::start(pool.clone());
+        Ok(PostgresStore { pool, admissions, notices, _relay: relay })
     }
 }
 
@@ -572,7 +578,7 @@ fn corrupt(what: &str) -> StoreError {
 #[async_trait]
 impl Store for PostgresStore {
     async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
-        admit(&self.pool, new, retention_cutoff).await
+        self.admissions.admit(new, retention_cutoff).await
     }
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
