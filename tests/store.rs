@@ -74,6 +74,7 @@ macro_rules! on_both_backends {
 on_both_backends!(
     admit_creates_a_record_then_returns_it_for_the_same_key,
     of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record,
+    concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored,
     two_tenants_with_one_key_have_independent_records,
     a_free_record_is_requeued_by_the_same_request_and_kept_from_another,
     a_done_record_past_retention_is_replaced_with_a_new_id,
@@ -340,6 +341,47 @@ async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(store
     assert_eq!(existing_ids, HashSet::from([created_ids[0]]), "the others all see that record");
     let listed = store.list(&ListFilter { limit: 100, ..ListFilter::default() }).await.unwrap();
     assert_eq!(listed.items.len(), 1);
+}
+
+/// Admissions arriving together (which a store may write together): fresh keys, some claimed
+/// and some queued, each sent twice, beside a key whose expired record is taken over. Each key
+/// gets one record, made by one of its admissions, and that admission's answer is the row.
+async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(store: Arc<dyn Store>) {
+    let old = done(&store, request("default", "expired", BODY), T0).await;
+    let admits: Vec<_> = (0..128)
+        .map(|i| {
+            let store = store.clone();
+            let key = if i == 127 { "expired".to_string() } else { format!("fresh-{}", i % 63) };
+            let claim = (i % 2 == 0).then(|| Claim { owner: WORKER.into(), lease_until: T0 + LEASE });
+            let new = NewRecord { claim, ..request("default", &key, BODY) };
+            tokio::spawn(async move { (key, store.admit(new, T0 + 1).await.unwrap()) })
+        })
+        .collect();
+    let mut made: HashMap<String, Vec<Record>> = HashMap::new();
+    let mut seen: HashMap<String, HashSet<Uuid>> = HashMap::new();
+    for admit in admits {
+        let (key, admission) = admit.await.unwrap();
+        let record = match admission {
+            Admission::Created(record) | Admission::Requeued(record) => {
+                made.entry(key.clone()).or_default().push(record.clone());
+                record
+            }
+            Admission::Existing(record) => record,
+        };
+        seen.entry(key).or_default().insert(record.id);
+    }
+    assert_eq!(made.len(), 64, "every key was admitted once: {:?}", made.keys());
+    for (key, records) in &made {
+        assert_eq!(records.len(), 1, "`{key}` was admitted {} times", records.len());
+        let stored = store.lookup("default", key).await.unwrap().unwrap();
+        assert_eq!(seen[key], HashSet::from([stored.id]), "`{key}`: every admission saw the one record");
+        if key != "expired" {
+            assert_same(&records[0], &stored);
+        }
+    }
+    let taken = store.lookup("default", "expired").await.unwrap().unwrap();
+    assert_ne!(taken.id, old.id, "the expired record was replaced");
+    assert_eq!(taken.state, State::NotStarted, "a record taken over is queued, not claimed");
 }
 
 async fn two_tenants_with_one_key_have_independent_records(store: Arc<dyn Store>) {
