@@ -5,21 +5,18 @@
 //! twice in one batch, a batch that failed — goes the one-row way ([`super::admit`]), which
 //! decides takeovers and reads the record that refused it.
 
-use std::sync::Arc;
-
 use sqlx::PgPool;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::super::{Admission, NewRecord, StoreError};
+use super::lanes::Lanes;
 use crate::record::Millis;
+use crate::store::{Admission, NewRecord, StoreError};
 
 /// The most admissions in one statement.
 const MAX_BATCH: usize = 128;
-/// Batches in flight at once: while some wait for their commit, the next ones fill up.
+/// Statements in flight at once.
 const LANES: usize = 4;
-/// Admissions waiting for a lane before callers wait to queue theirs.
-const QUEUE: usize = 4096;
 
 struct Pending {
     new: NewRecord,
@@ -28,44 +25,34 @@ struct Pending {
 }
 
 pub(super) struct Admissions {
-    queue: mpsc::Sender<Pending>,
+    lanes: Lanes<Pending>,
 }
 
 impl Admissions {
-    /// Starts the lanes; they stop once this is dropped and the queue has drained.
     pub(super) fn start(pool: PgPool) -> Admissions {
-        let (queue, waiting) = mpsc::channel(QUEUE);
-        let waiting = Arc::new(Mutex::new(waiting));
-        for _ in 0..LANES {
-            tokio::spawn(lane(pool.clone(), waiting.clone()));
-        }
-        Admissions { queue }
+        Admissions { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| admit_all(pool.clone(), batch)) }
     }
 
     pub(super) async fn admit(&self, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
         let (reply, answer) = oneshot::channel();
         let closed = || StoreError::Unavailable("the store is shutting down".into());
-        self.queue.send(Pending { new, cutoff, reply }).await.map_err(|_| closed())?;
+        if !self.lanes.queue(Pending { new, cutoff, reply }).await {
+            return Err(closed());
+        }
         answer.await.map_err(|_| closed())?
     }
 }
 
-/// Takes whatever has queued up (waiting when nothing has) and admits it, until the queue closes.
-async fn lane(pool: PgPool, waiting: Arc<Mutex<mpsc::Receiver<Pending>>>) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    loop {
-        if waiting.lock().await.recv_many(&mut batch, MAX_BATCH).await == 0 {
-            return;
-        }
-        admit_batch(&pool, &mut batch).await;
-    }
-}
-
-async fn admit_batch(pool: &PgPool, batch: &mut Vec<Pending>) {
+async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
     // Alone, it goes the one-row way at once: the same statement count as without batching,
     // and a key that exists is not tried twice.
-    let inserted = if batch.len() == 1 { Ok(Vec::new()) } else { insert_fresh(pool, batch).await };
-    for pending in batch.drain(..) {
+    if let [_] = batch[..] {
+        let pending = batch.remove(0);
+        let _ = pending.reply.send(super::admit(&pool, pending.new, pending.cutoff).await);
+        return;
+    }
+    let inserted = insert_fresh(&pool, &mut batch).await;
+    for pending in batch {
         match &inserted {
             Ok(ids) if ids.contains(&pending.new.id) => {
                 let _ = pending.reply.send(Ok(Admission::Created(pending.new.inserted())));

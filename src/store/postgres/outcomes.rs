@@ -1,0 +1,142 @@
+//! Outcomes of attempts, stored together: the attempts that ended at the same moment go to
+//! PostgreSQL as one call of `idem_end_attempts` (`migrations/postgres`), one round trip and one
+//! commit for all of them, where one statement each made PostgreSQL parse, execute, commit and
+//! answer each alone. The function updates row by row, exactly as one attempt's update would.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use super::lanes::Lanes;
+use super::one_element;
+use crate::policy::StopReason;
+use crate::record::{Attempt, Millis};
+use crate::store::{AfterAttempt, Lease, StoreError, Stored};
+
+/// The most outcomes in one call.
+const MAX_BATCH: usize = 128;
+/// Calls in flight at once.
+const LANES: usize = 4;
+
+/// One attempt's outcome, encoded for the call.
+struct Ending {
+    id: Uuid,
+    owner: String,
+    attempt: Option<String>,
+    state: &'static str,
+    stop: Option<&'static str>,
+    status: Option<i32>,
+    headers: Option<String>,
+    body: Option<Bytes>,
+    now: Millis,
+    queued: bool,
+    not_before: Option<Millis>,
+    reply: oneshot::Sender<Result<Lease, StoreError>>,
+}
+
+pub(super) struct Outcomes {
+    lanes: Lanes<Ending>,
+}
+
+impl Outcomes {
+    pub(super) fn start(pool: PgPool) -> Outcomes {
+        Outcomes { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| store(pool.clone(), batch)) }
+    }
+
+    /// Stores where the record goes after `attempt`, if `owner` still holds its lease.
+    pub(super) async fn attempt_ended(
+        &self,
+        id: Uuid,
+        owner: &str,
+        attempt: Option<Attempt>,
+        then: AfterAttempt,
+        now: Millis,
+    ) -> Result<Lease, StoreError> {
+        let Stored { state, stop, response, queued, not_before } = then.stored();
+        let (reply, answer) = oneshot::channel();
+        let ending = Ending {
+            id,
+            owner: owner.to_string(),
+            attempt: attempt.as_ref().map(one_element).transpose()?,
+            state: state.as_str(),
+            stop: stop.map(StopReason::as_str),
+            status: response.map(|r| i32::from(r.status)),
+            headers: response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
+            body: response.map(|r| r.body.clone()),
+            now,
+            queued,
+            not_before,
+            reply,
+        };
+        let closed = || StoreError::Unavailable("the store is shutting down".into());
+        if !self.lanes.queue(ending).await {
+            return Err(closed());
+        }
+        answer.await.map_err(|_| closed())?
+    }
+}
+
+/// Stores a batch; should the call fail, each outcome is tried alone, so that one bad outcome
+/// does not fail the others and each gets its own error.
+async fn store(pool: PgPool, batch: Vec<Ending>) {
+    let ended = match call(&pool, &batch).await {
+        Err(_) if batch.len() > 1 => {
+            for ending in batch {
+                let pool = pool.clone();
+                tokio::spawn(store_alone(pool, ending));
+            }
+            return;
+        }
+        ended => ended,
+    };
+    for ending in batch {
+        let _ = ending.reply.send(lease(&ended, ending.id));
+    }
+}
+
+async fn store_alone(pool: PgPool, ending: Ending) {
+    let ended = call(&pool, std::slice::from_ref(&ending)).await;
+    let _ = ending.reply.send(lease(&ended, ending.id));
+}
+
+fn lease(ended: &Result<HashMap<Uuid, bool>, StoreError>, id: Uuid) -> Result<Lease, StoreError> {
+    match ended {
+        Ok(ended) => Ok(match ended.get(&id) {
+            Some(&cancel_requested) => Lease::Held { cancel_requested },
+            None => Lease::Lost,
+        }),
+        Err(e) => Err(e.clone()),
+    }
+}
+
+/// Calls `idem_end_attempts`: the records whose lease was still held, and whether each was asked
+/// to cancel.
+async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<Uuid, bool>, StoreError> {
+    let rows: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT ended::text, cancel_requested FROM idem_end_attempts(
+             $1::text[]::uuid[], $2::text[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
+             $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[])",
+    )
+    .bind(batch.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.owner.as_str()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.attempt.as_deref()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.state).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.stop).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.status).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.headers.as_deref()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.body.as_deref()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.now).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.queued).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
+    .fetch_all(pool)
+    .await?;
+    rows.into_iter()
+        .map(|(id, cancel)| {
+            let id = Uuid::parse_str(&id).map_err(|e| StoreError::Corrupt(format!("record id `{id}`: {e}")))?;
+            Ok((id, cancel))
+        })
+        .collect()
+}
