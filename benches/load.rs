@@ -24,7 +24,10 @@
 //! `IDEM_BENCH_SECS` (default 5) sets the measured seconds per case, `IDEM_BENCH_ROUNDS`
 //! (default 5) the slices it is cut into, and `IDEM_BENCH_WARMUP_SECS` (default 0.5) the warm-up
 //! before each slice (and before the open loop); `IDEM_BENCH_STORES` (default
-//! `full,normal,postgres`) picks the stores. Run with `cargo bench --bench load`.
+//! `full,normal,postgres`) picks the stores. No log subscriber is installed, so Idem's spans and
+//! log lines cost next to nothing; `IDEM_BENCH_LOGS=1` installs what `idem serve` logs by default
+//! (text at `info`: a line per attempt and per settlement) writing to a sink, to price them. Run
+//! with `cargo bench --bench load`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -925,6 +928,10 @@ fn main() {
         stores: stores_from_env(),
         rounds: rounds_from_env(),
     };
+    if std::env::var_os("IDEM_BENCH_LOGS").is_some() {
+        // What `idem serve` logs by default, formatted as it would be, then thrown away.
+        tracing_subscriber::fmt().with_env_filter("info").with_writer(std::io::sink).init();
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(bench(settings));
     runtime.shutdown_timeout(Duration::from_secs(2));
