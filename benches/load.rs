@@ -280,6 +280,8 @@ struct Measured {
     errors: u64,
     error_samples: Vec<String>,
     elapsed: Duration,
+    /// CPU time this process used meanwhile, all threads together.
+    cpu: Duration,
 }
 
 impl Measured {
@@ -435,13 +437,14 @@ async fn drive(url: &str, keys: Keys, concurrency: usize, settings: &Settings) -
             ))
         })
         .collect();
-    let mut measured = Measured {
-        latency_us: histogram(),
-        requests: 0,
-        errors: 0,
-        error_samples: Vec::new(),
-        elapsed: Duration::ZERO,
-    };
+    let measure = settings.measure;
+    let cpu = tokio::spawn(async move {
+        tokio::time::sleep_until(warmup_until.into()).await;
+        let before = process_cpu();
+        tokio::time::sleep(measure).await;
+        process_cpu().saturating_sub(before)
+    });
+    let mut measured = Measured::empty();
     let mut first_start: Option<Instant> = None;
     let mut last_finish: Option<Instant> = None;
     for task in tasks {
@@ -458,7 +461,21 @@ async fn drive(url: &str, keys: Keys, concurrency: usize, settings: &Settings) -
         last_finish = Some(last_finish.map_or(r.finished, |l| l.max(r.finished)));
     }
     measured.elapsed = last_finish.unwrap() - first_start.unwrap();
+    measured.cpu = cpu.await.unwrap();
     measured
+}
+
+/// CPU time this process has used so far, every thread's (user and system), from
+/// `/proc/self/stat`; zero where there is no such file.
+fn process_cpu() -> Duration {
+    /// Linux counts these times in ticks of 1/100 s (`USER_HZ`).
+    const TICK: Duration = Duration::from_millis(10);
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else { return Duration::ZERO };
+    // The fields after the command name, which is in parentheses and may hold spaces: the 14th
+    // and 15th of the line (utime, stime) are the 12th and 13th of these.
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or(vec![], |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<u32>().ok()).unwrap_or(0);
+    TICK * (ticks(11) + ticks(12))
 }
 
 // ---- the open-loop load generator ---------------------------------------------------------------
@@ -536,6 +553,7 @@ async fn drive_open(url: &str, keys: Keys, rate: f64, settings: &Settings) -> Me
         errors: errors.load(std::sync::atomic::Ordering::Relaxed),
         error_samples: Vec::new(),
         elapsed: settings.measure,
+        cpu: Duration::ZERO,
     }
 }
 
@@ -558,11 +576,19 @@ struct Row {
 
 impl Measured {
     fn empty() -> Measured {
-        Measured { latency_us: histogram(), requests: 0, errors: 0, error_samples: Vec::new(), elapsed: Duration::ZERO }
+        Measured {
+            latency_us: histogram(),
+            requests: 0,
+            errors: 0,
+            error_samples: Vec::new(),
+            elapsed: Duration::ZERO,
+            cpu: Duration::ZERO,
+        }
     }
 
     /// Adds one slice of the same case.
     fn merge(&mut self, slice: Measured) {
+        self.cpu += slice.cpu;
         self.latency_us.add(&slice.latency_us).unwrap();
         self.requests += slice.requests;
         self.errors += slice.errors;
@@ -687,10 +713,10 @@ fn print_table(rows: &[Row]) {
     let proxy = |c: usize| rows.iter().find(|r| r.target == "plain proxy" && r.concurrency == c).map(|r| &r.measured);
     println!();
     println!(
-        "{:<14} {:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9}",
-        "target", "store", "c", "req/s", "p50 us", "p99 us", "p99.9 us", "errors", "x proxy", "+p50 us"
+        "{:<14} {:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9} {:>8}",
+        "target", "store", "c", "req/s", "p50 us", "p99 us", "p99.9 us", "errors", "x proxy", "+p50 us", "cpu us"
     );
-    println!("{}", "-".repeat(101));
+    println!("{}", "-".repeat(110));
     for row in rows {
         let m = &row.measured;
         let base = proxy(row.concurrency);
@@ -702,8 +728,9 @@ fn print_table(rows: &[Row]) {
             }
             _ => "-".into(),
         };
+        let cpu = m.cpu.as_secs_f64() * 1e6 / m.requests.max(1) as f64;
         println!(
-            "{:<14} {:<14} {:>3} {:>10.0} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9}",
+            "{:<14} {:<14} {:>3} {:>10.0} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9} {:>8.0}",
             row.target,
             row.store,
             row.concurrency,
@@ -713,7 +740,8 @@ fn print_table(rows: &[Row]) {
             m.latency_us.value_at_quantile(0.999),
             m.errors,
             ratio,
-            added
+            added,
+            cpu
         );
     }
 }
@@ -851,7 +879,8 @@ async fn bench(settings: Settings) {
     }
     println!(
         "x proxy: throughput / plain proxy's at the same c; +p50 us: p50 minus the plain proxy's \
-         (c=1 only); latencies of every answered request, in microseconds"
+         (c=1 only); cpu us: this process's CPU time per answered request, generator and upstream \
+         included (a PostgreSQL server's is not); latencies of every answered request, in microseconds"
     );
     if let Some(rate) = open_rate(&rows) {
         print_open_table(&open_rows, rate);
