@@ -5,7 +5,9 @@
 //! taken with `FOR UPDATE SKIP LOCKED`, so nodes sweeping at once never wait on each other. A
 //! trigger announces settled and queued records on the `idem_records` channel, which one
 //! listening connection per process relays as [`Notice`]s. New keys that arrive together are
-//! inserted by one statement (see `admissions`).
+//! inserted by one statement (`admissions`), and the outcomes of attempts that end together are
+//! stored by one call of a SQL function that updates each row as the one-row statement would
+//! (`outcomes`).
 //!
 //! The SQL mirrors `sqlite/writer.rs` statement for statement; that store's semantics are the
 //! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
