@@ -53,10 +53,13 @@ pub(super) struct TakeOver {
 
 /// Commits between two nudges to the checkpointer.
 const CHECKPOINT_EVERY: u32 = 32;
-/// How long the writer keeps looking for the next write before it sleeps. Waking a sleeping
-/// thread costs tens of microseconds (more on a virtual machine), and at low load a request's
-/// next write usually comes sooner: the upstream answers, or the client sends its next request.
-/// It yields between looks, so a thread with work to do loses nothing to it.
+/// How long the writer keeps looking for the next write, after a batch of one, before it sleeps.
+/// Waking a sleeping thread costs tens of microseconds (more on a virtual machine), and at low
+/// load a request's next write usually comes sooner: the upstream answers, or the client sends
+/// its next request. It yields between looks, so a thread with work to do gets the CPU; but
+/// under load each look is a system call and often a context switch, and the next bunch of
+/// writes pays for its wake-up many times over: after a batch of several, the writer sleeps at
+/// once (measured: 8–10 % less CPU per new key at c=64, the same latency at c=1).
 const LINGER: Duration = Duration::from_micros(100);
 /// WAL pages past which the writer checkpoints by itself, should the checkpointer fall behind.
 const WAL_BACKSTOP_PAGES: u32 = 20_000;
@@ -132,7 +135,9 @@ fn write_loop(mut conn: Connection, mut queue: mpsc::Receiver<Write>, checkpoint
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut done: Vec<Box<dyn Deliver>> = Vec::with_capacity(MAX_BATCH);
     let mut commits = 0u32;
-    while next_batch(&mut queue, &mut batch) {
+    let mut linger = LINGER;
+    while next_batch(&mut queue, &mut batch, linger) {
+        linger = if batch.len() == 1 { LINGER } else { Duration::ZERO };
         commits = commits.wrapping_add(1);
         if commits.is_multiple_of(CHECKPOINT_EVERY) {
             let _ = checkpoint.try_send(());
@@ -144,9 +149,9 @@ fn write_loop(mut conn: Connection, mut queue: mpsc::Receiver<Write>, checkpoint
     }
 }
 
-/// Fills `batch` with what has queued up, waiting (lingering first) if nothing has. False once
-/// every sender is gone.
-fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>) -> bool {
+/// Fills `batch` with what has queued up, waiting (lingering for up to `linger` first) if
+/// nothing has. False once every sender is gone.
+fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>, linger: Duration) -> bool {
     let since = Instant::now();
     loop {
         while batch.len() < MAX_BATCH {
@@ -158,7 +163,7 @@ fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>) -> bool
         if !batch.is_empty() {
             return true;
         }
-        if since.elapsed() >= LINGER {
+        if since.elapsed() >= linger {
             return queue.blocking_recv_many(batch, MAX_BATCH) > 0;
         }
         std::thread::yield_now();
