@@ -46,7 +46,7 @@ impl Admissions {
 async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
     // Alone, it goes the one-row way at once: the same statement count as without batching,
     // and a key that exists is not tried twice.
-    if let [_] = batch[..] {
+    if batch.len() == 1 {
         let pending = batch.remove(0);
         let _ = pending.reply.send(super::admit(&pool, pending.new, pending.cutoff).await);
         return;
