@@ -6,10 +6,9 @@
 //! decides takeovers and reads the record that refused it.
 
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::lanes::Lanes;
+use super::lanes::{Lanes, Reply};
 use crate::record::Millis;
 use crate::store::{Admission, NewRecord, StoreError};
 
@@ -21,7 +20,7 @@ const LANES: usize = 4;
 struct Pending {
     new: NewRecord,
     cutoff: Millis,
-    reply: oneshot::Sender<Result<Admission, StoreError>>,
+    reply: Reply<Admission>,
 }
 
 pub(super) struct Admissions {
@@ -34,12 +33,7 @@ impl Admissions {
     }
 
     pub(super) async fn admit(&self, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
-        let (reply, answer) = oneshot::channel();
-        let closed = || StoreError::Unavailable("the store is shutting down".into());
-        if !self.lanes.queue(Pending { new, cutoff, reply }).await {
-            return Err(closed());
-        }
-        answer.await.map_err(|_| closed())?
+        self.lanes.ask(|reply| Pending { new, cutoff, reply }).await
     }
 }
 

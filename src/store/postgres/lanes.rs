@@ -5,10 +5,15 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use crate::store::StoreError;
 
 /// Items waiting for a lane before callers wait to queue theirs.
 const QUEUE: usize = 4096;
+
+/// Where a lane sends an item's result.
+pub(super) type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
 
 pub(super) struct Lanes<T> {
     queue: mpsc::Sender<T>,
@@ -40,8 +45,11 @@ impl<T: Send + 'static> Lanes<T> {
         Lanes { queue }
     }
 
-    /// Queues `item`; false once the lanes have stopped.
-    pub(super) async fn queue(&self, item: T) -> bool {
-        self.queue.send(item).await.is_ok()
+    /// Queues the item `make` builds around its reply, and waits for that reply.
+    pub(super) async fn ask<R>(&self, make: impl FnOnce(Reply<R>) -> T) -> Result<R, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        let closed = || StoreError::Unavailable("the store is shutting down".into());
+        self.queue.send(make(reply)).await.map_err(|_| closed())?;
+        answer.await.map_err(|_| closed())?
     }
 }

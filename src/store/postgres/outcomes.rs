@@ -7,10 +7,9 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use sqlx::PgPool;
-use tokio::sync::oneshot;
 use uuid::Uuid;
 
-use super::lanes::Lanes;
+use super::lanes::{Lanes, Reply};
 use super::one_element;
 use crate::policy::StopReason;
 use crate::record::{Attempt, Millis};
@@ -34,7 +33,7 @@ struct Ending {
     now: Millis,
     queued: bool,
     not_before: Option<Millis>,
-    reply: oneshot::Sender<Result<Lease, StoreError>>,
+    reply: Reply<Lease>,
 }
 
 pub(super) struct Outcomes {
@@ -56,26 +55,23 @@ impl Outcomes {
         now: Millis,
     ) -> Result<Lease, StoreError> {
         let Stored { state, stop, response, queued, not_before } = then.stored();
-        let (reply, answer) = oneshot::channel();
-        let ending = Ending {
+        let attempt = attempt.as_ref().map(one_element).transpose()?;
+        let headers = response.map(|r| serde_json::to_string(&r.headers)).transpose()?;
+        let ending = |reply| Ending {
             id,
             owner: owner.to_string(),
-            attempt: attempt.as_ref().map(one_element).transpose()?,
+            attempt,
             state: state.as_str(),
             stop: stop.map(StopReason::as_str),
             status: response.map(|r| i32::from(r.status)),
-            headers: response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
+            headers,
             body: response.map(|r| r.body.clone()),
             now,
             queued,
             not_before,
             reply,
         };
-        let closed = || StoreError::Unavailable("the store is shutting down".into());
-        if !self.lanes.queue(ending).await {
-            return Err(closed());
-        }
-        answer.await.map_err(|_| closed())?
+        self.lanes.ask(ending).await
     }
 }
 
