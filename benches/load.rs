@@ -422,22 +422,16 @@ async fn client_task(
     result
 }
 
-async fn drive(url: &str, keys: Keys, concurrency: usize, settings: &Settings) -> Measured {
+/// One closed-loop slice: `concurrency` tasks warm up for `warmup`, then count for `measure`.
+async fn drive(url: &str, keys: Keys, concurrency: usize, warmup: Duration, measure: Duration) -> Measured {
     let url: Arc<str> = Arc::from(url);
     let run = uuid::Uuid::new_v4().simple().to_string();
-    let warmup_until = Instant::now() + settings.warmup;
+    let warmup_until = Instant::now() + warmup;
     let tasks: Vec<_> = (0..concurrency)
         .map(|i| {
-            tokio::spawn(client_task(
-                url.clone(),
-                keys,
-                format!("bench-{}-{i}", &run[..12]),
-                warmup_until,
-                settings.measure,
-            ))
+            tokio::spawn(client_task(url.clone(), keys, format!("bench-{}-{i}", &run[..12]), warmup_until, measure))
         })
         .collect();
-    let measure = settings.measure;
     let cpu = tokio::spawn(async move {
         tokio::time::sleep_until(warmup_until.into()).await;
         let before = process_cpu();
@@ -611,12 +605,7 @@ async fn run_rounds(
     pgbench: Option<&Pgbench>,
     settings: &Settings,
 ) -> (Vec<Row>, Vec<(usize, f64)>) {
-    let slice = Settings {
-        measure: settings.measure / settings.rounds as u32,
-        warmup: settings.warmup,
-        stores: Vec::new(),
-        rounds: 1,
-    };
+    let slice = settings.measure / settings.rounds as u32;
     let mut rows = Vec::new();
     let mut pgbench_tps = Vec::new();
     for c in CONCURRENCIES {
@@ -629,11 +618,11 @@ async fn run_rounds(
         for round in 0..settings.rounds {
             for i in 0..targets.len() {
                 let t = (i + round) % targets.len();
-                let measured = drive(&targets[t].url, targets[t].keys, c, &slice).await;
+                let measured = drive(&targets[t].url, targets[t].keys, c, settings.warmup, slice).await;
                 rows[first + t].measured.merge(measured);
             }
             if let (Some(pgbench), Ok(found)) = (pgbench, &mut tps) {
-                match pgbench.tps(c, slice.measure).await {
+                match pgbench.tps(c, slice).await {
                     Ok(one) => found.push(one),
                     Err(e) => tps = Err(e),
                 }
