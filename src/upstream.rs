@@ -123,6 +123,10 @@ impl Upstream {
         // The status arrived: from here on, any failure may follow an execution.
         let body =
             response.bytes().await.map_err(|e| if e.is_timeout() { Observed::TimedOut } else { Observed::Broken })?;
+        // A small body arrives as a slice of the connection's read buffer, and would keep all of
+        // it (8 KiB or more) alive for as long as the answer is cached for replays; the
+        // connection would allocate a new buffer for every response. A copy is the body's size.
+        let body = Bytes::copy_from_slice(&body);
         Ok(Answer { response: StoredResponse { status, headers, body }, retry_after })
     }
 }
@@ -195,5 +199,23 @@ mod tests {
         assert_eq!(names(&kept), ["content-type", "set-cookie", "set-cookie", "location"]);
         let back = to_header_map(&kept);
         assert_eq!(back.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_answer_owns_its_body_rather_than_a_slice_of_the_connection_buffer() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/payments", listener.local_addr().unwrap());
+        let app = axum::Router::new().fallback(|| async { (http::StatusCode::CREATED, r#"{"id":"pay_1"}"#) });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+
+        let upstream = Upstream::new();
+        for _ in 0..3 {
+            let answer = upstream.send("POST", &url, &[], Bytes::new(), Duration::from_secs(5)).await.unwrap();
+            let body = answer.response.body;
+            assert_eq!(&body[..], br#"{"id":"pay_1"}"#);
+            // A slice of the pooled connection's read buffer would keep all of it alive.
+            let owned = body.try_into_mut().expect("the body shares its allocation");
+            assert!(owned.capacity() < 1024, "the body holds a {} byte buffer", owned.capacity());
+        }
     }
 }
