@@ -62,10 +62,25 @@ pub struct Replay {
 #[derive(Clone)]
 pub struct ByteWeight;
 
+/// What the allocator adds to each block it hands out: its header, and rounding to 16 bytes.
+const PER_ALLOCATION: usize = 24;
+
+/// An entry's weight is the memory it holds, so that the cache's budget is what it costs: its
+/// bytes, and the parts and allocations around them. For an answer of 60 bytes with two
+/// headers that is 652, against 671 bytes of resident memory per entry measured over 200,000.
 impl quick_cache::Weighter<String, Arc<Replay>> for ByteWeight {
     fn weight(&self, key: &String, replay: &Arc<Replay>) -> u64 {
-        let headers: usize = replay.response.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
-        (key.len() + headers + replay.response.body.len() + 128) as u64
+        use std::mem::size_of;
+        let response = &replay.response;
+        let headers: usize = response.headers.iter().map(|(n, v)| n.len() + v.len() + 2 * PER_ALLOCATION).sum();
+        let text = key.len() + replay.route.len() + response.body.len() + headers;
+        // The cache's slot, the shared Replay (and its two counts), the header list; the key,
+        // the Replay, its route, its header list and its body are an allocation each.
+        let parts = size_of::<(String, Arc<Replay>)>()
+            + size_of::<Replay>()
+            + 2 * size_of::<usize>()
+            + response.headers.len() * size_of::<(String, String)>();
+        (text + parts + 5 * PER_ALLOCATION) as u64
     }
 }
 
