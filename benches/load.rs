@@ -472,6 +472,13 @@ fn process_cpu() -> Duration {
     TICK * (ticks(11) + ticks(12))
 }
 
+/// The most memory this process has held resident (`VmHWM`), where Linux says.
+fn peak_resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 // ---- the open-loop load generator ---------------------------------------------------------------
 
 /// Most requests outstanding at once in the open loop; a request due while this many are
@@ -865,6 +872,9 @@ async fn bench(settings: Settings) {
     }
     if errors > 0 {
         println!("note: {errors} requests failed or answered unexpectedly in total (see ERRORS above)");
+    }
+    if let Some(kib) = peak_resident_kib() {
+        println!("peak resident memory of this process (every target, generator and upstream): {} MiB", kib / 1024);
     }
     println!(
         "x proxy: throughput / plain proxy's at the same c; +p50 us: p50 minus the plain proxy's \
