@@ -88,9 +88,7 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.lease_until)).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
-    ids.iter()
-        .map(|id| Uuid::parse_str(id).map_err(|e| StoreError::Corrupt(format!("record id `{id}`: {e}"))))
-        .collect()
+    ids.iter().map(|id| super::record_id(id)).collect()
 }
 
 const INSERT_FRESH: &str = "

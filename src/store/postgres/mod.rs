@@ -332,6 +332,11 @@ async fn attempt_started(
     lease_of(row)
 }
 
+/// A record id that PostgreSQL returned as text.
+fn record_id(text: &str) -> Result<Uuid, StoreError> {
+    Uuid::parse_str(text).map_err(|e| StoreError::Corrupt(format!("record id `{text}`: {e}")))
+}
+
 /// A JSON array holding `item`: what `jsonb || …` appends as one element.
 fn one_element<T: serde::Serialize>(item: &T) -> Result<String, StoreError> {
     Ok(serde_json::to_string(&[item])?)
@@ -386,54 +391,56 @@ async fn settle(
     probe: bool,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
+    let (state, response) = resolution.stored();
+    let sql = unknown_update(
+        "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
+         response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
+         next_probe_at = NULL, probe_count = probe_count + $7, history = history || $8::jsonb",
+    );
+    let update = sqlx::query(&sql)
+        .bind(id.to_string())
+        .bind(state.as_str())
+        .bind(response.map(|r| i32::from(r.status)))
+        .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
+        .bind(response.map(|r| &r.body[..]))
+        .bind(entry.at)
+        .bind(i32::from(probe))
+        .bind(one_element(&entry)?);
+    on_unknown(pool, id, update).await
+}
+
+/// An update of one `unknown` record (`$1`) that sets `set` and returns the record.
+fn unknown_update(set: &str) -> String {
+    format!(
+        "UPDATE records SET {set}
+         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
+         RETURNING {COLUMNS}"
+    )
+}
+
+/// Runs `update` (made by [`unknown_update`]) on record `id`, locked first: a record that is not
+/// `unknown` is refused, with the state it is in.
+async fn on_unknown(
+    pool: &PgPool,
+    id: Uuid,
+    update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
     if let Some(answer) = refusal(lock(&mut tx, id).await?) {
         return Ok(answer);
     }
-    let (state, response) = resolution.stored();
-    let row = sqlx::query(&format!(
-        "UPDATE records SET state = $2, queued = FALSE, response_status = $3,
-                response_headers = $4::jsonb, response_body = $5,
-                done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
-                next_probe_at = NULL, probe_count = probe_count + $7,
-                history = history || $8::jsonb
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
-         RETURNING {COLUMNS}"
-    ))
-    .bind(id.to_string())
-    .bind(state.as_str())
-    .bind(response.map(|r| i32::from(r.status)))
-    .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
-    .bind(response.map(|r| &r.body[..]))
-    .bind(entry.at)
-    .bind(i32::from(probe))
-    .bind(one_element(&entry)?)
-    .fetch_one(&mut *tx)
-    .await?;
+    let row = update.fetch_one(&mut *tx).await?;
     tx.commit().await?;
     Ok(Action::Applied(decode(&row)?))
 }
 
 async fn retry(pool: &PgPool, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-    let mut tx = pool.begin().await?;
-    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
-        return Ok(answer);
-    }
-    let row = sqlx::query(&format!(
-        "UPDATE records SET state = 'not_started', queued = TRUE, deadline_at = $2,
-                stop_reason = NULL, cancel_requested = FALSE, next_probe_at = NULL,
-                updated_at = $3, history = history || $4::jsonb
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
-         RETURNING {COLUMNS}"
-    ))
-    .bind(id.to_string())
-    .bind(deadline_at)
-    .bind(entry.at)
-    .bind(one_element(&entry)?)
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(Action::Applied(decode(&row)?))
+    let sql = unknown_update(
+        "state = 'not_started', queued = TRUE, deadline_at = $2, stop_reason = NULL,
+         cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, history = history || $4::jsonb",
+    );
+    let update = sqlx::query(&sql).bind(id.to_string()).bind(deadline_at).bind(entry.at).bind(one_element(&entry)?);
+    on_unknown(pool, id, update).await
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -472,24 +479,11 @@ async fn probed(
     if let Some(resolution) = resolution {
         return settle(pool, id, resolution, true, entry).await;
     }
-    let mut tx = pool.begin().await?;
-    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
-        return Ok(answer);
-    }
-    let row = sqlx::query(&format!(
-        "UPDATE records SET probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3,
-                history = history || $4::jsonb
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
-         RETURNING {COLUMNS}"
-    ))
-    .bind(id.to_string())
-    .bind(next_at)
-    .bind(entry.at)
-    .bind(one_element(&entry)?)
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(Action::Applied(decode(&row)?))
+    let sql = unknown_update(
+        "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
+    );
+    let update = sqlx::query(&sql).bind(id.to_string()).bind(next_at).bind(entry.at).bind(one_element(&entry)?);
+    on_unknown(pool, id, update).await
 }
 
 /// Of several nodes claiming at once, each skips the rows another has locked: every record goes

@@ -129,10 +129,5 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<Uuid, bool>, St
     .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
     .fetch_all(pool)
     .await?;
-    rows.into_iter()
-        .map(|(id, cancel)| {
-            let id = Uuid::parse_str(&id).map_err(|e| StoreError::Corrupt(format!("record id `{id}`: {e}")))?;
-            Ok((id, cancel))
-        })
-        .collect()
+    rows.into_iter().map(|(id, cancel)| Ok((super::record_id(&id)?, cancel))).collect()
 }
