@@ -70,7 +70,6 @@ const PER_ALLOCATION: usize = 24;
 /// headers that is 652, against 671 bytes of resident memory per entry measured over 200,000.
 impl quick_cache::Weighter<String, Arc<Replay>> for ByteWeight {
     fn weight(&self, key: &String, replay: &Arc<Replay>) -> u64 {
-        use std::mem::size_of;
         let response = &replay.response;
         let headers: usize = response.headers.iter().map(|(n, v)| n.len() + v.len() + 2 * PER_ALLOCATION).sum();
         let text = key.len() + replay.route.len() + response.body.len() + headers;

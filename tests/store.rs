@@ -343,8 +343,8 @@ async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(store
     assert_eq!(listed.items.len(), 1);
 }
 
-/// Admissions arriving together (which a store may write together): fresh keys, some claimed
-/// and some queued, each sent twice, beside a key whose expired record is taken over. Each key
+/// Admissions arriving together (which a store may write together): fresh keys, each sent at
+/// least twice, once claimed and once queued, beside a key whose expired record is taken over. Each key
 /// gets one record, made by one of its admissions, and that admission's answer is the row.
 async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(store: Arc<dyn Store>) {
     let old = done(&store, request("default", "expired", BODY), T0).await;

@@ -24,6 +24,7 @@ mod admissions;
 mod lanes;
 mod outcomes;
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -162,7 +163,7 @@ fn parse_notice(payload: &str) -> Option<Notice> {
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
 /// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
 /// any number of concurrent admits one inserts or updates and the others see its result.
-fn admit_sql() -> String {
+static ADMIT: LazyLock<String> = LazyLock::new(|| {
     format!(
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
@@ -194,7 +195,7 @@ fn admit_sql() -> String {
                 AND records.fingerprint = excluded.fingerprint)
          RETURNING {COLUMNS}"
     )
-}
+});
 
 async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
@@ -207,7 +208,7 @@ async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
 
 /// The record that refused an admit, and whether it has since become admissible (then the
 /// admit is tried again rather than answered with a record that no longer refuses it).
-fn existing_sql() -> String {
+static EXISTING: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {COLUMNS},
                 COALESCE((state = 'done' AND done_at < $3)
@@ -215,7 +216,7 @@ fn existing_sql() -> String {
                          FALSE) AS admissible
          FROM records WHERE tenant = $1 AND key = $2"
     )
-}
+});
 
 async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
     let requeued = serde_json::to_string(&[HistoryEntry {
@@ -225,9 +226,8 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
         note: Some("the same request was sent again for a free key".into()),
     }])?;
     let request_headers = serde_json::to_string(&new.request.headers)?;
-    let (insert, existing) = (admit_sql(), existing_sql());
     for _ in 0..ADMIT_TRIES {
-        let row = sqlx::query(&insert)
+        let row = sqlx::query(&ADMIT)
             .bind(new.id.to_string())
             .bind(&new.tenant)
             .bind(&new.key)
@@ -254,7 +254,7 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
         }
         // The key's record refused this request. Read it; it may have changed (or been swept)
         // since, in which case the insert decides again.
-        let row = sqlx::query(&existing)
+        let row = sqlx::query(&EXISTING)
             .bind(&new.tenant)
             .bind(&new.key)
             .bind(cutoff)
