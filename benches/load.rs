@@ -285,6 +285,31 @@ struct Measured {
 }
 
 impl Measured {
+    fn empty() -> Measured {
+        Measured {
+            latency_us: histogram(),
+            requests: 0,
+            errors: 0,
+            error_samples: Vec::new(),
+            elapsed: Duration::ZERO,
+            cpu: Duration::ZERO,
+        }
+    }
+
+    /// Adds one slice of the same case.
+    fn merge(&mut self, slice: Measured) {
+        self.cpu += slice.cpu;
+        self.latency_us.add(&slice.latency_us).unwrap();
+        self.requests += slice.requests;
+        self.errors += slice.errors;
+        self.elapsed += slice.elapsed;
+        for sample in slice.error_samples {
+            if self.error_samples.len() < 5 && !self.error_samples.contains(&sample) {
+                self.error_samples.push(sample);
+            }
+        }
+    }
+
     fn per_second(&self) -> f64 {
         self.requests as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
@@ -552,9 +577,8 @@ async fn drive_open(url: &str, keys: Keys, rate: f64, settings: &Settings) -> Me
         latency_us,
         requests: answered.load(std::sync::atomic::Ordering::Relaxed),
         errors: errors.load(std::sync::atomic::Ordering::Relaxed),
-        error_samples: Vec::new(),
         elapsed: settings.measure,
-        cpu: Duration::ZERO,
+        ..Measured::empty()
     }
 }
 
@@ -573,33 +597,6 @@ struct Row {
     store: String,
     concurrency: usize,
     measured: Measured,
-}
-
-impl Measured {
-    fn empty() -> Measured {
-        Measured {
-            latency_us: histogram(),
-            requests: 0,
-            errors: 0,
-            error_samples: Vec::new(),
-            elapsed: Duration::ZERO,
-            cpu: Duration::ZERO,
-        }
-    }
-
-    /// Adds one slice of the same case.
-    fn merge(&mut self, slice: Measured) {
-        self.cpu += slice.cpu;
-        self.latency_us.add(&slice.latency_us).unwrap();
-        self.requests += slice.requests;
-        self.errors += slice.errors;
-        self.elapsed += slice.elapsed;
-        for sample in slice.error_samples {
-            if self.error_samples.len() < 5 && !self.error_samples.contains(&sample) {
-                self.error_samples.push(sample);
-            }
-        }
-    }
 }
 
 /// Drives every target at each concurrency, in rounds: each round gives each target one slice
