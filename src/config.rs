@@ -15,7 +15,8 @@ use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    /// The reason is the error's source, so that a report of the whole chain states it once.
+    #[error("cannot read {path}")]
     Read { path: String, source: std::io::Error },
     #[error("{0}")]
     Syntax(String),
@@ -80,6 +81,9 @@ pub struct Route {
     pub path_prefix: String,
     /// Base URL of the upstream, without a trailing slash; the request path is appended.
     pub upstream: String,
+    /// The upstream URL's own path without its trailing slash (`/orders-api`, or empty): every
+    /// path sent upstream is this followed by the request's path, and nothing else.
+    pub upstream_path: String,
     /// Methods that require an `Idempotency-Key`; any other method is proxied unrecorded.
     pub methods: Vec<Method>,
     /// May an attempt that possibly executed be sent again?
@@ -129,6 +133,14 @@ impl Config {
 
     pub fn uses_tenants(&self) -> bool {
         !self.auth.tenants.is_empty()
+    }
+}
+
+impl Route {
+    /// Where a request with this path and query goes upstream; refused unless the URL sent
+    /// has exactly the path matched (see [`crate::path`]).
+    pub fn upstream_url(&self, path: &str, query: &str) -> Result<reqwest::Url, crate::path::InvalidPath> {
+        crate::path::upstream_url(&self.upstream, &self.upstream_path, path, query)
     }
 }
 
@@ -314,8 +326,21 @@ fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, C
     if d.is_zero() {
         return Err(invalid(key, "must be greater than zero"));
     }
+    if d > MAX_DURATION {
+        return Err(invalid(key, format!("`{text}` is beyond any sane bound (at most 366 days)")));
+    }
     Ok(d)
 }
+
+/// No setting is meant to last longer than this; a longer one is a typo (`1000years`) whose
+/// arithmetic in milliseconds would overflow.
+const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// No count is meant to be larger than this.
+const MAX_COUNT: i64 = 1_000_000;
+
+/// Bodies are held in memory and stored whole: a larger limit is a typo (`100TiB`).
+const MAX_BODY: u64 = 1024 * 1024 * 1024;
 
 fn socket_addr(key: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
     let text = value.unwrap_or(default);
@@ -326,6 +351,9 @@ fn positive(key: &str, value: Option<i64>, default: i64) -> Result<usize, Config
     let v = value.unwrap_or(default);
     if v < 1 {
         return Err(invalid(key, format!("must be at least 1, got {v}")));
+    }
+    if v > MAX_COUNT {
+        return Err(invalid(key, format!("{v} is beyond any sane bound (at most {MAX_COUNT})")));
     }
     usize::try_from(v).map_err(|_| invalid(key, "is too large"))
 }
@@ -361,6 +389,15 @@ impl RawConfig {
             listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
             admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
         };
+        // Port 0 asks for any free port: two of them never collide.
+        let (data, admin) = (server.listen, server.admin_listen);
+        let same_host = data.ip() == admin.ip() || data.ip().is_unspecified() || admin.ip().is_unspecified();
+        if data.port() == admin.port() && data.port() != 0 && same_host {
+            return Err(invalid(
+                "server.admin_listen",
+                "must differ from server.listen: the admin API needs a listener of its own",
+            ));
+        }
 
         let store = self.store.unwrap_or_default();
         let url = store.url.unwrap_or_else(|| "sqlite://idem.db".into());
@@ -391,13 +428,20 @@ impl RawConfig {
             if !names.insert(route.name.clone()) {
                 return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
             }
-            if !prefixes.insert(route.path_prefix.clone()) {
+            // `/payments` and `/payments/` match the same requests.
+            if !prefixes.insert(route.path_prefix.trim_end_matches('/').to_string()) {
                 return Err(invalid(
                     format!("routes[{i}].path_prefix"),
                     format!("`{}` is used by two routes", route.path_prefix),
                 ));
             }
             routes.push(route);
+        }
+        if routes.is_empty() {
+            return Err(invalid(
+                "routes",
+                "no route is configured: add a [[routes]] table, or the broker would answer every request with 404",
+            ));
         }
 
         Ok(Config { server, store, auth, routes, worker })
@@ -436,6 +480,12 @@ fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<A
         })?;
         tenants.push(Tenant { name: t.name, token_sha256: digest });
     }
+    if !tenants.is_empty() && admin_token.is_none() {
+        return Err(invalid(
+            "auth.admin_token_env",
+            "must be set when tenants are configured: without it the admin API would show every tenant's records to anyone",
+        ));
+    }
     Ok(AuthConfig { admin_token, tenants })
 }
 
@@ -450,13 +500,8 @@ impl RawRoute {
         if prefix_matches("/_idem", &self.path_prefix) {
             return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
         }
-        let upstream = reqwest::Url::parse(&self.upstream)
-            .ok()
-            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
-            .ok_or_else(|| invalid(format!("{key}.upstream"), format!("`{}` is not an http(s) URL", self.upstream)))?;
-        if upstream.query().is_some() || upstream.fragment().is_some() {
-            return Err(invalid(format!("{key}.upstream"), "must not carry a query or fragment"));
-        }
+        crate::path::check(&self.path_prefix).map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
+        let upstream = upstream_url(&format!("{key}.upstream"), &self.upstream)?;
         let methods = match self.methods {
             None => vec![Method::POST, Method::PATCH],
             Some(list) if list.is_empty() => {
@@ -472,11 +517,18 @@ impl RawRoute {
         if max_body == 0 {
             return Err(invalid(format!("{key}.max_body"), "must be greater than zero"));
         }
+        if max_body > MAX_BODY {
+            return Err(invalid(
+                format!("{key}.max_body"),
+                format!("`{max_body_text}` is beyond any sane bound (at most 1GiB)"),
+            ));
+        }
         let probe = self.probe.map(|p| p.validate(&format!("{key}.probe"))).transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
-            upstream: self.upstream.trim_end_matches('/').to_string(),
+            upstream: upstream.as_str().trim_end_matches('/').to_string(),
+            upstream_path: upstream.path().trim_end_matches('/').to_string(),
             methods,
             replay_safe: self.replay_safe.unwrap_or(false),
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
@@ -487,6 +539,31 @@ impl RawRoute {
             probe,
         })
     }
+}
+
+/// An upstream base URL: http(s) with a host, nothing after its path, and no credentials —
+/// those come from the environment. The text is never echoed, since it may hold a password.
+fn upstream_url(key: &str, text: &str) -> Result<reqwest::Url, ConfigError> {
+    let url = reqwest::Url::parse(text)
+        .ok()
+        .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
+        .ok_or_else(|| invalid(key, "is not an http(s) URL with a host, like \"http://127.0.0.1:9000\""))?;
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(invalid(key, "must not carry user-info (`user:password@`): credentials in a URL end up in logs"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid(key, "must not carry a query or fragment"));
+    }
+    // The parser resolves dot-segments and encodes some characters: the path must come through as written.
+    let after_scheme = text.split_once("://").map_or(text, |(_, rest)| rest);
+    let written_path = after_scheme.find('/').map_or("", |i| &after_scheme[i..]);
+    if written_path.trim_end_matches('/') != url.path().trim_end_matches('/') {
+        return Err(invalid(
+            key,
+            "has a path that a URL parser rewrites (a `.` or `..` segment, or unencoded characters)",
+        ));
+    }
+    Ok(url)
 }
 
 impl RawRetry {
@@ -572,6 +649,12 @@ impl RawProbe {
     fn validate(self, key: &str) -> Result<Probe, ConfigError> {
         if !self.path.starts_with('/') {
             return Err(invalid(format!("{key}.path"), "must start with /"));
+        }
+        if !self.path.contains("{idempotency_key}") {
+            return Err(invalid(
+                format!("{key}.path"),
+                "must contain {idempotency_key}: without it every probe asks about the same thing",
+            ));
         }
         Ok(Probe {
             method: method(&format!("{key}.method"), self.method.as_deref().unwrap_or("GET"))?,
@@ -702,8 +785,71 @@ mod tests {
     }
 
     #[test]
+    fn configs_that_cannot_be_right_are_refused_without_echoing_secrets() {
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://user:hunter2@up\"\n");
+        assert!(e.contains("routes[0].upstream") && e.contains("user-info") && !e.contains("hunter2"), "{e}");
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://u:hunter2@up\"\n");
+        assert!(e.contains("routes[0].upstream") && !e.contains("hunter2"), "{e}");
+        let tenants = format!("{MINIMAL}[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n", "ab".repeat(32));
+        let e = error_of(&tenants);
+        assert!(e.contains("auth.admin_token_env") && e.contains("tenant"), "{e}");
+        let twins =
+            format!("{MINIMAL}[[routes]]\nname = \"p2\"\npath_prefix = \"/payments/\"\nupstream = \"http://x\"\n");
+        let e = error_of(&twins);
+        assert!(e.contains("routes[1].path_prefix"), "{e}");
+        let e =
+            error_of(&format!("[server]\nlisten = \"127.0.0.1:9000\"\nadmin_listen = \"127.0.0.1:9000\"\n{MINIMAL}"));
+        assert!(e.contains("server.admin_listen"), "{e}");
+        let e = error_of(&format!("[server]\nlisten = \"0.0.0.0:9000\"\nadmin_listen = \"127.0.0.1:9000\"\n{MINIMAL}"));
+        assert!(e.contains("server.admin_listen"), "{e}");
+        // Port 0 is any free port: two of them are fine.
+        let any = format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{MINIMAL}");
+        assert!(Config::parse_with_env(&any, no_env).is_ok());
+        let e = error_of(&format!("[store]\nretention = \"0s\"\n{MINIMAL}"));
+        assert!(e.contains("store.retention") && e.contains("greater than zero"), "{e}");
+        let e = error_of(&format!("[store]\nretention = \"1000years\"\n{MINIMAL}"));
+        assert!(e.contains("store.retention") && e.contains("bound"), "{e}");
+        let e = error_of(&with_retry_line("deadline = \"1000years\""));
+        assert!(e.contains("routes[0].retry.deadline") && e.contains("bound"), "{e}");
+        let e = error_of(&with_route_line("max_body = \"100TiB\""));
+        assert!(e.contains("routes[0].max_body") && e.contains("bound"), "{e}");
+        let e = error_of(&with_route_line("max_concurrency = 100000000000"));
+        assert!(e.contains("routes[0].max_concurrency") && e.contains("bound"), "{e}");
+        let e = error_of(&format!("{MINIMAL}[routes.probe]\npath = \"/payments/status\"\n"));
+        assert!(e.contains("routes[0].probe.path") && e.contains("{idempotency_key}"), "{e}");
+        for empty in ["", "[server]\n", "[store]\nurl = \"sqlite://x.db\"\n"] {
+            let e = error_of(empty);
+            assert!(e.contains("config key `routes`") && e.contains("no route"), "{e}");
+        }
+    }
+
+    #[test]
+    fn paths_that_a_parser_would_rewrite_are_refused_in_prefixes_and_upstreams() {
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p/../admin\"\nupstream = \"http://x\"\n");
+        assert!(e.contains("routes[0].path_prefix") && e.contains(".."), "{e}");
+        let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://x/api/../admin\"\n");
+        assert!(e.contains("routes[0].upstream") && e.contains("rewrites"), "{e}");
+        let c = Config::parse_with_env(
+            "[[routes]]\nname = \"o\"\npath_prefix = \"/orders\"\nupstream = \"http://x:1/orders-api/\"\n",
+            no_env,
+        )
+        .unwrap();
+        let route = &c.routes[0];
+        assert_eq!((route.upstream.as_str(), route.upstream_path.as_str()), ("http://x:1/orders-api", "/orders-api"));
+        assert_eq!(route.upstream_url("/orders/7", "").unwrap().as_str(), "http://x:1/orders-api/orders/7");
+    }
+
+    #[test]
+    fn a_read_error_states_its_reason_once() {
+        let e = Config::load(Path::new("/nonexistent/idem.toml")).unwrap_err();
+        let chain = format!("{:#}", anyhow::Error::new(e));
+        assert_eq!(chain.matches("No such file or directory").count(), 1, "{chain}");
+        assert!(chain.contains("/nonexistent/idem.toml"), "{chain}");
+    }
+
+    #[test]
     fn secrets_come_from_the_environment() {
-        let text = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
+        let text = &format!("[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n{MINIMAL}");
         let e = error_of(text);
         assert!(e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"), "{e}");
         let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into())).unwrap();
@@ -712,8 +858,10 @@ mod tests {
 
     #[test]
     fn tenant_tokens_are_configured_as_digests() {
-        let ok = format!("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n", "ab".repeat(32));
-        let c = Config::parse_with_env(&ok, no_env).unwrap();
+        let admin = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
+        let env = |v: &str| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".to_string());
+        let ok = format!("{admin}[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n{MINIMAL}", "ab".repeat(32));
+        let c = Config::parse_with_env(&ok, env).unwrap();
         assert_eq!(c.auth.tenants[0].token_sha256, [0xab; 32]);
         let e = error_of("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"plain-token\"\n");
         assert!(e.contains("auth.tenants[0].token_sha256"), "{e}");

@@ -167,6 +167,9 @@ fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
     let arrival = now_ms();
     let path = request.uri().path().to_string();
+    if let Err(why) = crate::path::check(&path) {
+        return Problem::invalid_path(&why).into_response();
+    }
     let Some(route) = app.config.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
@@ -219,8 +222,10 @@ impl Ingress {
         if declared.is_some_and(|n| n > route.max_body as u64) {
             return Err(Problem::too_large(route.max_body));
         }
-        let body = read_body(body, route.max_body).await?;
         let query = parts.uri.query().unwrap_or("");
+        // A path the upstream would not receive as matched is refused before anything is recorded.
+        route.upstream_url(parts.uri.path(), query).map_err(|why| Problem::invalid_path(&why))?;
+        let body = read_body(body, route.max_body).await?;
         let fingerprint = Fingerprint::of(
             &route.name,
             parts.method.as_str(),
@@ -464,13 +469,16 @@ impl Ingress {
     /// Methods that need no key are proxied as they are: nothing is recorded.
     async fn plain(&self, route: &Route, request: Request) -> Response {
         let (parts, body) = request.into_parts();
+        let url = match route.upstream_url(parts.uri.path(), parts.uri.query().unwrap_or("")) {
+            Ok(url) => url,
+            Err(why) => return Problem::invalid_path(&why).into_response(),
+        };
         let body = match read_body(body, route.max_body).await {
             Ok(body) => body,
             Err(problem) => return problem.into_response(),
         };
-        let url = format!("{}{}", route.upstream, parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"));
         let headers = upstream::forwardable_request_headers(&parts.headers, true);
-        match self.upstream.send(parts.method.as_str(), &url, &headers, body, route.retry.deadline).await {
+        match self.upstream.send(parts.method.as_str(), url, &headers, body, route.retry.deadline).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),

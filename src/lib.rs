@@ -26,6 +26,7 @@ pub mod fingerprint;
 pub mod ingress;
 pub mod key;
 pub mod metrics;
+pub mod path;
 pub mod policy;
 pub mod problem;
 pub mod reconcile;

@@ -56,6 +56,15 @@ impl Problem {
         )
     }
 
+    pub fn invalid_path(why: &crate::path::InvalidPath) -> Problem {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-path",
+            "Invalid path",
+            format!("Refused: {why}. Send the path as the resource's own, without `.` or `..` segments. Nothing was recorded or sent."),
+        )
+    }
+
     pub fn too_large(limit: usize) -> Problem {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,

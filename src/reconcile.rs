@@ -167,9 +167,14 @@ async fn probe_route(
 /// else → still unknown.
 async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
     let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
-    let url = format!("{}{}", route.upstream, path);
     let asked = format!("{} {}", probe.method, path);
-    match upstream.send(probe.method.as_str(), &url, &[], bytes::Bytes::new(), route.retry.per_try_timeout).await {
+    // A key such as `..` would climb out of the probe's path and ask about another resource.
+    let (path_only, query) = path.split_once('?').unwrap_or((&path, ""));
+    let url = match crate::path::check(path_only).and_then(|()| route.upstream_url(path_only, query)) {
+        Ok(url) => url,
+        Err(why) => return (None, format!("{asked} not sent: {why}")),
+    };
+    match upstream.send(probe.method.as_str(), url, &[], bytes::Bytes::new(), route.retry.per_try_timeout).await {
         Ok(answer) => {
             let status = answer.response.status;
             let note = format!("{asked} → {status}");

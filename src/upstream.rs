@@ -109,7 +109,7 @@ impl Upstream {
     pub async fn send(
         &self,
         method: &str,
-        url: &str,
+        url: reqwest::Url,
         headers: &[(String, String)],
         body: Bytes,
         limit: Duration,
@@ -210,7 +210,8 @@ mod tests {
 
         let upstream = Upstream::new();
         for _ in 0..3 {
-            let answer = upstream.send("POST", &url, &[], Bytes::new(), Duration::from_secs(5)).await.unwrap();
+            let answer =
+                upstream.send("POST", url.parse().unwrap(), &[], Bytes::new(), Duration::from_secs(5)).await.unwrap();
             let body = answer.response.body;
             assert_eq!(&body[..], br#"{"id":"pay_1"}"#);
             // A slice of the pooled connection's read buffer would keep all of it alive.

@@ -471,9 +471,15 @@ impl Inner {
             let progress = Progress::new(&record, Duration::ZERO);
             return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
         };
+        // Checked at ingress; only a route changed since then can make it fail here.
+        let Ok(url) = route.upstream_url(&record.path, &record.query) else {
+            warn!(route = %record.route, "the record's path would not reach the upstream as recorded; not sending it");
+            let progress = Progress::new(&record, Duration::ZERO);
+            return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
+        };
         let signal = Arc::new(CancelSignal::default());
         lock(&self.cancels).insert(record.id, signal.clone());
-        let outcome = self.attempts(&record, route, &signal, reserved).await;
+        let outcome = self.attempts(&record, route, url, &signal, reserved).await;
         lock(&self.cancels).remove(&record.id);
         outcome
     }
@@ -482,11 +488,11 @@ impl Inner {
         &self,
         record: &Record,
         route: &Route,
+        url: reqwest::Url,
         signal: &CancelSignal,
         reserved: Option<OwnedSemaphorePermit>,
     ) -> Outcome {
         let policy = &route.retry;
-        let url = format!("{}{}", route.upstream, record.path_and_query());
         let mut p = Progress::new(record, policy.deadline);
         // Taken over (or handed back) in the middle of a wait: the rest of it is still owed.
         if let Some(not_before) = record.not_before {
@@ -558,8 +564,13 @@ impl Inner {
                 self.guards.first_attempt(&route.name);
             }
             let clock = Instant::now();
-            let sent =
-                self.upstream.send(&record.method, &url, &record.request.headers, record.request.body.clone(), limit);
+            let sent = self.upstream.send(
+                &record.method,
+                url.clone(),
+                &record.request.headers,
+                record.request.body.clone(),
+                limit,
+            );
             let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
             let result = self.renewing(record.id, sent).instrument(span.clone()).await;
             let took = clock.elapsed();

@@ -64,10 +64,12 @@ async fn an_oversize_body_is_refused_and_nothing_is_recorded(b: Backend) {
     assert_eq!(upstream.hits("big") + upstream.hits("big-chunked"), 0);
 }
 
+/// Two tenants, and the admin token that tenants require.
 fn tenants_section() -> String {
+    std::env::set_var("IDEM_TEST_TENANTS_ADMIN_TOKEN", "tenants-admin-secret");
     let digest = |t: &str| hex::encode(Sha256::digest(t.as_bytes()));
     format!(
-        "[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n[[auth.tenants]]\nname = \"globex\"\ntoken_sha256 = \"{}\"\n",
+        "[auth]\nadmin_token_env = \"IDEM_TEST_TENANTS_ADMIN_TOKEN\"\n[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n[[auth.tenants]]\nname = \"globex\"\ntoken_sha256 = \"{}\"\n",
         digest("acme-token"),
         digest("globex-token")
     )

@@ -224,7 +224,51 @@ async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_bac
     assert!(upstream.log.lock().unwrap().seen.iter().all(|s| s.method == Method::POST || s.path.contains("by-key")));
 }
 
+async fn a_key_that_would_climb_out_of_the_probe_path_is_never_probed(b: Backend) {
+    let (upstream, broker) = setup(b).await;
+    // `/payments/by-key/..` is `/payments/` to a URL parser: its 404 would free a key whose
+    // operation may have executed, and the client's next retry would execute it again.
+    make_unknown(&upstream, &broker, "..", vec![]).await;
+
+    let until = Instant::now() + Duration::from_secs(5);
+    let record = loop {
+        // A URL client resolves `..` in `/_idem/requests/..` too: find the record as an operator.
+        let listed: Value = broker
+            .http
+            .get(format!("{}/admin/requests?state=unknown", broker.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let items = listed["items"].as_array().unwrap();
+        assert_eq!(items.len(), 1, "{listed:#}");
+        let id = items[0]["id"].as_str().unwrap();
+        let record: Value = broker
+            .http
+            .get(format!("{}/admin/requests/{id}", broker.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if !probe_entries(&record).is_empty() {
+            break record;
+        }
+        assert!(Instant::now() < until, "no probe was tried: {record:#}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(record["state"], "unknown", "{record:#}");
+    let note = probe_entries(&record)[0]["note"].as_str().unwrap().to_string();
+    assert!(note.contains("not sent") && note.contains(".."), "{note}");
+    let seen = upstream.log.lock().unwrap().seen.clone();
+    assert!(seen.iter().all(|s| s.method == Method::POST), "a probe was sent: {seen:?}");
+}
+
 both_stores!(
+    a_key_that_would_climb_out_of_the_probe_path_is_never_probed,
     a_probe_answering_2xx_settles_the_record_done_with_the_probes_answer,
     a_probe_answering_404_frees_the_key_and_the_next_request_executes,
     a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_backoff,

@@ -63,6 +63,8 @@ struct Seen {
     arrivals: HashMap<String, Vec<Instant>>,
     headers: HashMap<String, HeaderMap>,
     scripts: HashMap<String, VecDeque<Reply>>,
+    /// Every request's method and path (with its query), in order of arrival.
+    received: Vec<String>,
 }
 
 /// A fake upstream that counts every request per operation. By default it answers
@@ -91,6 +93,7 @@ fn operation(headers: &HeaderMap, path: &str) -> String {
 async fn answer(
     State(seen): State<Arc<Mutex<Seen>>>,
     Query(knobs): Query<Knobs>,
+    method: axum::http::Method,
     uri: axum::http::Uri,
     headers: HeaderMap,
     body: Bytes,
@@ -98,6 +101,7 @@ async fn answer(
     let op = operation(&headers, uri.path());
     let (n, scripted) = {
         let mut seen = seen.lock().unwrap();
+        seen.received.push(format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str())));
         let n = {
             let hits = seen.hits.entry(op.clone()).or_default();
             *hits += 1;
@@ -154,6 +158,11 @@ impl Upstream {
 
     pub fn hits(&self, op: &str) -> u32 {
         self.seen.lock().unwrap().hits.get(op).copied().unwrap_or(0)
+    }
+
+    /// Every request that reached it, as `METHOD /path?query`.
+    pub fn received(&self) -> Vec<String> {
+        self.seen.lock().unwrap().received.clone()
     }
 
     pub fn arrivals(&self, op: &str) -> Vec<Instant> {

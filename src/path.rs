@@ -1,0 +1,118 @@
+//! Request paths at the edge (SPEC §7): the path a route matches is the path stored and the
+//! path sent upstream, byte for byte.
+//!
+//! A URL parser between the broker and the upstream's handler — the HTTP client's, a framework's,
+//! a servlet container's — resolves `..` and `.` segments, and many decode `%2e` first. A path
+//! matched as `/payments/../admin` would then reach `/admin`, outside its route. So a path that
+//! any of them could rewrite is refused before it is matched, recorded or sent; and the upstream
+//! URL is checked after it is built, so that what the client parser did to it cannot pass unseen.
+
+use percent_encoding::percent_decode_str;
+
+/// Why a request path is refused: said to the client in a 400 problem `invalid-path`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidPath {
+    #[error("the path has a `.` or `..` segment (literal or percent-encoded), which could take it outside its route")]
+    DotSegment,
+    #[error("the path contains characters that must be percent-encoded, so it would not reach the upstream as sent")]
+    NotAsSent,
+}
+
+/// Refuses a path with a dot-segment in any spelling that some parser on the way resolves:
+/// `..`, `.`, `%2e%2E`, `.%2e`; one hidden behind an encoded or back slash (`%2e%2e%2f`,
+/// `..\`); and one followed by a matrix parameter (`..;x`), which servlet containers strip.
+pub fn check(path: &str) -> Result<(), InvalidPath> {
+    if path.split('/').any(segment_may_climb) {
+        return Err(InvalidPath::DotSegment);
+    }
+    Ok(())
+}
+
+fn segment_may_climb(segment: &str) -> bool {
+    // Most segments have no dot and nothing encoded: nothing to decode.
+    if !segment.bytes().any(|b| matches!(b, b'.' | b'%' | b'\\')) {
+        return false;
+    }
+    let decoded = percent_decode_str(segment).decode_utf8_lossy();
+    decoded.split(['/', '\\']).any(|part| {
+        let part = part.split(';').next().unwrap_or(part);
+        part == "." || part == ".."
+    })
+}
+
+/// The upstream URL for a request path (already [`check`]ed) and query: `base` followed by them,
+/// where `base` is the route's upstream and `base_path` that URL's own path without its trailing
+/// slash. Refused if the parsed URL's path is not exactly `base_path` + `path`: then the HTTP
+/// client would send something other than what was matched and recorded.
+pub fn upstream_url(base: &str, base_path: &str, path: &str, query: &str) -> Result<reqwest::Url, InvalidPath> {
+    let text = if query.is_empty() { format!("{base}{path}") } else { format!("{base}{path}?{query}") };
+    let url = reqwest::Url::parse(&text).map_err(|_| InvalidPath::NotAsSent)?;
+    let sent = url.path();
+    let as_matched = sent.len() == base_path.len() + path.len() && sent.starts_with(base_path) && sent.ends_with(path);
+    if !as_matched {
+        return Err(InvalidPath::NotAsSent);
+    }
+    Ok(url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_segments_are_refused_in_every_spelling() {
+        for path in [
+            "/payments/../admin",
+            "/payments/./x",
+            "/payments/..",
+            "/payments/.",
+            "/payments/%2e%2e/secret",
+            "/payments/%2E%2E/secret",
+            "/payments/.%2e/secret",
+            "/payments/%2E./secret",
+            "/payments/%2e/x",
+            "/payments/%2e%2e%2fsecret",
+            "/payments/%2e%2e%2Fsecret",
+            "/payments/..%5csecret",
+            "/payments/..\\secret",
+            "/payments\\..\\secret",
+            "/payments/..;jsessionid=1/secret",
+            "/orders/../../x",
+            "/..",
+        ] {
+            assert_eq!(check(path), Err(InvalidPath::DotSegment), "{path}");
+        }
+    }
+
+    #[test]
+    fn dots_inside_a_segment_are_ordinary_characters() {
+        for path in
+            ["/payments/a.b", "/payments/...", "/payments/.well-known", "/payments/v1.2/x..y", "/", "/p/%2e%2e%2e"]
+        {
+            assert_eq!(check(path), Ok(()), "{path}");
+        }
+    }
+
+    #[test]
+    fn the_url_sent_has_the_path_matched() {
+        let url = upstream_url("http://up:9000", "", "/payments/42", "a=1").unwrap();
+        assert_eq!(url.as_str(), "http://up:9000/payments/42?a=1");
+        let url = upstream_url("http://up/orders-api", "/orders-api", "/orders/7", "").unwrap();
+        assert_eq!(url.path(), "/orders-api/orders/7");
+        // Percent-encoded bytes stay as they came.
+        let url = upstream_url("http://up", "", "/payments/a%2Fb%20c", "").unwrap();
+        assert_eq!(url.path(), "/payments/a%2Fb%20c");
+    }
+
+    #[test]
+    fn a_path_the_client_would_rewrite_is_refused() {
+        // Unchecked dot-segments would leave the base path; a parser rewrites them.
+        assert_eq!(
+            upstream_url("http://up/orders-api", "/orders-api", "/orders/../../x", ""),
+            Err(InvalidPath::NotAsSent)
+        );
+        // Characters a URL parser percent-encodes, and back slashes it turns into slashes.
+        assert_eq!(upstream_url("http://up", "", "/payments/{x}", ""), Err(InvalidPath::NotAsSent));
+        assert_eq!(upstream_url("http://up", "", "/payments\\x", ""), Err(InvalidPath::NotAsSent));
+    }
+}
