@@ -56,8 +56,11 @@ pub struct AuthConfig {
     /// The admin bearer token, read from the environment variable the config names.
     /// `None` means the admin API takes no token.
     pub admin_token: Option<String>,
-    /// Empty means every caller is tenant "default".
+    /// Empty means every caller is tenant "default" — or, when a route forwards the client's
+    /// `Authorization`, the tenant of that credential's digest.
     pub tenants: Vec<Tenant>,
+    /// A header that carries the tenant token (e.g. `x-api-key`), read before `Authorization`.
+    pub token_header: Option<http::HeaderName>,
 }
 
 #[derive(Debug, Clone)]
@@ -89,6 +92,14 @@ pub struct Route {
     /// May an attempt that possibly executed be sent again?
     pub replay_safe: bool,
     pub forward_idempotency_key: bool,
+    /// Headers sent upstream on every attempt and probe (credentials), read from the
+    /// environment at start; marked sensitive, so `Debug` shows their names only.
+    pub upstream_headers: http::HeaderMap,
+    /// Send the client's own `Authorization` upstream. It is held in memory only, so an
+    /// attempt that would need it after its process is gone is not sent.
+    pub forward_authorization: bool,
+    /// Refuse a request on a keyed method that has no key (400), or proxy it unrecorded.
+    pub require_key: bool,
     pub max_body: usize,
     pub max_concurrency: usize,
     pub retry: RetryPolicy,
@@ -133,6 +144,12 @@ impl Config {
 
     pub fn uses_tenants(&self) -> bool {
         !self.auth.tenants.is_empty()
+    }
+
+    /// Keys are scoped by the client's credential: no tenants, and a route that forwards the
+    /// client's `Authorization` (each credential is an account of the upstream's).
+    pub fn scopes_by_credential(&self) -> bool {
+        !self.uses_tenants() && self.routes.iter().any(|r| r.forward_authorization)
     }
 }
 
@@ -212,6 +229,14 @@ pub fn describe(c: &Config) -> String {
             h(c.max_open_for),
             c.trials
         );
+        let credentials: Vec<&str> = r.upstream_headers.keys().map(|n| n.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "  upstream credentials: headers [{}] (values from the environment); client's Authorization {}; key {}",
+            credentials.join(", "),
+            if r.forward_authorization { "forwarded" } else { "not forwarded" },
+            if r.require_key { "required" } else { "optional (keyless requests proxied unrecorded)" }
+        );
         if let Some(probe) = &r.probe {
             let _ = writeln!(out, "  probe {} {} after {}", probe.method, probe.path, h(probe.settle));
         }
@@ -250,6 +275,7 @@ struct RawStore {
 #[serde(deny_unknown_fields)]
 struct RawAuth {
     admin_token_env: Option<String>,
+    token_header: Option<String>,
     #[serde(default)]
     tenants: Vec<RawTenant>,
 }
@@ -277,6 +303,10 @@ struct RawRoute {
     methods: Option<Vec<String>>,
     replay_safe: Option<bool>,
     forward_idempotency_key: Option<bool>,
+    #[serde(default)]
+    upstream_headers_env: std::collections::BTreeMap<String, String>,
+    forward_authorization: Option<bool>,
+    require_key: Option<bool>,
     max_body: Option<String>,
     max_concurrency: Option<i64>,
     retry: Option<RawRetry>,
@@ -424,7 +454,7 @@ impl RawConfig {
         let mut prefixes = HashSet::new();
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
-            let route = raw.validate(&format!("routes[{i}]"))?;
+            let route = raw.validate(&format!("routes[{i}]"), env)?;
             if !names.insert(route.name.clone()) {
                 return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
             }
@@ -436,6 +466,15 @@ impl RawConfig {
                 ));
             }
             routes.push(route);
+        }
+        if let Some(i) = routes.iter().position(|r| r.forward_authorization) {
+            if !auth.tenants.is_empty() && auth.token_header.is_none() {
+                return Err(invalid(
+                    format!("routes[{i}].forward_authorization"),
+                    "with tenants, set [auth] token_header: the client's Authorization goes upstream, so the \
+                     tenant token must come in a header of its own",
+                ));
+            }
         }
         if routes.is_empty() {
             return Err(invalid(
@@ -480,17 +519,24 @@ fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<A
         })?;
         tenants.push(Tenant { name: t.name, token_sha256: digest });
     }
+    let token_header = raw
+        .token_header
+        .map(|name| {
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| invalid("auth.token_header", format!("`{name}` is not a header name")))
+        })
+        .transpose()?;
     if !tenants.is_empty() && admin_token.is_none() {
         return Err(invalid(
             "auth.admin_token_env",
             "must be set when tenants are configured: without it the admin API would show every tenant's records to anyone",
         ));
     }
-    Ok(AuthConfig { admin_token, tenants })
+    Ok(AuthConfig { admin_token, tenants, token_header })
 }
 
 impl RawRoute {
-    fn validate(self, key: &str) -> Result<Route, ConfigError> {
+    fn validate(self, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Route, ConfigError> {
         if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
             return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
         }
@@ -524,6 +570,8 @@ impl RawRoute {
             ));
         }
         let probe = self.probe.map(|p| p.validate(&format!("{key}.probe"))).transpose()?;
+        let upstream_headers =
+            upstream_headers(&format!("{key}.upstream_headers_env"), &self.upstream_headers_env, env)?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
@@ -532,6 +580,9 @@ impl RawRoute {
             methods,
             replay_safe: self.replay_safe.unwrap_or(false),
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
+            upstream_headers,
+            forward_authorization: self.forward_authorization.unwrap_or(false),
+            require_key: self.require_key.unwrap_or(true),
             max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
             retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
@@ -539,6 +590,28 @@ impl RawRoute {
             probe,
         })
     }
+}
+
+/// Header name → the environment variable holding its value. The value is never echoed.
+fn upstream_headers(
+    key: &str,
+    names: &std::collections::BTreeMap<String, String>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<http::HeaderMap, ConfigError> {
+    let mut headers = http::HeaderMap::new();
+    for (name, var) in names {
+        let key = format!("{key}.{name}");
+        let header = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid(&key, format!("`{name}` is not a header name")))?;
+        let value = env(var)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| invalid(&key, format!("the environment variable {var} is not set (or empty)")))?;
+        let mut value = http::HeaderValue::from_str(&value)
+            .map_err(|_| invalid(&key, format!("the value of {var} is not a valid header value")))?;
+        value.set_sensitive(true);
+        headers.insert(header, value);
+    }
+    Ok(headers)
 }
 
 /// An upstream base URL: http(s) with a host, nothing after its path, and no credentials —

@@ -11,17 +11,18 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
-use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{Config, Route};
+use crate::credentials;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
 use crate::policy::StopReason;
-use crate::problem::{Problem, STATUS_HEADER};
+use crate::policy::{outcome_eta, Pending};
+use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, NewRecord, Store};
 use crate::upstream::{self, Upstream};
@@ -137,33 +138,6 @@ impl Prefer {
     }
 }
 
-/// The caller's tenant: "default" when no tenants are configured, else the one whose token
-/// digest matches the bearer token.
-fn authenticate(config: &Config, headers: &HeaderMap) -> Result<String, Problem> {
-    if !config.uses_tenants() {
-        return Ok("default".to_string());
-    }
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim())
-        .ok_or_else(Problem::unauthorized)?;
-    let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-    config
-        .auth
-        .tenants
-        .iter()
-        .find(|t| constant_time_eq(&t.token_sha256, &digest))
-        .map(|t| t.name.clone())
-        .ok_or_else(Problem::unauthorized)
-}
-
-fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
     let arrival = now_ms();
     let path = request.uri().path().to_string();
@@ -174,8 +148,13 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         return Problem::no_route(&path).into_response();
     };
     let route = route.clone();
-    let keyed = route.methods.contains(request.method());
-    let answer = match authenticate(&app.config, request.headers()) {
+    let sent_key = request.headers().get(crate::key::HEADER).cloned();
+    let keyed_method = route.methods.contains(request.method());
+    let keyed = keyed_method && (sent_key.is_some() || route.require_key);
+    if keyed_method && !keyed {
+        metrics::unkeyed(&route.name);
+    }
+    let answer = match credentials::tenant(&app.config, request.headers()) {
         Err(p) => Err(p),
         Ok(tenant) if keyed => {
             // One span per logical request; its executions and attempts are logged beneath it.
@@ -184,13 +163,23 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         }
         Ok(_) => Ok(app.plain(&route, request).await),
     };
-    match answer {
+    let mut response = match answer {
         Ok(response) => response,
         Err(problem) if keyed && problem.idempotency_status.is_none() => {
             problem.state(State::NotStarted).into_response()
         }
         Err(problem) => problem.into_response(),
+    };
+    if keyed {
+        let headers = response.headers_mut();
+        // The key the answer is for, so that a client whose SDK made it up can find its record.
+        if let Some(key) = sent_key.filter(|k| IdempotencyKey::parse_header(k.as_bytes()).is_ok()) {
+            headers.insert(crate::key::HEADER, key);
+        }
+        // An answer that says nothing else is final: the upstream's, or the broker's own.
+        headers.entry(SHOULD_RETRY_HEADER).or_insert(HeaderValue::from_static("false"));
     }
+    response
 }
 
 async fn read_body(body: Body, limit: usize) -> Result<Bytes, Problem> {
@@ -284,6 +273,10 @@ impl Ingress {
         let record = match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
             Admission::Created(record) | Admission::Requeued(record) => {
                 metrics::request(&route.name);
+                if route.forward_authorization {
+                    let credential = parts.headers.get(header::AUTHORIZATION).cloned();
+                    self.worker.hold_credential(record.id, credential, record.deadline_at);
+                }
                 return Ok(self.execute(record, slot, reservation, prefer).await);
             }
             Admission::Existing(record) => record,
@@ -421,9 +414,14 @@ impl Ingress {
             },
             Phase::Unknown => Problem::outcome_unknown().state(State::Unknown).into_response(),
             Phase::Queued | Phase::InProgress => {
-                let left = (record.deadline_at - now_ms()).max(0) as u64;
-                let seconds = left.div_ceil(1000).clamp(1, 5);
-                Problem::in_progress(seconds).state(record.state).into_response()
+                let pending = Pending {
+                    now: now_ms(),
+                    in_flight_since: record.in_flight.map(|(_, started)| started),
+                    next_attempt_at: record.not_before,
+                    deadline_at: record.deadline_at,
+                };
+                let eta = outcome_eta(pending, self.worker.pace().typical(&record.route));
+                Problem::in_progress(eta).state(record.state).into_response()
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
             Phase::Free => match record.stop_reason {
@@ -478,7 +476,11 @@ impl Ingress {
             Err(problem) => return problem.into_response(),
         };
         let headers = upstream::forwardable_request_headers(&parts.headers, true);
-        match self.upstream.send(parts.method.as_str(), url, &headers, body, route.retry.deadline).await {
+        let mut credentials = route.upstream_headers.clone();
+        if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
+            credentials.insert(header::AUTHORIZATION, credential.clone());
+        }
+        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, route.retry.deadline).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
@@ -492,9 +494,14 @@ fn outcome_response(outcome: Outcome) -> Response {
         Outcome::Done(StopReason::Deadline, _) => Problem::deadline_exceeded().state(State::Done).into_response(),
         Outcome::Done(_, response) => stored_response(&response, false),
         Outcome::Unknown(_) => Problem::outcome_unknown().state(State::Unknown).into_response(),
-        Outcome::Free(_, Some(last)) => {
+        Outcome::Free(stop, Some(last)) => {
             let mut response = response_of(&last);
-            response.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
+            let headers = response.headers_mut();
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
+            // The broker has retried already; only an upstream that asked for more time than the
+            // deadline left is worth asking again, later.
+            let again = stop == StopReason::RetryAfterBeyondDeadline;
+            headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
             response
         }
         Outcome::Free(stop, None) => {
@@ -505,11 +512,16 @@ fn outcome_response(outcome: Outcome) -> Response {
                 StopReason::RetryBudget => {
                     Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
                 }
+                StopReason::RetryAfterBeyondDeadline => {
+                    Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
+                        .retry_after(1)
+                        .retryable()
+                }
                 _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
             };
             problem.state(State::NotStarted).into_response()
         }
-        Outcome::Lost => Problem::in_progress(1).state(State::InProgress).into_response(),
+        Outcome::Lost => Problem::in_progress(Duration::from_secs(1)).state(State::InProgress).into_response(),
     }
 }
 
@@ -518,6 +530,7 @@ fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
     let mut response = response_of(stored);
     let headers = response.headers_mut();
     headers.insert(STATUS_HEADER, HeaderValue::from_static(State::Done.as_str()));
+    headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
     if replayed {
         headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     }
@@ -534,7 +547,7 @@ fn response_of(stored: &StoredResponse) -> Response {
 // ---- /_idem/requests/{key} -----------------------------------------------------------------
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
-    let tenant = authenticate(&app.config, headers)?;
+    let tenant = credentials::tenant(&app.config, headers)?;
     let key = IdempotencyKey::parse(key).map_err(|e| match e {
         KeyError::Missing => Problem::missing_key(),
         KeyError::Invalid(why) => Problem::invalid_key(why),

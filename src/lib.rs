@@ -21,6 +21,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod credentials;
 pub mod demo;
 pub mod fingerprint;
 pub mod ingress;

@@ -75,6 +75,12 @@ pub fn answered(route: &str, kind: &'static str) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
 }
 
+/// A request on a keyed method came without a key, on a route that does not require one: it
+/// was proxied unrecorded.
+pub fn unkeyed(route: &str) {
+    counter!("idem_unkeyed_requests_total", "route" => route.to_string()).increment(1);
+}
+
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
 /// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time.
 pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> String {

@@ -9,6 +9,10 @@ use crate::record::State;
 use crate::store::StoreError;
 
 pub const STATUS_HEADER: &str = "idempotency-status";
+/// Whether the client's own retry logic should send the request again (`true`/`false`).
+pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
+/// `Retry-After` in milliseconds, for clients that can wait less than a second.
+pub const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
 
 #[derive(Debug, Clone)]
 pub struct Problem {
@@ -16,19 +20,41 @@ pub struct Problem {
     pub name: &'static str,
     pub title: &'static str,
     pub detail: String,
-    /// Seconds the client should wait before asking again.
-    pub retry_after: Option<u64>,
+    /// How long the client should wait before asking again, in milliseconds; `Retry-After`
+    /// says it in whole seconds, at least one.
+    pub retry_after_ms: Option<u64>,
+    /// Can the same request, sent again later, get a better answer? Said as `x-should-retry`,
+    /// which SDKs read to decide for themselves; false where the broker already retried.
+    pub retryable: bool,
     /// The record's state, for answers on keyed routes.
     pub idempotency_status: Option<State>,
 }
 
 impl Problem {
     pub fn new(status: StatusCode, name: &'static str, title: &'static str, detail: impl Into<String>) -> Problem {
-        Problem { status, name, title, detail: detail.into(), retry_after: None, idempotency_status: None }
+        Problem {
+            status,
+            name,
+            title,
+            detail: detail.into(),
+            retry_after_ms: None,
+            retryable: false,
+            idempotency_status: None,
+        }
     }
 
-    pub fn retry_after(mut self, seconds: u64) -> Problem {
-        self.retry_after = Some(seconds.max(1));
+    pub fn retry_after(self, seconds: u64) -> Problem {
+        self.retry_after_ms(seconds.max(1) * 1000)
+    }
+
+    pub fn retry_after_ms(mut self, ms: u64) -> Problem {
+        self.retry_after_ms = Some(ms);
+        self
+    }
+
+    /// Sending the same request again later may succeed.
+    pub fn retryable(mut self) -> Problem {
+        self.retryable = true;
         self
     }
 
@@ -92,7 +118,7 @@ impl Problem {
         )
     }
 
-    pub fn in_progress(retry_after: u64) -> Problem {
+    pub fn in_progress(retry_after: std::time::Duration) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "request-in-progress",
@@ -100,7 +126,8 @@ impl Problem {
             "A request with this Idempotency-Key is being executed. Retry after the indicated time with \
              the same key to get its outcome, or send `Prefer: wait=N` to wait for it.",
         )
-        .retry_after(retry_after)
+        .retry_after_ms(retry_after.as_millis() as u64)
+        .retryable()
     }
 
     pub fn key_reused() -> Problem {
@@ -175,6 +202,7 @@ impl Problem {
              sent: retry after the indicated time with the same key.",
         )
         .retry_after(1)
+        .retryable()
     }
 
     pub fn circuit_open(retry_after: u64) -> Problem {
@@ -186,6 +214,7 @@ impl Problem {
              Nothing was recorded or sent: retry after the indicated time with the same key.",
         )
         .retry_after(retry_after)
+        .retryable()
     }
 
     pub fn not_found() -> Problem {
@@ -207,6 +236,7 @@ impl Problem {
              upstream. Retry later with the same key.",
         )
         .retry_after(1)
+        .retryable()
     }
 
     pub fn bad_request(name: &'static str, detail: impl Into<String>) -> Problem {
@@ -216,17 +246,26 @@ impl Problem {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let body = json!({
+        let mut body = json!({
             "type": format!("urn:idem:problem:{}", self.name),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
+            "retryable": self.retryable,
+            // The shape SDKs of payment APIs read an error from, so they raise their own
+            // idempotency error with this message rather than "invalid response".
+            "error": { "type": "idempotency_error", "code": self.name, "message": self.detail },
         });
+        if let Some(ms) = self.retry_after_ms {
+            body["retry_after_ms"] = ms.into();
+        }
         let mut response = (self.status, body.to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
-        if let Some(seconds) = self.retry_after {
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if self.retryable { "true" } else { "false" }));
+        if let Some(ms) = self.retry_after_ms {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000).max(1)));
+            headers.insert(RETRY_AFTER_MS_HEADER, HeaderValue::from(ms));
         }
         if let Some(state) = self.idempotency_status {
             headers.insert(STATUS_HEADER, HeaderValue::from_static(state.as_str()));

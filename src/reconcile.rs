@@ -174,7 +174,17 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
         Ok(url) => url,
         Err(why) => return (None, format!("{asked} not sent: {why}")),
     };
-    match upstream.send(probe.method.as_str(), url, &[], bytes::Bytes::new(), route.retry.per_try_timeout).await {
+    match upstream
+        .send(
+            probe.method.as_str(),
+            url,
+            &[],
+            &route.upstream_headers,
+            bytes::Bytes::new(),
+            route.retry.per_try_timeout,
+        )
+        .await
+    {
         Ok(answer) => {
             let status = answer.response.status;
             let note = format!("{asked} → {status}");

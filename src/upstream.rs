@@ -111,11 +111,15 @@ impl Upstream {
         method: &str,
         url: reqwest::Url,
         headers: &[(String, String)],
+        credentials: &HeaderMap,
         body: Bytes,
         limit: Duration,
     ) -> Result<Answer, Observed> {
         let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
-        let request = self.client.request(method, url).headers(to_header_map(headers)).body(body).timeout(limit);
+        let mut headers = to_header_map(headers);
+        // Credentials are added at the send, never to what is stored.
+        headers.extend(credentials.clone());
+        let request = self.client.request(method, url).headers(headers).body(body).timeout(limit);
         let response = request.send().await.map_err(|e| observed(&e))?;
         let status = response.status().as_u16();
         let retry_after = response.headers().get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
@@ -210,8 +214,10 @@ mod tests {
 
         let upstream = Upstream::new();
         for _ in 0..3 {
-            let answer =
-                upstream.send("POST", url.parse().unwrap(), &[], Bytes::new(), Duration::from_secs(5)).await.unwrap();
+            let answer = upstream
+                .send("POST", url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(5))
+                .await
+                .unwrap();
             let body = answer.response.body;
             assert_eq!(&body[..], br#"{"id":"pay_1"}"#);
             // A slice of the pooled connection's read buffer would keep all of it alive.

@@ -15,7 +15,7 @@ use uuid::Uuid;
 use crate::config::{Config, Route};
 use crate::metrics;
 use crate::policy::{
-    self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, RetryBudget, Settlement, StopReason,
+    self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, Pace, RetryBudget, Settlement, StopReason,
 };
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
 use crate::store::{self, Claim, Lease, Store};
@@ -215,6 +215,11 @@ struct Inner {
     permits: Arc<Semaphore>,
     settled: Arc<Settled>,
     guards: Arc<Guards>,
+    /// Each route's typical attempt duration, for the 409's estimate of when an outcome is due.
+    pace: Pace,
+    /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
+    /// sent none): held in memory only, from admission until the execution starts, never stored.
+    credentials: Mutex<HeldCredentials>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
@@ -266,12 +271,39 @@ impl Progress {
     }
 }
 
+/// Client credentials waiting for their execution to start. One whose record another node ran
+/// is never taken: it is dropped once its deadline has passed.
+#[derive(Default)]
+struct HeldCredentials {
+    by_record: HashMap<Uuid, (Option<http::HeaderValue>, Millis)>,
+    /// Expired entries are swept when the map grows past this, which then doubles: amortised,
+    /// a hold costs O(1).
+    sweep_at: usize,
+}
+
+impl HeldCredentials {
+    fn hold(&mut self, id: Uuid, credential: Option<http::HeaderValue>, deadline_at: Millis, now: Millis) {
+        if self.by_record.len() >= self.sweep_at {
+            self.by_record.retain(|_, (_, until)| *until > now);
+            self.sweep_at = (2 * self.by_record.len()).max(256);
+        }
+        self.by_record.insert(id, (credential, deadline_at));
+    }
+
+    /// `None` when nothing is held: the request was received by another process.
+    fn take(&mut self, id: Uuid) -> Option<Option<http::HeaderValue>> {
+        self.by_record.remove(&id).map(|(credential, _)| credential)
+    }
+}
+
 impl Worker {
     pub fn new(store: Arc<dyn Store>, config: Arc<Config>, owner: String, settled: Arc<Settled>) -> Worker {
         Worker {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(config.worker.concurrency)),
                 guards: Arc::new(Guards::new(&config)),
+                pace: Pace::default(),
+                credentials: Mutex::new(HeldCredentials::default()),
                 stopping: watch::channel(false).0,
                 mine: Mutex::new(HashSet::new()),
                 active: AtomicUsize::new(0),
@@ -292,6 +324,16 @@ impl Worker {
 
     pub fn guards(&self) -> &Guards {
         &self.inner.guards
+    }
+
+    pub fn pace(&self) -> &Pace {
+        &self.inner.pace
+    }
+
+    /// Keeps the client's credential for the execution of `id` that is about to start here.
+    /// Useless after `deadline_at`, when no attempt can start any more.
+    pub fn hold_credential(&self, id: Uuid, credential: Option<http::HeaderValue>, deadline_at: Millis) {
+        lock(&self.inner.credentials).hold(id, credential, deadline_at, now_ms());
     }
 
     /// Executes a queued record in the background; `reply`, if given, gets the outcome.
@@ -477,9 +519,25 @@ impl Inner {
             let progress = Progress::new(&record, Duration::ZERO);
             return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
         };
+        let credential = lock(&self.credentials).take(record.id);
+        let mut credentials = route.upstream_headers.clone();
+        if route.forward_authorization {
+            let Some(sent) = credential else {
+                // Reached here, a record that is not replay-safe has had no attempt that may have
+                // executed (a take-over makes those unknown), so settling frees it.
+                warn!("the client's credential is not held by this process; not sending");
+                let progress = Progress::new(&record, Duration::ZERO);
+                return self
+                    .finish(&record, route.replay_safe, None, StopReason::CredentialUnavailable, progress)
+                    .await;
+            };
+            if let Some(credential) = sent {
+                credentials.insert(http::header::AUTHORIZATION, credential);
+            }
+        }
         let signal = Arc::new(CancelSignal::default());
         lock(&self.cancels).insert(record.id, signal.clone());
-        let outcome = self.attempts(&record, route, url, &signal, reserved).await;
+        let outcome = self.attempts(&record, route, url, &credentials, &signal, reserved).await;
         lock(&self.cancels).remove(&record.id);
         outcome
     }
@@ -489,6 +547,7 @@ impl Inner {
         record: &Record,
         route: &Route,
         url: reqwest::Url,
+        credentials: &http::HeaderMap,
         signal: &CancelSignal,
         reserved: Option<OwnedSemaphorePermit>,
     ) -> Outcome {
@@ -568,6 +627,7 @@ impl Inner {
                 &record.method,
                 url.clone(),
                 &record.request.headers,
+                credentials,
                 record.request.body.clone(),
                 limit,
             );
@@ -614,6 +674,7 @@ impl Inner {
                 )
             });
             metrics::attempt(&route.name, class, took);
+            self.pace.observe(&route.name, took);
             p.last = Some((class, answer.map(|a| a.response)));
 
             let decision = policy.after_attempt(

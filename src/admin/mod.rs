@@ -72,15 +72,8 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
 /// With an admin token configured, every operator call must carry it as a bearer token.
 async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
     if let Some(expected) = &admin.config.auth.admin_token {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, token)| token.trim());
-        let ok =
-            given.is_some_and(|g| g.len() == expected.len() && constant_time_eq(g.as_bytes(), expected.as_bytes()));
+        let given = crate::credentials::bearer(request.headers());
+        let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected));
         if !ok {
             return Problem::new(
                 StatusCode::UNAUTHORIZED,
@@ -92,10 +85,6 @@ async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: 
         }
     }
     next.run(request).await
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn record_id(id: &str) -> Result<Uuid, Problem> {

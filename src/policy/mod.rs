@@ -7,9 +7,11 @@ use std::time::{Duration, SystemTime};
 
 mod breaker;
 mod budget;
+mod pace;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::RetryBudget;
+pub use pace::{outcome_eta, Pace, Pending};
 
 /// A route's retry settings (SPEC §2 `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -95,10 +97,13 @@ pub enum StopReason {
     RetryAfterBeyondDeadline,
     CircuitOpen,
     Cancelled,
+    /// The route forwards the client's own credential, which only the process that received the
+    /// request holds; this one does not (a take-over, a restart), so nothing is sent.
+    CredentialUnavailable,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 9] = [
+    pub const ALL: [StopReason; 10] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -108,6 +113,7 @@ impl StopReason {
         StopReason::RetryAfterBeyondDeadline,
         StopReason::CircuitOpen,
         StopReason::Cancelled,
+        StopReason::CredentialUnavailable,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -121,6 +127,7 @@ impl StopReason {
             StopReason::RetryAfterBeyondDeadline => "retry_after_beyond_deadline",
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Cancelled => "cancelled",
+            StopReason::CredentialUnavailable => "credential_unavailable",
         }
     }
 
