@@ -34,9 +34,39 @@ pub fn handle() -> &'static PrometheusHandle {
         });
         // Another recorder may already be installed (an embedding application's): then ours
         // still renders, it just sees nothing recorded through the global macros.
-        let _ = metrics::set_global_recorder(recorder);
+        if metrics::set_global_recorder(recorder).is_ok() {
+            describe();
+        }
         handle
     })
+}
+
+/// HELP text for every family, so `/metrics` explains itself (and passes `promtool check metrics`).
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!("idem_requests_total", "Logical requests: new executions admitted, per route.");
+    describe_counter!("idem_attempts_total", "Physical attempts sent upstream, per route and outcome class.");
+    describe_histogram!("idem_attempt_duration_seconds", Unit::Seconds, "Duration of one upstream attempt.");
+    describe_counter!("idem_stops_total", "Executions that ended, per route and stop reason.");
+    describe_histogram!(
+        "idem_request_duration_seconds",
+        Unit::Seconds,
+        "End-to-end time of an execution, from the request's arrival to its outcome."
+    );
+    describe_counter!("idem_success_total", "Executions that ended with a success.");
+    describe_counter!("idem_first_try_success_total", "Executions that succeeded on their first attempt.");
+    describe_counter!("idem_retry_salvaged_total", "Executions that succeeded only after a retry.");
+    describe_counter!("idem_retry_budget_exhausted_total", "Executions stopped because the retry budget was spent.");
+    describe_counter!(
+        "idem_answers_total",
+        "Answers given without executing, per route and kind (replay, in_progress, key_reused, ...)."
+    );
+    describe_counter!(
+        "idem_unkeyed_requests_total",
+        "Requests on a keyed method without a key, proxied unrecorded (routes with require_key = false)."
+    );
+    describe_gauge!("idem_records", "Records in the store by phase; phase=\"unknown\" is the reconciliation queue.");
+    describe_gauge!("idem_circuit_state", "Each upstream's circuit: 0 closed, 1 half-open, 2 open.");
 }
 
 /// A new execution was admitted: one logical request.

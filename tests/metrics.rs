@@ -90,4 +90,43 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     // Durations: one request observation per execution, one attempt observation per attempt.
     assert_eq!(m("idem_request_duration_seconds_count", &[]), 6.0);
     assert_eq!(m("idem_attempt_duration_seconds_count", &[]), stored_attempts as f64);
+
+    exposition_is_valid(&text);
+}
+
+/// Every family has HELP and TYPE, as a real exposition-format parser reads them, and
+/// `promtool check metrics` agrees (it must be installed under CI; `.ci/run` does).
+fn exposition_is_valid(text: &str) {
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("/metrics parses as the Prometheus text format");
+    let families: std::collections::BTreeSet<String> = scrape
+        .samples
+        .iter()
+        .map(|s| s.metric.trim_end_matches("_bucket").trim_end_matches("_sum").trim_end_matches("_count").to_string())
+        .collect();
+    assert!(families.len() >= 10, "{families:?}");
+    for family in &families {
+        assert!(scrape.docs.get(family).is_some_and(|h| !h.is_empty()), "no HELP for {family}:\n{text}");
+        assert!(text.contains(&format!("# TYPE {family} ")), "no TYPE for {family}");
+    }
+
+    let promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let mut promtool = match promtool {
+        Ok(child) => child,
+        Err(_) if std::env::var_os("CI").is_none() => {
+            eprintln!("skipped promtool check metrics: promtool is not installed (Debian's prometheus package)");
+            return;
+        }
+        Err(e) => panic!("promtool must run under CI: {e}"),
+    };
+    use std::io::Write;
+    promtool.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.trim().is_empty(), "promtool check metrics: {said}");
 }
