@@ -100,11 +100,36 @@ pub struct Route {
     pub forward_authorization: bool,
     /// Refuse a request on a keyed method that has no key (400), or proxy it unrecorded.
     pub require_key: bool,
+    /// How long this route's `done` records are replayed (the store's `retention` unless set).
+    pub retention: Duration,
+    /// How long, after retention, a done record's key is remembered as spent (410); zero: not at all.
+    pub tombstone: Duration,
+    /// Where a key comes from when the client sends none: headers and JSON pointers into the body.
+    pub key_from: Vec<KeySource>,
+    /// JSON pointers removed from the body before it is fingerprinted (timestamps, nonces).
+    pub fingerprint_ignore: Vec<String>,
     pub max_body: usize,
     pub max_concurrency: usize,
     pub retry: RetryPolicy,
     pub circuit: BreakerSettings,
     pub probe: Option<Probe>,
+}
+
+/// One source of a derived key (SPEC §9 `key_from`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    Header(http::HeaderName),
+    /// An RFC 6901 pointer into the JSON body.
+    Json(String),
+}
+
+impl std::fmt::Display for KeySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeySource::Header(name) => write!(f, "header:{name}"),
+            KeySource::Json(pointer) => write!(f, "json:{pointer}"),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -307,6 +332,12 @@ struct RawRoute {
     upstream_headers_env: std::collections::BTreeMap<String, String>,
     forward_authorization: Option<bool>,
     require_key: Option<bool>,
+    retention: Option<String>,
+    tombstone: Option<String>,
+    #[serde(default)]
+    key_from: Vec<String>,
+    #[serde(default)]
+    fingerprint_ignore: Vec<String>,
     max_body: Option<String>,
     max_concurrency: Option<i64>,
     retry: Option<RawRetry>,
@@ -454,7 +485,7 @@ impl RawConfig {
         let mut prefixes = HashSet::new();
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
-            let route = raw.validate(&format!("routes[{i}]"), env)?;
+            let route = raw.validate(&format!("routes[{i}]"), store.retention, env)?;
             if !names.insert(route.name.clone()) {
                 return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
             }
@@ -536,7 +567,12 @@ fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<A
 }
 
 impl RawRoute {
-    fn validate(self, key: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Route, ConfigError> {
+    fn validate(
+        self,
+        key: &str,
+        store_retention: Duration,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Route, ConfigError> {
         if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
             return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
         }
@@ -572,6 +608,23 @@ impl RawRoute {
         let probe = self.probe.map(|p| p.validate(&format!("{key}.probe"))).transpose()?;
         let upstream_headers =
             upstream_headers(&format!("{key}.upstream_headers_env"), &self.upstream_headers_env, env)?;
+        let retention = match self.retention.as_deref() {
+            Some(text) => duration(&format!("{key}.retention"), Some(text), "")?,
+            None => store_retention,
+        };
+        let tombstone = match self.tombstone.as_deref() {
+            // Zero turns tombstones off: a late retry after retention executes again.
+            Some(text) if humantime::parse_duration(text).is_ok_and(|d| d.is_zero()) => Duration::ZERO,
+            text => duration(&format!("{key}.tombstone"), text, "30d")?,
+        };
+        let key_from = self
+            .key_from
+            .iter()
+            .map(|source| key_source(&format!("{key}.key_from"), source))
+            .collect::<Result<Vec<_>, _>>()?;
+        for pointer in &self.fingerprint_ignore {
+            json_pointer(&format!("{key}.fingerprint_ignore"), pointer)?;
+        }
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
@@ -583,6 +636,10 @@ impl RawRoute {
             upstream_headers,
             forward_authorization: self.forward_authorization.unwrap_or(false),
             require_key: self.require_key.unwrap_or(true),
+            retention,
+            tombstone,
+            key_from,
+            fingerprint_ignore: self.fingerprint_ignore,
             max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
             retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
@@ -590,6 +647,30 @@ impl RawRoute {
             probe,
         })
     }
+}
+
+/// `header:NAME` or `json:/pointer`.
+fn key_source(key: &str, text: &str) -> Result<KeySource, ConfigError> {
+    if let Some(name) = text.strip_prefix("header:") {
+        let name = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid(key, format!("`{text}`: `{name}` is not a header name")))?;
+        return Ok(KeySource::Header(name));
+    }
+    if let Some(pointer) = text.strip_prefix("json:") {
+        json_pointer(key, pointer)?;
+        return Ok(KeySource::Json(pointer.to_string()));
+    }
+    Err(invalid(key, format!("`{text}` is neither `header:NAME` nor `json:/pointer`")))
+}
+
+/// An RFC 6901 pointer: empty (the whole document) or `/`-separated tokens, where `~` is only
+/// ever `~0` or `~1`.
+fn json_pointer(key: &str, pointer: &str) -> Result<(), ConfigError> {
+    let escapes_ok = pointer.split('~').skip(1).all(|rest| rest.starts_with('0') || rest.starts_with('1'));
+    if !(pointer.is_empty() || pointer.starts_with('/')) || !escapes_ok {
+        return Err(invalid(key, format!("`{pointer}` is not a JSON pointer like \"/arguments/order_id\"")));
+    }
+    Ok(())
 }
 
 /// Header name → the environment variable holding its value. The value is never echoed.

@@ -23,6 +23,7 @@ pub mod admin;
 pub mod config;
 pub mod credentials;
 pub mod demo;
+pub mod derived;
 pub mod fingerprint;
 pub mod ingress;
 pub mod key;
