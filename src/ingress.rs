@@ -106,6 +106,7 @@ impl Replays {
 pub fn router(ingress: Arc<Ingress>) -> Router {
     Router::new()
         .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
+        .route("/_idem/routes", get(list_routes))
         .fallback(handle)
         .with_state(ingress)
 }
@@ -570,10 +571,52 @@ async fn show_request(
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    match find(&app, &headers, &key).await {
-        Ok(record) => record_response(StatusCode::OK, &record),
-        Err(problem) => problem.into_response(),
+    let record = match find(&app, &headers, &key).await {
+        Ok(record) => record,
+        Err(problem) => return problem.into_response(),
+    };
+    // An agent can wait for the outcome instead of polling: `Prefer: wait=N`.
+    let wait = Prefer::from_headers(&headers).wait;
+    let record = match (wait, record.phase()) {
+        (Some(wait), Phase::Queued | Phase::InProgress) => match app.wait_for(record.id, wait).await {
+            Ok(Some(settled)) => settled,
+            Ok(None) => return Problem::not_found().into_response(),
+            Err(problem) => return problem.into_response(),
+        },
+        _ => record,
+    };
+    record_response(StatusCode::OK, &record)
+}
+
+/// `GET /_idem/routes`: each route's key rules, so a client (an agent) can tell which calls need
+/// a key, how one is derived, and how long a result is replayed.
+async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers: HeaderMap) -> Response {
+    if let Err(problem) = credentials::tenant(&app.config, &headers) {
+        return problem.into_response();
     }
+    let h = |d: Duration| humantime::format_duration(d).to_string();
+    let routes: Vec<serde_json::Value> = app
+        .config
+        .routes
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "name": r.name,
+                "path_prefix": r.path_prefix,
+                "keyed_methods": r.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
+                "require_key": r.require_key,
+                "replay_safe": r.replay_safe,
+                "retention": h(r.retention),
+                "retention_seconds": r.retention.as_secs(),
+                "tombstone": h(r.tombstone),
+                "tombstone_seconds": r.tombstone.as_secs(),
+                "max_body": r.max_body,
+                "key_from": r.key_from.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+                "fingerprint_ignore": r.fingerprint_ignore,
+            })
+        })
+        .collect();
+    Json(serde_json::json!({ "routes": routes })).into_response()
 }
 
 async fn cancel_request(
