@@ -17,6 +17,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::config::{Config, Route};
+use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
@@ -42,6 +43,8 @@ pub struct Ingress {
     pub settled: Arc<Settled>,
     pub upstream: Upstream,
     pub replays: Replays,
+    /// Request bodies held in memory at once, over all requests (`server.max_buffered_bodies`).
+    pub bodies: Arc<BodyBudget>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -190,12 +193,16 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     }
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, Problem> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if too_large {
-            Problem::too_large(limit)
-        } else {
+/// The whole body, and its share of the memory budget: keep that until the request is answered.
+async fn read_body<'a>(body: Body, route: &Route, budget: &'a BodyBudget) -> Result<(Bytes, Held<'a>), Problem> {
+    body::read(body, route.max_body, budget).await.map_err(|e| match e {
+        ReadError::TooLarge(limit) => Problem::too_large(limit),
+        ReadError::TimedOut => Problem::request_timeout(),
+        ReadError::Overloaded => {
+            metrics::answered(&route.name, "buffers_full");
+            Problem::buffers_full()
+        }
+        ReadError::Unreadable(_) => {
             Problem::bad_request("unreadable-body", "The request body could not be read completely.")
         }
     })
@@ -214,12 +221,8 @@ impl Ingress {
             KeyError::Missing => Problem::missing_key(),
             KeyError::Invalid(why) => Problem::invalid_key(why),
         })?;
-        let declared =
-            parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > route.max_body as u64) {
-            return Err(Problem::too_large(route.max_body));
-        }
-        let body = read_body(body, route.max_body).await?;
+        // Held until this request is answered: its body lives at least that long.
+        let (body, _held) = read_body(body, &route, &self.bodies).await?;
         let query = parts.uri.query().unwrap_or("");
         let fingerprint = Fingerprint::of(
             &route.name,
@@ -464,8 +467,8 @@ impl Ingress {
     /// Methods that need no key are proxied as they are: nothing is recorded.
     async fn plain(&self, route: &Route, request: Request) -> Response {
         let (parts, body) = request.into_parts();
-        let body = match read_body(body, route.max_body).await {
-            Ok(body) => body,
+        let (body, _held) = match read_body(body, route, &self.bodies).await {
+            Ok(read) => read,
             Err(problem) => return problem.into_response(),
         };
         let url = format!("{}{}", route.upstream, parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"));

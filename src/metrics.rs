@@ -70,14 +70,31 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
 }
 
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
-/// (422), `unknown` (502), `overloaded` or `circuit_open` (503, shed before recording).
+/// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
+/// `circuit_open` (503, shed before recording).
 pub fn answered(route: &str, kind: &'static str) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
 }
 
+/// A client connection was accepted on `listener` (`data` or `admin`).
+pub fn connection_opened(listener: &'static str) {
+    gauge!("idem_connections", "listener" => listener).increment(1.0);
+}
+
+pub fn connection_closed(listener: &'static str) {
+    gauge!("idem_connections", "listener" => listener).decrement(1.0);
+}
+
+/// A connection past the listener's budget was answered 503 and closed.
+pub fn connection_refused(listener: &'static str) {
+    counter!("idem_connections_refused_total", "listener" => listener).increment(1);
+}
+
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
-/// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time.
-pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> String {
+/// `idem_records{phase="unknown"}`), each upstream's circuit and the request body bytes held in
+/// memory, read at scrape time.
+pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)], buffered_body_bytes: usize) -> String {
+    gauge!("idem_buffered_body_bytes").set(buffered_body_bytes as f64);
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
         let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
         gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);

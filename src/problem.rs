@@ -168,6 +168,27 @@ impl Problem {
         .retry_after(1)
     }
 
+    pub fn buffers_full() -> Problem {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "Broker overloaded",
+            "The broker holds as many request bodies in memory as it may. Nothing was recorded or sent: \
+             retry after the indicated time with the same key.",
+        )
+        .retry_after(1)
+    }
+
+    pub fn request_timeout() -> Problem {
+        Problem::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request-timeout",
+            "Request timeout",
+            "The request body stopped arriving before it was complete, so the connection is closed. Nothing \
+             was recorded or sent: send the whole request again with the same key.",
+        )
+    }
+
     pub fn circuit_open(retry_after: u64) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -205,17 +226,28 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let body = json!({
+impl Problem {
+    /// The problem document (RFC 9457), as sent.
+    pub fn document(&self) -> String {
+        json!({
             "type": format!("urn:idem:problem:{}", self.name),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
-        });
-        let mut response = (self.status, body.to_string()).into_response();
+        })
+        .to_string()
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.document()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        // A client that fell silent mid-request gets its answer, and then the connection goes.
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(seconds) = self.retry_after {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
