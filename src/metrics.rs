@@ -94,7 +94,6 @@ pub fn connection_refused(listener: &'static str) {
 /// `idem_records{phase="unknown"}`), each upstream's circuit and the request body bytes held in
 /// memory, read at scrape time.
 pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)], buffered_body_bytes: usize) -> String {
-    gauge!("idem_buffered_body_bytes").set(buffered_body_bytes as f64);
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
         let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
         gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
@@ -107,5 +106,11 @@ pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)], buff
         };
         gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
     }
-    handle().render()
+    // Written here rather than through the process-wide recorder: it is this broker's own
+    // figure, even when one process runs several brokers.
+    let mut text = handle().render();
+    text.push_str("# HELP idem_buffered_body_bytes Request body bytes held in memory by the data plane.\n");
+    text.push_str("# TYPE idem_buffered_body_bytes gauge\n");
+    text.push_str(&format!("idem_buffered_body_bytes {buffered_body_bytes}\n"));
+    text
 }
