@@ -113,6 +113,22 @@ async fn idle_sockets_past_the_budget_are_refused_at_once_and_cut_after_the_head
     broker.stop().await;
 }
 
+async fn a_keep_alive_connection_serves_several_requests_and_is_cut_once_idle(b: Backend) {
+    let header_timeout = Duration::from_millis(500);
+    let (upstream, broker) = start(b, "header_timeout = \"500ms\"", "").await;
+    let mut client = connect(&broker.url).await;
+    for key in ["kept-1", "kept-2"] {
+        client.write_all(format!("{}{BODY}", head(key, BODY.len())).as_bytes()).await.unwrap();
+        let answer = one_answer(&mut client).await;
+        assert!(answer.starts_with("HTTP/1.1 201 "), "{answer}");
+    }
+    assert_eq!(upstream.hits("kept-1") + upstream.hits("kept-2"), 2);
+    let idle_since = Instant::now();
+    assert_eq!(until_closed(&mut client).await, "");
+    assert!(idle_since.elapsed() >= header_timeout, "cut after {:?} idle", idle_since.elapsed());
+    broker.stop().await;
+}
+
 async fn a_slowloris_head_is_cut_after_the_header_timeout_while_others_are_served(b: Backend) {
     let header_timeout = Duration::from_millis(500);
     let (_upstream, broker) = start(b, "header_timeout = \"500ms\"", "").await;
@@ -206,6 +222,7 @@ async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend
 }
 
 both_stores!(
+    a_keep_alive_connection_serves_several_requests_and_is_cut_once_idle,
     idle_sockets_past_the_budget_are_refused_at_once_and_cut_after_the_header_timeout,
     a_slowloris_head_is_cut_after_the_header_timeout_while_others_are_served,
     a_body_shorter_than_its_content_length_gets_408_and_nothing_is_recorded,
