@@ -34,14 +34,19 @@ pub enum ReadError {
 #[error("no body bytes arrived for {0:?}")]
 pub struct BodyTimedOut(Duration);
 
-/// A body that fails when no part of it arrives for `idle`. The clock runs only while the reader
-/// waits, from the first wait after a part arrived; a body that is already there costs nothing.
-pub struct TimedBody<B> {
-    inner: B,
-    idle: Duration,
-    /// Created at the first wait and reused after; `waiting` says whether it is armed.
-    timer: Option<Pin<Box<Sleep>>>,
-    waiting: bool,
+pin_project_lite::pin_project! {
+    /// A body that fails when no part of it arrives for `idle`. The clock runs only while the
+    /// reader waits, from the first wait after a part arrived; a body that is already there
+    /// costs nothing. The timer lives inline: no allocation per request.
+    pub struct TimedBody<B> {
+        #[pin]
+        inner: B,
+        idle: Duration,
+        // Created at the first wait and reused after; `waiting` says whether it is armed.
+        #[pin]
+        timer: Option<Sleep>,
+        waiting: bool,
+    }
 }
 
 impl<B> TimedBody<B> {
@@ -52,32 +57,29 @@ impl<B> TimedBody<B> {
 
 impl<B> HttpBody for TimedBody<B>
 where
-    B: HttpBody<Data = Bytes> + Unpin,
+    B: HttpBody<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
     type Data = Bytes;
     type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
-            this.waiting = false;
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if let Poll::Ready(frame) = this.inner.poll_frame(cx) {
+            *this.waiting = false;
             return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
         }
-        let deadline = Instant::now() + this.idle;
-        let timer = match &mut this.timer {
-            Some(timer) => {
-                if !this.waiting {
-                    timer.as_mut().reset(deadline);
-                }
-                timer
+        if !*this.waiting {
+            let deadline = Instant::now() + *this.idle;
+            match this.timer.as_mut().as_pin_mut() {
+                Some(timer) => timer.reset(deadline),
+                None => this.timer.set(Some(tokio::time::sleep_until(deadline))),
             }
-            None => this.timer.insert(Box::pin(tokio::time::sleep_until(deadline))),
-        };
-        this.waiting = true;
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Some(Err(Box::new(BodyTimedOut(this.idle))))),
-            Poll::Pending => Poll::Pending,
+            *this.waiting = true;
+        }
+        match this.timer.as_pin_mut().map(|timer| timer.poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(Some(Err(Box::new(BodyTimedOut(*this.idle))))),
+            _ => Poll::Pending,
         }
     }
 
