@@ -194,8 +194,13 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
 }
 
 /// The whole body, and its share of the memory budget: keep that until the request is answered.
+///
+/// A body that keeps trickling in never falls silent for `body_timeout`, so its reading is also
+/// bounded by the route's deadline, which counts from the request's arrival: a body that takes
+/// longer has left no time to execute the request anyway.
 async fn read_body<'a>(body: Body, route: &Route, budget: &'a BodyBudget) -> Result<(Bytes, Held<'a>), Problem> {
-    body::read(body, route.max_body, budget).await.map_err(|e| match e {
+    let read = tokio::time::timeout(route.retry.deadline, body::read(body, route.max_body, budget)).await;
+    read.unwrap_or(Err(ReadError::TimedOut)).map_err(|e| match e {
         ReadError::TooLarge(limit) => Problem::too_large(limit),
         ReadError::TimedOut => Problem::request_timeout(),
         ReadError::Overloaded => {

@@ -184,8 +184,9 @@ impl Problem {
             StatusCode::REQUEST_TIMEOUT,
             "request-timeout",
             "Request timeout",
-            "The request body stopped arriving before it was complete, so the connection is closed. Nothing \
-             was recorded or sent: send the whole request again with the same key.",
+            "The request body did not arrive in time: it stalled, or came too slowly to finish within the \
+             route's deadline. The connection is closed; nothing was recorded or sent. Send the whole request \
+             again with the same key.",
         )
     }
 

@@ -177,6 +177,34 @@ async fn a_body_shorter_than_its_content_length_gets_408_and_nothing_is_recorded
     broker.stop().await;
 }
 
+async fn a_body_trickled_in_forever_is_cut_at_the_route_deadline(b: Backend) {
+    let deadline = Duration::from_millis(800);
+    let (upstream, broker) = start(b, "body_timeout = \"5s\"", "[routes.retry]\ndeadline = \"800ms\"").await;
+    let (mut reader, mut writer) = connect(&broker.url).await.into_split();
+    writer.write_all(head("trickled", 1000).as_bytes()).await.unwrap();
+    let started = Instant::now();
+    // Never silent for long, and never done: 1000 bytes at this pace take 20 s.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..1000 {
+            if writer.write_all(b" ").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    let mut received = Vec::new();
+    let closed = tokio::time::timeout(PATIENCE, reader.read_to_end(&mut received)).await;
+    assert!(closed.is_ok(), "the trickled body was never cut");
+    assert!(started.elapsed() >= deadline, "cut after {:?}", started.elapsed());
+    let answer = String::from_utf8_lossy(&received);
+    assert!(answer.starts_with("HTTP/1.1 408 ") && answer.contains("request-timeout"), "{answer}");
+    trickle.abort();
+    assert_eq!(broker.record("trickled").await.status(), 404);
+    assert_eq!(upstream.hits("trickled"), 0);
+    broker.stop().await;
+}
+
 async fn buffered_body_bytes(broker: &Broker) -> u64 {
     let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
     text.lines()
@@ -226,5 +254,6 @@ both_stores!(
     idle_sockets_past_the_budget_are_refused_at_once_and_cut_after_the_header_timeout,
     a_slowloris_head_is_cut_after_the_header_timeout_while_others_are_served,
     a_body_shorter_than_its_content_length_gets_408_and_nothing_is_recorded,
+    a_body_trickled_in_forever_is_cut_at_the_route_deadline,
     bodies_past_the_memory_bound_get_503_and_nothing_is_recorded,
 );
