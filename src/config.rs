@@ -12,6 +12,9 @@ use serde::Deserialize;
 
 use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
+mod limits;
+pub use limits::EdgeLimits;
+
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -41,6 +44,7 @@ pub struct Config {
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
+    pub limits: EdgeLimits,
 }
 
 #[derive(Debug, Clone)]
@@ -205,6 +209,7 @@ pub fn describe(c: &Config) -> String {
     let _ = writeln!(out, "config ok");
     let _ = writeln!(out, "listen        {}", c.server.listen);
     let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
+    let _ = writeln!(out, "limits        {}", c.server.limits.describe());
     let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
     let _ = writeln!(
         out,
@@ -287,6 +292,11 @@ struct RawConfig {
 struct RawServer {
     listen: Option<String>,
     admin_listen: Option<String>,
+    header_timeout: Option<String>,
+    body_timeout: Option<String>,
+    max_connections: Option<i64>,
+    admin_max_connections: Option<i64>,
+    max_buffered_bodies: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -449,6 +459,7 @@ impl RawConfig {
         let server = ServerConfig {
             listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
             admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
+            limits: EdgeLimits::validate(&server)?,
         };
         // Port 0 asks for any free port: two of them never collide.
         let (data, admin) = (server.listen, server.admin_listen);
@@ -513,6 +524,7 @@ impl RawConfig {
                 "no route is configured: add a [[routes]] table, or the broker would answer every request with 404",
             ));
         }
+        server.limits.check_routes(&routes)?;
 
         Ok(Config { server, store, auth, routes, worker })
     }

@@ -85,7 +85,8 @@ mod tests {
     use crate::config::Config;
 
     fn route(extra: &str) -> Route {
-        let text = format!("[[routes]]\nname = \"tools\"\npath_prefix = \"/tools\"\nupstream = \"http://x\"\n{extra}\n");
+        let text =
+            format!("[[routes]]\nname = \"tools\"\npath_prefix = \"/tools\"\nupstream = \"http://x\"\n{extra}\n");
         Config::parse_with_env(&text, |_| None).unwrap().routes.remove(0)
     }
 
@@ -97,14 +98,21 @@ mod tests {
     fn a_derived_key_follows_the_sources_not_their_spelling() {
         let r = route(r#"key_from = ["header:x-agent-run", "json:/tool", "json:/arguments"]"#);
         let h = headers(&[("x-agent-run", "run-7")]);
-        let a = key(&r, "default", &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#).unwrap();
-        let b =
-            key(&r, "default", &h, br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#).unwrap();
+        let a =
+            key(&r, "default", &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#).unwrap();
+        let b = key(&r, "default", &h, br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#)
+            .unwrap();
         assert_eq!(a, b, "another call id and key order: the same operation");
         assert!(a.as_str().starts_with(PREFIX) && a.as_str().len() == PREFIX.len() + 64, "{a}");
         let other_args = key(&r, "default", &h, br#"{"tool":"refund","arguments":{"order":2,"amount":5}}"#).unwrap();
         assert_ne!(a, other_args);
-        let other_run = key(&r, "default", &headers(&[("x-agent-run", "run-8")]), br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
+        let other_run = key(
+            &r,
+            "default",
+            &headers(&[("x-agent-run", "run-8")]),
+            br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#,
+        )
+        .unwrap();
         assert_ne!(a, other_run);
         let other_tenant = key(&r, "acme", &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
         assert_ne!(a, other_tenant);

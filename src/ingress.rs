@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::config::{Config, Route};
 use crate::credentials;
+use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
@@ -43,6 +44,8 @@ pub struct Ingress {
     pub settled: Arc<Settled>,
     pub upstream: Upstream,
     pub replays: Replays,
+    /// Request bodies held in memory at once, over all requests (`server.max_buffered_bodies`).
+    pub bodies: Arc<BodyBudget>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -183,12 +186,21 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     response
 }
 
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, Problem> {
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let too_large = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
-        if too_large {
-            Problem::too_large(limit)
-        } else {
+/// The whole body, and its share of the memory budget: keep that until the request is answered.
+///
+/// A body that keeps trickling in never falls silent for `body_timeout`, so its reading is also
+/// bounded by the route's deadline, which counts from the request's arrival: a body that takes
+/// longer has left no time to execute the request anyway.
+async fn read_body<'a>(body: Body, route: &Route, budget: &'a BodyBudget) -> Result<(Bytes, Held<'a>), Problem> {
+    let read = tokio::time::timeout(route.retry.deadline, body::read(body, route.max_body, budget)).await;
+    read.unwrap_or(Err(ReadError::TimedOut)).map_err(|e| match e {
+        ReadError::TooLarge(limit) => Problem::too_large(limit),
+        ReadError::TimedOut => Problem::request_timeout(),
+        ReadError::Overloaded => {
+            metrics::answered(&route.name, "buffers_full");
+            Problem::buffers_full()
+        }
+        ReadError::Unreadable(_) => {
             Problem::bad_request("unreadable-body", "The request body could not be read completely.")
         }
     })
@@ -207,15 +219,11 @@ impl Ingress {
             KeyError::Missing => Problem::missing_key(),
             KeyError::Invalid(why) => Problem::invalid_key(why),
         })?;
-        let declared =
-            parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-        if declared.is_some_and(|n| n > route.max_body as u64) {
-            return Err(Problem::too_large(route.max_body));
-        }
         let query = parts.uri.query().unwrap_or("");
         // A path the upstream would not receive as matched is refused before anything is recorded.
         route.upstream_url(parts.uri.path(), query).map_err(|why| Problem::invalid_path(&why))?;
-        let body = read_body(body, route.max_body).await?;
+        // Held until this request is answered: its body lives at least that long.
+        let (body, _held) = read_body(body, &route, &self.bodies).await?;
         let fingerprint = Fingerprint::of(
             &route.name,
             parts.method.as_str(),
@@ -472,8 +480,8 @@ impl Ingress {
             Ok(url) => url,
             Err(why) => return Problem::invalid_path(&why).into_response(),
         };
-        let body = match read_body(body, route.max_body).await {
-            Ok(body) => body,
+        let (body, _held) = match read_body(body, route, &self.bodies).await {
+            Ok(read) => read,
             Err(problem) => return problem.into_response(),
         };
         let headers = upstream::forwardable_request_headers(&parts.headers, true);

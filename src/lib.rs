@@ -18,12 +18,15 @@
 //!   for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
+//! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
+//!   body timeouts, and the bound on request bytes held in memory.
 
 pub mod admin;
 pub mod config;
 pub mod credentials;
 pub mod demo;
 pub mod derived;
+pub mod edge;
 pub mod fingerprint;
 pub mod ingress;
 pub mod key;

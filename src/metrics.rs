@@ -67,6 +67,11 @@ fn describe() {
     );
     describe_gauge!("idem_records", "Records in the store by phase; phase=\"unknown\" is the reconciliation queue.");
     describe_gauge!("idem_circuit_state", "Each upstream's circuit: 0 closed, 1 half-open, 2 open.");
+    describe_gauge!("idem_connections", "Open client connections, per listener (data, admin).");
+    describe_counter!(
+        "idem_connections_refused_total",
+        "Connections past the listener's max_connections, answered 503 and closed."
+    );
 }
 
 /// A new execution was admitted: one logical request.
@@ -100,7 +105,8 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
 }
 
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
-/// (422), `unknown` (502), `overloaded` or `circuit_open` (503, shed before recording).
+/// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
+/// `circuit_open` (503, shed before recording).
 pub fn answered(route: &str, kind: &'static str) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
 }
@@ -111,9 +117,24 @@ pub fn unkeyed(route: &str) {
     counter!("idem_unkeyed_requests_total", "route" => route.to_string()).increment(1);
 }
 
+/// A client connection was accepted on `listener` (`data` or `admin`).
+pub fn connection_opened(listener: &'static str) {
+    gauge!("idem_connections", "listener" => listener).increment(1.0);
+}
+
+pub fn connection_closed(listener: &'static str) {
+    gauge!("idem_connections", "listener" => listener).decrement(1.0);
+}
+
+/// A connection past the listener's budget was answered 503 and closed.
+pub fn connection_refused(listener: &'static str) {
+    counter!("idem_connections_refused_total", "listener" => listener).increment(1);
+}
+
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
-/// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time.
-pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> String {
+/// `idem_records{phase="unknown"}`), each upstream's circuit and the request body bytes held in
+/// memory, read at scrape time.
+pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)], buffered_body_bytes: usize) -> String {
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
         let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
         gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
@@ -126,5 +147,11 @@ pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> S
         };
         gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
     }
-    handle().render()
+    // Written here rather than through the process-wide recorder: it is this broker's own
+    // figure, even when one process runs several brokers.
+    let mut text = handle().render();
+    text.push_str("# HELP idem_buffered_body_bytes Request body bytes held in memory by the data plane.\n");
+    text.push_str("# TYPE idem_buffered_body_bytes gauge\n");
+    text.push_str(&format!("idem_buffered_body_bytes {buffered_body_bytes}\n"));
+    text
 }

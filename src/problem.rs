@@ -205,6 +205,29 @@ impl Problem {
         .retryable()
     }
 
+    pub fn buffers_full() -> Problem {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "Broker overloaded",
+            "The broker holds as many request bodies in memory as it may. Nothing was recorded or sent: \
+             retry after the indicated time with the same key.",
+        )
+        .retry_after(1)
+        .retryable()
+    }
+
+    pub fn request_timeout() -> Problem {
+        Problem::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request-timeout",
+            "Request timeout",
+            "The request body did not arrive in time: it stalled, or came too slowly to finish within the \
+             route's deadline. The connection is closed; nothing was recorded or sent. Send the whole request \
+             again with the same key.",
+        )
+    }
+
     pub fn circuit_open(retry_after: u64) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -244,8 +267,9 @@ impl Problem {
     }
 }
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
+impl Problem {
+    /// The problem document (RFC 9457), as sent.
+    pub fn document(&self) -> String {
         let mut body = json!({
             "type": format!("urn:idem:problem:{}", self.name),
             "title": self.title,
@@ -259,10 +283,20 @@ impl IntoResponse for Problem {
         if let Some(ms) = self.retry_after_ms {
             body["retry_after_ms"] = ms.into();
         }
-        let mut response = (self.status, body.to_string()).into_response();
+        body.to_string()
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, self.document()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if self.retryable { "true" } else { "false" }));
+        // A client that fell silent mid-request gets its answer, and then the connection goes.
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         if let Some(ms) = self.retry_after_ms {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000).max(1)));
             headers.insert(RETRY_AFTER_MS_HEADER, HeaderValue::from(ms));

@@ -11,6 +11,8 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
 use crate::config::Config;
+use crate::edge::body::BodyBudget;
+use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::store::{self, StoreError};
@@ -58,11 +60,13 @@ fn node_name() -> String {
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let config = Arc::new(config);
     crate::metrics::handle();
+    let (data_limits, admin_limits) = listener_limits(&config);
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
     let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
+    let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
 
     let ingress = Arc::new(Ingress {
         config: config.clone(),
@@ -71,16 +75,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         settled: settled.clone(),
         upstream: Upstream::new(),
         replays: Replays::new(REPLAY_CACHE_BYTES),
+        bodies: bodies.clone(),
     });
-    let admin = Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled });
+    let admin =
+        Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled, bodies });
 
     let (stop, stopped) = watch::channel(false);
     let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
     let admin_listen =
         admin_listener.local_addr().map_err(|source| StartError::Bind { addr: config.server.admin_listen, source })?;
     let servers = vec![
-        tokio::spawn(serve_until(data, ingress::router(ingress), stopped.clone())),
-        tokio::spawn(serve_until(admin_listener, admin::router(admin), stopped)),
+        tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, stopped.clone())),
+        tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
     ];
     let mut upkeep = vec![
         tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
@@ -105,13 +111,42 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
 }
 
-async fn serve_until(listener: TcpListener, router: axum::Router, mut stopped: watch::Receiver<bool>) {
-    let shutdown = async move {
-        let _ = stopped.wait_for(|s| *s).await;
+/// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
+/// the data listener's default budget is derived from the limit in force.
+fn listener_limits(config: &Config) -> (ListenerLimits, ListenerLimits) {
+    let limits = &config.server.limits;
+    let open_files = match process::raise_open_file_limit() {
+        Ok(files) => {
+            tracing::info!(soft = files.soft_before, hard = files.hard, now = files.soft, "open-file limit");
+            Some(files.soft)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read or raise the open-file limit");
+            None
+        }
     };
-    if let Err(e) = axum::serve(listener, router).with_graceful_shutdown(shutdown).await {
-        tracing::error!(error = %e, "listener failed");
+    let admin_connections = limits.admin_max_connections;
+    let data_connections = match (limits.max_connections, open_files) {
+        (Some(n), _) => n,
+        (None, Some(files)) => process::derived_max_connections(files, admin_connections),
+        (None, None) => process::derived_max_connections(1024, admin_connections),
+    };
+    if let Some(files) = open_files.filter(|files| !process::fits(data_connections, admin_connections, *files)) {
+        tracing::warn!(
+            max_connections = data_connections,
+            open_files = files,
+            "server.max_connections is more than the open-file limit allows (two files per request in flight): \
+             accepts and upstream calls may fail before it is reached"
+        );
     }
+    tracing::info!(data = data_connections, admin = admin_connections, "connection budgets");
+    let listener = |name, max_connections| ListenerLimits {
+        name,
+        max_connections,
+        header_timeout: limits.header_timeout,
+        body_timeout: limits.body_timeout,
+    };
+    (listener("data", data_connections), listener("admin", admin_connections))
 }
 
 impl Running {

@@ -67,7 +67,8 @@ async fn customers(State(api): State<Arc<Mutex<Api>>>, headers: HeaderMap, body:
 /// The interpreter that has `stripe`, or `None` (skip) outside CI.
 fn python() -> Option<String> {
     let python = std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_sdk = std::process::Command::new(&python).args(["-c", "import stripe"]).output().is_ok_and(|o| o.status.success());
+    let has_sdk =
+        std::process::Command::new(&python).args(["-c", "import stripe"]).output().is_ok_and(|o| o.status.success());
     match has_sdk {
         true => Some(python),
         false if std::env::var_os("CI").is_some() => panic!("{python} cannot import stripe: .ci/run installs it"),

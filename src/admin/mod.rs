@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::config::Config;
+use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
@@ -33,6 +34,8 @@ pub struct Admin {
     pub store: Arc<dyn Store>,
     pub worker: Worker,
     pub settled: Arc<Settled>,
+    /// The data plane's request bodies in memory, for `/metrics`.
+    pub bodies: Arc<BodyBudget>,
 }
 
 pub fn router(admin: Arc<Admin>) -> Router {
@@ -65,7 +68,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
         Ok(phases) => phases,
         Err(e) => return Problem::store(&e).into_response(),
     };
-    let body = crate::metrics::render(&phases, &admin.worker.guards().breaker_states());
+    let body = crate::metrics::render(&phases, &admin.worker.guards().breaker_states(), admin.bodies.held());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -1,0 +1,243 @@
+//! The edge: what stands between the network and the handlers (SPEC §7). Each listener holds
+//! at most its budget of open connections — past it a new one is answered 503 and closed at once,
+//! so idle sockets cannot starve `accept` of file descriptors or lock other clients out — gives
+//! a client `header_timeout` for each request head (and so for the wait between keep-alive
+//! requests) and `body_timeout` between body parts ([`body`]), and at shutdown stops accepting
+//! and lets each connection finish the answer it is writing.
+
+use std::convert::Infallible;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::routing::future::RouteFuture;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::metrics;
+use crate::problem::Problem;
+
+pub mod body;
+pub mod process;
+
+use body::TimedBody;
+
+/// How one listener treats its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct ListenerLimits {
+    /// Names the listener in logs and metrics: `data` or `admin`.
+    pub name: &'static str,
+    pub max_connections: usize,
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+}
+
+/// After an accept error that is not one connection's (out of file descriptors, of memory), the
+/// listener pauses this long: retrying at once would only spin on the same error.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The largest read buffer of a connection, and so the largest request head.
+const READ_BUFFER_MAX: usize = 64 * 1024;
+
+/// A condition that can repeat thousands of times a second is logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Serves `router` on `listener` until `stopped` turns true (or its sender goes), then waits for
+/// the open connections to finish their answers.
+pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits, mut stopped: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let connections = Arc::new(Connections::new(router, &limits));
+    let mut accept_errors = Rarely::default();
+    let mut refusals = Rarely::default();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop_requested(&mut stopped) => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, _)) => match slots.clone().try_acquire_owned() {
+                Ok(slot) => {
+                    tokio::spawn(connections.clone().serve(stream, slot, stopped.clone()));
+                }
+                Err(_) => {
+                    refuse(stream);
+                    metrics::connection_refused(limits.name);
+                    if let Some(more) = refusals.due(Instant::now()) {
+                        tracing::warn!(
+                            listener = limits.name,
+                            max_connections = limits.max_connections,
+                            refused_since_last_report = more,
+                            "connection refused: the listener holds as many connections as it may"
+                        );
+                    }
+                }
+            },
+            Err(e) if lost_in_accept(&e) => {}
+            Err(e) => {
+                if let Some(more) = accept_errors.due(Instant::now()) {
+                    tracing::error!(listener = limits.name, error = %e, errors_since_last_report = more, "accept failed; pausing");
+                }
+                tokio::select! {
+                    _ = stop_requested(&mut stopped) => break,
+                    _ = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+                }
+            }
+        }
+    }
+    drop(listener);
+    // Each open connection holds a slot: when all are back, every connection has finished.
+    let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
+    let _ = slots.acquire_many(all).await;
+}
+
+/// Resolves once a stop is asked for, or when nobody can ask any more.
+async fn stop_requested(stopped: &mut watch::Receiver<bool>) {
+    let _ = stopped.wait_for(|stop| *stop).await;
+}
+
+/// Errors about one incoming connection that went away before it was accepted: the listener
+/// itself is fine.
+fn lost_in_accept(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(e.kind(), ConnectionAborted | ConnectionReset | ConnectionRefused | Interrupted | WouldBlock)
+}
+
+/// The answer to a connection past the budget, written without waiting for its request: a
+/// client told 503 with Retry-After comes back later, where a bare reset reads as a failure.
+static REFUSAL: LazyLock<Vec<u8>> = LazyLock::new(|| {
+    let body = Problem::new(
+        http::StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded",
+        "Too many connections",
+        "The broker holds as many client connections as it may. Nothing was recorded or sent: retry after the \
+         indicated time with the same key.",
+    )
+    .document();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+});
+
+/// Answers a connection past the budget and closes it, without ever waiting on it: a write
+/// that does not fit at once is dropped with the socket.
+fn refuse(stream: TcpStream) {
+    let _ = stream.try_write(&REFUSAL);
+}
+
+/// What every connection of one listener shares.
+struct Connections {
+    http: http1::Builder,
+    handler: Handler,
+    name: &'static str,
+}
+
+impl Connections {
+    fn new(router: Router, limits: &ListenerLimits) -> Connections {
+        let mut http = http1::Builder::new();
+        // hyper's header timeout runs from the moment a head is awaited, which on a keep-alive
+        // connection is as soon as the previous answer went out: idle connections are cut too.
+        http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).keep_alive(true);
+        // A connection's read buffer grows to this while a large body streams through, and keeps
+        // that size until the connection closes: hyper's default (about 400 KiB) made 150 held
+        // uploads cost 57 MB more. It also bounds a request head.
+        http.max_buf_size(READ_BUFFER_MAX);
+        Connections { http, handler: Handler { router, body_timeout: limits.body_timeout }, name: limits.name }
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        stream: TcpStream,
+        _slot: OwnedSemaphorePermit,
+        mut stopped: watch::Receiver<bool>,
+    ) {
+        metrics::connection_opened(self.name);
+        let connection = self.http.serve_connection(TokioIo::new(stream), self.handler.clone());
+        tokio::pin!(connection);
+        let ended = tokio::select! {
+            ended = connection.as_mut() => ended,
+            _ = stop_requested(&mut stopped) => {
+                connection.as_mut().graceful_shutdown();
+                connection.await
+            }
+        };
+        // Timeouts and clients that vanish are routine at the edge: not worth more than debug.
+        if let Err(e) = ended {
+            tracing::debug!(listener = self.name, error = %e, "connection ended");
+        }
+        metrics::connection_closed(self.name);
+    }
+}
+
+/// The router, with every request body under `body_timeout`.
+#[derive(Clone)]
+struct Handler {
+    router: Router,
+    body_timeout: Duration,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Handler {
+    type Response = axum::response::Response;
+    type Error = Infallible;
+    type Future = RouteFuture<Infallible>;
+
+    fn call(&self, request: Request<Incoming>) -> Self::Future {
+        let request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
+        // A Router is always ready (its poll_ready returns at once), so it is called directly.
+        tower_service::Service::call(&mut self.router.clone(), request)
+    }
+}
+
+/// Lets a condition that may repeat very often be reported now and then, with a count of what
+/// happened in between.
+#[derive(Default)]
+struct Rarely {
+    last: Option<Instant>,
+    skipped: u64,
+}
+
+impl Rarely {
+    /// `Some(skipped)` when a report is due: the first time, and then once per `LOG_EVERY`.
+    fn due(&mut self, now: Instant) -> Option<u64> {
+        if self.last.is_some_and(|last| now - last < LOG_EVERY) {
+            self.skipped += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.skipped))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repeated_condition_is_reported_once_per_period() {
+        let start = Instant::now();
+        let mut rarely = Rarely::default();
+        assert_eq!(rarely.due(start), Some(0));
+        assert_eq!(rarely.due(start), None);
+        assert_eq!(rarely.due(start + LOG_EVERY / 2), None);
+        assert_eq!(rarely.due(start + LOG_EVERY), Some(2));
+        assert_eq!(rarely.due(start + LOG_EVERY), None);
+    }
+
+    #[test]
+    fn the_refusal_is_a_complete_problem_answer() {
+        let text = String::from_utf8(REFUSAL.clone()).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "), "{head}");
+        assert!(head.contains(&format!("content-length: {}", body.len())), "{head}");
+        let problem: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(problem["type"], "urn:idem:problem:overloaded");
+    }
+}

@@ -1,0 +1,259 @@
+//! SPEC §7's limits at the edge, through raw sockets: clients that hold connections without
+//! finishing their requests are cut, the admin listener answers while the data plane is full,
+//! and request bodies held in memory stay within their bound.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{both_stores, send, Backend, Broker, Db, Upstream};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
+
+/// No wait in these tests comes near this unless the limit under test does not hold.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+async fn start(b: Backend, server: &str, route_extra: &str) -> (Upstream, Broker) {
+    let upstream = Upstream::start().await;
+    let db = Db::new(b).await;
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{}",
+        common::config_body(&db.url, &upstream.url(), "", route_extra, "")
+    );
+    let broker = Broker::start_with(&db, text).await;
+    (upstream, broker)
+}
+
+async fn connect(base: &str) -> TcpStream {
+    TcpStream::connect(base.trim_start_matches("http://")).await.unwrap()
+}
+
+/// The head of a keyed POST that announces `length` body bytes.
+fn head(key: &str, length: usize) -> String {
+    format!(
+        "POST /payments HTTP/1.1\r\nhost: idem\r\nidempotency-key: {key}\r\ncontent-type: application/json\r\n\
+         content-length: {length}\r\n\r\n"
+    )
+}
+
+/// Everything the broker sends until it closes the connection (a reset counts as closing).
+/// Fails if the connection is still open after [`PATIENCE`].
+async fn until_closed(stream: &mut TcpStream) -> String {
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let reading = async {
+        loop {
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received.extend_from_slice(&buffer[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(PATIENCE, reading).await.expect("the broker kept the connection open");
+    String::from_utf8_lossy(&received).into_owned()
+}
+
+/// Reads one answer whose body is `content-length` long, leaving the connection open.
+async fn one_answer(stream: &mut TcpStream) -> String {
+    let mut received = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let reading = async {
+        loop {
+            let n = stream.read(&mut buffer).await.unwrap();
+            assert!(n > 0, "closed before a whole answer: {:?}", String::from_utf8_lossy(&received));
+            received.extend_from_slice(&buffer[..n]);
+            let text = String::from_utf8_lossy(&received).into_owned();
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length = head
+                    .lines()
+                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length: ").map(str::to_string))
+                    .and_then(|l| l.trim().parse::<usize>().ok())
+                    .unwrap_or(0);
+                if body.len() >= length {
+                    return text;
+                }
+            }
+        }
+    };
+    tokio::time::timeout(PATIENCE, reading).await.expect("no whole answer arrived")
+}
+
+async fn idle_sockets_past_the_budget_are_refused_at_once_and_cut_after_the_header_timeout(b: Backend) {
+    let header_timeout = Duration::from_secs(1);
+    let (upstream, broker) = start(b, "max_connections = 20\nheader_timeout = \"1s\"", "").await;
+    let opened = Instant::now();
+    let mut idle = Vec::new();
+    for _ in 0..20 {
+        idle.push(connect(&broker.url).await);
+    }
+    // Connections are accepted in order: these come after the twenty that fill the budget.
+    for _ in 0..10 {
+        let answer = until_closed(&mut connect(&broker.url).await).await;
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+        assert!(answer.contains("retry-after: 1") && answer.contains("urn:idem:problem:overloaded"), "{answer}");
+    }
+    // The admin listener has a budget of its own.
+    let health = broker.http.get(format!("{}/healthz", broker.admin)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    // Refused before its request is read: a 503, or a reset if the request was still unread.
+    if let Ok(r) = broker.post("/payments", "while-full", BODY).send().await {
+        assert_eq!(r.status(), 503);
+    }
+
+    for socket in &mut idle {
+        assert_eq!(until_closed(socket).await, "", "an idle socket gets no answer, only a close");
+    }
+    assert!(opened.elapsed() >= header_timeout, "cut before the header timeout");
+    let r = send(broker.post("/payments", "after", BODY)).await;
+    assert_eq!(r.status, 201);
+    assert_eq!(upstream.hits("while-full"), 0);
+    assert_eq!(broker.record("while-full").await.status(), 404);
+    broker.stop().await;
+}
+
+async fn a_keep_alive_connection_serves_several_requests_and_is_cut_once_idle(b: Backend) {
+    let header_timeout = Duration::from_millis(500);
+    let (upstream, broker) = start(b, "header_timeout = \"500ms\"", "").await;
+    let mut client = connect(&broker.url).await;
+    for key in ["kept-1", "kept-2"] {
+        client.write_all(format!("{}{BODY}", head(key, BODY.len())).as_bytes()).await.unwrap();
+        let answer = one_answer(&mut client).await;
+        assert!(answer.starts_with("HTTP/1.1 201 "), "{answer}");
+    }
+    assert_eq!(upstream.hits("kept-1") + upstream.hits("kept-2"), 2);
+    let idle_since = Instant::now();
+    assert_eq!(until_closed(&mut client).await, "");
+    assert!(idle_since.elapsed() >= header_timeout, "cut after {:?} idle", idle_since.elapsed());
+    broker.stop().await;
+}
+
+async fn a_slowloris_head_is_cut_after_the_header_timeout_while_others_are_served(b: Backend) {
+    let header_timeout = Duration::from_millis(500);
+    let (_upstream, broker) = start(b, "header_timeout = \"500ms\"", "").await;
+    let started = Instant::now();
+    let (mut reader, mut writer) = connect(&broker.url).await.into_split();
+    let trickle = tokio::spawn(async move {
+        let head = b"POST /payments HTTP/1.1\r\nhost: idem\r\nx-padding: ";
+        for byte in head.iter().chain(std::iter::repeat(&b'a')) {
+            if writer.write_all(&[*byte]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    let r = send(broker.post("/payments", "meanwhile", BODY)).await;
+    assert_eq!(r.status, 201, "a normal client is served while the slow one trickles");
+
+    let mut received = Vec::new();
+    let closed = tokio::time::timeout(PATIENCE, reader.read_to_end(&mut received)).await;
+    assert!(closed.is_ok(), "the slow head was never cut");
+    assert!(started.elapsed() >= header_timeout, "cut after {:?}", started.elapsed());
+    trickle.await.unwrap();
+    broker.stop().await;
+}
+
+async fn a_body_shorter_than_its_content_length_gets_408_and_nothing_is_recorded(b: Backend) {
+    let body_timeout = Duration::from_millis(500);
+    let (upstream, broker) = start(b, "body_timeout = \"500ms\"", "").await;
+    let mut liar = connect(&broker.url).await;
+    liar.write_all(head("liar", 1000).as_bytes()).await.unwrap();
+    let sent = Instant::now();
+    liar.write_all(br#"{"amount":"#).await.unwrap();
+
+    let answer = until_closed(&mut liar).await;
+    assert!(sent.elapsed() >= body_timeout, "answered after {:?}", sent.elapsed());
+    assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+    let lower = answer.to_ascii_lowercase();
+    assert!(
+        lower.contains("content-type: application/problem+json") && lower.contains("connection: close"),
+        "{answer}"
+    );
+    assert!(answer.contains("urn:idem:problem:request-timeout"), "{answer}");
+    assert_eq!(broker.record("liar").await.status(), 404);
+    assert_eq!(upstream.hits("liar"), 0);
+    broker.stop().await;
+}
+
+async fn a_body_trickled_in_forever_is_cut_at_the_route_deadline(b: Backend) {
+    let deadline = Duration::from_millis(800);
+    let (upstream, broker) = start(b, "body_timeout = \"5s\"", "[routes.retry]\ndeadline = \"800ms\"").await;
+    let (mut reader, mut writer) = connect(&broker.url).await.into_split();
+    writer.write_all(head("trickled", 1000).as_bytes()).await.unwrap();
+    let started = Instant::now();
+    // Never silent for long, and never done: 1000 bytes at this pace take 20 s.
+    let trickle = tokio::spawn(async move {
+        for _ in 0..1000 {
+            if writer.write_all(b" ").await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+
+    let mut received = Vec::new();
+    let closed = tokio::time::timeout(PATIENCE, reader.read_to_end(&mut received)).await;
+    assert!(closed.is_ok(), "the trickled body was never cut");
+    assert!(started.elapsed() >= deadline, "cut after {:?}", started.elapsed());
+    let answer = String::from_utf8_lossy(&received);
+    assert!(answer.starts_with("HTTP/1.1 408 ") && answer.contains("request-timeout"), "{answer}");
+    trickle.abort();
+    assert_eq!(broker.record("trickled").await.status(), 404);
+    assert_eq!(upstream.hits("trickled"), 0);
+    broker.stop().await;
+}
+
+async fn buffered_body_bytes(broker: &Broker) -> u64 {
+    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("/metrics shows idem_buffered_body_bytes")
+}
+
+async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend) {
+    let (upstream, broker) = start(b, "max_buffered_bodies = \"4KiB\"", "max_body = \"2KiB\"").await;
+    let full = 2048;
+    let mut held = Vec::new();
+    for key in ["held-1", "held-2"] {
+        let mut upload = connect(&broker.url).await;
+        upload.write_all(head(key, full).as_bytes()).await.unwrap();
+        upload.write_all(&[b' '; 100]).await.unwrap();
+        held.push(upload);
+    }
+    // Both declared lengths are reserved as soon as their reading starts.
+    let until = Instant::now() + PATIENCE;
+    while buffered_body_bytes(&broker).await != 2 * full as u64 {
+        assert!(Instant::now() < until, "the held uploads were never counted");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let r = send(broker.post("/payments", "one-too-many", BODY)).await;
+    r.assert_problem(503, "overloaded");
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.header("idempotency-status"), Some("not_started"));
+    assert_eq!(broker.record("one-too-many").await.status(), 404);
+    assert_eq!(upstream.hits("one-too-many"), 0);
+
+    for upload in &mut held {
+        upload.write_all(&[b' '; 2048 - 100]).await.unwrap();
+        let answer = one_answer(upload).await;
+        assert!(answer.starts_with("HTTP/1.1 201 "), "{answer}");
+    }
+    assert_eq!(buffered_body_bytes(&broker).await, 0, "answered bodies are given back");
+    let r = send(broker.post("/payments", "one-too-many", BODY)).await;
+    assert_eq!(r.status, 201);
+    assert_eq!(upstream.hits("held-1") + upstream.hits("held-2") + upstream.hits("one-too-many"), 3);
+    broker.stop().await;
+}
+
+both_stores!(
+    a_keep_alive_connection_serves_several_requests_and_is_cut_once_idle,
+    idle_sockets_past_the_budget_are_refused_at_once_and_cut_after_the_header_timeout,
+    a_slowloris_head_is_cut_after_the_header_timeout_while_others_are_served,
+    a_body_shorter_than_its_content_length_gets_408_and_nothing_is_recorded,
+    a_body_trickled_in_forever_is_cut_at_the_route_deadline,
+    bodies_past_the_memory_bound_get_503_and_nothing_is_recorded,
+);
