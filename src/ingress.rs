@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::config::{Config, Route};
 use crate::credentials;
+use crate::derived;
 use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
@@ -30,6 +31,8 @@ use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+/// Until when the answer's key has its result replayed (an HTTP-date).
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 
 /// The longest `Prefer: wait=N` honoured, in seconds.
 const MAX_WAIT_SECS: u64 = 300;
@@ -154,25 +157,19 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let route = route.clone();
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
-    let keyed = keyed_method && (sent_key.is_some() || route.require_key);
+    let keyed = keyed_method && (sent_key.is_some() || route.require_key || !route.key_from.is_empty());
     if keyed_method && !keyed {
         metrics::unkeyed(&route.name);
     }
-    let answer = match credentials::tenant(&app.config, request.headers()) {
-        Err(p) => Err(p),
+    let mut response = match credentials::tenant(&app.config, request.headers()) {
+        Err(problem) if keyed => problem.state(State::NotStarted).into_response(),
+        Err(problem) => problem.into_response(),
         Ok(tenant) if keyed => {
             // One span per logical request; its executions and attempts are logged beneath it.
             let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
             app.keyed(route, tenant, request, arrival).instrument(span).await
         }
-        Ok(_) => Ok(app.plain(&route, request).await),
-    };
-    let mut response = match answer {
-        Ok(response) => response,
-        Err(problem) if keyed && problem.idempotency_status.is_none() => {
-            problem.state(State::NotStarted).into_response()
-        }
-        Err(problem) => problem.into_response(),
+        Ok(_) => app.plain(&route, request).await,
     };
     if keyed {
         let headers = response.headers_mut();
@@ -207,31 +204,87 @@ async fn read_body<'a>(body: Body, route: &Route, budget: &'a BodyBudget) -> Res
 }
 
 impl Ingress {
-    async fn keyed(
-        &self,
-        route: Route,
-        tenant: String,
-        request: Request,
-        arrival: Millis,
-    ) -> Result<Response, Problem> {
+    /// A request on a keyed route: its key (sent, or derived from the request), then its
+    /// answer, which says which key it was for and until when that key's result is replayed.
+    async fn keyed(&self, route: Route, tenant: String, request: Request, arrival: Millis) -> Response {
         let (parts, body) = request.into_parts();
-        let key = IdempotencyKey::from_headers(&parts.headers).map_err(|e| match e {
-            KeyError::Missing => Problem::missing_key(),
-            KeyError::Invalid(why) => Problem::invalid_key(why),
-        })?;
+        let sent = match IdempotencyKey::from_headers(&parts.headers) {
+            Ok(key) => Some(key),
+            Err(KeyError::Missing) if !route.key_from.is_empty() => None,
+            Err(KeyError::Missing) => return Problem::missing_key().state(State::NotStarted).into_response(),
+            Err(KeyError::Invalid(why)) => return Problem::invalid_key(why).state(State::NotStarted).into_response(),
+        };
         let query = parts.uri.query().unwrap_or("");
         // A path the upstream would not receive as matched is refused before anything is recorded.
-        route.upstream_url(parts.uri.path(), query).map_err(|why| Problem::invalid_path(&why))?;
+        if let Err(why) = route.upstream_url(parts.uri.path(), query) {
+            return self.keyed_answer(&route, sent.as_ref(), Err(Problem::invalid_path(&why)));
+        }
         // Held until this request is answered: its body lives at least that long.
-        let (body, _held) = read_body(body, &route, &self.bodies).await?;
+        let (body, _held) = match read_body(body, &route, &self.bodies).await {
+            Ok(read) => read,
+            Err(problem) => return self.keyed_answer(&route, sent.as_ref(), Err(problem)),
+        };
+        // Fields that change on every retry (a timestamp, a nonce) do not make another request:
+        // they count neither in the fingerprint nor in a derived key.
+        let kept = derived::without_ignored(&body, &route.fingerprint_ignore);
+        let essential = kept.as_deref().unwrap_or(&body);
+        let (key, derived) = match sent {
+            Some(key) => (key, false),
+            None => match derived::key(&route, &tenant, &parts.headers, essential) {
+                Ok(key) => (key, true),
+                Err(missing) => return Problem::missing_key_source(&missing).state(State::NotStarted).into_response(),
+            },
+        };
         let fingerprint = Fingerprint::of(
             &route.name,
             parts.method.as_str(),
             parts.uri.path(),
-            query,
+            parts.uri.query().unwrap_or(""),
             parts.headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
-            &body,
+            essential,
         );
+        let answer = self.execute_keyed(&route, tenant, &parts, body, &key, fingerprint, arrival).await;
+        let mut response = self.keyed_answer(&route, Some(&key), answer);
+        if derived {
+            if let Ok(value) = HeaderValue::from_str(key.as_str()) {
+                response.headers_mut().insert(crate::key::HEADER, value);
+            }
+        }
+        response
+    }
+
+    /// An answer on a keyed route: a problem names the key and its record; every answer says
+    /// until when the key's result is replayed (no earlier than a result made now would be).
+    fn keyed_answer(&self, route: &Route, key: Option<&IdempotencyKey>, answer: Result<Response, Problem>) -> Response {
+        let mut response = match answer {
+            Ok(response) => response,
+            Err(mut problem) => {
+                problem.idempotency_status.get_or_insert(State::NotStarted);
+                match key {
+                    Some(key) => problem.for_key(key.as_str()).into_response(),
+                    None => problem.into_response(),
+                }
+            }
+        };
+        if key.is_some() && !response.headers().contains_key(EXPIRES_HEADER) {
+            let until = now_ms() + duration_ms(route.retention);
+            response.headers_mut().insert(EXPIRES_HEADER, http_date(until));
+        }
+        response
+    }
+
+    async fn execute_keyed(
+        &self,
+        route: &Route,
+        tenant: String,
+        parts: &http::request::Parts,
+        body: Bytes,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        arrival: Millis,
+    ) -> Answer {
+        let route = route.clone();
+        let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
@@ -259,7 +312,9 @@ impl Ingress {
                 return Err(Problem::key_reused().state(State::Done));
             }
             metrics::answered(&replay.route, "replay");
-            return Ok(stored_response(&replay.response, true));
+            let mut response = stored_response(&replay.response, true);
+            response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
+            return Ok(response);
         }
         // A new execution is shed here, before anything is recorded, if the route is saturated
         // or its upstream's circuit is open — unless the key exists: its record answers then.
@@ -279,17 +334,18 @@ impl Ingress {
         // one commit before the send instead of three.
         let reservation = self.worker.reserve(&route.name);
         let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms())), ..new };
-        let record = match self.store.admit(new, self.retention_cutoff()).await.map_err(|e| Problem::store(&e))? {
-            Admission::Created(record) | Admission::Requeued(record) => {
-                metrics::request(&route.name);
-                if route.forward_authorization {
-                    let credential = parts.headers.get(header::AUTHORIZATION).cloned();
-                    self.worker.hold_credential(record.id, credential, record.deadline_at);
+        let record =
+            match self.store.admit(new, self.retention_cutoff(&route.name)).await.map_err(|e| Problem::store(&e))? {
+                Admission::Created(record) | Admission::Requeued(record) => {
+                    metrics::request(&route.name);
+                    if route.forward_authorization {
+                        let credential = parts.headers.get(header::AUTHORIZATION).cloned();
+                        self.worker.hold_credential(record.id, credential, record.deadline_at);
+                    }
+                    return self.execute(record, slot, reservation, prefer).await;
                 }
-                return Ok(self.execute(record, slot, reservation, prefer).await);
-            }
-            Admission::Existing(record) => record,
-        };
+                Admission::Existing(record) => record,
+            };
         drop((slot, reservation));
         self.answer_record(&route, record, fingerprint, prefer).await
     }
@@ -306,7 +362,7 @@ impl Ingress {
             metrics::answered(&route.name, "key_reused");
             return Err(Problem::key_reused().state(record.state));
         }
-        Ok(self.answer_existing(record, prefer.wait).await)
+        self.answer_existing(record, prefer.wait).await
     }
 
     fn refused(&self, route: &Route, refusal: Refusal) -> Problem {
@@ -322,16 +378,21 @@ impl Ingress {
         }
     }
 
-    fn retention_cutoff(&self) -> Millis {
-        now_ms() - duration_ms(self.config.store.retention)
+    /// How long a route's done records are replayed; a route no longer configured keeps the store's.
+    fn retention(&self, route: &str) -> Duration {
+        self.config.route_named(route).map_or(self.config.store.retention, |r| r.retention)
+    }
+
+    fn retention_cutoff(&self, route: &str) -> Millis {
+        now_ms() - duration_ms(self.retention(route))
     }
 
     fn expired(&self, record: &Record) -> bool {
-        record.state == State::Done && record.updated_at < self.retention_cutoff()
+        record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
     }
 
     /// This request owns the record: hand it to a worker and answer with the outcome.
-    async fn execute(&self, record: Record, slot: Slot, reservation: Option<Reservation>, prefer: Prefer) -> Response {
+    async fn execute(&self, record: Record, slot: Slot, reservation: Option<Reservation>, prefer: Prefer) -> Answer {
         // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
         let reservation = reservation.filter(|_| record.state == State::InProgress);
         let start = |record: Record, reply| match reservation {
@@ -350,7 +411,7 @@ impl Ingress {
             if let Ok(v) = HeaderValue::from_str(&location) {
                 headers.insert(header::LOCATION, v);
             }
-            return response;
+            return Ok(response);
         }
         let (tx, rx) = oneshot::channel();
         let id = record.id;
@@ -358,7 +419,7 @@ impl Ingress {
         // record becomes done after it arrived, so its retention ends later than this entry's.
         let (tenant, key, route) = (record.tenant.clone(), record.key.clone(), record.route.clone());
         let fingerprint = record.fingerprint;
-        let expires_at = record.created_at + duration_ms(self.config.store.retention);
+        let expires_at = record.created_at + duration_ms(self.retention(&record.route));
         let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64) + Duration::from_secs(5);
         start(record, Some(tx));
         match tokio::time::timeout(patience, rx).await {
@@ -376,25 +437,25 @@ impl Ingress {
                     // Its outcome answers this request first-hand: it is not a replay.
                     self.answer(record, Some(left + Duration::from_secs(1)), false).await
                 }
-                Ok(None) => Problem::not_found().into_response(),
-                Err(e) => Problem::store(&e).into_response(),
+                Ok(None) => Err(Problem::not_found()),
+                Err(e) => Err(Problem::store(&e)),
             },
         }
     }
 
     /// A request for a key this request does not own (same fingerprint): replay, wait, refuse.
-    async fn answer_existing(&self, record: Record, wait: Option<Duration>) -> Response {
+    async fn answer_existing(&self, record: Record, wait: Option<Duration>) -> Answer {
         self.answer(record, wait, true).await
     }
 
     /// Answers from the record, after waiting up to `wait` for it to settle. A `done` answer is
     /// marked as a replay unless this request is the one whose execution produced it.
-    async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Response {
+    async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
         if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
             match self.wait_for(record.id, wait).await {
                 Ok(Some(settled)) => record = settled,
-                Ok(None) => return Problem::not_found().into_response(),
-                Err(problem) => return problem.into_response(),
+                Ok(None) => return Err(Problem::not_found()),
+                Err(problem) => return Err(problem),
             }
         }
         let kind = match record.phase() {
@@ -409,19 +470,22 @@ impl Ingress {
         match record.phase() {
             Phase::Done => match &record.response {
                 Some(response) => {
+                    // A done record is not updated again: this is when it became done.
+                    let expires_at = record.updated_at + duration_ms(self.retention(&record.route));
                     let kept = Replay {
                         fingerprint: record.fingerprint,
                         route: record.route.clone(),
                         response: response.clone(),
-                        // A done record is not updated again: this is when it became done.
-                        expires_at: record.updated_at + duration_ms(self.config.store.retention),
+                        expires_at,
                     };
                     self.replays.keep(&record.tenant, &record.key, kept);
-                    stored_response(response, replay)
+                    let mut answer = stored_response(response, replay);
+                    answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));
+                    Ok(answer)
                 }
-                None => Problem::outcome_unknown().state(State::Done).into_response(),
+                None => Err(Problem::outcome_unknown().state(State::Done)),
             },
-            Phase::Unknown => Problem::outcome_unknown().state(State::Unknown).into_response(),
+            Phase::Unknown => Err(Problem::outcome_unknown().state(State::Unknown)),
             Phase::Queued | Phase::InProgress => {
                 let pending = Pending {
                     now: now_ms(),
@@ -430,16 +494,15 @@ impl Ingress {
                     deadline_at: record.deadline_at,
                 };
                 let eta = outcome_eta(pending, self.worker.pace().typical(&record.route));
-                Problem::in_progress(eta).state(record.state).into_response()
+                Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
             Phase::Free => match record.stop_reason {
-                Some(StopReason::Cancelled) => Problem::cancelled().state(State::NotStarted).into_response(),
-                Some(StopReason::Deadline) => Problem::deadline_exceeded().state(State::NotStarted).into_response(),
-                _ => Problem::upstream_unavailable("the upstream did not execute it")
+                Some(StopReason::Cancelled) => Err(Problem::cancelled().state(State::NotStarted)),
+                Some(StopReason::Deadline) => Err(Problem::deadline_exceeded().state(State::NotStarted)),
+                _ => Err(Problem::upstream_unavailable("the upstream did not execute it")
                     .retry_after(1)
-                    .state(State::NotStarted)
-                    .into_response(),
+                    .state(State::NotStarted)),
             },
         }
     }
@@ -497,12 +560,21 @@ impl Ingress {
     }
 }
 
+/// An answer on a keyed route: a response, or a problem that is told its key before it is sent.
+type Answer = Result<Response, Problem>;
+
+/// A time as an HTTP-date header value.
+fn http_date(at: Millis) -> HeaderValue {
+    let when = std::time::UNIX_EPOCH + Duration::from_millis(at.max(0) as u64);
+    HeaderValue::from_str(&httpdate::fmt_http_date(when)).expect("an HTTP-date is a valid header value")
+}
+
 /// The answer for the request that drove an execution.
-fn outcome_response(outcome: Outcome) -> Response {
+fn outcome_response(outcome: Outcome) -> Answer {
     match outcome {
-        Outcome::Done(StopReason::Deadline, _) => Problem::deadline_exceeded().state(State::Done).into_response(),
-        Outcome::Done(_, response) => stored_response(&response, false),
-        Outcome::Unknown(_) => Problem::outcome_unknown().state(State::Unknown).into_response(),
+        Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
+        Outcome::Done(_, response) => Ok(stored_response(&response, false)),
+        Outcome::Unknown(_) => Err(Problem::outcome_unknown().state(State::Unknown)),
         Outcome::Free(stop, Some(last)) => {
             let mut response = response_of(&last);
             let headers = response.headers_mut();
@@ -511,7 +583,7 @@ fn outcome_response(outcome: Outcome) -> Response {
             // deadline left is worth asking again, later.
             let again = stop == StopReason::RetryAfterBeyondDeadline;
             headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
-            response
+            Ok(response)
         }
         Outcome::Free(stop, None) => {
             let problem = match stop {
@@ -528,9 +600,9 @@ fn outcome_response(outcome: Outcome) -> Response {
                 }
                 _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
             };
-            problem.state(State::NotStarted).into_response()
+            Err(problem.state(State::NotStarted))
         }
-        Outcome::Lost => Problem::in_progress(Duration::from_secs(1)).state(State::InProgress).into_response(),
+        Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
     }
 }
 

@@ -26,6 +26,8 @@ pub struct Problem {
     /// Can the same request, sent again later, get a better answer? Said as `x-should-retry`,
     /// which SDKs read to decide for themselves; false where the broker already retried.
     pub retryable: bool,
+    /// The key the answer is for: named in the document with the URL of its record.
+    pub idempotency_key: Option<String>,
     /// The record's state, for answers on keyed routes.
     pub idempotency_status: Option<State>,
 }
@@ -39,6 +41,7 @@ impl Problem {
             detail: detail.into(),
             retry_after_ms: None,
             retryable: false,
+            idempotency_key: None,
             idempotency_status: None,
         }
     }
@@ -49,6 +52,12 @@ impl Problem {
 
     pub fn retry_after_ms(mut self, ms: u64) -> Problem {
         self.retry_after_ms = Some(ms);
+        self
+    }
+
+    /// Names the key the answer is for, and so the record a client can poll.
+    pub fn for_key(mut self, key: &str) -> Problem {
+        self.idempotency_key = Some(key.to_string());
         self
     }
 
@@ -70,6 +79,18 @@ impl Problem {
             "Idempotency-Key required",
             "This route has side effects: send an Idempotency-Key header (a unique value per operation, \
              e.g. a UUID) and reuse it when you retry the same operation.",
+        )
+    }
+
+    pub fn missing_key_source(missing: &crate::derived::MissingSource) -> Problem {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "missing-idempotency-key",
+            "Idempotency-Key required",
+            format!(
+                "Refused: {missing}. Send an Idempotency-Key header, or include what the route derives the key \
+                 from (see GET /_idem/routes)."
+            ),
         )
     }
 
@@ -282,6 +303,10 @@ impl Problem {
         });
         if let Some(ms) = self.retry_after_ms {
             body["retry_after_ms"] = ms.into();
+        }
+        if let Some(key) = &self.idempotency_key {
+            body["idempotency_key"] = key.as_str().into();
+            body["record"] = format!("/_idem/requests/{}", crate::key::path_segment(key)).into();
         }
         body.to_string()
     }
