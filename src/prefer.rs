@@ -40,7 +40,8 @@ impl Prefer {
                 prefer.respond_async = true;
             } else if name.eq_ignore_ascii_case(b"wait") && !seen_wait {
                 seen_wait = true;
-                prefer.wait = value.as_deref().and_then(delta_seconds).map(|s| Duration::from_secs(s.min(MAX_WAIT_SECS)));
+                prefer.wait =
+                    value.as_deref().and_then(delta_seconds).map(|s| Duration::from_secs(s.min(MAX_WAIT_SECS)));
             }
         }
         prefer

@@ -66,10 +66,7 @@ fn json_content_types_are_recognised() {
 
 #[test]
 fn the_canonical_form_is_compact_sorted_and_escaped_one_way() {
-    assert_eq!(
-        canon(" { \"b\" : [ 1 , 2.50e+3 ] , \"a\" : \"x\\ty\" } ").unwrap(),
-        r#"{"a":"x\ty","b":[1,2.50e+3]}"#
-    );
+    assert_eq!(canon(" { \"b\" : [ 1 , 2.50e+3 ] , \"a\" : \"x\\ty\" } ").unwrap(), r#"{"a":"x\ty","b":[1,2.50e+3]}"#);
     assert_eq!(canon(r#""\u0001\ud83d\ude00""#).unwrap(), "\"\\u0001😀\"");
     assert_eq!(canon("[]").unwrap(), "[]");
     assert_eq!(canon("{}").unwrap(), "{}");
@@ -120,7 +117,8 @@ fn a_signed_or_short_unicode_escape_is_not_json_and_shares_no_fingerprint() {
 #[test]
 fn surrogates_must_come_in_pairs() {
     assert_eq!(canon(r#""\ud83d\ude00""#).unwrap(), "\"😀\"");
-    for lone in [r#""\ude00""#, r#""\ud83d""#, r#""\ud83dx""#, r#""\ud83d\n""#, r#""\ud83d\u0041""#, r#""\ud83d\ud83d""#]
+    for lone in
+        [r#""\ude00""#, r#""\ud83d""#, r#""\ud83dx""#, r#""\ud83d\n""#, r#""\ud83d\u0041""#, r#""\ud83d\ud83d""#]
     {
         assert_eq!(canon(lone), None, "{lone}");
     }
