@@ -40,7 +40,7 @@ impl IdempotencyKey {
         let raw = raw.trim_ascii();
         match raw.first() {
             Some(b'"') => {
-                let (key, rest) = sf_string(raw).ok_or(malformed_string(raw))?;
+                let (key, rest) = sf_string(raw).ok_or_else(|| malformed_string(raw))?;
                 let rest = skip_parameters(rest).ok_or(KeyError::Invalid(
                     "the Idempotency-Key's parameters are malformed: each is ';', a lower-case name, \
                      and optionally '=' and a structured-field value",

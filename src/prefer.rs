@@ -34,7 +34,7 @@ impl Prefer {
         let mut prefer = Prefer::default();
         let (mut seen_async, mut seen_wait) = (false, false);
         for element in lines.into_iter().flat_map(elements) {
-            let Some((name, value)) = preference(element) else { continue };
+            let Some(Preference { name, value }) = preference(element) else { continue };
             if name.eq_ignore_ascii_case(b"respond-async") && !seen_async {
                 seen_async = true;
                 prefer.respond_async = true;
@@ -80,21 +80,27 @@ fn elements(line: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
+/// One preference as written; its parameters are not kept, since no preference read here has any.
+struct Preference<'a> {
+    name: &'a [u8],
+    /// Unquoted; `None` also when empty, which RFC 7240 §2 makes the same as no value.
+    value: Option<Cow<'a, [u8]>>,
+}
+
 /// A preference's name and value, its parameters skipped; `None` when it is not well-formed
 /// (or is an empty list element).
-fn preference(element: &[u8]) -> Option<(&[u8], Option<Cow<'_, [u8]>>)> {
+fn preference(element: &[u8]) -> Option<Preference<'_>> {
     let element = ows(element);
     let (name, mut rest) = token(element)?;
     let mut value = None;
     if let Some(after) = ows(rest).strip_prefix(b"=") {
         let after = ows(after);
         let (word, after) = if after.first() == Some(&b'"') { quoted_string(after)? } else { unquoted(after) };
-        // RFC 7240 §2: an empty value is the same as no value.
         value = (!word.is_empty()).then_some(word);
         rest = after;
     }
     let rest = ows(rest);
-    (rest.is_empty() || rest[0] == b';').then_some((name, value))
+    (rest.is_empty() || rest[0] == b';').then_some(Preference { name, value })
 }
 
 fn unquoted(text: &[u8]) -> (Cow<'_, [u8]>, &[u8]) {
@@ -126,7 +132,7 @@ fn quoted_string(text: &[u8]) -> Option<(Cow<'_, [u8]>, &[u8])> {
     None
 }
 
-/// Skips optional whitespace: spaces and tabs.
+/// `text` without the optional whitespace (spaces and tabs) at either end.
 fn ows(text: &[u8]) -> &[u8] {
     let start = text.iter().position(|&b| b != b' ' && b != b'\t').unwrap_or(text.len());
     let end = text.iter().rposition(|&b| b != b' ' && b != b'\t').map_or(start, |n| n + 1);
