@@ -693,14 +693,13 @@ fn upstream_headers(
 ) -> Result<http::HeaderMap, ConfigError> {
     let mut headers = http::HeaderMap::new();
     for (name, var) in names {
-        let key = format!("{key}.{name}");
         let header = http::HeaderName::from_bytes(name.as_bytes())
-            .map_err(|_| invalid(&key, format!("`{name}` is not a header name")))?;
+            .map_err(|_| invalid(key, format!("`{name}` is not a header name")))?;
         let value = env(var)
             .filter(|v| !v.is_empty())
-            .ok_or_else(|| invalid(&key, format!("the environment variable {var} is not set (or empty)")))?;
+            .ok_or_else(|| invalid(key, format!("{name}: the environment variable {var} is not set (or empty)")))?;
         let mut value = http::HeaderValue::from_str(&value)
-            .map_err(|_| invalid(&key, format!("the value of {var} is not a valid header value")))?;
+            .map_err(|_| invalid(key, format!("{name}: the value of {var} is not a valid header value")))?;
         value.set_sensitive(true);
         headers.insert(header, value);
     }

@@ -60,12 +60,25 @@ fn is_json(content_type: Option<&[u8]>) -> bool {
     media == "application/json" || media.ends_with("+json")
 }
 
-/// The canonical form of a JSON text: object members sorted by key (duplicates kept in order),
-/// no insignificant whitespace, strings re-escaped one way, numbers kept exactly as written.
-/// `None` when the body is not JSON; it is then hashed as bytes.
+/// The canonical form of a JSON text: object members sorted by key (duplicates kept, in the order
+/// written), no insignificant whitespace, strings re-escaped one way, numbers kept exactly as
+/// written. `None` when the body is not JSON; it is then hashed as bytes.
+///
+/// A body is canonicalised exactly when `serde_json` would accept it as a value, so that nothing
+/// outside RFC 8259 (a `\u+041`, a `.5`, a lone surrogate) can be read as some valid text and
+/// share its fingerprint. Where RFC 8259 leaves a choice, serde_json's is followed:
+/// - a byte order mark is not whitespace: a body that starts with one is not JSON;
+/// - a `\u` escape of a lone or unpaired surrogate is refused (the text must be Unicode);
+/// - at most 127 arrays and objects may be open at once ([`MAX_DEPTH`]);
+/// - a number whose magnitude is beyond `f64` (`1e400`) is refused; smaller ones are accepted
+///   with every digit, since the fingerprint compares numbers as written, never as rounded;
+/// - duplicate keys are accepted, and kept: a reader that takes the first and one that takes the
+///   last would see different requests in `{"a":1,"a":2}`, so it must not share `{"a":2}`'s
+///   fingerprint. The canonical form is still faithful to serde_json's last-wins value, because
+///   the sort is stable.
 pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     let text = std::str::from_utf8(body).ok()?;
-    let mut p = Parser { s: text.as_bytes(), i: 0, depth: 0, members: Vec::new() };
+    let mut p = Parser { text, s: text.as_bytes(), i: 0, depth: 0, members: Vec::new() };
     let mut out = Vec::with_capacity(body.len());
     p.skip_ws();
     p.value(&mut out)?;
@@ -73,9 +86,16 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     (p.i == p.s.len()).then_some(out)
 }
 
-const MAX_DEPTH: usize = 128;
+/// The deepest nesting accepted: serde_json's recursion limit refuses the 128th open bracket.
+pub const MAX_DEPTH: usize = 127;
+
+/// Any number with no more than this many digits before its decimal point, exponent included,
+/// is below 10^308 and so within `f64`'s range; only longer ones need a closer look.
+const SURELY_FINITE_DIGITS: i64 = 308;
 
 struct Parser<'a> {
+    text: &'a str,
+    /// `text` as bytes: the grammar is ASCII, and every position it stops at is a char boundary.
     s: &'a [u8],
     i: usize,
     depth: usize,
@@ -131,33 +151,53 @@ impl<'a> Parser<'a> {
         Some(())
     }
 
+    /// RFC 8259 §6: `-? (0 | [1-9][0-9]*) (\.[0-9]+)? ([eE][+-]?[0-9]+)?`, and within `f64`'s range.
     fn number(&mut self, out: &mut Vec<u8>) -> Option<()> {
         let start = self.i;
-        let digits = |p: &mut Self| {
-            let from = p.i;
-            while matches!(p.peek(), Some(b'0'..=b'9')) {
-                p.i += 1;
-            }
-            (p.i > from).then_some(())
-        };
         let _ = self.eat(b'-');
+        let int_start = self.i;
         match self.peek()? {
             b'0' => self.i += 1,
-            b'1'..=b'9' => digits(self)?,
+            b'1'..=b'9' => self.digits()?,
             _ => return None,
         }
+        let int_digits = (self.i - int_start) as i64;
         if self.eat(b'.').is_some() {
-            digits(self)?;
+            self.digits()?;
         }
+        let mut exponent: i64 = 0;
         if matches!(self.peek(), Some(b'e' | b'E')) {
             self.i += 1;
+            let negative = self.peek() == Some(b'-');
             if matches!(self.peek(), Some(b'+' | b'-')) {
                 self.i += 1;
             }
-            digits(self)?;
+            let from = self.i;
+            self.digits()?;
+            // Saturated well past any meaningful exponent, so that no count of digits overflows.
+            for &d in &self.s[from..self.i] {
+                exponent = (exponent * 10 + i64::from(d - b'0')).min(1 << 40);
+            }
+            if negative {
+                exponent = -exponent;
+            }
         }
-        out.extend_from_slice(&self.s[start..self.i]);
+        let written = &self.text[start..self.i];
+        if int_digits.saturating_add(exponent) > SURELY_FINITE_DIGITS {
+            // Rare, so the exact verdict is serde_json's own: it decides where `f64` overflows.
+            serde_json::from_str::<serde_json::Number>(written).ok()?;
+        }
+        out.extend_from_slice(written.as_bytes());
         Some(())
+    }
+
+    /// One or more ASCII digits.
+    fn digits(&mut self) -> Option<()> {
+        let from = self.i;
+        while matches!(self.peek(), Some(b'0'..=b'9')) {
+            self.i += 1;
+        }
+        (self.i > from).then_some(())
     }
 
     fn array(&mut self, out: &mut Vec<u8>) -> Option<()> {
@@ -198,6 +238,9 @@ impl<'a> Parser<'a> {
         if self.eat(b'}').is_none() {
             loop {
                 self.skip_ws();
+                if self.peek()? != b'"' {
+                    return None;
+                }
                 let key = self.string()?;
                 if self.members.len() > base {
                     out.push(b',');
@@ -224,6 +267,7 @@ impl<'a> Parser<'a> {
         let members = &mut self.members[base..];
         if !members.is_sorted_by(|a, b| a.0 <= b.0) {
             let written = out.split_off(start);
+            // Stable: duplicate keys stay in the order written (see `canonical_json`).
             members.sort_by(|a, b| a.0.cmp(&b.0));
             for (n, (_, r)) in members.iter().enumerate() {
                 if n > 0 {
@@ -237,11 +281,11 @@ impl<'a> Parser<'a> {
         Some(())
     }
 
-    /// Decodes a JSON string (the input is already known to be UTF-8). A string without
-    /// escapes, the common case, is borrowed from the input as it is.
+    /// Decodes a JSON string. A string without escapes, the common case, is borrowed from the
+    /// input as it is.
     fn string(&mut self) -> Option<Cow<'a, str>> {
         self.eat(b'"')?;
-        let mut buf = Vec::new();
+        let mut decoded = String::new();
         loop {
             let run = self.i;
             while let Some(b) = self.peek() {
@@ -250,19 +294,19 @@ impl<'a> Parser<'a> {
                 }
                 self.i += 1;
             }
-            let text = &self.s[run..self.i];
+            let text = &self.text[run..self.i];
             match self.peek()? {
-                b'"' if buf.is_empty() => {
+                b'"' if decoded.is_empty() => {
                     self.i += 1;
-                    return std::str::from_utf8(text).ok().map(Cow::Borrowed);
+                    return Some(Cow::Borrowed(text));
                 }
                 b'"' => {
-                    buf.extend_from_slice(text);
+                    decoded.push_str(text);
                     self.i += 1;
-                    return String::from_utf8(buf).ok().map(Cow::Owned);
+                    return Some(Cow::Owned(decoded));
                 }
                 b'\\' => {
-                    buf.extend_from_slice(text);
+                    decoded.push_str(text);
                     self.i += 1;
                     let c = match self.peek()? {
                         b'"' => '"',
@@ -275,30 +319,31 @@ impl<'a> Parser<'a> {
                         b't' => '\t',
                         b'u' => {
                             self.i += 1;
-                            let c = self.unicode_escape()?;
-                            let mut tmp = [0u8; 4];
-                            buf.extend_from_slice(c.encode_utf8(&mut tmp).as_bytes());
+                            decoded.push(self.unicode_escape()?);
                             continue;
                         }
                         _ => return None,
                     };
                     self.i += 1;
-                    buf.push(c as u8);
+                    decoded.push(c);
                 }
                 _ => return None, // a raw control character
             }
         }
     }
 
+    /// Exactly four hex digits: `from_str_radix` would also take a sign (`\u+041`).
     fn hex4(&mut self) -> Option<u32> {
         let digits = self.s.get(self.i..self.i + 4)?;
-        let text = std::str::from_utf8(digits).ok()?;
-        let v = u32::from_str_radix(text, 16).ok()?;
+        let mut v = 0;
+        for &d in digits {
+            v = v << 4 | char::from(d).to_digit(16)?;
+        }
         self.i += 4;
         Some(v)
     }
 
-    /// After `\u`: one code point, joining a surrogate pair; a lone surrogate is not JSON we accept.
+    /// After `\u`: one code point, joining a surrogate pair; a lone surrogate is not Unicode text.
     fn unicode_escape(&mut self) -> Option<char> {
         let first = self.hex4()?;
         if (0xD800..0xDC00).contains(&first) {
@@ -344,113 +389,4 @@ fn write_string(out: &mut Vec<u8>, s: &str) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn canon(text: &str) -> Option<String> {
-        canonical_json(text.as_bytes()).map(|v| String::from_utf8(v).unwrap())
-    }
-
-    fn fp(body: &str) -> Fingerprint {
-        Fingerprint::of("payments", "POST", "/payments", "", Some(b"application/json"), body.as_bytes())
-    }
-
-    #[test]
-    fn reserialised_json_has_the_same_fingerprint() {
-        assert_eq!(fp(r#"{"a":1,"b":2}"#), fp("{ \"b\": 2,\n  \"a\": 1 }"));
-        assert_eq!(
-            fp(r#"{"x":{"z":[1,{"q":true,"p":null}],"y":"\u00e9"}}"#),
-            fp(r#"{"x":{"y":"é","z":[1,{"p":null,"q":true}]}}"#)
-        );
-        assert_eq!(fp(r#"{"s":"a\/b"}"#), fp(r#"{"s":"a/b"}"#));
-    }
-
-    #[test]
-    fn any_change_in_meaning_changes_the_fingerprint() {
-        let base = fp(r#"{"amount":100,"currency":"eur"}"#);
-        assert_ne!(base, fp(r#"{"amount":101,"currency":"eur"}"#));
-        assert_ne!(base, fp(r#"{"amount":100,"currency":"EUR"}"#));
-        assert_ne!(base, fp(r#"{"amount":100}"#));
-        assert_ne!(base, fp(r#"[{"amount":100,"currency":"eur"}]"#));
-        // Numbers are compared as written: no float rounding can merge two different amounts.
-        assert_ne!(fp(r#"{"n":12345678901234567890123}"#), fp(r#"{"n":12345678901234567890124}"#));
-        assert_ne!(fp(r#"{"n":1.0}"#), fp(r#"{"n":1}"#));
-        // Duplicate keys are kept, so a last-wins and a first-wins reading are not confused.
-        assert_ne!(fp(r#"{"a":1,"a":2}"#), fp(r#"{"a":2}"#));
-    }
-
-    #[test]
-    fn route_method_path_and_query_are_part_of_the_fingerprint() {
-        let f = |route, method, path, query| Fingerprint::of(route, method, path, query, None, b"{}");
-        let base = f("payments", "POST", "/payments", "");
-        assert_ne!(base, f("refunds", "POST", "/payments", ""));
-        assert_ne!(base, f("payments", "PATCH", "/payments", ""));
-        assert_ne!(base, f("payments", "POST", "/payments/1", ""));
-        assert_ne!(base, f("payments", "POST", "/payments", "x=1"));
-        // Length prefixes keep field boundaries: moving a character between fields matters.
-        assert_ne!(f("a", "POST", "/bc", ""), f("ab", "POST", "/c", ""));
-    }
-
-    #[test]
-    fn non_json_bodies_are_hashed_as_bytes() {
-        let text = |body: &str| Fingerprint::of("r", "POST", "/", "", Some(b"text/plain"), body.as_bytes());
-        assert_ne!(text(r#"{"a":1,"b":2}"#), text(r#"{"b":2,"a":1}"#));
-        assert_eq!(text("hello"), text("hello"));
-        // Invalid JSON under a JSON content type falls back to bytes instead of failing.
-        assert_ne!(fp("{not json"), fp("{not  json"));
-        assert_eq!(fp("{not json"), fp("{not json"));
-    }
-
-    #[test]
-    fn json_content_types_are_recognised() {
-        assert!(is_json(None));
-        assert!(is_json(Some(b"application/json")));
-        assert!(is_json(Some(b"Application/JSON; charset=utf-8")));
-        assert!(is_json(Some(b"application/merge-patch+json")));
-        assert!(!is_json(Some(b"text/plain")));
-        assert!(!is_json(Some(b"application/x-www-form-urlencoded")));
-    }
-
-    #[test]
-    fn the_canonical_form_is_compact_sorted_and_escaped_one_way() {
-        assert_eq!(
-            canon(" { \"b\" : [ 1 , 2.50e+3 ] , \"a\" : \"x\\ty\" } ").unwrap(),
-            r#"{"a":"x\ty","b":[1,2.50e+3]}"#
-        );
-        assert_eq!(canon(r#""\u0001\ud83d\ude00""#).unwrap(), "\"\\u0001😀\"");
-        assert_eq!(canon("[]").unwrap(), "[]");
-        assert_eq!(canon("{}").unwrap(), "{}");
-        assert_eq!(canon("-0.5E-2").unwrap(), "-0.5E-2");
-    }
-
-    #[test]
-    fn malformed_json_is_not_canonicalised() {
-        for bad in [
-            "",
-            "{",
-            "[1,]",
-            "{\"a\"}",
-            "{\"a\":1,}",
-            "01",
-            "1.",
-            "-",
-            "+1",
-            ".5",
-            "1e",
-            "tru",
-            "nul",
-            "\"abc",
-            "\"\\x\"",
-            "\"\\ud800\"",
-            "\"\t\"",
-            "[1] 2",
-            "{\"a\":1}}",
-        ] {
-            assert_eq!(canon(bad), None, "{bad:?}");
-        }
-        let deep = "[".repeat(200) + &"]".repeat(200);
-        assert_eq!(canon(&deep), None);
-        let ok = "[".repeat(100) + &"]".repeat(100);
-        assert!(canon(&ok).is_some());
-    }
-}
+mod tests;

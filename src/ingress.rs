@@ -24,6 +24,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
 use crate::policy::StopReason;
 use crate::policy::{outcome_eta, Pending};
+use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, NewRecord, Store};
@@ -34,8 +35,6 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Until when the answer's key has its result replayed (an HTTP-date).
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 
-/// The longest `Prefer: wait=N` honoured, in seconds.
-const MAX_WAIT_SECS: u64 = 300;
 /// How often a waiting request re-reads its record anyway, should an announcement of its
 /// settlement by another node be lost.
 const WAIT_POLL: Duration = Duration::from_secs(1);
@@ -115,34 +114,6 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
         .route("/_idem/routes", get(list_routes))
         .fallback(handle)
         .with_state(ingress)
-}
-
-/// A client's preferences (RFC 7240). Unknown or malformed preferences are ignored.
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
-struct Prefer {
-    respond_async: bool,
-    wait: Option<Duration>,
-}
-
-impl Prefer {
-    fn from_headers(headers: &HeaderMap) -> Prefer {
-        let mut prefer = Prefer::default();
-        for token in headers.get_all("prefer").iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')) {
-            let token = token.split(';').next().unwrap_or("").trim();
-            let (name, value) = match token.split_once('=') {
-                Some((n, v)) => (n.trim(), Some(v.trim().trim_matches('"'))),
-                None => (token, None),
-            };
-            if name.eq_ignore_ascii_case("respond-async") {
-                prefer.respond_async = true;
-            } else if name.eq_ignore_ascii_case("wait") {
-                if let Some(secs) = value.and_then(|v| v.parse::<u64>().ok()) {
-                    prefer.wait = Some(Duration::from_secs(secs.min(MAX_WAIT_SECS)));
-                }
-            }
-        }
-        prefer
-    }
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
@@ -722,30 +693,5 @@ async fn cancel_request(
         Ok(Cancelled::Refused(record)) => Problem::not_cancellable(record.state).into_response(),
         Ok(Cancelled::Missing) => Problem::not_found().into_response(),
         Err(e) => Problem::store(&e).into_response(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn prefer(values: &[&str]) -> Prefer {
-        let mut h = HeaderMap::new();
-        for v in values {
-            h.append("prefer", v.parse().unwrap());
-        }
-        Prefer::from_headers(&h)
-    }
-
-    #[test]
-    fn preferences_are_read_leniently() {
-        assert_eq!(prefer(&[]), Prefer::default());
-        assert!(prefer(&["respond-async"]).respond_async);
-        assert_eq!(prefer(&["wait=10"]).wait, Some(Duration::from_secs(10)));
-        let both = prefer(&["Respond-Async, wait=3"]);
-        assert!(both.respond_async && both.wait == Some(Duration::from_secs(3)));
-        assert_eq!(prefer(&["wait=forever"]).wait, None);
-        assert_eq!(prefer(&["wait=-1"]).wait, None);
-        assert_eq!(prefer(&["wait=99999"]).wait, Some(Duration::from_secs(MAX_WAIT_SECS)));
     }
 }

@@ -31,10 +31,36 @@ impl IdempotencyKey {
         IdempotencyKey::parse_header(value.as_bytes())
     }
 
+    /// The header's value is one structured-field item (RFC 8941 §3.3): an sf-string, whose
+    /// parameters (`"abc";x=1`) must be well-formed and are ignored. A bare key is a leniency
+    /// beyond the draft, taken literally as long as it cannot be read as something else: a `,`
+    /// or a leading `(` make a list, and a `;` would make the key before it carry parameters, so
+    /// such keys are refused rather than guessed at. Two different keys never become one.
     pub fn parse_header(raw: &[u8]) -> Result<IdempotencyKey, KeyError> {
         let raw = raw.trim_ascii();
         match raw.first() {
-            Some(b'"') => IdempotencyKey::parse(&unquote(raw)?),
+            Some(b'"') => {
+                let (key, rest) = sf_string(raw).ok_or_else(|| malformed_string(raw))?;
+                let rest = skip_parameters(rest).ok_or(KeyError::Invalid(
+                    "the Idempotency-Key's parameters are malformed: each is ';', a lower-case name, \
+                     and optionally '=' and a structured-field value",
+                ))?;
+                match rest.trim_ascii_start().first() {
+                    None => IdempotencyKey::parse(&key),
+                    Some(b',') => Err(list()),
+                    Some(_) => Err(KeyError::Invalid(
+                        "the Idempotency-Key has characters after its quoted string that are not parameters",
+                    )),
+                }
+            }
+            Some(b'(') => Err(KeyError::Invalid(
+                "the Idempotency-Key is an inner list (it starts with '('): send one key, as a string",
+            )),
+            _ if raw.contains(&b',') => Err(list()),
+            _ if raw.contains(&b';') => Err(KeyError::Invalid(
+                "the Idempotency-Key has a ';' outside quotes, which would start parameters: \
+                 send a key that contains ';' as a quoted string",
+            )),
             _ => IdempotencyKey::parse(std::str::from_utf8(raw).map_err(|_| not_visible())?),
         }
     }
@@ -62,24 +88,134 @@ fn not_visible() -> KeyError {
     KeyError::Invalid("the Idempotency-Key must be visible ASCII characters only")
 }
 
-/// Decodes an sf-string (RFC 8941 §3.3.3): a quoted string whose only escapes are `\"` and `\\`.
-fn unquote(raw: &[u8]) -> Result<String, KeyError> {
-    let malformed = KeyError::Invalid("the quoted Idempotency-Key is not a valid structured-field string");
-    let inner = raw.strip_prefix(b"\"").and_then(|r| r.strip_suffix(b"\"")).ok_or(malformed.clone())?;
-    let mut out = String::with_capacity(inner.len());
-    let mut bytes = inner.iter();
-    while let Some(&b) = bytes.next() {
+fn list() -> KeyError {
+    KeyError::Invalid("the Idempotency-Key is a list (a ',' separates several values): send one key")
+}
+
+/// Why an sf-string could not be read: an invisible character, or its quoting.
+fn malformed_string(raw: &[u8]) -> KeyError {
+    if raw.iter().any(|b| !(0x20..=0x7e).contains(b)) {
+        return not_visible();
+    }
+    KeyError::Invalid(
+        "the quoted Idempotency-Key is not a valid structured-field string: it must end with '\"' \
+         and may escape only '\"' and '\\'",
+    )
+}
+
+// ---- RFC 8941 §4.2, as much as one item with parameters needs --------------------------------
+
+/// Decodes an sf-string at the start of `raw` (§4.2.5): printable ASCII whose only escapes are
+/// `\"` and `\\`. Returns the text and what follows the closing quote.
+fn sf_string(raw: &[u8]) -> Option<(String, &[u8])> {
+    let mut rest = raw.strip_prefix(b"\"")?;
+    let mut out = String::new();
+    loop {
+        let (&b, after) = rest.split_first()?;
+        rest = after;
         match b {
-            b'\\' => match bytes.next() {
-                Some(&e @ (b'"' | b'\\')) => out.push(e as char),
-                _ => return Err(malformed),
-            },
-            b'"' => return Err(malformed),
-            0x20..=0x7e => out.push(b as char),
-            _ => return Err(not_visible()),
+            b'\\' => {
+                let (&e, after) = rest.split_first()?;
+                if e != b'"' && e != b'\\' {
+                    return None;
+                }
+                out.push(char::from(e));
+                rest = after;
+            }
+            b'"' => return Some((out, rest)),
+            0x20..=0x7e => out.push(char::from(b)),
+            _ => return None,
         }
     }
-    Ok(out)
+}
+
+/// Skips the parameters at the start of `rest` (§4.2.3.2); what follows them is returned.
+fn skip_parameters(mut rest: &[u8]) -> Option<&[u8]> {
+    while let Some(after) = rest.strip_prefix(b";") {
+        rest = sf_key(skip_sp(after))?;
+        if let Some(after) = rest.strip_prefix(b"=") {
+            rest = bare_item(after)?;
+        }
+    }
+    Some(rest)
+}
+
+/// A parameter's name (§4.2.3.3): `( lcalpha / "*" ) *( lcalpha / DIGIT / "_" / "-" / "." / "*" )`.
+fn sf_key(rest: &[u8]) -> Option<&[u8]> {
+    let (&first, _) = rest.split_first()?;
+    if !(first.is_ascii_lowercase() || first == b'*') {
+        return None;
+    }
+    let len = rest
+        .iter()
+        .position(|&b| !(b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-' | b'.' | b'*')))
+        .unwrap_or(rest.len());
+    Some(&rest[len..])
+}
+
+/// Skips one bare item (§4.2.3.1): an integer or decimal, a string, a token, a byte sequence
+/// or a boolean.
+fn bare_item(rest: &[u8]) -> Option<&[u8]> {
+    match *rest.first()? {
+        b'-' | b'0'..=b'9' => sf_number(rest),
+        b'"' => sf_string(rest).map(|(_, rest)| rest),
+        b if b.is_ascii_alphabetic() || b == b'*' => {
+            let len = rest[1..].iter().position(|&b| !is_token_char(b)).map_or(rest.len(), |n| n + 1);
+            Some(&rest[len..])
+        }
+        b':' => sf_binary(&rest[1..]),
+        b'?' => match rest.get(1)? {
+            b'0' | b'1' => Some(&rest[2..]),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// tchar (RFC 9110 §5.6.2), ':' or '/'.
+fn is_token_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(&b)
+}
+
+/// An integer of at most 15 digits, or a decimal of at most 12 integer and 3 fraction digits
+/// (§4.2.4).
+fn sf_number(rest: &[u8]) -> Option<&[u8]> {
+    let unsigned = rest.strip_prefix(b"-").unwrap_or(rest);
+    let int = unsigned.iter().position(|b| !b.is_ascii_digit()).unwrap_or(unsigned.len());
+    if int == 0 {
+        return None;
+    }
+    let Some(after_point) = unsigned[int..].strip_prefix(b".") else {
+        return (int <= 15).then_some(&unsigned[int..]);
+    };
+    let frac = after_point.iter().position(|b| !b.is_ascii_digit()).unwrap_or(after_point.len());
+    (int <= 12 && (1..=3).contains(&frac)).then_some(&after_point[frac..])
+}
+
+/// A byte sequence after its opening ':' (§4.2.7): base64 up to the closing ':'. Padding and
+/// pad bits are not insisted on, as the RFC asks of parsers.
+fn sf_binary(rest: &[u8]) -> Option<&[u8]> {
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    use base64::Engine;
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+            .with_decode_allow_trailing_bits(true),
+    );
+    let end = rest.iter().position(|&b| b == b':')?;
+    let content = &rest[..end];
+    if !content.iter().all(|&b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=')) {
+        return None;
+    }
+    LENIENT.decode(content).ok()?;
+    Some(&rest[end + 1..])
+}
+
+/// Parameters allow spaces after ';', and only spaces (not tabs).
+fn skip_sp(rest: &[u8]) -> &[u8] {
+    let n = rest.iter().position(|&b| b != b' ').unwrap_or(rest.len());
+    &rest[n..]
 }
 
 /// Everything but RFC 3986's unreserved characters is percent-encoded when a key goes in a path.
@@ -127,11 +263,83 @@ mod tests {
         assert!(IdempotencyKey::parse_header(b"k\xffey").is_err());
     }
 
+    fn refusal(raw: &str) -> &'static str {
+        match parse(raw) {
+            Err(KeyError::Invalid(why)) => why,
+            other => panic!("{raw:?} gave {other:?}"),
+        }
+    }
+
     #[test]
     fn malformed_sf_strings_are_invalid() {
-        for raw in [r#""abc"#, r#""ab"c""#, r#""ab\c""#, r#""abc\""#, r#""abc";param=1"#] {
+        for raw in [r#""abc"#, r#""ab"c""#, r#""ab\c""#, r#""abc\""#, "\"a\u{e9}\""] {
             assert!(matches!(parse(raw), Err(KeyError::Invalid(_))), "{raw}");
         }
+        assert!(refusal(r#""ab\c""#).contains("structured-field string"));
+    }
+
+    #[test]
+    fn a_list_is_not_a_key() {
+        for raw in ["a,b", "a, b", r#""a", "b""#, r#""a";x=1,"b""#, ","] {
+            assert!(refusal(raw).contains("is a list"), "{raw}");
+        }
+        for raw in [r#"("a")"#, "(a b)", "()"] {
+            assert!(refusal(raw).contains("inner list"), "{raw}");
+        }
+        // Inside quotes a comma or a parenthesis is just a character of the key.
+        assert_eq!(parse(r#""a,b""#).unwrap(), "a,b");
+        assert_eq!(parse(r#""(a)""#).unwrap(), "(a)");
+    }
+
+    #[test]
+    fn parameters_of_a_quoted_key_are_checked_and_ignored() {
+        for raw in [
+            r#""abc";x=1"#,
+            r#""abc"; a; b=?0"#,
+            r#""abc";a;a=?1"#,
+            r#""abc";*k.1-_=tok/en:x"#,
+            r#""abc";b=:aGVsbG8=:;c=:aGVsbG8:"#,
+            r#""abc";d=-123456789012.123;e=999999999999999"#,
+            r#""abc";s="q\"x;y=1""#,
+            r#""abc";x=1   "#,
+        ] {
+            assert_eq!(parse(raw).unwrap(), "abc", "{raw}");
+        }
+        for raw in [
+            r#""abc";"#,
+            r#""abc";X=1"#,
+            r#""abc";1x=1"#,
+            r#""abc";x="#,
+            r#""abc";x==1"#,
+            r#""abc";x=1."#,
+            r#""abc";x=1.2345"#,
+            r#""abc";x=1234567890123.1"#,
+            r#""abc";x=1234567890123456"#,
+            r#""abc";x=--1"#,
+            r#""abc";x=?2"#,
+            r#""abc";x=:a*b:"#,
+            r#""abc";x=:abc"#,
+            r#""abc";x="open"#,
+            r#""abc";x=(1)"#,
+        ] {
+            assert!(refusal(raw).contains("parameters are malformed"), "{raw}");
+        }
+        for raw in [r#""abc" ;x=1"#, r#""abc";x=1 y"#, r#""abc""def""#, r#""abc"x"#] {
+            assert!(refusal(raw).contains("after its quoted string"), "{raw}");
+        }
+    }
+
+    #[test]
+    fn a_bare_key_is_taken_whole_unless_it_could_mean_something_else() {
+        for raw in ["a(b", r#"ab"c"#, "a)b", "*", "?0", ":abc:"] {
+            assert_eq!(parse(raw).unwrap(), raw);
+        }
+        // As a structured field `abc;x=1` is the token `abc` with a parameter; taken whole it is
+        // another key. Neither reading is safe to pick, so the client is told to quote it.
+        for raw in ["abc;x=1", "a;b", ";"] {
+            assert!(refusal(raw).contains("';' outside quotes"), "{raw}");
+        }
+        assert_eq!(parse(r#""a;b""#).unwrap(), "a;b");
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //!
 //! - [`config`] — the TOML file, validated into routes and policies.
 //! - [`ingress`] — HTTP in: route match, tenant, [`key`] and [`fingerprint`], load shedding, and
-//!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202), written by
-//!   [`problem`] when the broker answers itself. Done answers are replayed from memory.
+//!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202, as the client's
+//!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
+//!   are replayed from memory.
 //! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
 //!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A
 //!   record is committed before anything goes upstream.
@@ -33,6 +34,7 @@ pub mod key;
 pub mod metrics;
 pub mod path;
 pub mod policy;
+pub mod prefer;
 pub mod problem;
 pub mod reconcile;
 pub mod record;

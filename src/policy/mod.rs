@@ -282,17 +282,22 @@ fn floor_ms(d: Duration) -> Duration {
     Duration::from_millis(d.as_millis() as u64)
 }
 
+/// The longest `Retry-After` taken as it is: about 136 years, later than any deadline, and small
+/// enough for any arithmetic on it. A longer one, as a number or as a date, is cut to this.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(u32::MAX as u64);
+
 /// Parses a `Retry-After` value: delta-seconds or an HTTP-date (IMF-fixdate, RFC 850, asctime).
 /// A date in the past means "now" (zero). Anything else is `None`: ignored, never guessed at.
+/// Only HTTP's own whitespace (spaces and tabs) around the value is ignored.
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
-    let value = value.trim();
+    let value = value.trim_matches([' ', '\t']);
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
         // An absurdly long number still means "later than any deadline", not garbage.
         let secs = value.parse::<u64>().unwrap_or(u64::MAX);
-        return Some(Duration::from_secs(secs.min(u32::MAX as u64)));
+        return Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER));
     }
     let when = httpdate::parse_http_date(value).ok()?;
-    Some(when.duration_since(now).unwrap_or_default())
+    Some(when.duration_since(now).unwrap_or_default().min(MAX_RETRY_AFTER))
 }
 
 #[cfg(test)]
@@ -506,13 +511,16 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
         assert_eq!(parse_retry_after("3", now), Some(Duration::from_secs(3)));
         assert_eq!(parse_retry_after(" 0 ", now), Some(Duration::ZERO));
+        assert_eq!(parse_retry_after("\t3 ", now), Some(Duration::from_secs(3)));
         let later = httpdate::fmt_http_date(now + Duration::from_secs(120));
         assert_eq!(parse_retry_after(&later, now), Some(Duration::from_secs(120)));
         let past = httpdate::fmt_http_date(now - Duration::from_secs(120));
         assert_eq!(parse_retry_after(&past, now), Some(Duration::ZERO));
         assert_eq!(parse_retry_after("Sunday, 06-Nov-94 08:49:37 GMT", now), Some(Duration::ZERO));
-        assert_eq!(parse_retry_after("99999999999999999999999", now), Some(Duration::from_secs(u32::MAX as u64)));
-        for garbage in ["", "-1", "1.5", "soon", "3s", "Mon, 99 Foo 2024 00:00:00 GMT"] {
+        assert_eq!(parse_retry_after("99999999999999999999999", now), Some(MAX_RETRY_AFTER));
+        let epoch = SystemTime::UNIX_EPOCH;
+        assert_eq!(parse_retry_after("Fri, 31 Dec 9999 23:59:59 GMT", epoch), Some(MAX_RETRY_AFTER));
+        for garbage in ["", "-1", "+1", "1.5", "soon", "3s", "Mon, 99 Foo 2024 00:00:00 GMT", "\u{a0}3", "3\u{c}"] {
             assert_eq!(parse_retry_after(garbage, now), None, "{garbage:?}");
         }
     }
