@@ -4,6 +4,7 @@
 //! separate pool of read-only connections, which WAL lets proceed while the writer writes.
 
 mod writer;
+mod writes;
 
 use std::str::FromStr;
 use std::time::Duration;
