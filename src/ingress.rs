@@ -23,7 +23,7 @@ use crate::metrics;
 use crate::policy::StopReason;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
-use crate::store::{Admission, Cancelled, NewRecord, Store};
+use crate::store::{Admission, Cancelled, Health, NewRecord, Store};
 use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
@@ -42,6 +42,8 @@ pub struct Ingress {
     pub settled: Arc<Settled>,
     pub upstream: Upstream,
     pub replays: Replays,
+    /// The store's health as the checks last found it.
+    pub health: Arc<Health>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -258,6 +260,8 @@ impl Ingress {
             metrics::answered(&replay.route, "replay");
             return Ok(stored_response(&replay.response, true));
         }
+        // A store found down cannot record it: refused at once rather than after the store fails.
+        self.health.check().map_err(|e| Problem::store(&e))?;
         // A new execution is shed here, before anything is recorded, if the route is saturated
         // or its upstream's circuit is open — unless the key exists: its record answers then.
         let slot = match self.worker.guards().enter(&route) {

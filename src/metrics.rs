@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_gauge, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::policy::{BreakerState, Class, StopReason};
@@ -75,12 +75,29 @@ pub fn answered(route: &str, kind: &'static str) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
 }
 
+/// Whether the store takes requests: 1, or 0 while new keys are refused with 503
+/// `store-unavailable` (a lost SQLite file, an unreachable database).
+pub fn store_available(available: bool) {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        describe_gauge!(
+            "idem_store_available",
+            "1 while the store takes requests; 0 while new keys are refused with 503 store-unavailable"
+        )
+    });
+    gauge!("idem_store_available").set(if available { 1.0 } else { 0.0 });
+}
+
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
-/// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time.
-pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)]) -> String {
+/// `idem_records{phase="unknown"}`) and each upstream's circuit, read at scrape time. Without
+/// `phases` (the store could not count them), the records keep the last counts seen: zero would
+/// say the reconciliation queue is empty.
+pub fn render(phases: Option<&[(Phase, u64)]>, circuits: &[(String, BreakerState)]) -> String {
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
-        let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
-        gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
+        if let Some(phases) = phases {
+            let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
+            gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
+        }
     }
     for (upstream, state) in circuits {
         let value = match state {

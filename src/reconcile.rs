@@ -2,14 +2,16 @@
 //! - take-over: records whose worker died (lease expired) are continued, freed or moved to
 //!   `unknown` by SPEC §4's rule; queued records nobody claimed are claimed here;
 //! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
-//! - retention: `done` records past retention are deleted in batches.
+//! - retention: `done` records past retention are deleted in batches;
+//! - health: the store is asked a few times a second whether it can be trusted with a request,
+//!   so a lost store is noticed within about a second, and its recovery too.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{Config, Probe, Route};
 use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
-use crate::store::{Action, Resolution, Store};
+use crate::store::{Action, Health, Resolution, Store, StoreError};
 use crate::upstream::Upstream;
 use crate::worker::Worker;
 
@@ -37,7 +39,7 @@ pub async fn retention_sweep(store: Arc<dyn Store>, retention: Duration) {
                     break;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "retention sweep failed; will try again");
+                    e.log("retention sweep failed; will try again");
                     break;
                 }
             }
@@ -66,7 +68,7 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Confi
     loop {
         tick.tick().await;
         if let Err(e) = take_over_once(&*store, &worker, &config).await {
-            tracing::warn!(error = %e, "take-over sweep failed; will try again");
+            e.log("take-over sweep failed; will try again");
         }
     }
 }
@@ -120,6 +122,40 @@ pub async fn take_over_once(
     Ok(())
 }
 
+/// How often every node checks its store.
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
+/// A health check that takes longer fails: a store that cannot answer within it cannot record a
+/// request in time either.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Asks the store whether it can be trusted with a request ([`Store::ping`]), within
+/// [`HEALTH_TIMEOUT`].
+pub async fn store_health(store: &dyn Store) -> Result<(), StoreError> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, store.ping()).await {
+        Ok(answer) => answer,
+        Err(_) => Err(StoreError::Unavailable(format!("the store did not answer within {HEALTH_TIMEOUT:?}"))),
+    }
+}
+
+/// Checks the store every [`HEALTH_EVERY`] and records the verdict in `health`: a lost store is
+/// noticed within about a second even when no request comes (and a SQLite store that may resume
+/// finds out here), the log says so at most once a second, and `idem_store_available` follows.
+pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>) {
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let answer = store_health(&*store).await;
+        let changed = health.record(&answer);
+        match &answer {
+            Ok(()) if changed => tracing::info!("the store is available again: new requests are taken"),
+            Ok(()) => {}
+            Err(e) => e.log("the store is unavailable: new requests are refused with 503 store-unavailable"),
+        }
+        crate::metrics::store_available(answer.is_ok());
+    }
+}
+
 /// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
 pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
     let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
@@ -135,7 +171,7 @@ pub async fn probes(store: Arc<dyn Store>, config: Arc<Config>, worker: Worker) 
         tick.tick().await;
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
             if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
-                tracing::warn!(route = %route.name, error = %e, "probing failed; will try again");
+                e.log(&format!("probing the records of route {} failed; will try again", route.name));
             }
         }
     }

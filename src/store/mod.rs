@@ -8,10 +8,12 @@ use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
+mod health;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
 
+pub use health::Health;
 pub(crate) use rows::{decode, Columns};
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -401,7 +403,9 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` `done` records finished before `cutoff`; returns how many.
     async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError>;
 
-    /// Is the database answering?
+    /// Can the store be trusted with a request right now? A cheap check, run a few times a second
+    /// by every node: the database answers, and (SQLite) its files are still the ones opened. A
+    /// store that refuses work after a loss also finds out here whether it may resume.
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.

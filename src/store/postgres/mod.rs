@@ -33,8 +33,8 @@ mod upkeep;
 use std::sync::LazyLock;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
-use sqlx::Row;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
@@ -73,6 +73,10 @@ pub struct PostgresStore {
     notices: broadcast::Sender<Notice>,
     /// Dropped with the store, which stops the task relaying notifications.
     _relay: oneshot::Sender<()>,
+    url: String,
+    /// The health checks' own connection: a pool busy with requests must not pass for a
+    /// database that is down, nor a pool's idle connection for one that is up.
+    health_check: tokio::sync::Mutex<Option<PgConnection>>,
 }
 
 impl PostgresStore {
@@ -90,7 +94,8 @@ impl PostgresStore {
         let (relay, stop) = oneshot::channel();
         tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
         let (admissions, outcomes) = (Admissions::start(pool.clone()), Outcomes::start(pool.clone()));
-        Ok(PostgresStore { pool, admissions, outcomes, notices, _relay: relay })
+        let health_check = tokio::sync::Mutex::new(None);
+        Ok(PostgresStore { pool, admissions, outcomes, notices, _relay: relay, url: url.to_string(), health_check })
     }
 }
 
@@ -445,7 +450,15 @@ impl Store for PostgresStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        let mut held = self.health_check.lock().await;
+        // Taken out while in use: a check that fails, or is abandoned halfway, leaves no
+        // connection in an unknown state behind; the next one connects afresh.
+        let mut conn = match held.take() {
+            Some(conn) => conn,
+            None => PgConnection::connect(&self.url).await?,
+        };
+        sqlx::query("SELECT 1").execute(&mut conn).await?;
+        *held = Some(conn);
         Ok(())
     }
 

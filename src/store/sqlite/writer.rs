@@ -6,18 +6,24 @@
 //! statement on a worker thread of its own and hands it over through a channel, which costs a
 //! thread wake-up per statement. A single writer runs its batch back to back, so here the only
 //! hand-offs are the batch coming in and each reply going out.
+//!
+//! No write is answered before the writer has checked that its commit went to the files the
+//! store's paths still name ([`DatabaseFiles`]); once they are lost, every write is refused but
+//! the probes that ask whether the store may resume.
 
 use std::path::Path;
 use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+use super::files::{io_failure, DatabaseFiles};
 use super::writes::{
-    admit, attempt_ended, attempt_started, cancel, claim, claim_unclaimed, probed, renew, retry, settle, sweep_done,
-    take_over,
+    admit, attempt_ended, attempt_started, cancel, claim, claim_unclaimed, probe, probed, renew, retry, settle,
+    sweep_done, take_over,
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record};
 use crate::store::{Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError};
@@ -40,6 +46,9 @@ pub(super) enum Write {
     Probed(Uuid, Option<Resolution>, Millis, HistoryEntry, Reply<Action>),
     ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
     SweepDone(Millis, u32, Reply<u64>),
+    /// A write that changes nothing a record depends on, made to find out whether the database
+    /// takes writes again after it was lost. The only write run while the store is lost.
+    Probe(Millis, Reply<()>),
 }
 
 pub(super) struct TakeOver {
@@ -67,8 +76,12 @@ const WAL_BACKSTOP_PAGES: u32 = 20_000;
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 
 /// Starts the writer thread, and the checkpointer beside it, on the database at `path` (which
-/// the migrations have prepared); both stop when every sender is dropped.
-pub(super) fn start(path: &Path, synchronous: &str) -> Result<mpsc::Sender<Write>, StoreError> {
+/// the migrations have prepared, and `files` watches); both stop when every sender is dropped.
+pub(super) fn start(
+    path: &Path,
+    synchronous: &str,
+    files: Arc<DatabaseFiles>,
+) -> Result<mpsc::Sender<Write>, StoreError> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(10))?;
     conn.execute_batch(&format!(
@@ -80,26 +93,35 @@ pub(super) fn start(path: &Path, synchronous: &str) -> Result<mpsc::Sender<Write
     let (nudge, nudges) = std_mpsc::sync_channel(1);
     std::thread::Builder::new()
         .name("idem-sqlite-checkpoints".into())
-        .spawn(move || checkpoint_loop(checkpoints, nudges))
+        .spawn({
+            let files = files.clone();
+            move || checkpoint_loop(checkpoints, nudges, &files)
+        })
         .map_err(cannot)?;
     let (writes, queue) = mpsc::channel(4 * MAX_BATCH);
     std::thread::Builder::new()
         .name("idem-sqlite-writer".into())
-        .spawn(move || write_loop(conn, queue, nudge))
+        .spawn(move || write_loop(conn, queue, nudge, &files))
         .map_err(cannot)?;
     Ok(writes)
 }
 
 /// Copies the WAL back into the database file on a thread of its own. Left to SQLite, that
 /// would run inside whichever commit crosses the threshold, and its fsyncs would be that
-/// request's latency. A passive checkpoint never blocks the writer.
-fn checkpoint_loop(conn: Connection, nudges: std_mpsc::Receiver<()>) {
+/// request's latency. A passive checkpoint never blocks the writer. A checkpoint that fails with
+/// an I/O error loses the store; while it is lost, the probes check checkpoints instead.
+fn checkpoint_loop(conn: Connection, nudges: std_mpsc::Receiver<()>, files: &DatabaseFiles) {
     loop {
         let stopping = matches!(nudges.recv_timeout(CHECKPOINT_IDLE), Err(RecvTimeoutError::Disconnected));
+        if !stopping && !files.is_available() {
+            continue;
+        }
         let mode = if stopping { "TRUNCATE" } else { "PASSIVE" };
         let done = conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |_| Ok(()));
-        if let Err(e) = done {
-            tracing::warn!(error = %e, "sqlite checkpoint failed; the WAL keeps growing until one succeeds");
+        match done {
+            Err(e) if io_failure(&e) => drop(files.lose(format!("a checkpoint of the SQLite database failed: {e}"))),
+            Err(e) => tracing::warn!(error = %e, "sqlite checkpoint failed; the WAL keeps growing until one succeeds"),
+            Ok(()) => {}
         }
         if stopping {
             return;
@@ -131,7 +153,12 @@ fn pending<T: Send + 'static>(reply: Reply<T>, result: Result<T, StoreError>) ->
     Box::new(Pending { reply, result })
 }
 
-fn write_loop(mut conn: Connection, mut queue: mpsc::Receiver<Write>, checkpoint: std_mpsc::SyncSender<()>) {
+fn write_loop(
+    mut conn: Connection,
+    mut queue: mpsc::Receiver<Write>,
+    checkpoint: std_mpsc::SyncSender<()>,
+    files: &DatabaseFiles,
+) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut done: Vec<Box<dyn Deliver>> = Vec::with_capacity(MAX_BATCH);
     let mut commits = 0u32;
@@ -142,7 +169,13 @@ fn write_loop(mut conn: Connection, mut queue: mpsc::Receiver<Write>, checkpoint
         if commits.is_multiple_of(CHECKPOINT_EVERY) {
             let _ = checkpoint.try_send(());
         }
-        let commit = commit_batch(&mut conn, &mut batch, &mut done);
+        let commit = match files.check() {
+            Ok(()) => commit_batch(&mut conn, &mut batch, &mut done, files),
+            Err(lost) => probe_batch(&mut conn, &mut batch, &mut done, files, lost),
+        };
+        // A commit into a file that the path no longer names is as good as lost: its writers
+        // hear so before anything is sent upstream on the strength of it.
+        let commit = commit.and_then(|()| files.verify());
         for d in done.drain(..) {
             d.deliver(&commit);
         }
@@ -170,15 +203,25 @@ fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>, linger:
     }
 }
 
-/// Applies every write of `batch` in one transaction, leaving each one's result in `done`.
+/// Applies every write of `batch` in one transaction, leaving each one's result in `done`. An
+/// I/O failure on the way loses the store's files.
 fn commit_batch(
     conn: &mut Connection,
     batch: &mut Vec<Write>,
     done: &mut Vec<Box<dyn Deliver>>,
+    files: &DatabaseFiles,
 ) -> Result<(), StoreError> {
+    let failed = |e: rusqlite::Error, what: &str| {
+        if io_failure(&e) {
+            files.lose(format!("{what} of the SQLite database failed: {e}"))
+        } else {
+            StoreError::from(e)
+        }
+    };
     if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
-        done.extend(batch.drain(..).map(fail));
-        return Err(e.into());
+        let e = failed(e, "a transaction");
+        done.extend(batch.drain(..).map(|w| fail(w, &e)));
+        return Err(e);
     }
     let mut writes = batch.drain(..);
     while let Some(write) = writes.next() {
@@ -186,34 +229,54 @@ fn commit_batch(
         if conn.is_autocommit() {
             // SQLite rolls the whole transaction back on some errors (I/O, a full disk): the
             // writes before this one are undone, and the rest must not run outside it.
-            done.extend(writes.map(fail));
-            return Err(StoreError::Unavailable("the transaction was rolled back".into()));
+            let e = files.lose("SQLite rolled a transaction back (an I/O error or a full disk)".into());
+            done.extend(writes.map(|w| fail(w, &e)));
+            return Err(e);
         }
     }
     conn.execute_batch("COMMIT").map_err(|e| {
         let _ = conn.execute_batch("ROLLBACK");
-        StoreError::from(e)
+        failed(e, "a commit")
     })
 }
 
-/// A write that never ran; its reply carries the batch's error.
-fn fail(write: Write) -> Box<dyn Deliver> {
-    fn e<T>() -> Result<T, StoreError> {
-        Err(StoreError::Unavailable("the transaction did not commit".into()))
+/// While the files are lost, runs only the probes in `batch`, and checkpoints after them: a
+/// store lost to a failed checkpoint is back only when checkpoints work too. Every other write
+/// is refused with `lost`.
+fn probe_batch(
+    conn: &mut Connection,
+    batch: &mut Vec<Write>,
+    done: &mut Vec<Box<dyn Deliver>>,
+    files: &DatabaseFiles,
+    lost: StoreError,
+) -> Result<(), StoreError> {
+    let (mut probes, refused): (Vec<Write>, Vec<Write>) = batch.drain(..).partition(|w| matches!(w, Write::Probe(..)));
+    done.extend(refused.into_iter().map(|w| fail(w, &lost)));
+    if probes.is_empty() {
+        return Err(lost);
     }
+    commit_batch(conn, &mut probes, done, files)?;
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+        .map_err(|e| StoreError::Unavailable(format!("a checkpoint of the SQLite database still fails: {e}")))
+}
+
+/// A write that never ran; its reply carries `e`.
+fn fail(write: Write, e: &StoreError) -> Box<dyn Deliver> {
+    let e = e.clone();
     match write {
-        Write::Admit(.., r) => pending(r, e()),
-        Write::Claim(.., r) => pending(r, e()),
-        Write::AttemptStarted(.., r) => pending(r, e()),
-        Write::AttemptEnded(.., r) => pending(r, e()),
-        Write::Renew(.., r) => pending(r, e()),
-        Write::Cancel(.., r) => pending(r, e()),
-        Write::Resolve(.., r) => pending(r, e()),
-        Write::Retry(.., r) => pending(r, e()),
-        Write::TakeOver(_, r) => pending(r, e()),
-        Write::Probed(.., r) => pending(r, e()),
-        Write::ClaimUnclaimed(.., r) => pending(r, e()),
-        Write::SweepDone(.., r) => pending(r, e()),
+        Write::Admit(.., r) => pending(r, Err(e)),
+        Write::Claim(.., r) => pending(r, Err(e)),
+        Write::AttemptStarted(.., r) => pending(r, Err(e)),
+        Write::AttemptEnded(.., r) => pending(r, Err(e)),
+        Write::Renew(.., r) => pending(r, Err(e)),
+        Write::Cancel(.., r) => pending(r, Err(e)),
+        Write::Resolve(.., r) => pending(r, Err(e)),
+        Write::Retry(.., r) => pending(r, Err(e)),
+        Write::TakeOver(_, r) => pending(r, Err(e)),
+        Write::Probed(.., r) => pending(r, Err(e)),
+        Write::ClaimUnclaimed(.., r) => pending(r, Err(e)),
+        Write::SweepDone(.., r) => pending(r, Err(e)),
+        Write::Probe(_, r) => pending(r, Err(e)),
     }
 }
 
@@ -237,5 +300,6 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
             pending(r, claim_unclaimed(conn, &owner, until, idle_since, now, limit))
         }
         Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit)),
+        Write::Probe(now, r) => pending(r, probe(conn, now)),
     }
 }
