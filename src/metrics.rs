@@ -69,6 +69,12 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
     }
 }
 
+/// A take-over stopped a record whose worker died (SPEC §4): `unsafe_replay`, `deadline` or
+/// `takeover_cap`. Counted with the stops of executions, which it ended.
+pub fn stopped_by_take_over(route: &str, stop: StopReason) {
+    counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);
+}
+
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded` or `circuit_open` (503, shed before recording).
 pub fn answered(route: &str, kind: &'static str) {

@@ -95,10 +95,13 @@ pub enum StopReason {
     RetryAfterBeyondDeadline,
     CircuitOpen,
     Cancelled,
+    /// Its lease expired more often than `worker.max_takeovers`: a record whose worker keeps
+    /// dying on it is stopped rather than continued again.
+    TakeoverCap,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 9] = [
+    pub const ALL: [StopReason; 10] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -108,6 +111,7 @@ impl StopReason {
         StopReason::RetryAfterBeyondDeadline,
         StopReason::CircuitOpen,
         StopReason::Cancelled,
+        StopReason::TakeoverCap,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -121,6 +125,7 @@ impl StopReason {
             StopReason::RetryAfterBeyondDeadline => "retry_after_beyond_deadline",
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Cancelled => "cancelled",
+            StopReason::TakeoverCap => "takeover_cap",
         }
     }
 

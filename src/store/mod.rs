@@ -102,6 +102,7 @@ impl NewRecord {
             cancel_requested: false,
             probe_count: 0,
             next_probe_at: None,
+            takeovers: 0,
             not_before: None,
             created_at: self.now,
             updated_at: self.now,
@@ -172,13 +173,37 @@ impl AfterAttempt {
     }
 }
 
-/// What a take-over to `to` stores: the state, whether it is queued, and the stop reason.
-pub(crate) fn taken_over(to: Phase) -> Result<(State, bool, Option<StopReason>), StoreError> {
-    match to {
-        Phase::Queued => Ok((State::NotStarted, true, None)),
-        Phase::Free => Ok((State::NotStarted, false, Some(StopReason::Deadline))),
-        Phase::Unknown => Ok((State::Unknown, false, Some(StopReason::UnsafeReplay))),
-        other => Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
+/// Where a take-over moves a record whose lease expired (SPEC §4), and why it stopped there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeOverTo {
+    /// Queued again, for any worker to continue within the same deadline.
+    Queued,
+    /// `not_started`, free: nothing that may have executed is left unsettled (or the route is
+    /// replay-safe); the key is released.
+    Free(StopReason),
+    /// `unknown`: an attempt may have executed, and only reconciliation settles it.
+    Unknown(StopReason),
+}
+
+impl TakeOverTo {
+    pub fn phase(self) -> Phase {
+        match self {
+            TakeOverTo::Queued => Phase::Queued,
+            TakeOverTo::Free(_) => Phase::Free,
+            TakeOverTo::Unknown(_) => Phase::Unknown,
+        }
+    }
+
+    pub fn stop_reason(self) -> Option<StopReason> {
+        match self {
+            TakeOverTo::Queued => None,
+            TakeOverTo::Free(stop) | TakeOverTo::Unknown(stop) => Some(stop),
+        }
+    }
+
+    /// What the record stores: its state, whether it is queued, and the stop reason.
+    pub(crate) fn stored(self) -> (State, bool, Option<StopReason>) {
+        (self.phase().state(), self == TakeOverTo::Queued, self.stop_reason())
     }
 }
 
@@ -357,16 +382,16 @@ pub trait Store: Send + Sync + 'static {
     /// `in_progress` records whose lease expired before `now`.
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
 
-    /// Moves a record whose lease expired to `to` (`Queued`, `Free` or `Unknown`), recording the
-    /// attempt that was lost in flight, if any. Only if the lease is still the expired one seen
-    /// (`owner`, `until`): of several nodes sweeping at once, one wins.
+    /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
+    /// flight, if any, and counting the take-over. Only if the lease is still the expired one
+    /// seen (`owner`, `until`): of several nodes sweeping at once, one wins.
     #[allow(clippy::too_many_arguments)]
     async fn take_over(
         &self,
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError>;

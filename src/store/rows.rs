@@ -92,6 +92,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         cancel_requested: row.flag("cancel_requested")?,
         probe_count: u32::try_from(required("probe_count")?).map_err(|_| corrupt("probe_count"))?,
         next_probe_at: number("next_probe_at")?,
+        takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
         not_before: number("not_before")?,
         created_at: required("created_at")?,
         updated_at: required("updated_at")?,

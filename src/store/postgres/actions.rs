@@ -103,7 +103,8 @@ pub(super) async fn retry(
 ) -> Result<Action, StoreError> {
     let sql = unknown_update(
         "state = 'not_started', queued = TRUE, deadline_at = $2, stop_reason = NULL,
-         cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, history = history || $4::jsonb",
+         cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, takeovers = 0,
+         history = history || $4::jsonb",
     );
     let update = sqlx::query(&sql).bind(id.to_string()).bind(deadline_at).bind(entry.at).bind(one_element(&entry)?);
     on_unknown(pool, id, update).await

@@ -42,7 +42,7 @@ use self::admissions::Admissions;
 use self::outcomes::Outcomes;
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError,
+    Store, StoreError, TakeOverTo,
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 
@@ -64,7 +64,8 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
     attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
-    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at";
+    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
+    takeovers::bigint AS takeovers";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -122,6 +123,7 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
                            ELSE records.history || $13::jsonb END,
             created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
                               ELSE records.created_at END,
+            takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
             request_headers = excluded.request_headers, request_body = excluded.request_body,
@@ -382,7 +384,7 @@ impl Store for PostgresStore {
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError> {

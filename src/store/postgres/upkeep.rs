@@ -7,15 +7,15 @@ use uuid::Uuid;
 
 use super::{one_element, COLUMNS};
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record};
-use crate::store::{decode, taken_over, StoreError};
+use crate::record::{Attempt, HistoryEntry, Millis, Record};
+use crate::store::{decode, StoreError, TakeOverTo};
 
 /// Takes over a record whose lease expired.
 pub(super) const TAKE_OVER: &str = "
 UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
                    lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
                    attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
-                   history = history || $8::jsonb, updated_at = $9
+                   history = history || $8::jsonb, updated_at = $9, takeovers = takeovers + 1
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
   AND lease_expires_at = $3";
 
@@ -25,11 +25,11 @@ pub(super) async fn take_over(
     id: Uuid,
     owner: &str,
     until: Millis,
-    to: Phase,
+    to: TakeOverTo,
     lost: Option<Attempt>,
     entry: HistoryEntry,
 ) -> Result<bool, StoreError> {
-    let (state, queued, stop) = taken_over(to)?;
+    let (state, queued, stop) = to.stored();
     let done = sqlx::query(TAKE_OVER)
         .bind(id.to_string())
         .bind(owner)

@@ -23,7 +23,7 @@ use self::files::DatabaseFiles;
 use self::writer::{TakeOver, Write};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError,
+    StoreError, TakeOverTo,
 };
 use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
 
@@ -239,7 +239,7 @@ impl Store for SqliteStore {
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError> {

@@ -25,8 +25,8 @@ use super::writes::{
     admit, attempt_ended, attempt_started, cancel, claim, claim_unclaimed, probe, probed, renew, retry, settle,
     sweep_done, take_over,
 };
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record};
-use crate::store::{Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError};
+use crate::record::{Attempt, HistoryEntry, Millis, Record};
+use crate::store::{Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, TakeOverTo};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -55,7 +55,7 @@ pub(super) struct TakeOver {
     pub id: Uuid,
     pub owner: String,
     pub until: Millis,
-    pub to: Phase,
+    pub to: TakeOverTo,
     pub lost: Option<Attempt>,
     pub entry: HistoryEntry,
 }

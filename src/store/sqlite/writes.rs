@@ -8,8 +8,8 @@ use super::writer::TakeOver;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Record, State};
 use crate::store::{
-    decode, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution,
-    StoreError, Stored,
+    decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
+    Stored,
 };
 
 impl Columns for rusqlite::Row<'_> {
@@ -55,6 +55,7 @@ ON CONFLICT (tenant, key) DO UPDATE SET
                         'actor', 'client', 'action', 'requeued',
                         'note', 'the same request was sent again for a free key')) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
+    takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
     request_body = excluded.request_body, state = 'not_started', queued = 1,
@@ -265,7 +266,7 @@ pub(super) fn retry(
     }
     conn.prepare_cached(
         "UPDATE records SET state = 'not_started', queued = 1, deadline_at = ?2, stop_reason = NULL,
-                cancel_requested = 0, next_probe_at = NULL, updated_at = ?3,
+                cancel_requested = 0, next_probe_at = NULL, updated_at = ?3, takeovers = 0,
                 history = json_insert(history, '$[#]', json(?4))
          WHERE id = ?1 AND state = 'unknown'",
     )?
@@ -274,14 +275,15 @@ pub(super) fn retry(
 }
 
 pub(super) fn take_over(conn: &Connection, t: TakeOver) -> Result<bool, StoreError> {
-    let (state, queued, stop) = taken_over(t.to)?;
+    let (state, queued, stop) = t.to.stored();
     let lost = t.lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let changed = conn
         .prepare_cached(
             "UPDATE records SET state = ?4, queued = ?5, stop_reason = ?6, lease_owner = NULL,
                 lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
                 attempts = CASE WHEN ?7 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?7)) END,
-                history = json_insert(history, '$[#]', json(?8)), updated_at = ?9
+                history = json_insert(history, '$[#]', json(?8)), updated_at = ?9,
+                takeovers = takeovers + 1
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2 AND lease_expires_at = ?3",
         )?
         .execute(params![
