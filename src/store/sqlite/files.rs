@@ -167,8 +167,9 @@ fn accessible(path: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path holds a NUL byte"))?;
-    // SAFETY: `path` is a valid NUL-terminated string that outlives the call; `access` only reads it.
-    let answer = unsafe { libc::access(path.as_ptr(), libc::R_OK | libc::W_OK) };
+    // With the effective ids, as opening the file would be checked.
+    // SAFETY: `path` is a valid NUL-terminated string that outlives the call, which only reads it.
+    let answer = unsafe { libc::faccessat(libc::AT_FDCWD, path.as_ptr(), libc::R_OK | libc::W_OK, libc::AT_EACCESS) };
     if answer == 0 {
         Ok(())
     } else {
