@@ -80,6 +80,9 @@ pub struct WorkerConfig {
     pub concurrency: usize,
     /// An `in_progress` record whose lease is not renewed within this is taken over.
     pub lease: Duration,
+    /// Take-overs after which a record is stopped instead of continued: a record whose worker
+    /// keeps dying on it (one that crashes the process, say) must not do so forever.
+    pub max_takeovers: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -217,7 +220,13 @@ pub fn describe(c: &Config) -> String {
         c.auth.tenants.len(),
         if c.auth.admin_token.is_some() { "set" } else { "not required" }
     );
-    let _ = writeln!(out, "worker        concurrency {}, lease {}", c.worker.concurrency, h(c.worker.lease));
+    let _ = writeln!(
+        out,
+        "worker        concurrency {}, lease {}, max_takeovers {}",
+        c.worker.concurrency,
+        h(c.worker.lease),
+        c.worker.max_takeovers
+    );
     for r in &c.routes {
         let p = &r.retry;
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
@@ -327,6 +336,7 @@ struct RawTenant {
 struct RawWorker {
     concurrency: Option<i64>,
     lease: Option<String>,
+    max_takeovers: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -490,6 +500,10 @@ impl RawConfig {
         let worker = WorkerConfig {
             concurrency: positive("worker.concurrency", worker.concurrency, 64)?,
             lease: duration("worker.lease", worker.lease.as_deref(), "15s")?,
+            max_takeovers: match worker.max_takeovers.unwrap_or(3) {
+                n @ 0..=100 => n as u32,
+                n => return Err(invalid("worker.max_takeovers", format!("must be between 0 and 100, got {n}"))),
+            },
         };
 
         let mut names = HashSet::new();
@@ -876,6 +890,7 @@ mod tests {
         assert_eq!(r.retry.jitter, Jitter::Full);
         assert_eq!(c.worker.concurrency, 64);
         assert_eq!(c.worker.lease, Duration::from_secs(15));
+        assert_eq!(c.worker.max_takeovers, 3);
         assert!(c.auth.admin_token.is_none() && c.auth.tenants.is_empty());
     }
 
@@ -943,6 +958,12 @@ mod tests {
         assert!(e.contains("retries"), "{e}");
         let e = error_of("[server]\nlisten = \"localhost\"\n");
         assert!(e.contains("server.listen"), "{e}");
+        for bad in ["-1", "101", "\"3\""] {
+            let e = error_of(&format!("[worker]\nmax_takeovers = {bad}\n{MINIMAL}"));
+            assert!(e.contains("max_takeovers"), "{e}");
+        }
+        let c = Config::parse_with_env(&format!("[worker]\nmax_takeovers = 0\n{MINIMAL}"), no_env).unwrap();
+        assert_eq!(c.worker.max_takeovers, 0, "never continued after a take-over");
         let e = error_of("[store]\nurl = \"mysql://x\"\n");
         assert!(e.contains("store.url"), "{e}");
         let e = error_of("[store]\nurl = \"postgres://idem:hunter2@db/idem\"\n");
@@ -1041,6 +1062,7 @@ mod tests {
         assert!(out.contains("5 attempts within 30s") && out.contains("Equal jitter"), "{out}");
         assert!(out.contains("circuit: opens after 5 failures"), "{out}");
         assert!(out.contains("probe GET /p/{idempotency_key} after 5s"), "{out}");
+        assert!(out.contains("lease 15s, max_takeovers 3"), "{out}");
     }
 
     #[test]

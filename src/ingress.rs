@@ -27,7 +27,7 @@ use crate::policy::{outcome_eta, Pending};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
-use crate::store::{Admission, Cancelled, NewRecord, Store};
+use crate::store::{Admission, Cancelled, Health, NewRecord, Store};
 use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
@@ -48,6 +48,8 @@ pub struct Ingress {
     pub replays: Replays,
     /// Request bodies held in memory at once, over all requests (`server.max_buffered_bodies`).
     pub bodies: Arc<BodyBudget>,
+    /// The store's health as the checks last found it.
+    pub health: Arc<Health>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -287,6 +289,8 @@ impl Ingress {
             response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
             return Ok(response);
         }
+        // A store found down cannot record it: refused at once rather than after the store fails.
+        self.health.check().map_err(|e| Problem::store(&e))?;
         // A new execution is shed here, before anything is recorded, if the route is saturated
         // or its upstream's circuit is open — unless the key exists: its record answers then.
         let slot = match self.worker.guards().enter(&route) {

@@ -14,7 +14,8 @@
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
-//!   `unknown` records, the retention sweep.
+//!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
+//!   requests while the store cannot record them.
 //! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; [`metrics`]
 //!   for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]

@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, describe_gauge, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::policy::{BreakerState, Class, StopReason};
@@ -104,6 +104,12 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
     }
 }
 
+/// A take-over stopped a record whose worker died (SPEC §4): `unsafe_replay`, `deadline` or
+/// `takeover_cap`. Counted with the stops of executions, which it ended.
+pub fn stopped_by_take_over(route: &str, stop: StopReason) {
+    counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);
+}
+
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
 /// `circuit_open` (503, shed before recording).
@@ -131,13 +137,33 @@ pub fn connection_refused(listener: &'static str) {
     counter!("idem_connections_refused_total", "listener" => listener).increment(1);
 }
 
+/// Whether the store takes requests: 1, or 0 while new keys are refused with 503
+/// `store-unavailable` (a lost SQLite file, an unreachable database).
+pub fn store_available(available: bool) {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        describe_gauge!(
+            "idem_store_available",
+            "1 while the store takes requests; 0 while new keys are refused with 503 store-unavailable"
+        )
+    });
+    gauge!("idem_store_available").set(if available { 1.0 } else { 0.0 });
+}
+
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
 /// `idem_records{phase="unknown"}`), each upstream's circuit and the request body bytes held in
-/// memory, read at scrape time.
-pub fn render(phases: &[(Phase, u64)], circuits: &[(String, BreakerState)], buffered_body_bytes: usize) -> String {
+/// memory, read at scrape time. Without `phases` (the store could not count them), the records
+/// keep the last counts seen: zero would say the reconciliation queue is empty.
+pub fn render(
+    phases: Option<&[(Phase, u64)]>,
+    circuits: &[(String, BreakerState)],
+    buffered_body_bytes: usize,
+) -> String {
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
-        let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
-        gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
+        if let Some(phases) = phases {
+            let n = phases.iter().filter(|(p, _)| *p == phase).map(|(_, n)| *n).sum::<u64>();
+            gauge!("idem_records", "phase" => phase.as_str()).set(n as f64);
+        }
     }
     for (upstream, state) in circuits {
         let value = match state {

@@ -271,7 +271,7 @@ impl Problem {
     }
 
     pub fn store(e: &StoreError) -> Problem {
-        tracing::error!(error = %e, "store error");
+        e.log("a request was refused: the store failed");
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "store-unavailable",

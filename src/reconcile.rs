@@ -2,14 +2,17 @@
 //! - take-over: records whose worker died (lease expired) are continued, freed or moved to
 //!   `unknown` by SPEC §4's rule; queued records nobody claimed are claimed here;
 //! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
-//! - retention: `done` records past retention are deleted in batches.
+//! - retention: `done` records past retention are deleted in batches;
+//! - health: the store is asked a few times a second whether it can be trusted with a request,
+//!   so a lost store is noticed within about a second, and its recovery too.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{Config, Probe, Route};
+use crate::policy::{Class, StopReason};
 use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
-use crate::store::{Action, Resolution, Store};
+use crate::store::{Action, Health, Resolution, Store, StoreError, TakeOverTo};
 use crate::upstream::Upstream;
 use crate::worker::Worker;
 
@@ -37,7 +40,7 @@ pub async fn retention_sweep(store: Arc<dyn Store>, retention: Duration) {
                     break;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "retention sweep failed; will try again");
+                    e.log("retention sweep failed; will try again");
                     break;
                 }
             }
@@ -47,14 +50,32 @@ pub async fn retention_sweep(store: Arc<dyn Store>, retention: Duration) {
 
 /// Where a record whose lease expired goes (SPEC §4): `unknown` if an attempt may have been sent
 /// and the route is not replay-safe; otherwise queued again, or freed if its deadline passed.
-pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis) -> Phase {
+///
+/// A record that would be queued again after `max_takeovers` take-overs is stopped instead
+/// (`takeover_cap`): its workers keep dying on it, perhaps because of it. It goes to `unknown`
+/// if any attempt may have run — even on a replay-safe route, where the rule above would free
+/// it: sent again by the client's next request, it would crash its worker again, while in the
+/// reconciliation queue an operator sees it — and is freed otherwise.
+pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, max_takeovers: u32) -> TakeOverTo {
     let event = Event::LeaseExpired {
         attempt_unrecorded: record.in_flight.is_some(),
         // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
         replay_safe: route.is_some_and(|r| r.replay_safe),
         deadline_passed: now >= record.deadline_at,
     };
-    transition(Phase::InProgress, event).unwrap_or(Phase::Unknown)
+    let event = match transition(Phase::InProgress, event) {
+        Ok(Phase::Queued) if record.takeovers >= max_takeovers => Event::TakeoverCapReached {
+            attempt_may_have_run: record.in_flight.is_some()
+                || record.attempts.iter().any(|a| a.outcome != Class::NotExecuted.as_str()),
+        },
+        Ok(Phase::Queued) => return TakeOverTo::Queued,
+        Ok(Phase::Free) => return TakeOverTo::Free(StopReason::Deadline),
+        _ => return TakeOverTo::Unknown(StopReason::UnsafeReplay),
+    };
+    match transition(Phase::InProgress, event) {
+        Ok(Phase::Free) => TakeOverTo::Free(StopReason::TakeoverCap),
+        _ => TakeOverTo::Unknown(StopReason::TakeoverCap),
+    }
 }
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`.
@@ -66,7 +87,7 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Confi
     loop {
         tick.tick().await;
         if let Err(e) = take_over_once(&*store, &worker, &config).await {
-            tracing::warn!(error = %e, "take-over sweep failed; will try again");
+            e.log("take-over sweep failed; will try again");
         }
     }
 }
@@ -80,7 +101,7 @@ pub async fn take_over_once(
     for record in store.expired_leases(now, BATCH).await? {
         let Some(lease) = &record.lease else { continue };
         let route = config.route_named(&record.route);
-        let to = after_lease_expiry(&record, route, now);
+        let to = after_lease_expiry(&record, route, now, config.worker.max_takeovers);
         let lost = record.in_flight.map(|(number, started_at)| Attempt {
             number,
             started_at,
@@ -90,19 +111,31 @@ pub async fn take_over_once(
             error: Some("worker_lost".into()),
             wait_ms: 0,
         });
+        let capped = if to.stop_reason() == Some(StopReason::TakeoverCap) {
+            format!(
+                "; taken over {} times before, it is stopped instead of continued (worker.max_takeovers = {})",
+                record.takeovers, config.worker.max_takeovers
+            )
+        } else {
+            String::new()
+        };
         let entry = HistoryEntry {
             at: now,
             actor: format!("node:{}", worker.owner()),
-            action: format!("take-over → {}", to.as_str()),
+            action: format!("take-over → {}", to.phase().as_str()),
             note: Some(format!(
-                "the lease of {} expired{}",
+                "the lease of {} expired{}{capped}",
                 lease.owner,
                 if lost.is_some() { " while an attempt may have been in flight" } else { "" }
             )),
         };
         if store.take_over(record.id, &lease.owner, lease.expires_at, to, lost, entry).await? {
-            tracing::warn!(record = %record.id, from = %lease.owner, to = to.as_str(), "took over a record");
-            if to == Phase::Queued {
+            let phase = to.phase().as_str();
+            tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
+            if let Some(stop) = to.stop_reason() {
+                crate::metrics::stopped_by_take_over(&record.route, stop);
+            }
+            if to == TakeOverTo::Queued {
                 if let Some(record) = store.get(record.id).await? {
                     worker.submit(record, None, None);
                 }
@@ -120,6 +153,40 @@ pub async fn take_over_once(
     Ok(())
 }
 
+/// How often every node checks its store.
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
+/// A health check that takes longer fails: a store that cannot answer within it cannot record a
+/// request in time either.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Asks the store whether it can be trusted with a request ([`Store::ping`]), within
+/// [`HEALTH_TIMEOUT`].
+pub async fn store_health(store: &dyn Store) -> Result<(), StoreError> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, store.ping()).await {
+        Ok(answer) => answer,
+        Err(_) => Err(StoreError::Unavailable(format!("the store did not answer within {HEALTH_TIMEOUT:?}"))),
+    }
+}
+
+/// Checks the store every [`HEALTH_EVERY`] and records the verdict in `health`: a lost store is
+/// noticed within about a second even when no request comes (and a SQLite store that may resume
+/// finds out here), the log says so at most once a second, and `idem_store_available` follows.
+pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>) {
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let answer = store_health(&*store).await;
+        let changed = health.record(&answer);
+        match &answer {
+            Ok(()) if changed => tracing::info!("the store is available again: new requests are taken"),
+            Ok(()) => {}
+            Err(e) => e.log("the store is unavailable: new requests are refused with 503 store-unavailable"),
+        }
+        crate::metrics::store_available(answer.is_ok());
+    }
+}
+
 /// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
 pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
     let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
@@ -135,7 +202,7 @@ pub async fn probes(store: Arc<dyn Store>, config: Arc<Config>, worker: Worker) 
         tick.tick().await;
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
             if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
-                tracing::warn!(route = %route.name, error = %e, "probing failed; will try again");
+                e.log(&format!("probing the records of route {} failed; will try again", route.name));
             }
         }
     }
@@ -201,6 +268,100 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
+    use crate::store::NewRecord;
+
+    const NOW: Millis = 1_700_000_000_000;
+
+    fn route(replay_safe: bool) -> Route {
+        let text = format!(
+            "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {replay_safe}\n"
+        );
+        Config::parse_with_env(&text, |_| None).unwrap().routes.remove(0)
+    }
+
+    /// An in-progress record, taken over `takeovers` times before, with attempts that ended as
+    /// `outcomes`, and one more in flight if `in_flight`.
+    fn leased(takeovers: u32, outcomes: &[&str], in_flight: bool) -> Record {
+        let new = NewRecord {
+            id: uuid::Uuid::new_v4(),
+            tenant: "default".into(),
+            key: "k".into(),
+            route: "p".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            query: String::new(),
+            fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
+            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            deadline_at: NOW + 30_000,
+            now: NOW,
+            claim: None,
+        };
+        let mut record = new.inserted();
+        record.takeovers = takeovers;
+        record.attempts = outcomes
+            .iter()
+            .enumerate()
+            .map(|(i, outcome)| Attempt {
+                number: i as u32 + 1,
+                started_at: NOW,
+                duration_ms: 1,
+                outcome: outcome.to_string(),
+                status: None,
+                error: None,
+                wait_ms: 0,
+            })
+            .collect();
+        record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));
+        record
+    }
+
+    #[test]
+    fn a_record_is_continued_until_it_was_taken_over_max_takeovers_times() {
+        let safe = route(true);
+        for takeovers in 0..3 {
+            assert_eq!(
+                after_lease_expiry(&leased(takeovers, &["lost"], true), Some(&safe), NOW, 3),
+                TakeOverTo::Queued
+            );
+        }
+        let capped = after_lease_expiry(&leased(3, &["lost"], true), Some(&safe), NOW, 3);
+        assert_eq!(capped, TakeOverTo::Unknown(StopReason::TakeoverCap), "an attempt may have run");
+        let never = after_lease_expiry(&leased(0, &[], false), Some(&safe), NOW, 0);
+        assert_eq!(never, TakeOverTo::Free(StopReason::TakeoverCap), "0: never continued");
+    }
+
+    #[test]
+    fn a_capped_record_is_freed_only_if_no_attempt_may_have_run() {
+        let unsafe_route = route(false);
+        let safe = route(true);
+        let stop = |record: &Record, route: &Route| after_lease_expiry(record, Some(route), NOW, 1);
+        assert_eq!(stop(&leased(1, &[], false), &unsafe_route), TakeOverTo::Free(StopReason::TakeoverCap));
+        assert_eq!(
+            stop(&leased(1, &["not_executed", "not_executed"], false), &unsafe_route),
+            TakeOverTo::Free(StopReason::TakeoverCap)
+        );
+        // On a replay-safe route a lost or ambiguous attempt was continued; at the cap it counts.
+        assert_eq!(stop(&leased(1, &["lost"], false), &safe), TakeOverTo::Unknown(StopReason::TakeoverCap));
+        assert_eq!(stop(&leased(1, &["ambiguous"], false), &safe), TakeOverTo::Unknown(StopReason::TakeoverCap));
+        assert_eq!(stop(&leased(1, &[], true), &safe), TakeOverTo::Unknown(StopReason::TakeoverCap));
+    }
+
+    #[test]
+    fn the_cap_changes_nothing_for_a_record_that_stops_anyway() {
+        let unsafe_route = route(false);
+        let in_flight = leased(5, &[], true);
+        assert_eq!(
+            after_lease_expiry(&in_flight, Some(&unsafe_route), NOW, 1),
+            TakeOverTo::Unknown(StopReason::UnsafeReplay)
+        );
+        let late = leased(5, &[], false);
+        assert_eq!(
+            after_lease_expiry(&late, Some(&unsafe_route), NOW + 60_000, 1),
+            TakeOverTo::Free(StopReason::Deadline)
+        );
+        assert_eq!(after_lease_expiry(&late, None, NOW, 9), TakeOverTo::Queued, "a gone route has nothing in flight");
+    }
 
     #[test]
     fn the_sweep_runs_often_enough_for_short_and_long_retentions() {

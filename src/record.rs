@@ -115,6 +115,10 @@ pub enum Event {
         replay_safe: bool,
         deadline_passed: bool,
     },
+    /// A lease expired that would be continued, but the record was taken over too often already.
+    TakeoverCapReached {
+        attempt_may_have_run: bool,
+    },
     ResolveExecuted,
     ResolveNotExecuted,
     OperatorRetry,
@@ -150,6 +154,8 @@ pub fn transition(from: Phase, event: Event) -> Result<Phase, Refused> {
                 Queued
             }
         }
+        (InProgress, TakeoverCapReached { attempt_may_have_run: true }) => Unknown,
+        (InProgress, TakeoverCapReached { attempt_may_have_run: false }) => Free,
         (Unknown, ResolveExecuted) => Done,
         (Unknown, ResolveNotExecuted) => Free,
         (Unknown, OperatorRetry) => Queued,
@@ -234,6 +240,9 @@ pub struct Record {
     /// Probes sent so far for an `unknown` record, and when the next is due.
     pub probe_count: u32,
     pub next_probe_at: Option<Millis>,
+    /// How many times its expired lease was taken over (kept when a client sends a freed record
+    /// again, so a record that crashes its workers cannot do so without end).
+    pub takeovers: u32,
     /// While waiting between attempts: the earliest start of the next one.
     pub not_before: Option<Millis>,
     pub created_at: Millis,
@@ -288,6 +297,7 @@ impl Record {
             "fingerprint": self.fingerprint.to_hex(),
             "attempts": attempts,
             "stop_reason": self.stop_reason.map(StopReason::as_str),
+            "takeovers": self.takeovers,
             "deadline_at": rfc3339(self.deadline_at),
             "created_at": rfc3339(self.created_at),
             "updated_at": rfc3339(self.updated_at),
@@ -377,6 +387,16 @@ mod tests {
         assert_eq!(transition(InProgress, expired(true, true, false)), Ok(Queued));
         assert_eq!(transition(InProgress, expired(false, false, false)), Ok(Queued));
         assert_eq!(transition(InProgress, expired(false, false, true)), Ok(Free));
+    }
+
+    #[test]
+    fn a_record_taken_over_too_often_stops_unknown_if_an_attempt_may_have_run_and_free_otherwise() {
+        let capped = |attempt_may_have_run| TakeoverCapReached { attempt_may_have_run };
+        assert_eq!(transition(InProgress, capped(true)), Ok(Unknown));
+        assert_eq!(transition(InProgress, capped(false)), Ok(Free));
+        for from in [Queued, Free, Done, Unknown] {
+            assert!(transition(from, capped(true)).is_err(), "{from:?}");
+        }
     }
 
     #[test]

@@ -65,6 +65,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let admin_listener = bind(config.server.admin_listen).await?;
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
+    let health = Arc::new(store::Health::default());
     let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
 
@@ -76,6 +77,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         upstream: Upstream::new(),
         replays: Replays::new(REPLAY_CACHE_BYTES),
         bodies: bodies.clone(),
+        health: health.clone(),
     });
     let admin =
         Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled, bodies });
@@ -92,6 +94,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
         tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
+        tokio::spawn(reconcile::watch_store(store.clone(), health)),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {

@@ -133,6 +133,45 @@ async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b:
     assert!(waited >= 1900, "attempt 2 followed a 2 s wait, yet its record says wait_ms = {waited}: {record:#}");
 }
 
+async fn a_record_whose_broker_keeps_dying_on_it_stops_after_max_takeovers_instead_of_looping(b: Backend) {
+    let upstream = Upstream::start().await;
+    let db = Db::new(b).await;
+    let config = config_body(&db.url, &upstream.url(), "max_takeovers = 1\n", "replay_safe = true", "");
+    let mut node = Node::start("broker", &config).await;
+    // Every attempt is still in flight when the process dies: on a replay-safe route, each
+    // take-over sends it again.
+    upstream.script("poison", vec![Reply::status(201).delay(Duration::from_secs(60)); 3]);
+    submit(&node, "poison").await;
+    for attempt in 1..=2 {
+        await_until("the upstream to receive the attempt", Duration::from_secs(15), || {
+            upstream.hits("poison") == attempt
+        })
+        .await;
+        node.kill();
+        node.restart().await;
+    }
+
+    // The first take-over continued it; the second is past the cap and stops it.
+    let record = node.await_record("poison", 5 * LEASE + Duration::from_secs(5), settled).await;
+    assert_eq!(record["state"], "unknown", "attempts may have run: {record:#}");
+    assert_eq!(record["stop_reason"], "takeover_cap", "{record:#}");
+    assert_eq!(record["takeovers"], 2, "{record:#}");
+    let take_overs = history_entries(&record, "take-over");
+    assert_eq!(take_overs.len(), 2, "{record:#}");
+    assert!(take_overs[0]["action"].as_str().unwrap().contains("queued"), "{record:#}");
+    assert!(take_overs[1]["action"].as_str().unwrap().contains("unknown"), "{record:#}");
+    assert!(take_overs[1]["note"].as_str().unwrap().contains("max_takeovers"), "{record:#}");
+
+    // Not sent again, by a take-over or by the client's retry.
+    let r = common::send(node.post("/payments", "poison", BODY)).await;
+    r.assert_problem(502, "outcome-unknown");
+    let quiet_until = Instant::now() + 3 * LEASE;
+    while Instant::now() < quiet_until {
+        assert_eq!(upstream.hits("poison"), 2, "a record past the take-over cap was sent again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice(b: Backend) {
     const KEYS: usize = 300;
     const KILLS: usize = 5;
@@ -283,6 +322,7 @@ both_stores!(
     a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_sends_it_again,
     a_kill_during_an_attempt_on_a_replay_safe_route_sends_it_again_after_the_lease,
     a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait,
+    a_record_whose_broker_keeps_dying_on_it_stops_after_max_takeovers_instead_of_looping,
     sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice,
     sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart,
     sigterm_lets_an_attempt_in_flight_finish_and_answers_its_client,

@@ -19,6 +19,7 @@ use uuid::Uuid;
 use crate::config::Config;
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
+use crate::reconcile;
 use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
@@ -55,20 +56,27 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .with_state(admin)
 }
 
-/// Ready when the store answers: without it no request can be recorded safely.
+/// Ready when the store can be trusted with a request: without it no request can be recorded
+/// safely. Bounded in time, like the health check every node runs.
 async fn ready(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
-    match admin.store.ping().await {
+    match reconcile::store_health(&*admin.store).await {
         Ok(()) => (StatusCode::OK, "ready\n".into()),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
     }
 }
 
+/// Served whatever the store's state: during an outage the metrics are how it is seen.
 async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
-    let phases = match admin.store.count_by_phase().await {
-        Ok(phases) => phases,
-        Err(e) => return Problem::store(&e).into_response(),
+    let counted = tokio::time::timeout(reconcile::HEALTH_TIMEOUT, admin.store.count_by_phase()).await;
+    let phases = match counted {
+        Ok(Ok(phases)) => Some(phases),
+        Ok(Err(e)) => {
+            e.log("the records could not be counted for /metrics");
+            None
+        }
+        Err(_) => None,
     };
-    let body = crate::metrics::render(&phases, &admin.worker.guards().breaker_states(), admin.bodies.held());
+    let body = crate::metrics::render(phases.as_deref(), &admin.worker.guards().breaker_states(), admin.bodies.held());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -100,10 +100,13 @@ pub enum StopReason {
     /// The route forwards the client's own credential, which only the process that received the
     /// request holds; this one does not (a take-over, a restart), so nothing is sent.
     CredentialUnavailable,
+    /// Its lease expired more often than `worker.max_takeovers`: a record whose worker keeps
+    /// dying on it is stopped rather than continued again.
+    TakeoverCap,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 10] = [
+    pub const ALL: [StopReason; 11] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -114,6 +117,7 @@ impl StopReason {
         StopReason::CircuitOpen,
         StopReason::Cancelled,
         StopReason::CredentialUnavailable,
+        StopReason::TakeoverCap,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -128,6 +132,7 @@ impl StopReason {
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Cancelled => "cancelled",
             StopReason::CredentialUnavailable => "credential_unavailable",
+            StopReason::TakeoverCap => "takeover_cap",
         }
     }
 

@@ -2,16 +2,19 @@
 //! (embedded default, one writer fed by group commit) and PostgreSQL.
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use sqlx::Row;
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
+mod health;
 pub mod postgres;
+mod rows;
 pub mod sqlite;
+
+pub use health::Health;
+pub(crate) use rows::{decode, Columns};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -51,94 +54,6 @@ impl From<serde_json::Error> for StoreError {
     fn from(e: serde_json::Error) -> Self {
         StoreError::Corrupt(e.to_string())
     }
-}
-
-/// A row read by column name, whichever driver produced it: sqlx's rows (both backends) and the
-/// SQLite writer's rusqlite rows. Integers arrive as 64 bits (PostgreSQL's queries cast theirs).
-pub(crate) trait Columns {
-    fn text(&self, name: &str) -> Result<Option<String>, StoreError>;
-    fn integer(&self, name: &str) -> Result<Option<i64>, StoreError>;
-    fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
-    fn flag(&self, name: &str) -> Result<bool, StoreError>;
-}
-
-macro_rules! sqlx_columns {
-    ($row:ty) => {
-        impl Columns for $row {
-            fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn flag(&self, name: &str) -> Result<bool, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-        }
-    };
-}
-sqlx_columns!(sqlx::sqlite::SqliteRow);
-sqlx_columns!(sqlx::postgres::PgRow);
-
-/// Reads a record from a row of either backend, checking every value: ids and JSON arrive as
-/// text, booleans as booleans (or SQLite's 0 and 1).
-pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
-    let corrupt = |what: &str| StoreError::Corrupt(format!("column {what}"));
-    let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
-    let number = |name: &'static str| row.integer(name);
-    let required = |name: &'static str| row.integer(name)?.ok_or_else(|| corrupt(name));
-    let response = match number("response_status")? {
-        None => None,
-        Some(status) => Some(StoredResponse {
-            status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
-            headers: serde_json::from_str(row.text("response_headers")?.as_deref().unwrap_or("[]"))?,
-            body: Bytes::from(row.blob("response_body")?.unwrap_or_default()),
-        }),
-    };
-    let in_flight = match number("in_flight_number")?.zip(number("in_flight_started_at")?) {
-        None => None,
-        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
-    };
-    let lease = row
-        .text("lease_owner")?
-        .zip(number("lease_expires_at")?)
-        .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at });
-    Ok(Record {
-        id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
-        tenant: text("tenant")?,
-        key: text("key")?,
-        route: text("route")?,
-        method: text("method")?,
-        path: text("path")?,
-        query: text("query")?,
-        fingerprint: Fingerprint::from_bytes(&row.blob("fingerprint")?.unwrap_or_default())
-            .ok_or_else(|| corrupt("fingerprint"))?,
-        request: StoredRequest {
-            headers: serde_json::from_str(&text("request_headers")?)?,
-            body: Bytes::from(row.blob("request_body")?.ok_or_else(|| corrupt("request_body"))?),
-        },
-        state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,
-        queued: row.flag("queued")?,
-        deadline_at: required("deadline_at")?,
-        lease,
-        in_flight,
-        attempts: serde_json::from_str(&text("attempts")?)?,
-        stop_reason: row
-            .text("stop_reason")?
-            .map(|s| StopReason::parse(&s).ok_or_else(|| corrupt("stop_reason")))
-            .transpose()?,
-        response,
-        history: serde_json::from_str(&text("history")?)?,
-        cancel_requested: row.flag("cancel_requested")?,
-        probe_count: u32::try_from(required("probe_count")?).map_err(|_| corrupt("probe_count"))?,
-        next_probe_at: number("next_probe_at")?,
-        not_before: number("not_before")?,
-        created_at: required("created_at")?,
-        updated_at: required("updated_at")?,
-    })
 }
 
 /// A request about to be recorded.
@@ -187,6 +102,7 @@ impl NewRecord {
             cancel_requested: false,
             probe_count: 0,
             next_probe_at: None,
+            takeovers: 0,
             not_before: None,
             created_at: self.now,
             updated_at: self.now,
@@ -257,13 +173,37 @@ impl AfterAttempt {
     }
 }
 
-/// What a take-over to `to` stores: the state, whether it is queued, and the stop reason.
-pub(crate) fn taken_over(to: Phase) -> Result<(State, bool, Option<StopReason>), StoreError> {
-    match to {
-        Phase::Queued => Ok((State::NotStarted, true, None)),
-        Phase::Free => Ok((State::NotStarted, false, Some(StopReason::Deadline))),
-        Phase::Unknown => Ok((State::Unknown, false, Some(StopReason::UnsafeReplay))),
-        other => Err(StoreError::Corrupt(format!("a take-over cannot lead to {other:?}"))),
+/// Where a take-over moves a record whose lease expired (SPEC §4), and why it stopped there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeOverTo {
+    /// Queued again, for any worker to continue within the same deadline.
+    Queued,
+    /// `not_started`, free: nothing that may have executed is left unsettled (or the route is
+    /// replay-safe); the key is released.
+    Free(StopReason),
+    /// `unknown`: an attempt may have executed, and only reconciliation settles it.
+    Unknown(StopReason),
+}
+
+impl TakeOverTo {
+    pub fn phase(self) -> Phase {
+        match self {
+            TakeOverTo::Queued => Phase::Queued,
+            TakeOverTo::Free(_) => Phase::Free,
+            TakeOverTo::Unknown(_) => Phase::Unknown,
+        }
+    }
+
+    pub fn stop_reason(self) -> Option<StopReason> {
+        match self {
+            TakeOverTo::Queued => None,
+            TakeOverTo::Free(stop) | TakeOverTo::Unknown(stop) => Some(stop),
+        }
+    }
+
+    /// What the record stores: its state, whether it is queued, and the stop reason.
+    pub(crate) fn stored(self) -> (State, bool, Option<StopReason>) {
+        (self.phase().state(), self == TakeOverTo::Queued, self.stop_reason())
     }
 }
 
@@ -442,16 +382,16 @@ pub trait Store: Send + Sync + 'static {
     /// `in_progress` records whose lease expired before `now`.
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
 
-    /// Moves a record whose lease expired to `to` (`Queued`, `Free` or `Unknown`), recording the
-    /// attempt that was lost in flight, if any. Only if the lease is still the expired one seen
-    /// (`owner`, `until`): of several nodes sweeping at once, one wins.
+    /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
+    /// flight, if any, and counting the take-over. Only if the lease is still the expired one
+    /// seen (`owner`, `until`): of several nodes sweeping at once, one wins.
     #[allow(clippy::too_many_arguments)]
     async fn take_over(
         &self,
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError>;
@@ -488,7 +428,9 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` `done` records finished before `cutoff`; returns how many.
     async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError>;
 
-    /// Is the database answering?
+    /// Can the store be trusted with a request right now? A cheap check, run a few times a second
+    /// by every node: the database answers, and (SQLite) its files are still the ones opened. A
+    /// store that refuses work after a loss also finds out here whether it may resume.
     async fn ping(&self) -> Result<(), StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.

@@ -4,12 +4,13 @@
 //! that read before they write lock their row for that one transaction only. Work queues are
 //! taken with `FOR UPDATE SKIP LOCKED`, so nodes sweeping at once never wait on each other. A
 //! trigger announces settled and queued records on the `idem_records` channel, which one
-//! listening connection per process relays as [`Notice`]s. New keys that arrive together are
-//! inserted by one statement (`admissions`), and the outcomes of attempts that end together are
-//! stored by one call of a SQL function that updates each row as the one-row statement would
-//! (`outcomes`).
+//! listening connection per process relays as [`Notice`]s (`notices`). New keys that arrive
+//! together are inserted by one statement (`admissions`), and the outcomes of attempts that end
+//! together are stored by one call of a SQL function that updates each row as the one-row
+//! statement would (`outcomes`). The operator's actions live in `actions`, take-over and the
+//! sweeps in `upkeep`.
 //!
-//! The SQL mirrors `sqlite/writer.rs` statement for statement; that store's semantics are the
+//! The SQL mirrors `sqlite/writes.rs` statement for statement; that store's semantics are the
 //! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
 //! text (see `COLUMNS`), so the store needs no sqlx type features beyond the defaults.
 //!
@@ -20,30 +21,31 @@
 //! plan cached on the connection: each write then reads every in-progress record's entry. The
 //! other form cannot match an index, so the primary key is the only way in.
 
+mod actions;
 mod admissions;
 mod lanes;
+mod notices;
 mod outcomes;
+#[cfg(test)]
+mod tests;
+mod upkeep;
 
 use std::sync::LazyLock;
-use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions, PgRow};
-use sqlx::Row;
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Connection, Row};
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
 use super::{
-    decode, page, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord,
-    Notice, Page, Resolution, Store, StoreError,
+    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
+    Store, StoreError, TakeOverTo,
 };
-use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 
-/// The channel the trigger of `migrations/postgres` notifies on.
-const CHANNEL: &str = "idem_records";
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
 /// nodes fit in PostgreSQL's default `max_connections`.
 const MAX_CONNECTIONS: u32 = 16;
@@ -62,7 +64,8 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
     attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
-    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at";
+    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
+    takeovers::bigint AS takeovers";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -71,6 +74,10 @@ pub struct PostgresStore {
     notices: broadcast::Sender<Notice>,
     /// Dropped with the store, which stops the task relaying notifications.
     _relay: oneshot::Sender<()>,
+    url: String,
+    /// The health checks' own connection: a pool busy with requests must not pass for a
+    /// database that is down, nor a pool's idle connection for one that is up.
+    health_check: tokio::sync::Mutex<Option<PgConnection>>,
 }
 
 impl PostgresStore {
@@ -83,78 +90,13 @@ impl PostgresStore {
             .await
             .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         // Listen before returning, so no change made after `open` goes unannounced.
-        let listener = listen(url).await?;
+        let listener = notices::listen(url).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
-        tokio::spawn(relay_notices(url.to_string(), listener, notices.clone(), stop));
+        tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
         let (admissions, outcomes) = (Admissions::start(pool.clone()), Outcomes::start(pool.clone()));
-        Ok(PostgresStore { pool, admissions, outcomes, notices, _relay: relay })
-    }
-}
-
-async fn listen(url: &str) -> Result<PgListener, StoreError> {
-    let mut listener = PgListener::connect(url).await?;
-    listener.listen(CHANNEL).await?;
-    Ok(listener)
-}
-
-/// Forwards notifications until the store is dropped. `PgListener` reconnects by itself after a
-/// dropped connection; when that fails too, the listener is rebuilt after a growing pause.
-/// Notifications sent while disconnected are lost: subscribers must not rely on them alone.
-async fn relay_notices(
-    url: String,
-    mut listener: PgListener,
-    notices: broadcast::Sender<Notice>,
-    mut stop: oneshot::Receiver<()>,
-) {
-    let mut pause = Duration::from_millis(100);
-    loop {
-        let failure = tokio::select! {
-            _ = &mut stop => return,
-            failure = forward(&mut listener, &notices) => failure,
-        };
-        tracing::warn!(error = %failure, "lost the store's notification channel; reconnecting");
-        loop {
-            tokio::select! {
-                _ = &mut stop => return,
-                _ = tokio::time::sleep(pause) => {}
-            }
-            pause = (pause * 2).min(Duration::from_secs(10));
-            match listen(&url).await {
-                Ok(fresh) => {
-                    listener = fresh;
-                    pause = Duration::from_millis(100);
-                    break;
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot listen for store notifications"),
-            }
-        }
-    }
-}
-
-/// Relays notifications until the listener fails.
-async fn forward(listener: &mut PgListener, notices: &broadcast::Sender<Notice>) -> StoreError {
-    loop {
-        match listener.try_recv().await {
-            Ok(Some(notification)) => match parse_notice(notification.payload()) {
-                // No subscriber is not an error: nobody is waiting right now.
-                Some(notice) => drop(notices.send(notice)),
-                None => tracing::warn!(payload = notification.payload(), "unexpected store notification"),
-            },
-            // The connection dropped and was re-established; notifications in between are lost.
-            Ok(None) => tracing::warn!("store notification connection was re-established"),
-            Err(e) => return e.into(),
-        }
-    }
-}
-
-fn parse_notice(payload: &str) -> Option<Notice> {
-    let (kind, id) = payload.split_once(':')?;
-    let id = Uuid::parse_str(id).ok()?;
-    match kind {
-        "settled" => Some(Notice::Settled(id)),
-        "queued" => Some(Notice::Queued(id)),
-        _ => None,
+        let health_check = tokio::sync::Mutex::new(None);
+        Ok(PostgresStore { pool, admissions, outcomes, notices, _relay: relay, url: url.to_string(), health_check })
     }
 }
 
@@ -181,6 +123,7 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
                            ELSE records.history || $13::jsonb END,
             created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
                               ELSE records.created_at END,
+            takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
             request_headers = excluded.request_headers, request_body = excluded.request_body,
@@ -292,15 +235,6 @@ UPDATE records SET lease_expires_at = $3, updated_at = $4
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
 RETURNING cancel_requested";
 
-/// Takes over a record whose lease expired.
-const TAKE_OVER: &str = "
-UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
-                   lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
-                   attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
-                   history = history || $8::jsonb, updated_at = $9
-WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
-  AND lease_expires_at = $3";
-
 async fn claim(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<bool, StoreError> {
     let done = sqlx::query(CLAIM).bind(id.to_string()).bind(owner).bind(until).bind(now).execute(pool).await?;
     Ok(done.rows_affected() == 1)
@@ -347,192 +281,9 @@ async fn renew(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis)
     lease_of(row)
 }
 
-/// Reads a record and locks it until `tx` ends: the read-then-write actions decide on what they
-/// read, so nothing may change it in between.
-async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: Uuid) -> Result<Option<Record>, StoreError> {
-    sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid FOR UPDATE"))
-        .bind(id.to_string())
-        .fetch_optional(&mut **tx)
-        .await?
-        .map(|row| decode(&row))
-        .transpose()
-}
-
-async fn cancel(pool: &PgPool, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
-    let mut tx = pool.begin().await?;
-    let Some(record) = lock(&mut tx, id).await? else {
-        return Ok(Cancelled::Missing);
-    };
-    let set = match (record.state, record.queued) {
-        (State::NotStarted, true) => "queued = FALSE, stop_reason = 'cancelled'",
-        (State::InProgress, _) => "cancel_requested = TRUE",
-        _ => return Ok(Cancelled::Refused(record)),
-    };
-    let row = sqlx::query(&format!(
-        "UPDATE records SET {set}, updated_at = $3, history = history || $2::jsonb
-         WHERE id = $1::uuid
-         RETURNING {COLUMNS}"
-    ))
-    .bind(id.to_string())
-    .bind(one_element(&entry)?)
-    .bind(entry.at)
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    let updated = decode(&row)?;
-    Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
-}
-
-/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
-async fn settle(
-    pool: &PgPool,
-    id: Uuid,
-    resolution: Resolution,
-    probe: bool,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
-    let (state, response) = resolution.stored();
-    let sql = unknown_update(
-        "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
-         response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
-         next_probe_at = NULL, probe_count = probe_count + $7, history = history || $8::jsonb",
-    );
-    let update = sqlx::query(&sql)
-        .bind(id.to_string())
-        .bind(state.as_str())
-        .bind(response.map(|r| i32::from(r.status)))
-        .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
-        .bind(response.map(|r| &r.body[..]))
-        .bind(entry.at)
-        .bind(i32::from(probe))
-        .bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
-}
-
-/// An update of one `unknown` record (`$1`) that sets `set` and returns the record.
-fn unknown_update(set: &str) -> String {
-    format!(
-        "UPDATE records SET {set}
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
-         RETURNING {COLUMNS}"
-    )
-}
-
-/// Runs `update` (made by [`unknown_update`]) on record `id`, locked first: a record that is not
-/// `unknown` is refused, with the state it is in.
-async fn on_unknown(
-    pool: &PgPool,
-    id: Uuid,
-    update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-) -> Result<Action, StoreError> {
-    let mut tx = pool.begin().await?;
-    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
-        return Ok(answer);
-    }
-    let row = update.fetch_one(&mut *tx).await?;
-    tx.commit().await?;
-    Ok(Action::Applied(decode(&row)?))
-}
-
-async fn retry(pool: &PgPool, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-    let sql = unknown_update(
-        "state = 'not_started', queued = TRUE, deadline_at = $2, stop_reason = NULL,
-         cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, history = history || $4::jsonb",
-    );
-    let update = sqlx::query(&sql).bind(id.to_string()).bind(deadline_at).bind(entry.at).bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn take_over(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    until: Millis,
-    to: Phase,
-    lost: Option<Attempt>,
-    entry: HistoryEntry,
-) -> Result<bool, StoreError> {
-    let (state, queued, stop) = taken_over(to)?;
-    let done = sqlx::query(TAKE_OVER)
-        .bind(id.to_string())
-        .bind(owner)
-        .bind(until)
-        .bind(state.as_str())
-        .bind(queued)
-        .bind(stop.map(StopReason::as_str))
-        .bind(lost.as_ref().map(one_element).transpose()?)
-        .bind(one_element(&entry)?)
-        .bind(entry.at)
-        .execute(pool)
-        .await?;
-    Ok(done.rows_affected() == 1)
-}
-
-async fn probed(
-    pool: &PgPool,
-    id: Uuid,
-    resolution: Option<Resolution>,
-    next_at: Millis,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
-    if let Some(resolution) = resolution {
-        return settle(pool, id, resolution, true, entry).await;
-    }
-    let sql = unknown_update(
-        "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
-    );
-    let update = sqlx::query(&sql).bind(id.to_string()).bind(next_at).bind(entry.at).bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
-}
-
-/// Of several nodes claiming at once, each skips the rows another has locked: every record goes
-/// to exactly one, and none waits.
-async fn claim_unclaimed(
-    pool: &PgPool,
-    owner: &str,
-    until: Millis,
-    idle_since: Millis,
-    now: Millis,
-    limit: u32,
-) -> Result<Vec<Record>, StoreError> {
-    let rows = sqlx::query(&format!(
-        "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $1,
-                lease_expires_at = $2, updated_at = $4
-         WHERE id IN (SELECT id FROM records
-                      WHERE state = 'not_started' AND queued AND updated_at < $3
-                      ORDER BY created_at LIMIT $5
-                      FOR UPDATE SKIP LOCKED)
-         RETURNING {COLUMNS}"
-    ))
-    .bind(owner)
-    .bind(until)
-    .bind(idle_since)
-    .bind(now)
-    .bind(i64::from(limit))
-    .fetch_all(pool)
-    .await?;
-    rows.iter().map(decode).collect()
-}
-
-async fn sweep_done(pool: &PgPool, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM records WHERE id IN (
-            SELECT id FROM records WHERE state = 'done' AND done_at < $1
-            LIMIT $2 FOR UPDATE SKIP LOCKED)",
-    )
-    .bind(cutoff)
-    .bind(i64::from(limit))
-    .execute(pool)
-    .await?;
-    Ok(done.rows_affected())
-}
-
 fn corrupt(what: &str) -> StoreError {
     StoreError::Corrupt(what.to_string())
 }
-
-/// A row of `SELECT {COLUMNS}` (or `RETURNING {COLUMNS}`) as a record.
 
 #[async_trait]
 impl Store for PostgresStore {
@@ -585,7 +336,7 @@ impl Store for PostgresStore {
     }
 
     async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
-        cancel(&self.pool, id, entry).await
+        actions::cancel(&self.pool, id, entry).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
@@ -609,11 +360,11 @@ impl Store for PostgresStore {
     }
 
     async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
-        settle(&self.pool, id, resolution, false, entry).await
+        actions::settle(&self.pool, id, resolution, false, entry).await
     }
 
     async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-        retry(&self.pool, id, deadline_at, entry).await
+        actions::retry(&self.pool, id, deadline_at, entry).await
     }
 
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
@@ -633,11 +384,11 @@ impl Store for PostgresStore {
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError> {
-        take_over(&self.pool, id, owner, until, to, lost, entry).await
+        upkeep::take_over(&self.pool, id, owner, until, to, lost, entry).await
     }
 
     async fn claim_unclaimed(
@@ -648,7 +399,7 @@ impl Store for PostgresStore {
         now: Millis,
         limit: u32,
     ) -> Result<Vec<Record>, StoreError> {
-        claim_unclaimed(&self.pool, owner, lease_until, idle_since, now, limit).await
+        upkeep::claim_unclaimed(&self.pool, owner, lease_until, idle_since, now, limit).await
     }
 
     async fn probes_due(
@@ -679,7 +430,7 @@ impl Store for PostgresStore {
         next_probe_at: Millis,
         entry: HistoryEntry,
     ) -> Result<Action, StoreError> {
-        probed(&self.pool, id, resolution, next_probe_at, entry).await
+        actions::probed(&self.pool, id, resolution, next_probe_at, entry).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
@@ -697,11 +448,19 @@ impl Store for PostgresStore {
     }
 
     async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-        sweep_done(&self.pool, cutoff, limit).await
+        upkeep::sweep_done(&self.pool, cutoff, limit).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        let mut held = self.health_check.lock().await;
+        // Taken out while in use: a check that fails, or is abandoned halfway, leaves no
+        // connection in an unknown state behind; the next one connects afresh.
+        let mut conn = match held.take() {
+            Some(conn) => conn,
+            None => PgConnection::connect(&self.url).await?,
+        };
+        sqlx::query("SELECT 1").execute(&mut conn).await?;
+        *held = Some(conn);
         Ok(())
     }
 
@@ -715,81 +474,5 @@ impl Store for PostgresStore {
 
     fn notices(&self) -> Option<broadcast::Receiver<Notice>> {
         Some(self.notices.subscribe())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn notifications_are_read_as_notices_and_anything_else_is_ignored() {
-        let id = Uuid::new_v4();
-        assert_eq!(parse_notice(&format!("settled:{id}")), Some(Notice::Settled(id)));
-        assert_eq!(parse_notice(&format!("queued:{id}")), Some(Notice::Queued(id)));
-        assert_eq!(parse_notice(&format!("deleted:{id}")), None);
-        assert_eq!(parse_notice("queued:not-a-uuid"), None);
-        assert_eq!(parse_notice("queued"), None);
-    }
-
-    /// Every statement about one record (and `idem_end_attempts`) reaches it through the primary
-    /// key, even in the generic plan of a table without statistics yet: with `state = '…'`, the planner scanned
-    /// a partial index whole (every in-progress record's entry) and filtered on the id.
-    #[tokio::test]
-    async fn one_record_statements_go_through_the_primary_key() {
-        let server = match std::env::var("IDEM_TEST_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => url,
-            _ if std::env::var_os("CI").is_some() => panic!("IDEM_TEST_POSTGRES_URL is not set under CI"),
-            _ => return eprintln!("skipped: set IDEM_TEST_POSTGRES_URL to run it against PostgreSQL"),
-        };
-        let name = format!("idem_plans_{}", Uuid::new_v4().simple());
-        let admin = PgPool::connect(&server).await.unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-        let mut url = reqwest::Url::parse(&server).unwrap();
-        url.set_path(&format!("/{name}"));
-        let store = PostgresStore::open(url.as_str()).await.unwrap();
-
-        let mut conn = store.pool.acquire().await.unwrap();
-        sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
-        // Each statement with its parameters' types, as the store binds them.
-        let statements = [
-            (CLAIM, "text, text, int8, int8"),
-            (ATTEMPT_STARTED, "text, text, int8, int8, int8"),
-            (RENEW, "text, text, int8, int8"),
-            (TAKE_OVER, "text, text, int8, text, bool, text, text, text, int8"),
-        ];
-        for (i, (sql, types)) in statements.into_iter().enumerate() {
-            sqlx::query(&format!("PREPARE statement_{i} ({types}) AS {sql}")).execute(&mut *conn).await.unwrap();
-            let nulls = vec!["NULL"; types.split(',').count()].join(", ");
-            let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN EXECUTE statement_{i}({nulls})"))
-                .fetch_all(&mut *conn)
-                .await
-                .unwrap();
-            let plan = plan.join("\n");
-            assert!(plan.contains("Index Scan using records_pkey"), "{sql}\nis planned as\n{plan}");
-        }
-
-        // `idem_end_attempts` updates row by row inside PL/pgSQL, out of EXPLAIN's reach: count
-        // the index scans its update makes within one transaction instead.
-        sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
-        sqlx::query(
-            "SELECT * FROM idem_end_attempts(ARRAY[gen_random_uuid()], ARRAY['w'], ARRAY[NULL]::jsonb[],
-                 ARRAY['done'], ARRAY[NULL], ARRAY[NULL]::int4[], ARRAY[NULL]::jsonb[], ARRAY[NULL]::bytea[],
-                 ARRAY[1::int8], ARRAY[FALSE], ARRAY[NULL]::int8[])",
-        )
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        let scans: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT indexrelname::text, pg_stat_get_xact_numscans(indexrelid)
-             FROM pg_stat_user_indexes WHERE relname = 'records' AND pg_stat_get_xact_numscans(indexrelid) > 0",
-        )
-        .fetch_all(&mut *conn)
-        .await
-        .unwrap();
-        sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
-        assert_eq!(scans, [("records_pkey".to_string(), 1)], "idem_end_attempts scanned these indexes");
-        drop((conn, store));
-        sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
     }
 }

@@ -2,10 +2,15 @@
 //! fighting over the write lock, every write goes to one thread that owns the only writing
 //! connection and commits whatever has queued up in one transaction ([`writer`]). Reads run on a
 //! separate pool of read-only connections, which WAL lets proceed while the writer writes.
+//!
+//! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
+mod files;
 mod writer;
+mod writes;
 
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -14,16 +19,18 @@ use sqlx::{Connection, Row};
 use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
+use self::files::DatabaseFiles;
 use self::writer::{TakeOver, Write};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError,
+    StoreError, TakeOverTo,
 };
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
 
 pub struct SqliteStore {
     writes: mpsc::Sender<Write>,
     reads: SqlitePool,
+    files: Arc<DatabaseFiles>,
 }
 
 impl SqliteStore {
@@ -52,14 +59,32 @@ impl SqliteStore {
             .await
             .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         migrator.close().await?;
+        let files = Arc::new(DatabaseFiles::opened(options.get_filename())?);
 
         let reads = SqlitePoolOptions::new()
             .max_connections(8)
             .min_connections(1)
+            // A reader opened while another file sits at the path would go on reading that
+            // file after the store's own is back.
+            .after_connect({
+                let files = files.clone();
+                move |_, _| {
+                    let files = files.clone();
+                    Box::pin(async move { files.verify().map_err(|e| sqlx::Error::Configuration(Box::new(e))) })
+                }
+            })
             .connect_with(options.clone().read_only(true))
             .await?;
 
-        Ok(SqliteStore { writes: writer::start(options.get_filename(), synchronous)?, reads })
+        let writes = writer::start(options.get_filename(), synchronous, files.clone())?;
+        Ok(SqliteStore { writes, reads, files })
+    }
+
+    /// The pool to read from, unless the files are lost: then a reader would read a file that
+    /// no path names, or another file.
+    fn reads(&self) -> Result<&SqlitePool, StoreError> {
+        self.files.check()?;
+        Ok(&self.reads)
     }
 
     async fn write<T>(&self, op: impl FnOnce(writer::Reply<T>) -> Write) -> Result<T, StoreError> {
@@ -117,7 +142,7 @@ impl Store for SqliteStore {
         sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
             .bind(tenant)
             .bind(key)
-            .fetch_optional(&self.reads)
+            .fetch_optional(self.reads()?)
             .await?
             .map(|row| decode(&row))
             .transpose()
@@ -126,7 +151,7 @@ impl Store for SqliteStore {
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
         sqlx::query("SELECT * FROM records WHERE id = ?1")
             .bind(id.to_string())
-            .fetch_optional(&self.reads)
+            .fetch_optional(self.reads()?)
             .await?
             .map(|row| decode(&row))
             .transpose()
@@ -184,7 +209,7 @@ impl Store for SqliteStore {
         .bind(filter.cursor.map(|c| c.created_at))
         .bind(filter.cursor.map(|c| c.id.to_string()))
         .bind(limit as i64 + 1)
-        .fetch_all(&self.reads)
+        .fetch_all(self.reads()?)
         .await?;
         page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
     }
@@ -204,7 +229,7 @@ impl Store for SqliteStore {
         )
         .bind(now)
         .bind(limit as i64)
-        .fetch_all(&self.reads)
+        .fetch_all(self.reads()?)
         .await?;
         rows.iter().map(decode).collect()
     }
@@ -214,7 +239,7 @@ impl Store for SqliteStore {
         id: Uuid,
         owner: &str,
         until: Millis,
-        to: Phase,
+        to: TakeOverTo,
         lost: Option<Attempt>,
         entry: HistoryEntry,
     ) -> Result<bool, StoreError> {
@@ -250,7 +275,7 @@ impl Store for SqliteStore {
         .bind(settle)
         .bind(now)
         .bind(limit as i64)
-        .fetch_all(&self.reads)
+        .fetch_all(self.reads()?)
         .await?;
         rows.iter().map(decode).collect()
     }
@@ -267,7 +292,7 @@ impl Store for SqliteStore {
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
         let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
-            .fetch_all(&self.reads)
+            .fetch_all(self.reads()?)
             .await?;
         rows.iter()
             .map(|row| {
@@ -284,7 +309,14 @@ impl Store for SqliteStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        sqlx::query("SELECT 1").execute(&self.reads).await?;
+        self.files.verify()?;
+        self.files.verify_access()?;
+        if !self.files.is_available() {
+            // Its own files again: it resumes once they take a write.
+            self.write(|r| Write::Probe(now_ms(), r)).await?;
+            self.files.restore();
+        }
+        sqlx::query("SELECT 1").execute(self.reads()?).await?;
         Ok(())
     }
 }

@@ -1,0 +1,88 @@
+//! Upkeep shared by every node: take-over of expired leases, queued records nobody claimed, and
+//! the retention sweep. Nodes sweeping at once never wait on each other: a take-over is a
+//! compare-and-set on the lease it saw, and the batch statements skip rows another has locked.
+
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{one_element, COLUMNS};
+use crate::policy::StopReason;
+use crate::record::{Attempt, HistoryEntry, Millis, Record};
+use crate::store::{decode, StoreError, TakeOverTo};
+
+/// Takes over a record whose lease expired.
+pub(super) const TAKE_OVER: &str = "
+UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
+                   lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
+                   attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
+                   history = history || $8::jsonb, updated_at = $9, takeovers = takeovers + 1
+WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
+  AND lease_expires_at = $3";
+
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn take_over(
+    pool: &PgPool,
+    id: Uuid,
+    owner: &str,
+    until: Millis,
+    to: TakeOverTo,
+    lost: Option<Attempt>,
+    entry: HistoryEntry,
+) -> Result<bool, StoreError> {
+    let (state, queued, stop) = to.stored();
+    let done = sqlx::query(TAKE_OVER)
+        .bind(id.to_string())
+        .bind(owner)
+        .bind(until)
+        .bind(state.as_str())
+        .bind(queued)
+        .bind(stop.map(StopReason::as_str))
+        .bind(lost.as_ref().map(one_element).transpose()?)
+        .bind(one_element(&entry)?)
+        .bind(entry.at)
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Of several nodes claiming at once, each skips the rows another has locked: every record goes
+/// to exactly one, and none waits.
+pub(super) async fn claim_unclaimed(
+    pool: &PgPool,
+    owner: &str,
+    until: Millis,
+    idle_since: Millis,
+    now: Millis,
+    limit: u32,
+) -> Result<Vec<Record>, StoreError> {
+    let rows = sqlx::query(&format!(
+        "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $1,
+                lease_expires_at = $2, updated_at = $4
+         WHERE id IN (SELECT id FROM records
+                      WHERE state = 'not_started' AND queued AND updated_at < $3
+                      ORDER BY created_at LIMIT $5
+                      FOR UPDATE SKIP LOCKED)
+         RETURNING {COLUMNS}"
+    ))
+    .bind(owner)
+    .bind(until)
+    .bind(idle_since)
+    .bind(now)
+    .bind(i64::from(limit))
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(decode).collect()
+}
+
+pub(super) async fn sweep_done(pool: &PgPool, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
+    let done = sqlx::query(
+        "DELETE FROM records WHERE id IN (
+            SELECT id FROM records WHERE state = 'done' AND done_at < $1
+            LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(cutoff)
+    .bind(i64::from(limit))
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
+}

@@ -1,0 +1,100 @@
+//! Rows into records: one decoder for every driver's rows, so both backends read a record the
+//! same way.
+
+use bytes::Bytes;
+use sqlx::Row;
+use uuid::Uuid;
+
+use super::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::policy::StopReason;
+use crate::record::{Record, State, StoredRequest, StoredResponse};
+
+/// A row read by column name, whichever driver produced it: sqlx's rows (both backends) and the
+/// SQLite writer's rusqlite rows. Integers arrive as 64 bits (PostgreSQL's queries cast theirs).
+pub(crate) trait Columns {
+    fn text(&self, name: &str) -> Result<Option<String>, StoreError>;
+    fn integer(&self, name: &str) -> Result<Option<i64>, StoreError>;
+    fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    fn flag(&self, name: &str) -> Result<bool, StoreError>;
+}
+
+macro_rules! sqlx_columns {
+    ($row:ty) => {
+        impl Columns for $row {
+            fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
+                Ok(self.try_get(name)?)
+            }
+            fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
+                Ok(self.try_get(name)?)
+            }
+            fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+                Ok(self.try_get(name)?)
+            }
+            fn flag(&self, name: &str) -> Result<bool, StoreError> {
+                Ok(self.try_get(name)?)
+            }
+        }
+    };
+}
+sqlx_columns!(sqlx::sqlite::SqliteRow);
+sqlx_columns!(sqlx::postgres::PgRow);
+
+/// Reads a record from a row of either backend, checking every value: ids and JSON arrive as
+/// text, booleans as booleans (or SQLite's 0 and 1).
+pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
+    let corrupt = |what: &str| StoreError::Corrupt(format!("column {what}"));
+    let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
+    let number = |name: &'static str| row.integer(name);
+    let required = |name: &'static str| row.integer(name)?.ok_or_else(|| corrupt(name));
+    let response = match number("response_status")? {
+        None => None,
+        Some(status) => Some(StoredResponse {
+            status: u16::try_from(status).map_err(|_| corrupt("response_status"))?,
+            headers: serde_json::from_str(row.text("response_headers")?.as_deref().unwrap_or("[]"))?,
+            body: Bytes::from(row.blob("response_body")?.unwrap_or_default()),
+        }),
+    };
+    let in_flight = match number("in_flight_number")?.zip(number("in_flight_started_at")?) {
+        None => None,
+        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
+    };
+    let lease = row
+        .text("lease_owner")?
+        .zip(number("lease_expires_at")?)
+        .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at });
+    Ok(Record {
+        id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
+        tenant: text("tenant")?,
+        key: text("key")?,
+        route: text("route")?,
+        method: text("method")?,
+        path: text("path")?,
+        query: text("query")?,
+        fingerprint: Fingerprint::from_bytes(&row.blob("fingerprint")?.unwrap_or_default())
+            .ok_or_else(|| corrupt("fingerprint"))?,
+        request: StoredRequest {
+            headers: serde_json::from_str(&text("request_headers")?)?,
+            body: Bytes::from(row.blob("request_body")?.ok_or_else(|| corrupt("request_body"))?),
+        },
+        state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,
+        queued: row.flag("queued")?,
+        deadline_at: required("deadline_at")?,
+        lease,
+        in_flight,
+        attempts: serde_json::from_str(&text("attempts")?)?,
+        stop_reason: row
+            .text("stop_reason")?
+            .map(|s| StopReason::parse(&s).ok_or_else(|| corrupt("stop_reason")))
+            .transpose()?,
+        response,
+        history: serde_json::from_str(&text("history")?)?,
+        cancel_requested: row.flag("cancel_requested")?,
+        probe_count: u32::try_from(required("probe_count")?).map_err(|_| corrupt("probe_count"))?,
+        next_probe_at: number("next_probe_at")?,
+        takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
+        not_before: number("not_before")?,
+        created_at: required("created_at")?,
+        updated_at: required("updated_at")?,
+    })
+}

@@ -1,0 +1,187 @@
+//! Executing a record under its lease, and the operator's actions on it.
+
+use super::*;
+
+pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
+    let record = queued(&store, request("default", "claim", BODY)).await;
+    assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
+    assert!(!store.claim(record.id, "node-b/worker-1", T0 + LEASE, T0 + 2).await.unwrap());
+    assert!(!store.claim(Uuid::new_v4(), WORKER, T0 + LEASE, T0 + 2).await.unwrap());
+    let record = fetch(&store, record.id).await;
+    assert_eq!(record.phase(), Phase::InProgress);
+    let lease = record.lease.expect("a claimed record has a lease");
+    assert_eq!((lease.owner.as_str(), lease.expires_at), (WORKER, T0 + LEASE));
+    assert_eq!(record.updated_at, T0 + 1);
+}
+
+pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(store: Arc<dyn Store>) {
+    let record = in_progress(&store, request("default", "lease", BODY)).await;
+    let thief = "node-b/worker-9";
+    assert_eq!(store.attempt_started(record.id, thief, 1, T0 + 10, T0 + 99_000).await.unwrap(), Lease::Lost);
+    assert_eq!(store.renew(record.id, thief, T0 + 99_000, T0 + 10).await.unwrap(), Lease::Lost);
+    let ended = store
+        .attempt_ended(
+            record.id,
+            thief,
+            Some(attempt(1, T0 + 10, "success", Some(200))),
+            AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
+            T0 + 20,
+        )
+        .await
+        .unwrap();
+    assert_eq!(ended, Lease::Lost);
+    let unchanged = fetch(&store, record.id).await;
+    assert_eq!(unchanged.phase(), Phase::InProgress);
+    assert_eq!(unchanged.lease, record.lease);
+    assert!(unchanged.in_flight.is_none() && unchanged.attempts.is_empty() && unchanged.response.is_none());
+
+    // The holder is told it holds it, and its lease moves.
+    let held = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + 20_000).await.unwrap();
+    assert_eq!(held, Lease::Held { cancel_requested: false });
+    let record = fetch(&store, record.id).await;
+    assert_eq!(record.in_flight, Some((1, T0 + 10)));
+    assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + 20_000));
+    assert_eq!(store.renew(record.id, WORKER, T0 + 25_000, T0 + 11).await.unwrap(), held);
+    assert_eq!(fetch(&store, record.id).await.lease.map(|l| l.expires_at), Some(T0 + 25_000));
+
+    // Once settled, nobody holds it.
+    let lease = store
+        .attempt_ended(record.id, WORKER, None, AfterAttempt::Unknown(StopReason::UnsafeReplay), T0 + 30)
+        .await
+        .unwrap();
+    assert!(lease.is_held());
+    assert_eq!(store.renew(record.id, WORKER, T0 + 30_000, T0 + 31).await.unwrap(), Lease::Lost);
+}
+
+pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(store: Arc<dyn Store>) {
+    let binary_request: Vec<u8> = (0..=255u8).rev().collect();
+    let mut new = request("default", "bytes", &binary_request);
+    new.request.headers.push(("x-raw".into(), header_text(&[0x80, 0xfe, b' ', b'x'])));
+    let record = in_progress(&store, new.clone()).await;
+    assert_eq!(record.request, new.request, "the request is kept byte for byte");
+
+    let first = attempt(1, T0 + 10, "not_executed", Some(503));
+    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE).await.unwrap().is_held());
+    let wait = AfterAttempt::Wait { not_before: T0 + 250 };
+    let lease = store.attempt_ended(record.id, WORKER, Some(first.clone()), wait, T0 + 30).await.unwrap();
+    assert!(lease.is_held());
+    let waiting = fetch(&store, record.id).await;
+    assert_eq!(waiting.phase(), Phase::InProgress, "a wait keeps the record");
+    assert_eq!(waiting.not_before, Some(T0 + 250), "and when the next attempt may start");
+    assert_eq!(waiting.lease.as_ref().map(|l| l.owner.as_str()), Some(WORKER), "and the lease");
+    assert_eq!(waiting.in_flight, None, "the attempt's outcome is recorded");
+    assert_eq!(waiting.attempts, vec![first.clone()]);
+
+    let mut body: Vec<u8> = (0..=255u8).collect();
+    body.extend_from_slice(&[0xc3, 0x28, 0x00, 0xff, 0xfe]);
+    let answer = response(201, &body);
+    let second = attempt(2, T0 + 300, "success", Some(201));
+    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 300, T0 + LEASE).await.unwrap().is_held());
+    assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + 300)));
+    let lease = store
+        .attempt_ended(
+            record.id,
+            WORKER,
+            Some(second.clone()),
+            AfterAttempt::Done(StopReason::Success, answer.clone()),
+            T0 + 320,
+        )
+        .await
+        .unwrap();
+    assert_eq!(lease, Lease::Held { cancel_requested: false });
+
+    let done = fetch(&store, record.id).await;
+    assert_eq!(done.phase(), Phase::Done);
+    assert_eq!(done.response, Some(answer), "status, headers and body exactly as received");
+    assert_eq!(done.attempts, vec![first, second]);
+    assert_eq!(done.stop_reason, Some(StopReason::Success));
+    assert_eq!((done.lease, done.in_flight, done.updated_at), (None, None, T0 + 320));
+    assert_eq!(store.lookup("default", "bytes").await.unwrap().unwrap().response, done.response);
+}
+
+pub(super) async fn cancelling_a_queued_record_frees_it(store: Arc<dyn Store>) {
+    let record = queued(&store, request("default", "cancel-queued", BODY)).await;
+    let note = entry("client", "cancel", T0 + 50);
+    let freed = match store.cancel(record.id, note.clone()).await.unwrap() {
+        Cancelled::Dequeued(record) => record,
+        other => panic!("expected Dequeued, got {other:?}"),
+    };
+    assert_eq!(freed.phase(), Phase::Free);
+    assert_eq!(freed.stop_reason, Some(StopReason::Cancelled));
+    assert_eq!(freed.history, vec![note.clone()]);
+    assert!(!store.claim(record.id, WORKER, T0 + LEASE, T0 + 60).await.unwrap(), "nothing is left to run");
+
+    // Free, it has nothing left to cancel; neither has a done record or a missing one.
+    assert!(matches!(store.cancel(record.id, note.clone()).await.unwrap(), Cancelled::Refused(r) if r.id == record.id));
+    let finished = done(&store, request("default", "cancel-done", BODY), T0 + 100).await;
+    match store.cancel(finished.id, note.clone()).await.unwrap() {
+        Cancelled::Refused(r) => assert_eq!((r.phase(), r.history.len()), (Phase::Done, 0)),
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert!(matches!(store.cancel(Uuid::new_v4(), note).await.unwrap(), Cancelled::Missing));
+}
+
+pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(store: Arc<dyn Store>) {
+    let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
+    assert_eq!(
+        store.renew(record.id, WORKER, T0 + LEASE, T0 + 5).await.unwrap(),
+        Lease::Held { cancel_requested: false }
+    );
+    let note = entry("operator", "cancel", T0 + 50);
+    let flagged = match store.cancel(record.id, note.clone()).await.unwrap() {
+        Cancelled::Flagged(record) => record,
+        other => panic!("expected Flagged, got {other:?}"),
+    };
+    assert_eq!(flagged.phase(), Phase::InProgress, "an attempt in flight finishes");
+    assert!(flagged.cancel_requested);
+    assert_eq!(flagged.history, vec![note]);
+    assert_eq!(
+        store.renew(record.id, WORKER, T0 + LEASE, T0 + 60).await.unwrap(),
+        Lease::Held { cancel_requested: true }
+    );
+    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 70, T0 + LEASE).await.unwrap().cancel_requested());
+}
+
+// ---- operators ----------------------------------------------------------------------------------
+
+pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(store: Arc<dyn Store>) {
+    let waiting = queued(&store, request("default", "queued", BODY)).await;
+    let note = entry("alice", "resolve", T0 + 1_000);
+    let untouched = refused(store.resolve(waiting.id, Resolution::NotExecuted, note.clone()).await.unwrap());
+    assert_eq!((untouched.phase(), untouched.history.len()), (Phase::Queued, 0));
+    let untouched = refused(store.retry(waiting.id, T0 + 99_000, note.clone()).await.unwrap());
+    assert_eq!((untouched.phase(), untouched.deadline_at), (Phase::Queued, T0 + 30_000));
+    assert!(matches!(
+        store.resolve(Uuid::new_v4(), Resolution::NotExecuted, note.clone()).await.unwrap(),
+        Action::Missing
+    ));
+    assert!(matches!(store.retry(Uuid::new_v4(), T0, note.clone()).await.unwrap(), Action::Missing));
+
+    // Executed: done, with the operator's response replayed from now on.
+    let executed = unknown(&store, request("default", "executed", BODY)).await;
+    let answer = response(200, b"{\"confirmed\":true}");
+    let resolved =
+        applied(store.resolve(executed.id, Resolution::Executed(answer.clone()), note.clone()).await.unwrap());
+    assert_eq!(resolved.phase(), Phase::Done);
+    assert_eq!(resolved.response, Some(answer));
+    assert_eq!(resolved.history, vec![note.clone()]);
+    assert_eq!((resolved.updated_at, resolved.probe_count), (T0 + 1_000, 0));
+    assert_eq!(resolved.attempts.len(), 1, "the attempts are kept");
+    refused(store.resolve(executed.id, Resolution::NotExecuted, note.clone()).await.unwrap());
+    refused(store.retry(executed.id, T0 + 99_000, note.clone()).await.unwrap());
+
+    // Not executed: the key is free.
+    let not_executed = unknown(&store, request("default", "not-executed", BODY)).await;
+    let freed = applied(store.resolve(not_executed.id, Resolution::NotExecuted, note.clone()).await.unwrap());
+    assert_eq!((freed.phase(), freed.response.is_none()), (Phase::Free, true));
+    assert_eq!(freed.history, vec![note.clone()]);
+
+    // Retried: queued again with a fresh deadline, for a worker to claim.
+    let retried = unknown(&store, request("default", "retried", BODY)).await;
+    let again = entry("bob", "retry", T0 + 2_000);
+    let requeued = applied(store.retry(retried.id, T0 + 99_000, again.clone()).await.unwrap());
+    assert_eq!(requeued.phase(), Phase::Queued);
+    assert_eq!((requeued.deadline_at, requeued.stop_reason, requeued.updated_at), (T0 + 99_000, None, T0 + 2_000));
+    assert_eq!(requeued.history, vec![again]);
+    assert!(store.claim(retried.id, WORKER, T0 + 2_000 + LEASE, T0 + 2_001).await.unwrap());
+}

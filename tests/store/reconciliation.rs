@@ -1,0 +1,322 @@
+//! Take-over of expired leases, orphaned queued records, probes, listings, counts and the
+//! retention sweep.
+
+use super::*;
+
+pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: Arc<dyn Store>) {
+    let record = in_progress(&store, request("default", "orphan", BODY)).await;
+    let until = T0 + 20_000;
+    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, until).await.unwrap().is_held());
+    assert!(store.expired_leases(until, 10).await.unwrap().is_empty(), "not expired while `until` is now");
+    let expired = store.expired_leases(until + 1, 10).await.unwrap();
+    assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
+
+    let lost = attempt(1, T0 + 10, "lost", None);
+    let note = entry("node-b", "take_over", until + 1);
+    let stale = store.take_over(
+        record.id,
+        WORKER,
+        T0 + LEASE,
+        TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        Some(lost.clone()),
+        note.clone(),
+    );
+    assert!(!stale.await.unwrap(), "the lease seen must be the current one");
+    let other_owner = store.take_over(
+        record.id,
+        "node-c",
+        until,
+        TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        Some(lost.clone()),
+        note.clone(),
+    );
+    assert!(!other_owner.await.unwrap());
+    assert!(store
+        .take_over(
+            record.id,
+            WORKER,
+            until,
+            TakeOverTo::Unknown(StopReason::UnsafeReplay),
+            Some(lost.clone()),
+            note.clone()
+        )
+        .await
+        .unwrap());
+    assert!(
+        !store.take_over(record.id, WORKER, until, TakeOverTo::Queued, None, note.clone()).await.unwrap(),
+        "of two sweepers with the same view, one wins"
+    );
+
+    let taken = fetch(&store, record.id).await;
+    assert_eq!(taken.phase(), Phase::Unknown);
+    assert_eq!(taken.stop_reason, Some(StopReason::UnsafeReplay));
+    assert_eq!((taken.lease, taken.in_flight), (None, None));
+    assert_eq!(taken.attempts, vec![lost]);
+    assert_eq!(taken.history, vec![note.clone()]);
+    assert!(store.expired_leases(until + 1, 10).await.unwrap().is_empty());
+
+    // A record with nothing in flight is queued again for any worker.
+    let idle = in_progress(&store, request("default", "idle", BODY)).await;
+    assert!(store.take_over(idle.id, WORKER, T0 + LEASE, TakeOverTo::Queued, None, note.clone()).await.unwrap());
+    let requeued = fetch(&store, idle.id).await;
+    assert_eq!((requeued.phase(), requeued.attempts.len(), requeued.stop_reason), (Phase::Queued, 0, None));
+    assert!(store.claim(idle.id, "node-b", until + LEASE, until + 2).await.unwrap());
+
+    // Past its deadline, it is freed instead.
+    let late = in_progress(&store, request("default", "late", BODY)).await;
+    assert!(store
+        .take_over(late.id, WORKER, T0 + LEASE, TakeOverTo::Free(StopReason::Deadline), None, note)
+        .await
+        .unwrap());
+    let freed = fetch(&store, late.id).await;
+    assert_eq!((freed.phase(), freed.stop_reason), (Phase::Free, Some(StopReason::Deadline)));
+}
+
+/// The same record's worker dies again and again while an attempt is in flight, on a replay-safe
+/// route: each take-over continues it, and is counted, until the one past the cap stops it.
+pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(store: Arc<dyn Store>) {
+    const MAX_TAKEOVERS: u32 = 2;
+    let config = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = true\n";
+    let route = idem::config::Config::parse_with_env(config, |_| None).unwrap().routes.remove(0);
+    let record = queued(&store, request("default", "poison", BODY)).await;
+    let mut notes = Vec::new();
+    for round in 0..=MAX_TAKEOVERS {
+        let (now, worker) = (T0 + 1_000 * (round as Millis + 1), format!("node-{round}"));
+        let until = now + 500;
+        assert!(store.claim(record.id, &worker, until, now).await.unwrap(), "round {round}");
+        assert!(store.attempt_started(record.id, &worker, round + 1, now + 1, until).await.unwrap().is_held());
+        // The worker dies with its attempt in flight; its lease runs out.
+        let expired = store.expired_leases(until + 1, 10).await.unwrap();
+        let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");
+        assert_eq!(seen.takeovers, round);
+        let to = idem::reconcile::after_lease_expiry(seen, Some(&route), until + 1, MAX_TAKEOVERS);
+        let note = entry(&format!("node-{}", round + 1), "take-over", until + 1);
+        let lost = attempt(round + 1, now + 1, "lost", None);
+        assert!(store.take_over(record.id, &worker, until, to, Some(lost), note.clone()).await.unwrap());
+        notes.push(note);
+        let after = fetch(&store, record.id).await;
+        assert_eq!(after.takeovers, round + 1);
+        if round < MAX_TAKEOVERS {
+            assert_eq!((to, after.phase(), after.stop_reason), (TakeOverTo::Queued, Phase::Queued, None));
+        }
+    }
+    let stopped = fetch(&store, record.id).await;
+    assert_eq!(stopped.phase(), Phase::Unknown, "attempts may have run: {stopped:?}");
+    assert_eq!(stopped.stop_reason, Some(StopReason::TakeoverCap));
+    assert_eq!((stopped.lease, stopped.in_flight), (None, None));
+    assert_eq!(stopped.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["lost"; 3]);
+    assert_eq!(stopped.history, notes);
+    assert!(store.expired_leases(T0 + 60_000, 10).await.unwrap().is_empty(), "nothing left to take over");
+    assert!(!store.claim(record.id, WORKER, T0 + 60_000, T0 + 10_000).await.unwrap(), "nor to claim");
+}
+
+/// A freed record that its client sends again keeps its count (a record that crashes its
+/// workers would otherwise start over with every resend); a new operation on the key, and a
+/// record an operator re-drives, start from zero.
+pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for_a_new_operation_or_an_operator_retry(
+    store: Arc<dyn Store>,
+) {
+    let note = entry("node-b", "take-over", T0 + LEASE + 1);
+    let take_over = |id, to| store.take_over(id, WORKER, T0 + LEASE, to, None, note.clone());
+
+    let new = request("default", "freed", BODY);
+    let freed = in_progress(&store, new.clone()).await;
+    assert!(take_over(freed.id, TakeOverTo::Free(StopReason::TakeoverCap)).await.unwrap());
+    let freed = fetch(&store, freed.id).await;
+    assert_eq!((freed.phase(), freed.stop_reason, freed.takeovers), (Phase::Free, Some(StopReason::TakeoverCap), 1));
+    match store.admit(NewRecord { id: Uuid::new_v4(), ..new }, 0).await.unwrap() {
+        Admission::Requeued(r) => assert_eq!((r.phase(), r.takeovers, r.stop_reason), (Phase::Queued, 1, None)),
+        other => panic!("expected Requeued, got {other:?}"),
+    }
+
+    let stuck = in_progress(&store, request("default", "stuck", BODY)).await;
+    assert!(take_over(stuck.id, TakeOverTo::Unknown(StopReason::TakeoverCap)).await.unwrap());
+    let retried = applied(store.retry(stuck.id, T0 + 90_000, entry("ops", "retry", T0 + LEASE + 2)).await.unwrap());
+    assert_eq!((retried.phase(), retried.takeovers), (Phase::Queued, 0));
+
+    let new = request("default", "finished", BODY);
+    let finished = in_progress(&store, new.clone()).await;
+    assert!(take_over(finished.id, TakeOverTo::Queued).await.unwrap());
+    assert!(store.claim(finished.id, WORKER, T0 + 2 * LEASE, T0 + LEASE + 2).await.unwrap());
+    let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
+    assert!(store.attempt_ended(finished.id, WORKER, None, done, T0 + LEASE + 3).await.unwrap().is_held());
+    assert_eq!(fetch(&store, finished.id).await.takeovers, 1);
+    let again = NewRecord { id: Uuid::new_v4(), now: T0 + 100_000, ..new };
+    let replaced = created(store.admit(again, T0 + 50_000).await.unwrap());
+    assert_eq!(fetch(&store, replaced.id).await.takeovers, 0, "past retention, a new operation");
+}
+
+pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(store: Arc<dyn Store>) {
+    let mut ids = HashSet::new();
+    for i in 0..24 {
+        let new = request_on("payments", "default", &format!("orphan-{i}"), BODY, T0 + i);
+        ids.insert(queued(&store, new).await.id);
+    }
+    // Queued after `idle_since`: its node may still claim it, so nobody else does.
+    let fresh = queued(&store, request_on("payments", "default", "fresh", BODY, T0 + 5_000)).await;
+
+    let callers: Vec<_> = ["node-a", "node-b"]
+        .into_iter()
+        .map(|owner| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut claimed = Vec::new();
+                loop {
+                    let batch = store.claim_unclaimed(owner, T0 + 60_000, T0 + 1_000, T0 + 6_000, 3).await.unwrap();
+                    if batch.is_empty() {
+                        return claimed;
+                    }
+                    assert!(batch.len() <= 3, "at most `limit` records per call");
+                    for record in batch {
+                        assert_eq!(record.phase(), Phase::InProgress);
+                        assert_eq!(record.lease.as_ref().map(|l| l.owner.as_str()), Some(owner));
+                        claimed.push(record.id);
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut seen = Vec::new();
+    for caller in callers {
+        seen.extend(caller.await.unwrap());
+    }
+    let unique: HashSet<_> = seen.iter().copied().collect();
+    assert_eq!(seen.len(), unique.len(), "no record is claimed twice");
+    assert_eq!(unique, ids, "every idle record is claimed");
+    assert_eq!(fetch(&store, fresh.id).await.phase(), Phase::Queued);
+    assert!(store.claim_unclaimed("node-c", T0 + 60_000, T0 + 1_000, T0 + 7_000, 10).await.unwrap().is_empty());
+}
+
+pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(store: Arc<dyn Store>) {
+    let record = unknown(&store, request("default", "probe-me", BODY)).await;
+    let became_unknown = record.updated_at;
+    let settle = 5_000;
+    let due = |now: Millis| {
+        let store = store.clone();
+        async move { store.probes_due("payments", settle, now, 10).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>() }
+    };
+    assert!(due(became_unknown + settle - 1).await.is_empty(), "not before settle");
+    assert_eq!(due(became_unknown + settle).await, vec![record.id]);
+    assert!(store.probes_due("refunds", settle, became_unknown + settle, 10).await.unwrap().is_empty());
+
+    let next = became_unknown + 20_000;
+    let asked = entry("probe", "still_unknown", became_unknown + settle);
+    let probed = applied(store.probed(record.id, None, next, asked.clone()).await.unwrap());
+    assert_eq!((probed.phase(), probed.probe_count, probed.next_probe_at), (Phase::Unknown, 1, Some(next)));
+    assert_eq!(probed.history, vec![asked.clone()]);
+    assert!(due(next - 1).await.is_empty(), "the next probe waits for its time");
+    assert_eq!(due(next).await, vec![record.id]);
+
+    let answered = entry("probe", "executed", next);
+    let settled = applied(
+        store
+            .probed(record.id, Some(Resolution::Executed(response(200, b"{}"))), next + 1, answered.clone())
+            .await
+            .unwrap(),
+    );
+    assert_eq!((settled.phase(), settled.probe_count, settled.next_probe_at), (Phase::Done, 2, None));
+    assert_eq!(settled.history, vec![asked, answered.clone()]);
+    assert!(due(next + 60_000).await.is_empty());
+    refused(store.probed(record.id, None, next + 1, answered.clone()).await.unwrap());
+    assert!(matches!(store.probed(Uuid::new_v4(), None, next, answered).await.unwrap(), Action::Missing));
+}
+
+pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(store: Arc<dyn Store>) {
+    let mut all = Vec::new();
+    for i in 0..17i64 {
+        let tenant = if i % 2 == 0 { "acme" } else { "globex" };
+        let route = if i % 3 == 0 { "refunds" } else { "payments" };
+        // Three records share each creation time: the id breaks the tie.
+        let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + i / 3)).await;
+        if i % 4 == 0 {
+            assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 100).await.unwrap());
+        }
+        all.push(fetch(&store, record.id).await);
+    }
+    all.sort_by_key(|r| (r.created_at, r.id));
+
+    let page_through = |filter: ListFilter| {
+        let store = store.clone();
+        async move {
+            let mut filter = filter;
+            let mut ids = Vec::new();
+            loop {
+                let page = store.list(&filter).await.unwrap();
+                assert!(page.items.len() <= filter.limit as usize);
+                ids.extend(page.items.iter().map(|r| r.id));
+                match page.next_cursor {
+                    // The cursor survives a trip through its client-facing token.
+                    Some(cursor) => filter.cursor = Some(Cursor::decode(&cursor.encode()).unwrap()),
+                    None => return ids,
+                }
+            }
+        }
+    };
+    let expect = |keep: &dyn Fn(&Record) -> bool| all.iter().filter(|r| keep(r)).map(|r| r.id).collect::<Vec<_>>();
+
+    assert_eq!(page_through(ListFilter { limit: 4, ..ListFilter::default() }).await, expect(&|_| true));
+    assert_eq!(page_through(ListFilter { limit: 1, ..ListFilter::default() }).await, expect(&|_| true));
+    assert_eq!(page_through(ListFilter { limit: 17, ..ListFilter::default() }).await, expect(&|_| true));
+    let by_tenant = ListFilter { tenant: Some("acme".into()), limit: 2, ..ListFilter::default() };
+    assert_eq!(page_through(by_tenant).await, expect(&|r| r.tenant == "acme"));
+    let by_state = ListFilter { state: Some(State::InProgress), limit: 3, ..ListFilter::default() };
+    let in_progress = expect(&|r| r.state == State::InProgress);
+    assert_eq!(in_progress.len(), 5);
+    assert_eq!(page_through(by_state).await, in_progress);
+    let combined = ListFilter {
+        state: Some(State::NotStarted),
+        route: Some("refunds".into()),
+        tenant: Some("globex".into()),
+        limit: 2,
+        cursor: None,
+    };
+    let wanted = expect(&|r| r.state == State::NotStarted && r.route == "refunds" && r.tenant == "globex");
+    assert!(!wanted.is_empty());
+    assert_eq!(page_through(combined).await, wanted);
+    let nobody = ListFilter { tenant: Some("initech".into()), limit: 5, ..ListFilter::default() };
+    assert!(page_through(nobody).await.is_empty());
+}
+
+pub(super) async fn records_are_counted_by_phase(store: Arc<dyn Store>) {
+    assert!(store.count_by_phase().await.unwrap().iter().all(|(_, n)| *n == 0));
+    for i in 0..3 {
+        queued(&store, request("default", &format!("queued-{i}"), BODY)).await;
+    }
+    for i in 0..2 {
+        in_progress(&store, request("default", &format!("running-{i}"), BODY)).await;
+    }
+    done(&store, request("default", "done", BODY), T0 + 100).await;
+    unknown(&store, request("default", "unknown", BODY)).await;
+    free(&store, request("default", "free", BODY)).await;
+
+    let mut counts: HashMap<&str, u64> = HashMap::new();
+    for (phase, n) in store.count_by_phase().await.unwrap() {
+        *counts.entry(phase.as_str()).or_default() += n;
+    }
+    counts.retain(|_, n| *n > 0);
+    let expected = HashMap::from([("queued", 3), ("in_progress", 2), ("done", 1), ("unknown", 1), ("free", 1)]);
+    assert_eq!(counts, expected);
+}
+
+pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(store: Arc<dyn Store>) {
+    let old_a = done(&store, request("default", "old-a", BODY), T0 + 1_000).await;
+    let old_b = done(&store, request("default", "old-b", BODY), T0 + 1_100).await;
+    let recent = done(&store, request("default", "recent", BODY), T0 + 3_000).await;
+    let unsettled = unknown(&store, request("default", "unknown", BODY)).await;
+    let waiting = queued(&store, request("default", "queued", BODY)).await;
+    let released = free(&store, request("default", "free", BODY)).await;
+
+    let cutoff = T0 + 2_000;
+    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 1, "at most `limit` per call");
+    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 1);
+    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 0);
+    for gone in [old_a.id, old_b.id] {
+        assert!(store.get(gone).await.unwrap().is_none());
+    }
+    for kept in [recent.id, unsettled.id, waiting.id, released.id] {
+        fetch(&store, kept).await;
+    }
+    assert_eq!(store.sweep_done(T0 + 3_000, 100).await.unwrap(), 0, "finished at the cutoff is kept");
+    assert_eq!(store.sweep_done(T0 + 3_001, 100).await.unwrap(), 1);
+    assert!(store.get(recent.id).await.unwrap().is_none());
+}
