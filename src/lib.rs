@@ -20,6 +20,8 @@
 //!   for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
+//! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
+//!   decisions, against a scripted upstream on a logical clock.
 //! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
 //!   body timeouts, and the bound on request bytes held in memory.
 
@@ -40,6 +42,7 @@ pub mod problem;
 pub mod reconcile;
 pub mod record;
 pub mod server;
+pub mod simulate;
 pub mod store;
 pub mod upstream;
 pub mod worker;

@@ -49,6 +49,27 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Run a route's retry policy against a scripted upstream on a logical clock: no network,
+    /// no sleeping. One row per step, then the stop reason and the state the record would end in.
+    Simulate {
+        /// The config file: the route's policy is read from it.
+        #[arg(long, short)]
+        config: PathBuf,
+        /// The route whose policy (`[routes.retry]`, `replay_safe`) is simulated.
+        #[arg(long)]
+        route: String,
+        /// What the upstream does on each attempt, in order.
+        // Hyphen values are let through so that a negative duration is refused for what it is.
+        #[arg(long, value_name = "SCRIPT", long_help = OUTCOMES_HELP, allow_hyphen_values = true)]
+        outcomes: idem::simulate::Script,
+        /// Fix every jitter draw to F (0 to 1); several, comma-separated, are used in order, the
+        /// last repeating. Without it draws are random, and printed so the run can be reproduced.
+        #[arg(long, value_name = "F[,F…]", allow_hyphen_values = true)]
+        draw: Option<idem::simulate::Draws>,
+        /// Print one JSON document instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Operate on records through the admin API: the reconciliation queue and its actions.
     Requests {
         /// The admin listener's URL.
@@ -119,6 +140,25 @@ enum RequestsAction {
     },
 }
 
+const OUTCOMES_HELP: &str = "What the upstream does on each attempt, in order: comma-separated items
+
+  DURATION:RESULT[ retry-after=VALUE][ cancel]
+
+DURATION  when the result comes, from the attempt's start: 400ms, 1.5s, 2s 300ms
+          (whole milliseconds, not negative, with a unit). A result that comes after the
+          attempt's limit is a timeout, and its Retry-After is never seen.
+RESULT    an HTTP status 100-599;
+          timeout         no answer within DURATION: it may have executed;
+          connect-failed  the connection failed: nothing was sent;
+          broken          the connection was cut after sending: it may have executed;
+          cancel          the caller cancels during this attempt, whose answer is unknown
+                          (read as broken). Add ` cancel` after another result to script
+                          what the cancelled attempt itself returned: `700ms:200 cancel`.
+VALUE     the upstream's Retry-After: delta-seconds as in HTTP (3) or a duration (300ms);
+          only with a status.
+
+Example: \"400ms:503 retry-after=300ms, 700ms:200, 100ms:200\"";
+
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -157,6 +197,10 @@ async fn run(command: Command) -> anyhow::Result<()> {
         Command::Check { config } => {
             let config = Config::load(&config)?;
             print!("{}", idem::config::describe(&config));
+        }
+        Command::Simulate { config, route, outcomes, draw, json } => {
+            let config = Config::load(&config)?;
+            print!("{}", idem::simulate::command(&config, &route, &outcomes, draw.as_ref(), json)?);
         }
         Command::Requests { admin, token, actor, json, action } => {
             let client = cli::Client::new(&admin, token, actor);

@@ -15,7 +15,7 @@ use uuid::Uuid;
 use crate::config::{Config, Route};
 use crate::metrics;
 use crate::policy::{
-    self, AfterAttempt, Breaker, BreakerState, Class, Decision, Observed, Pace, RetryBudget, Settlement, StopReason,
+    self, Breaker, BreakerState, Class, Decision, Ended, Execution, Observed, Pace, RetryBudget, Settlement, StopReason,
 };
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
 use crate::store::{self, Claim, Lease, Store};
@@ -245,15 +245,11 @@ struct Progress {
     arrival: Millis,
     /// The number of the last attempt stored with the record (all executions).
     number: u32,
-    /// Attempts of this execution, including any an earlier worker made before a take-over:
-    /// they count against `max_attempts`, as the deadline they spent does.
-    made: u32,
     wait_before: Duration,
-    previous_wait: Option<Duration>,
-    /// Whether any attempt of this execution may have executed.
-    any_ambiguous: bool,
-    /// The last attempt's class and, if one came, its response.
-    last: Option<(Class, Option<StoredResponse>)>,
+    /// What the policy's next decisions depend on: attempts made, the last wait, what they showed.
+    run: Execution,
+    /// The last attempt's response, if one came.
+    last_response: Option<StoredResponse>,
 }
 
 impl Progress {
@@ -262,11 +258,11 @@ impl Progress {
         Progress {
             arrival,
             number: record.attempts.len() as u32,
-            made: record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32,
             wait_before: Duration::ZERO,
-            previous_wait: None,
-            any_ambiguous: false,
-            last: None,
+            // Attempts an earlier worker made before a take-over count against `max_attempts`,
+            // as the deadline they spent does.
+            run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
+            last_response: None,
         }
     }
 }
@@ -571,7 +567,7 @@ impl Inner {
                 let ended = last.started_at + last.duration_ms as Millis;
                 let wait = Duration::from_millis((not_before - ended).max(0) as u64);
                 p.wait_before = wait;
-                p.previous_wait = Some(wait);
+                p.run.waited(wait);
             }
         }
         let mut reserved = reserved;
@@ -589,17 +585,15 @@ impl Inner {
                     (now_ms(), place, false)
                 }
             };
-            let limit = match policy.attempt_limit(since(p.arrival, started)) {
+            let cancelled = signal.raised.load(Ordering::SeqCst);
+            let limit = match p.run.next_attempt(policy, since(p.arrival, started), cancelled) {
                 Ok(limit) => limit,
                 Err(stop) => return self.finish_after(record, route, None, stop, p).await,
             };
-            if signal.raised.load(Ordering::SeqCst) {
-                return self.finish_after(record, route, None, StopReason::Cancelled, p).await;
-            }
             if self.stopping() && !marked {
                 return self.release(record).await;
             }
-            p.made += 1;
+            let made = p.run.sending();
             p.number += 1;
             if !marked {
                 match self
@@ -619,7 +613,7 @@ impl Inner {
                     }
                 }
             }
-            if p.made == 1 {
+            if made == 1 {
                 self.guards.first_attempt(&route.name);
             }
             let clock = Instant::now();
@@ -640,8 +634,6 @@ impl Inner {
                 Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
                 Err(observed) => (observed, None),
             };
-            let class = policy.classify(observed);
-            p.any_ambiguous |= class == Class::Ambiguous;
             let retry_after = answer.as_ref().and_then(|a| a.retry_after.as_deref()).and_then(|value| {
                 let parsed = policy::parse_retry_after(value, SystemTime::now());
                 if parsed.is_none() {
@@ -649,6 +641,19 @@ impl Inner {
                 }
                 parsed
             });
+            let (class, decision) = p.run.ended(
+                policy,
+                route.replay_safe,
+                Ended {
+                    observed,
+                    retry_after,
+                    elapsed: since(p.arrival, now_ms()),
+                    cancelled: signal.raised.load(Ordering::SeqCst),
+                    circuit_open: self.guards.circuit_open(&route.upstream),
+                },
+                rand::random::<f64>,
+                || self.guards.take_retry(&route.name),
+            );
             let attempt = Attempt {
                 number: p.number,
                 started_at: started,
@@ -675,22 +680,8 @@ impl Inner {
             });
             metrics::attempt(&route.name, class, took);
             self.pace.observe(&route.name, took);
-            p.last = Some((class, answer.map(|a| a.response)));
+            p.last_response = answer.map(|a| a.response);
 
-            let decision = policy.after_attempt(
-                route.replay_safe,
-                AfterAttempt {
-                    attempts: p.made,
-                    class,
-                    retry_after,
-                    elapsed: since(p.arrival, now_ms()),
-                    previous_wait: p.previous_wait,
-                    cancelled: signal.raised.load(Ordering::SeqCst),
-                    circuit_open: self.guards.circuit_open(&route.upstream),
-                },
-                rand::random::<f64>,
-                || self.guards.take_retry(&route.name),
-            );
             let wait = match decision {
                 Decision::Stop(stop) => return self.finish_after(record, route, Some(attempt), stop, p).await,
                 Decision::RetryAfter(wait) => wait,
@@ -714,7 +705,7 @@ impl Inner {
                 WaitEnd::Stopping => return self.release(record).await,
                 WaitEnd::Lost => return Outcome::Lost,
             }
-            p.previous_wait = Some(wait);
+            p.run.waited(wait);
             p.wait_before = wait;
         }
     }
@@ -738,12 +729,12 @@ impl Inner {
         p: Progress,
     ) -> Outcome {
         // The breaker hears the request's logical outcome, once: did the upstream serve it?
-        if let (true, Some((class, response))) = (stop != StopReason::Cancelled, &p.last) {
-            let served =
-                matches!(class, Class::Success | Class::Final) && response.as_ref().is_some_and(|r| r.status < 500);
+        if let (true, Some(class)) = (stop != StopReason::Cancelled, p.run.last()) {
+            let served = matches!(class, Class::Success | Class::Final)
+                && p.last_response.as_ref().is_some_and(|r| r.status < 500);
             self.guards.record_outcome(&route.upstream, served);
         }
-        metrics::stopped(&route.name, stop, p.made, since(p.arrival, now_ms()));
+        metrics::stopped(&route.name, stop, p.run.attempts(), since(p.arrival, now_ms()));
         self.finish(record, route.replay_safe, attempt, stop, p).await
     }
 
@@ -755,11 +746,7 @@ impl Inner {
         stop: StopReason,
         p: Progress,
     ) -> Outcome {
-        let (last_class, last_response) = match p.last {
-            Some((class, response)) => (Some(class), response),
-            None => (None, None),
-        };
-        let (then, outcome) = match (policy::settle(stop, last_class, p.any_ambiguous, replay_safe), last_response) {
+        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response) {
             (Settlement::Done, Some(response)) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }

@@ -7,10 +7,12 @@ use std::time::{Duration, SystemTime};
 
 mod breaker;
 mod budget;
+mod execution;
 mod pace;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::RetryBudget;
+pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending};
 
 /// A route's retry settings (SPEC §2 `[routes.retry]`), already validated.
@@ -148,6 +150,13 @@ pub enum Decision {
     RetryAfter(Duration),
 }
 
+/// A wait before a retry, and the backoff it was raised from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedWait {
+    pub backoff: Duration,
+    pub wait: Duration,
+}
+
 /// Everything the policy needs to know about the attempt that just ended.
 #[derive(Debug, Clone, Copy)]
 pub struct AfterAttempt {
@@ -207,6 +216,19 @@ impl RetryPolicy {
         }
     }
 
+    /// The wait before retry `retry`: the jittered backoff, raised to the upstream's `Retry-After`
+    /// when that is larger, since a `Retry-After` is a floor that is never shortened.
+    pub fn planned_wait(
+        &self,
+        retry: u32,
+        previous_wait: Option<Duration>,
+        retry_after: Option<Duration>,
+        draw: f64,
+    ) -> PlannedWait {
+        let backoff = self.jittered(retry, previous_wait, draw);
+        PlannedWait { backoff, wait: backoff.max(retry_after.unwrap_or_default()) }
+    }
+
     /// Decides what follows an attempt. The checks run in the order that keeps every promise:
     /// a cancel or a spent deadline beats a success that came too late; a possibly-executed
     /// attempt is never repeated on a route that is not replay-safe; a `Retry-After` is a floor
@@ -238,8 +260,8 @@ impl RetryPolicy {
         if a.circuit_open {
             return Decision::Stop(StopReason::CircuitOpen);
         }
-        let jittered = self.jittered(a.attempts, a.previous_wait, draw());
-        let wait = jittered.max(a.retry_after.unwrap_or_default());
+        let PlannedWait { backoff: jittered, wait } =
+            self.planned_wait(a.attempts, a.previous_wait, a.retry_after, draw());
         let remaining = self.deadline - a.elapsed;
         if remaining.saturating_sub(wait) < self.min_try {
             let floor_was_the_cause =

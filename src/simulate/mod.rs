@@ -1,0 +1,301 @@
+//! `idem simulate`: a route's real retry policy run against a scripted upstream on a logical
+//! clock — no network, no sleeping. Each attempt goes through [`Execution`], the same
+//! sequence of decisions the worker follows, so what the simulation shows is what the broker
+//! would do. The route is taken to be quiet: its retry budget is fresh and its circuit closed.
+
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::policy::{Class, Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
+
+mod report;
+mod script;
+
+pub use report::{human, json};
+pub use script::{DrawError, Draws, Outcome, Script, ScriptError, Scripted};
+
+/// Everything that happened, step by step, and how it ended.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    pub steps: Vec<Step>,
+    pub end: End,
+    /// Time from the request's arrival to the end.
+    pub elapsed: Duration,
+    pub attempts: u32,
+    /// Every jitter draw the policy used, in order: given to `--draw`, they reproduce the run.
+    pub draws: Vec<f64>,
+    /// Scripted outcomes no attempt reached.
+    pub unused: Vec<Outcome>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    Stopped {
+        reason: StopReason,
+        state: Settlement,
+    },
+    /// The policy would send attempt `next` now, but the script has no outcome for it. Not a
+    /// stop reason: the record would still be in progress.
+    ScriptExhausted {
+        next: u32,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub enum Step {
+    Attempt(AttemptStep),
+    Wait(WaitStep),
+    /// An attempt the policy did not let start.
+    NotStarted {
+        number: u32,
+        elapsed: Duration,
+        reason: StopReason,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct AttemptStep {
+    pub number: u32,
+    pub limit: Duration,
+    pub outcome: Outcome,
+    /// The scripted answer came after the limit: the broker saw a timeout and nothing of it,
+    /// its `Retry-After` included.
+    pub late: bool,
+    pub observed: Observed,
+    pub class: Class,
+    /// The `Retry-After` the policy was given.
+    pub retry_after: Option<Duration>,
+    pub cost: Duration,
+    pub elapsed: Duration,
+    pub verdict: Verdict,
+}
+
+#[derive(Debug, Clone)]
+pub struct WaitStep {
+    /// The attempt the wait would precede.
+    pub before: u32,
+    /// `None` only if the policy ever waited without drawing, which it does not.
+    pub draw: Option<f64>,
+    pub backoff: Duration,
+    pub retry_after: Option<Duration>,
+    pub wait: Duration,
+    /// Zero when the wait was only planned: a stop does not sleep.
+    pub cost: Duration,
+    pub elapsed: Duration,
+    pub verdict: Verdict,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The attempt may be retried: the policy plans a wait (the next step).
+    Retryable,
+    /// The wait fits: the next attempt follows it.
+    Retry,
+    Stop(StopReason),
+}
+
+/// Runs `outcomes` through `policy` on a route whose replay safety is `replay_safe`, taking
+/// jitter draws from `draw`.
+pub fn simulate(policy: &RetryPolicy, replay_safe: bool, outcomes: &[Outcome], mut draw: impl FnMut() -> f64) -> Trace {
+    // The budget counts in instants; only offsets from this one are ever used.
+    let origin = Instant::now();
+    let mut budget = RetryBudget::new(policy.budget_ratio, policy.budget_min_per_sec, origin);
+    let mut run = Execution::default();
+    let mut script = outcomes.iter();
+    let (mut now, mut steps, mut draws) = (Duration::ZERO, Vec::new(), Vec::new());
+    let stopped = |reason, run: &Execution| End::Stopped { reason, state: run.settle(reason, replay_safe) };
+    let end = loop {
+        let number = run.attempts() + 1;
+        let limit = match run.next_attempt(policy, now, false) {
+            Ok(limit) => limit,
+            Err(reason) => {
+                steps.push(Step::NotStarted { number, elapsed: now, reason });
+                break stopped(reason, &run);
+            }
+        };
+        let Some(outcome) = script.next() else { break End::ScriptExhausted { next: number } };
+        if run.sending() == 1 {
+            budget.deposit(origin + now);
+        }
+        let late = outcome.after > limit;
+        let (observed, retry_after) =
+            if late { (Observed::TimedOut, None) } else { (outcome.observed(), outcome.retry_after) };
+        let cost = outcome.after.min(limit);
+        now += cost;
+        let previous_wait = run.previous_wait();
+        let mut drawn = None;
+        let (class, decision) = run.ended(
+            policy,
+            replay_safe,
+            Ended { observed, retry_after, elapsed: now, cancelled: outcome.cancel, circuit_open: false },
+            || *drawn.insert(draw()),
+            || budget.try_withdraw(origin + now),
+        );
+        // The policy draws exactly when it computes a wait: without a draw it stopped first.
+        let verdict = match (decision, drawn) {
+            (Decision::Stop(reason), None) => Verdict::Stop(reason),
+            _ => Verdict::Retryable,
+        };
+        let attempt = AttemptStep {
+            number,
+            limit,
+            outcome: outcome.clone(),
+            late,
+            observed,
+            class,
+            retry_after,
+            cost,
+            elapsed: now,
+            verdict,
+        };
+        steps.push(Step::Attempt(attempt));
+        draws.extend(drawn);
+        if let Verdict::Stop(reason) = verdict {
+            break stopped(reason, &run);
+        }
+        let planned = drawn.map(|d| policy.planned_wait(number, previous_wait, retry_after, d));
+        let mut wait = WaitStep {
+            before: number + 1,
+            draw: drawn,
+            backoff: planned.map_or(Duration::ZERO, |p| p.backoff),
+            retry_after,
+            wait: planned.map_or(Duration::ZERO, |p| p.wait),
+            cost: Duration::ZERO,
+            elapsed: now,
+            verdict: Verdict::Retry,
+        };
+        match decision {
+            Decision::Stop(reason) => {
+                wait.verdict = Verdict::Stop(reason);
+                steps.push(Step::Wait(wait));
+                break stopped(reason, &run);
+            }
+            Decision::RetryAfter(taken) => {
+                now += taken;
+                run.waited(taken);
+                steps.push(Step::Wait(WaitStep { wait: taken, cost: taken, elapsed: now, ..wait }));
+            }
+        }
+    };
+    Trace { steps, end, elapsed: now, attempts: run.attempts(), draws, unused: script.cloned().collect() }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimulateError {
+    #[error("no route named `{route}` in the config (routes: {known})")]
+    UnknownRoute { route: String, known: String },
+}
+
+/// `idem simulate`: the route's policy from `config`, the script, and either fixed draws or
+/// random ones; the report as a table or as one JSON document.
+pub fn command(
+    config: &Config,
+    route: &str,
+    script: &Script,
+    draws: Option<&Draws>,
+    as_json: bool,
+) -> Result<String, SimulateError> {
+    let Some(r) = config.route_named(route) else {
+        let known = config.routes.iter().map(|r| r.name.as_str()).collect::<Vec<_>>().join(", ");
+        return Err(SimulateError::UnknownRoute { route: route.to_string(), known });
+    };
+    let trace = match draws {
+        Some(draws) => simulate(&r.retry, r.replay_safe, script.outcomes(), draws.source()),
+        None => simulate(&r.retry, r.replay_safe, script.outcomes(), rand::random::<f64>),
+    };
+    let random = draws.is_none();
+    Ok(if as_json {
+        let mut text =
+            serde_json::to_string_pretty(&json(&trace, &r.name, &r.retry, r.replay_safe, random)).unwrap_or_default();
+        text.push('\n');
+        text
+    } else {
+        human(&trace, &r.name, &r.retry, r.replay_safe, random)
+    })
+}
+
+/// The name of the state a record would end in.
+pub fn state_name(end: End) -> &'static str {
+    match end {
+        End::Stopped { state: Settlement::Done, .. } => "done",
+        End::Stopped { state: Settlement::Unknown, .. } => "unknown",
+        End::Stopped { state: Settlement::Free, .. } => "not_started",
+        End::ScriptExhausted { .. } => "in_progress",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::Jitter;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn seed() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 3,
+            deadline: ms(1500),
+            per_try_timeout: ms(600),
+            min_try: ms(100),
+            base: ms(200),
+            cap: ms(800),
+            jitter: Jitter::Full,
+            not_processed: vec![429, 503],
+            ambiguous: vec![502, 504],
+            budget_ratio: 0.1,
+            budget_min_per_sec: 10.0,
+        }
+    }
+
+    fn run(policy: &RetryPolicy, replay_safe: bool, script: &str) -> Trace {
+        let script: Script = script.parse().unwrap();
+        simulate(policy, replay_safe, script.outcomes(), || 0.5)
+    }
+
+    #[test]
+    fn the_worked_example_stops_at_1300_ms_with_a_planned_wait_it_never_takes() {
+        let t = run(&seed(), true, "400ms:503 retry-after=300ms, 700ms:200, 100ms:200");
+        assert_eq!(t.end, End::Stopped { reason: StopReason::Deadline, state: Settlement::Free });
+        assert_eq!((t.elapsed, t.attempts, t.draws.clone()), (ms(1300), 2, vec![0.5, 0.5]));
+        let Step::Wait(last) = &t.steps[3] else { panic!("{:?}", t.steps[3]) };
+        assert_eq!((last.backoff, last.wait, last.cost, last.elapsed), (ms(200), ms(200), ms(0), ms(1300)));
+        assert_eq!(t.unused.len(), 1);
+    }
+
+    #[test]
+    fn a_quiet_route_with_no_retry_floor_has_no_budget_for_a_retry() {
+        let policy = RetryPolicy { budget_min_per_sec: 0.0, ..seed() };
+        let t = run(&policy, false, "100ms:503, 100ms:200");
+        assert_eq!(t.end, End::Stopped { reason: StopReason::RetryBudget, state: Settlement::Free });
+        assert_eq!(t.elapsed, ms(100));
+    }
+
+    #[test]
+    fn a_cancel_lets_the_attempt_finish_and_its_outcome_decides_the_state() {
+        let t = run(&seed(), false, "100ms:200 cancel, 100ms:200");
+        assert_eq!(t.end, End::Stopped { reason: StopReason::Cancelled, state: Settlement::Done });
+        let t = run(&seed(), false, "100ms:cancel");
+        assert_eq!(t.end, End::Stopped { reason: StopReason::Cancelled, state: Settlement::Unknown });
+    }
+
+    #[test]
+    fn decorrelated_jitter_grows_from_the_wait_actually_taken() {
+        let policy = RetryPolicy { jitter: Jitter::Decorrelated, max_attempts: 4, deadline: ms(10_000), ..seed() };
+        let t = run(&policy, true, "10ms:503, 10ms:503, 10ms:503, 10ms:200");
+        let waits: Vec<_> =
+            t.steps.iter().filter_map(|s| if let Step::Wait(w) = s { Some(w.wait) } else { None }).collect();
+        // U[200, 3·200] at 0.5 is 400; then U[200, 3·400] at 0.5 is 700, capped at 800.
+        assert_eq!(waits, vec![ms(400), ms(700), ms(800)]);
+        assert_eq!(t.end, End::Stopped { reason: StopReason::Success, state: Settlement::Done });
+    }
+
+    #[test]
+    fn a_script_that_runs_out_leaves_the_record_in_progress() {
+        let t = run(&seed(), false, "400ms:503");
+        assert_eq!(t.end, End::ScriptExhausted { next: 2 });
+        assert_eq!(t.elapsed, ms(500), "the 100 ms wait was taken before attempt 2 found no outcome");
+        assert_eq!(state_name(t.end), "in_progress");
+    }
+}
