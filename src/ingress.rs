@@ -25,6 +25,7 @@ use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, NewRecord, Store};
+use crate::tally::Tally;
 use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
@@ -43,6 +44,8 @@ pub struct Ingress {
     pub settled: Arc<Settled>,
     pub upstream: Upstream,
     pub replays: Replays,
+    /// Replays and 409s, counted for `/admin/stats`.
+    pub tally: Arc<Tally>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -250,6 +253,7 @@ impl Ingress {
                 return Err(Problem::key_reused().state(State::Done));
             }
             metrics::answered(&replay.route, "replay");
+            self.tally.replay(&replay.route);
             return Ok(stored_response(&replay.response, true));
         }
         // A new execution is shed here, before anything is recorded, if the route is saturated
@@ -396,6 +400,11 @@ impl Ingress {
         };
         if replay {
             metrics::answered(&record.route, kind);
+            match record.phase() {
+                Phase::Done => self.tally.replay(&record.route),
+                Phase::Queued | Phase::InProgress => self.tally.conflict(&record.route),
+                Phase::Unknown | Phase::Free => {}
+            }
         }
         match record.phase() {
             Phase::Done => match &record.response {

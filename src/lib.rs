@@ -34,5 +34,6 @@ pub mod reconcile;
 pub mod record;
 pub mod server;
 pub mod store;
+pub mod tally;
 pub mod upstream;
 pub mod worker;

@@ -14,6 +14,7 @@ use crate::config::Config;
 use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::store::{self, StoreError};
+use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
 use crate::worker::{Settled, Worker};
 
@@ -37,6 +38,9 @@ pub struct Running {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub worker: Worker,
+    /// Flushed once more at shutdown, so the last second's replays and 409s are not lost.
+    tally: Arc<Tally>,
+    store: Arc<dyn store::Store>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     upkeep: Vec<JoinHandle<()>>,
@@ -63,6 +67,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
     let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
+    let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
     let ingress = Arc::new(Ingress {
         config: config.clone(),
@@ -71,6 +76,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         settled: settled.clone(),
         upstream: Upstream::new(),
         replays: Replays::new(REPLAY_CACHE_BYTES),
+        tally: tally.clone(),
     });
     let admin = Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled });
 
@@ -86,6 +92,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
         tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
+        tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
@@ -102,7 +109,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }));
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, tally, store, stop, servers, upkeep })
 }
 
 async fn serve_until(listener: TcpListener, router: axum::Router, mut stopped: watch::Receiver<bool>) {
@@ -130,6 +137,9 @@ impl Running {
             if tokio::time::timeout_at(deadline, server).await.is_err() {
                 tracing::warn!("a listener did not finish its answers in time");
             }
+        }
+        if let Err(e) = self.tally.flush(&*self.store).await {
+            tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
     }
 }

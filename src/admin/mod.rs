@@ -23,6 +23,7 @@ use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 
 pub mod cli;
+pub mod stats;
 
 /// The operator console: one static page that calls this API with the operator's token. It
 /// needs no build step and holds no data of its own.
@@ -42,6 +43,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/resolve", post(resolve))
         .route("/admin/requests/{id}/retry", post(retry))
         .route("/admin/requests/{id}/cancel", post(cancel))
+        .route("/admin/stats", get(stats::stats))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
         .route("/", get(|| async { Html(CONSOLE) }))

@@ -12,6 +12,9 @@ use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredR
 
 pub mod postgres;
 pub mod sqlite;
+pub mod stats;
+
+use self::stats::{AnswerCount, StatsRows, StatsSpan};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -490,6 +493,16 @@ pub trait Store: Send + Sync + 'static {
 
     /// Is the database answering?
     async fn ping(&self) -> Result<(), StoreError>;
+
+    // ---- stats ------------------------------------------------------------------------------
+
+    /// Adds replays and 409s counted in memory to the per-second counters every node shares,
+    /// and forgets counters of seconds before `forget_before`.
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError>;
+
+    /// What `/admin/stats` draws for `span`, aggregated by the database: requests by step of
+    /// arrival, the reconciliation queue's comings and goings, the answer counters.
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.

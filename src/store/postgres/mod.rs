@@ -23,6 +23,7 @@
 mod admissions;
 mod lanes;
 mod outcomes;
+mod stats;
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -35,6 +36,7 @@ use uuid::Uuid;
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
+use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord,
     Notice, Page, Resolution, Store, StoreError,
@@ -703,6 +705,14 @@ impl Store for PostgresStore {
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;
         Ok(())
+    }
+
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
+        stats::add_answer_counts(&self.pool, counts, forget_before).await
+    }
+
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
+        stats::read(&self.pool, span).await
     }
 
     async fn watch(&self, id: Uuid) -> Result<(), StoreError> {

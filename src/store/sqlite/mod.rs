@@ -3,6 +3,7 @@
 //! connection and commits whatever has queued up in one transaction ([`writer`]). Reads run on a
 //! separate pool of read-only connections, which WAL lets proceed while the writer writes.
 
+mod stats;
 mod writer;
 
 use std::str::FromStr;
@@ -15,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use self::writer::{TakeOver, Write};
+use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
     StoreError,
@@ -286,6 +288,14 @@ impl Store for SqliteStore {
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1").execute(&self.reads).await?;
         Ok(())
+    }
+
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
+        self.write(|r| Write::AddAnswerCounts(counts, forget_before, r)).await
+    }
+
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
+        stats::read(&self.reads, span).await
     }
 }
 

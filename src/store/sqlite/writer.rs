@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::store::stats::AnswerCount;
 use crate::store::{
     decode, refusal, taken_over, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution,
     StoreError, Stored,
@@ -40,6 +41,7 @@ pub(super) enum Write {
     Probed(Uuid, Option<Resolution>, Millis, HistoryEntry, Reply<Action>),
     ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
     SweepDone(Millis, u32, Reply<u64>),
+    AddAnswerCounts(Vec<AnswerCount>, Millis, Reply<()>),
 }
 
 pub(super) struct TakeOver {
@@ -214,6 +216,7 @@ fn fail(write: Write) -> Box<dyn Deliver> {
         Write::Probed(.., r) => pending(r, e()),
         Write::ClaimUnclaimed(.., r) => pending(r, e()),
         Write::SweepDone(.., r) => pending(r, e()),
+        Write::AddAnswerCounts(.., r) => pending(r, e()),
     }
 }
 
@@ -237,6 +240,9 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
             pending(r, claim_unclaimed(conn, &owner, until, idle_since, now, limit))
         }
         Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit)),
+        Write::AddAnswerCounts(counts, forget_before, r) => {
+            pending(r, super::stats::add_answer_counts(conn, &counts, forget_before))
+        }
     }
 }
 
