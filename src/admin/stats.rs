@@ -454,7 +454,9 @@ mod tests {
         assert!(matches!(step("500ms"), BadStatsQuery::Step(why) if why.contains("at least 1s")));
         assert!(matches!(step("1500ms"), BadStatsQuery::Step(why) if why.contains("whole number")));
         assert!(matches!(step("2h"), BadStatsQuery::Step(why) if why.contains("longer than the window")));
-        assert!(matches!(step("1s"), BadStatsQuery::Step(why) if why.contains("3600 points") && why.contains("at least 4s")));
+        assert!(
+            matches!(step("1s"), BadStatsQuery::Step(why) if why.contains("3600 points") && why.contains("at least 4s"))
+        );
         assert!(Resolution::parse(Some("1h"), Some("4s")).is_ok(), "900 points are fine");
         let problem = step("1s").problem();
         assert_eq!((problem.status, problem.name), (StatusCode::BAD_REQUEST, "invalid-step"));

@@ -58,21 +58,11 @@ ON CONFLICT (second_start, route) DO UPDATE SET
 
 pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
-    let cohorts = sqlx::query(COHORTS)
-        .bind(span.start)
-        .bind(span.end)
-        .bind(span.step)
-        .bind(route)
-        .fetch_all(pool)
-        .await?;
+    let cohorts =
+        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(pool).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(pool).await?;
-    let answers = sqlx::query(ANSWERS)
-        .bind(span.start)
-        .bind(span.end)
-        .bind(span.step)
-        .bind(route)
-        .fetch_all(pool)
-        .await?;
+    let answers =
+        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(pool).await?;
     Ok(StatsRows {
         cohorts: cohorts.iter().filter_map(|row| cohort(span, row).transpose()).collect::<Result<_, _>>()?,
         unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,
