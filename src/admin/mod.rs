@@ -23,6 +23,7 @@ use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 
 pub mod cli;
+mod series;
 pub mod stats;
 
 /// The operator console: one static page that calls this API with the operator's token. It
