@@ -119,3 +119,45 @@ pub(super) async fn add_answer_counts(
     tx.commit().await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stats read a window's records through an index — the ones that arrived in it
+    /// (`records_listing`), or those that went to the reconciliation queue
+    /// (`records_went_unknown`, whose predicate the query must imply) — never the whole table.
+    /// With sequential scans priced out, a query that no index can serve would still scan.
+    #[tokio::test]
+    async fn the_stats_queries_read_through_indexes() {
+        let server = match std::env::var("IDEM_TEST_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ if std::env::var_os("CI").is_some() => panic!("IDEM_TEST_POSTGRES_URL is not set under CI"),
+            _ => return eprintln!("skipped: set IDEM_TEST_POSTGRES_URL to run it against PostgreSQL"),
+        };
+        let name = format!("idem_stats_plans_{}", uuid::Uuid::new_v4().simple());
+        let admin = PgPool::connect(&server).await.unwrap();
+        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
+        let mut url = reqwest::Url::parse(&server).unwrap();
+        url.set_path(&format!("/{name}"));
+        let store = super::super::PostgresStore::open(url.as_str()).await.unwrap();
+
+        let mut conn = store.pool.acquire().await.unwrap();
+        sqlx::query("SET enable_seqscan = off").execute(&mut *conn).await.unwrap();
+        let statements = [
+            (COHORTS, "int8, int8, int8, text", "records_listing"),
+            (UNKNOWN, "int8, int8, text", "records_went_unknown"),
+            (ANSWERS, "int8, int8, int8, text", "answer_counts_pkey"),
+        ];
+        for (i, (sql, types, index)) in statements.into_iter().enumerate() {
+            sqlx::query(&format!("PREPARE stats_{i} ({types}) AS {sql}")).execute(&mut *conn).await.unwrap();
+            let args = types.split(", ").map(|t| if t == "text" { "NULL" } else { "1" }).collect::<Vec<_>>().join(", ");
+            let plan: Vec<String> =
+                sqlx::query_scalar(&format!("EXPLAIN EXECUTE stats_{i}({args})")).fetch_all(&mut *conn).await.unwrap();
+            let plan = plan.join("\n");
+            assert!(plan.contains(index) && !plan.contains("Seq Scan"), "{sql}\nis planned as\n{plan}");
+        }
+        drop((conn, store));
+        sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
+    }
+}

@@ -113,3 +113,32 @@ pub(super) fn add_answer_counts(
     conn.prepare_cached("DELETE FROM answer_counts WHERE second_start < ?1")?.execute([forget_before])?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However large the table, the stats read a window's records through an index: the ones
+    /// that arrived in it, or the few that went to the reconciliation queue.
+    #[tokio::test]
+    async fn the_stats_queries_read_through_indexes() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let store = super::super::SqliteStore::open(&url).await.unwrap();
+        for (sql, index) in [
+            (COHORTS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
+            (UNKNOWN, "USING INDEX records_went_unknown (created_at<?)"),
+            (ANSWERS, "USING PRIMARY KEY (second_start>? AND second_start<?)"),
+        ] {
+            let plan = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .fetch_all(&store.reads)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get::<String, _>("detail"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(plan.contains(index), "{sql}\nis planned as\n{plan}");
+        }
+    }
+}
