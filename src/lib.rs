@@ -14,8 +14,9 @@
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep.
-//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; [`metrics`]
-//!   for `/metrics`.
+//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; the
+//!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
+//!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 
