@@ -7,11 +7,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use idem::store::stats::{AnswerCount, Answers, StatsSpan};
 use serde_json::Value;
 
 both_stores!(
     the_stats_draw_the_storm_on_one_route_and_calm_on_the_other,
-    windows_steps_and_routes_that_cannot_be_drawn_are_refused
+    windows_steps_and_routes_that_cannot_be_drawn_are_refused,
+    answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten
 );
 
 /// `payments` retries at most twice, within a retry budget of 10 retries per 10 s (no share of
@@ -200,4 +202,30 @@ async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Back
     assert_eq!(payments["series"]["amplification"], serde_json::json!([null, null, null, null, null]));
     assert_eq!(payments["totals"]["p99_ms"], Value::Null);
     broker.stop().await;
+}
+
+async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(backend: Backend) {
+    let (store, db) = common::backend::fresh_store(backend).await.unwrap();
+    let count = |route: &str, second: i64, replays: u64, conflicts: u64| AnswerCount {
+        route: route.into(),
+        second,
+        replays,
+        conflicts,
+    };
+    // Two nodes count the same second of the same route; a third second, long ago, is forgotten
+    // by a later flush.
+    store.add_answer_counts(vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)], 0).await.unwrap();
+    store.add_answer_counts(vec![count("payments", 10_000, 7, 0)], 0).await.unwrap();
+    store.add_answer_counts(vec![count("payments", 1_000, 1, 1)], 0).await.unwrap();
+    store.add_answer_counts(vec![count("payments", 11_000, 1, 0)], 5_000).await.unwrap();
+
+    let span = StatsSpan { start: 0, end: 20_000, step: 10_000, route: None };
+    let mut answers = store.stats(&span).await.unwrap().answers;
+    answers.sort_by(|a, b| (a.step, &a.route).cmp(&(b.step, &b.route)));
+    let answer = |route: &str, step, replays, conflicts| Answers { route: route.into(), step, replays, conflicts };
+    assert_eq!(answers, [answer("ledger", 1, 2, 0), answer("payments", 1, 13, 1)]);
+    let one_route = StatsSpan { route: Some("ledger".into()), ..span };
+    assert_eq!(store.stats(&one_route).await.unwrap().answers, [answer("ledger", 1, 2, 0)]);
+    drop(store);
+    db.drop_database().await;
 }
