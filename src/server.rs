@@ -40,6 +40,7 @@ pub struct Running {
     pub worker: Worker,
     /// Flushed once more at shutdown, so the last second's replays and 409s are not lost.
     tally: Arc<Tally>,
+    /// Where those last counts go.
     store: Arc<dyn store::Store>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
