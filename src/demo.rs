@@ -250,9 +250,11 @@ pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), Sta
     println!(
         r#"Idem demo
   broker      {base}          (routes /payments/* to the demo upstream)
-  console     http://{admin}/   (the reconciliation queue; admin API under /admin, /metrics)
+  console     http://{admin}/   (open Health: attempts beside requests, amplification, success, the unknown queue)
+  admin API   http://{admin}/admin/stats, /admin/requests, /metrics
   upstream    http://{upstream}   (a flaky payments service; counts executions per key)
   store       {db}
+  logs        warnings only (`idem demo --verbose`, or RUST_LOG, for every request)
 
 Try it:
   # a new key executes once; the same call again is replayed (Idempotent-Replayed: true)

@@ -28,6 +28,7 @@ use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use crate::store::{Admission, Cancelled, Health, NewRecord, Store};
+use crate::tally::Tally;
 use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
@@ -50,6 +51,8 @@ pub struct Ingress {
     pub bodies: Arc<BodyBudget>,
     /// The store's health as the checks last found it.
     pub health: Arc<Health>,
+    /// Replays and 409s, counted for `/admin/stats`.
+    pub tally: Arc<Tally>,
 }
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -285,6 +288,7 @@ impl Ingress {
                 return Err(Problem::key_reused().state(State::Done));
             }
             metrics::answered(&replay.route, "replay");
+            self.tally.replay(&replay.route);
             let mut response = stored_response(&replay.response, true);
             response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
             return Ok(response);
@@ -441,6 +445,11 @@ impl Ingress {
         };
         if replay {
             metrics::answered(&record.route, kind);
+            match record.phase() {
+                Phase::Done => self.tally.replay(&record.route),
+                Phase::Queued | Phase::InProgress => self.tally.conflict(&record.route),
+                Phase::Unknown | Phase::Free => {}
+            }
         }
         match record.phase() {
             Phase::Done => match &record.response {

@@ -16,8 +16,9 @@
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
 //!   requests while the store cannot record them.
-//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; [`metrics`]
-//!   for `/metrics`.
+//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; the
+//!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
+//!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
@@ -44,5 +45,6 @@ pub mod record;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod tally;
 pub mod upstream;
 pub mod worker;

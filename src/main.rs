@@ -38,6 +38,10 @@ enum Command {
         listen: SocketAddr,
         #[arg(long, default_value = "127.0.0.1:8081")]
         admin_listen: SocketAddr,
+        /// Log every request (at info); by default the demo logs only warnings, so that its
+        /// story comes first on screen.
+        #[arg(long)]
+        verbose: bool,
     },
     /// Apply the store's schema migrations.
     Migrate {
@@ -159,9 +163,10 @@ VALUE     the upstream's Retry-After: delta-seconds as in HTTP (3) or a duration
 
 Example: \"400ms:503 retry-after=300ms, 700ms:200, 100ms:200\"";
 
-fn init_logging(format: LogFormat) {
+/// Logs at `level` unless `RUST_LOG` says otherwise.
+fn init_logging(format: LogFormat, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
@@ -172,7 +177,11 @@ fn init_logging(format: LogFormat) {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    let level = match cli.command {
+        Command::Demo { verbose: false, .. } => "warn",
+        _ => "info",
+    };
+    init_logging(cli.log_format, level);
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -188,7 +197,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(&config)?;
             idem::server::serve(config, idem::server::termination()).await?;
         }
-        Command::Demo { listen, admin_listen } => idem::demo::run(listen, admin_listen).await?,
+        Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,
         Command::Migrate { config } => {
             let config = Config::load(&config)?;
             idem::store::open(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;

@@ -16,6 +16,7 @@ use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::store::{self, StoreError};
+use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
 use crate::worker::{Settled, Worker};
 
@@ -39,6 +40,10 @@ pub struct Running {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub worker: Worker,
+    /// Flushed once more at shutdown, so the last second's replays and 409s are not lost.
+    tally: Arc<Tally>,
+    /// Where those last counts go.
+    store: Arc<dyn store::Store>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     upkeep: Vec<JoinHandle<()>>,
@@ -68,6 +73,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let health = Arc::new(store::Health::default());
     let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
+    let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
     let ingress = Arc::new(Ingress {
         config: config.clone(),
@@ -78,6 +84,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         replays: Replays::new(REPLAY_CACHE_BYTES),
         bodies: bodies.clone(),
         health: health.clone(),
+        tally: tally.clone(),
     });
     let admin =
         Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled, bodies });
@@ -95,6 +102,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
         tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
+        tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
@@ -111,7 +119,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }));
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, tally, store, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -168,6 +176,9 @@ impl Running {
             if tokio::time::timeout_at(deadline, server).await.is_err() {
                 tracing::warn!("a listener did not finish its answers in time");
             }
+        }
+        if let Err(e) = self.tally.flush(&*self.store).await {
+            tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
     }
 }

@@ -1,6 +1,7 @@
-//! The operator console in a real browser: headless Chromium, driven over the DevTools protocol,
-//! loads the page, selects an `unknown` record, fills the resolution form and clicks "Resolve:
-//! executed" with real mouse events; then the record must be `done` and replay what was typed.
+//! The operator console in a real browser: headless Chromium, driven over the DevTools protocol.
+//! In the queue view it selects an `unknown` record, fills the resolution form and clicks
+//! "Resolve: executed" with real mouse events; then the record must be `done` and replay what
+//! was typed. In the Health view, the default one, it reads the charts of a retry storm.
 
 mod common;
 
@@ -123,7 +124,9 @@ impl Page {
         let guarded = format!("(() => {{ try {{ return {expression}; }} catch (e) {{ return false; }} }})()");
         while self.eval(&guarded).await != json!(true) {
             if Instant::now() > deadline {
-                let message = self.eval("document.getElementById('message').textContent").await;
+                let message = self
+                    .eval("[location.hash, document.getElementById('message').textContent, document.getElementById('health-message').textContent].join(' | ')")
+                    .await;
                 panic!("the page never satisfied `{expression}`; it says {message}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -176,6 +179,7 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
 
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
     page.until("document.readyState === 'complete'").await;
+    page.eval("location.hash = '#queue'").await;
     // Without the token the API refuses, and the page says so.
     page.until("document.getElementById('message').textContent.includes('Unauthorized')").await;
     page.type_into("#token", "console-secret").await;
@@ -213,4 +217,66 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
     assert_eq!(&dup.body[..], br#"{"id":"pay_7","status":"succeeded"}"#);
     assert_eq!(dup.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits("charge-7"), 1);
+}
+
+/// What a person sees in the chart of `curve` for `route`: the value beside it, as the page
+/// keeps it in `data-last`.
+fn chart(curve: &str, route: &str) -> String {
+    format!("document.querySelector('figure.chart[data-curve=\"{curve}\"][data-route=\"{route}\"]')")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() {
+    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    std::env::set_var("IDEM_TEST_HEALTH_TOKEN", "health-secret");
+    let upstream = Upstream::start().await;
+    let extra = format!(
+        "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n\n\
+         [[routes]]\nname = \"ledger\"\npath_prefix = \"/ledger\"\nupstream = \"{}\"\n\n\
+         [auth]\nadmin_token_env = \"IDEM_TEST_HEALTH_TOKEN\"\n",
+        upstream.url()
+    );
+    let broker = Broker::start(&Db::new(Backend::Sqlite).await, &upstream.url(), "", &extra).await;
+    let body = r#"{"amount":1}"#;
+    // The storm: every payment is refused with a 503 at first and succeeds on its retry; one
+    // may have executed and waits in the reconciliation queue. Every ledger call succeeds.
+    upstream.script("lost", vec![Reply::status(504)]);
+    send(broker.post("/payments", "lost", body)).await.assert_problem(502, "outcome-unknown");
+    for i in 0..8 {
+        let key = format!("storm-{i}");
+        upstream.script(&key, vec![Reply::status(503)]);
+        assert_eq!(send(broker.post("/payments", &key, body)).await.status, 201);
+        assert_eq!(send(broker.post("/ledger", &format!("calm-{i}"), body)).await.status, 201);
+    }
+
+    let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
+    page.until("document.readyState === 'complete'").await;
+    page.until("!document.getElementById('health-view').hidden").await;
+    page.until("document.getElementById('health-message').textContent.includes('Unauthorized')").await;
+    page.type_into("#token", "health-secret").await;
+    page.eval("document.getElementById('token').dispatchEvent(new Event('change'))").await;
+
+    // A chart per curve and route: thirteen curves, two routes.
+    page.until("document.querySelectorAll('figure.chart').length === 26").await;
+    let amplification = chart("amplification", "payments");
+    page.until(&format!("parseFloat({amplification}.dataset.last) > 1")).await;
+    let shown = page.eval(&format!("{amplification}.querySelector('.value').textContent")).await;
+    assert!(shown.as_str().is_some_and(|s| s.starts_with('×') && s != "×1.00"), "{shown}");
+    assert_eq!(page.eval(&format!("{}.dataset.last", chart("amplification", "ledger"))).await, "1");
+    assert_eq!(page.eval(&format!("{}.dataset.last", chart("first_try_success", "ledger"))).await, "1");
+    assert_eq!(page.eval(&format!("{}.dataset.last", chart("retry_salvaged", "ledger"))).await, "0");
+    let series = page.eval(&format!("JSON.parse({amplification}.dataset.series).length")).await;
+    assert_eq!(series, 90, "15 minutes in steps of 10 s");
+    assert_eq!(page.eval(&format!("{amplification}.querySelectorAll('svg path, svg circle').length > 0")).await, true);
+    // Everything on the page came from the broker itself.
+    let foreign = "performance.getEntriesByType('resource').filter(e => !e.name.startsWith(location.origin)).length";
+    assert_eq!(page.eval(foreign).await, 0);
+
+    // The queue's depth links to the queue, which lists the record waiting there.
+    let depth = chart("unknown_depth", "payments");
+    assert_eq!(page.eval(&format!("{depth}.dataset.last")).await, "1");
+    page.click(r#"figure.chart[data-curve="unknown_depth"][data-route="payments"] a"#).await;
+    page.until("location.hash === '#queue' && !document.getElementById('queue-view').hidden").await;
+    page.until("document.querySelectorAll('tr.record').length === 1").await;
+    assert_eq!(page.eval("document.querySelector('tr.record').textContent.includes('lost')").await, true);
 }

@@ -1,6 +1,7 @@
 //! The admin listener (SPEC §5): the operator API over records — listing, inspection, and the
-//! actions that settle the reconciliation queue — the console page that drives it, metrics, and
-//! health and readiness probes.
+//! actions that settle the reconciliation queue — the per-route series of a retry storm
+//! (`/admin/stats`), the console page that draws and drives them, metrics, and health and
+//! readiness probes.
 
 use std::sync::Arc;
 
@@ -25,9 +26,12 @@ use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 
 pub mod cli;
+mod series;
+pub mod stats;
 
-/// The operator console: one static page that calls this API with the operator's token. It
-/// needs no build step and holds no data of its own.
+/// The operator console: one static page that calls this API with the operator's token and
+/// draws its charts itself. It needs no build step, fetches nothing from elsewhere and holds no
+/// data of its own.
 const CONSOLE: &str = include_str!("console.html");
 
 pub struct Admin {
@@ -46,6 +50,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/resolve", post(resolve))
         .route("/admin/requests/{id}/retry", post(retry))
         .route("/admin/requests/{id}/cancel", post(cancel))
+        .route("/admin/stats", get(stats::stats))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
         .route("/", get(|| async { Html(CONSOLE) }))

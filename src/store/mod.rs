@@ -12,6 +12,9 @@ mod health;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
+pub mod stats;
+
+use self::stats::{AnswerCount, StatsRows, StatsSpan};
 
 pub use health::Health;
 pub(crate) use rows::{decode, Columns};
@@ -432,6 +435,16 @@ pub trait Store: Send + Sync + 'static {
     /// by every node: the database answers, and (SQLite) its files are still the ones opened. A
     /// store that refuses work after a loss also finds out here whether it may resume.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    // ---- stats ------------------------------------------------------------------------------
+
+    /// Adds replays and 409s counted in memory to the per-second counters every node shares,
+    /// and forgets counters of seconds before `forget_before`.
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError>;
+
+    /// What `/admin/stats` draws for `span`, aggregated by the database: requests by step of
+    /// arrival, the reconciliation queue's comings and goings, the answer counters.
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.

@@ -26,6 +26,7 @@ mod admissions;
 mod lanes;
 mod notices;
 mod outcomes;
+mod stats;
 #[cfg(test)]
 mod tests;
 mod upkeep;
@@ -40,6 +41,7 @@ use uuid::Uuid;
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
+use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
     Store, StoreError, TakeOverTo,
@@ -462,6 +464,14 @@ impl Store for PostgresStore {
         sqlx::query("SELECT 1").execute(&mut conn).await?;
         *held = Some(conn);
         Ok(())
+    }
+
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
+        stats::add_answer_counts(&self.pool, counts, forget_before).await
+    }
+
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
+        stats::read(&self.pool, span).await
     }
 
     async fn watch(&self, id: Uuid) -> Result<(), StoreError> {

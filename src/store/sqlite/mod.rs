@@ -6,6 +6,7 @@
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
 mod files;
+mod stats;
 mod writer;
 mod writes;
 
@@ -21,6 +22,7 @@ use uuid::Uuid;
 
 use self::files::DatabaseFiles;
 use self::writer::{TakeOver, Write};
+use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
     StoreError, TakeOverTo,
@@ -318,6 +320,14 @@ impl Store for SqliteStore {
         }
         sqlx::query("SELECT 1").execute(self.reads()?).await?;
         Ok(())
+    }
+
+    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
+        self.write(|r| Write::AddAnswerCounts(counts, forget_before, r)).await
+    }
+
+    async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
+        stats::read(&self.reads, span).await
     }
 }
 

@@ -26,6 +26,7 @@ use super::writes::{
     sweep_done, take_over,
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Record};
+use crate::store::stats::AnswerCount;
 use crate::store::{Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, TakeOverTo};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
@@ -49,6 +50,7 @@ pub(super) enum Write {
     /// A write that changes nothing a record depends on, made to find out whether the database
     /// takes writes again after it was lost. The only write run while the store is lost.
     Probe(Millis, Reply<()>),
+    AddAnswerCounts(Vec<AnswerCount>, Millis, Reply<()>),
 }
 
 pub(super) struct TakeOver {
@@ -277,6 +279,7 @@ fn fail(write: Write, e: &StoreError) -> Box<dyn Deliver> {
         Write::ClaimUnclaimed(.., r) => pending(r, Err(e)),
         Write::SweepDone(.., r) => pending(r, Err(e)),
         Write::Probe(_, r) => pending(r, Err(e)),
+        Write::AddAnswerCounts(.., r) => pending(r, Err(e)),
     }
 }
 
@@ -301,5 +304,8 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
         }
         Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit)),
         Write::Probe(now, r) => pending(r, probe(conn, now)),
+        Write::AddAnswerCounts(counts, forget_before, r) => {
+            pending(r, super::stats::add_answer_counts(conn, &counts, forget_before))
+        }
     }
 }

@@ -1,0 +1,203 @@
+//! `GET /admin/stats`: the curves of a retry storm, per route and step, computed from what the
+//! store holds so that any node answers for the whole cluster. This module reads the query (a
+//! window and a step that can be drawn) and answers; `series` does the arithmetic.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::series::assemble;
+use super::Admin;
+use crate::problem::Problem;
+use crate::record::{now_ms, rfc3339, Millis};
+use crate::store::stats::StatsSpan;
+
+/// The longest window: the answer counters are kept this long.
+pub const MAX_WINDOW: Duration = crate::tally::KEEP;
+pub const MIN_STEP: Duration = Duration::from_secs(1);
+/// Points per series at most: more than a chart can show, and each is a group in the query.
+pub const MAX_POINTS: u64 = 1000;
+const DEFAULT_WINDOW: Duration = Duration::from_secs(3600);
+/// Without a step, the window is cut into about this many.
+const DEFAULT_POINTS: u64 = 360;
+
+/// A query parameter that cannot be honoured, and why; the answer names it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadStatsQuery {
+    #[error("`window` {0}")]
+    Window(String),
+    #[error("`step` {0}")]
+    Step(String),
+}
+
+impl BadStatsQuery {
+    pub fn problem(&self) -> Problem {
+        let name = match self {
+            BadStatsQuery::Window(_) => "invalid-window",
+            BadStatsQuery::Step(_) => "invalid-step",
+        };
+        Problem::bad_request(name, format!("{self}."))
+    }
+}
+
+/// A window and a step that can be drawn: the step a whole number of seconds, at least
+/// [`MIN_STEP`]; the window at most [`MAX_WINDOW`] and at most [`MAX_POINTS`] steps long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolution {
+    window: Duration,
+    step: Duration,
+}
+
+fn duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|_| format!("is `{text}`, not a duration: write it like 15m, 1h or 10s"))
+}
+
+impl Resolution {
+    pub fn parse(window: Option<&str>, step: Option<&str>) -> Result<Resolution, BadStatsQuery> {
+        let window = match window.filter(|w| !w.trim().is_empty()) {
+            None => DEFAULT_WINDOW,
+            Some(text) => duration(text).map_err(BadStatsQuery::Window)?,
+        };
+        if window.is_zero() || window > MAX_WINDOW {
+            return Err(BadStatsQuery::Window(format!(
+                "must be longer than 0 and at most {}",
+                humantime::format_duration(MAX_WINDOW)
+            )));
+        }
+        let step = match step.filter(|s| !s.trim().is_empty()) {
+            None => Duration::from_secs(window.as_secs().div_ceil(DEFAULT_POINTS)).max(MIN_STEP),
+            Some(text) => duration(text).map_err(BadStatsQuery::Step)?,
+        };
+        if step < MIN_STEP || step.subsec_nanos() != 0 {
+            return Err(BadStatsQuery::Step("must be a whole number of seconds, at least 1s".into()));
+        }
+        if step > window {
+            return Err(BadStatsQuery::Step("must not be longer than the window".into()));
+        }
+        let points = points(window, step);
+        if points > MAX_POINTS {
+            let least = window.as_secs().div_ceil(MAX_POINTS);
+            return Err(BadStatsQuery::Step(format!(
+                "cuts the window into {points} points, more than {MAX_POINTS}: use a step of at least {least}s"
+            )));
+        }
+        Ok(Resolution { window, step })
+    }
+
+    /// The span to query at `now`: whole steps aligned on multiples of the step, the last one
+    /// holding `now` (and still filling).
+    pub fn span(&self, now: Millis, route: Option<String>) -> StatsSpan {
+        let step = self.step.as_secs() as Millis * 1000;
+        let end = (now.div_euclid(step) + 1) * step;
+        StatsSpan { start: end - points(self.window, self.step) as Millis * step, end, step, route }
+    }
+}
+
+fn points(window: Duration, step: Duration) -> u64 {
+    window.as_millis().div_ceil(step.as_millis().max(1)) as u64
+}
+
+#[derive(Deserialize)]
+pub(super) struct StatsQuery {
+    window: Option<String>,
+    step: Option<String>,
+    route: Option<String>,
+}
+
+pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<StatsQuery>) -> Result<Response, Problem> {
+    let resolution = Resolution::parse(q.window.as_deref(), q.step.as_deref()).map_err(|e| e.problem())?;
+    let route = q.route.filter(|r| !r.is_empty());
+    let routes: Vec<&str> = match &route {
+        Some(name) if admin.config.route_named(name).is_none() => {
+            return Err(Problem::new(
+                StatusCode::NOT_FOUND,
+                "route-not-found",
+                "No such route",
+                format!("No route named `{name}` is configured."),
+            ))
+        }
+        Some(name) => vec![name.as_str()],
+        None => admin.config.routes.iter().map(|r| r.name.as_str()).collect(),
+    };
+    let now = now_ms();
+    let span = resolution.span(now, route.clone());
+    let rows = admin.store.stats(&span).await.map_err(|e| Problem::store(&e))?;
+    let routes: Vec<Value> = assemble(&span, now, &routes, &rows)
+        .into_iter()
+        .map(|(name, series)| {
+            let mut v = series.to_json();
+            v["route"] = json!(name);
+            v
+        })
+        .collect();
+    Ok(Json(json!({
+        "start": rfc3339(span.start),
+        "end": rfc3339(span.end),
+        "step_ms": span.step,
+        "points": (span.end - span.start) / span.step,
+        "now": rfc3339(now),
+        "routes": routes,
+    }))
+    .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn window_and_step_default_to_an_hour_in_ten_second_steps() {
+        assert_eq!(Resolution::parse(None, None), Ok(Resolution { window: secs(3600), step: secs(10) }));
+        assert_eq!(Resolution::parse(Some("1h"), Some("10s")), Resolution::parse(Some(""), Some(" ")));
+        // Without a step, a window gets about 360 points of whole seconds.
+        assert_eq!(Resolution::parse(Some("15m"), None).unwrap().step, secs(3));
+        assert_eq!(Resolution::parse(Some("7d"), None).unwrap().step, secs(1680));
+        assert_eq!(Resolution::parse(Some("30s"), None).unwrap().step, secs(1));
+        assert_eq!(Resolution::parse(Some("1h 30m"), Some("1m")).unwrap().window, secs(5400));
+    }
+
+    #[test]
+    fn a_window_or_step_that_cannot_be_drawn_is_refused_naming_the_parameter() {
+        let window = |w: &str| Resolution::parse(Some(w), Some("10s")).unwrap_err();
+        let step = |s: &str| Resolution::parse(Some("1h"), Some(s)).unwrap_err();
+        assert!(matches!(window("soon"), BadStatsQuery::Window(why) if why.contains("`soon`")));
+        assert!(matches!(window("8d"), BadStatsQuery::Window(why) if why.contains("at most 7days")));
+        assert!(matches!(window("0s"), BadStatsQuery::Window(_)));
+        assert!(matches!(step("10"), BadStatsQuery::Step(why) if why.contains("not a duration")));
+        assert!(matches!(step("500ms"), BadStatsQuery::Step(why) if why.contains("at least 1s")));
+        assert!(matches!(step("1500ms"), BadStatsQuery::Step(why) if why.contains("whole number")));
+        assert!(matches!(step("2h"), BadStatsQuery::Step(why) if why.contains("longer than the window")));
+        assert!(
+            matches!(step("1s"), BadStatsQuery::Step(why) if why.contains("3600 points") && why.contains("at least 4s"))
+        );
+        assert!(Resolution::parse(Some("1h"), Some("4s")).is_ok(), "900 points are fine");
+        let problem = step("1s").problem();
+        assert_eq!((problem.status, problem.name), (StatusCode::BAD_REQUEST, "invalid-step"));
+        assert!(problem.detail.starts_with("`step` cuts the window"), "{}", problem.detail);
+        assert_eq!(window("8d").problem().name, "invalid-window");
+    }
+
+    #[test]
+    fn the_span_is_whole_aligned_steps_ending_with_the_one_now_falls_in() {
+        let r = Resolution::parse(Some("1m"), Some("10s")).unwrap();
+        let span = r.span(1_000_123_456, Some("payments".into()));
+        assert_eq!(span.step, 10_000);
+        assert_eq!(span.end, 1_000_130_000);
+        assert_eq!(span.start, 1_000_070_000);
+        assert_eq!(span.route.as_deref(), Some("payments"));
+        // A window that is not a whole number of steps is rounded up to one.
+        let span = Resolution::parse(Some("25s"), Some("10s")).unwrap().span(0, None);
+        assert_eq!((span.start, span.end), (-20_000, 10_000));
+    }
+}

@@ -1,0 +1,144 @@
+//! The SQLite store's SQL for `/admin/stats`: three aggregate reads on the read pool, and the
+//! per-second answer counters, added by the writer thread.
+
+use rusqlite::{params, Connection};
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::Row;
+
+use crate::record::Millis;
+use crate::store::stats::{count, step_index, AnswerCount, Answers, Cohort, StatsRows, StatsSpan, UnknownSpell};
+use crate::store::StoreError;
+
+/// Requests by route, step of arrival and duration rounded down to two significant figures
+/// (`substr(…, 1, 2)` and zeros for the other digits). The range on `created_at` is served by
+/// `records_listing`; the attempts are counted from the stored list, plus one in flight.
+const COHORTS: &str = "
+SELECT route, step,
+       CAST(substr(took, 1, 2) || substr('0000000000000000000', 1, MAX(length(took) - 2, 0)) AS INTEGER) AS took_ms,
+       COUNT(*) AS requests,
+       SUM(attempts) AS attempts,
+       SUM(stop_reason IS NOT NULL) AS settled,
+       SUM(stop_reason = 'success') AS succeeded,
+       SUM(stop_reason = 'success' AND attempts = 1) AS first_try,
+       SUM(stop_reason = 'retry_budget') AS budget_stopped,
+       SUM(stop_reason = 'deadline') AS deadline_stopped
+FROM (
+    SELECT route, stop_reason, (created_at - ?1) / ?3 AS step,
+           json_array_length(attempts) + (in_flight_number IS NOT NULL) AS attempts,
+           CASE WHEN stop_reason IS NOT NULL THEN CAST(MAX(0, COALESCE(
+               json_extract(attempts, '$[#-1].started_at') + json_extract(attempts, '$[#-1].duration_ms'),
+               updated_at) - created_at) AS TEXT) END AS took
+    FROM records
+    WHERE created_at >= ?1 AND created_at < ?2 AND (?4 IS NULL OR route = ?4)
+)
+GROUP BY route, step, took_ms";
+
+/// Records that went to the reconciliation queue (`records_went_unknown`) and were still there,
+/// or left it, during the span.
+const UNKNOWN: &str = "
+SELECT route,
+       COALESCE(json_extract(attempts, '$[#-1].started_at') + json_extract(attempts, '$[#-1].duration_ms'),
+                updated_at) AS entered,
+       CASE WHEN state = 'unknown' THEN NULL ELSE updated_at END AS left_at
+FROM records
+WHERE stop_reason = 'unsafe_replay' AND created_at < ?2
+  AND (state = 'unknown' OR updated_at >= ?1) AND (?3 IS NULL OR route = ?3)";
+
+const ANSWERS: &str = "
+SELECT route, (second_start - ?1) / ?3 AS step, SUM(replays) AS replays, SUM(conflicts) AS conflicts
+FROM answer_counts
+WHERE second_start >= ?1 AND second_start < ?2 AND (?4 IS NULL OR route = ?4)
+GROUP BY route, step";
+
+pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
+    let route = span.route.as_deref();
+    let cohorts =
+        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(reads).await?;
+    let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(reads).await?;
+    let answers =
+        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(reads).await?;
+    Ok(StatsRows {
+        cohorts: cohorts.iter().filter_map(|row| cohort(span, row).transpose()).collect::<Result<_, _>>()?,
+        unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,
+        answers: answers.iter().filter_map(|row| answer(span, row).transpose()).collect::<Result<_, _>>()?,
+    })
+}
+
+fn cohort(span: &StatsSpan, row: &SqliteRow) -> Result<Option<Cohort>, StoreError> {
+    let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.try_get(name)?)) };
+    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
+    Ok(Some(Cohort {
+        route: row.try_get("route")?,
+        step,
+        took_ms: row.try_get::<Option<i64>, _>("took_ms")?.map(|t| t.max(0) as u64),
+        requests: n("requests")?,
+        attempts: n("attempts")?,
+        settled: n("settled")?,
+        succeeded: n("succeeded")?,
+        first_try: n("first_try")?,
+        budget_stopped: n("budget_stopped")?,
+        deadline_stopped: n("deadline_stopped")?,
+    }))
+}
+
+fn spell(row: &SqliteRow) -> Result<UnknownSpell, StoreError> {
+    Ok(UnknownSpell { route: row.try_get("route")?, entered: row.try_get("entered")?, left: row.try_get("left_at")? })
+}
+
+fn answer(span: &StatsSpan, row: &SqliteRow) -> Result<Option<Answers>, StoreError> {
+    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
+    Ok(Some(Answers {
+        route: row.try_get("route")?,
+        step,
+        replays: count(row.try_get("replays")?),
+        conflicts: count(row.try_get("conflicts")?),
+    }))
+}
+
+/// Adds one node's counts to the per-second counters and forgets those before `forget_before`
+/// (the primary key starts with the second, so that is a range at the table's head).
+pub(super) fn add_answer_counts(
+    conn: &Connection,
+    counts: &[AnswerCount],
+    forget_before: Millis,
+) -> Result<(), StoreError> {
+    let mut add = conn.prepare_cached(
+        "INSERT INTO answer_counts (second_start, route, replays, conflicts) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (second_start, route) DO UPDATE SET
+             replays = replays + excluded.replays, conflicts = conflicts + excluded.conflicts",
+    )?;
+    for c in counts {
+        add.execute(params![c.second, c.route, c.replays as i64, c.conflicts as i64])?;
+    }
+    conn.prepare_cached("DELETE FROM answer_counts WHERE second_start < ?1")?.execute([forget_before])?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// However large the table, the stats read a window's records through an index: the ones
+    /// that arrived in it, or the few that went to the reconciliation queue.
+    #[tokio::test]
+    async fn the_stats_queries_read_through_indexes() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let store = super::super::SqliteStore::open(&url).await.unwrap();
+        for (sql, index) in [
+            (COHORTS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
+            (UNKNOWN, "USING INDEX records_went_unknown (created_at<?)"),
+            (ANSWERS, "USING PRIMARY KEY (second_start>? AND second_start<?)"),
+        ] {
+            let plan = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .fetch_all(&store.reads)
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| row.get::<String, _>("detail"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            assert!(plan.contains(index), "{sql}\nis planned as\n{plan}");
+        }
+    }
+}

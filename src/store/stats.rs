@@ -1,0 +1,85 @@
+//! What the store answers for `/admin/stats`: aggregates each backend computes with its own SQL,
+//! small enough to send whatever the traffic (one row per route, step and rounded duration),
+//! which `admin::stats` assembles into series. Every node reads the same tables, so every node
+//! answers for the whole cluster.
+
+use crate::record::Millis;
+
+/// Replays and 409s counted in memory by one node over one second, added to the store's
+/// per-second counters (which sum what every node adds).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerCount {
+    pub route: String,
+    /// The start of the second, in ms since the epoch (a multiple of 1000).
+    pub second: Millis,
+    pub replays: u64,
+    pub conflicts: u64,
+}
+
+/// Which records and counters the stats cover: `[start, end)` in steps of `step` ms, all
+/// multiples of 1000 so that the per-second counters fall into whole steps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatsSpan {
+    pub start: Millis,
+    pub end: Millis,
+    pub step: Millis,
+    /// One route, or all of them.
+    pub route: Option<String>,
+}
+
+/// Requests of one route that arrived in one step and, when `took_ms` is set, settled after
+/// taking that long (to two significant figures: enough for percentiles, few enough groups).
+/// Counts are over the requests of the group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cohort {
+    pub route: String,
+    /// The step's index in the span.
+    pub step: usize,
+    /// From arrival to the end of the last attempt; `None` for requests not settled yet.
+    pub took_ms: Option<u64>,
+    pub requests: u64,
+    /// Attempts stored with those records, and any in flight.
+    pub attempts: u64,
+    /// Requests whose execution has stopped (with any stop reason).
+    pub settled: u64,
+    pub succeeded: u64,
+    pub first_try: u64,
+    pub budget_stopped: u64,
+    pub deadline_stopped: u64,
+}
+
+/// A record's time in the reconciliation queue: from the end of its last attempt to when it
+/// was settled (`None`: it is still there).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownSpell {
+    pub route: String,
+    pub entered: Millis,
+    pub left: Option<Millis>,
+}
+
+/// Replays and 409s of one route in one step, summed over nodes and seconds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answers {
+    pub route: String,
+    pub step: usize,
+    pub replays: u64,
+    pub conflicts: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StatsRows {
+    pub cohorts: Vec<Cohort>,
+    pub unknown: Vec<UnknownSpell>,
+    pub answers: Vec<Answers>,
+}
+
+/// A step index read back from the database, checked to lie in the span.
+pub(crate) fn step_index(span: &StatsSpan, index: i64) -> Option<usize> {
+    let steps = (span.end - span.start) / span.step.max(1);
+    (0..steps).contains(&index).then_some(index as usize)
+}
+
+/// A count read back from the database: never negative.
+pub(crate) fn count(n: Option<i64>) -> u64 {
+    n.unwrap_or(0).max(0) as u64
+}
