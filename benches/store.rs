@@ -34,6 +34,7 @@ fn new_record(key: &str) -> NewRecord {
         deadline_at: now + 30_000,
         now,
         claim: Some(Claim { owner: "bench".into(), lease_until: now + 15_000 }),
+        tombstone_cutoff: None,
     }
 }
 

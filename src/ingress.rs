@@ -279,6 +279,8 @@ impl Ingress {
             deadline_at: arrival + duration_ms(route.retry.deadline),
             now: arrival,
             claim: None,
+            tombstone_cutoff: (!route.tombstone.is_zero())
+                .then(|| arrival - duration_ms(route.retention + route.tombstone)),
         };
 
         // A replay known to this node needs no database at all.
@@ -341,6 +343,10 @@ impl Ingress {
             metrics::answered(&route.name, "key_reused");
             return Err(Problem::key_reused().state(record.state));
         }
+        if let Some(spent) = self.spent(&record) {
+            metrics::answered(&route.name, "result_expired");
+            return Err(spent);
+        }
         self.answer_existing(record, prefer.wait).await
     }
 
@@ -364,6 +370,14 @@ impl Ingress {
 
     fn retention_cutoff(&self, route: &str) -> Millis {
         now_ms() - duration_ms(self.retention(route))
+    }
+
+    /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
+    /// yet swept. The same request is refused, never executed again (SPEC §9).
+    fn spent(&self, record: &Record) -> Option<Problem> {
+        let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
+        let status = record.response.as_ref().map(|r| r.status);
+        spent.then(|| Problem::result_expired(status, &crate::record::rfc3339(record.updated_at)).state(State::Done))
     }
 
     fn expired(&self, record: &Record) -> bool {
@@ -450,6 +464,9 @@ impl Ingress {
                 Phase::Queued | Phase::InProgress => self.tally.conflict(&record.route),
                 Phase::Unknown | Phase::Free => {}
             }
+        }
+        if let Some(spent) = self.spent(&record) {
+            return Err(spent);
         }
         match record.phase() {
             Phase::Done => match &record.response {

@@ -26,6 +26,8 @@ pub struct Problem {
     /// Can the same request, sent again later, get a better answer? Said as `x-should-retry`,
     /// which SDKs read to decide for themselves; false where the broker already retried.
     pub retryable: bool,
+    /// Members particular to one problem (RFC 9457 extensions).
+    pub extensions: Vec<(&'static str, serde_json::Value)>,
     /// The key the answer is for: named in the document with the URL of its record.
     pub idempotency_key: Option<String>,
     /// The record's state, for answers on keyed routes.
@@ -41,6 +43,7 @@ impl Problem {
             detail: detail.into(),
             retry_after_ms: None,
             retryable: false,
+            extensions: Vec::new(),
             idempotency_key: None,
             idempotency_status: None,
         }
@@ -159,6 +162,23 @@ impl Problem {
             "This Idempotency-Key was already used for a different request (route, method, path, query \
              or body differ). Use a new key for a new operation.",
         )
+    }
+
+    pub fn result_expired(status: Option<u16>, completed_at: &str) -> Problem {
+        let said = status.map_or("an answer".to_string(), |s| format!("status {s}"));
+        let mut problem = Problem::new(
+            StatusCode::GONE,
+            "result-expired",
+            "Result expired",
+            format!(
+                "This request already executed (it completed at {completed_at} with {status}), and its stored \
+                 answer is past its retention. It will not be executed again: look the result up in your own \
+                 records, or send a new key if you mean a new operation.",
+                status = said
+            ),
+        );
+        problem.extensions = vec![("original_status", status.into()), ("completed_at", completed_at.into())];
+        problem
     }
 
     pub fn outcome_unknown() -> Problem {
@@ -303,6 +323,9 @@ impl Problem {
         });
         if let Some(ms) = self.retry_after_ms {
             body["retry_after_ms"] = ms.into();
+        }
+        for (name, value) in &self.extensions {
+            body[*name] = value.clone();
         }
         if let Some(key) = &self.idempotency_key {
             body["idempotency_key"] = key.as_str().into();

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::config::{Config, Probe, Route};
 use crate::policy::{Class, StopReason};
 use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
-use crate::store::{Action, Health, Resolution, Store, StoreError, TakeOverTo};
+use crate::store::{Action, Health, Resolution, RouteSweep, Store, StoreError, SweepPlan, TakeOverTo};
 use crate::upstream::Upstream;
 use crate::worker::Worker;
 
@@ -24,18 +24,35 @@ pub fn sweep_interval(retention: Duration) -> Duration {
     (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
 }
 
-pub async fn retention_sweep(store: Arc<dyn Store>, retention: Duration) {
-    let mut tick = tokio::time::interval(sweep_interval(retention));
+/// What the sweep does at `now`: each route's done records past its retention become tombstones
+/// (or go, when the route keeps none); those of routes no longer configured go after the store's
+/// retention.
+pub fn sweep_plan(config: &Config, now: Millis) -> SweepPlan {
+    let routes = config
+        .routes
+        .iter()
+        .map(|r| RouteSweep {
+            route: r.name.clone(),
+            cutoff: now - duration_ms(r.retention),
+            tombstone_after: (!r.tombstone.is_zero()).then(|| duration_ms(r.retention + r.tombstone)),
+        })
+        .collect();
+    SweepPlan { now, routes, others_cutoff: now - duration_ms(config.store.retention) }
+}
+
+pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Config>) {
+    let shortest = config.routes.iter().map(|r| r.retention).chain([config.store.retention]).min();
+    let mut tick = tokio::time::interval(sweep_interval(shortest.unwrap_or(config.store.retention)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let cutoff = now_ms() - duration_ms(retention);
+        let plan = sweep_plan(&config, now_ms());
         loop {
-            match store.sweep_done(cutoff, SWEEP_BATCH).await {
-                Ok(n) if n == SWEEP_BATCH as u64 => continue,
+            match store.sweep_done(&plan, SWEEP_BATCH).await {
+                Ok(n) if n >= SWEEP_BATCH as u64 => continue,
                 Ok(n) => {
                     if n > 0 {
-                        tracing::info!(deleted = n, "retention sweep");
+                        tracing::info!(changed = n, "retention sweep");
                     }
                     break;
                 }
@@ -296,6 +313,7 @@ mod tests {
             deadline_at: NOW + 30_000,
             now: NOW,
             claim: None,
+            tombstone_cutoff: None,
         };
         let mut record = new.inserted();
         record.takeovers = takeovers;

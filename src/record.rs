@@ -245,6 +245,9 @@ pub struct Record {
     pub takeovers: u32,
     /// While waiting between attempts: the earliest start of the next one.
     pub not_before: Option<Millis>,
+    /// A tombstone: a done record past its retention, its bodies dropped, kept until then so a
+    /// late retry of the same request is answered 410 rather than executed again.
+    pub tombstone_until: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -302,8 +305,13 @@ impl Record {
             "created_at": rfc3339(self.created_at),
             "updated_at": rfc3339(self.updated_at),
         });
-        if let Some(r) = &self.response {
-            v["response"] = response_json(r);
+        match (self.tombstone_until, &self.response) {
+            (Some(until), Some(r)) => {
+                v["tombstone_until"] = rfc3339(until).into();
+                v["response"] = json!({ "status": r.status });
+            }
+            (_, Some(r)) => v["response"] = response_json(r),
+            _ => {}
         }
         if with_history {
             v["history"] = self

@@ -98,7 +98,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
     ];
     let mut upkeep = vec![
-        tokio::spawn(reconcile::retention_sweep(store.clone(), config.store.retention)),
+        tokio::spawn(reconcile::retention_sweep(store.clone(), config.clone())),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
         tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),

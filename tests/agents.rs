@@ -155,7 +155,53 @@ async fn a_record_can_be_awaited_instead_of_polled(b: Backend) {
     assert_eq!(now["state"], "done");
 }
 
+/// Waits until a done record of `key` is past a retention of one second.
+async fn past_retention() {
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+}
+
+async fn a_late_retry_within_the_tombstone_is_refused_and_never_executed(b: Backend) {
+    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"30d\"", "").await;
+    let first = send(broker.post("/payments", "late", r#"{"amount":5}"#)).await;
+    assert_eq!(first.status, 201);
+    past_retention().await;
+    // Before the sweep turns it into a tombstone, and after (it runs every second).
+    for _ in 0..2 {
+        let r = send(broker.post("/payments", "late", r#"{"amount":5}"#)).await;
+        r.assert_problem(410, "result-expired");
+        let p = r.json();
+        assert_eq!(p["original_status"], 201, "{p}");
+        assert!(p["completed_at"].as_str().is_some_and(|t| t.starts_with("20")), "{p}");
+        assert_eq!(p["retryable"], false);
+        assert_eq!(r.header("x-should-retry"), Some("false"));
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    assert_eq!(upstream.hits("late"), 1, "a spent key was executed again");
+    // Another body under the reused key is a new operation.
+    let r = send(broker.post("/payments", "late", r#"{"amount":6}"#)).await;
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(upstream.hits("late"), 2);
+}
+
+async fn after_the_tombstone_or_without_one_the_same_request_executes_again(b: Backend) {
+    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"1s\"", "").await;
+    send(broker.post("/payments", "old", "{}")).await;
+    tokio::time::sleep(Duration::from_millis(2_300)).await;
+    let r = send(broker.post("/payments", "old", "{}")).await;
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(upstream.hits("old"), 2);
+
+    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"0s\"", "").await;
+    send(broker.post("/payments", "untombed", "{}")).await;
+    past_retention().await;
+    let r = send(broker.post("/payments", "untombed", "{}")).await;
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert_eq!(upstream.hits("untombed"), 2);
+}
+
 both_stores!(
+    a_late_retry_within_the_tombstone_is_refused_and_never_executed,
+    after_the_tombstone_or_without_one_the_same_request_executes_again,
     a_key_is_derived_from_the_run_the_tool_and_its_arguments,
     a_missing_key_source_is_named_and_nothing_is_sent,
     an_ignored_field_that_changed_is_a_replay_not_a_422,

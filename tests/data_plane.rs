@@ -445,11 +445,12 @@ async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
     assert_eq!(upstream.hits("gone"), 1);
 }
 
+/// Without a tombstone (see tests/agents.rs for the route that keeps one).
 async fn done_records_expire_after_retention_and_the_key_executes_afresh(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let text =
-        common::config_text(&db.url, &upstream.url(), "", "").replace("[store]\n", "[store]\nretention = \"1s\"\n");
+    let text = common::config_text(&db.url, &upstream.url(), "tombstone = \"0s\"", "")
+        .replace("[store]\n", "[store]\nretention = \"1s\"\n");
     let broker = Broker::start_with(&db, text).await;
     let first = send(broker.post("/payments", "brief", BODY)).await;
     assert_eq!(first.json()["n"], 1);

@@ -24,7 +24,7 @@ use idem::policy::StopReason;
 use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use idem::store::{
     self, Action, Admission, AfterAttempt, Cancelled, Claim, Cursor, Lease, ListFilter, NewRecord, Notice, Resolution,
-    Store, TakeOverTo,
+    RouteSweep, Store, SweepPlan, TakeOverTo,
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -105,6 +105,8 @@ on_both_backends!(
     listing_filters_and_pages_through_every_record_exactly_once,
     records_are_counted_by_phase,
     sweeping_deletes_only_done_records_finished_before_the_cutoff,
+    past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request,
+    another_request_under_a_spent_key_and_a_late_one_execute,
     an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked,
     ;
     postgres_only:
@@ -141,6 +143,7 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Millis) ->
         deadline_at: now + 30_000,
         now,
         claim: None,
+        tombstone_cutoff: None,
     }
 }
 

@@ -77,6 +77,10 @@ pub struct NewRecord {
     /// commit: for a worker that will send it at once. Applies to a fresh insert only; a record
     /// taken over from a free or expired one is queued as usual.
     pub claim: Option<Claim>,
+    /// Done records of the key that finished at or after this are still remembered (tombstones,
+    /// SPEC §9): past their retention, the same request is refused with the record rather than
+    /// executed again. `None`: the route keeps no tombstones.
+    pub tombstone_cutoff: Option<Millis>,
 }
 
 impl NewRecord {
@@ -107,10 +111,31 @@ impl NewRecord {
             next_probe_at: None,
             takeovers: 0,
             not_before: None,
+            tombstone_until: None,
             created_at: self.now,
             updated_at: self.now,
         }
     }
+}
+
+/// What the retention sweep does, route by route.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepPlan {
+    pub now: Millis,
+    pub routes: Vec<RouteSweep>,
+    /// Done records of routes no longer configured end their retention before this; no
+    /// tombstone is kept for them.
+    pub others_cutoff: Millis,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteSweep {
+    pub route: String,
+    /// Done records finished before this are past their retention.
+    pub cutoff: Millis,
+    /// How long a tombstone outlives its record's completion (retention + tombstone), or `None`
+    /// when the route keeps none and the records are deleted.
+    pub tombstone_after: Option<Millis>,
 }
 
 /// A worker's lease on a record it admits.
@@ -428,8 +453,10 @@ pub trait Store: Send + Sync + 'static {
     /// How many records are in each phase (queued and free `not_started` counted apart).
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError>;
 
-    /// Deletes up to `limit` `done` records finished before `cutoff`; returns how many.
-    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError>;
+    /// Ends retention by the plan: up to `limit` `done` records of each route turned into
+    /// tombstones or deleted, and up to `limit` tombstones past their time deleted; returns how
+    /// many records changed.
+    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError>;
 
     /// Can the store be trusted with a request right now? A cheap check, run a few times a second
     /// by every node: the database answers, and (SQLite) its files are still the ones opened. A

@@ -94,6 +94,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         next_probe_at: number("next_probe_at")?,
         takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
         not_before: number("not_before")?,
+        tombstone_until: number("tombstone_until")?,
         created_at: required("created_at")?,
         updated_at: required("updated_at")?,
     })

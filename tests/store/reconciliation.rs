@@ -298,6 +298,12 @@ pub(super) async fn records_are_counted_by_phase(store: Arc<dyn Store>) {
     assert_eq!(counts, expected);
 }
 
+/// Deletes `payments` records (no tombstones) and those of unconfigured routes done before `cutoff`.
+fn deleting(cutoff: Millis) -> SweepPlan {
+    let payments = RouteSweep { route: "payments".into(), cutoff, tombstone_after: None };
+    SweepPlan { now: cutoff, routes: vec![payments], others_cutoff: cutoff }
+}
+
 pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(store: Arc<dyn Store>) {
     let old_a = done(&store, request("default", "old-a", BODY), T0 + 1_000).await;
     let old_b = done(&store, request("default", "old-b", BODY), T0 + 1_100).await;
@@ -307,16 +313,85 @@ pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutof
     let released = free(&store, request("default", "free", BODY)).await;
 
     let cutoff = T0 + 2_000;
-    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 1, "at most `limit` per call");
-    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 1);
-    assert_eq!(store.sweep_done(cutoff, 1).await.unwrap(), 0);
+    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 1, "at most `limit` per call");
+    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 1);
+    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 0);
     for gone in [old_a.id, old_b.id] {
         assert!(store.get(gone).await.unwrap().is_none());
     }
     for kept in [recent.id, unsettled.id, waiting.id, released.id] {
         fetch(&store, kept).await;
     }
-    assert_eq!(store.sweep_done(T0 + 3_000, 100).await.unwrap(), 0, "finished at the cutoff is kept");
-    assert_eq!(store.sweep_done(T0 + 3_001, 100).await.unwrap(), 1);
+    assert_eq!(store.sweep_done(&deleting(T0 + 3_000), 100).await.unwrap(), 0, "finished at the cutoff is kept");
+    assert_eq!(store.sweep_done(&deleting(T0 + 3_001), 100).await.unwrap(), 1);
     assert!(store.get(recent.id).await.unwrap().is_none());
+}
+
+pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(
+    store: Arc<dyn Store>,
+) {
+    let old = done(&store, request("default", "spent", BODY), T0 + 1_000).await;
+    let other_route = done(&store, request_on("gone", "default", "elsewhere", BODY, T0), T0 + 1_000).await;
+    // Retention ends at T0 + 2 s; the tombstone lasts 10 s more.
+    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
+    let plan = SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: T0 + 2_000 };
+    assert_eq!(store.sweep_done(&plan, 100).await.unwrap(), 2);
+    assert!(store.get(other_route.id).await.unwrap().is_none(), "a route no longer configured keeps no tombstone");
+
+    let tombstone = fetch(&store, old.id).await;
+    assert_eq!(tombstone.tombstone_until, Some(T0 + 12_000));
+    assert_eq!(tombstone.state, State::Done);
+    assert_eq!(tombstone.fingerprint, old.fingerprint);
+    assert_eq!(tombstone.response.as_ref().map(|r| r.status), Some(201), "the final status is kept");
+    assert!(tombstone.response.unwrap().body.is_empty() && tombstone.request.body.is_empty(), "bodies dropped");
+    assert!(tombstone.attempts.is_empty() && tombstone.history.is_empty());
+    // Sweeping again changes nothing: a tombstone is not swept as a done record.
+    assert_eq!(store.sweep_done(&plan, 100).await.unwrap(), 0);
+
+    // The same request within the tombstone: refused with the tombstone, never admitted.
+    let within = T0 + 5_000;
+    let again = NewRecord {
+        id: Uuid::new_v4(),
+        now: within,
+        tombstone_cutoff: Some(within - 11_000),
+        ..request("default", "spent", BODY)
+    };
+    match store.admit(again.clone(), within - 2_000).await.unwrap() {
+        Admission::Existing(record) => assert_eq!(record.id, old.id),
+        other => panic!("a spent key was admitted again: {other:?}"),
+    }
+    // A route that keeps no tombstones (any more) lets it execute again.
+    let untombed = NewRecord { tombstone_cutoff: None, ..again.clone() };
+    match store.admit(untombed, within - 2_000).await.unwrap() {
+        Admission::Requeued(record) | Admission::Created(record) => assert_eq!(record.tombstone_until, None),
+        other => panic!("{other:?}"),
+    }
+}
+
+pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(store: Arc<dyn Store>) {
+    done(&store, request("default", "reused", BODY), T0 + 1_000).await;
+    done(&store, request("default", "late", BODY), T0 + 1_000).await;
+    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
+    store.sweep_done(&SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: 0 }, 100).await.unwrap();
+
+    let within = T0 + 5_000;
+    let other_body = NewRecord {
+        id: Uuid::new_v4(),
+        now: within,
+        tombstone_cutoff: Some(within - 11_000),
+        ..request("default", "reused", b"{\"amount\":7}")
+    };
+    assert!(matches!(
+        store.admit(other_body, within - 2_000).await.unwrap(),
+        Admission::Requeued(_) | Admission::Created(_)
+    ));
+    // Past the tombstone: the same request executes afresh, before the sweep deletes it and after.
+    let after = T0 + 13_000;
+    let late = NewRecord {
+        id: Uuid::new_v4(),
+        now: after,
+        tombstone_cutoff: Some(after - 11_000),
+        ..request("default", "late", BODY)
+    };
+    assert!(matches!(store.admit(late, after - 2_000).await.unwrap(), Admission::Requeued(_) | Admission::Created(_)));
 }

@@ -44,7 +44,7 @@ use self::outcomes::Outcomes;
 use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError, TakeOverTo,
+    Store, StoreError, SweepPlan, TakeOverTo,
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 
@@ -67,7 +67,7 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
     attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
     cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
-    takeovers::bigint AS takeovers";
+    takeovers::bigint AS takeovers, tombstone_until";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -134,8 +134,10 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
             in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
             response_headers = NULL, response_body = NULL, done_at = NULL,
             cancel_requested = FALSE, probe_count = 0, next_probe_at = NULL, not_before = NULL,
-            updated_at = excluded.updated_at
-         WHERE (records.state = 'done' AND records.done_at < $14)
+            tombstone_until = NULL, updated_at = excluded.updated_at
+         WHERE (records.state = 'done' AND records.done_at < $14
+                AND NOT ($17::bigint IS NOT NULL AND records.done_at >= $17::bigint
+                         AND records.fingerprint = excluded.fingerprint))
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
          RETURNING {COLUMNS}"
@@ -156,7 +158,8 @@ async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
 static EXISTING: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {COLUMNS},
-                COALESCE((state = 'done' AND done_at < $3)
+                COALESCE((state = 'done' AND done_at < $3
+                          AND NOT ($5::bigint IS NOT NULL AND done_at >= $5::bigint AND fingerprint = $4))
                          OR (state = 'not_started' AND NOT queued AND fingerprint = $4),
                          FALSE) AS admissible
          FROM records WHERE tenant = $1 AND key = $2"
@@ -189,6 +192,7 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .bind(cutoff)
             .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
             .bind(new.claim.as_ref().map(|c| c.lease_until))
+            .bind(new.tombstone_cutoff)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
@@ -204,6 +208,7 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .bind(&new.key)
             .bind(cutoff)
             .bind(&new.fingerprint.as_bytes()[..])
+            .bind(new.tombstone_cutoff)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
@@ -449,8 +454,8 @@ impl Store for PostgresStore {
             .collect()
     }
 
-    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-        upkeep::sweep_done(&self.pool, cutoff, limit).await
+    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+        upkeep::sweep_done(&self.pool, plan, limit).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

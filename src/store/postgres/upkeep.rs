@@ -8,7 +8,7 @@ use uuid::Uuid;
 use super::{one_element, COLUMNS};
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Record};
-use crate::store::{decode, StoreError, TakeOverTo};
+use crate::store::{decode, StoreError, SweepPlan, TakeOverTo};
 
 /// Takes over a record whose lease expired.
 pub(super) const TAKE_OVER: &str = "
@@ -74,15 +74,59 @@ pub(super) async fn claim_unclaimed(
     rows.iter().map(decode).collect()
 }
 
-pub(super) async fn sweep_done(pool: &PgPool, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-    let done = sqlx::query(
-        "DELETE FROM records WHERE id IN (
-            SELECT id FROM records WHERE state = 'done' AND done_at < $1
-            LIMIT $2 FOR UPDATE SKIP LOCKED)",
+pub(super) async fn sweep_done(pool: &PgPool, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+    let limit = i64::from(limit);
+    let mut changed = 0;
+    for route in &plan.routes {
+        let swept = match route.tombstone_after {
+            Some(after) => {
+                sqlx::query(
+                    "UPDATE records SET tombstone_until = done_at + $3, path = '', query = '',
+                        request_headers = '[]'::jsonb, request_body = ''::bytea, attempts = '[]'::jsonb,
+                        history = '[]'::jsonb, response_headers = NULL, response_body = NULL
+                     WHERE id IN (SELECT id FROM records WHERE state = 'done' AND tombstone_until IS NULL
+                                  AND done_at < $1 AND route = $2 LIMIT $4 FOR UPDATE SKIP LOCKED)",
+                )
+                .bind(route.cutoff)
+                .bind(&route.route)
+                .bind(after)
+                .bind(limit)
+                .execute(pool)
+                .await?
+            }
+            None => {
+                sqlx::query(
+                    "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
+                        AND tombstone_until IS NULL AND done_at < $1 AND route = $2
+                        LIMIT $3 FOR UPDATE SKIP LOCKED)",
+                )
+                .bind(route.cutoff)
+                .bind(&route.route)
+                .bind(limit)
+                .execute(pool)
+                .await?
+            }
+        };
+        changed += swept.rows_affected();
+    }
+    let configured: Vec<&str> = plan.routes.iter().map(|r| r.route.as_str()).collect();
+    let others = sqlx::query(
+        "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
+            AND tombstone_until IS NULL AND done_at < $1 AND route <> ALL($2::text[])
+            LIMIT $3 FOR UPDATE SKIP LOCKED)",
     )
-    .bind(cutoff)
-    .bind(i64::from(limit))
+    .bind(plan.others_cutoff)
+    .bind(&configured)
+    .bind(limit)
     .execute(pool)
     .await?;
-    Ok(done.rows_affected())
+    let tombstones = sqlx::query(
+        "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE tombstone_until < $1
+            LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    )
+    .bind(plan.now)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(changed + others.rows_affected() + tombstones.rows_affected())
 }

@@ -25,7 +25,7 @@ use self::writer::{TakeOver, Write};
 use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError, TakeOverTo,
+    StoreError, SweepPlan, TakeOverTo,
 };
 use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
 
@@ -306,8 +306,9 @@ impl Store for SqliteStore {
             .collect()
     }
 
-    async fn sweep_done(&self, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-        self.write(|r| Write::SweepDone(cutoff, limit, r)).await
+    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+        let plan = plan.clone();
+        self.write(|r| Write::SweepDone(plan, limit, r)).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -27,7 +27,9 @@ use super::writes::{
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Record};
 use crate::store::stats::AnswerCount;
-use crate::store::{Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, TakeOverTo};
+use crate::store::{
+    Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, SweepPlan, TakeOverTo,
+};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -46,7 +48,7 @@ pub(super) enum Write {
     TakeOver(TakeOver, Reply<bool>),
     Probed(Uuid, Option<Resolution>, Millis, HistoryEntry, Reply<Action>),
     ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
-    SweepDone(Millis, u32, Reply<u64>),
+    SweepDone(SweepPlan, u32, Reply<u64>),
     /// A write that changes nothing a record depends on, made to find out whether the database
     /// takes writes again after it was lost. The only write run while the store is lost.
     Probe(Millis, Reply<()>),
@@ -302,7 +304,7 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
         Write::ClaimUnclaimed(owner, until, idle_since, now, limit, r) => {
             pending(r, claim_unclaimed(conn, &owner, until, idle_since, now, limit))
         }
-        Write::SweepDone(cutoff, limit, r) => pending(r, sweep_done(conn, cutoff, limit)),
+        Write::SweepDone(plan, limit, r) => pending(r, sweep_done(conn, &plan, limit)),
         Write::Probe(now, r) => pending(r, probe(conn, now)),
         Write::AddAnswerCounts(counts, forget_before, r) => {
             pending(r, super::stats::add_answer_counts(conn, &counts, forget_before))

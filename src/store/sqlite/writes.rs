@@ -9,7 +9,7 @@ use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Record, State};
 use crate::store::{
     decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
-    Stored,
+    Stored, SweepPlan,
 };
 
 impl Columns for rusqlite::Row<'_> {
@@ -63,8 +63,9 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     in_flight_number = NULL, in_flight_started_at = NULL, stop_reason = NULL,
     response_status = NULL, response_headers = NULL, response_body = NULL, done_at = NULL,
     cancel_requested = 0, probe_count = 0, next_probe_at = NULL, not_before = NULL,
-    updated_at = excluded.updated_at
-WHERE (records.state = 'done' AND records.done_at < ?15)
+    tombstone_until = NULL, updated_at = excluded.updated_at
+WHERE (records.state = 'done' AND records.done_at < ?15
+       AND NOT (?16 IS NOT NULL AND records.done_at >= ?16 AND records.fingerprint = excluded.fingerprint))
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
 RETURNING id, state";
 
@@ -93,6 +94,7 @@ pub(super) fn admit(conn: &Connection, new: NewRecord, cutoff: Millis) -> Result
                 new.claim.as_ref().map(|c| c.owner.as_str()),
                 new.claim.as_ref().map(|c| c.lease_until),
                 cutoff,
+                new.tombstone_cutoff,
             ],
             |row| Ok((row.get(0)?, row.get(1)?)),
         )
@@ -345,14 +347,39 @@ pub(super) fn claim_unclaimed(
     Ok(records)
 }
 
-pub(super) fn sweep_done(conn: &Connection, cutoff: Millis, limit: u32) -> Result<u64, StoreError> {
-    let deleted = conn
+pub(super) fn sweep_done(conn: &Connection, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+    let mut changed = 0;
+    for route in &plan.routes {
+        changed += match route.tombstone_after {
+            Some(after) => conn
+                .prepare_cached(
+                    "UPDATE records SET tombstone_until = done_at + ?3, path = '', query = '',
+                        request_headers = '[]', request_body = X'', attempts = '[]', history = '[]',
+                        response_headers = NULL, response_body = NULL
+                     WHERE id IN (SELECT id FROM records WHERE state = 'done' AND tombstone_until IS NULL
+                                  AND done_at < ?1 AND route = ?2 LIMIT ?4)",
+                )?
+                .execute(params![route.cutoff, route.route, after, limit])?,
+            None => conn
+                .prepare_cached(
+                    "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
+                        AND tombstone_until IS NULL AND done_at < ?1 AND route = ?2 LIMIT ?3)",
+                )?
+                .execute(params![route.cutoff, route.route, limit])?,
+        };
+    }
+    let configured = serde_json::to_string(&plan.routes.iter().map(|r| &r.route).collect::<Vec<_>>())?;
+    changed += conn
         .prepare_cached(
-            "DELETE FROM records WHERE id IN (
-                SELECT id FROM records WHERE state = 'done' AND done_at < ?1 LIMIT ?2)",
+            "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
+                AND tombstone_until IS NULL AND done_at < ?1
+                AND route NOT IN (SELECT value FROM json_each(?2)) LIMIT ?3)",
         )?
-        .execute(params![cutoff, limit])?;
-    Ok(deleted as u64)
+        .execute(params![plan.others_cutoff, configured, limit])?;
+    changed += conn
+        .prepare_cached("DELETE FROM records WHERE id IN (SELECT id FROM records WHERE tombstone_until < ?1 LIMIT ?2)")?
+        .execute(params![plan.now, limit])?;
+    Ok(changed as u64)
 }
 
 /// Rewrites the one row of `liveness`: a commit that touches no record.
