@@ -117,26 +117,13 @@ impl Execution {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::Jitter;
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
     }
 
     fn seed() -> RetryPolicy {
-        RetryPolicy {
-            max_attempts: 3,
-            deadline: ms(1500),
-            per_try_timeout: ms(600),
-            min_try: ms(100),
-            base: ms(200),
-            cap: ms(800),
-            jitter: Jitter::Full,
-            not_processed: vec![429, 503],
-            ambiguous: vec![502, 504],
-            budget_ratio: 0.1,
-            budget_min_per_sec: 10.0,
-        }
+        RetryPolicy::seed_example()
     }
 
     fn ended(observed: Observed, elapsed: u64) -> Ended {

@@ -328,16 +328,11 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn ms(n: u64) -> Duration {
-        Duration::from_millis(n)
-    }
-
+impl RetryPolicy {
     /// The seed article's policy: 1500 ms budget, 600 ms per try, 100 ms minimum window,
-    /// base 200 ms, cap 800 ms, full jitter.
-    fn seed() -> RetryPolicy {
+    /// base 200 ms, cap 800 ms, full jitter; the fixture of every test that follows the article.
+    pub(crate) fn seed_example() -> RetryPolicy {
+        let ms = Duration::from_millis;
         RetryPolicy {
             max_attempts: 3,
             deadline: ms(1500),
@@ -351,6 +346,21 @@ mod tests {
             budget_ratio: 0.1,
             budget_min_per_sec: 10.0,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    /// The seed article's policy: 1500 ms budget, 600 ms per try, 100 ms minimum window,
+    /// base 200 ms, cap 800 ms, full jitter.
+    fn seed() -> RetryPolicy {
+        RetryPolicy::seed_example()
     }
 
     fn after(attempts: u32, class: Class, elapsed: u64) -> AfterAttempt {
