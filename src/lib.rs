@@ -3,7 +3,10 @@
 //! A request's path through the crate:
 //!
 //! - [`config`] — the TOML file, validated into routes and policies.
-//! - [`ingress`] — HTTP in: route match, tenant, [`key`] and [`fingerprint`], load shedding, and
+//! - [`edge`] — the listeners' accept loop: connection budgets, header and body timeouts, the
+//!   bound on request bytes held in memory.
+//! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
+//!   [`key`] (sent, or [`derived`]) and [`fingerprint`], load shedding, and
 //!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory.

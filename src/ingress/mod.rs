@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Request, State as AxumState};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::extract::{Request, State as AxumState};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -26,8 +26,8 @@ use crate::policy::StopReason;
 use crate::policy::{outcome_eta, Pending};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{duration_ms, now_ms, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
-use crate::store::{Admission, Cancelled, Health, NewRecord, Store};
+use crate::record::{duration_ms, now_ms, Millis, Phase, Record, State, StoredRequest};
+use crate::store::{Admission, Health, NewRecord, Store};
 use crate::tally::Tally;
 use crate::upstream::{self, Upstream};
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
@@ -55,63 +55,13 @@ pub struct Ingress {
     pub tally: Arc<Tally>,
 }
 
-/// Answers of `done` records, kept in memory. A done record never changes until retention
-/// deletes it — on every node alike — so its answer can be replayed without reading the
-/// database, provided the entry expires no later than the record does.
-pub struct Replays {
-    cache: quick_cache::sync::Cache<String, Arc<Replay>, ByteWeight>,
-}
+mod answers;
+mod replays;
+mod requests;
 
-pub struct Replay {
-    fingerprint: Fingerprint,
-    route: String,
-    response: StoredResponse,
-    /// No later than the record's own end of retention.
-    expires_at: Millis,
-}
-
-#[derive(Clone)]
-pub struct ByteWeight;
-
-/// What the allocator adds to each block it hands out: its header, and rounding to 16 bytes.
-const PER_ALLOCATION: usize = 24;
-
-/// An entry's weight is the memory it holds, so that the cache's budget is what it costs: its
-/// bytes, and the parts and allocations around them. For an answer of 60 bytes with two
-/// headers that is 652, against 671 bytes of resident memory per entry measured over 200,000.
-impl quick_cache::Weighter<String, Arc<Replay>> for ByteWeight {
-    fn weight(&self, key: &String, replay: &Arc<Replay>) -> u64 {
-        let response = &replay.response;
-        let headers: usize = response.headers.iter().map(|(n, v)| n.len() + v.len() + 2 * PER_ALLOCATION).sum();
-        let text = key.len() + replay.route.len() + response.body.len() + headers;
-        // The cache's slot, the shared Replay (and its two counts), the header list; the key,
-        // the Replay, its route, its header list and its body are an allocation each.
-        let parts = size_of::<(String, Arc<Replay>)>()
-            + size_of::<Replay>()
-            + 2 * size_of::<usize>()
-            + response.headers.len() * size_of::<(String, String)>();
-        (text + parts + 5 * PER_ALLOCATION) as u64
-    }
-}
-
-impl Replays {
-    /// At most `bytes` of answers are kept; the least recently useful go first.
-    pub fn new(bytes: u64) -> Replays {
-        Replays { cache: quick_cache::sync::Cache::with_weighter(16 * 1024, bytes, ByteWeight) }
-    }
-
-    fn id(tenant: &str, key: &str) -> String {
-        format!("{tenant}\u{0}{key}")
-    }
-
-    fn get(&self, tenant: &str, key: &str, now: Millis) -> Option<Arc<Replay>> {
-        self.cache.get(&Replays::id(tenant, key)).filter(|r| r.expires_at > now)
-    }
-
-    fn keep(&self, tenant: &str, key: &str, replay: Replay) {
-        self.cache.insert(Replays::id(tenant, key), Arc::new(replay));
-    }
-}
+use answers::{http_date, outcome_response, response_of, stored_response, Answer};
+pub use replays::{ByteWeight, Replay, Replays};
+use requests::{cancel_request, list_routes, show_request};
 
 pub fn router(ingress: Arc<Ingress>) -> Router {
     Router::new()
@@ -380,7 +330,7 @@ impl Ingress {
         spent.then(|| Problem::result_expired(status, &crate::record::rfc3339(record.updated_at)).state(State::Done))
     }
 
-    fn expired(&self, record: &Record) -> bool {
+    pub(super) fn expired(&self, record: &Record) -> bool {
         record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
     }
 
@@ -509,7 +459,7 @@ impl Ingress {
     }
 
     /// Waits up to `max` for a record to leave `in_progress`/queued; `None` if it disappeared.
-    async fn wait_for(&self, id: Uuid, max: Duration) -> Result<Option<Record>, Problem> {
+    pub(super) async fn wait_for(&self, id: Uuid, max: Duration) -> Result<Option<Record>, Problem> {
         let until = tokio::time::Instant::now() + max;
         // Another node may settle it: have it announced.
         self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
@@ -558,170 +508,5 @@ impl Ingress {
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
         }
-    }
-}
-
-/// An answer on a keyed route: a response, or a problem that is told its key before it is sent.
-type Answer = Result<Response, Problem>;
-
-/// A time as an HTTP-date header value.
-fn http_date(at: Millis) -> HeaderValue {
-    let when = std::time::UNIX_EPOCH + Duration::from_millis(at.max(0) as u64);
-    HeaderValue::from_str(&httpdate::fmt_http_date(when)).expect("an HTTP-date is a valid header value")
-}
-
-/// The answer for the request that drove an execution.
-fn outcome_response(outcome: Outcome) -> Answer {
-    match outcome {
-        Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
-        Outcome::Done(_, response) => Ok(stored_response(&response, false)),
-        Outcome::Unknown(_) => Err(Problem::outcome_unknown().state(State::Unknown)),
-        Outcome::Free(stop, Some(last)) => {
-            let mut response = response_of(&last);
-            let headers = response.headers_mut();
-            headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
-            // The broker has retried already; only an upstream that asked for more time than the
-            // deadline left is worth asking again, later.
-            let again = stop == StopReason::RetryAfterBeyondDeadline;
-            headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
-            Ok(response)
-        }
-        Outcome::Free(stop, None) => {
-            let problem = match stop {
-                StopReason::Deadline => Problem::deadline_exceeded(),
-                StopReason::Cancelled => Problem::cancelled(),
-                StopReason::CircuitOpen => Problem::upstream_unavailable("its circuit breaker is open").retry_after(1),
-                StopReason::RetryBudget => {
-                    Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
-                }
-                StopReason::RetryAfterBeyondDeadline => {
-                    Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
-                        .retry_after(1)
-                        .retryable()
-                }
-                _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
-            };
-            Err(problem.state(State::NotStarted))
-        }
-        Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
-    }
-}
-
-/// A stored response, as the upstream gave it; replays are marked.
-fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
-    let mut response = response_of(stored);
-    let headers = response.headers_mut();
-    headers.insert(STATUS_HEADER, HeaderValue::from_static(State::Done.as_str()));
-    headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
-    if replayed {
-        headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-    }
-    response
-}
-
-fn response_of(stored: &StoredResponse) -> Response {
-    let mut response = Response::new(Body::from(stored.body.clone()));
-    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    *response.headers_mut() = upstream::to_header_map(&stored.headers);
-    response
-}
-
-// ---- /_idem/requests/{key} -----------------------------------------------------------------
-
-async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
-    let tenant = credentials::tenant(&app.config, headers)?;
-    let key = IdempotencyKey::parse(key).map_err(|e| match e {
-        KeyError::Missing => Problem::missing_key(),
-        KeyError::Invalid(why) => Problem::invalid_key(why),
-    })?;
-    match app.store.lookup(&tenant, key.as_str()).await {
-        Ok(Some(record)) if !app.expired(&record) => Ok(record),
-        Ok(_) => Err(Problem::not_found()),
-        Err(e) => Err(Problem::store(&e)),
-    }
-}
-
-fn record_response(status: StatusCode, record: &Record) -> Response {
-    let mut response = (status, Json(record.to_json(true))).into_response();
-    response.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
-    response
-}
-
-async fn show_request(
-    AxumState(app): AxumState<Arc<Ingress>>,
-    Path(key): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    let record = match find(&app, &headers, &key).await {
-        Ok(record) => record,
-        Err(problem) => return problem.into_response(),
-    };
-    // An agent can wait for the outcome instead of polling: `Prefer: wait=N`.
-    let wait = Prefer::from_headers(&headers).wait;
-    let record = match (wait, record.phase()) {
-        (Some(wait), Phase::Queued | Phase::InProgress) => match app.wait_for(record.id, wait).await {
-            Ok(Some(settled)) => settled,
-            Ok(None) => return Problem::not_found().into_response(),
-            Err(problem) => return problem.into_response(),
-        },
-        _ => record,
-    };
-    record_response(StatusCode::OK, &record)
-}
-
-/// `GET /_idem/routes`: each route's key rules, so a client (an agent) can tell which calls need
-/// a key, how one is derived, and how long a result is replayed.
-async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers: HeaderMap) -> Response {
-    if let Err(problem) = credentials::tenant(&app.config, &headers) {
-        return problem.into_response();
-    }
-    let h = |d: Duration| humantime::format_duration(d).to_string();
-    let routes: Vec<serde_json::Value> = app
-        .config
-        .routes
-        .iter()
-        .map(|r| {
-            serde_json::json!({
-                "name": r.name,
-                "path_prefix": r.path_prefix,
-                "keyed_methods": r.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
-                "require_key": r.require_key,
-                "replay_safe": r.replay_safe,
-                "retention": h(r.retention),
-                "retention_seconds": r.retention.as_secs(),
-                "tombstone": h(r.tombstone),
-                "tombstone_seconds": r.tombstone.as_secs(),
-                "max_body": r.max_body,
-                "key_from": r.key_from.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-                "fingerprint_ignore": r.fingerprint_ignore,
-            })
-        })
-        .collect();
-    Json(serde_json::json!({ "routes": routes })).into_response()
-}
-
-async fn cancel_request(
-    AxumState(app): AxumState<Arc<Ingress>>,
-    Path(key): Path<String>,
-    headers: HeaderMap,
-) -> Response {
-    let record = match find(&app, &headers, &key).await {
-        Ok(record) => record,
-        Err(problem) => return problem.into_response(),
-    };
-    let entry =
-        HistoryEntry { at: now_ms(), actor: format!("client:{}", record.tenant), action: "cancel".into(), note: None };
-    match app.store.cancel(record.id, entry).await {
-        Ok(Cancelled::Dequeued(record)) => {
-            app.settled.settled(record.id);
-            record_response(StatusCode::OK, &record)
-        }
-        Ok(Cancelled::Flagged(record)) => {
-            app.worker.cancel(record.id);
-            record_response(StatusCode::ACCEPTED, &record)
-        }
-        Ok(Cancelled::Refused(record)) => Problem::not_cancellable(record.state).into_response(),
-        Ok(Cancelled::Missing) => Problem::not_found().into_response(),
-        Err(e) => Problem::store(&e).into_response(),
     }
 }

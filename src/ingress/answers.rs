@@ -1,0 +1,80 @@
+//! Answers built from what is stored: the upstream's response as recorded, the outcome of an
+//! execution, and the problems that stand for an outcome that has no response.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
+
+use super::REPLAYED_HEADER;
+use crate::policy::StopReason;
+use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
+use crate::record::{Millis, State, StoredResponse};
+use crate::upstream;
+use crate::worker::Outcome;
+
+/// An answer on a keyed route: a response, or a problem that is told its key before it is sent.
+pub(super) type Answer = Result<Response, Problem>;
+
+/// A time as an HTTP-date header value.
+pub(super) fn http_date(at: Millis) -> HeaderValue {
+    let when = std::time::UNIX_EPOCH + Duration::from_millis(at.max(0) as u64);
+    HeaderValue::from_str(&httpdate::fmt_http_date(when)).expect("an HTTP-date is a valid header value")
+}
+
+/// The answer for the request that drove an execution.
+pub(super) fn outcome_response(outcome: Outcome) -> Answer {
+    match outcome {
+        Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
+        Outcome::Done(_, response) => Ok(stored_response(&response, false)),
+        Outcome::Unknown(_) => Err(Problem::outcome_unknown().state(State::Unknown)),
+        Outcome::Free(stop, Some(last)) => {
+            let mut response = response_of(&last);
+            let headers = response.headers_mut();
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
+            // The broker has retried already; only an upstream that asked for more time than the
+            // deadline left is worth asking again, later.
+            let again = stop == StopReason::RetryAfterBeyondDeadline;
+            headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
+            Ok(response)
+        }
+        Outcome::Free(stop, None) => {
+            let problem = match stop {
+                StopReason::Deadline => Problem::deadline_exceeded(),
+                StopReason::Cancelled => Problem::cancelled(),
+                StopReason::CircuitOpen => Problem::upstream_unavailable("its circuit breaker is open").retry_after(1),
+                StopReason::RetryBudget => {
+                    Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
+                }
+                StopReason::RetryAfterBeyondDeadline => {
+                    Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
+                        .retry_after(1)
+                        .retryable()
+                }
+                _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
+            };
+            Err(problem.state(State::NotStarted))
+        }
+        Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
+    }
+}
+
+/// A stored response, as the upstream gave it; replays are marked.
+pub(super) fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
+    let mut response = response_of(stored);
+    let headers = response.headers_mut();
+    headers.insert(STATUS_HEADER, HeaderValue::from_static(State::Done.as_str()));
+    headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
+    if replayed {
+        headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+pub(super) fn response_of(stored: &StoredResponse) -> Response {
+    let mut response = Response::new(Body::from(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    *response.headers_mut() = upstream::to_header_map(&stored.headers);
+    response
+}
