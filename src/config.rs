@@ -120,6 +120,9 @@ pub struct Route {
     pub retry: RetryPolicy,
     pub circuit: BreakerSettings,
     pub probe: Option<Probe>,
+    /// The header that tells the upstream, on every attempt, how many milliseconds that attempt
+    /// has; a client sending it on a keyed request may shorten the record's deadline with it.
+    pub deadline_header: Option<http::HeaderName>,
 }
 
 /// One source of a derived key (SPEC §9 `key_from`).
@@ -279,6 +282,12 @@ pub fn describe(c: &Config) -> String {
         if let Some(probe) = &r.probe {
             let _ = writeln!(out, "  probe {} {} after {}", probe.method, probe.path, h(probe.settle));
         }
+        if let Some(name) = &r.deadline_header {
+            let _ = writeln!(
+                out,
+                "  deadline header: {name} (each attempt's milliseconds sent upstream; a client's may shorten the deadline)"
+            );
+        }
     }
     out
 }
@@ -363,6 +372,7 @@ struct RawRoute {
     retry: Option<RawRetry>,
     circuit: Option<RawCircuit>,
     probe: Option<RawProbe>,
+    deadline_header: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -651,6 +661,11 @@ impl RawRoute {
         for pointer in &self.fingerprint_ignore {
             json_pointer(&format!("{key}.fingerprint_ignore"), pointer)?;
         }
+        let deadline_header = self
+            .deadline_header
+            .as_deref()
+            .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
+            .transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
@@ -671,8 +686,41 @@ impl RawRoute {
             retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
             circuit: self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?,
             probe,
+            deadline_header,
         })
     }
+}
+
+/// A header name the broker may set on every attempt: not one that belongs to the connection,
+/// the client's session, the key, or the route's credentials, which it would overwrite.
+fn deadline_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Result<http::HeaderName, ConfigError> {
+    let parsed = http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| invalid(key, format!("`{name}` is not a valid header name")))?;
+    const TAKEN: [&str; 16] = [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "authorization",
+        "cookie",
+        "host",
+        "prefer",
+        "content-type",
+        crate::key::HEADER,
+    ];
+    if TAKEN.contains(&parsed.as_str()) {
+        return Err(invalid(key, format!("`{name}` is a header the broker or the connection already uses")));
+    }
+    if credentials.contains_key(&parsed) {
+        return Err(invalid(key, format!("`{name}` is also one of the route's upstream_headers_env")));
+    }
+    Ok(parsed)
 }
 
 /// `header:NAME` or `json:/pointer`.
@@ -868,6 +916,18 @@ mod tests {
 
     fn with_retry_line(line: &str) -> String {
         format!("{MINIMAL}[routes.retry]\n{line}\n")
+    }
+
+    #[test]
+    fn a_deadline_header_must_be_a_header_name_the_broker_does_not_use() {
+        let c = Config::parse_with_env(&with_route_line("deadline_header = \"Request-Timeout-Ms\""), no_env).unwrap();
+        assert_eq!(c.routes[0].deadline_header.as_ref().map(|h| h.as_str()), Some("request-timeout-ms"));
+        assert!(Config::parse_with_env(MINIMAL, no_env).unwrap().routes[0].deadline_header.is_none());
+        assert!(describe(&c).contains("deadline header: request-timeout-ms"), "{}", describe(&c));
+        for bad in ["bad header", "", "Idempotency-Key", "Connection"] {
+            let e = error_of(&with_route_line(&format!("deadline_header = \"{bad}\"")));
+            assert!(e.contains("routes[0].deadline_header"), "{e}");
+        }
     }
 
     #[test]

@@ -78,6 +78,31 @@ pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
     map
 }
 
+/// Puts an attempt's limit, in whole milliseconds, in the route's deadline header: added at the
+/// send like the credentials, never stored, since every attempt has a limit of its own.
+pub fn tell_deadline(headers: &mut HeaderMap, name: Option<&HeaderName>, limit: Duration) {
+    if let Some(name) = name {
+        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        headers.insert(name.clone(), HeaderValue::from(ms));
+    }
+}
+
+/// The time a client gives its request in the route's deadline header: whole milliseconds, as
+/// ASCII digits. Anything else (a sign, a fraction, several values) is not understood and is
+/// ignored, so a client's typo never shortens its deadline to nothing.
+pub fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) -> Option<Duration> {
+    let mut values = headers.get_all(name?).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    let text = value.to_str().ok()?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse::<u64>().ok().map(Duration::from_millis)
+}
+
 /// The HTTP client for every upstream: no redirects followed (a 3xx is the upstream's answer),
 /// no proxy taken from the environment (only configured upstreams are ever called).
 #[derive(Clone)]
@@ -203,6 +228,24 @@ mod tests {
         assert_eq!(names(&kept), ["content-type", "set-cookie", "set-cookie", "location"]);
         let back = to_header_map(&kept);
         assert_eq!(back.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[test]
+    fn a_client_deadline_is_whole_milliseconds_or_ignored() {
+        let name = HeaderName::from_static("request-timeout-ms");
+        let of = |value: &str| client_deadline(&map(&[("request-timeout-ms", value)]), Some(&name));
+        assert_eq!(of("300"), Some(Duration::from_millis(300)));
+        assert_eq!(of(" 25 "), Some(Duration::from_millis(25)));
+        for bad in ["", "-5", "1.5", "3s", "99999999999999999999999"] {
+            assert_eq!(of(bad), None, "{bad}");
+        }
+        let two = map(&[("request-timeout-ms", "1"), ("request-timeout-ms", "2")]);
+        assert_eq!(client_deadline(&two, Some(&name)), None);
+        assert_eq!(client_deadline(&map(&[("request-timeout-ms", "300")]), None), None);
+
+        let mut sent = HeaderMap::new();
+        tell_deadline(&mut sent, Some(&name), Duration::from_micros(1_250_900));
+        assert_eq!(sent.get(&name).unwrap(), "1250");
     }
 
     #[tokio::test]

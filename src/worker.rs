@@ -19,7 +19,7 @@ use crate::policy::{
 };
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
 use crate::store::{self, Claim, Lease, Store};
-use crate::upstream::Upstream;
+use crate::upstream::{self, Upstream};
 
 /// What the request that started an execution is told when it ends.
 #[derive(Debug, Clone)]
@@ -241,7 +241,8 @@ enum WaitEnd {
 
 /// Where an execution stands between attempts.
 struct Progress {
-    /// When the request arrived: its deadline counts from here.
+    /// When the request arrived as its route's deadline counts: earlier than it did if the client
+    /// shortened its deadline, so that the time left always ends at the record's `deadline_at`.
     arrival: Millis,
     /// The number of the last attempt stored with the record (all executions).
     number: u32,
@@ -616,12 +617,14 @@ impl Inner {
             if made == 1 {
                 self.guards.first_attempt(&route.name);
             }
+            let mut told = credentials.clone();
+            upstream::tell_deadline(&mut told, route.deadline_header.as_ref(), limit);
             let clock = Instant::now();
             let sent = self.upstream.send(
                 &record.method,
                 url.clone(),
                 &record.request.headers,
-                credentials,
+                &told,
                 record.request.body.clone(),
                 limit,
             );

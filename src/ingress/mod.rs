@@ -109,6 +109,24 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     response
 }
 
+/// The request's deadline: the route's, or less if the client asks for less in the route's
+/// deadline header. A client cannot lengthen it, and a value it sends that is not whole
+/// milliseconds is ignored.
+fn deadline(route: &Route, headers: &http::HeaderMap) -> Duration {
+    let asked = upstream::client_deadline(headers, route.deadline_header.as_ref());
+    asked.map_or(route.retry.deadline, |asked| asked.min(route.retry.deadline))
+}
+
+/// The request headers kept with the record. The client's deadline header is not among them:
+/// each attempt sends its own limit in it instead.
+fn stored_headers(route: &Route, headers: &http::HeaderMap) -> Vec<(String, String)> {
+    let mut kept = upstream::forwardable_request_headers(headers, route.forward_idempotency_key);
+    if let Some(name) = &route.deadline_header {
+        kept.retain(|(n, _)| n != name.as_str());
+    }
+    kept
+}
+
 /// The whole body, and its share of the memory budget: keep that until the request is answered.
 ///
 /// A body that keeps trickling in never falls silent for `body_timeout`, so its reading is also
@@ -222,11 +240,8 @@ impl Ingress {
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
-            request: StoredRequest {
-                headers: upstream::forwardable_request_headers(&parts.headers, route.forward_idempotency_key),
-                body,
-            },
-            deadline_at: arrival + duration_ms(route.retry.deadline),
+            request: StoredRequest { headers: stored_headers(&route, &parts.headers), body },
+            deadline_at: arrival + duration_ms(deadline(&route, &parts.headers)),
             now: arrival,
             claim: None,
             tombstone_cutoff: (!route.tombstone.is_zero())
@@ -503,7 +518,9 @@ impl Ingress {
         if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
             credentials.insert(header::AUTHORIZATION, credential.clone());
         }
-        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, route.retry.deadline).await {
+        let limit = deadline(route, &parts.headers);
+        upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
+        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, limit).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
