@@ -142,6 +142,31 @@ enum RequestsAction {
         #[arg(long)]
         note: Option<String>,
     },
+    /// Apply one action to every record a filter matches, each audited on its own. Try it with
+    /// --dry-run first: that prints how many match and a sample, and changes nothing.
+    Bulk {
+        #[arg(long)]
+        state: String,
+        #[arg(long)]
+        route: Option<String>,
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Only records created after this RFC 3339 UTC time (2024-05-01T12:00:00Z).
+        #[arg(long)]
+        created_after: Option<String>,
+        /// Only records created before this RFC 3339 UTC time.
+        #[arg(long)]
+        created_before: Option<String>,
+        #[arg(long, value_parser = ["resolve-not-executed", "retry", "cancel"])]
+        action: String,
+        #[arg(long)]
+        dry_run: bool,
+        /// At most this many records (the API's default is 1000).
+        #[arg(long)]
+        limit: Option<u32>,
+        #[arg(long)]
+        note: Option<String>,
+    },
 }
 
 const OUTCOMES_HELP: &str = "What the upstream does on each attempt, in order: comma-separated items
@@ -243,5 +268,18 @@ fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliErro
         }
         RequestsAction::Retry { id, note } => cli::Command::Retry { id, note },
         RequestsAction::Cancel { id, note } => cli::Command::Cancel { id, note },
+        RequestsAction::Bulk { state, route, tenant, created_after, created_before, action, dry_run, limit, note } => {
+            cli::Command::Bulk(cli::Bulk {
+                state,
+                route,
+                tenant,
+                created_after,
+                created_before,
+                action: action.replace('-', "_"),
+                dry_run,
+                limit,
+                note,
+            })
+        }
     })
 }

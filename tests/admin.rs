@@ -230,7 +230,105 @@ async fn the_cli_lists_shows_and_settles_the_queue(b: Backend) {
     assert!(String::from_utf8_lossy(&out.stderr).contains("Only an unknown record"));
 }
 
+async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_history(b: Backend) {
+    let (upstream, broker) = setup(b, "[routes.circuit]\nfailures = 100\n").await;
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(unknown(&upstream, &broker, &format!("bulk{i}")).await);
+    }
+    send(broker.post("/payments", "bulk-done", BODY)).await;
+
+    let filter = json!({"state": "unknown", "route": "payments", "tenant": "default"});
+    let plan = admin_post(
+        &broker,
+        "/admin/requests/bulk",
+        json!({"filter": filter, "action": "resolve_not_executed", "dry_run": true}),
+    )
+    .await;
+    assert_eq!(plan.status, 200, "{:?}", plan.body);
+    let plan = plan.json();
+    assert_eq!(plan["count"], 4, "{plan:#}");
+    let sampled: Vec<&str> = plan["sample"].as_array().unwrap().iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(sampled, ids.iter().map(String::as_str).collect::<Vec<_>>());
+    for i in 0..4 {
+        assert_eq!(broker.record_json(&format!("bulk{i}")).await["state"], "unknown", "a dry run changes nothing");
+    }
+
+    // The CLI's dry run says the same.
+    let out = tokio::task::block_in_place(|| {
+        cli(
+            &broker,
+            &["bulk", "--state", "unknown", "--route", "payments", "--action", "resolve-not-executed", "--dry-run"],
+        )
+    });
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("4 record(s) match") && text.contains(&ids[0]), "{text}");
+
+    // A window of creation times that ends before the first record matches nothing.
+    let early = json!({"state": "unknown", "created_before": "2000-01-01T00:00:00Z"});
+    let none =
+        admin_post(&broker, "/admin/requests/bulk", json!({"filter": early, "action": "retry", "dry_run": true}));
+    assert_eq!(none.await.json()["count"], 0);
+
+    let applied = admin_post(
+        &broker,
+        "/admin/requests/bulk",
+        json!({"filter": filter, "action": "resolve_not_executed", "actor": "carol", "note": "provider outage, none charged"}),
+    )
+    .await;
+    assert_eq!(applied.status, 200, "{:?}", applied.body);
+    let applied = applied.json();
+    assert_eq!(applied["applied"], 4, "{applied:#}");
+    assert!(applied["refused"].as_array().unwrap().is_empty());
+    for i in 0..4 {
+        let record = broker.record_json(&format!("bulk{i}")).await;
+        assert_eq!(record["state"], "not_started");
+        let history = admin_get(&broker, &format!("/admin/requests/{}", ids[i])).await.json()["history"].clone();
+        let entries: Vec<&Value> = history.as_array().unwrap().iter().filter(|h| h["actor"] == "carol").collect();
+        assert_eq!(entries.len(), 1, "{history:#}");
+        assert_eq!(entries[0]["action"], "resolve not_executed");
+        assert_eq!(entries[0]["note"], "provider outage, none charged");
+    }
+    // Freed: the same request executes afresh.
+    assert_eq!(send(broker.post("/payments", "bulk0", BODY)).await.status, 201);
+    assert_eq!(upstream.hits("bulk0"), 2);
+    assert_eq!(broker.record_json("bulk-done").await["state"], "done");
+
+    // Nothing left to act on; a record that is not unknown is refused on its own.
+    let again = admin_post(&broker, "/admin/requests/bulk", json!({"filter": filter, "action": "retry"})).await.json();
+    assert_eq!((again["matched"].clone(), again["applied"].clone()), (json!(0), json!(0)), "{again:#}");
+    let done = json!({"state": "done"});
+    let refused = admin_post(&broker, "/admin/requests/bulk", json!({"filter": done, "action": "retry"})).await.json();
+    assert_eq!(refused["applied"], 0, "{refused:#}");
+    assert!(refused["refused"][0]["reason"].as_str().unwrap().contains("Only an unknown record"), "{refused:#}");
+}
+
+async fn bad_bulk_requests_are_refused_naming_the_field(b: Backend) {
+    let (upstream, broker) = setup(b, "").await;
+    unknown(&upstream, &broker, "stays").await;
+    for (body, name, field) in [
+        (json!({"action": "retry"}), "invalid-filter", "filter"),
+        (json!({"filter": {"state": "lost"}, "action": "retry"}), "invalid-filter", "filter.state"),
+        (
+            json!({"filter": {"state": "unknown", "created_after": "noon"}, "action": "retry"}),
+            "invalid-filter",
+            "created_after",
+        ),
+        (json!({"filter": {"state": "unknown"}, "action": "explode"}), "invalid-action", "action"),
+        (json!({"filter": {"state": "unknown"}, "action": "retry", "limit": 0}), "invalid-limit", "limit"),
+        (json!({"filter": {"state": "unknown", "routes": "x"}, "action": "retry"}), "invalid-body", "routes"),
+    ] {
+        let r = admin_post(&broker, "/admin/requests/bulk", body.clone()).await;
+        r.assert_problem(400, name);
+        assert!(r.json()["detail"].as_str().unwrap().contains(field), "{body}: {:?}", r.body);
+    }
+    assert_eq!(broker.record_json("stays").await["state"], "unknown");
+}
+
 both_stores!(
+    a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_history,
+    bad_bulk_requests_are_refused_naming_the_field,
     the_reconciliation_queue_lists_unknown_records_with_cursor_paging,
     resolving_executed_makes_duplicates_replay_the_operators_response,
     resolving_not_executed_frees_the_key_for_a_fresh_execution,

@@ -30,6 +30,20 @@ pub enum Command {
     Resolve { id: String, outcome: Outcome, note: Option<String> },
     Retry { id: String, note: Option<String> },
     Cancel { id: String, note: Option<String> },
+    Bulk(Bulk),
+}
+
+/// `idem requests bulk`: the filter, the action as the API names it, and whether to only plan.
+pub struct Bulk {
+    pub state: String,
+    pub route: Option<String>,
+    pub tenant: Option<String>,
+    pub created_after: Option<String>,
+    pub created_before: Option<String>,
+    pub action: String,
+    pub dry_run: bool,
+    pub limit: Option<u32>,
+    pub note: Option<String>,
 }
 
 pub enum Outcome {
@@ -120,6 +134,19 @@ impl Client {
                 let path = format!("/admin/requests/{id}/cancel");
                 (self.call(reqwest::Method::POST, &path, Some(attribution(note))).await?, render_record)
             }
+            Command::Bulk(b) => {
+                let mut body = attribution(b.note);
+                body["filter"] = json!({
+                    "state": b.state, "route": b.route, "tenant": b.tenant,
+                    "created_after": b.created_after, "created_before": b.created_before,
+                });
+                body["action"] = json!(b.action);
+                body["dry_run"] = json!(b.dry_run);
+                if let Some(limit) = b.limit {
+                    body["limit"] = json!(limit);
+                }
+                (self.call(reqwest::Method::POST, "/admin/requests/bulk", Some(body)).await?, render_bulk)
+            }
         };
         Ok(if as_json { format!("{value:#}\n") } else { render(&value) })
     }
@@ -191,6 +218,35 @@ fn render_list(v: &Value) -> String {
         None => {
             let _ = writeln!(out, "\n{} shown", rows.len());
         }
+    }
+    out
+}
+
+fn render_bulk(v: &Value) -> String {
+    let mut out = String::new();
+    let more = if v["more"] == json!(true) { " (more match beyond the limit)" } else { "" };
+    if v["dry_run"] == json!(true) {
+        let _ = writeln!(out, "dry run: {} record(s) match{more}; nothing was changed", text(&v["count"]));
+        if v["sample"].as_array().is_some_and(|s| !s.is_empty()) {
+            let _ = writeln!(out);
+            out.push_str(&render_list(&json!({"items": v["sample"]})));
+        }
+        return out;
+    }
+    let empty = vec![];
+    let refused = v["refused"].as_array().unwrap_or(&empty);
+    let _ = writeln!(
+        out,
+        "applied to {} of {} record(s){more}; {} refused",
+        text(&v["applied"]),
+        text(&v["matched"]),
+        refused.len()
+    );
+    for r in refused {
+        let _ = writeln!(out, "  {}  {}", text(&r["id"]), text(&r["reason"]));
+    }
+    if v["stopped"] == json!(true) {
+        let _ = writeln!(out, "stopped early: the store could not take the rest; run it again");
     }
     out
 }

@@ -25,6 +25,7 @@ use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, Stat
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 
+mod bulk;
 pub mod cli;
 mod series;
 pub mod stats;
@@ -50,6 +51,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/resolve", post(resolve))
         .route("/admin/requests/{id}/retry", post(retry))
         .route("/admin/requests/{id}/cancel", post(cancel))
+        .route("/admin/requests/bulk", post(bulk::bulk))
         .route("/admin/stats", get(stats::stats))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
@@ -292,14 +294,21 @@ async fn resolve(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: 
                 ))
             }
         };
+    let record = apply_resolve(&admin, id, resolution, &body.who).await?;
+    Ok(record_json(&record))
+}
+
+/// Settles one `unknown` record as the operator says, and wakes whoever waits for it. The bulk
+/// action calls this too, so each record it settles is audited as a single resolve would be.
+async fn apply_resolve(admin: &Admin, id: Uuid, resolution: Resolution, who: &Attribution) -> Result<Record, Problem> {
     let action = match &resolution {
         Resolution::Executed(_) => "resolve executed",
         Resolution::NotExecuted => "resolve not_executed",
     };
-    match admin.store.resolve(id, resolution, body.who.entry(action)).await.map_err(store_problem)? {
+    match admin.store.resolve(id, resolution, who.entry(action)).await.map_err(store_problem)? {
         Action::Applied(record) => {
             admin.settled.settled(record.id);
-            Ok(record_json(&record))
+            Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "resolved")),
         Action::Missing => Err(not_found()),
@@ -309,6 +318,12 @@ async fn resolve(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: 
 async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: Bytes) -> Result<Response, Problem> {
     let id = record_id(&id)?;
     let who: Attribution = json_body(&body)?;
+    let record = apply_retry(&admin, id, &who).await?;
+    Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response())
+}
+
+/// Queues one `unknown` record again with a fresh deadline and hands it to a worker.
+async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Record, Problem> {
     let Some(record) = admin.store.get(id).await.map_err(store_problem)? else {
         return Err(not_found());
     };
@@ -323,9 +338,8 @@ async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: By
     let deadline_at = now_ms() + duration_ms(route.retry.deadline);
     match admin.store.retry(id, deadline_at, who.entry("retry")).await.map_err(store_problem)? {
         Action::Applied(record) => {
-            let shown = record.to_json(true);
-            admin.worker.submit(record, None, None);
-            Ok((StatusCode::ACCEPTED, Json(shown)).into_response())
+            admin.worker.submit(record.clone(), None, None);
+            Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "retried")),
         Action::Missing => Err(not_found()),
@@ -335,14 +349,23 @@ async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: By
 async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: Bytes) -> Result<Response, Problem> {
     let id = record_id(&id)?;
     let who: Attribution = json_body(&body)?;
+    match apply_cancel(&admin, id, &who).await? {
+        (record, false) => Ok(record_json(&record)),
+        (record, true) => Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response()),
+    }
+}
+
+/// Cancels one record: a queued one at once, a running one when its worker next looks (the
+/// flag is `true` then).
+async fn apply_cancel(admin: &Admin, id: Uuid, who: &Attribution) -> Result<(Record, bool), Problem> {
     match admin.store.cancel(id, who.entry("cancel")).await.map_err(store_problem)? {
         Cancelled::Dequeued(record) => {
             admin.settled.settled(record.id);
-            Ok(record_json(&record))
+            Ok((record, false))
         }
         Cancelled::Flagged(record) => {
             admin.worker.cancel(record.id);
-            Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response())
+            Ok((record, true))
         }
         Cancelled::Refused(record) => Err(Problem::not_cancellable(record.state)),
         Cancelled::Missing => Err(not_found()),
