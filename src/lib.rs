@@ -12,14 +12,16 @@
 //!   are replayed from memory.
 //! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
 //!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A
-//!   record is committed before anything goes upstream.
+//!   record is committed before anything goes upstream; its deadline is the route's, or
+//!   shorter when the client asks in the route's `deadline_header`.
 //! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
 //!   requests while the store cannot record them.
-//! - [`admin`] — the operator listener: the admin API, its CLI, the console, health; the
+//! - [`admin`] — the operator listener: the admin API (one record's actions, and the same
+//!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
 //!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
 //!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]

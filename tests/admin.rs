@@ -281,10 +281,10 @@ async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_histo
     let applied = applied.json();
     assert_eq!(applied["applied"], 4, "{applied:#}");
     assert!(applied["refused"].as_array().unwrap().is_empty());
-    for i in 0..4 {
+    for (i, id) in ids.iter().enumerate() {
         let record = broker.record_json(&format!("bulk{i}")).await;
         assert_eq!(record["state"], "not_started");
-        let history = admin_get(&broker, &format!("/admin/requests/{}", ids[i])).await.json()["history"].clone();
+        let history = admin_get(&broker, &format!("/admin/requests/{id}")).await.json()["history"].clone();
         let entries: Vec<&Value> = history.as_array().unwrap().iter().filter(|h| h["actor"] == "carol").collect();
         assert_eq!(entries.len(), 1, "{history:#}");
         assert_eq!(entries[0]["action"], "resolve not_executed");
