@@ -72,8 +72,17 @@ impl DatabaseFiles {
             available: AtomicBool::new(true),
             lost: Mutex::new(None),
         };
-        files.verify()?;
+        // Not the log yet: another connection to the database, closing now (a broker restarted in
+        // this process, a migration), may still delete it and leave the next one to SQLite. The
+        // writer learns it once its own connection holds the database open (see `learn_log`).
+        files.verify_database()?;
         Ok(files)
+    }
+
+    /// Called by the writer once its connection has read the database: from then on that
+    /// connection keeps the log in place, so the log seen now is the store's own.
+    pub(super) fn learn_log(&self) -> Result<(), StoreError> {
+        self.verify()
     }
 
     /// Refuses work while the files are lost.
@@ -93,15 +102,25 @@ impl DatabaseFiles {
     /// Do the paths still name the opened files? Two `stat` calls, cheap enough for every
     /// commit. A mismatch marks the files lost.
     pub(super) fn verify(&self) -> Result<(), StoreError> {
+        self.verify_database()?;
+        self.verify_log()
+    }
+
+    /// Does the path still name the opened database file? (Not yet the log: see `learn_log`.)
+    pub(super) fn verify_database(&self) -> Result<(), StoreError> {
         let database = match FileId::of(&self.database) {
             Ok(id) if id == self.opened => None,
             Ok(_) => Some("was replaced by another file".to_string()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some("was deleted".to_string()),
             Err(e) => Some(format!("cannot be inspected ({e})")),
         };
-        if let Some(what) = database {
-            return Err(self.lose(format!("the SQLite database {} {what}", self.database.display())));
+        match database {
+            Some(what) => Err(self.lose(format!("the SQLite database {} {what}", self.database.display()))),
+            None => Ok(()),
         }
+    }
+
+    fn verify_log(&self) -> Result<(), StoreError> {
         let mut wal_opened = self.wal_opened.lock().unwrap_or_else(|p| p.into_inner());
         let wal = match (FileId::of(&self.wal), *wal_opened) {
             (Ok(id), None) => {

@@ -72,7 +72,9 @@ impl SqliteStore {
                 let files = files.clone();
                 move |_, _| {
                     let files = files.clone();
-                    Box::pin(async move { files.verify().map_err(|e| sqlx::Error::Configuration(Box::new(e))) })
+                    Box::pin(
+                        async move { files.verify_database().map_err(|e| sqlx::Error::Configuration(Box::new(e))) },
+                    )
                 }
             })
             .connect_with(options.clone().read_only(true))

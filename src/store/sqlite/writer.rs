@@ -92,6 +92,9 @@ pub(super) fn start(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;
          PRAGMA wal_autocheckpoint = {WAL_BACKSTOP_PAGES};"
     ))?;
+    // A read makes this connection hold the log open, so no other connection's close deletes it.
+    conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
+    files.learn_log()?;
     let checkpoints = Connection::open(path)?;
     let cannot = |e: std::io::Error| StoreError::Unavailable(format!("cannot start the sqlite writer: {e}"));
     let (nudge, nudges) = std_mpsc::sync_channel(1);
