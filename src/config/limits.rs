@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use super::{duration, invalid, positive, ConfigError, RawServer, Route};
+use super::raw::{duration, positive, RawServer};
+use super::{invalid, ConfigError, Route};
 
 /// A client that takes longer than this to send a request head or to continue its body is not
 /// slow but absent or hostile; a larger setting would let it hold its connection that long.

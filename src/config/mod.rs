@@ -1,0 +1,296 @@
+//! The broker's configuration (SPEC §2): a TOML file parsed into raw serde structs, then
+//! validated into typed values. Anything wrong is refused at start with an error that names the
+//! key and the problem, so a bad deploy fails before it serves a single request.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::Method;
+
+use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
+
+mod limits;
+mod raw;
+use raw::RawConfig;
+mod route;
+#[cfg(test)]
+mod tests;
+pub use limits::EdgeLimits;
+
+/// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The reason is the error's source, so that a report of the whole chain states it once.
+    #[error("cannot read {path}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{0}")]
+    Syntax(String),
+    #[error("config key `{key}`: {problem}")]
+    Invalid { key: String, problem: String },
+}
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), problem: problem.into() }
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub auth: AuthConfig,
+    pub routes: Vec<Route>,
+    pub worker: WorkerConfig,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: SocketAddr,
+    pub limits: EdgeLimits,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `sqlite://…` or `postgres://…`; the scheme picks the backend.
+    pub url: String,
+    /// How long `done` records are kept and replayed.
+    pub retention: Duration,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    /// The admin bearer token, read from the environment variable the config names.
+    /// `None` means the admin API takes no token.
+    pub admin_token: Option<String>,
+    /// Empty means every caller is tenant "default" — or, when a route forwards the client's
+    /// `Authorization`, the tenant of that credential's digest.
+    pub tenants: Vec<Tenant>,
+    /// A header that carries the tenant token (e.g. `x-api-key`), read before `Authorization`.
+    pub token_header: Option<http::HeaderName>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Tenant {
+    pub name: String,
+    /// SHA-256 of the tenant's bearer token; the token itself is never stored.
+    pub token_sha256: [u8; 32],
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Records executed at once by this process.
+    pub concurrency: usize,
+    /// An `in_progress` record whose lease is not renewed within this is taken over.
+    pub lease: Duration,
+    /// Take-overs after which a record is stopped instead of continued: a record whose worker
+    /// keeps dying on it (one that crashes the process, say) must not do so forever.
+    pub max_takeovers: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path_prefix: String,
+    /// Base URL of the upstream, without a trailing slash; the request path is appended.
+    pub upstream: String,
+    /// The upstream URL's own path without its trailing slash (`/orders-api`, or empty): every
+    /// path sent upstream is this followed by the request's path, and nothing else.
+    pub upstream_path: String,
+    /// Methods that require an `Idempotency-Key`; any other method is proxied unrecorded.
+    pub methods: Vec<Method>,
+    /// May an attempt that possibly executed be sent again?
+    pub replay_safe: bool,
+    pub forward_idempotency_key: bool,
+    /// Headers sent upstream on every attempt and probe (credentials), read from the
+    /// environment at start; marked sensitive, so `Debug` shows their names only.
+    pub upstream_headers: http::HeaderMap,
+    /// Send the client's own `Authorization` upstream. It is held in memory only, so an
+    /// attempt that would need it after its process is gone is not sent.
+    pub forward_authorization: bool,
+    /// Refuse a request on a keyed method that has no key (400), or proxy it unrecorded.
+    pub require_key: bool,
+    /// How long this route's `done` records are replayed (the store's `retention` unless set).
+    pub retention: Duration,
+    /// How long, after retention, a done record's key is remembered as spent (410); zero: not at all.
+    pub tombstone: Duration,
+    /// Where a key comes from when the client sends none: headers and JSON pointers into the body.
+    pub key_from: Vec<KeySource>,
+    /// JSON pointers removed from the body before it is fingerprinted (timestamps, nonces).
+    pub fingerprint_ignore: Vec<String>,
+    pub max_body: usize,
+    pub max_concurrency: usize,
+    pub retry: RetryPolicy,
+    pub circuit: BreakerSettings,
+    pub probe: Option<Probe>,
+    /// The header that tells the upstream, on every attempt, how many milliseconds that attempt
+    /// has; a client sending it on a keyed request may shorten the record's deadline with it.
+    pub deadline_header: Option<http::HeaderName>,
+}
+
+/// One source of a derived key (SPEC §9 `key_from`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    Header(http::HeaderName),
+    /// An RFC 6901 pointer into the JSON body.
+    Json(String),
+}
+
+impl std::fmt::Display for KeySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeySource::Header(name) => write!(f, "header:{name}"),
+            KeySource::Json(pointer) => write!(f, "json:{pointer}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Probe {
+    pub method: Method,
+    /// A path template; `{idempotency_key}` is replaced by the record's key.
+    pub path: String,
+    /// How long after the outcome became unknown the first probe is sent.
+    pub settle: Duration,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        Config::parse(&text)
+    }
+
+    /// Parses and validates a config, reading secrets from the process environment.
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse_with_env(text, |name| std::env::var(name).ok())
+    }
+
+    pub fn parse_with_env(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        raw.validate(&env)
+    }
+
+    /// The route whose `path_prefix` is the longest prefix of `path`, on a segment boundary.
+    pub fn route_for(&self, path: &str) -> Option<&Route> {
+        self.routes.iter().filter(|r| prefix_matches(&r.path_prefix, path)).max_by_key(|r| r.path_prefix.len())
+    }
+
+    pub fn route_named(&self, name: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.name == name)
+    }
+
+    pub fn uses_tenants(&self) -> bool {
+        !self.auth.tenants.is_empty()
+    }
+
+    /// Keys are scoped by the client's credential: no tenants, and a route that forwards the
+    /// client's `Authorization` (each credential is an account of the upstream's).
+    pub fn scopes_by_credential(&self) -> bool {
+        !self.uses_tenants() && self.routes.iter().any(|r| r.forward_authorization)
+    }
+}
+
+impl Route {
+    /// Where a request with this path and query goes upstream; refused unless the URL sent
+    /// has exactly the path matched (see [`crate::path`]).
+    pub fn upstream_url(&self, path: &str, query: &str) -> Result<reqwest::Url, crate::path::InvalidPath> {
+        crate::path::upstream_url(&self.upstream, &self.upstream_path, path, query)
+    }
+}
+
+/// `/payments` matches `/payments`, `/payments/1` and `/payments?x`, but not `/paymentsX`.
+fn prefix_matches(prefix: &str, path: &str) -> bool {
+    if prefix == "/" {
+        return true;
+    }
+    match path.strip_prefix(prefix.trim_end_matches('/')) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// The effective configuration, as `idem check` prints it.
+pub fn describe(c: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let h = humantime::format_duration;
+    let _ = writeln!(out, "config ok");
+    let _ = writeln!(out, "listen        {}", c.server.listen);
+    let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
+    let _ = writeln!(out, "limits        {}", c.server.limits.describe());
+    let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
+    let _ = writeln!(
+        out,
+        "auth          {} tenant(s); admin token {}",
+        c.auth.tenants.len(),
+        if c.auth.admin_token.is_some() { "set" } else { "not required" }
+    );
+    let _ = writeln!(
+        out,
+        "worker        concurrency {}, lease {}, max_takeovers {}",
+        c.worker.concurrency,
+        h(c.worker.lease),
+        c.worker.max_takeovers
+    );
+    for r in &c.routes {
+        let p = &r.retry;
+        let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
+        let _ = writeln!(out, "\nroute {}  {} -> {}", r.name, r.path_prefix, r.upstream);
+        let _ = writeln!(
+            out,
+            "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_concurrency {}",
+            methods.join(","),
+            r.replay_safe,
+            r.forward_idempotency_key,
+            r.max_body,
+            r.max_concurrency
+        );
+        let _ = writeln!(
+            out,
+            "  retry: {} attempts within {} (per try {}, min {}); backoff {:?} jitter, base {}, cap {}",
+            p.max_attempts,
+            h(p.deadline),
+            h(p.per_try_timeout),
+            h(p.min_try),
+            p.jitter,
+            h(p.base),
+            h(p.cap)
+        );
+        let _ = writeln!(
+            out,
+            "  not_processed {:?}; ambiguous {:?}; budget {}% of first attempts + {}/s",
+            p.not_processed,
+            p.ambiguous,
+            p.budget_ratio * 100.0,
+            p.budget_min_per_sec
+        );
+        let c = &r.circuit;
+        let _ = writeln!(
+            out,
+            "  circuit: opens after {} failures in a row for {} (up to {}), {} trial(s) half-open",
+            c.failures,
+            h(c.open_for),
+            h(c.max_open_for),
+            c.trials
+        );
+        let credentials: Vec<&str> = r.upstream_headers.keys().map(|n| n.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "  upstream credentials: headers [{}] (values from the environment); client's Authorization {}; key {}",
+            credentials.join(", "),
+            if r.forward_authorization { "forwarded" } else { "not forwarded" },
+            if r.require_key { "required" } else { "optional (keyless requests proxied unrecorded)" }
+        );
+        if let Some(probe) = &r.probe {
+            let _ = writeln!(out, "  probe {} {} after {}", probe.method, probe.path, h(probe.settle));
+        }
+        if let Some(name) = &r.deadline_header {
+            let _ = writeln!(
+                out,
+                "  deadline header: {name} (each attempt's milliseconds sent upstream; a client's may shorten the deadline)"
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,320 @@
+//! The TOML file's raw shape, and the validation of everything but the routes.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::Method;
+use serde::Deserialize;
+
+use super::*;
+
+// ---- raw TOML shape -------------------------------------------------------------------------
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub(super) server: Option<RawServer>,
+    pub(super) store: Option<RawStore>,
+    pub(super) auth: Option<RawAuth>,
+    #[serde(default)]
+    pub(super) routes: Vec<RawRoute>,
+    pub(super) worker: Option<RawWorker>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub(super) listen: Option<String>,
+    pub(super) admin_listen: Option<String>,
+    pub(super) header_timeout: Option<String>,
+    pub(super) body_timeout: Option<String>,
+    pub(super) max_connections: Option<i64>,
+    pub(super) admin_max_connections: Option<i64>,
+    pub(super) max_buffered_bodies: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStore {
+    pub(super) url: Option<String>,
+    pub(super) retention: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAuth {
+    pub(super) admin_token_env: Option<String>,
+    pub(super) token_header: Option<String>,
+    #[serde(default)]
+    pub(super) tenants: Vec<RawTenant>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenant {
+    pub(super) name: String,
+    token_sha256: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWorker {
+    pub(super) concurrency: Option<i64>,
+    pub(super) lease: Option<String>,
+    pub(super) max_takeovers: Option<i64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) name: String,
+    pub(super) path_prefix: String,
+    pub(super) upstream: String,
+    pub(super) methods: Option<Vec<String>>,
+    pub(super) replay_safe: Option<bool>,
+    pub(super) forward_idempotency_key: Option<bool>,
+    #[serde(default)]
+    pub(super) upstream_headers_env: std::collections::BTreeMap<String, String>,
+    pub(super) forward_authorization: Option<bool>,
+    pub(super) require_key: Option<bool>,
+    pub(super) retention: Option<String>,
+    pub(super) tombstone: Option<String>,
+    #[serde(default)]
+    pub(super) key_from: Vec<String>,
+    #[serde(default)]
+    pub(super) fingerprint_ignore: Vec<String>,
+    pub(super) max_body: Option<String>,
+    pub(super) max_concurrency: Option<i64>,
+    pub(super) retry: Option<RawRetry>,
+    pub(super) circuit: Option<RawCircuit>,
+    pub(super) probe: Option<RawProbe>,
+    pub(super) deadline_header: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCircuit {
+    pub(super) failures: Option<i64>,
+    pub(super) open_for: Option<String>,
+    pub(super) max_open_for: Option<String>,
+    pub(super) trials: Option<i64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRetry {
+    pub(super) max_attempts: Option<i64>,
+    pub(super) deadline: Option<String>,
+    pub(super) per_try_timeout: Option<String>,
+    pub(super) min_try: Option<String>,
+    pub(super) base: Option<String>,
+    pub(super) cap: Option<String>,
+    pub(super) jitter: Option<String>,
+    pub(super) not_processed: Option<Vec<i64>>,
+    pub(super) ambiguous: Option<Vec<i64>>,
+    pub(super) budget_ratio: Option<f64>,
+    pub(super) budget_min_per_sec: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProbe {
+    pub(super) method: Option<String>,
+    pub(super) path: String,
+    pub(super) settle: Option<String>,
+}
+
+// ---- validation -----------------------------------------------------------------------------
+
+pub(super) fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
+    let text = value.unwrap_or(default);
+    let d = humantime::parse_duration(text)
+        .map_err(|e| invalid(key, format!("`{text}` is not a duration like \"250ms\" or \"30s\": {e}")))?;
+    if d.is_zero() {
+        return Err(invalid(key, "must be greater than zero"));
+    }
+    if d > MAX_DURATION {
+        return Err(invalid(key, format!("`{text}` is beyond any sane bound (at most 366 days)")));
+    }
+    Ok(d)
+}
+
+/// No setting is meant to last longer than this; a longer one is a typo (`1000years`) whose
+/// arithmetic in milliseconds would overflow.
+pub(super) const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// No count is meant to be larger than this.
+pub(super) const MAX_COUNT: i64 = 1_000_000;
+
+/// Bodies are held in memory and stored whole: a larger limit is a typo (`100TiB`).
+pub(super) const MAX_BODY: u64 = 1024 * 1024 * 1024;
+
+pub(super) fn socket_addr(key: &str, value: Option<&str>, default: &str) -> Result<SocketAddr, ConfigError> {
+    let text = value.unwrap_or(default);
+    text.parse().map_err(|_| invalid(key, format!("`{text}` is not an address like \"127.0.0.1:8080\"")))
+}
+
+pub(super) fn positive(key: &str, value: Option<i64>, default: i64) -> Result<usize, ConfigError> {
+    let v = value.unwrap_or(default);
+    if v < 1 {
+        return Err(invalid(key, format!("must be at least 1, got {v}")));
+    }
+    if v > MAX_COUNT {
+        return Err(invalid(key, format!("{v} is beyond any sane bound (at most {MAX_COUNT})")));
+    }
+    usize::try_from(v).map_err(|_| invalid(key, "is too large"))
+}
+
+pub(super) fn statuses(key: &str, value: Option<&[i64]>, default: &[u16]) -> Result<Vec<u16>, ConfigError> {
+    match value {
+        None => Ok(default.to_vec()),
+        Some(list) => list
+            .iter()
+            .map(|&s| {
+                if (100..=599).contains(&s) {
+                    Ok(s as u16)
+                } else {
+                    Err(invalid(key, format!("{s} is not an HTTP status (100-599)")))
+                }
+            })
+            .collect(),
+    }
+}
+
+pub(super) fn method(key: &str, text: &str) -> Result<Method, ConfigError> {
+    let valid = !text.is_empty() && text.bytes().all(|b| b.is_ascii_uppercase());
+    if !valid {
+        return Err(invalid(key, format!("`{text}` is not an upper-case HTTP method")));
+    }
+    Method::from_bytes(text.as_bytes()).map_err(|_| invalid(key, format!("`{text}` is not an HTTP method")))
+}
+
+impl RawConfig {
+    pub(super) fn validate(self, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let server = self.server.unwrap_or_default();
+        let server = ServerConfig {
+            listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
+            admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
+            limits: EdgeLimits::validate(&server)?,
+        };
+        // Port 0 asks for any free port: two of them never collide.
+        let (data, admin) = (server.listen, server.admin_listen);
+        let same_host = data.ip() == admin.ip() || data.ip().is_unspecified() || admin.ip().is_unspecified();
+        if data.port() == admin.port() && data.port() != 0 && same_host {
+            return Err(invalid(
+                "server.admin_listen",
+                "must differ from server.listen: the admin API needs a listener of its own",
+            ));
+        }
+
+        let store = self.store.unwrap_or_default();
+        let url = store.url.unwrap_or_else(|| "sqlite://idem.db".into());
+        if !(url.starts_with("sqlite:") || url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(invalid("store.url", format!("`{url}` must start with sqlite: or postgres://")));
+        }
+        if reqwest::Url::parse(&url).is_ok_and(|u| u.password().is_some()) {
+            return Err(invalid(
+                "store.url",
+                "must not carry a password: secrets come from the environment (PGPASSWORD) or a .pgpass file",
+            ));
+        }
+        let store = StoreConfig { url, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
+
+        let auth = validate_auth(self.auth.unwrap_or_default(), env)?;
+
+        let worker = self.worker.unwrap_or_default();
+        let worker = WorkerConfig {
+            concurrency: positive("worker.concurrency", worker.concurrency, 64)?,
+            lease: duration("worker.lease", worker.lease.as_deref(), "15s")?,
+            max_takeovers: match worker.max_takeovers.unwrap_or(3) {
+                n @ 0..=100 => n as u32,
+                n => return Err(invalid("worker.max_takeovers", format!("must be between 0 and 100, got {n}"))),
+            },
+        };
+
+        let mut names = HashSet::new();
+        let mut prefixes = HashSet::new();
+        let mut routes = Vec::with_capacity(self.routes.len());
+        for (i, raw) in self.routes.into_iter().enumerate() {
+            let route = raw.validate(&format!("routes[{i}]"), store.retention, env)?;
+            if !names.insert(route.name.clone()) {
+                return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
+            }
+            // `/payments` and `/payments/` match the same requests.
+            if !prefixes.insert(route.path_prefix.trim_end_matches('/').to_string()) {
+                return Err(invalid(
+                    format!("routes[{i}].path_prefix"),
+                    format!("`{}` is used by two routes", route.path_prefix),
+                ));
+            }
+            routes.push(route);
+        }
+        if let Some(i) = routes.iter().position(|r| r.forward_authorization) {
+            if !auth.tenants.is_empty() && auth.token_header.is_none() {
+                return Err(invalid(
+                    format!("routes[{i}].forward_authorization"),
+                    "with tenants, set [auth] token_header: the client's Authorization goes upstream, so the \
+                     tenant token must come in a header of its own",
+                ));
+            }
+        }
+        if routes.is_empty() {
+            return Err(invalid(
+                "routes",
+                "no route is configured: add a [[routes]] table, or the broker would answer every request with 404",
+            ));
+        }
+        server.limits.check_routes(&routes)?;
+
+        Ok(Config { server, store, auth, routes, worker })
+    }
+}
+
+pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<AuthConfig, ConfigError> {
+    let admin_token = match raw.admin_token_env {
+        None => None,
+        Some(var) => match env(&var) {
+            Some(token) if !token.is_empty() => Some(token),
+            _ => {
+                return Err(invalid(
+                    "auth.admin_token_env",
+                    format!("the environment variable {var} is not set (or empty)"),
+                ))
+            }
+        },
+    };
+    let mut seen = HashSet::new();
+    let mut tenants = Vec::new();
+    for (i, t) in raw.tenants.into_iter().enumerate() {
+        let key = format!("auth.tenants[{i}]");
+        if t.name.is_empty() || !t.name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid(format!("{key}.name"), "must be non-empty visible ASCII"));
+        }
+        if !seen.insert(t.name.clone()) {
+            return Err(invalid(format!("{key}.name"), format!("tenant `{}` is listed twice", t.name)));
+        }
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(t.token_sha256.trim(), &mut digest).map_err(|_| {
+            invalid(
+                format!("{key}.token_sha256"),
+                "must be the 64 hex digits of the token's SHA-256 (the token itself is never configured)",
+            )
+        })?;
+        tenants.push(Tenant { name: t.name, token_sha256: digest });
+    }
+    let token_header = raw
+        .token_header
+        .map(|name| {
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| invalid("auth.token_header", format!("`{name}` is not a header name")))
+        })
+        .transpose()?;
+    if !tenants.is_empty() && admin_token.is_none() {
+        return Err(invalid(
+            "auth.admin_token_env",
+            "must be set when tenants are configured: without it the admin API would show every tenant's records to anyone",
+        ));
+    }
+    Ok(AuthConfig { admin_token, tenants, token_header })
+}

@@ -1,0 +1,256 @@
+use super::*;
+
+const MINIMAL: &str = r#"
+    [[routes]]
+    name = "payments"
+    path_prefix = "/payments"
+    upstream = "http://127.0.0.1:9000"
+"#;
+
+fn no_env(_: &str) -> Option<String> {
+    None
+}
+
+fn error_of(text: &str) -> String {
+    Config::parse_with_env(text, no_env).unwrap_err().to_string()
+}
+
+fn with_route_line(line: &str) -> String {
+    format!("{MINIMAL}{line}\n")
+}
+
+fn with_retry_line(line: &str) -> String {
+    format!("{MINIMAL}[routes.retry]\n{line}\n")
+}
+
+#[test]
+fn a_deadline_header_must_be_a_header_name_the_broker_does_not_use() {
+    let c = Config::parse_with_env(&with_route_line("deadline_header = \"Request-Timeout-Ms\""), no_env).unwrap();
+    assert_eq!(c.routes[0].deadline_header.as_ref().map(|h| h.as_str()), Some("request-timeout-ms"));
+    assert!(Config::parse_with_env(MINIMAL, no_env).unwrap().routes[0].deadline_header.is_none());
+    assert!(describe(&c).contains("deadline header: request-timeout-ms"), "{}", describe(&c));
+    for bad in ["bad header", "", "Idempotency-Key", "Connection"] {
+        let e = error_of(&with_route_line(&format!("deadline_header = \"{bad}\"")));
+        assert!(e.contains("routes[0].deadline_header"), "{e}");
+    }
+}
+
+#[test]
+fn a_minimal_config_gets_the_documented_defaults() {
+    let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
+    assert_eq!(c.server.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(c.server.admin_listen.to_string(), "127.0.0.1:8081");
+    assert_eq!(c.store.url, "sqlite://idem.db");
+    assert_eq!(c.store.retention, Duration::from_secs(86400));
+    let r = &c.routes[0];
+    assert_eq!(r.methods, vec![Method::POST, Method::PATCH]);
+    assert!(!r.replay_safe);
+    assert!(r.forward_idempotency_key);
+    assert_eq!(r.max_body, 1024 * 1024);
+    assert_eq!(r.max_concurrency, 256);
+    assert_eq!(r.retry.max_attempts, 3);
+    assert_eq!(r.retry.deadline, Duration::from_secs(30));
+    assert_eq!(r.retry.not_processed, vec![429, 503]);
+    assert_eq!(r.retry.ambiguous, vec![502, 504]);
+    assert_eq!(r.retry.jitter, Jitter::Full);
+    assert_eq!(c.worker.concurrency, 64);
+    assert_eq!(c.worker.lease, Duration::from_secs(15));
+    assert_eq!(c.worker.max_takeovers, 3);
+    assert!(c.auth.admin_token.is_none() && c.auth.tenants.is_empty());
+}
+
+#[test]
+fn bad_durations_name_their_key() {
+    let e = error_of(&with_retry_line("deadline = \"soon\""));
+    assert!(e.contains("routes[0].retry.deadline") && e.contains("soon"), "{e}");
+    let e = error_of(&with_retry_line("per_try_timeout = \"0s\""));
+    assert!(e.contains("routes[0].retry.per_try_timeout") && e.contains("greater than zero"), "{e}");
+    let e = error_of(&format!("[store]\nretention = \"-1h\"\n{MINIMAL}"));
+    assert!(e.contains("store.retention"), "{e}");
+}
+
+#[test]
+fn contradictory_retry_settings_are_refused() {
+    let e = error_of(&with_retry_line("min_try = \"2s\"\nper_try_timeout = \"1s\""));
+    assert!(e.contains("routes[0].retry.min_try"), "{e}");
+    let e = error_of(&with_retry_line("max_attempts = 0"));
+    assert!(e.contains("routes[0].retry.max_attempts") && e.contains("at least 1"), "{e}");
+    let e = error_of(&with_retry_line("max_attempts = -2"));
+    assert!(e.contains("max_attempts"), "{e}");
+    let e = error_of(&with_retry_line("base = \"5s\"\ncap = \"1s\""));
+    assert!(e.contains("routes[0].retry.base"), "{e}");
+    let e = error_of(&with_retry_line("jitter = \"random\""));
+    assert!(e.contains("routes[0].retry.jitter") && e.contains("random"), "{e}");
+    let e = error_of(&with_retry_line("not_processed = [503]\nambiguous = [503]"));
+    assert!(e.contains("routes[0].retry.ambiguous"), "{e}");
+    let e = error_of(&with_retry_line("ambiguous = [700]"));
+    assert!(e.contains("routes[0].retry.ambiguous") && e.contains("700"), "{e}");
+    let e = error_of(&with_retry_line("budget_ratio = 1.5"));
+    assert!(e.contains("budget_ratio"), "{e}");
+    let e = error_of(&with_retry_line("budget_ratio = nan"));
+    assert!(e.contains("budget_ratio"), "{e}");
+    let e = error_of(&with_retry_line("budget_min_per_sec = -1"));
+    assert!(e.contains("budget_min_per_sec"), "{e}");
+}
+
+#[test]
+fn bad_route_fields_name_their_key() {
+    let e = error_of(&with_route_line("max_body = \"lots\""));
+    assert!(e.contains("routes[0].max_body"), "{e}");
+    let e = error_of(&with_route_line("methods = [\"post\"]"));
+    assert!(e.contains("routes[0].methods"), "{e}");
+    let e = error_of(&with_route_line("max_concurrency = 0"));
+    assert!(e.contains("routes[0].max_concurrency"), "{e}");
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://x\"\n");
+    assert!(e.contains("routes[0].upstream"), "{e}");
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"p\"\nupstream = \"http://x\"\n");
+    assert!(e.contains("routes[0].path_prefix"), "{e}");
+    let e = error_of(&format!("{MINIMAL}{MINIMAL}"));
+    assert!(e.contains("routes[1].name"), "{e}");
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/_idem/x\"\nupstream = \"http://x\"\n");
+    assert!(e.contains("routes[0].path_prefix") && e.contains("/_idem"), "{e}");
+    let e = error_of(&format!("{MINIMAL}[routes.circuit]\nopen_for = \"2m\"\n"));
+    assert!(e.contains("routes[0].circuit.open_for"), "{e}");
+    let e = error_of(&format!("{MINIMAL}[routes.circuit]\nfailures = 0\n"));
+    assert!(e.contains("routes[0].circuit.failures"), "{e}");
+}
+
+#[test]
+fn unknown_keys_and_wrong_types_are_refused() {
+    let e = error_of(&with_route_line("replay_safe = \"yes\""));
+    assert!(e.contains("replay_safe"), "{e}");
+    let e = error_of(&with_route_line("retries = 3"));
+    assert!(e.contains("retries"), "{e}");
+    let e = error_of("[server]\nlisten = \"localhost\"\n");
+    assert!(e.contains("server.listen"), "{e}");
+    for bad in ["-1", "101", "\"3\""] {
+        let e = error_of(&format!("[worker]\nmax_takeovers = {bad}\n{MINIMAL}"));
+        assert!(e.contains("max_takeovers"), "{e}");
+    }
+    let c = Config::parse_with_env(&format!("[worker]\nmax_takeovers = 0\n{MINIMAL}"), no_env).unwrap();
+    assert_eq!(c.worker.max_takeovers, 0, "never continued after a take-over");
+    let e = error_of("[store]\nurl = \"mysql://x\"\n");
+    assert!(e.contains("store.url"), "{e}");
+    let e = error_of("[store]\nurl = \"postgres://idem:hunter2@db/idem\"\n");
+    assert!(e.contains("store.url") && e.contains("PGPASSWORD") && !e.contains("hunter2"), "{e}");
+}
+
+#[test]
+fn configs_that_cannot_be_right_are_refused_without_echoing_secrets() {
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://user:hunter2@up\"\n");
+    assert!(e.contains("routes[0].upstream") && e.contains("user-info") && !e.contains("hunter2"), "{e}");
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"ftp://u:hunter2@up\"\n");
+    assert!(e.contains("routes[0].upstream") && !e.contains("hunter2"), "{e}");
+    let tenants = format!("{MINIMAL}[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n", "ab".repeat(32));
+    let e = error_of(&tenants);
+    assert!(e.contains("auth.admin_token_env") && e.contains("tenant"), "{e}");
+    let twins = format!("{MINIMAL}[[routes]]\nname = \"p2\"\npath_prefix = \"/payments/\"\nupstream = \"http://x\"\n");
+    let e = error_of(&twins);
+    assert!(e.contains("routes[1].path_prefix"), "{e}");
+    let e = error_of(&format!("[server]\nlisten = \"127.0.0.1:9000\"\nadmin_listen = \"127.0.0.1:9000\"\n{MINIMAL}"));
+    assert!(e.contains("server.admin_listen"), "{e}");
+    let e = error_of(&format!("[server]\nlisten = \"0.0.0.0:9000\"\nadmin_listen = \"127.0.0.1:9000\"\n{MINIMAL}"));
+    assert!(e.contains("server.admin_listen"), "{e}");
+    // Port 0 is any free port: two of them are fine.
+    let any = format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{MINIMAL}");
+    assert!(Config::parse_with_env(&any, no_env).is_ok());
+    let e = error_of(&format!("[store]\nretention = \"0s\"\n{MINIMAL}"));
+    assert!(e.contains("store.retention") && e.contains("greater than zero"), "{e}");
+    let e = error_of(&format!("[store]\nretention = \"1000years\"\n{MINIMAL}"));
+    assert!(e.contains("store.retention") && e.contains("bound"), "{e}");
+    let e = error_of(&with_retry_line("deadline = \"1000years\""));
+    assert!(e.contains("routes[0].retry.deadline") && e.contains("bound"), "{e}");
+    let e = error_of(&with_route_line("max_body = \"100TiB\""));
+    assert!(e.contains("routes[0].max_body") && e.contains("bound"), "{e}");
+    let e = error_of(&with_route_line("max_concurrency = 100000000000"));
+    assert!(e.contains("routes[0].max_concurrency") && e.contains("bound"), "{e}");
+    let e = error_of(&format!("{MINIMAL}[routes.probe]\npath = \"/payments/status\"\n"));
+    assert!(e.contains("routes[0].probe.path") && e.contains("{idempotency_key}"), "{e}");
+    for empty in ["", "[server]\n", "[store]\nurl = \"sqlite://x.db\"\n"] {
+        let e = error_of(empty);
+        assert!(e.contains("config key `routes`") && e.contains("no route"), "{e}");
+    }
+}
+
+#[test]
+fn paths_that_a_parser_would_rewrite_are_refused_in_prefixes_and_upstreams() {
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p/../admin\"\nupstream = \"http://x\"\n");
+    assert!(e.contains("routes[0].path_prefix") && e.contains(".."), "{e}");
+    let e = error_of("[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://x/api/../admin\"\n");
+    assert!(e.contains("routes[0].upstream") && e.contains("rewrites"), "{e}");
+    let c = Config::parse_with_env(
+        "[[routes]]\nname = \"o\"\npath_prefix = \"/orders\"\nupstream = \"http://x:1/orders-api/\"\n",
+        no_env,
+    )
+    .unwrap();
+    let route = &c.routes[0];
+    assert_eq!((route.upstream.as_str(), route.upstream_path.as_str()), ("http://x:1/orders-api", "/orders-api"));
+    assert_eq!(route.upstream_url("/orders/7", "").unwrap().as_str(), "http://x:1/orders-api/orders/7");
+}
+
+#[test]
+fn a_read_error_states_its_reason_once() {
+    let e = Config::load(Path::new("/nonexistent/idem.toml")).unwrap_err();
+    let chain = format!("{:#}", anyhow::Error::new(e));
+    assert_eq!(chain.matches("No such file or directory").count(), 1, "{chain}");
+    assert!(chain.contains("/nonexistent/idem.toml"), "{chain}");
+}
+
+#[test]
+fn secrets_come_from_the_environment() {
+    let text = &format!("[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n{MINIMAL}");
+    let e = error_of(text);
+    assert!(e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"), "{e}");
+    let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into())).unwrap();
+    assert_eq!(c.auth.admin_token.as_deref(), Some("s3cret"));
+}
+
+#[test]
+fn tenant_tokens_are_configured_as_digests() {
+    let admin = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
+    let env = |v: &str| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".to_string());
+    let ok = format!("{admin}[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{}\"\n{MINIMAL}", "ab".repeat(32));
+    let c = Config::parse_with_env(&ok, env).unwrap();
+    assert_eq!(c.auth.tenants[0].token_sha256, [0xab; 32]);
+    let e = error_of("[[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"plain-token\"\n");
+    assert!(e.contains("auth.tenants[0].token_sha256"), "{e}");
+}
+
+#[test]
+fn check_prints_the_effective_policy_of_every_route() {
+    let text = format!("{MINIMAL}[routes.retry]\nmax_attempts = 5\njitter = \"equal\"\n[routes.probe]\npath = \"/p/{{idempotency_key}}\"\n");
+    let out = describe(&Config::parse_with_env(&text, no_env).unwrap());
+    assert!(out.starts_with("config ok"), "{out}");
+    assert!(out.contains("route payments  /payments -> http://127.0.0.1:9000"), "{out}");
+    assert!(out.contains("5 attempts within 30s") && out.contains("Equal jitter"), "{out}");
+    assert!(out.contains("circuit: opens after 5 failures"), "{out}");
+    assert!(out.contains("probe GET /p/{idempotency_key} after 5s"), "{out}");
+    assert!(out.contains("lease 15s, max_takeovers 3"), "{out}");
+}
+
+#[test]
+fn the_longest_prefix_wins_on_segment_boundaries() {
+    let text = r#"
+        [[routes]]
+        name = "all"
+        path_prefix = "/"
+        upstream = "http://127.0.0.1:1"
+        [[routes]]
+        name = "payments"
+        path_prefix = "/payments"
+        upstream = "http://127.0.0.1:2"
+        [[routes]]
+        name = "refunds"
+        path_prefix = "/payments/refunds/"
+        upstream = "http://127.0.0.1:3"
+    "#;
+    let c = Config::parse_with_env(text, no_env).unwrap();
+    let name = |p: &str| c.route_for(p).map(|r| r.name.as_str());
+    assert_eq!(name("/payments"), Some("payments"));
+    assert_eq!(name("/payments/42"), Some("payments"));
+    assert_eq!(name("/payments/refunds/9"), Some("refunds"));
+    assert_eq!(name("/paymentsX"), Some("all"));
+    assert_eq!(name("/other"), Some("all"));
+    let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
+    assert!(c.route_for("/other").is_none());
+}
