@@ -8,7 +8,9 @@ use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 
+mod error;
 mod health;
+mod listing;
 pub mod postgres;
 mod rows;
 pub mod sqlite;
@@ -16,48 +18,10 @@ pub mod stats;
 
 use self::stats::{AnswerCount, StatsRows, StatsSpan};
 
+pub use error::StoreError;
 pub use health::Health;
+pub use listing::{page, Cursor, ListFilter, Page};
 pub(crate) use rows::{decode, Columns};
-
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum StoreError {
-    /// The database cannot be reached or refused the operation; nothing was changed.
-    #[error("the store is unavailable: {0}")]
-    Unavailable(String),
-    /// A stored row could not be read back; a bug or a hand-edited database.
-    #[error("a stored record is unreadable: {0}")]
-    Corrupt(String),
-}
-
-impl From<sqlx::Error> for StoreError {
-    fn from(e: sqlx::Error) -> Self {
-        match e {
-            sqlx::Error::ColumnDecode { .. } | sqlx::Error::Decode(_) | sqlx::Error::ColumnNotFound(_) => {
-                StoreError::Corrupt(e.to_string())
-            }
-            other => StoreError::Unavailable(other.to_string()),
-        }
-    }
-}
-
-impl From<rusqlite::Error> for StoreError {
-    fn from(e: rusqlite::Error) -> Self {
-        use rusqlite::Error::*;
-        match e {
-            FromSqlConversionFailure(..)
-            | InvalidColumnType(..)
-            | InvalidColumnName(_)
-            | IntegralValueOutOfRange(..) => StoreError::Corrupt(e.to_string()),
-            other => StoreError::Unavailable(other.to_string()),
-        }
-    }
-}
-
-impl From<serde_json::Error> for StoreError {
-    fn from(e: serde_json::Error) -> Self {
-        StoreError::Corrupt(e.to_string())
-    }
-}
 
 /// A request about to be recorded.
 #[derive(Debug, Clone)]
@@ -265,55 +229,6 @@ pub enum Cancelled {
     /// Done or unknown (or already free): there is nothing to cancel.
     Refused(Record),
     Missing,
-}
-
-/// Which records an operator listing shows, oldest first (a queue is worked from its head);
-/// `cursor` continues a listing after the last record shown.
-#[derive(Debug, Clone, Default)]
-pub struct ListFilter {
-    pub state: Option<State>,
-    pub route: Option<String>,
-    pub tenant: Option<String>,
-    pub limit: u32,
-    pub cursor: Option<Cursor>,
-}
-
-/// A position in a listing: the last record shown (listings are ordered by creation, then id).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Cursor {
-    pub created_at: Millis,
-    pub id: Uuid,
-}
-
-impl Cursor {
-    pub fn of(record: &Record) -> Cursor {
-        Cursor { created_at: record.created_at, id: record.id }
-    }
-
-    /// An opaque token for clients: `<created_at>.<id>`.
-    pub fn encode(&self) -> String {
-        format!("{}.{}", self.created_at, self.id.simple())
-    }
-
-    pub fn decode(token: &str) -> Option<Cursor> {
-        let (at, id) = token.split_once('.')?;
-        Some(Cursor { created_at: at.parse().ok()?, id: Uuid::parse_str(id).ok()? })
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct Page {
-    pub items: Vec<Record>,
-    pub next_cursor: Option<Cursor>,
-}
-
-/// A page of `limit` records from rows fetched with `limit + 1`: the extra row only says that
-/// more follow.
-pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
-    let more = items.len() > limit as usize;
-    items.truncate(limit as usize);
-    let next_cursor = if more { items.last().map(Cursor::of) } else { None };
-    Ok(Page { items, next_cursor })
 }
 
 /// How an `unknown` record is settled, by an operator or a probe.

@@ -1,0 +1,55 @@
+//! Operator listings: which records, in what order, a page at a time.
+
+use uuid::Uuid;
+
+use super::StoreError;
+use crate::record::{Millis, Record, State};
+
+/// Which records an operator listing shows, oldest first (a queue is worked from its head);
+/// `cursor` continues a listing after the last record shown.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<State>,
+    pub route: Option<String>,
+    pub tenant: Option<String>,
+    pub limit: u32,
+    pub cursor: Option<Cursor>,
+}
+
+/// A position in a listing: the last record shown (listings are ordered by creation, then id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub created_at: Millis,
+    pub id: Uuid,
+}
+
+impl Cursor {
+    pub fn of(record: &Record) -> Cursor {
+        Cursor { created_at: record.created_at, id: record.id }
+    }
+
+    /// An opaque token for clients: `<created_at>.<id>`.
+    pub fn encode(&self) -> String {
+        format!("{}.{}", self.created_at, self.id.simple())
+    }
+
+    pub fn decode(token: &str) -> Option<Cursor> {
+        let (at, id) = token.split_once('.')?;
+        Some(Cursor { created_at: at.parse().ok()?, id: Uuid::parse_str(id).ok()? })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Page {
+    pub items: Vec<Record>,
+    pub next_cursor: Option<Cursor>,
+}
+
+/// A page of `limit` records from rows fetched with `limit + 1`: the extra row only says that
+/// more follow.
+pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
+    let more = items.len() > limit as usize;
+    items.truncate(limit as usize);
+    let next_cursor = if more { items.last().map(Cursor::of) } else { None };
+    Ok(Page { items, next_cursor })
+}
