@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::{Request, State as AxumState};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -18,7 +17,7 @@ use uuid::Uuid;
 use crate::config::{Config, Route};
 use crate::credentials;
 use crate::derived;
-use crate::edge::body::{self, BodyBudget, Held, ReadError};
+use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
@@ -29,7 +28,7 @@ use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, Millis, Phase, Record, State, StoredRequest};
 use crate::store::{Admission, Health, NewRecord, Store};
 use crate::tally::Tally;
-use crate::upstream::{self, Upstream};
+use crate::upstream::Upstream;
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -56,10 +55,13 @@ pub struct Ingress {
 }
 
 mod answers;
+mod plain;
+mod reading;
 mod replays;
 mod requests;
 
-use answers::{http_date, outcome_response, response_of, stored_response, Answer};
+use answers::{http_date, outcome_response, stored_response, Answer};
+use reading::{deadline, read_body, stored_headers};
 pub use replays::{ByteWeight, Replay, Replays};
 use requests::{cancel_request, list_routes, show_request};
 
@@ -107,44 +109,6 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         headers.entry(SHOULD_RETRY_HEADER).or_insert(HeaderValue::from_static("false"));
     }
     response
-}
-
-/// The request's deadline: the route's, or less if the client asks for less in the route's
-/// deadline header. A client cannot lengthen it, and a value it sends that is not whole
-/// milliseconds is ignored.
-fn deadline(route: &Route, headers: &http::HeaderMap) -> Duration {
-    let asked = upstream::client_deadline(headers, route.deadline_header.as_ref());
-    asked.map_or(route.retry.deadline, |asked| asked.min(route.retry.deadline))
-}
-
-/// The request headers kept with the record. The client's deadline header is not among them:
-/// each attempt sends its own limit in it instead.
-fn stored_headers(route: &Route, headers: &http::HeaderMap) -> Vec<(String, String)> {
-    let mut kept = upstream::forwardable_request_headers(headers, route.forward_idempotency_key);
-    if let Some(name) = &route.deadline_header {
-        kept.retain(|(n, _)| n != name.as_str());
-    }
-    kept
-}
-
-/// The whole body, and its share of the memory budget: keep that until the request is answered.
-///
-/// A body that keeps trickling in never falls silent for `body_timeout`, so its reading is also
-/// bounded by the route's deadline, which counts from the request's arrival: a body that takes
-/// longer has left no time to execute the request anyway.
-async fn read_body<'a>(body: Body, route: &Route, budget: &'a BodyBudget) -> Result<(Bytes, Held<'a>), Problem> {
-    let read = tokio::time::timeout(route.retry.deadline, body::read(body, route.max_body, budget)).await;
-    read.unwrap_or(Err(ReadError::TimedOut)).map_err(|e| match e {
-        ReadError::TooLarge(limit) => Problem::too_large(limit),
-        ReadError::TimedOut => Problem::request_timeout(),
-        ReadError::Overloaded => {
-            metrics::answered(&route.name, "buffers_full");
-            Problem::buffers_full()
-        }
-        ReadError::Unreadable(_) => {
-            Problem::bad_request("unreadable-body", "The request body could not be read completely.")
-        }
-    })
 }
 
 impl Ingress {
@@ -499,31 +463,6 @@ impl Ingress {
                 _ = tokio::time::sleep((until - now).min(WAIT_POLL)) => {}
                 _ = stopping.changed() => {}
             }
-        }
-    }
-
-    /// Methods that need no key are proxied as they are: nothing is recorded.
-    async fn plain(&self, route: &Route, request: Request) -> Response {
-        let (parts, body) = request.into_parts();
-        let url = match route.upstream_url(parts.uri.path(), parts.uri.query().unwrap_or("")) {
-            Ok(url) => url,
-            Err(why) => return Problem::invalid_path(&why).into_response(),
-        };
-        let (body, _held) = match read_body(body, route, &self.bodies).await {
-            Ok(read) => read,
-            Err(problem) => return problem.into_response(),
-        };
-        let headers = upstream::forwardable_request_headers(&parts.headers, true);
-        let mut credentials = route.upstream_headers.clone();
-        if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
-            credentials.insert(header::AUTHORIZATION, credential.clone());
-        }
-        let limit = deadline(route, &parts.headers);
-        upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, limit).await {
-            Ok(answer) => response_of(&answer.response),
-            Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
-            Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
         }
     }
 }

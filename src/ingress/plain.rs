@@ -1,0 +1,40 @@
+//! Requests that are proxied without being recorded: methods that need no key, and keyless
+//! requests on routes that do not require one.
+
+use axum::extract::Request;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+
+use super::answers::response_of;
+use super::reading::{deadline, read_body};
+use super::Ingress;
+use crate::config::Route;
+use crate::problem::Problem;
+use crate::upstream;
+
+impl Ingress {
+    /// Methods that need no key are proxied as they are: nothing is recorded.
+    pub(super) async fn plain(&self, route: &Route, request: Request) -> Response {
+        let (parts, body) = request.into_parts();
+        let url = match route.upstream_url(parts.uri.path(), parts.uri.query().unwrap_or("")) {
+            Ok(url) => url,
+            Err(why) => return Problem::invalid_path(&why).into_response(),
+        };
+        let (body, _held) = match read_body(body, route, &self.bodies).await {
+            Ok(read) => read,
+            Err(problem) => return problem.into_response(),
+        };
+        let headers = upstream::forwardable_request_headers(&parts.headers, true);
+        let mut credentials = route.upstream_headers.clone();
+        if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
+            credentials.insert(header::AUTHORIZATION, credential.clone());
+        }
+        let limit = deadline(route, &parts.headers);
+        upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
+        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, limit).await {
+            Ok(answer) => response_of(&answer.response),
+            Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
+            Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
+        }
+    }
+}
