@@ -27,6 +27,12 @@ const HOP_BY_HOP: [&str; 10] = [
 /// Request headers that belong to the broker or to the client's session with it, not upstream.
 const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "prefer"];
 
+/// Is this a header the broker or the connection already sets or strips, which a header of the
+/// route's own (the deadline it tells the upstream) would clash with?
+pub fn is_reserved(name: &str) -> bool {
+    HOP_BY_HOP.contains(&name) || CLIENT_ONLY.contains(&name) || name == "content-type" || name == crate::key::HEADER
+}
+
 /// The request headers to send upstream (and to store, so a retry or take-over sends the same).
 /// The client's credentials and cookies are never forwarded nor stored; the Idempotency-Key goes
 /// along only when the route says so.

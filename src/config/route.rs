@@ -101,25 +101,7 @@ impl RawRoute {
 fn deadline_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Result<http::HeaderName, ConfigError> {
     let parsed = http::HeaderName::from_bytes(name.as_bytes())
         .map_err(|_| invalid(key, format!("`{name}` is not a valid header name")))?;
-    const TAKEN: [&str; 16] = [
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "authorization",
-        "cookie",
-        "host",
-        "prefer",
-        "content-type",
-        crate::key::HEADER,
-    ];
-    if TAKEN.contains(&parsed.as_str()) {
+    if crate::upstream::is_reserved(parsed.as_str()) {
         return Err(invalid(key, format!("`{name}` is a header the broker or the connection already uses")));
     }
     if credentials.contains_key(&parsed) {
