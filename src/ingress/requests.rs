@@ -36,26 +36,26 @@ fn record_response(status: StatusCode, record: &Record) -> Response {
     response
 }
 
+/// A handler's answer, a problem rendered like any other.
+fn answered(answer: Result<Response, Problem>) -> Response {
+    answer.unwrap_or_else(IntoResponse::into_response)
+}
+
 pub(super) async fn show_request(
     AxumState(app): AxumState<Arc<Ingress>>,
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let record = match find(&app, &headers, &key).await {
-        Ok(record) => record,
-        Err(problem) => return problem.into_response(),
-    };
+    answered(show(&app, &key, &headers).await)
+}
+
+async fn show(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
+    let mut record = find(app, headers, key).await?;
     // An agent can wait for the outcome instead of polling: `Prefer: wait=N`.
-    let wait = Prefer::from_headers(&headers).wait;
-    let record = match (wait, record.phase()) {
-        (Some(wait), Phase::Queued | Phase::InProgress) => match app.wait_for(record.id, wait).await {
-            Ok(Some(settled)) => settled,
-            Ok(None) => return Problem::not_found().into_response(),
-            Err(problem) => return problem.into_response(),
-        },
-        _ => record,
-    };
-    record_response(StatusCode::OK, &record)
+    if let (Some(wait), Phase::Queued | Phase::InProgress) = (Prefer::from_headers(headers).wait, record.phase()) {
+        record = app.wait_for(record.id, wait).await?.ok_or_else(Problem::not_found)?;
+    }
+    Ok(record_response(StatusCode::OK, &record))
 }
 
 /// `GET /_idem/routes`: each route's key rules, so a client (an agent) can tell which calls need
@@ -94,23 +94,23 @@ pub(super) async fn cancel_request(
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let record = match find(&app, &headers, &key).await {
-        Ok(record) => record,
-        Err(problem) => return problem.into_response(),
-    };
+    answered(cancel(&app, &key, &headers).await)
+}
+
+async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
+    let record = find(app, headers, key).await?;
     let entry =
         HistoryEntry { at: now_ms(), actor: format!("client:{}", record.tenant), action: "cancel".into(), note: None };
-    match app.store.cancel(record.id, entry).await {
-        Ok(Cancelled::Dequeued(record)) => {
+    match app.store.cancel(record.id, entry).await.map_err(|e| Problem::store(&e))? {
+        Cancelled::Dequeued(record) => {
             app.settled.settled(record.id);
-            record_response(StatusCode::OK, &record)
+            Ok(record_response(StatusCode::OK, &record))
         }
-        Ok(Cancelled::Flagged(record)) => {
+        Cancelled::Flagged(record) => {
             app.worker.cancel(record.id);
-            record_response(StatusCode::ACCEPTED, &record)
+            Ok(record_response(StatusCode::ACCEPTED, &record))
         }
-        Ok(Cancelled::Refused(record)) => Problem::not_cancellable(record.state).into_response(),
-        Ok(Cancelled::Missing) => Problem::not_found().into_response(),
-        Err(e) => Problem::store(&e).into_response(),
+        Cancelled::Refused(record) => Err(Problem::not_cancellable(record.state)),
+        Cancelled::Missing => Err(Problem::not_found()),
     }
 }
