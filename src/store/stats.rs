@@ -4,6 +4,7 @@
 //! answers for the whole cluster.
 
 use crate::record::Millis;
+use crate::store::{Columns, StoreError};
 
 /// Replays and 409s counted in memory by one node over one second, added to the store's
 /// per-second counters (which sum what every node adds).
@@ -82,4 +83,46 @@ pub(crate) fn step_index(span: &StatsSpan, index: i64) -> Option<usize> {
 /// A count read back from the database: never negative.
 pub(crate) fn count(n: Option<i64>) -> u64 {
     n.unwrap_or(0).max(0) as u64
+}
+
+/// A cohort row of either backend: the requests of one route that arrived in one step.
+pub(crate) fn cohort(span: &StatsSpan, row: &impl Columns) -> Result<Option<Cohort>, StoreError> {
+    let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.integer(name)?)) };
+    let Some(step) = step_index(span, required(row, "step")?) else { return Ok(None) };
+    Ok(Some(Cohort {
+        route: route(row)?,
+        step,
+        took_ms: row.integer("took_ms")?.map(|t| t.max(0) as u64),
+        requests: n("requests")?,
+        attempts: n("attempts")?,
+        settled: n("settled")?,
+        succeeded: n("succeeded")?,
+        first_try: n("first_try")?,
+        budget_stopped: n("budget_stopped")?,
+        deadline_stopped: n("deadline_stopped")?,
+    }))
+}
+
+/// A spell of one record in the unknown queue.
+pub(crate) fn spell(row: &impl Columns) -> Result<UnknownSpell, StoreError> {
+    Ok(UnknownSpell { route: route(row)?, entered: required(row, "entered")?, left: row.integer("left_at")? })
+}
+
+/// The replays and 409s of one route in one step.
+pub(crate) fn answer(span: &StatsSpan, row: &impl Columns) -> Result<Option<Answers>, StoreError> {
+    let Some(step) = step_index(span, required(row, "step")?) else { return Ok(None) };
+    Ok(Some(Answers {
+        route: route(row)?,
+        step,
+        replays: count(row.integer("replays")?),
+        conflicts: count(row.integer("conflicts")?),
+    }))
+}
+
+fn required(row: &impl Columns, name: &str) -> Result<i64, StoreError> {
+    row.integer(name)?.ok_or_else(|| StoreError::Corrupt(format!("column {name}")))
+}
+
+fn route(row: &impl Columns) -> Result<String, StoreError> {
+    row.text("route")?.ok_or_else(|| StoreError::Corrupt("column route".into()))
 }

@@ -1,11 +1,10 @@
 //! The PostgreSQL store's SQL for `/admin/stats`: the same three aggregates as the SQLite
 //! store's, and the per-second answer counters, added by one statement per batch.
 
-use sqlx::postgres::{PgPool, PgRow};
-use sqlx::Row;
+use sqlx::postgres::PgPool;
 
 use crate::record::Millis;
-use crate::store::stats::{count, step_index, AnswerCount, Answers, Cohort, StatsRows, StatsSpan, UnknownSpell};
+use crate::store::stats::{answer, cohort, spell, AnswerCount, StatsRows, StatsSpan};
 use crate::store::StoreError;
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
@@ -68,37 +67,6 @@ pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, S
         unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,
         answers: answers.iter().filter_map(|row| answer(span, row).transpose()).collect::<Result<_, _>>()?,
     })
-}
-
-fn cohort(span: &StatsSpan, row: &PgRow) -> Result<Option<Cohort>, StoreError> {
-    let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.try_get(name)?)) };
-    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
-    Ok(Some(Cohort {
-        route: row.try_get("route")?,
-        step,
-        took_ms: row.try_get::<Option<i64>, _>("took_ms")?.map(|t| t.max(0) as u64),
-        requests: n("requests")?,
-        attempts: n("attempts")?,
-        settled: n("settled")?,
-        succeeded: n("succeeded")?,
-        first_try: n("first_try")?,
-        budget_stopped: n("budget_stopped")?,
-        deadline_stopped: n("deadline_stopped")?,
-    }))
-}
-
-fn spell(row: &PgRow) -> Result<UnknownSpell, StoreError> {
-    Ok(UnknownSpell { route: row.try_get("route")?, entered: row.try_get("entered")?, left: row.try_get("left_at")? })
-}
-
-fn answer(span: &StatsSpan, row: &PgRow) -> Result<Option<Answers>, StoreError> {
-    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
-    Ok(Some(Answers {
-        route: row.try_get("route")?,
-        step,
-        replays: count(row.try_get("replays")?),
-        conflicts: count(row.try_get("conflicts")?),
-    }))
 }
 
 /// Adds one node's counts and forgets counters before `forget_before`, in one transaction.

@@ -2,11 +2,10 @@
 //! per-second answer counters, added by the writer thread.
 
 use rusqlite::{params, Connection};
-use sqlx::sqlite::{SqlitePool, SqliteRow};
-use sqlx::Row;
+use sqlx::sqlite::SqlitePool;
 
 use crate::record::Millis;
-use crate::store::stats::{count, step_index, AnswerCount, Answers, Cohort, StatsRows, StatsSpan, UnknownSpell};
+use crate::store::stats::{answer, cohort, spell, AnswerCount, StatsRows, StatsSpan};
 use crate::store::StoreError;
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
@@ -64,37 +63,6 @@ pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRo
     })
 }
 
-fn cohort(span: &StatsSpan, row: &SqliteRow) -> Result<Option<Cohort>, StoreError> {
-    let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.try_get(name)?)) };
-    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
-    Ok(Some(Cohort {
-        route: row.try_get("route")?,
-        step,
-        took_ms: row.try_get::<Option<i64>, _>("took_ms")?.map(|t| t.max(0) as u64),
-        requests: n("requests")?,
-        attempts: n("attempts")?,
-        settled: n("settled")?,
-        succeeded: n("succeeded")?,
-        first_try: n("first_try")?,
-        budget_stopped: n("budget_stopped")?,
-        deadline_stopped: n("deadline_stopped")?,
-    }))
-}
-
-fn spell(row: &SqliteRow) -> Result<UnknownSpell, StoreError> {
-    Ok(UnknownSpell { route: row.try_get("route")?, entered: row.try_get("entered")?, left: row.try_get("left_at")? })
-}
-
-fn answer(span: &StatsSpan, row: &SqliteRow) -> Result<Option<Answers>, StoreError> {
-    let Some(step) = step_index(span, row.try_get("step")?) else { return Ok(None) };
-    Ok(Some(Answers {
-        route: row.try_get("route")?,
-        step,
-        replays: count(row.try_get("replays")?),
-        conflicts: count(row.try_get("conflicts")?),
-    }))
-}
-
 /// Adds one node's counts to the per-second counters and forgets those before `forget_before`
 /// (the primary key starts with the second, so that is a range at the table's head).
 pub(super) fn add_answer_counts(
@@ -117,6 +85,7 @@ pub(super) fn add_answer_counts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sqlx::Row;
 
     /// However large the table, the stats read a window's records through an index: the ones
     /// that arrived in it, or the few that went to the reconciliation queue.
