@@ -82,7 +82,6 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let Some(route) = app.config.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
-    let route = route.clone();
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
     let keyed = keyed_method && (sent_key.is_some() || route.require_key || !route.key_from.is_empty());
@@ -97,7 +96,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
             let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
             app.keyed(route, tenant, request, arrival).instrument(span).await
         }
-        Ok(_) => app.plain(&route, request).await,
+        Ok(_) => app.plain(route, request).await,
     };
     if keyed {
         let headers = response.headers_mut();
@@ -114,7 +113,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
 impl Ingress {
     /// A request on a keyed route: its key (sent, or derived from the request), then its
     /// answer, which says which key it was for and until when that key's result is replayed.
-    async fn keyed(&self, route: Route, tenant: String, request: Request, arrival: Millis) -> Response {
+    async fn keyed(&self, route: &Route, tenant: String, request: Request, arrival: Millis) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
             Ok(key) => Some(key),
@@ -191,7 +190,6 @@ impl Ingress {
         fingerprint: Fingerprint,
         arrival: Millis,
     ) -> Answer {
-        let route = route.clone();
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
         let new = NewRecord {
