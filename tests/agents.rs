@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::JsonOf;
+
 use common::{both_stores, send, Backend, Broker, Db, Upstream};
 
 use std::time::{Duration, Instant, SystemTime};
@@ -105,8 +107,7 @@ async fn every_keyed_answer_says_until_when_its_key_is_replayed(b: Backend) {
 async fn the_routes_say_how_keys_work(b: Backend) {
     let (_upstream, broker) =
         setup(b, &format!("{TOOLS}\nretention = \"72h\"\ntombstone = \"0s\"\nmax_body = \"64KiB\""), "").await;
-    let routes: Value =
-        broker.http.get(format!("{}/_idem/routes", broker.url)).send().await.unwrap().json().await.unwrap();
+    let routes: Value = broker.http.get(format!("{}/_idem/routes", broker.url)).json_of().await;
     let route = &routes["routes"][0];
     assert_eq!(route["name"], "payments");
     assert_eq!(route["path_prefix"], "/payments");
@@ -137,21 +138,12 @@ async fn a_record_can_be_awaited_instead_of_polled(b: Backend) {
     let slow = broker.post("/payments?delay_ms=600", "awaited", "{}").header("prefer", "respond-async");
     assert_eq!(send(slow).await.status, 202);
     let asked = Instant::now();
-    let record: Value = broker
-        .http
-        .get(format!("{}/_idem/requests/awaited", broker.url))
-        .header("prefer", "wait=10")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let record: Value =
+        broker.http.get(format!("{}/_idem/requests/awaited", broker.url)).header("prefer", "wait=10").json_of().await;
     assert_eq!(record["state"], "done", "{record:#}");
     assert!(asked.elapsed() < Duration::from_secs(5), "waited {:?}", asked.elapsed());
     // Without the preference, the answer is immediate.
-    let now: Value =
-        broker.http.get(format!("{}/_idem/requests/awaited", broker.url)).send().await.unwrap().json().await.unwrap();
+    let now: Value = broker.http.get(format!("{}/_idem/requests/awaited", broker.url)).json_of().await;
     assert_eq!(now["state"], "done");
 }
 

@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::JsonOf;
+
 use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 
 use std::time::{Duration, Instant};
@@ -27,8 +29,7 @@ fn header(upstream: &Upstream, op: &str, name: &str) -> Option<String> {
 
 /// Everything the broker keeps of a record, as the operator sees it.
 async fn admin_record(broker: &Broker, key: &str) -> String {
-    let listed: Value =
-        broker.http.get(format!("{}/admin/requests", broker.admin)).send().await.unwrap().json().await.unwrap();
+    let listed: Value = broker.http.get(format!("{}/admin/requests", broker.admin)).json_of().await;
     let item = listed["items"].as_array().unwrap().iter().find(|r| r["key"] == key).expect("listed").clone();
     let url = format!("{}/admin/requests/{}", broker.admin, item["id"].as_str().unwrap());
     broker.http.get(url).send().await.unwrap().text().await.unwrap()
@@ -64,16 +65,8 @@ async fn a_forwarded_credential_reaches_the_upstream_and_scopes_the_keys(b: Back
     assert_eq!(again.header("idempotent-replayed"), Some("true"));
     assert_eq!(again.body, a.body);
     // Each account sees its own record only; the credential is in none.
-    let own: Value = broker
-        .http
-        .get(format!("{}/_idem/requests/shared", broker.url))
-        .bearer_auth("sk_account_b")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let own: Value =
+        broker.http.get(format!("{}/_idem/requests/shared", broker.url)).bearer_auth("sk_account_b").json_of().await;
     assert!(own["response"]["body"].as_str().unwrap().contains(r#"\"amount\":7"#), "{own}");
     let kept = admin_record(&broker, "shared").await;
     assert!(!kept.contains("sk_account"), "{kept}");
@@ -100,13 +93,7 @@ async fn a_forwarded_credential_is_not_sent_by_a_process_that_never_held_it(b: B
     let scope = |r: reqwest::RequestBuilder| r.bearer_auth("sk_a");
     let until = Instant::now() + Duration::from_secs(10);
     let record = loop {
-        let record: Value = scope(second.http.get(format!("{}/_idem/requests/handed", second.url)))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let record: Value = scope(second.http.get(format!("{}/_idem/requests/handed", second.url))).json_of().await;
         if record["stop_reason"] == "credential_unavailable" {
             break record;
         }
@@ -228,12 +215,8 @@ async fn every_keyed_answer_says_whether_retrying_can_help_and_echoes_its_key(b:
         .http
         .get(format!("{}/_idem/requests/later", broker.url))
         .header("x-api-key", "acme-token")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        .json_of()
+        .await;
     assert_eq!(record["stop_reason"], "retry_after_beyond_deadline");
 }
 

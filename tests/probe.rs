@@ -4,6 +4,8 @@
 
 mod common;
 
+use common::JsonOf;
+
 use common::{both_stores, Backend, Broker, Db, Reply};
 
 use std::collections::HashMap;
@@ -233,27 +235,11 @@ async fn a_key_that_would_climb_out_of_the_probe_path_is_never_probed(b: Backend
     let until = Instant::now() + Duration::from_secs(5);
     let record = loop {
         // A URL client resolves `..` in `/_idem/requests/..` too: find the record as an operator.
-        let listed: Value = broker
-            .http
-            .get(format!("{}/admin/requests?state=unknown", broker.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let listed: Value = broker.http.get(format!("{}/admin/requests?state=unknown", broker.admin)).json_of().await;
         let items = listed["items"].as_array().unwrap();
         assert_eq!(items.len(), 1, "{listed:#}");
         let id = items[0]["id"].as_str().unwrap();
-        let record: Value = broker
-            .http
-            .get(format!("{}/admin/requests/{id}", broker.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let record: Value = broker.http.get(format!("{}/admin/requests/{id}", broker.admin)).json_of().await;
         if !probe_entries(&record).is_empty() {
             break record;
         }

@@ -366,6 +366,17 @@ impl Broker {
     }
 }
 
+/// A request sent, and its answer's JSON: what a test reads a record or a listing with.
+pub trait JsonOf {
+    async fn json_of(self) -> Value;
+}
+
+impl JsonOf for reqwest::RequestBuilder {
+    async fn json_of(self) -> Value {
+        self.send().await.unwrap().json().await.unwrap()
+    }
+}
+
 /// A response read fully: what tests compare.
 #[derive(Debug, Clone)]
 pub struct Answer {
