@@ -10,12 +10,14 @@ use http::Method;
 
 use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
+mod canary;
 mod limits;
 mod raw;
 use raw::RawConfig;
 mod route;
 #[cfg(test)]
 mod tests;
+pub use canary::{Canary, CanaryBy};
 pub use limits::EdgeLimits;
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
@@ -126,6 +128,8 @@ pub struct Route {
     /// The header that tells the upstream, on every attempt, how many milliseconds that attempt
     /// has; a client sending it on a keyed request may shorten the record's deadline with it.
     pub deadline_header: Option<http::HeaderName>,
+    /// A candidate retry policy tried on a stable slice of the route's traffic.
+    pub canary: Option<Canary>,
 }
 
 /// One source of a derived key (SPEC §9 `key_from`).

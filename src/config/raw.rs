@@ -90,6 +90,7 @@ pub(super) struct RawRoute {
     pub(super) circuit: Option<RawCircuit>,
     pub(super) probe: Option<RawProbe>,
     pub(super) deadline_header: Option<String>,
+    pub(super) canary: Option<super::canary::RawCanary>,
 }
 
 #[derive(Deserialize, Default)]
@@ -101,7 +102,7 @@ pub(super) struct RawCircuit {
     pub(super) trials: Option<i64>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, Clone)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRetry {
     pub(super) max_attempts: Option<i64>,

@@ -71,6 +71,9 @@ impl RawRoute {
             .as_deref()
             .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
             .transpose()?;
+        let raw_retry = self.retry.unwrap_or_default();
+        let retry = raw_retry.clone().validate(&format!("{key}.retry"))?;
+        let canary = self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry)).transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
@@ -88,10 +91,11 @@ impl RawRoute {
             fingerprint_ignore: self.fingerprint_ignore,
             max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
-            retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
+            retry,
             circuit: self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?,
             probe,
             deadline_header,
+            canary,
         })
     }
 }
@@ -181,7 +185,7 @@ fn upstream_url(key: &str, text: &str) -> Result<reqwest::Url, ConfigError> {
 }
 
 impl RawRetry {
-    fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
+    pub(super) fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         let max_attempts = positive(&k("max_attempts"), self.max_attempts, 3)?;
         let max_attempts = u32::try_from(max_attempts).map_err(|_| invalid(k("max_attempts"), "is too large"))?;

@@ -7,11 +7,13 @@ use std::time::{Duration, SystemTime};
 
 mod breaker;
 mod budget;
+mod canary;
 mod execution;
 mod pace;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::RetryBudget;
+pub use canary::{in_canary, stop_reason as canary_stop_reason, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending};
 

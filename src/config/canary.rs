@@ -1,0 +1,193 @@
+//! `[routes.canary]`: a candidate retry policy tried on a stable slice of a route's traffic, with
+//! the conditions under which it ends itself.
+
+use serde::Deserialize;
+
+use super::raw::{positive, RawRetry};
+use super::{invalid, ConfigError};
+use crate::policy::{CanaryStop, RetryPolicy};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCanary {
+    percent: Option<f64>,
+    by: Option<String>,
+    /// Only the fields that differ from the route's `[retry]`; the rest are inherited.
+    #[serde(default)]
+    retry: RawRetry,
+    #[serde(default)]
+    stop: RawCanaryStop,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawCanaryStop {
+    amplification_over: Option<f64>,
+    final_success_drop: Option<f64>,
+    min_requests: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Canary {
+    /// The share of the route's traffic, in percent, that runs under the candidate.
+    pub percent: f64,
+    pub by: CanaryBy,
+    /// The candidate: the route's retry table with the canary's fields laid over it.
+    pub retry: RetryPolicy,
+    pub stop: CanaryStop,
+}
+
+/// What decides a request's side. Either way the same tenant (or key) always lands on the same
+/// side, so a client retrying by hand never sees two policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CanaryBy {
+    Tenant,
+    Key,
+}
+
+impl RawCanary {
+    pub(super) fn validate(self, key: &str, main: RawRetry, main_policy: &RetryPolicy) -> Result<Canary, ConfigError> {
+        let k = |name: &str| format!("{key}.{name}");
+        let percent = self.percent.ok_or_else(|| invalid(k("percent"), "is required"))?;
+        if !percent.is_finite() || percent <= 0.0 || percent >= 100.0 {
+            return Err(invalid(
+                k("percent"),
+                "must be above 0 and below 100: a canary needs a control group (to roll out fully, make it the route's retry)",
+            ));
+        }
+        let by = match self.by.as_deref().unwrap_or("key") {
+            "key" => CanaryBy::Key,
+            "tenant" => CanaryBy::Tenant,
+            other => return Err(invalid(k("by"), format!("`{other}` is not one of tenant, key"))),
+        };
+        let retry = self.retry.over(main).validate(&k("retry"))?;
+        if retry == *main_policy {
+            return Err(invalid(k("retry"), "is the same as the route's retry policy: the canary would try nothing"));
+        }
+        let stop = self.stop;
+        let fraction = |name: &str, value: Option<f64>, bound: f64| match value {
+            Some(v) if !v.is_finite() || v < 0.0 || v > bound => {
+                Err(invalid(k(&format!("stop.{name}")), format!("must be between 0 and {bound}")))
+            }
+            v => Ok(v),
+        };
+        let amplification_over =
+            fraction("amplification_over", stop.amplification_over, f64::from(retry.max_attempts))?;
+        if amplification_over.is_some_and(|a| a < 1.0) {
+            return Err(invalid(k("stop.amplification_over"), "must be at least 1: every request makes one attempt"));
+        }
+        Ok(Canary {
+            percent,
+            by,
+            stop: CanaryStop {
+                amplification_over,
+                final_success_drop: fraction("final_success_drop", stop.final_success_drop, 1.0)?,
+                min_requests: positive(&k("stop.min_requests"), stop.min_requests, 100)? as u64,
+            },
+            retry,
+        })
+    }
+}
+
+impl RawRetry {
+    /// These fields where they are set, `main`'s elsewhere.
+    fn over(self, main: RawRetry) -> RawRetry {
+        RawRetry {
+            max_attempts: self.max_attempts.or(main.max_attempts),
+            deadline: self.deadline.or(main.deadline),
+            per_try_timeout: self.per_try_timeout.or(main.per_try_timeout),
+            min_try: self.min_try.or(main.min_try),
+            base: self.base.or(main.base),
+            cap: self.cap.or(main.cap),
+            jitter: self.jitter.or(main.jitter),
+            not_processed: self.not_processed.or(main.not_processed),
+            ambiguous: self.ambiguous.or(main.ambiguous),
+            budget_ratio: self.budget_ratio.or(main.budget_ratio),
+            budget_min_per_sec: self.budget_min_per_sec.or(main.budget_min_per_sec),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Config;
+    use super::*;
+
+    const ROUTE: &str = r#"
+        [[routes]]
+        name = "payments"
+        path_prefix = "/payments"
+        upstream = "http://127.0.0.1:9000"
+        [routes.retry]
+        max_attempts = 3
+        base = "200ms"
+    "#;
+
+    fn parse(canary: &str) -> Result<Config, ConfigError> {
+        Config::parse_with_env(&format!("{ROUTE}{canary}"), |_| None)
+    }
+
+    fn error_of(canary: &str) -> String {
+        parse(canary).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_candidate_inherits_every_field_it_does_not_set() {
+        let c = parse("[routes.canary]\npercent = 10\n[routes.canary.retry]\nmax_attempts = 5\n").unwrap();
+        let route = &c.routes[0];
+        let canary = route.canary.as_ref().unwrap();
+        assert_eq!(canary.retry.max_attempts, 5);
+        assert_eq!(canary.retry.base, route.retry.base, "base comes from the route's own retry table");
+        assert_eq!(RetryPolicy { max_attempts: 3, ..canary.retry.clone() }, route.retry);
+        assert_eq!((canary.percent, canary.by), (10.0, CanaryBy::Key));
+        assert_eq!(canary.stop, CanaryStop { amplification_over: None, final_success_drop: None, min_requests: 100 });
+        assert!(Config::parse_with_env(ROUTE, |_| None).unwrap().routes[0].canary.is_none());
+    }
+
+    #[test]
+    fn stop_conditions_and_the_side_by_tenant_are_read() {
+        let c = parse(
+            "[routes.canary]\npercent = 2.5\nby = \"tenant\"\nretry = { jitter = \"equal\" }\n\
+             [routes.canary.stop]\namplification_over = 1.4\nfinal_success_drop = 0.02\nmin_requests = 500\n",
+        )
+        .unwrap();
+        let canary = c.routes[0].canary.as_ref().unwrap();
+        assert_eq!(canary.by, CanaryBy::Tenant);
+        assert_eq!(
+            canary.stop,
+            CanaryStop { amplification_over: Some(1.4), final_success_drop: Some(0.02), min_requests: 500 }
+        );
+    }
+
+    #[test]
+    fn a_canary_that_cannot_be_right_is_refused_naming_the_key() {
+        let cases = [
+            ("[routes.canary]\nretry = { max_attempts = 1 }\n", "routes[0].canary.percent"),
+            ("[routes.canary]\npercent = 0\nretry = { max_attempts = 1 }\n", "routes[0].canary.percent"),
+            ("[routes.canary]\npercent = 100\nretry = { max_attempts = 1 }\n", "routes[0].canary.percent"),
+            ("[routes.canary]\npercent = nan\nretry = { max_attempts = 1 }\n", "routes[0].canary.percent"),
+            ("[routes.canary]\npercent = 5\nby = \"ip\"\nretry = { max_attempts = 1 }\n", "routes[0].canary.by"),
+            ("[routes.canary]\npercent = 5\n", "routes[0].canary.retry"),
+            ("[routes.canary]\npercent = 5\nretry = { max_attempts = 3 }\n", "routes[0].canary.retry"),
+            ("[routes.canary]\npercent = 5\nretry = { max_attempts = 0 }\n", "routes[0].canary.retry.max_attempts"),
+            ("[routes.canary]\npercent = 5\nretry = { cap = \"10ms\" }\n", "routes[0].canary.retry.base"),
+            ("[routes.canary]\npercent = 5\nretry = { tries = 2 }\n", "tries"),
+            (
+                "[routes.canary]\npercent = 5\nretry = { max_attempts = 2 }\nstop = { amplification_over = 0.5 }\n",
+                "routes[0].canary.stop.amplification_over",
+            ),
+            (
+                "[routes.canary]\npercent = 5\nretry = { max_attempts = 2 }\nstop = { final_success_drop = 1.5 }\n",
+                "routes[0].canary.stop.final_success_drop",
+            ),
+            (
+                "[routes.canary]\npercent = 5\nretry = { max_attempts = 2 }\nstop = { min_requests = 0 }\n",
+                "routes[0].canary.stop.min_requests",
+            ),
+        ];
+        for (canary, key) in cases {
+            let e = error_of(canary);
+            assert!(e.contains(key), "{canary:?} → {e}");
+        }
+    }
+}
