@@ -47,6 +47,7 @@ pub mod prefer;
 pub mod problem;
 pub mod reconcile;
 pub mod record;
+pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use http::Method;
 
+use crate::policy::Effective;
+
 use super::raw::*;
 use super::*;
 
@@ -71,13 +73,23 @@ impl RawRoute {
             .as_deref()
             .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
             .transpose()?;
+        let retry = self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?;
+        let circuit = self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?;
+        let replay_safe = self.replay_safe.unwrap_or(false);
+        let policy_version = Effective {
+            retry: &retry,
+            replay_safe,
+            deadline_header: deadline_header.as_ref().map(|h| h.as_str()),
+            circuit: &circuit,
+        }
+        .version();
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_path: upstream.path().trim_end_matches('/').to_string(),
             methods,
-            replay_safe: self.replay_safe.unwrap_or(false),
+            replay_safe,
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
             upstream_headers,
             forward_authorization: self.forward_authorization.unwrap_or(false),
@@ -88,10 +100,11 @@ impl RawRoute {
             fingerprint_ignore: self.fingerprint_ignore,
             max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
-            retry: self.retry.unwrap_or_default().validate(&format!("{key}.retry"))?,
-            circuit: self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?,
+            retry,
+            circuit,
             probe,
             deadline_header,
+            policy_version,
         })
     }
 }

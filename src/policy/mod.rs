@@ -9,11 +9,13 @@ mod breaker;
 mod budget;
 mod execution;
 mod pace;
+mod version;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::RetryBudget;
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending};
+pub use version::{Effective, PolicyVersion};
 
 /// A route's retry settings (SPEC §2 `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
