@@ -41,10 +41,7 @@ impl Tally {
     /// zero, and a removed one's counts not yet flushed (at most a second's) are dropped.
     pub fn reconfigure<'a>(&self, routes: impl IntoIterator<Item = &'a str>) {
         let mut map = self.routes.write().unwrap_or_else(|p| p.into_inner());
-        let kept = routes
-            .into_iter()
-            .map(|r| (r.to_string(), map.get(r).cloned().unwrap_or_default()))
-            .collect();
+        let kept = routes.into_iter().map(|r| (r.to_string(), map.get(r).cloned().unwrap_or_default())).collect();
         *map = kept;
     }
 

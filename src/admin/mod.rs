@@ -21,8 +21,8 @@ use crate::config::Live;
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::reconcile;
-use crate::reload::Reloader;
 use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
+use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 

@@ -26,7 +26,7 @@ pub struct Live {
 
 impl Live {
     pub fn new(config: Config) -> Live {
-        Live { loaded: watch::Sender::new(Loaded { config: Arc::new(config), at: SystemTime::now()  }) }
+        Live { loaded: watch::Sender::new(Loaded { config: Arc::new(config), at: SystemTime::now() }) }
     }
 
     /// The configuration in force now: a snapshot that a later reload does not change.

@@ -48,11 +48,7 @@ impl Inner {
     /// The route and its policy are read once, here, from the configuration the record was
     /// admitted under when it was admitted claimed, else from the one in force now: a reload
     /// during the execution changes neither, and a route removed since still lets it finish.
-    pub(super) async fn run(
-        &self,
-        record: Record,
-        reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>,
-    ) -> Outcome {
+    pub(super) async fn run(&self, record: Record, reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>) -> Outcome {
         let (reserved, config) = match reserved {
             Some((place, config)) => (Some(place), config),
             None => (None, self.config.current()),
