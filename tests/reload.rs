@@ -237,6 +237,20 @@ async fn a_change_of_a_restart_only_key_is_refused_whole(b: Backend) {
     broker.stop().await;
 }
 
+async fn a_broker_started_without_a_file_says_it_has_nothing_to_reload(b: Backend) {
+    let upstream = Upstream::start().await;
+    let db = Db::new(b).await;
+    let text = config(&db, "", &route("payments", &upstream.url(), 3));
+    let running = idem::server::start(idem::config::Config::parse(&text).unwrap()).await.unwrap();
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let answer = send(http.post(format!("http://{}/admin/config/reload", running.admin_listen))).await;
+    answer.assert_problem(409, "reload-unavailable");
+    assert!(answer.json()["detail"].as_str().unwrap().contains("running configuration is kept"));
+    let served = send(common::keyed_post(&http, &format!("http://{}", running.listen), "/payments", "k", BODY)).await;
+    assert_eq!(served.status, 201);
+    running.shutdown().await;
+}
+
 /// Polls `what` until it holds, every 25 ms; fails after `within`.
 async fn eventually<F, Fut>(what: &str, within: Duration, check: F)
 where
@@ -290,4 +304,5 @@ both_stores!(
     a_record_in_flight_during_a_reload_finishes_under_the_policy_it_started_with,
     a_change_of_a_restart_only_key_is_refused_whole,
     sighup_makes_a_running_idem_serve_read_its_file_again,
+    a_broker_started_without_a_file_says_it_has_nothing_to_reload,
 );

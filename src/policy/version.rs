@@ -135,18 +135,20 @@ mod tests {
     #[test]
     fn any_change_of_a_deciding_value_is_a_new_version() {
         let ms = Duration::from_millis;
-        let changes: Vec<(&str, Box<dyn Fn(&mut RetryPolicy)>)> = vec![
-            ("max_attempts", Box::new(|p| p.max_attempts = 4)),
-            ("deadline", Box::new(move |p| p.deadline = ms(1501))),
-            ("per_try_timeout", Box::new(move |p| p.per_try_timeout = ms(601))),
-            ("min_try", Box::new(move |p| p.min_try = ms(101))),
-            ("base", Box::new(move |p| p.base = ms(201))),
-            ("cap", Box::new(move |p| p.cap = ms(801))),
-            ("jitter", Box::new(|p| p.jitter = Jitter::Equal)),
-            ("not_processed", Box::new(|p| p.not_processed = vec![503])),
-            ("ambiguous", Box::new(|p| p.ambiguous = vec![502, 504, 500])),
-            ("budget_ratio", Box::new(|p| p.budget_ratio = 0.2)),
-            ("budget_min_per_sec", Box::new(|p| p.budget_min_per_sec = 10.5)),
+        /// One change of one value of the retry table.
+        type Change = (&'static str, fn(&mut RetryPolicy));
+        let changes: [Change; 11] = [
+            ("max_attempts", |p| p.max_attempts = 4),
+            ("deadline", |p| p.deadline = Duration::from_millis(1501)),
+            ("per_try_timeout", |p| p.per_try_timeout = Duration::from_millis(601)),
+            ("min_try", |p| p.min_try = Duration::from_millis(101)),
+            ("base", |p| p.base = Duration::from_millis(201)),
+            ("cap", |p| p.cap = Duration::from_millis(801)),
+            ("jitter", |p| p.jitter = Jitter::Equal),
+            ("not_processed", |p| p.not_processed = vec![503]),
+            ("ambiguous", |p| p.ambiguous = vec![502, 504, 500]),
+            ("budget_ratio", |p| p.budget_ratio = 0.2),
+            ("budget_min_per_sec", |p| p.budget_min_per_sec = 10.5),
         ];
         let mut seen = std::collections::HashSet::from([seed_version()]);
         for (field, change) in changes {
