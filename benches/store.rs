@@ -33,7 +33,7 @@ fn new_record(key: &str) -> NewRecord {
         },
         deadline_at: now + 30_000,
         now,
-        claim: Some(Claim { owner: "bench".into(), lease_until: now + 15_000 }),
+        claim: Some(Claim { owner: "bench".into(), lease_until: now + 15_000, policy_version: "bench0000000".into() }),
         tombstone_cutoff: None,
     }
 }
@@ -80,6 +80,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     status: Some(201),
                     error: None,
                     wait_ms: 0,
+                    policy_version: Some("bench0000000".into()),
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());
                 store.attempt_ended(r.id, "bench", Some(attempt), then, now_ms()).await.unwrap()

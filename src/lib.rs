@@ -2,7 +2,10 @@
 //!
 //! A request's path through the crate:
 //!
-//! - [`config`] — the TOML file, validated into routes and policies.
+//! - [`config`] — the TOML file, validated into routes and policies, each policy named by its
+//!   `policy_version` (a digest of its values, see [`policy`]); the configuration in force is
+//!   held replaceable ([`config::Live`]): a request, an execution, a background pass each read
+//!   it once.
 //! - [`edge`] — the listeners' accept loop: connection budgets, header and body timeouts, the
 //!   bound on request bytes held in memory.
 //! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
@@ -17,9 +20,14 @@
 //! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
+//!   An execution keeps the route and policy it was claimed with, whatever a reload does, and
+//!   stores every attempt with its policy's version.
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
 //!   requests while the store cannot record them.
+//! - [`reload`] — `SIGHUP` and `POST /admin/config/reload`: the file read again, validated like
+//!   `idem check`, then applied whole (routes added, changed, removed; guards and counters
+//!   following) or refused whole, naming the key — restart-only keys included.
 //! - [`admin`] — the operator listener: the admin API (one record's actions, and the same
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
 //!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
@@ -47,6 +55,7 @@ pub mod prefer;
 pub mod problem;
 pub mod reconcile;
 pub mod record;
+pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;

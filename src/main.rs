@@ -219,8 +219,8 @@ async fn main() -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Serve { config } => {
-            let config = Config::load(&config)?;
-            idem::server::serve(config, idem::server::termination()).await?;
+            let loaded = Config::load(&config)?;
+            idem::server::serve(loaded, config, idem::server::termination()).await?;
         }
         Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,
         Command::Migrate { config } => {

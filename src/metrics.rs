@@ -9,7 +9,7 @@ use std::time::Duration;
 use metrics::{counter, describe_gauge, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::policy::{BreakerState, Class, StopReason};
+use crate::policy::{BreakerState, Class, PolicyVersion, StopReason};
 use crate::record::Phase;
 
 /// How often histogram samples are folded into their buckets when nobody scrapes.
@@ -45,8 +45,24 @@ pub fn handle() -> &'static PrometheusHandle {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!("idem_requests_total", "Logical requests: new executions admitted, per route.");
-    describe_counter!("idem_attempts_total", "Physical attempts sent upstream, per route and outcome class.");
-    describe_histogram!("idem_attempt_duration_seconds", Unit::Seconds, "Duration of one upstream attempt.");
+    describe_counter!(
+        "idem_attempts_total",
+        "Physical attempts sent upstream, per route, outcome class and policy_version."
+    );
+    describe_histogram!(
+        "idem_attempt_duration_seconds",
+        Unit::Seconds,
+        "Duration of one upstream attempt, per route, outcome class and policy_version."
+    );
+    describe_counter!(
+        "idem_config_reloads_total",
+        "Configuration reloads (SIGHUP or POST /admin/config/reload), by result: applied or refused."
+    );
+    describe_gauge!(
+        "idem_config_loaded_at_seconds",
+        Unit::Seconds,
+        "When the configuration in force was loaded, in seconds since the Unix epoch."
+    );
     describe_counter!("idem_stops_total", "Executions that ended, per route and stop reason.");
     describe_histogram!(
         "idem_request_duration_seconds",
@@ -79,12 +95,26 @@ pub fn request(route: &str) {
     counter!("idem_requests_total", "route" => route.to_string()).increment(1);
 }
 
-/// One physical attempt and how it was classified.
-pub fn attempt(route: &str, class: Class, took: Duration) {
-    let class = class.as_str();
-    counter!("idem_attempts_total", "route" => route.to_string(), "class" => class).increment(1);
-    histogram!("idem_attempt_duration_seconds", "route" => route.to_string(), "class" => class)
+/// One physical attempt, how it was classified, and the version of the policy it was sent under:
+/// two policies of one route, before and after a reload, are told apart on every graph.
+pub fn attempt(route: &str, version: &PolicyVersion, class: Class, took: Duration) {
+    let (route, class, version) = (route.to_string(), class.as_str(), version.to_string());
+    counter!("idem_attempts_total", "route" => route.clone(), "class" => class, "policy_version" => version.clone())
+        .increment(1);
+    histogram!("idem_attempt_duration_seconds", "route" => route, "class" => class, "policy_version" => version)
         .record(took.as_secs_f64());
+}
+
+/// A reload was applied or refused.
+pub fn config_reload(applied: bool) {
+    let result = if applied { "applied" } else { "refused" };
+    counter!("idem_config_reloads_total", "result" => result).increment(1);
+}
+
+/// The configuration in force was loaded at `at`.
+pub fn config_loaded(at: std::time::SystemTime) {
+    let seconds = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    gauge!("idem_config_loaded_at_seconds").set(seconds);
 }
 
 /// An execution stopped. `attempts` it took; `took` from the request's arrival.

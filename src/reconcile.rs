@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, Probe, Route};
+use crate::config::{Config, Live, Probe, Route};
 use crate::policy::{Class, StopReason};
 use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
 use crate::store::{Action, Health, Resolution, RouteSweep, Store, StoreError, SweepPlan, TakeOverTo};
@@ -40,12 +40,10 @@ pub fn sweep_plan(config: &Config, now: Millis) -> SweepPlan {
     SweepPlan { now, routes, others_cutoff: now - duration_ms(config.store.retention) }
 }
 
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Config>) {
-    let shortest = config.routes.iter().map(|r| r.retention).chain([config.store.retention]).min();
-    let mut tick = tokio::time::interval(sweep_interval(shortest.unwrap_or(config.store.retention)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// Sweeps by the configuration in force at each pass, and paces itself by it.
+pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>) {
     loop {
-        tick.tick().await;
+        let config = config.current();
         let plan = sweep_plan(&config, now_ms());
         loop {
             match store.sweep_done(&plan, SWEEP_BATCH).await {
@@ -62,6 +60,8 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Config>) {
                 }
             }
         }
+        let shortest = config.routes.iter().map(|r| r.retention).chain([config.store.retention]).min();
+        tokio::time::sleep(sweep_interval(shortest.unwrap_or(config.store.retention))).await;
     }
 }
 
@@ -96,14 +96,15 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, m
 }
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`.
-pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Config>) {
-    let lease = config.worker.lease;
+pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>) {
+    // The lease cannot change without a restart: the pace is set once.
+    let lease = config.current().worker.lease;
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = take_over_once(&*store, &worker, &config).await {
+        if let Err(e) = take_over_once(&*store, &worker, &config.current()).await {
             e.log("take-over sweep failed; will try again");
         }
     }
@@ -127,6 +128,8 @@ pub async fn take_over_once(
             status: None,
             error: Some("worker_lost".into()),
             wait_ms: 0,
+            // Marked with the attempt before it was sent, so the lost attempt keeps its policy.
+            policy_version: record.policy_version.clone(),
         });
         let capped = if to.stop_reason() == Some(StopReason::TakeoverCap) {
             format!(
@@ -210,13 +213,15 @@ pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
     settle.saturating_mul(factor).min(Duration::from_secs(300))
 }
 
-/// Probes the upstream about `unknown` records of routes that declare how.
-pub async fn probes(store: Arc<dyn Store>, config: Arc<Config>, worker: Worker) {
+/// Probes the upstream about `unknown` records of routes that declare how, as the configuration
+/// in force at each pass declares it.
+pub async fn probes(store: Arc<dyn Store>, config: Arc<Live>, worker: Worker) {
     let upstream = Upstream::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        let config = config.current();
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
             if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
                 e.log(&format!("probing the records of route {} failed; will try again", route.name));
@@ -328,6 +333,7 @@ mod tests {
                 status: None,
                 error: None,
                 wait_ms: 0,
+                policy_version: None,
             })
             .collect();
         record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));

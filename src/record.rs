@@ -179,6 +179,10 @@ pub struct Attempt {
     pub error: Option<String>,
     /// The wait before this attempt.
     pub wait_ms: u64,
+    /// The version of the policy the attempt was sent under (see [`crate::policy::PolicyVersion`]);
+    /// absent from attempts stored before versions were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<String>,
 }
 
 /// An entry of the record's history: who did what, when.
@@ -248,6 +252,9 @@ pub struct Record {
     /// A tombstone: a done record past its retention, its bodies dropped, kept until then so a
     /// late retry of the same request is answered 410 rather than executed again.
     pub tombstone_until: Option<Millis>,
+    /// The policy version of the latest attempt, written with its "may have been sent" mark:
+    /// an attempt whose worker died before storing its outcome is still known by its policy.
+    pub policy_version: Option<String>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -285,6 +292,9 @@ impl Record {
                 if let Some(e) = &a.error {
                     v["error"] = json!(e);
                 }
+                if let Some(version) = &a.policy_version {
+                    v["policy_version"] = json!(version);
+                }
                 v
             })
             .collect();
@@ -305,6 +315,9 @@ impl Record {
             "created_at": rfc3339(self.created_at),
             "updated_at": rfc3339(self.updated_at),
         });
+        if let Some(version) = &self.policy_version {
+            v["policy_version"] = json!(version);
+        }
         match (self.tombstone_until, &self.response) {
             (Some(until), Some(r)) => {
                 v["tombstone_until"] = rfc3339(until).into();

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,11 +11,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
-use crate::config::Config;
+use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
 use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
+use crate::reload::Reloader;
 use crate::store::{self, StoreError};
 use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
@@ -40,6 +42,8 @@ pub struct Running {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub worker: Worker,
+    /// Reads the config file again and applies it (`SIGHUP`, `POST /admin/config/reload`).
+    pub reloader: Arc<Reloader>,
     /// Flushed once more at shutdown, so the last second's replays and 409s are not lost.
     tally: Arc<Tally>,
     /// Where those last counts go.
@@ -62,21 +66,35 @@ fn node_name() -> String {
     format!("{host}-{}-{}", std::process::id(), &nonce[..8])
 }
 
+/// Starts a broker on `config`, which it cannot reload: there is no file to read again.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    let config = Arc::new(config);
+    launch(config, None).await
+}
+
+/// Starts a broker on `config`, read from `file`, which a reload reads again.
+pub async fn start_reloadable(config: Config, file: PathBuf) -> Result<Running, StartError> {
+    launch(config, Some(file)).await
+}
+
+async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartError> {
     crate::metrics::handle();
+    let live = Arc::new(Live::new(config));
+    // The settings a reload cannot change are read here, once.
+    let config = live.current();
     let (data_limits, admin_limits) = listener_limits(&config);
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
-    let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
+    let worker = Worker::new(store.clone(), live.clone(), node_name(), settled.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
+    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), tally.clone()));
+
     let ingress = Arc::new(Ingress {
-        config: config.clone(),
+        config: live.clone(),
         store: store.clone(),
         worker: worker.clone(),
         settled: settled.clone(),
@@ -86,8 +104,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         health: health.clone(),
         tally: tally.clone(),
     });
-    let admin =
-        Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled, bodies });
+    let admin = Arc::new(Admin {
+        config: live.clone(),
+        reloader: reloader.clone(),
+        store: store.clone(),
+        worker: worker.clone(),
+        settled,
+        bodies,
+    });
 
     let (stop, stopped) = watch::channel(false);
     let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
@@ -98,9 +122,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
     ];
     let mut upkeep = vec![
-        tokio::spawn(reconcile::retention_sweep(store.clone(), config.clone())),
-        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), config.clone())),
-        tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
+        tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone())),
+        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone())),
+        tokio::spawn(reconcile::probes(store.clone(), live.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
     ];
@@ -119,7 +143,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }));
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, tally, store, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, tally, store, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -183,10 +207,15 @@ impl Running {
     }
 }
 
-/// Runs a broker until `shutdown` resolves.
-pub async fn serve(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
-    let running = start(config).await?;
+/// Runs a broker on `config`, read from `file`, until `shutdown` resolves; each `SIGHUP` reads
+/// the file again and applies it (or keeps the running configuration and logs why).
+pub async fn serve(config: Config, file: PathBuf, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+    let running = start_reloadable(config, file).await?;
+    #[cfg(unix)]
+    let hangups = tokio::spawn(running.reloader.clone().on_hangup());
     shutdown.await;
+    #[cfg(unix)]
+    hangups.abort();
     tracing::info!("shutting down");
     running.shutdown().await;
     Ok(())

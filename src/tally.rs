@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::record::{now_ms, Millis};
@@ -24,28 +24,42 @@ struct Counters {
     conflicts: AtomicU64,
 }
 
-/// One pair of counters per configured route, fixed at start: counting takes no lock and
-/// allocates nothing.
+/// One pair of counters per configured route: counting takes a read lock that only a reload
+/// ever contends, and allocates nothing.
 pub struct Tally {
-    routes: HashMap<String, Counters>,
+    routes: RwLock<HashMap<String, Arc<Counters>>>,
 }
 
 impl Tally {
     pub fn new<'a>(routes: impl IntoIterator<Item = &'a str>) -> Tally {
-        Tally { routes: routes.into_iter().map(|r| (r.to_string(), Counters::default())).collect() }
+        let tally = Tally { routes: RwLock::new(HashMap::new()) };
+        tally.reconfigure(routes);
+        tally
+    }
+
+    /// Counts the routes configured now: a route kept keeps its counters, a new one starts at
+    /// zero, and a removed one's counts not yet flushed (at most a second's) are dropped.
+    pub fn reconfigure<'a>(&self, routes: impl IntoIterator<Item = &'a str>) {
+        let mut map = self.routes.write().unwrap_or_else(|p| p.into_inner());
+        let kept = routes.into_iter().map(|r| (r.to_string(), map.get(r).cloned().unwrap_or_default())).collect();
+        *map = kept;
+    }
+
+    fn counters(&self, route: &str) -> Option<Arc<Counters>> {
+        self.routes.read().unwrap_or_else(|p| p.into_inner()).get(route).cloned()
     }
 
     /// A done answer replayed. A route no longer configured (a record's, from before a config
     /// change) is not counted.
     pub fn replay(&self, route: &str) {
-        if let Some(c) = self.routes.get(route) {
+        if let Some(c) = self.counters(route) {
             c.replays.fetch_add(1, Ordering::Relaxed);
         }
     }
 
     /// A 409 `request-in-progress`: a duplicate arrived while its key was being executed.
     pub fn conflict(&self, route: &str) {
-        if let Some(c) = self.routes.get(route) {
+        if let Some(c) = self.counters(route) {
             c.conflicts.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -55,6 +69,8 @@ impl Tally {
     pub fn take(&self, now: Millis) -> Vec<AnswerCount> {
         let second = now - now.rem_euclid(1000);
         self.routes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
             .iter()
             .filter_map(|(route, c)| {
                 let replays = c.replays.swap(0, Ordering::Relaxed);
@@ -67,7 +83,7 @@ impl Tally {
     /// Hands back counts the store did not take, to go with the next flush.
     fn restore(&self, counts: &[AnswerCount]) {
         for c in counts {
-            if let Some(counters) = self.routes.get(&c.route) {
+            if let Some(counters) = self.counters(&c.route) {
                 counters.replays.fetch_add(c.replays, Ordering::Relaxed);
                 counters.conflicts.fetch_add(c.conflicts, Ordering::Relaxed);
             }

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{send, Backend, Broker, Db, Reply, Upstream};
+use common::{send, Backend, Broker, Db, JsonOf, Reply, Upstream};
 
 /// Sums the samples of `name` whose labels contain every `label="value"` pair given.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -91,6 +91,40 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     assert_eq!(m("idem_request_duration_seconds_count", &[]), 6.0);
     assert_eq!(m("idem_attempt_duration_seconds_count", &[]), stored_attempts as f64);
 
+    // Every attempt is counted under the version of the policy it was sent under.
+    let routes: serde_json::Value = broker.http.get(format!("{}/_idem/routes", broker.url)).json_of().await;
+    let version = routes["routes"][0]["policy_version"].as_str().unwrap().to_string();
+    assert_eq!(m("idem_attempts_total", &[("policy_version", &version)]), stored_attempts as f64);
+    assert_eq!(m("idem_attempt_duration_seconds_count", &[("policy_version", &version)]), stored_attempts as f64);
+    let loaded_at = sample(&text, "idem_config_loaded_at_seconds", &[]);
+    assert!(loaded_at > 1.7e9, "{text}");
+    exposition_is_valid(&text);
+
+    // Reloads, counted by result, and the loaded-at time of the configuration in force.
+    let reload = || async { broker.http.post(format!("{}/admin/config/reload", broker.admin)).send().await.unwrap() };
+    broker.write_config(&broker.config_text.replace(
+        "[routes.retry]",
+        "[routes.retry]
+max_attempts = 0",
+    ));
+    assert_eq!(reload().await.status(), 422);
+    broker.write_config(&broker.config_text.replace(
+        "[routes.retry]",
+        "[routes.retry]
+max_attempts = 4",
+    ));
+    assert_eq!(reload().await.status(), 200);
+    upstream.script("after", vec![Reply::status(503), Reply::status(201)]);
+    assert_eq!(send(broker.post("/payments", "after", body)).await.status, 201);
+    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    assert_eq!(sample(&text, "idem_config_reloads_total", &[("result", "refused")]), 1.0, "{text}");
+    assert_eq!(sample(&text, "idem_config_reloads_total", &[("result", "applied")]), 1.0, "{text}");
+    assert!(sample(&text, "idem_config_loaded_at_seconds", &[]) >= loaded_at, "{text}");
+    let routes: serde_json::Value = broker.http.get(format!("{}/_idem/routes", broker.url)).json_of().await;
+    let new = routes["routes"][0]["policy_version"].as_str().unwrap();
+    assert_ne!(new, version);
+    assert_eq!(sample(&text, "idem_attempts_total", &[("policy_version", new)]), 2.0, "{text}");
+    assert_eq!(sample(&text, "idem_attempts_total", &[("policy_version", &version)]), stored_attempts as f64);
     exposition_is_valid(&text);
 }
 

@@ -108,6 +108,7 @@ on_both_backends!(
     past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request,
     another_request_under_a_spent_key_and_a_late_one_execute,
     an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked,
+    each_attempt_keeps_the_policy_version_it_was_sent_under,
     ;
     postgres_only:
     notices_announce_queued_and_settled_records_to_every_process,
@@ -120,6 +121,8 @@ const T0: Millis = 1_700_000_000_000;
 const BODY: &[u8] = br#"{"amount":42,"currency":"eur"}"#;
 const WORKER: &str = "node-a/worker-1";
 const LEASE: Millis = 15_000;
+/// A policy version, as a route's policy would give it.
+const VERSION: &str = "0123456789ab";
 
 fn request(tenant: &str, key: &str, body: &[u8]) -> NewRecord {
     request_on("payments", tenant, key, body, T0)
@@ -160,6 +163,7 @@ fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) 
         status,
         error: status.is_none().then(|| "timed_out".to_string()),
         wait_ms: if number == 1 { 0 } else { 250 },
+        policy_version: Some(VERSION.into()),
     }
 }
 
@@ -229,7 +233,7 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// replay-safe.
 async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE).await.unwrap();
+    let lease = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap();
     assert!(lease.is_held());
     let lease = store
         .attempt_ended(
@@ -250,7 +254,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// A record answered `201` at `done_at`.
 async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record {
     let record = in_progress(store, new).await;
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE).await.unwrap().is_held());
+    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap().is_held());
     let lease = store
         .attempt_ended(
             record.id,

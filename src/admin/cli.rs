@@ -272,15 +272,17 @@ fn render_record(r: &Value) -> String {
     let _ = writeln!(out, "\nattempts  {}", attempts.len());
     for a in attempts {
         let what = a.get("status").map(text).or_else(|| a.get("error").map(text)).unwrap_or_else(|| "-".into());
+        let policy = a.get("policy_version").map(|v| format!("  policy {}", text(v))).unwrap_or_default();
         let _ = writeln!(
             out,
-            "  #{:<3} {}  after wait {:>6} ms  took {:>6} ms  {:<13} {}",
+            "  #{:<3} {}  after wait {:>6} ms  took {:>6} ms  {:<13} {}{}",
             text(&a["number"]),
             text(&a["started_at"]),
             text(&a["wait_ms"]),
             text(&a["duration_ms"]),
             text(&a["outcome"]),
-            what
+            what,
+            policy
         );
     }
     if let Some(resp) = r.get("response") {

@@ -17,16 +17,18 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::config::Config;
+use crate::config::Live;
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::reconcile;
 use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
+use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::worker::{Settled, Worker};
 
 mod bulk;
 pub mod cli;
+mod config;
 mod series;
 pub mod stats;
 
@@ -36,7 +38,10 @@ pub mod stats;
 const CONSOLE: &str = include_str!("console.html");
 
 pub struct Admin {
-    pub config: Arc<Config>,
+    /// The configuration in force; each call reads it once.
+    pub config: Arc<Live>,
+    /// `POST /admin/config/reload`.
+    pub reloader: Arc<Reloader>,
     pub store: Arc<dyn Store>,
     pub worker: Worker,
     pub settled: Arc<Settled>,
@@ -53,6 +58,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/cancel", post(cancel))
         .route("/admin/requests/bulk", post(bulk::bulk))
         .route("/admin/stats", get(stats::stats))
+        .route("/admin/config/reload", post(config::reload))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
         .route("/", get(|| async { Html(CONSOLE) }))
@@ -89,7 +95,8 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
 
 /// With an admin token configured, every operator call must carry it as a bearer token.
 async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
-    if let Some(expected) = &admin.config.auth.admin_token {
+    // The token of the configuration in force: a reload that changes it applies at once.
+    if let Some(expected) = &admin.config.current().auth.admin_token {
         let given = crate::credentials::bearer(request.headers());
         let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected));
         if !ok {
@@ -327,7 +334,8 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
     let Some(record) = admin.store.get(id).await.map_err(store_problem)? else {
         return Err(not_found());
     };
-    let Some(route) = admin.config.route_named(&record.route) else {
+    let config = admin.config.current();
+    let Some(route) = config.route_named(&record.route) else {
         return Err(Problem::new(
             StatusCode::CONFLICT,
             "route-gone",

@@ -114,8 +114,9 @@ pub(super) struct StatsQuery {
 pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<StatsQuery>) -> Result<Response, Problem> {
     let resolution = Resolution::parse(q.window.as_deref(), q.step.as_deref()).map_err(|e| e.problem())?;
     let route = q.route.filter(|r| !r.is_empty());
+    let config = admin.config.current();
     let routes: Vec<&str> = match &route {
-        Some(name) if admin.config.route_named(name).is_none() => {
+        Some(name) if config.route_named(name).is_none() => {
             return Err(Problem::new(
                 StatusCode::NOT_FOUND,
                 "route-not-found",
@@ -124,7 +125,7 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
             ))
         }
         Some(name) => vec![name.as_str()],
-        None => admin.config.routes.iter().map(|r| r.name.as_str()).collect(),
+        None => config.routes.iter().map(|r| r.name.as_str()).collect(),
     };
     let now = now_ms();
     let span = resolution.span(now, route.clone());

@@ -5,7 +5,7 @@ use serde::Deserialize;
 
 use super::raw::{positive, RawRetry};
 use super::{invalid, ConfigError};
-use crate::policy::{CanaryStop, RetryPolicy};
+use crate::policy::{CanaryStop, PolicyVersion, RetryPolicy};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -34,6 +34,8 @@ pub struct Canary {
     pub by: CanaryBy,
     /// The candidate: the route's retry table with the canary's fields laid over it.
     pub retry: RetryPolicy,
+    /// The candidate's own version: its attempts are stored and counted under it.
+    pub policy_version: PolicyVersion,
     pub stop: CanaryStop,
 }
 
@@ -46,7 +48,13 @@ pub enum CanaryBy {
 }
 
 impl RawCanary {
-    pub(super) fn validate(self, key: &str, main: RawRetry, main_policy: &RetryPolicy) -> Result<Canary, ConfigError> {
+    pub(super) fn validate(
+        self,
+        key: &str,
+        main: RawRetry,
+        main_policy: &RetryPolicy,
+        version: impl Fn(&RetryPolicy) -> PolicyVersion,
+    ) -> Result<Canary, ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         let percent = self.percent.ok_or_else(|| invalid(k("percent"), "is required"))?;
         if !percent.is_finite() || percent <= 0.0 || percent >= 100.0 {
@@ -84,6 +92,7 @@ impl RawCanary {
                 final_success_drop: fraction("final_success_drop", stop.final_success_drop, 1.0)?,
                 min_requests: positive(&k("stop.min_requests"), stop.min_requests, 100)? as u64,
             },
+            policy_version: version(&retry),
             retry,
         })
     }

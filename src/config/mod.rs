@@ -8,17 +8,21 @@ use std::time::Duration;
 
 use http::Method;
 
-use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
+use crate::policy::{BreakerSettings, Jitter, PolicyVersion, RetryPolicy};
 
 mod canary;
+mod diff;
 mod limits;
+mod live;
 mod raw;
 use raw::RawConfig;
 mod route;
 #[cfg(test)]
 mod tests;
 pub use canary::{Canary, CanaryBy};
+pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
+pub use live::Live;
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +40,7 @@ fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.into(), problem: problem.into() }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
@@ -45,14 +49,14 @@ pub struct Config {
     pub worker: WorkerConfig,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub limits: EdgeLimits,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreConfig {
     /// `sqlite://…` or `postgres://…`; the scheme picks the backend.
     pub url: String,
@@ -60,7 +64,7 @@ pub struct StoreConfig {
     pub retention: Duration,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct AuthConfig {
     /// The admin bearer token, read from the environment variable the config names.
     /// `None` means the admin API takes no token.
@@ -72,14 +76,14 @@ pub struct AuthConfig {
     pub token_header: Option<http::HeaderName>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tenant {
     pub name: String,
     /// SHA-256 of the tenant's bearer token; the token itself is never stored.
     pub token_sha256: [u8; 32],
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
     /// Records executed at once by this process.
     pub concurrency: usize,
@@ -90,7 +94,7 @@ pub struct WorkerConfig {
     pub max_takeovers: u32,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Route {
     pub name: String,
     pub path_prefix: String,
@@ -128,6 +132,9 @@ pub struct Route {
     /// The header that tells the upstream, on every attempt, how many milliseconds that attempt
     /// has; a client sending it on a keyed request may shorten the record's deadline with it.
     pub deadline_header: Option<http::HeaderName>,
+    /// The digest of the policy above (`retry`, `replay_safe`, `deadline_header`, `circuit`),
+    /// computed once here: every attempt is stored and counted with it.
+    pub policy_version: PolicyVersion,
     /// A candidate retry policy tried on a stable slice of the route's traffic.
     pub canary: Option<Canary>,
 }
@@ -149,7 +156,7 @@ impl std::fmt::Display for KeySource {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Probe {
     pub method: Method,
     /// A path template; `{idempotency_key}` is replaced by the record's key.
@@ -241,6 +248,7 @@ pub fn describe(c: &Config) -> String {
         let p = &r.retry;
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
         let _ = writeln!(out, "\nroute {}  {} -> {}", r.name, r.path_prefix, r.upstream);
+        let _ = writeln!(out, "  policy_version {}", r.policy_version);
         let _ = writeln!(
             out,
             "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_concurrency {}",

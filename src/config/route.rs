@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use http::Method;
 
+use crate::policy::Effective;
+
 use super::raw::*;
 use super::*;
 
@@ -73,14 +75,24 @@ impl RawRoute {
             .transpose()?;
         let raw_retry = self.retry.unwrap_or_default();
         let retry = raw_retry.clone().validate(&format!("{key}.retry"))?;
-        let canary = self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry)).transpose()?;
+        let circuit = self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?;
+        let replay_safe = self.replay_safe.unwrap_or(false);
+        let version = |retry: &RetryPolicy| {
+            Effective { retry, replay_safe, deadline_header: deadline_header.as_ref().map(|h| h.as_str()), circuit: &circuit }
+                .version()
+        };
+        let policy_version = version(&retry);
+        let canary = self
+            .canary
+            .map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version))
+            .transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_path: upstream.path().trim_end_matches('/').to_string(),
             methods,
-            replay_safe: self.replay_safe.unwrap_or(false),
+            replay_safe,
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
             upstream_headers,
             forward_authorization: self.forward_authorization.unwrap_or(false),
@@ -92,9 +104,10 @@ impl RawRoute {
             max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
             retry,
-            circuit: self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?,
+            circuit,
             probe,
             deadline_header,
+            policy_version,
             canary,
         })
     }

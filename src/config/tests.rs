@@ -226,6 +226,24 @@ fn check_prints_the_effective_policy_of_every_route() {
     assert!(out.contains("circuit: opens after 5 failures"), "{out}");
     assert!(out.contains("probe GET /p/{idempotency_key} after 5s"), "{out}");
     assert!(out.contains("lease 15s, max_takeovers 3"), "{out}");
+    let config = Config::parse_with_env(&text, no_env).unwrap();
+    assert!(out.contains(&format!("  policy_version {}\n", config.routes[0].policy_version)), "{out}");
+}
+
+#[test]
+fn a_policy_version_belongs_to_the_policy_not_to_the_route_that_has_it() {
+    let route = |name: &str, prefix: &str, retry: &str| {
+        format!("[[routes]]\nname = \"{name}\"\npath_prefix = \"{prefix}\"\nupstream = \"http://127.0.0.1:9000\"\n{retry}\n")
+    };
+    let text = route("a", "/a", "") + &route("b", "/b", "") + &route("c", "/c", "replay_safe = true");
+    let first = Config::parse_with_env(&text, no_env).unwrap();
+    let again = Config::parse_with_env(&text, no_env).unwrap();
+    let versions = |c: &Config| c.routes.iter().map(|r| r.policy_version.to_string()).collect::<Vec<_>>();
+    // The same file read twice (a restart, another node) gives the same versions.
+    assert_eq!(versions(&first), versions(&again));
+    let [a, b, c] = versions(&first).try_into().unwrap();
+    assert_eq!(a, b, "two routes with the same policy share its version");
+    assert_ne!(a, c);
 }
 
 #[test]

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::config::{Config, Route};
+use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
 use crate::edge::body::BodyBudget;
@@ -31,6 +31,15 @@ use crate::tally::Tally;
 use crate::upstream::Upstream;
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
 
+/// What a keyed request was read with: the configuration in force when it arrived, its route
+/// there, its head, and when it arrived.
+struct Read<'a> {
+    config: &'a Arc<Config>,
+    route: &'a Route,
+    parts: &'a http::request::Parts,
+    arrival: Millis,
+}
+
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Until when the answer's key has its result replayed (an HTTP-date).
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
@@ -40,7 +49,9 @@ pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 const WAIT_POLL: Duration = Duration::from_secs(1);
 
 pub struct Ingress {
-    pub config: Arc<Config>,
+    /// The configuration in force: each request reads it once, when it arrives, and is served
+    /// by that snapshot to its end.
+    pub config: Arc<Live>,
     pub store: Arc<dyn Store>,
     pub worker: Worker,
     pub settled: Arc<Settled>,
@@ -79,7 +90,8 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
     }
-    let Some(route) = app.config.route_for(&path) else {
+    let config = app.config.current();
+    let Some(route) = config.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
@@ -88,13 +100,13 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     if keyed_method && !keyed {
         metrics::unkeyed(&route.name);
     }
-    let mut response = match credentials::tenant(&app.config, request.headers()) {
+    let mut response = match credentials::tenant(&config, request.headers()) {
         Err(problem) if keyed => problem.state(State::NotStarted).into_response(),
         Err(problem) => problem.into_response(),
         Ok(tenant) if keyed => {
             // One span per logical request; its executions and attempts are logged beneath it.
             let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
-            app.keyed(route, tenant, request, arrival).instrument(span).await
+            app.keyed(&config, route, tenant, request, arrival).instrument(span).await
         }
         Ok(_) => app.plain(route, request).await,
     };
@@ -113,7 +125,14 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
 impl Ingress {
     /// A request on a keyed route: its key (sent, or derived from the request), then its
     /// answer, which says which key it was for and until when that key's result is replayed.
-    async fn keyed(&self, route: &Route, tenant: String, request: Request, arrival: Millis) -> Response {
+    async fn keyed(
+        &self,
+        config: &Arc<Config>,
+        route: &Route,
+        tenant: String,
+        request: Request,
+        arrival: Millis,
+    ) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
             Ok(key) => Some(key),
@@ -150,7 +169,8 @@ impl Ingress {
             parts.headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
             essential,
         );
-        let answer = self.execute_keyed(&route, tenant, &parts, body, &key, fingerprint, arrival).await;
+        let read = Read { config, route, parts: &parts, arrival };
+        let answer = self.execute_keyed(read, tenant, body, &key, fingerprint).await;
         let mut response = self.keyed_answer(&route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
@@ -182,14 +202,13 @@ impl Ingress {
 
     async fn execute_keyed(
         &self,
-        route: &Route,
+        read: Read<'_>,
         tenant: String,
-        parts: &http::request::Parts,
         body: Bytes,
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
-        arrival: Millis,
     ) -> Answer {
+        let Read { config, route, parts, arrival } = read;
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
         let new = NewRecord {
@@ -240,8 +259,8 @@ impl Ingress {
         };
         // With a worker free right now, record it already claimed and its first attempt marked:
         // one commit before the send instead of three.
-        let reservation = self.worker.reserve(&route.name);
-        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms())), ..new };
+        let reservation = self.worker.reserve(config, route);
+        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), route)), ..new };
         let record =
             match self.store.admit(new, self.retention_cutoff(&route.name)).await.map_err(|e| Problem::store(&e))? {
                 Admission::Created(record) | Admission::Requeued(record) => {
@@ -290,9 +309,11 @@ impl Ingress {
         }
     }
 
-    /// How long a route's done records are replayed; a route no longer configured keeps the store's.
+    /// How long a route's done records are replayed, as configured now; a route no longer
+    /// configured keeps the store's.
     fn retention(&self, route: &str) -> Duration {
-        self.config.route_named(route).map_or(self.config.store.retention, |r| r.retention)
+        let config = self.config.current();
+        config.route_named(route).map_or(config.store.retention, |r| r.retention)
     }
 
     fn retention_cutoff(&self, route: &str) -> Millis {

@@ -18,7 +18,7 @@ use crate::record::{now_ms, HistoryEntry, Phase, Record};
 use crate::store::Cancelled;
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
-    let tenant = credentials::tenant(&app.config, headers)?;
+    let tenant = credentials::tenant(&app.config.current(), headers)?;
     let key = IdempotencyKey::parse(key).map_err(|e| match e {
         KeyError::Missing => Problem::missing_key(),
         KeyError::Invalid(why) => Problem::invalid_key(why),
@@ -61,12 +61,12 @@ async fn show(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response,
 /// `GET /_idem/routes`: each route's key rules, so a client (an agent) can tell which calls need
 /// a key, how one is derived, and how long a result is replayed.
 pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers: HeaderMap) -> Response {
-    if let Err(problem) = credentials::tenant(&app.config, &headers) {
+    let config = app.config.current();
+    if let Err(problem) = credentials::tenant(&config, &headers) {
         return problem.into_response();
     }
     let h = |d: Duration| humantime::format_duration(d).to_string();
-    let routes: Vec<serde_json::Value> = app
-        .config
+    let routes: Vec<serde_json::Value> = config
         .routes
         .iter()
         .map(|r| {
@@ -83,6 +83,7 @@ pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers
                 "max_body": r.max_body,
                 "key_from": r.key_from.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
                 "fingerprint_ignore": r.fingerprint_ignore,
+                "policy_version": r.policy_version.as_str(),
             })
         })
         .collect();

@@ -59,6 +59,11 @@ pub struct Breaker {
 }
 
 impl Breaker {
+    /// What it was built with: a reload keeps a breaker, and its state, while these hold.
+    pub fn settings(&self) -> BreakerSettings {
+        self.settings
+    }
+
     pub fn new(settings: BreakerSettings) -> Breaker {
         Breaker {
             settings,

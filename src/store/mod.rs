@@ -65,7 +65,7 @@ impl NewRecord {
             queued: claim.is_none(),
             deadline_at: self.deadline_at,
             in_flight: claim.as_ref().map(|_| (1, self.now)),
-            lease: claim.map(|c| crate::record::Lease { owner: c.owner, expires_at: c.lease_until }),
+            lease: claim.as_ref().map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.lease_until }),
             attempts: Vec::new(),
             stop_reason: None,
             response: None,
@@ -76,6 +76,7 @@ impl NewRecord {
             takeovers: 0,
             not_before: None,
             tombstone_until: None,
+            policy_version: claim.as_ref().map(|c| c.policy_version.clone()),
             created_at: self.now,
             updated_at: self.now,
         }
@@ -107,6 +108,8 @@ pub struct RouteSweep {
 pub struct Claim {
     pub owner: String,
     pub lease_until: Millis,
+    /// The version of the policy the first attempt is sent under, stored with its mark.
+    pub policy_version: String,
 }
 
 /// The result of recording a request: either this request owns execution now, or a record for
@@ -283,8 +286,9 @@ pub trait Store: Send + Sync + 'static {
     /// Queued → in_progress under `owner`'s lease. False if it is no longer queued.
     async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError>;
 
-    /// Persists "attempt `number` may have been sent" before it is sent, and extends the lease.
-    /// If `owner` no longer holds the lease, the attempt must not be sent.
+    /// Persists "attempt `number` may have been sent" before it is sent, with the version of
+    /// the policy it is sent under, and extends the lease. If `owner` no longer holds the
+    /// lease, the attempt must not be sent.
     async fn attempt_started(
         &self,
         id: Uuid,
@@ -292,6 +296,7 @@ pub trait Store: Send + Sync + 'static {
         number: u32,
         started_at: Millis,
         lease_until: Millis,
+        policy_version: &str,
     ) -> Result<Lease, StoreError>;
 
     /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.

@@ -95,6 +95,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
         not_before: number("not_before")?,
         tombstone_until: number("tombstone_until")?,
+        policy_version: row.text("policy_version")?,
         created_at: required("created_at")?,
         updated_at: required("updated_at")?,
     })

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
@@ -15,9 +15,13 @@ use super::lock;
 
 /// The protections shared by the ingress and the workers: per route, a retry budget, a cap on
 /// attempts in flight and a bound on executions waiting for one; per upstream, a breaker.
+///
+/// A reload replaces the guards of routes whose limits changed and drops those of routes that
+/// went; an execution holds the guard it started with to its end, so its attempts keep counting
+/// against the limits they started under (see [`Guards::reconfigure`]).
 pub struct Guards {
-    pub(super) routes: HashMap<String, Arc<RouteGuard>>,
-    breakers: HashMap<String, Mutex<Breaker>>,
+    routes: RwLock<HashMap<String, Arc<RouteGuard>>>,
+    breakers: RwLock<HashMap<String, Arc<Mutex<Breaker>>>>,
 }
 
 pub(super) struct RouteGuard {
@@ -27,6 +31,34 @@ pub(super) struct RouteGuard {
     /// Executions admitted and not finished: those in flight plus those queued behind them.
     pub(super) pending: AtomicUsize,
     pub(super) max_pending: usize,
+    /// What the guard was built from: a reload keeps the guard (its counts, its budget's
+    /// window) while these stay the same.
+    limits: (usize, f64, f64),
+}
+
+impl RouteGuard {
+    fn new(route: &Route, now: Instant) -> RouteGuard {
+        let r = route;
+        RouteGuard {
+            budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
+            attempts: Arc::new(Semaphore::new(r.max_concurrency)),
+            pending: AtomicUsize::new(0),
+            max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
+            limits: RouteGuard::limits_of(r),
+        }
+    }
+
+    fn limits_of(route: &Route) -> (usize, f64, f64) {
+        (route.max_concurrency, route.retry.budget_ratio, route.retry.budget_min_per_sec)
+    }
+
+    pub(super) fn first_attempt(&self) {
+        lock(&self.budget).deposit(Instant::now());
+    }
+
+    pub(super) fn take_retry(&self) -> bool {
+        lock(&self.budget).try_withdraw(Instant::now())
+    }
 }
 
 /// An execution's place on its route; the route counts it until this is dropped.
@@ -54,33 +86,70 @@ fn queue_bound(max_concurrency: usize) -> usize {
 
 impl Guards {
     pub fn new(config: &Config) -> Guards {
+        let guards = Guards { routes: RwLock::new(HashMap::new()), breakers: RwLock::new(HashMap::new()) };
+        guards.reconfigure(config);
+        guards
+    }
+
+    /// Brings the guards in line with `config`: a route whose limits (`max_concurrency`, the
+    /// retry budget) are unchanged keeps its guard and its counts; a new or changed one gets a
+    /// fresh guard; a removed one's guard lives on only in the executions that hold it. Each
+    /// upstream keeps its breaker, and its state, unless its circuit settings changed.
+    pub fn reconfigure(&self, config: &Config) {
         let now = Instant::now();
-        let routes = config
+        let mut routes = write(&self.routes);
+        let kept: HashMap<String, Arc<RouteGuard>> = config
             .routes
             .iter()
             .map(|r| {
-                let guard = RouteGuard {
-                    budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
-                    attempts: Arc::new(Semaphore::new(r.max_concurrency)),
-                    pending: AtomicUsize::new(0),
-                    max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
+                let guard = match routes.get(&r.name) {
+                    Some(g) if g.limits == RouteGuard::limits_of(r) => g.clone(),
+                    _ => Arc::new(RouteGuard::new(r, now)),
                 };
-                (r.name.clone(), Arc::new(guard))
+                (r.name.clone(), guard)
             })
             .collect();
-        let mut breakers = HashMap::new();
+        *routes = kept;
+        drop(routes);
+        let mut breakers = write(&self.breakers);
+        let mut kept: HashMap<String, Arc<Mutex<Breaker>>> = HashMap::new();
+        // Routes that share an upstream share its breaker, with the settings of the first.
         for r in &config.routes {
-            breakers.entry(r.upstream.clone()).or_insert_with(|| Mutex::new(Breaker::new(r.circuit)));
+            if kept.contains_key(&r.upstream) {
+                continue;
+            }
+            let breaker = match breakers.get(&r.upstream) {
+                Some(b) if lock(b).settings() == r.circuit => b.clone(),
+                _ => Arc::new(Mutex::new(Breaker::new(r.circuit))),
+            };
+            kept.insert(r.upstream.clone(), breaker);
         }
-        Guards { routes, breakers }
+        *breakers = kept;
+    }
+
+    /// The guard of `route` as configured now; for a route a reload removed since its request
+    /// was read, one of its own, so that its execution is still bounded.
+    pub(super) fn route(&self, route: &Route) -> Arc<RouteGuard> {
+        match read(&self.routes).get(&route.name) {
+            Some(g) => g.clone(),
+            None => Arc::new(RouteGuard::new(route, Instant::now())),
+        }
+    }
+
+    pub(super) fn named(&self, route: &str) -> Option<Arc<RouteGuard>> {
+        read(&self.routes).get(route).cloned()
+    }
+
+    fn breaker(&self, upstream: &str) -> Option<Arc<Mutex<Breaker>>> {
+        read(&self.breakers).get(upstream).cloned()
     }
 
     /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
     pub fn enter(&self, route: &Route) -> Result<Slot, Refusal> {
-        if let Some(breaker) = self.breakers.get(&route.upstream) {
-            lock(breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
+        if let Some(breaker) = self.breaker(&route.upstream) {
+            lock(&breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
         }
-        let guard = self.routes.get(&route.name).ok_or(Refusal::Overloaded)?;
+        let guard = self.route(route);
         let before = guard.pending.fetch_add(1, Ordering::SeqCst);
         let slot = Slot(guard.clone());
         if before >= guard.max_pending {
@@ -92,33 +161,31 @@ impl Guards {
     /// A place for an execution that did not come through the ingress (take-over, operator
     /// retry): counted, never refused.
     pub fn slot(&self, route: &str) -> Option<Slot> {
-        let guard = self.routes.get(route)?;
+        let guard = self.named(route)?;
         guard.pending.fetch_add(1, Ordering::SeqCst);
-        Some(Slot(guard.clone()))
+        Some(Slot(guard))
     }
 
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
         let now = Instant::now();
-        self.breakers.iter().map(|(u, b)| (u.clone(), lock(b).state(now))).collect()
+        read(&self.breakers).iter().map(|(u, b)| (u.clone(), lock(b).state(now))).collect()
     }
 
     pub(super) fn circuit_open(&self, upstream: &str) -> bool {
-        self.breakers.get(upstream).is_some_and(|b| lock(b).is_open(Instant::now()))
+        self.breaker(upstream).is_some_and(|b| lock(&b).is_open(Instant::now()))
     }
 
     pub(super) fn record_outcome(&self, upstream: &str, success: bool) {
-        if let Some(b) = self.breakers.get(upstream) {
-            lock(b).record(success, Instant::now());
+        if let Some(b) = self.breaker(upstream) {
+            lock(&b).record(success, Instant::now());
         }
     }
+}
 
-    pub(super) fn first_attempt(&self, route: &str) {
-        if let Some(g) = self.routes.get(route) {
-            lock(&g.budget).deposit(Instant::now());
-        }
-    }
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
 
-    pub(super) fn take_retry(&self, route: &str) -> bool {
-        self.routes.get(route).is_some_and(|g| lock(&g.budget).try_withdraw(Instant::now()))
-    }
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
 }

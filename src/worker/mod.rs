@@ -12,7 +12,7 @@ use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
-use crate::config::{Config, Route};
+use crate::config::{Config, Live, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, Pace, Settlement, StopReason};
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
@@ -52,6 +52,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub struct Reservation {
     worker: OwnedSemaphorePermit,
     attempt: OwnedSemaphorePermit,
+    /// The configuration the admission was read under: the record is claimed, and its first
+    /// attempt marked, with its route's policy, so the execution keeps that one.
+    config: Arc<Config>,
 }
 
 enum Start {
@@ -78,7 +81,10 @@ pub struct Worker {
 struct Inner {
     store: Arc<dyn Store>,
     upstream: Upstream,
-    config: Arc<Config>,
+    /// The configuration in force; an execution reads it once, when it starts.
+    config: Arc<Live>,
+    /// `worker.lease`, fixed for the life of the process (a reload cannot change it).
+    lease: Duration,
     /// This process's name in leases.
     owner: String,
     /// At most `worker.concurrency` records execute at once.
@@ -139,11 +145,13 @@ impl Progress {
 }
 
 impl Worker {
-    pub fn new(store: Arc<dyn Store>, config: Arc<Config>, owner: String, settled: Arc<Settled>) -> Worker {
+    pub fn new(store: Arc<dyn Store>, config: Arc<Live>, owner: String, settled: Arc<Settled>) -> Worker {
+        let current = config.current();
         Worker {
             inner: Arc::new(Inner {
-                permits: Arc::new(Semaphore::new(config.worker.concurrency)),
-                guards: Arc::new(Guards::new(&config)),
+                permits: Arc::new(Semaphore::new(current.worker.concurrency)),
+                guards: Arc::new(Guards::new(&current)),
+                lease: current.worker.lease,
                 pace: Pace::default(),
                 credentials: Mutex::new(HeldCredentials::default()),
                 stopping: watch::channel(false).0,
@@ -195,15 +203,21 @@ impl Worker {
     /// Sets aside a worker and a place among `route`'s attempts for an execution that starts at
     /// once, if both are free right now. With it, the ingress records the request already claimed
     /// by this process, its first attempt marked as about to be sent, in one commit.
-    pub fn reserve(&self, route: &str) -> Option<Reservation> {
+    /// `config` is the configuration the request was read under, which the execution keeps.
+    pub fn reserve(&self, config: &Arc<Config>, route: &Route) -> Option<Reservation> {
         let worker = self.inner.permits.clone().try_acquire_owned().ok()?;
-        let attempt = self.inner.guards.routes.get(route)?.attempts.clone().try_acquire_owned().ok()?;
-        Some(Reservation { worker, attempt })
+        let attempt = self.inner.guards.route(route).attempts.clone().try_acquire_owned().ok()?;
+        Some(Reservation { worker, attempt, config: config.clone() })
     }
 
-    /// The claim that a reserved admission writes: this process's lease, starting `now`.
-    pub fn claim(&self, now: Millis) -> Claim {
-        Claim { owner: self.inner.owner.clone(), lease_until: self.inner.lease_until(now) }
+    /// The claim that a reserved admission writes: this process's lease, starting `now`, and
+    /// the version of the policy its first attempt is sent under.
+    pub fn claim(&self, now: Millis, route: &Route) -> Claim {
+        Claim {
+            owner: self.inner.owner.clone(),
+            lease_until: self.inner.lease_until(now),
+            policy_version: route.policy_version.to_string(),
+        }
     }
 
     /// Executes a record admitted with a reservation (see [`Worker::reserve`]).
@@ -225,9 +239,9 @@ impl Worker {
                 let _slot = slot;
                 let _running = Running::new(&inner);
                 let outcome = match start {
-                    Start::Reserved(Reservation { worker, attempt }) => {
+                    Start::Reserved(Reservation { worker, attempt, config }) => {
                         let _permit = worker;
-                        inner.run(record, Some(attempt)).await
+                        inner.run(record, Some((attempt, config))).await
                     }
                     Start::Claim | Start::Claimed => {
                         let Ok(_permit) = inner.permits.acquire().await else { return };

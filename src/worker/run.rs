@@ -27,7 +27,7 @@ impl Inner {
     }
 
     pub(super) fn lease_until(&self, now: Millis) -> Millis {
-        now + duration_ms(self.config.worker.lease)
+        now + duration_ms(self.lease)
     }
 
     pub(super) async fn claim_and_run(&self, record: Record) -> Outcome {
@@ -45,8 +45,15 @@ impl Inner {
     }
 
     /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
-    pub(super) async fn run(&self, record: Record, reserved: Option<OwnedSemaphorePermit>) -> Outcome {
-        let Some(route) = self.config.route_named(&record.route) else {
+    /// The route and its policy are read once, here, from the configuration the record was
+    /// admitted under when it was admitted claimed, else from the one in force now: a reload
+    /// during the execution changes neither, and a route removed since still lets it finish.
+    pub(super) async fn run(&self, record: Record, reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>) -> Outcome {
+        let (reserved, config) = match reserved {
+            Some((place, config)) => (Some(place), config),
+            None => (None, self.config.current()),
+        };
+        let Some(route) = config.route_named(&record.route) else {
             warn!(route = %record.route, "the record's route is no longer configured");
             let progress = Progress::new(&record, Duration::ZERO);
             return self.finish(&record, false, None, StopReason::Cancelled, progress).await;
@@ -90,6 +97,9 @@ impl Inner {
         reserved: Option<OwnedSemaphorePermit>,
     ) -> Outcome {
         let policy = &route.retry;
+        // The route's limits as they stood when the execution started: its attempts count
+        // against them to the end, whatever a reload does to the route meanwhile.
+        let guard = self.guards.route(route);
         let mut p = Progress::new(record, policy.deadline);
         // Taken over (or handed back) in the middle of a wait: the rest of it is still owed.
         if let Some(not_before) = record.not_before {
@@ -120,10 +130,7 @@ impl Inner {
                 Some(place) => (record.in_flight.map_or_else(now_ms, |(_, at)| at), Some(place), true),
                 None => {
                     // A place among the route's attempts in flight, held for this attempt only.
-                    let place = match self.guards.routes.get(&route.name) {
-                        Some(g) => self.renewing(record.id, g.attempts.clone().acquire_owned()).await.ok(),
-                        None => None,
-                    };
+                    let place = self.renewing(record.id, guard.attempts.clone().acquire_owned()).await.ok();
                     (now_ms(), place, false)
                 }
             };
@@ -140,7 +147,14 @@ impl Inner {
             if !marked {
                 match self
                     .store
-                    .attempt_started(record.id, &self.owner, p.number, started, self.lease_until(started))
+                    .attempt_started(
+                        record.id,
+                        &self.owner,
+                        p.number,
+                        started,
+                        self.lease_until(started),
+                        route.policy_version.as_str(),
+                    )
                     .await
                 {
                     Ok(Lease::Held { cancel_requested: false }) => {}
@@ -156,7 +170,7 @@ impl Inner {
                 }
             }
             if made == 1 {
-                self.guards.first_attempt(&route.name);
+                guard.first_attempt();
             }
             let mut told = credentials.clone();
             upstream::tell_deadline(&mut told, route.deadline_header.as_ref(), limit);
@@ -196,7 +210,7 @@ impl Inner {
                     circuit_open: self.guards.circuit_open(&route.upstream),
                 },
                 rand::random::<f64>,
-                || self.guards.take_retry(&route.name),
+                || guard.take_retry(),
             );
             let attempt = Attempt {
                 number: p.number,
@@ -211,6 +225,7 @@ impl Inner {
                     Observed::Broken => Some("broken".into()),
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
+                policy_version: Some(route.policy_version.to_string()),
             };
             span.in_scope(|| {
                 tracing::info!(
@@ -222,7 +237,7 @@ impl Inner {
                     "attempt"
                 )
             });
-            metrics::attempt(&route.name, class, took);
+            metrics::attempt(&route.name, &route.policy_version, class, took);
             self.pace.observe(&route.name, took);
             p.last_response = answer.map(|a| a.response);
 
@@ -319,7 +334,7 @@ impl Inner {
     /// Awaits an attempt while keeping the lease alive.
     pub(super) async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
         tokio::pin!(attempt);
-        let every = self.config.worker.lease / 3;
+        let every = self.lease / 3;
         loop {
             tokio::select! {
                 out = &mut attempt => return out,
@@ -336,7 +351,7 @@ impl Inner {
     /// Sleeps before a retry, renewing the lease, and stops at once on a cancel.
     pub(super) async fn wait(&self, id: Uuid, total: Duration, signal: &CancelSignal) -> WaitEnd {
         let until = tokio::time::Instant::now() + total;
-        let slice = self.config.worker.lease / 3;
+        let slice = self.lease / 3;
         let mut stopping = self.stopping.subscribe();
         loop {
             if *stopping.borrow_and_update() {

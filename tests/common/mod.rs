@@ -268,6 +268,9 @@ pub struct Broker {
     running: Option<Running>,
     pub db: Db,
     pub config_text: String,
+    /// The file the broker was started from, which a reload reads again.
+    pub config_file: std::path::PathBuf,
+    _config_dir: Arc<TempDir>,
 }
 
 /// The config for a test broker. `route_extra` is added to the `payments` route table and
@@ -308,7 +311,10 @@ impl Broker {
 
     pub async fn start_with(db: &Db, config_text: String) -> Broker {
         let config = Config::parse_with_env(&config_text, |name| std::env::var(name).ok()).unwrap();
-        let running = server::start(config).await.unwrap();
+        let dir = TempDir::new().unwrap();
+        let config_file = dir.path().join("idem.toml");
+        std::fs::write(&config_file, &config_text).unwrap();
+        let running = server::start_reloadable(config, config_file.clone()).await.unwrap();
         Broker {
             url: format!("http://{}", running.listen),
             admin: format!("http://{}", running.admin_listen),
@@ -316,7 +322,23 @@ impl Broker {
             running: Some(running),
             db: db.clone(),
             config_text,
+            config_file,
+            _config_dir: Arc::new(dir),
         }
+    }
+
+    /// Replaces the text of the broker's config file; `reload` applies it.
+    pub fn write_config(&self, text: &str) {
+        std::fs::write(&self.config_file, text).unwrap();
+    }
+
+    /// `POST /admin/config/reload`, with `token` if the config asks for one.
+    pub async fn reload(&self, token: Option<&str>) -> Answer {
+        let mut request = self.http.post(format!("{}/admin/config/reload", self.admin));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        send(request).await
     }
 
     pub async fn stop(mut self) {

@@ -48,6 +48,8 @@ pub struct Node {
     pub admin: String,
     pub http: reqwest::Client,
     config: PathBuf,
+    /// The `[server]` section written at start: its ports stay the node's for good.
+    server: String,
     log: PathBuf,
     child: Option<Child>,
     /// How many times the process was started.
@@ -62,8 +64,8 @@ impl Node {
         let dir = TempDir::new().unwrap();
         let (listen, admin) = (free_port(), free_port());
         let config = dir.path().join("idem.toml");
-        let text = format!("[server]\nlisten = \"127.0.0.1:{listen}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{body}");
-        std::fs::write(&config, text).unwrap();
+        let server = format!("[server]\nlisten = \"127.0.0.1:{listen}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n");
+        std::fs::write(&config, format!("{server}{body}")).unwrap();
         let mut node = Node {
             name: name.to_string(),
             url: format!("http://127.0.0.1:{listen}"),
@@ -71,6 +73,7 @@ impl Node {
             http: reqwest::Client::builder().no_proxy().timeout(Duration::from_secs(30)).build().unwrap(),
             log: dir.path().join("idem.log"),
             config,
+            server,
             child: None,
             starts: 0,
             _dir: dir,
@@ -133,6 +136,19 @@ impl Node {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Rewrites the node's config file with `body` under the same `[server]` section; the
+    /// running process reads it on a reload (see [`Node::hangup`]) or at its next start.
+    pub fn write_config(&self, body: &str) {
+        std::fs::write(&self.config, format!("{}{body}", self.server)).unwrap();
+    }
+
+    /// SIGHUP: asks the process to read its config file again.
+    pub fn hangup(&self) {
+        let pid = self.pid().unwrap_or_else(|| panic!("{} is not running", self.name));
+        let sent = Command::new("kill").arg("-HUP").arg(pid.to_string()).status().unwrap();
+        assert!(sent.success(), "could not send SIGHUP to {}", self.name);
     }
 
     /// SIGTERM: asks for a graceful shutdown; see [`Node::wait_exit`].

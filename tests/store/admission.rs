@@ -6,7 +6,7 @@ use super::*;
 pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(
     store: Arc<dyn Store>,
 ) {
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE };
+    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
     let record = created(store.admit(new.clone(), 0).await.unwrap());
     assert_eq!(record.phase(), Phase::InProgress);
@@ -95,7 +95,11 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
         .map(|i| {
             let store = store.clone();
             let key = if i == 127 { "expired".to_string() } else { format!("fresh-{}", i % 63) };
-            let claim = (i % 2 == 0).then(|| Claim { owner: WORKER.into(), lease_until: T0 + LEASE });
+            let claim = (i % 2 == 0).then(|| Claim {
+                owner: WORKER.into(),
+                lease_until: T0 + LEASE,
+                policy_version: VERSION.into(),
+            });
             let new = NewRecord { claim, ..request("default", &key, BODY) };
             tokio::spawn(async move { (key, store.admit(new, T0 + 1).await.unwrap()) })
         })
@@ -187,7 +191,7 @@ pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(store
 
     // With a claim, the replacement is still queued (its worker claims it), and says so.
     let old = done(&store, request("default", "old-claimed", BODY), T0 + 1_000).await;
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE };
+    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim), ..request("default", "old-claimed", BODY) };
     let replaced = created(store.admit(new.clone(), T0 + 1_001).await.unwrap());
     assert_eq!((replaced.id, replaced.phase(), replaced.in_flight), (new.id, Phase::Queued, None));

@@ -17,7 +17,7 @@ pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
 pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(store: Arc<dyn Store>) {
     let record = in_progress(&store, request("default", "lease", BODY)).await;
     let thief = "node-b/worker-9";
-    assert_eq!(store.attempt_started(record.id, thief, 1, T0 + 10, T0 + 99_000).await.unwrap(), Lease::Lost);
+    assert_eq!(store.attempt_started(record.id, thief, 1, T0 + 10, T0 + 99_000, VERSION).await.unwrap(), Lease::Lost);
     assert_eq!(store.renew(record.id, thief, T0 + 99_000, T0 + 10).await.unwrap(), Lease::Lost);
     let ended = store
         .attempt_ended(
@@ -36,7 +36,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(sto
     assert!(unchanged.in_flight.is_none() && unchanged.attempts.is_empty() && unchanged.response.is_none());
 
     // The holder is told it holds it, and its lease moves.
-    let held = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + 20_000).await.unwrap();
+    let held = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + 20_000, VERSION).await.unwrap();
     assert_eq!(held, Lease::Held { cancel_requested: false });
     let record = fetch(&store, record.id).await;
     assert_eq!(record.in_flight, Some((1, T0 + 10)));
@@ -61,7 +61,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(record.request, new.request, "the request is kept byte for byte");
 
     let first = attempt(1, T0 + 10, "not_executed", Some(503));
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE).await.unwrap().is_held());
+    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap().is_held());
     let wait = AfterAttempt::Wait { not_before: T0 + 250 };
     let lease = store.attempt_ended(record.id, WORKER, Some(first.clone()), wait, T0 + 30).await.unwrap();
     assert!(lease.is_held());
@@ -76,7 +76,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     body.extend_from_slice(&[0xc3, 0x28, 0x00, 0xff, 0xfe]);
     let answer = response(201, &body);
     let second = attempt(2, T0 + 300, "success", Some(201));
-    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 300, T0 + LEASE).await.unwrap().is_held());
+    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 300, T0 + LEASE, VERSION).await.unwrap().is_held());
     assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + 300)));
     let lease = store
         .attempt_ended(
@@ -139,7 +139,11 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(sto
         store.renew(record.id, WORKER, T0 + LEASE, T0 + 60).await.unwrap(),
         Lease::Held { cancel_requested: true }
     );
-    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 70, T0 + LEASE).await.unwrap().cancel_requested());
+    assert!(store
+        .attempt_started(record.id, WORKER, 2, T0 + 70, T0 + LEASE, VERSION)
+        .await
+        .unwrap()
+        .cancel_requested());
 }
 
 // ---- operators ----------------------------------------------------------------------------------
@@ -184,4 +188,37 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     assert_eq!((requeued.deadline_at, requeued.stop_reason, requeued.updated_at), (T0 + 99_000, None, T0 + 2_000));
     assert_eq!(requeued.history, vec![again]);
     assert!(store.claim(retried.id, WORKER, T0 + 2_000 + LEASE, T0 + 2_001).await.unwrap());
+}
+
+pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(store: Arc<dyn Store>) {
+    let (old, new) = ("aaaaaaaaaaaa", "bbbbbbbbbbbb");
+    // Admitted claimed: the first attempt's mark carries the claim's version.
+    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: old.into() };
+    let record = created(
+        store.admit(NewRecord { claim: Some(claim), ..request("default", "versions", BODY) }, 0).await.unwrap(),
+    );
+    assert_eq!(record.policy_version.as_deref(), Some(old));
+    assert_eq!(fetch(&store, record.id).await.policy_version.as_deref(), Some(old));
+    let first = Attempt { policy_version: Some(old.into()), ..attempt(1, T0, "not_executed", Some(503)) };
+    let then = AfterAttempt::Wait { not_before: T0 + 100 };
+    assert!(store.attempt_ended(record.id, WORKER, Some(first), then, T0 + 50).await.unwrap().is_held());
+
+    // Attempt 2 is marked under another policy, and its worker dies before storing its outcome.
+    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 100, T0 + 200, new).await.unwrap().is_held());
+    let marked = fetch(&store, record.id).await;
+    assert_eq!(marked.policy_version.as_deref(), Some(new), "the mark, written before the send, names its policy");
+    assert_eq!(marked.attempts[0].policy_version.as_deref(), Some(old));
+
+    // The take-over records the lost attempt under the policy of its mark.
+    let lost = Attempt { policy_version: marked.policy_version.clone(), ..attempt(2, T0 + 100, "lost", None) };
+    let to = TakeOverTo::Unknown(StopReason::UnsafeReplay);
+    let taken = store.take_over(record.id, WORKER, T0 + 200, to, Some(lost), entry("node-b", "take_over", T0 + 201));
+    assert!(taken.await.unwrap());
+    let settled = fetch(&store, record.id).await;
+    let versions: Vec<Option<&str>> = settled.attempts.iter().map(|a| a.policy_version.as_deref()).collect();
+    assert_eq!(versions, [Some(old), Some(new)]);
+    let shown = settled.to_json(true);
+    assert_eq!(shown["attempts"][0]["policy_version"], old);
+    assert_eq!(shown["attempts"][1]["policy_version"], new);
+    assert_eq!(shown["policy_version"], new);
 }

@@ -6,7 +6,7 @@ use super::*;
 pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: Arc<dyn Store>) {
     let record = in_progress(&store, request("default", "orphan", BODY)).await;
     let until = T0 + 20_000;
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, until).await.unwrap().is_held());
+    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, until, VERSION).await.unwrap().is_held());
     assert!(store.expired_leases(until, 10).await.unwrap().is_empty(), "not expired while `until` is now");
     let expired = store.expired_leases(until + 1, 10).await.unwrap();
     assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
@@ -84,7 +84,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let (now, worker) = (T0 + 1_000 * (round as Millis + 1), format!("node-{round}"));
         let until = now + 500;
         assert!(store.claim(record.id, &worker, until, now).await.unwrap(), "round {round}");
-        assert!(store.attempt_started(record.id, &worker, round + 1, now + 1, until).await.unwrap().is_held());
+        assert!(store.attempt_started(record.id, &worker, round + 1, now + 1, until, VERSION).await.unwrap().is_held());
         // The worker dies with its attempt in flight; its lease runs out.
         let expired = store.expired_leases(until + 1, 10).await.unwrap();
         let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");

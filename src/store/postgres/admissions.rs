@@ -86,6 +86,7 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(news.iter().map(|n| n.now).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.owner.as_str())).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.lease_until)).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.policy_version.as_str())).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
     ids.iter().map(|id| super::record_id(id)).collect()
@@ -94,14 +95,17 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
 const INSERT_FRESH: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
-                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at)
+                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
+                     policy_version)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
        CASE WHEN owner IS NULL THEN 'not_started' ELSE 'in_progress' END, owner IS NULL,
        deadline_at, now, now, owner, lease_until,
-       CASE WHEN owner IS NULL THEN NULL ELSE 1 END, CASE WHEN owner IS NULL THEN NULL ELSE now END
+       CASE WHEN owner IS NULL THEN NULL ELSE 1 END, CASE WHEN owner IS NULL THEN NULL ELSE now END,
+       policy_version
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-            $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[])
+            $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
+            $15::text[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
-               deadline_at, now, owner, lease_until)
+               deadline_at, now, owner, lease_until, policy_version)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";

@@ -67,7 +67,7 @@ const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, 
     attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
     response_headers::text AS response_headers, response_body, history::text AS history,
     cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
-    takeovers::bigint AS takeovers, tombstone_until";
+    takeovers::bigint AS takeovers, tombstone_until, policy_version";
 
 pub struct PostgresStore {
     pool: PgPool,
@@ -112,12 +112,12 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
                               created_at, updated_at, lease_owner, lease_expires_at,
-                              in_flight_number, in_flight_started_at)
+                              in_flight_number, in_flight_started_at, policy_version)
          VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
                  CASE WHEN $15::text IS NULL THEN 'not_started' ELSE 'in_progress' END,
                  $15::text IS NULL, $11, $12, $12, $15::text, $16::bigint,
                  CASE WHEN $15::text IS NULL THEN NULL ELSE 1 END,
-                 CASE WHEN $15::text IS NULL THEN NULL ELSE $12 END)
+                 CASE WHEN $15::text IS NULL THEN NULL ELSE $12 END, $18::text)
          ON CONFLICT (tenant, key) DO UPDATE SET
             id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
             attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
@@ -126,6 +126,7 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
             created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
                               ELSE records.created_at END,
             takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
+            policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
             request_headers = excluded.request_headers, request_body = excluded.request_body,
@@ -193,6 +194,7 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
             .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
             .bind(new.claim.as_ref().map(|c| c.lease_until))
             .bind(new.tombstone_cutoff)
+            .bind(new.claim.as_ref().map(|c| c.policy_version.as_str()))
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
@@ -232,7 +234,7 @@ WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'not_started' AND queued";
 /// Marks an attempt as about to be sent, renewing the lease.
 const ATTEMPT_STARTED: &str = "
 UPDATE records SET in_flight_number = $3, in_flight_started_at = $4, lease_expires_at = $5,
-                   updated_at = $4
+                   policy_version = $6, updated_at = $4
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
 RETURNING cancel_requested";
 
@@ -254,20 +256,18 @@ fn lease_of(row: Option<PgRow>) -> Result<Lease, StoreError> {
     })
 }
 
-async fn attempt_started(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    number: u32,
-    at: Millis,
-    until: Millis,
-) -> Result<Lease, StoreError> {
+/// The attempt's number, start, lease end and policy version.
+type Started<'a> = (u32, Millis, Millis, &'a str);
+
+async fn attempt_started(pool: &PgPool, id: Uuid, owner: &str, started: Started<'_>) -> Result<Lease, StoreError> {
+    let (number, at, until, version) = started;
     let row = sqlx::query(ATTEMPT_STARTED)
         .bind(id.to_string())
         .bind(owner)
         .bind(i64::from(number))
         .bind(at)
         .bind(until)
+        .bind(version)
         .fetch_optional(pool)
         .await?;
     lease_of(row)
@@ -323,8 +323,9 @@ impl Store for PostgresStore {
         number: u32,
         started_at: Millis,
         lease_until: Millis,
+        policy_version: &str,
     ) -> Result<Lease, StoreError> {
-        attempt_started(&self.pool, id, owner, number, started_at, lease_until).await
+        attempt_started(&self.pool, id, owner, (number, started_at, lease_until, policy_version)).await
     }
 
     async fn attempt_ended(

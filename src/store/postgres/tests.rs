@@ -25,7 +25,7 @@ async fn one_record_statements_go_through_the_primary_key() {
     // Each statement with its parameters' types, as the store binds them.
     let statements = [
         (CLAIM, "text, text, int8, int8"),
-        (ATTEMPT_STARTED, "text, text, int8, int8, int8"),
+        (ATTEMPT_STARTED, "text, text, int8, int8, int8, text"),
         (RENEW, "text, text, int8, int8"),
         (TAKE_OVER, "text, text, int8, text, bool, text, text, text, int8"),
     ];

@@ -173,9 +173,11 @@ impl Store for SqliteStore {
         number: u32,
         started_at: Millis,
         lease_until: Millis,
+        policy_version: &str,
     ) -> Result<Lease, StoreError> {
         let owner = owner.to_string();
-        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, r)).await
+        let version = policy_version.to_string();
+        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, version, r)).await
     }
 
     async fn attempt_ended(

@@ -39,7 +39,9 @@ pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 pub(super) enum Write {
     Admit(NewRecord, Millis, Reply<Admission>),
     Claim(Uuid, String, Millis, Millis, Reply<bool>),
-    AttemptStarted(Uuid, String, u32, Millis, Millis, Reply<Lease>),
+    /// The record, the owner, the attempt's number, its start, the lease's new end, and the
+    /// version of the policy it is sent under.
+    AttemptStarted(Uuid, String, u32, Millis, Millis, String, Reply<Lease>),
     AttemptEnded(Uuid, String, Option<Attempt>, AfterAttempt, Millis, Reply<Lease>),
     Renew(Uuid, String, Millis, Millis, Reply<Lease>),
     Cancel(Uuid, HistoryEntry, Reply<Cancelled>),
@@ -292,8 +294,8 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
     match write {
         Write::Admit(new, cutoff, r) => pending(r, admit(conn, new, cutoff)),
         Write::Claim(id, owner, until, now, r) => pending(r, claim(conn, id, &owner, until, now)),
-        Write::AttemptStarted(id, owner, n, at, until, r) => {
-            pending(r, attempt_started(conn, id, &owner, n, at, until))
+        Write::AttemptStarted(id, owner, n, at, until, version, r) => {
+            pending(r, attempt_started(conn, id, &owner, n, at, until, &version))
         }
         Write::AttemptEnded(id, owner, attempt, then, now, r) => {
             pending(r, attempt_ended(conn, id, &owner, attempt, then, now))

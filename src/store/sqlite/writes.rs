@@ -43,10 +43,10 @@ fn get(conn: &Connection, id: Uuid) -> Result<Option<Record>, StoreError> {
 const ADMIT: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
-                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at)
+                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at, policy_version)
 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
         CASE WHEN ?13 IS NULL THEN 'not_started' ELSE 'in_progress' END, ?13 IS NULL, ?11, ?12, ?12,
-        ?13, ?14, CASE WHEN ?13 IS NULL THEN NULL ELSE 1 END, CASE WHEN ?13 IS NULL THEN NULL ELSE ?12 END)
+        ?13, ?14, CASE WHEN ?13 IS NULL THEN NULL ELSE 1 END, CASE WHEN ?13 IS NULL THEN NULL ELSE ?12 END, ?17)
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
@@ -56,6 +56,7 @@ ON CONFLICT (tenant, key) DO UPDATE SET
                         'note', 'the same request was sent again for a free key')) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
+    policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
     request_body = excluded.request_body, state = 'not_started', queued = 1,
@@ -95,6 +96,7 @@ pub(super) fn admit(conn: &Connection, new: NewRecord, cutoff: Millis) -> Result
                 new.claim.as_ref().map(|c| c.lease_until),
                 cutoff,
                 new.tombstone_cutoff,
+                new.claim.as_ref().map(|c| c.policy_version.as_str()),
             ],
             |row| Ok((row.get(0)?, row.get(1)?)),
         )
@@ -139,14 +141,15 @@ pub(super) fn attempt_started(
     number: u32,
     at: Millis,
     until: Millis,
+    policy_version: &str,
 ) -> Result<Lease, StoreError> {
     lease(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
-                updated_at = ?4
+                policy_version = ?6, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
          RETURNING cancel_requested",
-        params![id.to_string(), owner, number, at, until],
+        params![id.to_string(), owner, number, at, until, policy_version],
     )
 }
 

@@ -1,0 +1,51 @@
+//! `POST /admin/config/reload`: the configuration file read again, applied or refused (SPEC §10).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::Admin;
+use crate::problem::Problem;
+use crate::reload::{Applied, ReloadError};
+
+/// Applied: what changed (routes added, changed with their old and new `policy_version`,
+/// removed; other settings), when the configuration in force was loaded, and its routes. Refused:
+/// a 422 problem whose detail, and `key` member, name the key at fault; nothing was applied.
+pub(super) async fn reload(State(admin): State<Arc<Admin>>) -> Response {
+    match admin.reloader.reload("POST /admin/config/reload").await {
+        Ok(applied) => Json(applied_json(&applied)).into_response(),
+        Err(e) => refusal(&e).into_response(),
+    }
+}
+
+fn applied_json(applied: &Applied) -> serde_json::Value {
+    let routes: Vec<_> = applied
+        .config
+        .routes
+        .iter()
+        .map(|r| json!({"name": r.name, "policy_version": r.policy_version.as_str()}))
+        .collect();
+    json!({
+        "result": "applied",
+        "loaded_at": humantime::format_rfc3339_millis(applied.loaded_at).to_string(),
+        "changes": applied.changes.to_json(),
+        "routes": routes,
+    })
+}
+
+fn refusal(e: &ReloadError) -> Problem {
+    let (name, title, status) = match e {
+        ReloadError::NoFile => ("reload-unavailable", "Nothing to reload", StatusCode::CONFLICT),
+        ReloadError::Config(_) => ("config-refused", "Configuration refused", StatusCode::UNPROCESSABLE_ENTITY),
+    };
+    let detail = format!("{}. The running configuration is kept; nothing of the file was applied.", e.detail());
+    let mut problem = Problem::new(status, name, title, detail);
+    if let Some(key) = e.key() {
+        problem.extensions.push(("key", json!(key)));
+    }
+    problem
+}

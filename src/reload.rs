@@ -1,0 +1,136 @@
+//! Reloading the configuration without a restart (SPEC §10): on `SIGHUP` or `POST
+//! /admin/config/reload` the file the broker was started with is read again and validated
+//! completely, by the same loader as `idem check`; then it is applied whole, or refused whole and
+//! the running configuration kept.
+//!
+//! Applied, it serves every request that arrives from then on, and every background pass (probes,
+//! take-overs, the retention sweep) that starts. Executions already running keep the route and
+//! policy they started with (see [`crate::worker`]): a record's attempts never change policy
+//! half-way, and a route that was removed still lets its records in flight finish.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use crate::config::{self, Changes, Config, ConfigError, Live};
+use crate::metrics;
+use crate::tally::Tally;
+use crate::worker::Worker;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("this broker was started without a config file: there is nothing to read again")]
+    NoFile,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+impl ReloadError {
+    /// The configuration key at fault, when there is one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ReloadError::Config(ConfigError::Invalid { key, .. }) => Some(key),
+            _ => None,
+        }
+    }
+
+    /// The whole story in one line: the error and what caused it (a file that cannot be read
+    /// says why).
+    pub fn detail(&self) -> String {
+        let mut text = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            let cause_text = cause.to_string();
+            if !text.ends_with(&cause_text) {
+                text = format!("{text}: {cause_text}");
+            }
+            source = cause.source();
+        }
+        text
+    }
+}
+
+/// A reload that was applied.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    pub changes: Changes,
+    /// The configuration now in force.
+    pub config: Arc<Config>,
+    pub loaded_at: SystemTime,
+}
+
+pub struct Reloader {
+    /// The file read again; `None` for a broker started from a configuration in memory.
+    file: Option<PathBuf>,
+    config: Arc<Live>,
+    /// Its route guards follow the configuration.
+    worker: Worker,
+    tally: Arc<Tally>,
+    /// One reload at a time: two at once would each compare the file with a configuration the
+    /// other is replacing.
+    busy: tokio::sync::Mutex<()>,
+}
+
+impl Reloader {
+    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker, tally: Arc<Tally>) -> Reloader {
+        metrics::config_loaded(config.loaded_at());
+        Reloader { file, config, worker, tally, busy: tokio::sync::Mutex::new(()) }
+    }
+
+    /// Reads the file again and applies it, or keeps the running configuration and says why.
+    /// `trigger` (`SIGHUP`, the admin endpoint) is logged with the outcome.
+    pub async fn reload(&self, trigger: &str) -> Result<Applied, ReloadError> {
+        let _one_at_a_time = self.busy.lock().await;
+        let result = self.apply().await;
+        match &result {
+            Ok(applied) => {
+                metrics::config_reload(true);
+                tracing::info!(trigger, changes = %applied.changes.summary(), "configuration reloaded");
+            }
+            Err(e) => {
+                metrics::config_reload(false);
+                tracing::warn!(
+                    trigger,
+                    error = %e.detail(),
+                    "configuration reload refused; the running configuration is kept"
+                );
+            }
+        }
+        result
+    }
+
+    async fn apply(&self) -> Result<Applied, ReloadError> {
+        let file = self.file.as_ref().ok_or(ReloadError::NoFile)?;
+        // Read as `Config::load` reads it, without holding a runtime thread on the file system.
+        let text = tokio::fs::read_to_string(file)
+            .await
+            .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
+        let new = Config::parse(&text)?;
+        let changes = config::changes(&self.config.current(), &new)?;
+        // The guards first: a request that reads the new configuration finds its route guarded.
+        self.worker.guards().reconfigure(&new);
+        self.tally.reconfigure(new.routes.iter().map(|r| r.name.as_str()));
+        let new = Arc::new(new);
+        self.config.replace(new.clone());
+        let loaded_at = self.config.loaded_at();
+        metrics::config_loaded(loaded_at);
+        Ok(Applied { changes, config: new, loaded_at })
+    }
+
+    /// Reloads on every `SIGHUP` until the task is aborted, logging each outcome.
+    #[cfg(unix)]
+    pub async fn on_hangup(self: Arc<Self>) {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hangups = match signal(SignalKind::hangup()) {
+            Ok(hangups) => hangups,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP: reload with POST /admin/config/reload");
+                return;
+            }
+        };
+        while hangups.recv().await.is_some() {
+            // The outcome is logged (and counted) by `reload`.
+            let _ = self.reload("SIGHUP").await;
+        }
+    }
+}
