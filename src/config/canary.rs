@@ -4,8 +4,9 @@
 use serde::Deserialize;
 
 use super::raw::{positive, RawRetry};
+use super::Route;
 use super::{invalid, ConfigError};
-use crate::policy::{CanaryStop, PolicyVersion, RetryPolicy};
+use crate::policy::{in_canary, CanaryStop, PolicyVersion, RetryPolicy};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -47,6 +48,34 @@ pub enum CanaryBy {
     Key,
 }
 
+/// The retry policy a record runs under, and its version.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy<'a> {
+    pub retry: &'a RetryPolicy,
+    pub version: &'a PolicyVersion,
+}
+
+impl Route {
+    /// The policy for a request of `tenant` with `key`: the canary's when the route has one,
+    /// it is `running` (no `canary_off` switch), and the request falls in its slice; else the
+    /// route's own.
+    pub fn policy_for(&self, tenant: &str, key: &str, running: bool) -> Policy<'_> {
+        match &self.canary {
+            Some(canary) if running && canary.includes(&self.name, tenant, key) => {
+                Policy { retry: &canary.retry, version: &canary.policy_version }
+            }
+            _ => Policy { retry: &self.retry, version: &self.policy_version },
+        }
+    }
+}
+
+impl Canary {
+    pub fn includes(&self, route: &str, tenant: &str, key: &str) -> bool {
+        let key = (self.by == CanaryBy::Key).then_some(key);
+        in_canary(route, tenant, key, self.percent)
+    }
+}
+
 impl RawCanary {
     pub(super) fn validate(
         self,
@@ -68,6 +97,12 @@ impl RawCanary {
             "tenant" => CanaryBy::Tenant,
             other => return Err(invalid(k("by"), format!("`{other}` is not one of tenant, key"))),
         };
+        if self.retry.budget_ratio.is_some() || self.retry.budget_min_per_sec.is_some() {
+            return Err(invalid(
+                k("retry"),
+                "cannot set budget_ratio or budget_min_per_sec: the retry budget is the route's, shared by both sides",
+            ));
+        }
         let retry = self.retry.over(main).validate(&k("retry"))?;
         if retry == *main_policy {
             return Err(invalid(k("retry"), "is the same as the route's retry policy: the canary would try nothing"));
@@ -111,8 +146,8 @@ impl RawRetry {
             jitter: self.jitter.or(main.jitter),
             not_processed: self.not_processed.or(main.not_processed),
             ambiguous: self.ambiguous.or(main.ambiguous),
-            budget_ratio: self.budget_ratio.or(main.budget_ratio),
-            budget_min_per_sec: self.budget_min_per_sec.or(main.budget_min_per_sec),
+            budget_ratio: main.budget_ratio,
+            budget_min_per_sec: main.budget_min_per_sec,
         }
     }
 }
@@ -154,6 +189,20 @@ mod tests {
     }
 
     #[test]
+    fn a_request_keeps_its_side_and_runs_the_main_policy_while_the_canary_is_off() {
+        let c = parse("[routes.canary]\npercent = 50\nretry = { max_attempts = 1 }\n").unwrap();
+        let route = &c.routes[0];
+        let canary = route.canary.as_ref().unwrap();
+        let inside = (0..100).map(|i| format!("k{i}")).find(|k| canary.includes("payments", "acme", k)).unwrap();
+        let outside = (0..100).map(|i| format!("k{i}")).find(|k| !canary.includes("payments", "acme", k)).unwrap();
+        assert_eq!(route.policy_for("acme", &inside, true).version, &canary.policy_version);
+        assert_eq!(route.policy_for("acme", &inside, true).retry.max_attempts, 1);
+        assert_eq!(route.policy_for("acme", &inside, false).version, &route.policy_version);
+        assert_eq!(route.policy_for("acme", &outside, true).version, &route.policy_version);
+        assert_ne!(canary.policy_version, route.policy_version);
+    }
+
+    #[test]
     fn stop_conditions_and_the_side_by_tenant_are_read() {
         let c = parse(
             "[routes.canary]\npercent = 2.5\nby = \"tenant\"\nretry = { jitter = \"equal\" }\n\
@@ -181,6 +230,7 @@ mod tests {
             ("[routes.canary]\npercent = 5\nretry = { max_attempts = 0 }\n", "routes[0].canary.retry.max_attempts"),
             ("[routes.canary]\npercent = 5\nretry = { cap = \"10ms\" }\n", "routes[0].canary.retry.base"),
             ("[routes.canary]\npercent = 5\nretry = { tries = 2 }\n", "tries"),
+            ("[routes.canary]\npercent = 5\nretry = { budget_ratio = 0.5 }\n", "routes[0].canary.retry"),
             (
                 "[routes.canary]\npercent = 5\nretry = { max_attempts = 2 }\nstop = { amplification_over = 0.5 }\n",
                 "routes[0].canary.stop.amplification_over",

@@ -19,7 +19,7 @@ use raw::RawConfig;
 mod route;
 #[cfg(test)]
 mod tests;
-pub use canary::{Canary, CanaryBy};
+pub use canary::{Canary, CanaryBy, Policy};
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;

@@ -78,14 +78,17 @@ impl RawRoute {
         let circuit = self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?;
         let replay_safe = self.replay_safe.unwrap_or(false);
         let version = |retry: &RetryPolicy| {
-            Effective { retry, replay_safe, deadline_header: deadline_header.as_ref().map(|h| h.as_str()), circuit: &circuit }
-                .version()
+            Effective {
+                retry,
+                replay_safe,
+                deadline_header: deadline_header.as_ref().map(|h| h.as_str()),
+                circuit: &circuit,
+            }
+            .version()
         };
         let policy_version = version(&retry);
-        let canary = self
-            .canary
-            .map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version))
-            .transpose()?;
+        let canary =
+            self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version)).transpose()?;
         Ok(Route {
             name: self.name,
             path_prefix: self.path_prefix,

@@ -15,11 +15,16 @@ pub struct CanaryStop {
     pub min_requests: u64,
 }
 
-/// Whether `who` (a tenant, or a tenant and key) falls in the route's canary slice of `percent`.
-/// The bucket is a digest of the route and `who`, so it is the same on every node, across
-/// restarts, and whatever the candidate policy is: changing the candidate does not reshuffle.
-pub fn in_canary(route: &str, who: &str, percent: f64) -> bool {
-    let digest = Sha256::new().chain_update(route).chain_update([0]).chain_update(who).finalize();
+/// Whether a tenant (or, with `key`, one of its keys) falls in the route's canary slice of
+/// `percent`. The bucket is a digest of the route and those names, so it is the same on every
+/// node, across restarts, and whatever the candidate policy is: changing the candidate does not
+/// reshuffle, and widening the slice only adds to it.
+pub fn in_canary(route: &str, tenant: &str, key: Option<&str>, percent: f64) -> bool {
+    let mut digest = Sha256::new().chain_update(route).chain_update([0]).chain_update(tenant);
+    if let Some(key) = key {
+        digest = digest.chain_update([0]).chain_update(key);
+    }
+    let digest = digest.finalize();
     let head = u64::from_be_bytes(digest[..8].try_into().expect("a SHA-256 digest has 8 bytes"));
     // Hundredths of a percent: 10.25 percent is 1,025 buckets of 10,000.
     ((head % 10_000) as f64) < percent * 100.0
@@ -86,20 +91,23 @@ mod tests {
 
     #[test]
     fn a_slice_holds_about_its_percent_and_never_moves() {
-        let inside = (0..20_000).filter(|i| in_canary("payments", &format!("key-{i}"), 10.0)).count();
+        let inside = (0..20_000).filter(|i| in_canary("payments", "acme", Some(&format!("key-{i}")), 10.0)).count();
         assert!((1_800..2_200).contains(&inside), "{inside} of 20,000 in a 10% slice");
         for i in 0..100 {
-            let who = format!("key-{i}");
-            assert_eq!(in_canary("payments", &who, 10.0), in_canary("payments", &who, 10.0));
+            let key = format!("key-{i}");
+            assert_eq!(
+                in_canary("payments", "acme", Some(&key), 10.0),
+                in_canary("payments", "acme", Some(&key), 10.0)
+            );
         }
     }
 
     #[test]
     fn a_wider_slice_keeps_everyone_the_narrower_one_had() {
         for i in 0..5_000 {
-            let who = format!("tenant-{i}");
-            if in_canary("payments", &who, 5.0) {
-                assert!(in_canary("payments", &who, 20.0), "{who} left the canary when it grew");
+            let tenant = format!("tenant-{i}");
+            if in_canary("payments", &tenant, None, 5.0) {
+                assert!(in_canary("payments", &tenant, None, 20.0), "{tenant} left the canary when it grew");
             }
         }
     }
@@ -107,7 +115,10 @@ mod tests {
     #[test]
     fn routes_slice_their_traffic_independently() {
         let both = (0..10_000)
-            .filter(|i| in_canary("payments", &i.to_string(), 50.0) == in_canary("emails", &i.to_string(), 50.0))
+            .filter(|i| {
+                let tenant = i.to_string();
+                in_canary("payments", &tenant, None, 50.0) == in_canary("emails", &tenant, None, 50.0)
+            })
             .count();
         assert!((4_500..5_500).contains(&both), "{both} of 10,000 on the same side of two 50% canaries");
     }

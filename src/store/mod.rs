@@ -16,7 +16,7 @@ mod rows;
 pub mod sqlite;
 pub mod stats;
 
-use self::stats::{AnswerCount, StatsRows, StatsSpan};
+use self::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 
 pub use error::StoreError;
 pub use health::Health;
@@ -392,6 +392,10 @@ pub trait Store: Send + Sync + 'static {
     /// What `/admin/stats` draws for `span`, aggregated by the database: requests by step of
     /// arrival, the reconciliation queue's comings and goings, the answer counters.
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError>;
+
+    /// A route's requests that arrived since `since` and have settled, by the policy version
+    /// their attempts ran under: the two sides of a canary, for its stop conditions.
+    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.

@@ -126,3 +126,22 @@ fn required(row: &impl Columns, name: &str) -> Result<i64, StoreError> {
 fn route(row: &impl Columns) -> Result<String, StoreError> {
     row.text("route")?.ok_or_else(|| StoreError::Corrupt("column route".into()))
 }
+
+/// The settled requests of one policy version (see [`crate::store::Store::sides`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Side {
+    pub policy_version: String,
+    pub requests: crate::policy::Cohort,
+}
+
+pub(crate) fn side(row: &impl Columns) -> Result<Side, StoreError> {
+    let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.integer(name)?)) };
+    Ok(Side {
+        policy_version: row.text("policy_version")?.unwrap_or_default(),
+        requests: crate::policy::Cohort {
+            requests: n("requests")?,
+            attempts: n("attempts")?,
+            succeeded: n("succeeded")?,
+        },
+    })
+}

@@ -41,7 +41,7 @@ use uuid::Uuid;
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
-use super::stats::{AnswerCount, StatsRows, StatsSpan};
+use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
     Store, StoreError, SweepPlan, TakeOverTo,
@@ -478,6 +478,10 @@ impl Store for PostgresStore {
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
         stats::read(&self.pool, span).await
+    }
+
+    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+        stats::sides(&self.pool, route, since).await
     }
 
     async fn watch(&self, id: Uuid) -> Result<(), StoreError> {

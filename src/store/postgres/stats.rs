@@ -4,7 +4,7 @@
 use sqlx::postgres::PgPool;
 
 use crate::record::Millis;
-use crate::store::stats::{answer, cohort, spell, AnswerCount, StatsRows, StatsSpan};
+use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
@@ -54,6 +54,19 @@ SELECT * FROM UNNEST($1::bigint[], $2::text[], $3::bigint[], $4::bigint[])
 ON CONFLICT (second_start, route) DO UPDATE SET
     replays = answer_counts.replays + excluded.replays,
     conflicts = answer_counts.conflicts + excluded.conflicts";
+
+/// Settled requests of a route since a time, by the policy version of their attempts.
+const SIDES: &str = "
+SELECT policy_version, COUNT(*) AS requests, SUM(jsonb_array_length(attempts))::bigint AS attempts,
+       COUNT(*) FILTER (WHERE stop_reason = 'success') AS succeeded
+FROM records
+WHERE created_at >= $2 AND route = $1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
+GROUP BY policy_version";
+
+pub(super) async fn sides(pool: &PgPool, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+    let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(pool).await?;
+    rows.iter().map(side).collect()
+}
 
 pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();

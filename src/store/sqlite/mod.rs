@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use self::files::DatabaseFiles;
 use self::writer::{TakeOver, Write};
-use super::stats::{AnswerCount, StatsRows, StatsSpan};
+use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
     StoreError, SweepPlan, TakeOverTo,
@@ -333,6 +333,10 @@ impl Store for SqliteStore {
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
         stats::read(&self.reads, span).await
+    }
+
+    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+        stats::sides(&self.reads, route, since).await
     }
 }
 

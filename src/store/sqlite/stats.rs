@@ -5,7 +5,7 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use crate::record::Millis;
-use crate::store::stats::{answer, cohort, spell, AnswerCount, StatsRows, StatsSpan};
+use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
@@ -48,6 +48,20 @@ SELECT route, (second_start - ?1) / ?3 AS step, SUM(replays) AS replays, SUM(con
 FROM answer_counts
 WHERE second_start >= ?1 AND second_start < ?2 AND (?4 IS NULL OR route = ?4)
 GROUP BY route, step";
+
+/// Settled requests of a route since a time, by the policy version of their attempts; the range
+/// on `created_at` is served by `records_listing`.
+const SIDES: &str = "
+SELECT policy_version, COUNT(*) AS requests, SUM(json_array_length(attempts)) AS attempts,
+       SUM(stop_reason = 'success') AS succeeded
+FROM records
+WHERE created_at >= ?2 AND route = ?1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
+GROUP BY policy_version";
+
+pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+    let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(reads).await?;
+    rows.iter().map(side).collect()
+}
 
 pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
@@ -98,6 +112,7 @@ mod tests {
             (COHORTS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
             (UNKNOWN, "USING INDEX records_went_unknown (created_at<?)"),
             (ANSWERS, "USING PRIMARY KEY (second_start>? AND second_start<?)"),
+            (SIDES, "USING INDEX records_listing (created_at>?)"),
         ] {
             let plan = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
                 .fetch_all(&store.reads)
