@@ -10,12 +10,14 @@ use http::Method;
 
 use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
+mod candidate;
 mod limits;
 mod raw;
 use raw::RawConfig;
 mod route;
 #[cfg(test)]
 mod tests;
+pub use candidate::Candidate;
 pub use limits::EdgeLimits;
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::policy::{Class, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
 
+pub mod history;
 mod report;
 mod run;
 mod script;

@@ -27,6 +27,12 @@ pub(in crate::store) async fn open(url: &str) -> Result<SqlitePool, StoreError> 
         .create_if_missing(false)
         .read_only(true)
         .busy_timeout(Duration::from_secs(10));
+    if !options.get_filename().exists() {
+        return Err(StoreError::Unavailable(format!(
+            "`{}` does not exist: no broker has recorded there",
+            options.get_filename().display()
+        )));
+    }
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
         .connect_with(options)
