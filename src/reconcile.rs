@@ -127,6 +127,7 @@ pub async fn take_over_once(
             status: None,
             error: Some("worker_lost".into()),
             wait_ms: 0,
+            retry_after_ms: None,
         });
         let capped = if to.stop_reason() == Some(StopReason::TakeoverCap) {
             format!(
@@ -328,6 +329,7 @@ mod tests {
                 status: None,
                 error: None,
                 wait_ms: 0,
+                retry_after_ms: None,
             })
             .collect();
         record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));

@@ -179,6 +179,10 @@ pub struct Attempt {
     pub error: Option<String>,
     /// The wait before this attempt.
     pub wait_ms: u64,
+    /// The upstream's `Retry-After` as the policy read it, when a response within the limit
+    /// carried one: a replay of the history (`idem simulate --history`) needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
 }
 
 /// An entry of the record's history: who did what, when.
@@ -284,6 +288,9 @@ impl Record {
                 }
                 if let Some(e) = &a.error {
                     v["error"] = json!(e);
+                }
+                if let Some(ra) = a.retry_after_ms {
+                    v["retry_after_ms"] = json!(ra);
                 }
                 v
             })

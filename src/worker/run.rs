@@ -211,6 +211,7 @@ impl Inner {
                     Observed::Broken => Some("broken".into()),
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
+                retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
             };
             span.in_scope(|| {
                 tracing::info!(

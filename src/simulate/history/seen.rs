@@ -94,7 +94,9 @@ pub fn script(created_at: Millis, attempts: &[Attempt], cancelled: bool) -> Vec<
                 // Broken, or lost with its worker: it may have executed.
                 _ => Scripted::Broken,
             };
-            let outcome = outcome(Duration::from_millis(a.duration_ms), result, None, cancelled && i == last);
+            // Only a status can carry a Retry-After; the worker records none otherwise.
+            let retry_after = a.retry_after_ms.filter(|_| a.status.is_some()).map(Duration::from_millis);
+            let outcome = outcome(Duration::from_millis(a.duration_ms), result, retry_after, cancelled && i == last);
             Seen {
                 start: Duration::from_millis((a.started_at - created_at).max(0) as u64),
                 outcome,
@@ -174,7 +176,15 @@ mod tests {
             status,
             error: error.map(str::to_string),
             wait_ms: 0,
+            retry_after_ms: None,
         }
+    }
+
+    #[test]
+    fn a_recorded_retry_after_is_replayed() {
+        let mut a = attempt(1, 0, 40, Some(503), None);
+        a.retry_after_ms = Some(2000);
+        assert_eq!(script(0, &[a], false)[0].outcome.text, "40ms:503 retry-after=2000ms");
     }
 
     fn recorded() -> Vec<Seen> {

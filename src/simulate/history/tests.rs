@@ -21,6 +21,7 @@ fn attempt(number: u32, started_at: Millis, status: u16) -> Attempt {
         status: Some(status),
         error: None,
         wait_ms: 0,
+        retry_after_ms: None,
     }
 }
 
