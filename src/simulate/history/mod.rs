@@ -121,15 +121,12 @@ pub struct Replayed {
 /// What the history holds, and both replays.
 pub struct Comparison {
     pub route: String,
-    pub since: Since,
+    pub source: Source,
     pub first_arrival: Option<Millis>,
     pub left_out: LeftOut,
-    /// More requests matched than the limit; the latest were not read.
-    pub cut: bool,
     pub recorded: Figures,
     pub current: Replayed,
     pub candidate: Replayed,
-    pub candidate_file: String,
     pub candidate_form: &'static str,
     pub assume: Assume,
     pub draws: Draws,
@@ -186,14 +183,12 @@ pub fn compare(
     let candidate_run = replay(&requests, &candidate.retry, route.retry.deadline, candidate.replay_safe, draws, assume);
     Comparison {
         route: route.name.clone(),
-        since: source.since,
+        source,
         first_arrival,
         left_out,
-        cut: source.cut,
         recorded,
         current,
         candidate: candidate_run,
-        candidate_file: source.candidate_file,
         candidate_form: candidate.form,
         assume,
         draws: draws.clone(),

@@ -82,14 +82,14 @@ pub fn human(c: &Comparison) -> String {
     let mut out = String::new();
     let replayed = c.recorded.requests;
     let l = &c.left_out;
-    let _ = writeln!(out, "route {}: requests since {} ({})", c.route, rfc3339(c.since.at), c.since.text);
+    let _ = writeln!(out, "route {}: requests since {} ({})", c.route, rfc3339(c.source.since.at), c.source.since.text);
     let _ = writeln!(
         out,
         "{replayed} replayed; left out: {} still running, {} never sent, {} past retention{}",
         l.running,
         l.never_sent,
         l.past_retention,
-        if c.cut {
+        if c.source.cut {
             "; the latest requests were not read (over the limit: narrow --since or raise --limit)"
         } else {
             ""
@@ -97,7 +97,7 @@ pub fn human(c: &Comparison) -> String {
     );
     let _ = writeln!(out, "current:   {}", policy_line(&c.current.policy, c.current.replay_safe));
     let _ = writeln!(out, "candidate: {}", policy_line(&c.candidate.policy, c.candidate.replay_safe));
-    let _ = writeln!(out, "           from {}, read as {}", c.candidate_file, c.candidate_form);
+    let _ = writeln!(out, "           from {}, read as {}", c.source.candidate_file, c.candidate_form);
     out.push('\n');
     let table = rows(c);
     let widths: Vec<usize> =
@@ -182,13 +182,13 @@ fn replayed(r: &Replayed) -> Value {
 pub fn json(c: &Comparison) -> Value {
     let mut candidate = replayed(&c.candidate);
     if let Value::Object(fields) = &mut candidate {
-        fields.insert("file".into(), c.candidate_file.clone().into());
+        fields.insert("file".into(), c.source.candidate_file.clone().into());
         fields.insert("form".into(), c.candidate_form.into());
     }
     json!({
         "route": c.route,
-        "since": rfc3339(c.since.at),
-        "since_given": c.since.text,
+        "since": rfc3339(c.source.since.at),
+        "since_given": c.source.since.text,
         "first_arrival": c.first_arrival.map(rfc3339),
         "replayed": c.recorded.requests,
         "left_out": {
@@ -196,7 +196,7 @@ pub fn json(c: &Comparison) -> Value {
             "never_sent": c.left_out.never_sent,
             "past_retention": c.left_out.past_retention,
         },
-        "cut": c.cut,
+        "cut": c.source.cut,
         "assumption": { "name": c.assume.name(), "text": c.assume.describe() },
         "draw": c.draws.values(),
         "circuit": "taken to be closed",
