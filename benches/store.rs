@@ -80,6 +80,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     status: Some(201),
                     error: None,
                     wait_ms: 0,
+                    retry_after_ms: None,
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());
                 store.attempt_ended(r.id, "bench", Some(attempt), then, now_ms()).await.unwrap()
