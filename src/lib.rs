@@ -35,7 +35,9 @@
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
-//!   decisions, against a scripted upstream on a logical clock.
+//!   decisions, against a scripted upstream on a logical clock; with `--history`, a route's
+//!   recorded requests (read from the store read-only) replayed through its current policy and
+//!   a candidate, sharing each policy's retry budget in time order.
 //! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
 //!   body timeouts, and the bound on request bytes held in memory.
 

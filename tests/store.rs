@@ -164,6 +164,7 @@ fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) 
         error: status.is_none().then(|| "timed_out".to_string()),
         wait_ms: if number == 1 { 0 } else { 250 },
         policy_version: Some(VERSION.into()),
+        retry_after_ms: None,
     }
 }
 

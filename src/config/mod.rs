@@ -10,6 +10,7 @@ use http::Method;
 
 use crate::policy::{BreakerSettings, Jitter, PolicyVersion, RetryPolicy};
 
+mod candidate;
 mod diff;
 mod limits;
 mod live;
@@ -18,6 +19,7 @@ use raw::RawConfig;
 mod route;
 #[cfg(test)]
 mod tests;
+pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;

@@ -194,7 +194,7 @@ fn upstream_url(key: &str, text: &str) -> Result<reqwest::Url, ConfigError> {
 }
 
 impl RawRetry {
-    fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
+    pub(super) fn validate(self, key: &str) -> Result<RetryPolicy, ConfigError> {
         let k = |name: &str| format!("{key}.{name}");
         let max_attempts = positive(&k("max_attempts"), self.max_attempts, 3)?;
         let max_attempts = u32::try_from(max_attempts).map_err(|_| invalid(k("max_attempts"), "is too large"))?;

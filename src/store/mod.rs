@@ -12,6 +12,7 @@ mod error;
 mod health;
 mod listing;
 pub mod postgres;
+pub mod recorded;
 mod rows;
 pub mod sqlite;
 pub mod stats;

@@ -226,6 +226,7 @@ impl Inner {
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
                 policy_version: Some(route.policy_version.to_string()),
+                retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
             };
             span.in_scope(|| {
                 tracing::info!(

@@ -26,6 +26,7 @@ mod admissions;
 mod lanes;
 mod notices;
 mod outcomes;
+pub(super) mod recorded;
 mod stats;
 #[cfg(test)]
 mod tests;

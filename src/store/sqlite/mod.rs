@@ -6,6 +6,7 @@
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
 mod files;
+pub(super) mod recorded;
 mod stats;
 mod writer;
 mod writes;
