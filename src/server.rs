@@ -16,6 +16,7 @@ use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::store::{self, StoreError};
+use crate::switchboard::{self, Switches};
 use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
 use crate::worker::{Settled, Worker};
@@ -71,7 +72,10 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
-    let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone());
+    // Read before the first request: a restarted node obeys the switches left on at once.
+    let switches = Arc::new(Switches::default());
+    switches.refresh(&*store).await?;
+    let worker = Worker::new(store.clone(), config.clone(), node_name(), settled.clone(), switches.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
@@ -85,9 +89,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         bodies: bodies.clone(),
         health: health.clone(),
         tally: tally.clone(),
+        switches: switches.clone(),
     });
-    let admin =
-        Arc::new(Admin { config: config.clone(), store: store.clone(), worker: worker.clone(), settled, bodies });
+    let admin = Arc::new(Admin {
+        config: config.clone(),
+        store: store.clone(),
+        worker: worker.clone(),
+        settled,
+        bodies,
+        switches: switches.clone(),
+    });
 
     let (stop, stopped) = watch::channel(false);
     let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
@@ -103,6 +114,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(reconcile::probes(store.clone(), config.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
+        tokio::spawn(switchboard::keep_fresh(switches, store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {

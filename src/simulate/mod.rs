@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::policy::{Class, Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
+use crate::policy::{
+    Class, Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Settlement, StopReason, Switched,
+};
 
 mod report;
 mod script;
@@ -106,7 +108,8 @@ pub fn simulate(policy: &RetryPolicy, replay_safe: bool, outcomes: &[Outcome], m
     let stopped = |reason, run: &Execution| End::Stopped { reason, state: run.settle(reason, replay_safe) };
     let end = loop {
         let number = run.attempts() + 1;
-        let limit = match run.next_attempt(policy, now, false) {
+        // A quiet route has no operator switch on.
+        let limit = match run.next_attempt(policy, now, false, Switched::default()) {
             Ok(limit) => limit,
             Err(reason) => {
                 steps.push(Step::NotStarted { number, elapsed: now, reason });
@@ -127,7 +130,14 @@ pub fn simulate(policy: &RetryPolicy, replay_safe: bool, outcomes: &[Outcome], m
         let (class, decision) = run.ended(
             policy,
             replay_safe,
-            Ended { observed, retry_after, elapsed: now, cancelled: outcome.cancel, circuit_open: false },
+            Ended {
+                observed,
+                retry_after,
+                elapsed: now,
+                cancelled: outcome.cancel,
+                circuit_open: false,
+                retries_off: false,
+            },
             || *drawn.insert(draw()),
             || budget.try_withdraw(origin + now),
         );
