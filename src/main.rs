@@ -304,9 +304,9 @@ async fn run(command: Command) -> anyhow::Result<()> {
 }
 
 fn switch_command(action: SwitchAction) -> cli::Command {
-    match action {
+    let command = match action {
         SwitchAction::Set { scope, action, reason, expires_in } => {
-            cli::Command::SwitchSet { scope, action, reason, expires_in }
+            cli::SwitchCommand::Set { scope, action, reason, expires_in }
         }
         SwitchAction::Clear { id, scope, action, reason } => {
             let target = match (id, scope, action) {
@@ -316,10 +316,11 @@ fn switch_command(action: SwitchAction) -> cli::Command {
                     cli::SwitchTarget::Active { scope: scope.unwrap_or_default(), action: action.unwrap_or_default() }
                 }
             };
-            cli::Command::SwitchClear { target, reason }
+            cli::SwitchCommand::Clear { target, reason }
         }
-        SwitchAction::List { history, limit } => cli::Command::SwitchList { history, limit },
-    }
+        SwitchAction::List { history, limit } => cli::SwitchCommand::List { history, limit },
+    };
+    cli::Command::Switch(command)
 }
 
 fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliError> {

@@ -25,43 +25,30 @@ pub struct Client {
 }
 
 pub enum Command {
-    List {
-        state: Option<String>,
-        route: Option<String>,
-        tenant: Option<String>,
-        limit: u32,
-        cursor: Option<String>,
-    },
-    Show {
-        id: String,
-    },
-    Resolve {
-        id: String,
-        outcome: Outcome,
-        note: Option<String>,
-    },
-    Retry {
-        id: String,
-        note: Option<String>,
-    },
-    Cancel {
-        id: String,
-        note: Option<String>,
-    },
+    List { state: Option<String>, route: Option<String>, tenant: Option<String>, limit: u32, cursor: Option<String> },
+    Show { id: String },
+    Resolve { id: String, outcome: Outcome, note: Option<String> },
+    Retry { id: String, note: Option<String> },
+    Cancel { id: String, note: Option<String> },
     Bulk(Bulk),
-    /// `idem switch set`: an emergency switch on.
-    SwitchSet {
+    Switch(SwitchCommand),
+}
+
+/// `idem switch …`: the emergency switches.
+pub enum SwitchCommand {
+    /// A switch on (replacing an active one of the same scope and action).
+    Set {
         scope: String,
         action: String,
         reason: String,
         expires_in: Option<String>,
     },
-    /// `idem switch clear`: by id, or the active switch of a scope and action.
-    SwitchClear {
+    /// By id, or the active switch of a scope and action.
+    Clear {
         target: SwitchTarget,
         reason: String,
     },
-    SwitchList {
+    List {
         history: bool,
         limit: Option<u32>,
     },
@@ -133,9 +120,7 @@ impl Client {
     pub async fn run(&self, command: Command, as_json: bool) -> Result<String, CliError> {
         let attribution = |note: Option<String>| json!({"actor": self.actor, "note": note});
         let (value, render): (Value, fn(&Value) -> String) = match command {
-            Command::SwitchSet { .. } | Command::SwitchClear { .. } | Command::SwitchList { .. } => {
-                self.switch(command).await?
-            }
+            Command::Switch(command) => self.switch(command).await?,
             Command::List { state, route, tenant, limit, cursor } => {
                 let mut query = vec![format!("limit={limit}")];
                 for (name, value) in [("state", state), ("route", route), ("tenant", tenant), ("cursor", cursor)] {
@@ -193,14 +178,14 @@ impl Client {
         Ok(if as_json { format!("{value:#}\n") } else { render(&value) })
     }
 
-    async fn switch(&self, command: Command) -> Result<(Value, fn(&Value) -> String), CliError> {
+    async fn switch(&self, command: SwitchCommand) -> Result<(Value, fn(&Value) -> String), CliError> {
         Ok(match command {
-            Command::SwitchSet { scope, action, reason, expires_in } => {
+            SwitchCommand::Set { scope, action, reason, expires_in } => {
                 let body = json!({"scope": scope, "action": action, "reason": reason,
                                   "expires_in": expires_in, "actor": self.actor});
                 (self.call(reqwest::Method::POST, "/admin/switches", Some(body)).await?, render_switch)
             }
-            Command::SwitchClear { target, reason } => {
+            SwitchCommand::Clear { target, reason } => {
                 let ids = match target {
                     SwitchTarget::Id(id) => vec![id],
                     SwitchTarget::Active { scope, action } => {
@@ -226,14 +211,13 @@ impl Client {
                 }
                 (json!({"items": cleared}), render_switches)
             }
-            Command::SwitchList { history, limit } => {
+            SwitchCommand::List { history, limit } => {
                 let mut path = format!("/admin/switches?history={history}");
                 if let Some(limit) = limit {
                     path.push_str(&format!("&limit={limit}"));
                 }
                 (self.call(reqwest::Method::GET, &path, None).await?, render_switches)
             }
-            _ => return Err(CliError::Usage("not a switch command".into())),
         })
     }
 }
