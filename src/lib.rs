@@ -32,6 +32,10 @@
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
 //!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
 //!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
+//! - [`switch`] — an operator's emergency switch (SPEC §10): `retries_off`, `isolate` or
+//!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
+//!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store
+//!   twice a second, so that the worker and the ingress obey it without a store round trip.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
@@ -61,6 +65,8 @@ pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod switch;
+pub mod switchboard;
 pub mod tally;
 pub mod upstream;
 pub mod worker;

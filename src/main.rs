@@ -115,6 +115,61 @@ enum Command {
         #[command(subcommand)]
         action: RequestsAction,
     },
+    /// Emergency switches through the admin API: retries off, or a route isolated, without a
+    /// release; obeyed by every node within two seconds.
+    Switch {
+        /// The admin listener's URL.
+        #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
+        admin: String,
+        /// The admin bearer token.
+        #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
+        token: Option<String>,
+        /// Who is acting, kept in the switch's audit trail.
+        #[arg(long, env = "USER", default_value = "operator", global = true)]
+        actor: String,
+        /// Print the API's JSON instead of text.
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        action: SwitchAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum SwitchAction {
+    /// Turn a switch on (replacing an active one of the same scope and action).
+    Set {
+        /// A route's name, or `all`.
+        #[arg(long)]
+        scope: String,
+        #[arg(long, value_parser = ["retries_off", "isolate", "canary_off"])]
+        action: String,
+        /// Why: required, for whoever finds it on.
+        #[arg(long)]
+        reason: String,
+        /// Off by itself after this long: 30m, 2h.
+        #[arg(long)]
+        expires_in: Option<String>,
+    },
+    /// Turn a switch off: by its id, or the active one of --scope and --action.
+    Clear {
+        #[arg(required_unless_present_all = ["scope", "action"], conflicts_with_all = ["scope", "action"])]
+        id: Option<String>,
+        #[arg(long, requires = "action")]
+        scope: Option<String>,
+        #[arg(long, requires = "scope", value_parser = ["retries_off", "isolate", "canary_off"])]
+        action: Option<String>,
+        /// Why it can go off now.
+        #[arg(long)]
+        reason: String,
+    },
+    /// The switches on now; with --history every switch ever set, newest first.
+    List {
+        #[arg(long)]
+        history: bool,
+        #[arg(long)]
+        limit: Option<u32>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -286,8 +341,32 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let client = cli::Client::new(&admin, token, actor);
             print!("{}", client.run(requests_command(action)?, json).await?);
         }
+        Command::Switch { admin, token, actor, json, action } => {
+            let client = cli::Client::new(&admin, token, actor);
+            print!("{}", client.run(switch_command(action), json).await?);
+        }
     }
     Ok(())
+}
+
+fn switch_command(action: SwitchAction) -> cli::Command {
+    let command = match action {
+        SwitchAction::Set { scope, action, reason, expires_in } => {
+            cli::SwitchCommand::Set { scope, action, reason, expires_in }
+        }
+        SwitchAction::Clear { id, scope, action, reason } => {
+            let target = match (id, scope, action) {
+                (Some(id), _, _) => cli::SwitchTarget::Id(id),
+                // clap requires both when there is no id.
+                (None, scope, action) => {
+                    cli::SwitchTarget::Active { scope: scope.unwrap_or_default(), action: action.unwrap_or_default() }
+                }
+            };
+            cli::SwitchCommand::Clear { target, reason }
+        }
+        SwitchAction::List { history, limit } => cli::SwitchCommand::List { history, limit },
+    };
+    cli::Command::Switch(command)
 }
 
 fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliError> {

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::{AttemptStep, End, Outcome, Step, Trace, Verdict, WaitStep};
-use crate::policy::{Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy};
+use crate::policy::{Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Switched};
 
 /// Where the outcomes of attempts come from: a script, or recorded history.
 pub trait Upstream {
@@ -93,7 +93,7 @@ impl<'p> Replay<'p> {
 
     fn start(&mut self, upstream: &mut impl Upstream, budget: &mut RetryBudget) {
         let number = self.run.attempts() + 1;
-        let limit = match self.run.next_attempt(self.policy, self.now, false) {
+        let limit = match self.run.next_attempt(self.policy, self.now, false, Switched::default()) {
             Ok(limit) => limit,
             Err(reason) => {
                 self.steps.push(Step::NotStarted { number, elapsed: self.now, reason });
@@ -125,7 +125,15 @@ impl<'p> Replay<'p> {
         let (class, decision) = self.run.ended(
             policy,
             replay_safe,
-            Ended { observed, retry_after, elapsed: now, cancelled: outcome.cancel, circuit_open: false },
+            Ended {
+                observed,
+                retry_after,
+                elapsed: now,
+                cancelled: outcome.cancel,
+                circuit_open: false,
+                // A simulation has no operator switch on.
+                retries_off: false,
+            },
             || *drawn.insert(draw()),
             || budget.try_withdraw(at),
         );

@@ -7,6 +7,7 @@ use uuid::Uuid;
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
+use crate::switch::{Clearing, Switch};
 
 mod error;
 mod health;
@@ -16,6 +17,7 @@ pub mod recorded;
 mod rows;
 pub mod sqlite;
 pub mod stats;
+mod switches;
 
 use self::stats::{AnswerCount, StatsRows, StatsSpan};
 
@@ -23,6 +25,8 @@ pub use error::StoreError;
 pub use health::Health;
 pub use listing::{page, Cursor, ListFilter, Page};
 pub(crate) use rows::{decode, Columns};
+pub(crate) use switches::decode_switch;
+pub use switches::{SwitchCleared, MAX_HISTORY};
 
 /// A request about to be recorded.
 #[derive(Debug, Clone)]
@@ -393,6 +397,23 @@ pub trait Store: Send + Sync + 'static {
     /// What `/admin/stats` draws for `span`, aggregated by the database: requests by step of
     /// arrival, the reconciliation queue's comings and goings, the answer counters.
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError>;
+
+    // ---- emergency switches (SPEC §10) ---------------------------------------------------------
+
+    /// Stores `switch`, set at its `set_at`. A switch of the same scope and action that is active
+    /// then is cleared in the same transaction, as replaced by this one (by its actor, for its
+    /// reason), and returned; of two concurrent sets, one replaces the other.
+    async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError>;
+
+    /// Clears switch `id` if it is active at `clearing.at`.
+    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError>;
+
+    /// The switches active at `now`, oldest first: what every node obeys.
+    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError>;
+
+    /// The audit trail: every switch ever set (active, expired, cleared or replaced), newest
+    /// first, at most `limit`.
+    async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.

@@ -8,6 +8,7 @@
 mod files;
 pub(super) mod recorded;
 mod stats;
+mod switches;
 mod writer;
 mod writes;
 
@@ -26,9 +27,10 @@ use self::writer::{TakeOver, Write};
 use super::stats::{AnswerCount, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError, SweepPlan, TakeOverTo,
+    StoreError, SweepPlan, SwitchCleared, TakeOverTo,
 };
 use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::switch::{Clearing, Switch};
 
 pub struct SqliteStore {
     writes: mpsc::Sender<Write>,
@@ -334,6 +336,22 @@ impl Store for SqliteStore {
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
         stats::read(&self.reads, span).await
+    }
+
+    async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
+        self.write(|r| Write::SetSwitch(switch, r)).await
+    }
+
+    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
+        self.write(|r| Write::ClearSwitch(id, clearing, r)).await
+    }
+
+    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {
+        switches::active(self.reads()?, now).await
+    }
+
+    async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError> {
+        switches::history(self.reads()?, limit).await
     }
 }
 
