@@ -81,6 +81,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     error: None,
                     wait_ms: 0,
                     policy_version: Some("bench0000000".into()),
+                    retry_after_ms: None,
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());
                 store.attempt_ended(r.id, "bench", Some(attempt), then, now_ms()).await.unwrap()

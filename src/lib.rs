@@ -32,10 +32,16 @@
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
 //!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
 //!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
+//! - [`switch`] — an operator's emergency switch (SPEC §10): `retries_off`, `isolate` or
+//!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
+//!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store
+//!   twice a second, so that the worker and the ingress obey it without a store round trip.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
-//!   decisions, against a scripted upstream on a logical clock.
+//!   decisions, against a scripted upstream on a logical clock; with `--history`, a route's
+//!   recorded requests (read from the store read-only) replayed through its current policy and
+//!   a candidate, sharing each policy's retry budget in time order.
 //! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
 //!   body timeouts, and the bound on request bytes held in memory.
 
@@ -59,6 +65,8 @@ pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod switch;
+pub mod switchboard;
 pub mod tally;
 pub mod upstream;
 pub mod worker;

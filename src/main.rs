@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use idem::admin::cli;
 use idem::config::Config;
+use idem::simulate::history;
 
 /// Idem, an idempotency-aware request broker: every keyed request is recorded before it is sent,
 /// executed once, and replayed byte for byte to duplicates.
@@ -55,8 +56,10 @@ enum Command {
     },
     /// Run a route's retry policy against a scripted upstream on a logical clock: no network,
     /// no sleeping. One row per step, then the stop reason and the state the record would end in.
+    /// With --history, replay the route's recorded requests through its current policy and a
+    /// candidate one instead, and compare them.
     Simulate {
-        /// The config file: the route's policy is read from it.
+        /// The config file: the route's policy is read from it, and with --history its store.
         #[arg(long, short)]
         config: PathBuf,
         /// The route whose policy (`[routes.retry]`, `replay_safe`) is simulated.
@@ -64,10 +67,31 @@ enum Command {
         route: String,
         /// What the upstream does on each attempt, in order.
         // Hyphen values are let through so that a negative duration is refused for what it is.
-        #[arg(long, value_name = "SCRIPT", long_help = OUTCOMES_HELP, allow_hyphen_values = true)]
-        outcomes: idem::simulate::Script,
+        #[arg(long, value_name = "SCRIPT", long_help = OUTCOMES_HELP, allow_hyphen_values = true,
+              required_unless_present = "history")]
+        outcomes: Option<idem::simulate::Script>,
+        /// Replay the route's recorded requests (read-only, from the config's store) through the
+        /// current policy and the --candidate one, side by side.
+        #[arg(long, conflicts_with = "outcomes", requires_all = ["since", "candidate"])]
+        history: bool,
+        /// With --history: requests that arrived since then, a duration back from now (24h) or an
+        /// RFC 3339 time.
+        #[arg(long, requires = "history", allow_hyphen_values = true)]
+        since: Option<String>,
+        /// With --history: the candidate policy, a whole config (the route of the same name) or a
+        /// `[retry]` table (with an optional `replay_safe`) whose keys replace the route's.
+        #[arg(long, requires = "history", value_name = "FILE")]
+        candidate: Option<PathBuf>,
+        /// With --history: what an attempt the history does not show meets. `last`: the outcome of
+        /// the latest recorded attempt that started no later than it; `success`: a 200.
+        #[arg(long, requires = "history", default_value = "last", value_name = "last|success")]
+        unobserved: idem::simulate::history::Assume,
+        /// With --history: at most this many requests, the oldest.
+        #[arg(long, requires = "history", default_value_t = idem::store::recorded::MAX_RECORDED)]
+        limit: u32,
         /// Fix every jitter draw to F (0 to 1); several, comma-separated, are used in order, the
-        /// last repeating. Without it draws are random, and printed so the run can be reproduced.
+        /// last repeating. Without it draws are random, and printed so the run can be reproduced;
+        /// with --history they default to 0.5, so that runs compare.
         #[arg(long, value_name = "F[,F…]", allow_hyphen_values = true)]
         draw: Option<idem::simulate::Draws>,
         /// Print one JSON document instead of a table.
@@ -90,6 +114,61 @@ enum Command {
         json: bool,
         #[command(subcommand)]
         action: RequestsAction,
+    },
+    /// Emergency switches through the admin API: retries off, or a route isolated, without a
+    /// release; obeyed by every node within two seconds.
+    Switch {
+        /// The admin listener's URL.
+        #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
+        admin: String,
+        /// The admin bearer token.
+        #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
+        token: Option<String>,
+        /// Who is acting, kept in the switch's audit trail.
+        #[arg(long, env = "USER", default_value = "operator", global = true)]
+        actor: String,
+        /// Print the API's JSON instead of text.
+        #[arg(long, global = true)]
+        json: bool,
+        #[command(subcommand)]
+        action: SwitchAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum SwitchAction {
+    /// Turn a switch on (replacing an active one of the same scope and action).
+    Set {
+        /// A route's name, or `all`.
+        #[arg(long)]
+        scope: String,
+        #[arg(long, value_parser = ["retries_off", "isolate", "canary_off"])]
+        action: String,
+        /// Why: required, for whoever finds it on.
+        #[arg(long)]
+        reason: String,
+        /// Off by itself after this long: 30m, 2h.
+        #[arg(long)]
+        expires_in: Option<String>,
+    },
+    /// Turn a switch off: by its id, or the active one of --scope and --action.
+    Clear {
+        #[arg(required_unless_present_all = ["scope", "action"], conflicts_with_all = ["scope", "action"])]
+        id: Option<String>,
+        #[arg(long, requires = "action")]
+        scope: Option<String>,
+        #[arg(long, requires = "scope", value_parser = ["retries_off", "isolate", "canary_off"])]
+        action: Option<String>,
+        /// Why it can go off now.
+        #[arg(long)]
+        reason: String,
+    },
+    /// The switches on now; with --history every switch ever set, newest first.
+    List {
+        #[arg(long)]
+        history: bool,
+        #[arg(long)]
+        limit: Option<u32>,
     },
 }
 
@@ -232,16 +311,62 @@ async fn run(command: Command) -> anyhow::Result<()> {
             let config = Config::load(&config)?;
             print!("{}", idem::config::describe(&config));
         }
-        Command::Simulate { config, route, outcomes, draw, json } => {
+        Command::Simulate { config, route, outcomes, history, since, candidate, unobserved, limit, draw, json } => {
             let config = Config::load(&config)?;
-            print!("{}", idem::simulate::command(&config, &route, &outcomes, draw.as_ref(), json)?);
+            match (outcomes, history, since, candidate) {
+                (Some(outcomes), false, _, _) => {
+                    print!("{}", idem::simulate::command(&config, &route, &outcomes, draw.as_ref(), json)?);
+                }
+                (None, true, Some(since), Some(candidate)) => {
+                    let since = history::Since::parse(&since, idem::record::now_ms())
+                        .map_err(|problem| anyhow::anyhow!("--since {problem}"))?;
+                    let draws = draw.unwrap_or_else(|| "0.5".parse().expect("0.5 is a draw"));
+                    let request = history::Request {
+                        config: &config,
+                        route: &route,
+                        since: &since,
+                        candidate: &candidate,
+                        draws: &draws,
+                        assume: unobserved,
+                        limit,
+                        as_json: json,
+                    };
+                    print!("{}", history::command(request).await?);
+                }
+                // clap requires --outcomes, or --history with --since and --candidate.
+                _ => anyhow::bail!("give --outcomes, or --history with --since and --candidate"),
+            }
         }
         Command::Requests { admin, token, actor, json, action } => {
             let client = cli::Client::new(&admin, token, actor);
             print!("{}", client.run(requests_command(action)?, json).await?);
         }
+        Command::Switch { admin, token, actor, json, action } => {
+            let client = cli::Client::new(&admin, token, actor);
+            print!("{}", client.run(switch_command(action), json).await?);
+        }
     }
     Ok(())
+}
+
+fn switch_command(action: SwitchAction) -> cli::Command {
+    let command = match action {
+        SwitchAction::Set { scope, action, reason, expires_in } => {
+            cli::SwitchCommand::Set { scope, action, reason, expires_in }
+        }
+        SwitchAction::Clear { id, scope, action, reason } => {
+            let target = match (id, scope, action) {
+                (Some(id), _, _) => cli::SwitchTarget::Id(id),
+                // clap requires both when there is no id.
+                (None, scope, action) => {
+                    cli::SwitchTarget::Active { scope: scope.unwrap_or_default(), action: action.unwrap_or_default() }
+                }
+            };
+            cli::SwitchCommand::Clear { target, reason }
+        }
+        SwitchAction::List { history, limit } => cli::SwitchCommand::List { history, limit },
+    };
+    cli::Command::Switch(command)
 }
 
 fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliError> {

@@ -11,6 +11,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::policy::{BreakerState, Class, PolicyVersion, StopReason};
 use crate::record::Phase;
+use crate::switch::SwitchAction;
 
 /// How often histogram samples are folded into their buckets when nobody scrapes.
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);
@@ -88,6 +89,11 @@ fn describe() {
         "idem_connections_refused_total",
         "Connections past the listener's max_connections, answered 503 and closed."
     );
+    describe_counter!(
+        "idem_switch_held_total",
+        "Attempts not started because an operator's emergency switch was on, per route and action: retries \
+         stopped by retries_off, and new keys refused or executions stopped by isolate."
+    );
 }
 
 /// A new execution was admitted: one logical request.
@@ -147,6 +153,11 @@ pub fn answered(route: &str, kind: &'static str) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
 }
 
+/// An attempt was not started because the emergency switch `action` was on for `route`.
+pub fn held_by_switch(route: &str, action: SwitchAction) {
+    counter!("idem_switch_held_total", "route" => route.to_string(), "action" => action.as_str()).increment(1);
+}
+
 /// A request on a keyed method came without a key, on a route that does not require one: it
 /// was proxied unrecorded.
 pub fn unkeyed(route: &str) {
@@ -181,13 +192,14 @@ pub fn store_available(available: bool) {
 }
 
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
-/// `idem_records{phase="unknown"}`), each upstream's circuit and the request body bytes held in
-/// memory, read at scrape time. Without `phases` (the store could not count them), the records
+/// `idem_records{phase="unknown"}`), each upstream's circuit, the request body bytes held in
+/// memory and the emergency switches' family (already written), read at scrape time. Without `phases` (the store could not count them), the records
 /// keep the last counts seen: zero would say the reconciliation queue is empty.
 pub fn render(
     phases: Option<&[(Phase, u64)]>,
     circuits: &[(String, BreakerState)],
     buffered_body_bytes: usize,
+    switches: &str,
 ) -> String {
     for phase in [Phase::Queued, Phase::Free, Phase::InProgress, Phase::Done, Phase::Unknown] {
         if let Some(phases) = phases {
@@ -209,5 +221,6 @@ pub fn render(
     text.push_str("# HELP idem_buffered_body_bytes Request body bytes held in memory by the data plane.\n");
     text.push_str("# TYPE idem_buffered_body_bytes gauge\n");
     text.push_str(&format!("idem_buffered_body_bytes {buffered_body_bytes}\n"));
+    text.push_str(switches);
     text
 }

@@ -130,6 +130,7 @@ pub async fn take_over_once(
             wait_ms: 0,
             // Marked with the attempt before it was sent, so the lost attempt keeps its policy.
             policy_version: record.policy_version.clone(),
+            retry_after_ms: None,
         });
         let capped = if to.stop_reason() == Some(StopReason::TakeoverCap) {
             format!(
@@ -334,6 +335,7 @@ mod tests {
                 error: None,
                 wait_ms: 0,
                 policy_version: None,
+                retry_after_ms: None,
             })
             .collect();
         record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));

@@ -183,6 +183,10 @@ pub struct Attempt {
     /// absent from attempts stored before versions were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_version: Option<String>,
+    /// The upstream's `Retry-After` as the policy read it, when a response within the limit
+    /// carried one: a replay of the history (`idem simulate --history`) needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
 }
 
 /// An entry of the record's history: who did what, when.
@@ -294,6 +298,9 @@ impl Record {
                 }
                 if let Some(version) = &a.policy_version {
                     v["policy_version"] = json!(version);
+                }
+                if let Some(ra) = a.retry_after_ms {
+                    v["retry_after_ms"] = json!(ra);
                 }
                 v
             })

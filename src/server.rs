@@ -18,6 +18,7 @@ use crate::ingress::{self, Ingress, Replays};
 use crate::reconcile;
 use crate::reload::Reloader;
 use crate::store::{self, StoreError};
+use crate::switchboard::{self, Switches};
 use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
 use crate::worker::{Settled, Worker};
@@ -87,7 +88,10 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
     let store = store::open(&config.store.url).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
-    let worker = Worker::new(store.clone(), live.clone(), node_name(), settled.clone());
+    // Read before the first request: a restarted node obeys the switches left on at once.
+    let switches = Arc::new(Switches::default());
+    switches.refresh(&*store).await?;
+    let worker = Worker::new(store.clone(), live.clone(), node_name(), settled.clone(), switches.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
@@ -103,6 +107,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         bodies: bodies.clone(),
         health: health.clone(),
         tally: tally.clone(),
+        switches: switches.clone(),
     });
     let admin = Arc::new(Admin {
         config: live.clone(),
@@ -111,6 +116,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         worker: worker.clone(),
         settled,
         bodies,
+        switches: switches.clone(),
     });
 
     let (stop, stopped) = watch::channel(false);
@@ -127,6 +133,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         tokio::spawn(reconcile::probes(store.clone(), live.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
+        tokio::spawn(switchboard::keep_fresh(switches, store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {

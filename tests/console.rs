@@ -280,3 +280,51 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
     page.until("document.querySelectorAll('tr.record').length === 1").await;
     assert_eq!(page.eval("document.querySelector('tr.record').textContent.includes('lost')").await, true);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
+    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&Db::new(Backend::Sqlite).await, &upstream.url(), "", "").await;
+    let body = r#"{"amount":1}"#;
+
+    let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
+    page.until("document.readyState === 'complete'").await;
+    page.click("#nav-switches").await;
+    page.until("!document.getElementById('switches-view').hidden").await;
+    page.until("!document.getElementById('no-switches').hidden").await;
+    // Routes are offered for the scope.
+    page.until("[...document.querySelectorAll('#switch-routes option')].some(o => o.value === 'payments')").await;
+
+    page.type_into("#switch-scope", "payments").await;
+    page.eval("document.getElementById('switch-action').value = 'isolate'").await;
+    page.type_into("#switch-reason", "upstream is melting").await;
+    page.type_into("#switch-expires", "30m").await;
+    page.click("#switch-set").await;
+    page.until("document.getElementById('switch-message').className === 'ok'").await;
+    page.until("document.querySelectorAll('tr.switch[data-status=\"active\"]').length === 1").await;
+    page.until("!document.getElementById('switch-banner').hidden").await;
+    let banner = page.eval("document.getElementById('switch-banner').textContent").await;
+    assert!(banner.as_str().is_some_and(|b| b.contains("isolate on payments")), "{banner}");
+
+    // The broker obeys what was set in the page.
+    send(broker.post("/payments", "while-isolated", body)).await.assert_problem(503, "circuit-open");
+    assert_eq!(upstream.hits("while-isolated"), 0);
+
+    // Clearing without a reason is refused, and the page says why.
+    page.click("button.clear-switch").await;
+    page.until("document.getElementById('switch-message').textContent.includes('reason')").await;
+    page.type_into("#clear-reason", "upstream recovered").await;
+    page.click("button.clear-switch").await;
+    page.until("document.getElementById('switch-message').className === 'ok'").await;
+    page.until("document.querySelectorAll('tr.switch').length === 0").await;
+    page.until("document.getElementById('switch-banner').hidden").await;
+    assert_eq!(send(broker.post("/payments", "after", body)).await.status, 201);
+
+    // The history shows who set it and who cleared it, and why.
+    page.click("#switch-history").await;
+    page.until("document.querySelectorAll('tr.switch[data-status=\"cleared\"]').length === 1").await;
+    let row = page.eval("document.querySelector('tr.switch').textContent").await;
+    let row = row.as_str().unwrap();
+    assert!(row.contains("upstream is melting") && row.contains("console: upstream recovered"), "{row}");
+}

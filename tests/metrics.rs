@@ -126,6 +126,23 @@ max_attempts = 4",
     assert_eq!(sample(&text, "idem_attempts_total", &[("policy_version", new)]), 2.0, "{text}");
     assert_eq!(sample(&text, "idem_attempts_total", &[("policy_version", &version)]), stored_attempts as f64);
     exposition_is_valid(&text);
+
+    // An emergency switch: its gauge, and the attempt it held back.
+    let set = broker
+        .http
+        .post(format!("{}/admin/switches", broker.admin))
+        .json(&serde_json::json!({"scope": "payments", "action": "retries_off", "reason": "storm"}));
+    assert_eq!(send(set).await.status, 201);
+    upstream.script("switched", vec![Reply::status(503), Reply::status(201)]);
+    assert_eq!(send(broker.post("/payments", "switched", body)).await.status, 503);
+    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let on = [("scope", "payments"), ("action", "retries_off")];
+    assert_eq!(sample(&text, "idem_switch_active", &on), 1.0, "{text}");
+    assert_eq!(sample(&text, "idem_switch_active", &[("scope", "all")]), 0.0);
+    let held = [("route", "payments"), ("action", "retries_off")];
+    assert_eq!(sample(&text, "idem_switch_held_total", &held), 1.0, "{text}");
+    assert_eq!(sample(&text, "idem_stops_total", &[("reason", "retries_off")]), 1.0);
+    exposition_is_valid(&text);
 }
 
 /// Every family has HELP and TYPE, as a real exposition-format parser reads them, and

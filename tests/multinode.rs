@@ -221,3 +221,62 @@ async fn nodes_killed_in_turn_under_load_lose_no_acknowledged_request_and_execut
     );
     audit.assert_clean(KEYS);
 }
+
+/// How long a switch set (or cleared) on one node may take to be obeyed by every node (SPEC §10).
+const SWITCH_REACH: Duration = Duration::from_secs(2);
+
+/// Sends a new key to `node` until its answer is `status` (each try a fresh key, so each is a new
+/// execution or a refusal); fails if that takes longer than `SWITCH_REACH` after `since`.
+async fn obeys(node: &Node, since: Instant, status: u16, what: &str) {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let key = format!("{}-{what}-{tries}", node.name);
+        let answer = common::send(node.post("/payments", &key, &body_of(&key))).await;
+        if answer.status == status {
+            return;
+        }
+        assert!(
+            since.elapsed() <= SWITCH_REACH,
+            "{} did not obey ({what}) within {SWITCH_REACH:?}: still {} {:?}",
+            node.name,
+            answer.status,
+            answer.body
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The rehearsal the retry-storm article asks for: an isolation set on one node is obeyed by
+/// the two others within two seconds, and its clearing, done on another node, too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds() {
+    let Some((upstream, _db, nodes)) = cluster("", "").await else {
+        return backend::skipped("a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds");
+    };
+    for node in &nodes {
+        obeys(node, Instant::now(), 201, "before").await;
+    }
+
+    let http = &nodes[0].http;
+    let body = json!({"scope": "payments", "action": "isolate", "reason": "rehearsal", "actor": "alice"});
+    let set = common::send(http.post(format!("{}/admin/switches", nodes[0].admin)).json(&body)).await;
+    assert_eq!(set.status, 201, "{:?}", set.body);
+    let since = Instant::now();
+    let id = set.json()["id"].as_str().unwrap().to_string();
+    for node in &nodes {
+        obeys(node, since, 503, "isolated").await;
+    }
+    let hits_while_isolated = upstream.received().len();
+    common::send(nodes[2].post("/payments", "still-isolated", &body_of("x"))).await.assert_problem(503, "circuit-open");
+    assert_eq!(upstream.received().len(), hits_while_isolated, "nothing reaches the upstream");
+
+    let clear = json!({"actor": "bob", "reason": "rehearsal over"});
+    let cleared =
+        common::send(nodes[1].http.post(format!("{}/admin/switches/{id}/clear", nodes[1].admin)).json(&clear)).await;
+    assert_eq!(cleared.status, 200, "{:?}", cleared.body);
+    let since = Instant::now();
+    for node in &nodes {
+        obeys(node, since, 201, "cleared").await;
+    }
+}

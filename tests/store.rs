@@ -11,6 +11,8 @@ mod execution;
 mod notices;
 #[path = "store/reconciliation.rs"]
 mod reconciliation;
+#[path = "store/switches.rs"]
+mod switches;
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -33,6 +35,7 @@ use admission::*;
 use execution::*;
 use notices::*;
 use reconciliation::*;
+use switches::*;
 
 /// Runs `case` on an empty database of `backend`, then removes that database.
 async fn run<F, Fut>(backend: Backend, test: &str, case: F)
@@ -109,6 +112,9 @@ on_both_backends!(
     another_request_under_a_spent_key_and_a_late_one_execute,
     an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked,
     each_attempt_keeps_the_policy_version_it_was_sent_under,
+    switches_are_set_listed_replaced_and_cleared_with_their_audit,
+    an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept,
+    of_concurrent_sets_of_one_scope_and_action_one_stays_active,
     ;
     postgres_only:
     notices_announce_queued_and_settled_records_to_every_process,
@@ -164,6 +170,7 @@ fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) 
         error: status.is_none().then(|| "timed_out".to_string()),
         wait_ms: if number == 1 { 0 } else { 250 },
         policy_version: Some(VERSION.into()),
+        retry_after_ms: None,
     }
 }
 

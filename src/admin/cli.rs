@@ -1,5 +1,5 @@
-//! `idem requests …`: the operator CLI, a client of the admin API. Readable tables by default,
-//! the API's JSON with `--json` for scripts.
+//! `idem requests …` and `idem switch …`: the operator CLI, a client of the admin API. Readable
+//! tables by default, the API's JSON with `--json` for scripts.
 
 use std::fmt::Write;
 
@@ -31,6 +31,32 @@ pub enum Command {
     Retry { id: String, note: Option<String> },
     Cancel { id: String, note: Option<String> },
     Bulk(Bulk),
+    Switch(SwitchCommand),
+}
+
+/// `idem switch …`: the emergency switches.
+pub enum SwitchCommand {
+    /// A switch on (replacing an active one of the same scope and action).
+    Set {
+        scope: String,
+        action: String,
+        reason: String,
+        expires_in: Option<String>,
+    },
+    /// By id, or the active switch of a scope and action.
+    Clear {
+        target: SwitchTarget,
+        reason: String,
+    },
+    List {
+        history: bool,
+        limit: Option<u32>,
+    },
+}
+
+pub enum SwitchTarget {
+    Id(String),
+    Active { scope: String, action: String },
 }
 
 /// `idem requests bulk`: the filter, the action as the API names it, and whether to only plan.
@@ -94,6 +120,7 @@ impl Client {
     pub async fn run(&self, command: Command, as_json: bool) -> Result<String, CliError> {
         let attribution = |note: Option<String>| json!({"actor": self.actor, "note": note});
         let (value, render): (Value, fn(&Value) -> String) = match command {
+            Command::Switch(command) => self.switch(command).await?,
             Command::List { state, route, tenant, limit, cursor } => {
                 let mut query = vec![format!("limit={limit}")];
                 for (name, value) in [("state", state), ("route", route), ("tenant", tenant), ("cursor", cursor)] {
@@ -150,6 +177,84 @@ impl Client {
         };
         Ok(if as_json { format!("{value:#}\n") } else { render(&value) })
     }
+
+    async fn switch(&self, command: SwitchCommand) -> Result<(Value, fn(&Value) -> String), CliError> {
+        Ok(match command {
+            SwitchCommand::Set { scope, action, reason, expires_in } => {
+                let body = json!({"scope": scope, "action": action, "reason": reason,
+                                  "expires_in": expires_in, "actor": self.actor});
+                (self.call(reqwest::Method::POST, "/admin/switches", Some(body)).await?, render_switch)
+            }
+            SwitchCommand::Clear { target, reason } => {
+                let ids = match target {
+                    SwitchTarget::Id(id) => vec![id],
+                    SwitchTarget::Active { scope, action } => {
+                        let active = self.call(reqwest::Method::GET, "/admin/switches", None).await?;
+                        let ids: Vec<String> = active["items"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter(|s| s["scope"] == json!(scope) && s["action"] == json!(action))
+                            .map(|s| text(&s["id"]))
+                            .collect();
+                        if ids.is_empty() {
+                            return Err(CliError::Usage(format!("no {action} switch is active for scope {scope}")));
+                        }
+                        ids
+                    }
+                };
+                let mut cleared = Vec::new();
+                for id in ids {
+                    let path = format!("/admin/switches/{id}/clear");
+                    let body = json!({"reason": reason, "actor": self.actor});
+                    cleared.push(self.call(reqwest::Method::POST, &path, Some(body)).await?);
+                }
+                (json!({"items": cleared}), render_switches)
+            }
+            SwitchCommand::List { history, limit } => {
+                let mut path = format!("/admin/switches?history={history}");
+                if let Some(limit) = limit {
+                    path.push_str(&format!("&limit={limit}"));
+                }
+                (self.call(reqwest::Method::GET, &path, None).await?, render_switches)
+            }
+        })
+    }
+}
+
+fn render_switch(v: &Value) -> String {
+    let mut out = render_switches(&json!({"items": [v]}));
+    if v["replaced"].is_object() {
+        let _ = writeln!(out, "replaces {} (set by {})", text(&v["replaced"]["id"]), text(&v["replaced"]["actor"]));
+    }
+    out
+}
+
+fn render_switches(v: &Value) -> String {
+    let empty = vec![];
+    let items = v["items"].as_array().unwrap_or(&empty);
+    if items.is_empty() {
+        return if v["history"] == json!(true) { "no switch was ever set\n" } else { "no switch is on\n" }.into();
+    }
+    let mut out = String::new();
+    for s in items {
+        let _ = writeln!(
+            out,
+            "{}  {:<8} {:<12} {:<12} set {} by {}{}",
+            text(&s["id"]),
+            text(&s["status"]),
+            text(&s["scope"]),
+            text(&s["action"]),
+            text(&s["set_at"]),
+            text(&s["actor"]),
+            s["expires_at"].as_str().map(|at| format!(", expires {at}")).unwrap_or_default()
+        );
+        let _ = writeln!(out, "    why: {}", text(&s["reason"]));
+        if let Some(c) = s["cleared"].as_object() {
+            let _ = writeln!(out, "    cleared {} by {}: {}", text(&c["at"]), text(&c["actor"]), text(&c["reason"]));
+        }
+    }
+    out
 }
 
 /// Parses `name: value` header arguments.

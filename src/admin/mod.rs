@@ -1,7 +1,7 @@
 //! The admin listener (SPEC §5): the operator API over records — listing, inspection, and the
 //! actions that settle the reconciliation queue, one record at a time or in bulk — the per-route series of a retry storm
-//! (`/admin/stats`), the console page that draws and drives them, metrics, and health and
-//! readiness probes.
+//! (`/admin/stats`), the emergency switches (`/admin/switches`), the console page that draws and
+//! drives them, metrics, and health and readiness probes.
 
 use std::sync::Arc;
 
@@ -24,6 +24,7 @@ use crate::reconcile;
 use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
 use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
+use crate::switchboard::Switches;
 use crate::worker::{Settled, Worker};
 
 mod bulk;
@@ -31,6 +32,7 @@ pub mod cli;
 mod config;
 mod series;
 pub mod stats;
+mod switches;
 
 /// The operator console: one static page that calls this API with the operator's token and
 /// draws its charts itself. It needs no build step, fetches nothing from elsewhere and holds no
@@ -47,6 +49,9 @@ pub struct Admin {
     pub settled: Arc<Settled>,
     /// The data plane's request bodies in memory, for `/metrics`.
     pub bodies: Arc<BodyBudget>,
+    /// This node's view of the emergency switches: refreshed at once after a set or a clear
+    /// here, and exported as `idem_switch_active`.
+    pub switches: Arc<Switches>,
 }
 
 pub fn router(admin: Arc<Admin>) -> Router {
@@ -59,6 +64,8 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/bulk", post(bulk::bulk))
         .route("/admin/stats", get(stats::stats))
         .route("/admin/config/reload", post(config::reload))
+        .route("/admin/switches", get(switches::list).post(switches::set))
+        .route("/admin/switches/{id}/clear", post(switches::clear))
         .route_layer(middleware::from_fn_with_state(admin.clone(), require_token));
     Router::new()
         .route("/", get(|| async { Html(CONSOLE) }))
@@ -89,7 +96,11 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
         }
         Err(_) => None,
     };
-    let body = crate::metrics::render(phases.as_deref(), &admin.worker.guards().breaker_states(), admin.bodies.held());
+    let config = admin.config.current();
+    let routes: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+    let switches = admin.switches.render_metric(&routes, now_ms());
+    let circuits = admin.worker.guards().breaker_states();
+    let body = crate::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -11,6 +11,7 @@ use http::Method;
 use crate::policy::{BreakerSettings, Jitter, PolicyVersion, RetryPolicy};
 
 mod canary;
+mod candidate;
 mod diff;
 mod limits;
 mod live;
@@ -20,6 +21,7 @@ mod route;
 #[cfg(test)]
 mod tests;
 pub use canary::{Canary, CanaryBy, Policy};
+pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;

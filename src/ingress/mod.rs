@@ -27,6 +27,8 @@ use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, Millis, Phase, Record, State, StoredRequest};
 use crate::store::{Admission, Health, NewRecord, Store};
+use crate::switch::SwitchAction;
+use crate::switchboard::Switches;
 use crate::tally::Tally;
 use crate::upstream::Upstream;
 use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
@@ -47,6 +49,8 @@ pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 /// How often a waiting request re-reads its record anyway, should an announcement of its
 /// settlement by another node be lost.
 const WAIT_POLL: Duration = Duration::from_secs(1);
+/// The longest `Retry-After` of a refusal by an `isolate` switch.
+const ISOLATED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 pub struct Ingress {
     /// The configuration in force: each request reads it once, when it arrives, and is served
@@ -63,6 +67,8 @@ pub struct Ingress {
     pub health: Arc<Health>,
     /// Replays and 409s, counted for `/admin/stats`.
     pub tally: Arc<Tally>,
+    /// The operator's emergency switches: an isolated route takes no new key.
+    pub switches: Arc<Switches>,
 }
 
 mod answers;
@@ -108,7 +114,11 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
             let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
             app.keyed(&config, route, tenant, request, arrival).instrument(span).await
         }
-        Ok(_) => app.plain(route, request).await,
+        // An isolated route sends nothing upstream, recorded or not.
+        Ok(_) => match app.isolation(&route.name) {
+            Some(refusal) => app.refused(route, refusal).into_response(),
+            None => app.plain(route, request).await,
+        },
     };
     if keyed {
         let headers = response.headers_mut();
@@ -243,9 +253,14 @@ impl Ingress {
         }
         // A store found down cannot record it: refused at once rather than after the store fails.
         self.health.check().map_err(|e| Problem::store(&e))?;
-        // A new execution is shed here, before anything is recorded, if the route is saturated
-        // or its upstream's circuit is open — unless the key exists: its record answers then.
-        let slot = match self.worker.guards().enter(&route) {
+        // A new execution is shed here, before anything is recorded, if the route is saturated,
+        // its upstream's circuit is open or an operator isolated it — unless the key exists: its
+        // record answers then.
+        let entered = match self.isolation(&route.name) {
+            Some(refusal) => Err(refusal),
+            None => self.worker.guards().enter(&route),
+        };
+        let slot = match entered {
             Ok(slot) => slot,
             Err(refusal) => {
                 let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
@@ -294,6 +309,16 @@ impl Ingress {
             return Err(spent);
         }
         self.answer_existing(record, prefer.wait).await
+    }
+
+    /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's, asking the
+    /// client back when the switch expires, or within a few seconds, since it may be cleared.
+    fn isolation(&self, route: &str) -> Option<Refusal> {
+        let now = now_ms();
+        let switch = self.switches.on(route, SwitchAction::Isolate, now)?;
+        metrics::held_by_switch(route, SwitchAction::Isolate);
+        let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| Duration::from_millis((at - now).max(0) as u64));
+        Some(Refusal::CircuitOpen(left.clamp(Duration::from_secs(1), ISOLATED_RETRY_AFTER)))
     }
 
     fn refused(&self, route: &Route, refusal: Refusal) -> Problem {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::{AfterAttempt, Class, Decision, Observed, RetryPolicy, Settlement, StopReason};
+use super::{AfterAttempt, Class, Decision, Observed, RetryPolicy, Settlement, StopReason, Switched};
 
 /// What an execution has learned so far that the policy's next decisions depend on.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +31,8 @@ pub struct Ended {
     pub elapsed: Duration,
     pub cancelled: bool,
     pub circuit_open: bool,
+    /// An operator's `retries_off` switch is on for the route as the attempt ends.
+    pub retries_off: bool,
 }
 
 impl Execution {
@@ -53,16 +55,25 @@ impl Execution {
 
     /// Whether another attempt may start after `elapsed`, and if so its time limit. A cancel
     /// raised before it is sent stops it, but only once the deadline has had its say, so that a
-    /// spent deadline is reported as such.
+    /// spent deadline is reported as such. The operator's switches, set since the last decision,
+    /// stop it too: an isolated route sends nothing more (stopping as an open circuit does), and
+    /// with retries off only a first attempt starts.
     pub fn next_attempt(
         &self,
         policy: &RetryPolicy,
         elapsed: Duration,
         cancelled: bool,
+        switched: Switched,
     ) -> Result<Duration, StopReason> {
         let limit = policy.attempt_limit(elapsed)?;
         if cancelled {
             return Err(StopReason::Cancelled);
+        }
+        if switched.isolated {
+            return Err(StopReason::CircuitOpen);
+        }
+        if switched.retries_off && self.made > 0 {
+            return Err(StopReason::RetriesOff);
         }
         Ok(limit)
     }
@@ -96,6 +107,7 @@ impl Execution {
                 previous_wait: self.previous_wait,
                 cancelled: ended.cancelled,
                 circuit_open: ended.circuit_open,
+                retries_off: ended.retries_off,
             },
             draw,
             take_budget,
@@ -127,14 +139,21 @@ mod tests {
     }
 
     fn ended(observed: Observed, elapsed: u64) -> Ended {
-        Ended { observed, retry_after: None, elapsed: ms(elapsed), cancelled: false, circuit_open: false }
+        Ended {
+            observed,
+            retry_after: None,
+            elapsed: ms(elapsed),
+            cancelled: false,
+            circuit_open: false,
+            retries_off: false,
+        }
     }
 
     #[test]
     fn attempts_made_before_a_take_over_count_against_the_cap() {
         let p = seed();
         let mut run = Execution::resumed(2);
-        assert_eq!(run.next_attempt(&p, ms(100), false), Ok(ms(600)));
+        assert_eq!(run.next_attempt(&p, ms(100), false, Switched::default()), Ok(ms(600)));
         assert_eq!(run.sending(), 3);
         let (_, d) = run.ended(&p, true, ended(Observed::Response(503), 200), || 0.5, || true);
         assert_eq!(d, Decision::Stop(StopReason::AttemptCap));
@@ -143,8 +162,34 @@ mod tests {
     #[test]
     fn a_cancel_before_sending_yields_to_a_spent_deadline() {
         let run = Execution::default();
-        assert_eq!(run.next_attempt(&seed(), ms(10), true), Err(StopReason::Cancelled));
-        assert_eq!(run.next_attempt(&seed(), ms(1450), true), Err(StopReason::Deadline));
+        let none = Switched::default();
+        assert_eq!(run.next_attempt(&seed(), ms(10), true, none), Err(StopReason::Cancelled));
+        assert_eq!(run.next_attempt(&seed(), ms(1450), true, none), Err(StopReason::Deadline));
+    }
+
+    #[test]
+    fn with_retries_off_only_a_first_attempt_starts_and_an_isolated_route_gets_none() {
+        let p = seed();
+        let off = Switched { retries_off: true, isolated: false };
+        let isolated = Switched { retries_off: false, isolated: true };
+        let mut run = Execution::default();
+        assert_eq!(run.next_attempt(&p, ms(0), false, off), Ok(ms(600)));
+        assert_eq!(run.next_attempt(&p, ms(0), false, isolated), Err(StopReason::CircuitOpen));
+        run.sending();
+        assert_eq!(run.next_attempt(&p, ms(300), false, off), Err(StopReason::RetriesOff));
+        // Taken over after an attempt elsewhere: that one was the first.
+        assert_eq!(Execution::resumed(1).next_attempt(&p, ms(300), false, off), Err(StopReason::RetriesOff));
+
+        let mut switched = ended(Observed::Response(503), 200);
+        switched.retries_off = true;
+        let (class, d) = run.ended(&p, true, switched, || 0.5, || panic!("no retry, so no budget taken"));
+        assert_eq!(class, Class::NotExecuted);
+        assert_eq!(d, Decision::Stop(StopReason::RetriesOff));
+        assert_eq!(run.settle(StopReason::RetriesOff, false), Settlement::Free);
+        // A final answer is still final: the switch only takes away retries.
+        let mut success = ended(Observed::Response(200), 200);
+        success.retries_off = true;
+        assert_eq!(run.ended(&p, true, success, || 0.5, || true).1, Decision::Stop(StopReason::Success));
     }
 
     #[test]

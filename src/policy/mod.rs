@@ -109,10 +109,12 @@ pub enum StopReason {
     /// Its lease expired more often than `worker.max_takeovers`: a record whose worker keeps
     /// dying on it is stopped rather than continued again.
     TakeoverCap,
+    /// An operator's `retries_off` switch was on when a retry would have started.
+    RetriesOff,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 11] = [
+    pub const ALL: [StopReason; 12] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -124,6 +126,7 @@ impl StopReason {
         StopReason::Cancelled,
         StopReason::CredentialUnavailable,
         StopReason::TakeoverCap,
+        StopReason::RetriesOff,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -139,6 +142,7 @@ impl StopReason {
             StopReason::Cancelled => "cancelled",
             StopReason::CredentialUnavailable => "credential_unavailable",
             StopReason::TakeoverCap => "takeover_cap",
+            StopReason::RetriesOff => "retries_off",
         }
     }
 
@@ -175,6 +179,18 @@ pub struct AfterAttempt {
     pub previous_wait: Option<Duration>,
     pub cancelled: bool,
     pub circuit_open: bool,
+    /// An operator's `retries_off` switch is on for the route.
+    pub retries_off: bool,
+}
+
+/// The operator's emergency switches over a route as they stand when a decision is made
+/// (SPEC §10). The policy is told, never looks: the worker reads them, `idem simulate` has none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Switched {
+    /// No retry starts: first attempts only.
+    pub retries_off: bool,
+    /// The route's upstream is cut off: no attempt starts at all.
+    pub isolated: bool,
 }
 
 impl RetryPolicy {
@@ -263,6 +279,9 @@ impl RetryPolicy {
         }
         if a.circuit_open {
             return Decision::Stop(StopReason::CircuitOpen);
+        }
+        if a.retries_off {
+            return Decision::Stop(StopReason::RetriesOff);
         }
         let PlannedWait { backoff: jittered, wait } =
             self.planned_wait(a.attempts, a.previous_wait, a.retry_after, draw());

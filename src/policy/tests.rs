@@ -19,6 +19,7 @@ fn after(attempts: u32, class: Class, elapsed: u64) -> AfterAttempt {
         previous_wait: None,
         cancelled: false,
         circuit_open: false,
+        retries_off: false,
     }
 }
 
@@ -233,4 +234,15 @@ fn stop_reasons_round_trip_through_their_names() {
         assert_eq!(StopReason::parse(r.as_str()), Some(r));
     }
     assert_eq!(StopReason::parse("bogus"), None);
+}
+
+#[test]
+fn with_retries_off_a_retry_becomes_a_stop_and_takes_no_budget() {
+    let p = seed();
+    let a = AfterAttempt { retries_off: true, ..after(1, Class::NotExecuted, 300) };
+    let d = p.after_attempt(true, a, || panic!("no wait is computed"), || panic!("no budget is taken"));
+    assert_eq!(d, Decision::Stop(StopReason::RetriesOff));
+    // The stops that come first keep their reasons.
+    let capped = AfterAttempt { retries_off: true, ..after(3, Class::NotExecuted, 300) };
+    assert_eq!(p.after_attempt(true, capped, half, budget), Decision::Stop(StopReason::AttemptCap));
 }

@@ -6,12 +6,15 @@
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::policy::{Class, Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
+use crate::policy::{Class, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
 
+pub mod history;
 mod report;
+mod run;
 mod script;
 
 pub use report::{human, json};
+pub use run::{InOrder, Replay, Upstream};
 pub use script::{DrawError, Draws, Outcome, Script, ScriptError, Scripted};
 
 /// Everything that happened, step by step, and how it ended.
@@ -100,84 +103,12 @@ pub fn simulate(policy: &RetryPolicy, replay_safe: bool, outcomes: &[Outcome], m
     // The budget counts in instants; only offsets from this one are ever used.
     let origin = Instant::now();
     let mut budget = RetryBudget::new(policy.budget_ratio, policy.budget_min_per_sec, origin);
-    let mut run = Execution::default();
-    let mut script = outcomes.iter();
-    let (mut now, mut steps, mut draws) = (Duration::ZERO, Vec::new(), Vec::new());
-    let stopped = |reason, run: &Execution| End::Stopped { reason, state: run.settle(reason, replay_safe) };
-    let end = loop {
-        let number = run.attempts() + 1;
-        let limit = match run.next_attempt(policy, now, false) {
-            Ok(limit) => limit,
-            Err(reason) => {
-                steps.push(Step::NotStarted { number, elapsed: now, reason });
-                break stopped(reason, &run);
-            }
-        };
-        let Some(outcome) = script.next() else { break End::ScriptExhausted { next: number } };
-        if run.sending() == 1 {
-            budget.deposit(origin + now);
-        }
-        let late = outcome.after > limit;
-        let (observed, retry_after) =
-            if late { (Observed::TimedOut, None) } else { (outcome.observed(), outcome.retry_after) };
-        let cost = outcome.after.min(limit);
-        now += cost;
-        let previous_wait = run.previous_wait();
-        let mut drawn = None;
-        let (class, decision) = run.ended(
-            policy,
-            replay_safe,
-            Ended { observed, retry_after, elapsed: now, cancelled: outcome.cancel, circuit_open: false },
-            || *drawn.insert(draw()),
-            || budget.try_withdraw(origin + now),
-        );
-        // The policy draws exactly when it computes a wait: without a draw it stopped first.
-        let verdict = match (decision, drawn) {
-            (Decision::Stop(reason), None) => Verdict::Stop(reason),
-            _ => Verdict::Retryable,
-        };
-        let attempt = AttemptStep {
-            number,
-            limit,
-            outcome: outcome.clone(),
-            late,
-            observed,
-            class,
-            retry_after,
-            cost,
-            elapsed: now,
-            verdict,
-        };
-        steps.push(Step::Attempt(attempt));
-        draws.extend(drawn);
-        if let Verdict::Stop(reason) = verdict {
-            break stopped(reason, &run);
-        }
-        let planned = drawn.map(|d| policy.planned_wait(number, previous_wait, retry_after, d));
-        let mut wait = WaitStep {
-            before: number + 1,
-            draw: drawn,
-            backoff: planned.map_or(Duration::ZERO, |p| p.backoff),
-            retry_after,
-            wait: planned.map_or(Duration::ZERO, |p| p.wait),
-            cost: Duration::ZERO,
-            elapsed: now,
-            verdict: Verdict::Retry,
-        };
-        match decision {
-            Decision::Stop(reason) => {
-                wait.verdict = Verdict::Stop(reason);
-                steps.push(Step::Wait(wait));
-                break stopped(reason, &run);
-            }
-            Decision::RetryAfter(taken) => {
-                now += taken;
-                run.waited(taken);
-                steps.push(Step::Wait(WaitStep { wait: taken, cost: taken, elapsed: now, ..wait }));
-            }
-        }
-    };
-    Trace { steps, end, elapsed: now, attempts: run.attempts(), draws, unused: script.cloned().collect() }
+    let mut script = InOrder(outcomes.iter());
+    let mut replay = Replay::new(policy, replay_safe, origin, Duration::ZERO);
+    while replay.next_at().is_some() {
+        replay.step(&mut script, &mut budget, &mut draw);
+    }
+    replay.trace(script.0.cloned().collect())
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -26,7 +26,7 @@ fn observed_name(o: Observed) -> String {
     }
 }
 
-fn jitter_name(j: Jitter) -> &'static str {
+pub(super) fn jitter_name(j: Jitter) -> &'static str {
     match j {
         Jitter::Full => "full",
         Jitter::Equal => "equal",

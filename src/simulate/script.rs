@@ -190,6 +190,10 @@ fn duration(text: &str, what: &str) -> Result<Duration, String> {
 pub struct Draws(Vec<f64>);
 
 impl Draws {
+    pub fn values(&self) -> &[f64] {
+        &self.0
+    }
+
     /// A source of draws: these in order, then the last one again and again.
     pub fn source(&self) -> impl FnMut() -> f64 + '_ {
         let mut next = 0;

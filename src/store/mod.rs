@@ -7,14 +7,17 @@ use uuid::Uuid;
 use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
+use crate::switch::{Clearing, Switch};
 
 mod error;
 mod health;
 mod listing;
 pub mod postgres;
+pub mod recorded;
 mod rows;
 pub mod sqlite;
 pub mod stats;
+mod switches;
 
 use self::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 
@@ -22,6 +25,8 @@ pub use error::StoreError;
 pub use health::Health;
 pub use listing::{page, Cursor, ListFilter, Page};
 pub(crate) use rows::{decode, Columns};
+pub(crate) use switches::decode_switch;
+pub use switches::{SwitchCleared, MAX_HISTORY};
 
 /// A request about to be recorded.
 #[derive(Debug, Clone)]
@@ -396,6 +401,23 @@ pub trait Store: Send + Sync + 'static {
     /// A route's requests that arrived since `since` and have settled, by the policy version
     /// their attempts ran under: the two sides of a canary, for its stop conditions.
     async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError>;
+
+    // ---- emergency switches (SPEC §10) ---------------------------------------------------------
+
+    /// Stores `switch`, set at its `set_at`. A switch of the same scope and action that is active
+    /// then is cleared in the same transaction, as replaced by this one (by its actor, for its
+    /// reason), and returned; of two concurrent sets, one replaces the other.
+    async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError>;
+
+    /// Clears switch `id` if it is active at `clearing.at`.
+    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError>;
+
+    /// The switches active at `now`, oldest first: what every node obeys.
+    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError>;
+
+    /// The audit trail: every switch ever set (active, expired, cleared or replaced), newest
+    /// first, at most `limit`.
+    async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError>;
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.

@@ -17,6 +17,7 @@ use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, Pace, Settlement, StopReason};
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
 use crate::store::{self, Claim, Lease, Store};
+use crate::switchboard::Switches;
 use crate::upstream::{self, Upstream};
 
 /// What the request that started an execution is told when it ends.
@@ -91,6 +92,8 @@ struct Inner {
     permits: Arc<Semaphore>,
     settled: Arc<Settled>,
     guards: Arc<Guards>,
+    /// The operator's emergency switches: asked before every attempt and after it ends.
+    switches: Arc<Switches>,
     /// Each route's typical attempt duration, for the 409's estimate of when an outcome is due.
     pace: Pace,
     /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
@@ -145,7 +148,13 @@ impl Progress {
 }
 
 impl Worker {
-    pub fn new(store: Arc<dyn Store>, config: Arc<Live>, owner: String, settled: Arc<Settled>) -> Worker {
+    pub fn new(
+        store: Arc<dyn Store>,
+        config: Arc<Live>,
+        owner: String,
+        settled: Arc<Settled>,
+        switches: Arc<Switches>,
+    ) -> Worker {
         let current = config.current();
         Worker {
             inner: Arc::new(Inner {
@@ -163,6 +172,7 @@ impl Worker {
                 config,
                 owner,
                 settled,
+                switches,
                 cancels: Mutex::new(HashMap::new()),
             }),
         }

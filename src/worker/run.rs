@@ -2,6 +2,7 @@
 //! between them, and the settlement of the record.
 
 use super::*;
+use crate::switch::SwitchAction;
 
 /// Counts a running execution for the shutdown drain.
 pub(super) struct Running<'a>(&'a Inner);
@@ -135,7 +136,8 @@ impl Inner {
                 }
             };
             let cancelled = signal.raised.load(Ordering::SeqCst);
-            let limit = match p.run.next_attempt(policy, since(p.arrival, started), cancelled) {
+            let switched = self.switches.switched(&route.name);
+            let limit = match p.run.next_attempt(policy, since(p.arrival, started), cancelled, switched) {
                 Ok(limit) => limit,
                 Err(stop) => return self.finish_after(record, route, None, stop, p).await,
             };
@@ -199,6 +201,7 @@ impl Inner {
                 }
                 parsed
             });
+            let switched = self.switches.switched(&route.name);
             let (class, decision) = p.run.ended(
                 policy,
                 route.replay_safe,
@@ -207,7 +210,9 @@ impl Inner {
                     retry_after,
                     elapsed: since(p.arrival, now_ms()),
                     cancelled: signal.raised.load(Ordering::SeqCst),
-                    circuit_open: self.guards.circuit_open(&route.upstream),
+                    // An isolated route's upstream is as good as behind an open circuit.
+                    circuit_open: switched.isolated || self.guards.circuit_open(&route.upstream),
+                    retries_off: switched.retries_off,
                 },
                 rand::random::<f64>,
                 || guard.take_retry(),
@@ -226,6 +231,7 @@ impl Inner {
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
                 policy_version: Some(route.policy_version.to_string()),
+                retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
             };
             span.in_scope(|| {
                 tracing::info!(
@@ -294,6 +300,13 @@ impl Inner {
             self.guards.record_outcome(&route.upstream, served);
         }
         metrics::stopped(&route.name, stop, p.run.attempts(), since(p.arrival, now_ms()));
+        match stop {
+            StopReason::RetriesOff => metrics::held_by_switch(&route.name, SwitchAction::RetriesOff),
+            StopReason::CircuitOpen if self.switches.isolated(&route.name) => {
+                metrics::held_by_switch(&route.name, SwitchAction::Isolate)
+            }
+            _ => {}
+        }
         self.finish(record, route.replay_safe, attempt, stop, p).await
     }
 

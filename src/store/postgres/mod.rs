@@ -8,7 +8,7 @@
 //! together are inserted by one statement (`admissions`), and the outcomes of attempts that end
 //! together are stored by one call of a SQL function that updates each row as the one-row
 //! statement would (`outcomes`). The operator's actions live in `actions`, take-over and the
-//! sweeps in `upkeep`.
+//! sweeps in `upkeep`, the emergency switches in `switches`.
 //!
 //! The SQL mirrors `sqlite/writes.rs` statement for statement; that store's semantics are the
 //! reference. UUIDs are bound as text and JSON as text cast to `jsonb`, and both are read back as
@@ -26,7 +26,9 @@ mod admissions;
 mod lanes;
 mod notices;
 mod outcomes;
+pub(super) mod recorded;
 mod stats;
+mod switches;
 #[cfg(test)]
 mod tests;
 mod upkeep;
@@ -44,9 +46,10 @@ use self::outcomes::Outcomes;
 use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError, SweepPlan, TakeOverTo,
+    Store, StoreError, SweepPlan, SwitchCleared, TakeOverTo,
 };
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::switch::{Clearing, Switch};
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
 /// nodes fit in PostgreSQL's default `max_connections`.
@@ -288,10 +291,6 @@ async fn renew(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis)
     lease_of(row)
 }
 
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_string())
-}
-
 #[async_trait]
 impl Store for PostgresStore {
     async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
@@ -442,17 +441,7 @@ impl Store for PostgresStore {
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|row| {
-                let state: String = row.try_get(0)?;
-                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
-                let count = u64::try_from(row.try_get::<i64, _>(2)?).map_err(|_| corrupt("record count"))?;
-                Ok((Phase::of(state, row.try_get(1)?), count))
-            })
-            .collect()
+        upkeep::count_by_phase(&self.pool).await
     }
 
     async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
@@ -490,6 +479,22 @@ impl Store for PostgresStore {
             .execute(&self.pool)
             .await?;
         Ok(())
+    }
+
+    async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
+        switches::set(&self.pool, &switch).await
+    }
+
+    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
+        switches::clear(&self.pool, id, &clearing).await
+    }
+
+    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {
+        switches::active(&self.pool, now).await
+    }
+
+    async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError> {
+        switches::history(&self.pool, limit).await
     }
 
     fn notices(&self) -> Option<broadcast::Receiver<Notice>> {

@@ -2,12 +2,12 @@
 //! the retention sweep. Nodes sweeping at once never wait on each other: a take-over is a
 //! compare-and-set on the lease it saw, and the batch statements skip rows another has locked.
 
-use sqlx::PgPool;
+use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use super::{one_element, COLUMNS};
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Record};
+use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 use crate::store::{decode, StoreError, SweepPlan, TakeOverTo};
 
 /// Takes over a record whose lease expired.
@@ -129,4 +129,19 @@ pub(super) async fn sweep_done(pool: &PgPool, plan: &SweepPlan, limit: u32) -> R
     .execute(pool)
     .await?;
     Ok(changed + others.rows_affected() + tombstones.rows_affected())
+}
+
+/// How many records are in each phase: the reconciliation queue's depth among them.
+pub(super) async fn count_by_phase(pool: &PgPool) -> Result<Vec<(Phase, u64)>, StoreError> {
+    let corrupt = |what: &str| StoreError::Corrupt(what.to_string());
+    let rows =
+        sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued").fetch_all(pool).await?;
+    rows.iter()
+        .map(|row| {
+            let state: String = row.try_get(0)?;
+            let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
+            let count = u64::try_from(row.try_get::<i64, _>(2)?).map_err(|_| corrupt("record count"))?;
+            Ok((Phase::of(state, row.try_get(1)?), count))
+        })
+        .collect()
 }

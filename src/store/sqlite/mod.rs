@@ -6,7 +6,9 @@
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
 mod files;
+pub(super) mod recorded;
 mod stats;
+mod switches;
 mod writer;
 mod writes;
 
@@ -25,9 +27,10 @@ use self::writer::{TakeOver, Write};
 use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError, SweepPlan, TakeOverTo,
+    StoreError, SweepPlan, SwitchCleared, TakeOverTo,
 };
 use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
+use crate::switch::{Clearing, Switch};
 
 pub struct SqliteStore {
     writes: mpsc::Sender<Write>,
@@ -337,6 +340,22 @@ impl Store for SqliteStore {
 
     async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.reads, route, since).await
+    }
+
+    async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
+        self.write(|r| Write::SetSwitch(switch, r)).await
+    }
+
+    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
+        self.write(|r| Write::ClearSwitch(id, clearing, r)).await
+    }
+
+    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {
+        switches::active(self.reads()?, now).await
+    }
+
+    async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError> {
+        switches::history(self.reads()?, limit).await
     }
 }
 

@@ -28,8 +28,10 @@ use super::writes::{
 use crate::record::{Attempt, HistoryEntry, Millis, Record};
 use crate::store::stats::AnswerCount;
 use crate::store::{
-    Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, SweepPlan, TakeOverTo,
+    Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, SweepPlan, SwitchCleared,
+    TakeOverTo,
 };
+use crate::switch::{Clearing, Switch};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
@@ -55,6 +57,8 @@ pub(super) enum Write {
     /// takes writes again after it was lost. The only write run while the store is lost.
     Probe(Millis, Reply<()>),
     AddAnswerCounts(Vec<AnswerCount>, Millis, Reply<()>),
+    SetSwitch(Switch, Reply<Option<Switch>>),
+    ClearSwitch(Uuid, Clearing, Reply<SwitchCleared>),
 }
 
 pub(super) struct TakeOver {
@@ -287,6 +291,8 @@ fn fail(write: Write, e: &StoreError) -> Box<dyn Deliver> {
         Write::SweepDone(.., r) => pending(r, Err(e)),
         Write::Probe(_, r) => pending(r, Err(e)),
         Write::AddAnswerCounts(.., r) => pending(r, Err(e)),
+        Write::SetSwitch(_, r) => pending(r, Err(e)),
+        Write::ClearSwitch(.., r) => pending(r, Err(e)),
     }
 }
 
@@ -314,5 +320,7 @@ fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
         Write::AddAnswerCounts(counts, forget_before, r) => {
             pending(r, super::stats::add_answer_counts(conn, &counts, forget_before))
         }
+        Write::SetSwitch(switch, r) => pending(r, super::switches::set(conn, &switch)),
+        Write::ClearSwitch(id, clearing, r) => pending(r, super::switches::clear(conn, id, &clearing)),
     }
 }

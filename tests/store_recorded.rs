@@ -1,0 +1,162 @@
+//! The read behind `idem simulate --history` (`store::recorded::Reader`), on both backends: a
+//! route's requests since a time, oldest first, with their attempts, read through a read-only
+//! connection opened beside a live store.
+
+mod common;
+
+use bytes::Bytes;
+use common::backend::{fresh_store, postgres_url_for_new_db, skipped, Backend};
+use idem::fingerprint::Fingerprint;
+use idem::policy::StopReason;
+use idem::record::{Attempt, Millis, State, StoredRequest, StoredResponse};
+use idem::store::recorded::Reader;
+use idem::store::{AfterAttempt, Claim, NewRecord, Store};
+use uuid::Uuid;
+
+const T0: Millis = 1_700_000_000_000;
+const WORKER: &str = "node-a/worker-1";
+
+fn request(route: &str, key: &str, now: Millis, claimed: bool) -> NewRecord {
+    let path = format!("/{route}");
+    NewRecord {
+        id: Uuid::new_v4(),
+        tenant: "default".into(),
+        key: key.into(),
+        route: route.into(),
+        method: "POST".into(),
+        path: path.clone(),
+        query: String::new(),
+        fingerprint: Fingerprint::of(route, "POST", &path, "", None, b"{}"),
+        request: StoredRequest { headers: vec![], body: Bytes::from_static(b"{}") },
+        deadline_at: now + 30_000,
+        now,
+        claim: claimed.then(|| Claim {
+            owner: WORKER.into(),
+            lease_until: now + 15_000,
+            policy_version: VERSION.into(),
+        }),
+        tombstone_cutoff: None,
+    }
+}
+
+/// The policy every attempt here was sent under.
+const VERSION: &str = "0123456789ab";
+
+fn attempt(number: u32, started_at: Millis, status: u16, retry_after_ms: Option<u64>) -> Attempt {
+    Attempt {
+        number,
+        started_at,
+        duration_ms: 20,
+        outcome: if status == 200 { "success" } else { "not_executed" }.into(),
+        status: Some(status),
+        error: None,
+        wait_ms: if number == 1 { 0 } else { 100 },
+        retry_after_ms,
+        policy_version: Some(VERSION.into()),
+    }
+}
+
+/// A request admitted at `at`, its first attempt a 503 asking for 100 ms, its second a 200.
+async fn salvaged(store: &dyn Store, key: &str, at: Millis) -> Vec<Attempt> {
+    let id = admitted(store, "payments", key, at, true).await;
+    let first = attempt(1, at, 503, Some(100));
+    let wait = AfterAttempt::Wait { not_before: at + 120 };
+    store.attempt_ended(id, WORKER, Some(first.clone()), wait, at + 20).await.unwrap();
+    store.attempt_started(id, WORKER, 2, at + 120, at + 15_000, VERSION).await.unwrap();
+    let second = attempt(2, at + 120, 200, None);
+    let done = AfterAttempt::Done(
+        StopReason::Success,
+        StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"ok") },
+    );
+    store.attempt_ended(id, WORKER, Some(second.clone()), done, at + 140).await.unwrap();
+    vec![first, second]
+}
+
+async fn admitted(store: &dyn Store, route: &str, key: &str, at: Millis, claimed: bool) -> Uuid {
+    match store.admit(request(route, key, at, claimed), 0).await.unwrap() {
+        idem::store::Admission::Created(record) => record.id,
+        other => panic!("expected a new record, got {other:?}"),
+    }
+}
+
+async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts(backend: Backend) {
+    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    admitted(&*store, "payments", "too-early", T0 - 1, false).await;
+    let attempts = salvaged(&*store, "b", T0 + 20).await;
+    admitted(&*store, "payments", "a-queued", T0, false).await;
+    admitted(&*store, "orders", "other-route", T0 + 5, false).await;
+    admitted(&*store, "payments", "c-sending", T0 + 30, true).await;
+
+    // Opened while the store that wrote them is still open.
+    let reader = Reader::open(&db.url).await.unwrap();
+    let page = reader.recorded("payments", T0, 100).await.unwrap();
+    assert!(!page.cut);
+    let found: Vec<_> =
+        page.requests.iter().map(|r| (r.created_at, r.state, r.stop_reason, r.in_flight, r.attempts.len())).collect();
+    assert_eq!(
+        found,
+        [
+            (T0, State::NotStarted, None, false, 0),
+            (T0 + 20, State::Done, Some(StopReason::Success), false, 2),
+            (T0 + 30, State::InProgress, None, true, 0),
+        ]
+    );
+    assert_eq!(page.requests[1].attempts, attempts, "attempts come back as stored, Retry-After included");
+    assert_eq!(page.requests[1].deadline_at, T0 + 20 + 30_000);
+
+    let page = reader.recorded("payments", T0, 2).await.unwrap();
+    assert_eq!((page.requests.len(), page.cut), (2, true), "over the limit, the latest are cut and it says so");
+    reader.close().await;
+    drop(store);
+    db.drop_database().await;
+}
+
+async fn the_reader_cannot_write(backend: Backend) {
+    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    admitted(&*store, "payments", "kept", T0, false).await;
+    let reader = Reader::open(&db.url).await.unwrap();
+    let deleted = match &reader {
+        Reader::Sqlite(pool) => sqlx::query("DELETE FROM records").execute(pool).await.map(drop),
+        Reader::Postgres(pool) => sqlx::query("DELETE FROM records").execute(pool).await.map(drop),
+    };
+    assert!(deleted.is_err(), "a write through the reader went through");
+    assert_eq!(reader.recorded("payments", 0, 10).await.unwrap().requests.len(), 1);
+    reader.close().await;
+    drop(store);
+    db.drop_database().await;
+}
+
+async fn a_database_that_is_not_a_store_is_refused_plainly(backend: Backend) {
+    let (url, _dir) = match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::TempDir::new().unwrap();
+            let path = dir.path().join("other.db");
+            std::fs::write(&path, b"").unwrap();
+            (format!("sqlite://{}", path.display()), Some(dir))
+        }
+        Backend::Postgres => match postgres_url_for_new_db().await {
+            Some(url) => (url, None),
+            None => return skipped("recorded"),
+        },
+    };
+    let error = Reader::open(&url).await.err().expect("no Idem tables there").to_string();
+    assert!(error.contains("holds no Idem records"), "{error}");
+    if backend == Backend::Postgres {
+        common::backend::drop_postgres_db(&url).await;
+    }
+}
+
+#[tokio::test]
+async fn a_missing_sqlite_file_is_not_created() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let path = dir.path().join("missing.db");
+    let error = Reader::open(&format!("sqlite://{}", path.display())).await.err().expect("no file").to_string();
+    assert!(error.contains("does not exist"), "{error}");
+    assert!(!path.exists());
+}
+
+common::both_stores!(
+    a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts,
+    the_reader_cannot_write,
+    a_database_that_is_not_a_store_is_refused_plainly,
+);
