@@ -46,6 +46,7 @@
 //!   body timeouts, and the bound on request bytes held in memory.
 
 pub mod admin;
+pub mod canary;
 pub mod config;
 pub mod credentials;
 pub mod demo;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use metrics::{counter, describe_gauge, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::policy::{BreakerState, Class, PolicyVersion, StopReason};
+use crate::policy::{BreakerState, Class, Cohort, PolicyVersion, StopReason};
 use crate::record::Phase;
 use crate::switch::SwitchAction;
 
@@ -89,11 +89,33 @@ fn describe() {
         "idem_connections_refused_total",
         "Connections past the listener's max_connections, answered 503 and closed."
     );
+    describe_gauge!("idem_canary_running", "1 while a route's canary runs, 0 once a canary_off switch ended it.");
+    describe_gauge!(
+        "idem_canary_requests",
+        "Settled requests on each side of a canary (canary, control) in its window."
+    );
+    describe_gauge!("idem_canary_amplification", "Attempts per settled request on each side of a canary.");
+    describe_gauge!("idem_canary_final_success", "Share of settled requests that succeeded, on each side of a canary.");
     describe_counter!(
         "idem_switch_held_total",
         "Attempts not started because an operator's emergency switch was on, per route and action: retries \
          stopped by retries_off, and new keys refused or executions stopped by isolate."
     );
+}
+
+/// Whether a route's canary runs (1) or was ended by a `canary_off` switch (0).
+pub fn canary_running(route: &str, version: &PolicyVersion, running: bool) {
+    let (route, version) = (route.to_string(), version.to_string());
+    gauge!("idem_canary_running", "route" => route, "policy_version" => version).set(f64::from(u8::from(running)));
+}
+
+/// One side of a canary (`canary`, or `control`: the route's own policy) as the store last
+/// counted it, cluster-wide: settled requests, attempts per request, final success.
+pub fn canary_side(route: &str, side: &'static str, version: &PolicyVersion, cohort: Cohort) {
+    let labels = [("route", route.to_string()), ("side", side.to_string()), ("policy_version", version.to_string())];
+    gauge!("idem_canary_requests", &labels).set(cohort.requests as f64);
+    gauge!("idem_canary_amplification", &labels).set(cohort.amplification());
+    gauge!("idem_canary_final_success", &labels).set(cohort.final_success());
 }
 
 /// A new execution was admitted: one logical request.

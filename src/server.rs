@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
+use crate::canary;
 use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
 use crate::edge::{self, process, ListenerLimits};
@@ -133,6 +134,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         tokio::spawn(reconcile::probes(store.clone(), live.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
+        tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone())),
         tokio::spawn(switchboard::keep_fresh(switches, store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.

@@ -186,6 +186,11 @@ mod tests {
         assert_eq!((canary.percent, canary.by), (10.0, CanaryBy::Key));
         assert_eq!(canary.stop, CanaryStop { amplification_over: None, final_success_drop: None, min_requests: 100 });
         assert!(Config::parse_with_env(ROUTE, |_| None).unwrap().routes[0].canary.is_none());
+        let described = super::super::describe(&c);
+        assert!(
+            described.contains(&format!("canary 10% by key, policy_version {}: 5 attempts", canary.policy_version)),
+            "{described}"
+        );
     }
 
     #[test]

@@ -279,6 +279,31 @@ pub fn describe(c: &Config) -> String {
             p.budget_ratio * 100.0,
             p.budget_min_per_sec
         );
+        if let Some(canary) = &r.canary {
+            let k = &canary.retry;
+            let limit = |v: Option<f64>| v.map_or("off".to_string(), |v| v.to_string());
+            let _ = writeln!(
+                out,
+                "  canary {}% by {}, policy_version {}: {} attempts within {} (per try {}, min {}); {:?} jitter, base {}, cap {}",
+                canary.percent,
+                if canary.by == CanaryBy::Tenant { "tenant" } else { "key" },
+                canary.policy_version,
+                k.max_attempts,
+                h(k.deadline),
+                h(k.per_try_timeout),
+                h(k.min_try),
+                k.jitter,
+                h(k.base),
+                h(k.cap)
+            );
+            let _ = writeln!(
+                out,
+                "    stops by itself after {} requests a side if amplification is over {} or final success drops by over {}",
+                canary.stop.min_requests,
+                limit(canary.stop.amplification_over),
+                limit(canary.stop.final_success_drop)
+            );
+        }
         let c = &r.circuit;
         let _ = writeln!(
             out,

@@ -221,6 +221,7 @@ impl Ingress {
         let Read { config, route, parts, arrival } = read;
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
+        let policy = self.worker.policy(route, &tenant, key.as_str());
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
             id: Uuid::now_v7(),
@@ -232,7 +233,7 @@ impl Ingress {
             query: query.to_string(),
             fingerprint,
             request: StoredRequest { headers: stored_headers(&route, &parts.headers), body },
-            deadline_at: arrival + duration_ms(deadline(&route, &parts.headers)),
+            deadline_at: arrival + duration_ms(deadline(policy.retry, &route, &parts.headers)),
             now: arrival,
             claim: None,
             tombstone_cutoff: (!route.tombstone.is_zero())
@@ -275,7 +276,10 @@ impl Ingress {
         // With a worker free right now, record it already claimed and its first attempt marked:
         // one commit before the send instead of three.
         let reservation = self.worker.reserve(config, route);
-        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), route)), ..new };
+        let new = NewRecord {
+            claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), route, &new.tenant, &new.key)),
+            ..new
+        };
         let record =
             match self.store.admit(new, self.retention_cutoff(&route.name)).await.map_err(|e| Problem::store(&e))? {
                 Admission::Created(record) | Admission::Requeued(record) => {

@@ -29,7 +29,7 @@ impl Ingress {
         if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
             credentials.insert(header::AUTHORIZATION, credential.clone());
         }
-        let limit = deadline(route, &parts.headers);
+        let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
         match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, limit).await {
             Ok(answer) => response_of(&answer.response),

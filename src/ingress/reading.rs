@@ -9,15 +9,16 @@ use bytes::Bytes;
 use crate::config::Route;
 use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::metrics;
+use crate::policy::RetryPolicy;
 use crate::problem::Problem;
 use crate::upstream;
 
-/// The request's deadline: the route's, or less if the client asks for less in the route's
+/// The request's deadline: its policy's, or less if the client asks for less in the route's
 /// deadline header. A client cannot lengthen it, and a value it sends that is not whole
 /// milliseconds is ignored.
-pub(super) fn deadline(route: &Route, headers: &http::HeaderMap) -> Duration {
+pub(super) fn deadline(policy: &RetryPolicy, route: &Route, headers: &http::HeaderMap) -> Duration {
     let asked = upstream::client_deadline(headers, route.deadline_header.as_ref());
-    asked.map_or(route.retry.deadline, |asked| asked.min(route.retry.deadline))
+    asked.map_or(policy.deadline, |asked| asked.min(policy.deadline))
 }
 
 /// The request headers kept with the record. The client's deadline header is not among them:

@@ -12,7 +12,7 @@ use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, warn, Instrument};
 use uuid::Uuid;
 
-use crate::config::{Config, Live, Route};
+use crate::config::{Config, Live, Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, Pace, Settlement, StopReason};
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
@@ -220,13 +220,20 @@ impl Worker {
         Some(Reservation { worker, attempt, config: config.clone() })
     }
 
+    /// The policy a request of `tenant` with `key` runs under on `route`: the route's own, or the
+    /// canary's for a request in the slice of a canary that no `canary_off` switch has ended.
+    pub fn policy<'r>(&self, route: &'r Route, tenant: &str, key: &str) -> Policy<'r> {
+        self.inner.policy(route, tenant, key)
+    }
+
     /// The claim that a reserved admission writes: this process's lease, starting `now`, and
-    /// the version of the policy its first attempt is sent under.
-    pub fn claim(&self, now: Millis, route: &Route) -> Claim {
+    /// the version of the policy its first attempt is sent under (the canary's, for a request of
+    /// `tenant` with `key` in a running canary's slice).
+    pub fn claim(&self, now: Millis, route: &Route, tenant: &str, key: &str) -> Claim {
         Claim {
             owner: self.inner.owner.clone(),
             lease_until: self.inner.lease_until(now),
-            policy_version: route.policy_version.to_string(),
+            policy_version: self.inner.policy(route, tenant, key).version.to_string(),
         }
     }
 

@@ -23,6 +23,11 @@ impl Drop for Running<'_> {
 }
 
 impl Inner {
+    /// See [`Worker::policy`].
+    pub(super) fn policy<'r>(&self, route: &'r Route, tenant: &str, key: &str) -> Policy<'r> {
+        route.policy_for(tenant, key, !self.switches.canary_off(&route.name))
+    }
+
     pub(super) fn stopping(&self) -> bool {
         *self.stopping.borrow()
     }
@@ -97,7 +102,8 @@ impl Inner {
         signal: &CancelSignal,
         reserved: Option<OwnedSemaphorePermit>,
     ) -> Outcome {
-        let policy = &route.retry;
+        let chosen = self.policy(route, &record.tenant, &record.key);
+        let policy = chosen.retry;
         // The route's limits as they stood when the execution started: its attempts count
         // against them to the end, whatever a reload does to the route meanwhile.
         let guard = self.guards.route(route);
@@ -155,7 +161,7 @@ impl Inner {
                         p.number,
                         started,
                         self.lease_until(started),
-                        route.policy_version.as_str(),
+                        chosen.version.as_str(),
                     )
                     .await
                 {
@@ -230,7 +236,7 @@ impl Inner {
                     Observed::Broken => Some("broken".into()),
                 },
                 wait_ms: p.wait_before.as_millis() as u64,
-                policy_version: Some(route.policy_version.to_string()),
+                policy_version: Some(chosen.version.to_string()),
                 retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
             };
             span.in_scope(|| {
@@ -243,7 +249,7 @@ impl Inner {
                     "attempt"
                 )
             });
-            metrics::attempt(&route.name, &route.policy_version, class, took);
+            metrics::attempt(&route.name, chosen.version, class, took);
             self.pace.observe(&route.name, took);
             p.last_response = answer.map(|a| a.response);
 

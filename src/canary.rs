@@ -1,0 +1,108 @@
+//! Canary policies at run time (SPEC §10 `[routes.canary]`): every node watches each running
+//! canary's two sides in the store — the canary's policy version and the route's own — and ends
+//! the canary when a stop condition holds, by setting a `canary_off` switch that every node then
+//! obeys, kept and listed like any operator's switch. Which side a request is on is decided in
+//! [`crate::config::Route::policy_for`]; whether the figures justify a stop, in
+//! [`crate::policy::canary_stop_reason`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::config::{Live, Route};
+use crate::policy::{canary_stop_reason, Cohort};
+use crate::record::{duration_ms, now_ms, Millis};
+use crate::store::Store;
+use crate::switch::{Scope, Switch, SwitchAction};
+use crate::switchboard::Switches;
+
+/// How often the sides are compared. Each look is one aggregate read per canary.
+const LOOK_EVERY: Duration = Duration::from_secs(5);
+
+/// The longest stretch of history a look reads: a long-running canary is judged on its last
+/// hour, which keeps the read's cost bounded however long it runs.
+const WINDOW: Duration = Duration::from_secs(3600);
+
+/// Who a canary's own stop is recorded as, in the switch's audit trail.
+pub const ACTOR: &str = "idem canary";
+
+/// Watches the canaries of the configuration in force for as long as the node runs.
+pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>) {
+    // Since when each route's canary has been running, as this node saw it; `None` while it is
+    // off. A canary turned on again is judged only on what it does from then on.
+    let mut running: HashMap<String, Option<Millis>> = HashMap::new();
+    let mut tick = tokio::time::interval(LOOK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let config = live.current();
+        let loaded_at = duration_ms(live.loaded_at().duration_since(std::time::UNIX_EPOCH).unwrap_or_default());
+        let now = now_ms();
+        for route in config.routes.iter().filter(|r| r.canary.is_some()) {
+            let off = switches.canary_off(&route.name);
+            if let Some(canary) = &route.canary {
+                crate::metrics::canary_running(&route.name, &canary.policy_version, !off);
+            }
+            if off {
+                running.insert(route.name.clone(), None);
+                continue;
+            }
+            let since = match running.get(&route.name) {
+                Some(Some(since)) => *since,
+                Some(None) => now,
+                None => loaded_at,
+            };
+            running.insert(route.name.clone(), Some(since));
+            if let Err(e) = look(&*store, &switches, route, since.max(now - duration_ms(WINDOW)), now).await {
+                tracing::warn!(route = %route.name, error = %e, "could not compare the canary's sides");
+            }
+        }
+    }
+}
+
+/// One look at a route's canary: its two sides' figures exported, and the canary ended if a stop
+/// condition holds.
+async fn look(
+    store: &dyn Store,
+    switches: &Switches,
+    route: &Route,
+    since: Millis,
+    now: Millis,
+) -> Result<(), crate::store::StoreError> {
+    let Some(canary) = &route.canary else { return Ok(()) };
+    let sides = store.sides(&route.name, since).await?;
+    let side =
+        |version: &str| sides.iter().find(|s| s.policy_version == version).map_or(Cohort::default(), |s| s.requests);
+    let control = side(route.policy_version.as_str());
+    let trial = side(canary.policy_version.as_str());
+    crate::metrics::canary_side(&route.name, "control", &route.policy_version, control);
+    crate::metrics::canary_side(&route.name, "canary", &canary.policy_version, trial);
+    let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
+    // Another node may have ended it a moment ago.
+    if switches.canary_off(&route.name) {
+        return Ok(());
+    }
+    let switch = Switch {
+        id: Uuid::now_v7(),
+        scope: Scope::Route(route.name.clone()),
+        action: SwitchAction::CanaryOff,
+        reason: format!("canary {} stopped itself: {reason}", canary.policy_version),
+        actor: ACTOR.to_string(),
+        set_at: now,
+        expires_at: None,
+        cleared: None,
+    };
+    store.set_switch(switch.clone()).await?;
+    let _ = switches.refresh(store).await;
+    crate::metrics::canary_running(&route.name, &canary.policy_version, false);
+    tracing::warn!(
+        route = %route.name,
+        canary = %canary.policy_version,
+        control = %route.policy_version,
+        reason = %switch.reason,
+        "canary stopped"
+    );
+    Ok(())
+}
