@@ -135,6 +135,8 @@ impl Page {
 
     /// A real click: mouse pressed and released at the element's centre.
     async fn click(&mut self, selector: &str) {
+        // A new tab starts on a blank page that is already complete: wait for the element itself.
+        self.until(&format!("document.querySelector({selector:?}) !== null")).await;
         let js = format!(
             "(() => {{ const e = document.querySelector({selector:?}); e.scrollIntoView({{block: 'center'}}); \
              const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
