@@ -36,6 +36,9 @@
 //!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
 //!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store
 //!   twice a second, so that the worker and the ingress obey it without a store round trip.
+//! - [`canary`] — `[routes.canary]` at run time: a stable slice of a route's requests runs a
+//!   candidate policy (chosen per request by `Route::policy_for`); every node compares the two
+//!   sides in the store and ends a canary that does harm with a `canary_off` switch.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
