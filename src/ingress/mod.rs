@@ -72,6 +72,7 @@ pub struct Ingress {
 }
 
 mod answers;
+mod lifetime;
 mod plain;
 mod reading;
 mod replays;
@@ -336,29 +337,6 @@ impl Ingress {
                 Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
             }
         }
-    }
-
-    /// How long a route's done records are replayed, as configured now; a route no longer
-    /// configured keeps the store's.
-    fn retention(&self, route: &str) -> Duration {
-        let config = self.config.current();
-        config.route_named(route).map_or(config.store.retention, |r| r.retention)
-    }
-
-    fn retention_cutoff(&self, route: &str) -> Millis {
-        now_ms() - duration_ms(self.retention(route))
-    }
-
-    /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
-    /// yet swept. The same request is refused, never executed again (SPEC §9).
-    fn spent(&self, record: &Record) -> Option<Problem> {
-        let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
-        let status = record.response.as_ref().map(|r| r.status);
-        spent.then(|| Problem::result_expired(status, &crate::record::rfc3339(record.updated_at)).state(State::Done))
-    }
-
-    pub(super) fn expired(&self, record: &Record) -> bool {
-        record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
     }
 
     /// This request owns the record: hand it to a worker and answer with the outcome.

@@ -24,6 +24,7 @@
 mod actions;
 mod admissions;
 mod lanes;
+mod leases;
 mod notices;
 mod outcomes;
 pub(super) mod recorded;
@@ -36,12 +37,13 @@ mod upkeep;
 use std::sync::LazyLock;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::{Connection, Row};
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use self::admissions::Admissions;
+use self::leases::{attempt_started, claim, renew};
 use self::outcomes::Outcomes;
 use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
 use super::{
@@ -228,54 +230,6 @@ async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admissio
 // The statements about one leased or queued record. Each names the record by id and checks
 // its state in a form no index can serve (see the module's documentation).
 
-/// Takes a queued record.
-const CLAIM: &str = "
-UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $2, lease_expires_at = $3,
-                   updated_at = $4
-WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'not_started' AND queued";
-
-/// Marks an attempt as about to be sent, renewing the lease.
-const ATTEMPT_STARTED: &str = "
-UPDATE records SET in_flight_number = $3, in_flight_started_at = $4, lease_expires_at = $5,
-                   policy_version = $6, updated_at = $4
-WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
-RETURNING cancel_requested";
-
-/// Extends a lease.
-const RENEW: &str = "
-UPDATE records SET lease_expires_at = $3, updated_at = $4
-WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
-RETURNING cancel_requested";
-
-async fn claim(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<bool, StoreError> {
-    let done = sqlx::query(CLAIM).bind(id.to_string()).bind(owner).bind(until).bind(now).execute(pool).await?;
-    Ok(done.rows_affected() == 1)
-}
-
-fn lease_of(row: Option<PgRow>) -> Result<Lease, StoreError> {
-    Ok(match row {
-        Some(row) => Lease::Held { cancel_requested: row.try_get("cancel_requested")? },
-        None => Lease::Lost,
-    })
-}
-
-/// The attempt's number, start, lease end and policy version.
-type Started<'a> = (u32, Millis, Millis, &'a str);
-
-async fn attempt_started(pool: &PgPool, id: Uuid, owner: &str, started: Started<'_>) -> Result<Lease, StoreError> {
-    let (number, at, until, version) = started;
-    let row = sqlx::query(ATTEMPT_STARTED)
-        .bind(id.to_string())
-        .bind(owner)
-        .bind(i64::from(number))
-        .bind(at)
-        .bind(until)
-        .bind(version)
-        .fetch_optional(pool)
-        .await?;
-    lease_of(row)
-}
-
 /// A record id that PostgreSQL returned as text.
 fn record_id(text: &str) -> Result<Uuid, StoreError> {
     Uuid::parse_str(text).map_err(|e| StoreError::Corrupt(format!("record id `{text}`: {e}")))
@@ -284,11 +238,6 @@ fn record_id(text: &str) -> Result<Uuid, StoreError> {
 /// A JSON array holding `item`: what `jsonb || …` appends as one element.
 fn one_element<T: serde::Serialize>(item: &T) -> Result<String, StoreError> {
     Ok(serde_json::to_string(&[item])?)
-}
-
-async fn renew(pool: &PgPool, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<Lease, StoreError> {
-    let row = sqlx::query(RENEW).bind(id.to_string()).bind(owner).bind(until).bind(now).fetch_optional(pool).await?;
-    lease_of(row)
 }
 
 #[async_trait]

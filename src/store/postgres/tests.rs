@@ -1,5 +1,6 @@
 //! Plans of the statements about one record, checked against a real PostgreSQL.
 
+use super::leases::{ATTEMPT_STARTED, CLAIM, RENEW};
 use super::upkeep::TAKE_OVER;
 use super::*;
 
