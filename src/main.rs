@@ -100,36 +100,16 @@ enum Command {
     },
     /// Operate on records through the admin API: the reconciliation queue and its actions.
     Requests {
-        /// The admin listener's URL.
-        #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
-        admin: String,
-        /// The admin bearer token.
-        #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
-        token: Option<String>,
-        /// Who is acting, kept in the record's history.
-        #[arg(long, env = "USER", default_value = "operator", global = true)]
-        actor: String,
-        /// Print the API's JSON instead of a table.
-        #[arg(long, global = true)]
-        json: bool,
+        #[command(flatten)]
+        client: AdminArgs,
         #[command(subcommand)]
         action: RequestsAction,
     },
     /// Emergency switches through the admin API: retries off, or a route isolated, without a
     /// release; obeyed by every node within two seconds.
     Switch {
-        /// The admin listener's URL.
-        #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
-        admin: String,
-        /// The admin bearer token.
-        #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
-        token: Option<String>,
-        /// Who is acting, kept in the switch's audit trail.
-        #[arg(long, env = "USER", default_value = "operator", global = true)]
-        actor: String,
-        /// Print the API's JSON instead of text.
-        #[arg(long, global = true)]
-        json: bool,
+        #[command(flatten)]
+        client: AdminArgs,
         #[command(subcommand)]
         action: SwitchAction,
     },
@@ -337,16 +317,39 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 _ => anyhow::bail!("give --outcomes, or --history with --since and --candidate"),
             }
         }
-        Command::Requests { admin, token, actor, json, action } => {
-            let client = cli::Client::new(&admin, token, actor);
-            print!("{}", client.run(requests_command(action)?, json).await?);
+        Command::Requests { client, action } => {
+            let json = client.json;
+            print!("{}", client.connect().run(requests_command(action)?, json).await?);
         }
-        Command::Switch { admin, token, actor, json, action } => {
-            let client = cli::Client::new(&admin, token, actor);
-            print!("{}", client.run(switch_command(action), json).await?);
+        Command::Switch { client, action } => {
+            let json = client.json;
+            print!("{}", client.connect().run(switch_command(action), json).await?);
         }
     }
     Ok(())
+}
+
+/// How the operator commands reach the admin API, and how they print its answers.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// The admin listener's URL.
+    #[arg(long, env = "IDEM_ADMIN_URL", default_value = "http://127.0.0.1:8081", global = true)]
+    admin: String,
+    /// The admin bearer token.
+    #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
+    token: Option<String>,
+    /// Who is acting, kept in the audit trail (a record's history, a switch's).
+    #[arg(long, env = "USER", default_value = "operator", global = true)]
+    actor: String,
+    /// Print the API's JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+impl AdminArgs {
+    fn connect(self) -> cli::Client {
+        cli::Client::new(&self.admin, self.token, self.actor)
+    }
 }
 
 fn switch_command(action: SwitchAction) -> cli::Command {
