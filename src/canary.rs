@@ -5,7 +5,6 @@
 //! [`crate::config::Route::policy_for`]; whether the figures justify a stop, in
 //! [`crate::policy::canary_stop_reason`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,7 +13,7 @@ use uuid::Uuid;
 use crate::config::{Live, Route};
 use crate::policy::{canary_stop_reason, Cohort};
 use crate::record::{duration_ms, now_ms, Millis};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 use crate::switchboard::Switches;
 
@@ -30,48 +29,42 @@ pub const ACTOR: &str = "idem canary";
 
 /// Watches the canaries of the configuration in force for as long as the node runs.
 pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>) {
-    // Since when each route's canary has been running, as this node saw it; `None` while it is
-    // off. A canary turned on again is judged only on what it does from then on.
-    let mut running: HashMap<String, Option<Millis>> = HashMap::new();
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let config = live.current();
-        let loaded_at = duration_ms(live.loaded_at().duration_since(std::time::UNIX_EPOCH).unwrap_or_default());
-        let now = now_ms();
         for route in config.routes.iter().filter(|r| r.canary.is_some()) {
-            let off = switches.canary_off(&route.name);
-            if let Some(canary) = &route.canary {
-                crate::metrics::canary_running(&route.name, &canary.policy_version, !off);
-            }
-            if off {
-                running.insert(route.name.clone(), None);
-                continue;
-            }
-            let since = match running.get(&route.name) {
-                Some(Some(since)) => *since,
-                Some(None) => now,
-                None => loaded_at,
-            };
-            running.insert(route.name.clone(), Some(since));
-            if let Err(e) = look(&*store, &switches, route, since.max(now - duration_ms(WINDOW)), now).await {
+            if let Err(e) = look(&*store, &switches, route, now_ms()).await {
                 tracing::warn!(route = %route.name, error = %e, "could not compare the canary's sides");
             }
         }
     }
 }
 
+/// How many of the newest switches a look reads to find when the route's canary last resumed.
+const HISTORY_READ: u32 = 200;
+
 /// One look at a route's canary: its two sides' figures exported, and the canary ended if a stop
-/// condition holds.
-async fn look(
-    store: &dyn Store,
-    switches: &Switches,
-    route: &Route,
-    since: Millis,
-    now: Millis,
-) -> Result<(), crate::store::StoreError> {
+/// condition holds. What is on and when the canary last resumed are read from the store, not
+/// from this node's view: of several nodes, the first to stop it does, and the others see it.
+async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Millis) -> Result<(), StoreError> {
     let Some(canary) = &route.canary else { return Ok(()) };
+    let off = |s: &Switch| s.action == SwitchAction::CanaryOff && s.scope.covers(&route.name);
+    if store.active_switches(now).await?.iter().any(off) {
+        crate::metrics::canary_running(&route.name, &canary.policy_version, false);
+        return Ok(());
+    }
+    crate::metrics::canary_running(&route.name, &canary.policy_version, true);
+    // A canary turned on again is judged only on what it does from then on.
+    let resumed = store
+        .switch_history(HISTORY_READ)
+        .await?
+        .iter()
+        .filter(|s| off(s))
+        .filter_map(|s| s.cleared.as_ref().map(|c| c.at).or(s.expires_at))
+        .max();
+    let since = resumed.unwrap_or(Millis::MIN).max(now - duration_ms(WINDOW));
     let sides = store.sides(&route.name, since).await?;
     let side =
         |version: &str| sides.iter().find(|s| s.policy_version == version).map_or(Cohort::default(), |s| s.requests);
@@ -80,10 +73,6 @@ async fn look(
     crate::metrics::canary_side(&route.name, "control", &route.policy_version, control);
     crate::metrics::canary_side(&route.name, "canary", &canary.policy_version, trial);
     let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
-    // Another node may have ended it a moment ago.
-    if switches.canary_off(&route.name) {
-        return Ok(());
-    }
     let switch = Switch {
         id: Uuid::now_v7(),
         scope: Scope::Route(route.name.clone()),

@@ -112,6 +112,7 @@ on_both_backends!(
     another_request_under_a_spent_key_and_a_late_one_execute,
     an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked,
     each_attempt_keeps_the_policy_version_it_was_sent_under,
+    a_canarys_sides_count_settled_executions_by_policy_version,
     switches_are_set_listed_replaced_and_cleared_with_their_audit,
     an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept,
     of_concurrent_sets_of_one_scope_and_action_one_stays_active,

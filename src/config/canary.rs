@@ -69,6 +69,15 @@ impl Route {
     }
 }
 
+impl Route {
+    /// The route's policy (its own, or its canary's) whose version is `version`, if either is.
+    pub fn policy_named(&self, version: &str) -> Option<Policy<'_>> {
+        let own = Policy { retry: &self.retry, version: &self.policy_version };
+        let canary = self.canary.as_ref().map(|c| Policy { retry: &c.retry, version: &c.policy_version });
+        [Some(own), canary].into_iter().flatten().find(|p| p.version.as_str() == version)
+    }
+}
+
 impl Canary {
     pub fn includes(&self, route: &str, tenant: &str, key: &str) -> bool {
         let key = (self.by == CanaryBy::Key).then_some(key);
@@ -104,7 +113,8 @@ impl RawCanary {
             ));
         }
         let retry = self.retry.over(main).validate(&k("retry"))?;
-        if retry == *main_policy {
+        // By version, not by value: listing the same statuses in another order changes nothing.
+        if version(&retry) == version(main_policy) {
             return Err(invalid(k("retry"), "is the same as the route's retry policy: the canary would try nothing"));
         }
         let stop = self.stop;
@@ -232,6 +242,7 @@ mod tests {
             ("[routes.canary]\npercent = 5\nby = \"ip\"\nretry = { max_attempts = 1 }\n", "routes[0].canary.by"),
             ("[routes.canary]\npercent = 5\n", "routes[0].canary.retry"),
             ("[routes.canary]\npercent = 5\nretry = { max_attempts = 3 }\n", "routes[0].canary.retry"),
+            ("[routes.canary]\npercent = 5\nretry = { not_processed = [503, 429] }\n", "routes[0].canary.retry"),
             ("[routes.canary]\npercent = 5\nretry = { max_attempts = 0 }\n", "routes[0].canary.retry.max_attempts"),
             ("[routes.canary]\npercent = 5\nretry = { cap = \"10ms\" }\n", "routes[0].canary.retry.base"),
             ("[routes.canary]\npercent = 5\nretry = { tries = 2 }\n", "tries"),

@@ -19,6 +19,12 @@ impl RawRoute {
         if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
             return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
         }
+        if self.name == crate::switch::Scope::ALL {
+            return Err(invalid(
+                format!("{key}.name"),
+                "`all` means every route to an emergency switch: pick another name",
+            ));
+        }
         if !self.path_prefix.starts_with('/') {
             return Err(invalid(format!("{key}.path_prefix"), "must start with /"));
         }

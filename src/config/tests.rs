@@ -247,10 +247,16 @@ fn a_policy_version_belongs_to_the_policy_not_to_the_route_that_has_it() {
 }
 
 #[test]
+fn a_route_cannot_be_named_all_which_is_every_route_to_a_switch() {
+    let e = error_of(&MINIMAL.replace("name = \"payments\"", "name = \"all\""));
+    assert!(e.contains("routes[0].name"), "{e}");
+}
+
+#[test]
 fn the_longest_prefix_wins_on_segment_boundaries() {
     let text = r#"
         [[routes]]
-        name = "all"
+        name = "everything"
         path_prefix = "/"
         upstream = "http://127.0.0.1:1"
         [[routes]]
@@ -267,8 +273,8 @@ fn the_longest_prefix_wins_on_segment_boundaries() {
     assert_eq!(name("/payments"), Some("payments"));
     assert_eq!(name("/payments/42"), Some("payments"));
     assert_eq!(name("/payments/refunds/9"), Some("refunds"));
-    assert_eq!(name("/paymentsX"), Some("all"));
-    assert_eq!(name("/other"), Some("all"));
+    assert_eq!(name("/paymentsX"), Some("everything"));
+    assert_eq!(name("/other"), Some("everything"));
     let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
     assert!(c.route_for("/other").is_none());
 }

@@ -277,10 +277,7 @@ impl Ingress {
         // With a worker free right now, record it already claimed and its first attempt marked:
         // one commit before the send instead of three.
         let reservation = self.worker.reserve(config, route);
-        let new = NewRecord {
-            claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), route, &new.tenant, &new.key)),
-            ..new
-        };
+        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), &policy)), ..new };
         let record =
             match self.store.admit(new, self.retention_cutoff(&route.name)).await.map_err(|e| Problem::store(&e))? {
                 Admission::Created(record) | Admission::Requeued(record) => {

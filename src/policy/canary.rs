@@ -3,8 +3,9 @@
 
 use sha2::{Digest, Sha256};
 
-/// When the canary ends by itself. Neither condition is judged before both sides have seen
-/// `min_requests` settled requests: a handful of unlucky requests proves nothing.
+/// When the canary ends by itself. Neither condition is judged before the canary's side has
+/// `min_requests` settled requests, and the success comparison also waits for the control group
+/// to have as many: a handful of unlucky requests proves nothing.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CanaryStop {
     /// Physical attempts per logical request, on the canary's side, above which it stops.
@@ -89,8 +90,20 @@ mod tests {
         Cohort { requests, attempts, succeeded }
     }
 
+    /// `in_canary("payments", "acme", Some("key-{i}"), 50.0)` for i in 0..8, computed apart
+    /// (SHA-256 of `payments\0acme\0key-i`, its first 8 bytes big-endian, modulo 10,000, below 5,000).
+    const PINNED_SIDES: [bool; 8] = [false, false, true, true, true, true, true, false];
+
     #[test]
-    fn a_slice_holds_about_its_percent_and_never_moves() {
+    fn a_side_is_a_fixed_function_of_route_tenant_and_key() {
+        // Pinned: a change of the bucket function would move live traffic between policies.
+        let sides: Vec<bool> = (0..8).map(|i| in_canary("payments", "acme", Some(&format!("key-{i}")), 50.0)).collect();
+        assert_eq!(sides, PINNED_SIDES);
+        assert!(!in_canary("payments", "acme", None, 0.0) && in_canary("payments", "acme", None, 100.0));
+    }
+
+    #[test]
+    fn a_slice_holds_about_its_percent() {
         let inside = (0..20_000).filter(|i| in_canary("payments", "acme", Some(&format!("key-{i}")), 10.0)).count();
         assert!((1_800..2_200).contains(&inside), "{inside} of 20,000 in a 10% slice");
         for i in 0..100 {

@@ -227,13 +227,12 @@ impl Worker {
     }
 
     /// The claim that a reserved admission writes: this process's lease, starting `now`, and
-    /// the version of the policy its first attempt is sent under (the canary's, for a request of
-    /// `tenant` with `key` in a running canary's slice).
-    pub fn claim(&self, now: Millis, route: &Route, tenant: &str, key: &str) -> Claim {
+    /// the version of the policy its first attempt is sent under (chosen by [`Worker::policy`]).
+    pub fn claim(&self, now: Millis, policy: &Policy<'_>) -> Claim {
         Claim {
             owner: self.inner.owner.clone(),
             lease_until: self.inner.lease_until(now),
-            policy_version: self.inner.policy(route, tenant, key).version.to_string(),
+            policy_version: policy.version.to_string(),
         }
     }
 

@@ -28,6 +28,13 @@ impl Inner {
         route.policy_for(tenant, key, !self.switches.canary_off(&route.name))
     }
 
+    /// The policy a record executes under: the one its attempts were marked with when it has
+    /// any (so a canary switched off or on meanwhile moves no record across), else a fresh choice.
+    fn policy_of<'r>(&self, route: &'r Route, record: &Record) -> Policy<'r> {
+        let marked = record.policy_version.as_deref().and_then(|v| route.policy_named(v));
+        marked.unwrap_or_else(|| self.policy(route, &record.tenant, &record.key))
+    }
+
     pub(super) fn stopping(&self) -> bool {
         *self.stopping.borrow()
     }
@@ -102,7 +109,7 @@ impl Inner {
         signal: &CancelSignal,
         reserved: Option<OwnedSemaphorePermit>,
     ) -> Outcome {
-        let chosen = self.policy(route, &record.tenant, &record.key);
+        let chosen = self.policy_of(route, record);
         let policy = chosen.retry;
         // The route's limits as they stood when the execution started: its attempts count
         // against them to the end, whatever a reload does to the route meanwhile.

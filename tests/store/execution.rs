@@ -222,3 +222,56 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(stor
     assert_eq!(shown["attempts"][1]["policy_version"], new);
     assert_eq!(shown["policy_version"], new);
 }
+
+/// Sends attempt `number` of a record held by [`WORKER`] under `version`, answered `status` at `at`.
+async fn sent(
+    store: &Arc<dyn Store>,
+    id: Uuid,
+    number: u32,
+    at: Millis,
+    version: &str,
+    status: u16,
+    then: AfterAttempt,
+) {
+    assert!(store.attempt_started(id, WORKER, number, at, at + LEASE, version).await.unwrap().is_held());
+    let outcome = if status < 300 { "success" } else { "not_executed" };
+    let a = Attempt { policy_version: Some(version.into()), ..attempt(number, at, outcome, Some(status)) };
+    assert!(store.attempt_ended(id, WORKER, Some(a), then, at + 20).await.unwrap().is_held());
+}
+
+pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(store: Arc<dyn Store>) {
+    let (control, canary) = ("cccccccccccc", "dddddddddddd");
+    let done = || AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
+    let retry = |at: Millis| AfterAttempt::Wait { not_before: at };
+
+    // The canary: a 503 then a success, two attempts for one request.
+    let salvaged = in_progress(&store, request("default", "salvaged", BODY)).await;
+    sent(&store, salvaged.id, 1, T0 + 10, canary, 503, retry(T0 + 100)).await;
+    sent(&store, salvaged.id, 2, T0 + 100, canary, 201, done()).await;
+
+    // The control: a key freed after one 503, sent again by its client and then served: one
+    // record, two executions.
+    let freed = request("default", "freed", BODY);
+    let first = in_progress(&store, freed.clone()).await;
+    sent(&store, first.id, 1, T0 + 10, control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+    let again = NewRecord { id: Uuid::new_v4(), now: T0 + 500, ..freed };
+    assert!(matches!(store.admit(again, 0).await.unwrap(), Admission::Requeued(_)));
+    assert!(store.claim(first.id, WORKER, T0 + LEASE, T0 + 501).await.unwrap());
+    sent(&store, first.id, 2, T0 + 510, control, 201, done()).await;
+
+    // Not counted: still running, another route, or arrived before the window.
+    let running = in_progress(&store, request("default", "running", BODY)).await;
+    assert!(store.attempt_started(running.id, WORKER, 1, T0 + 10, T0 + LEASE, control).await.unwrap().is_held());
+    let elsewhere = in_progress(&store, request_on("emails", "default", "elsewhere", BODY, T0)).await;
+    sent(&store, elsewhere.id, 1, T0 + 10, control, 201, done()).await;
+    let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - 10_000)).await;
+    sent(&store, early.id, 1, T0 + 10, canary, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+
+    let mut sides = store.sides("payments", T0 - 1_000).await.unwrap();
+    sides.sort_by(|a, b| a.policy_version.cmp(&b.policy_version));
+    let figures: Vec<(&str, u64, u64, u64)> = sides
+        .iter()
+        .map(|s| (s.policy_version.as_str(), s.requests.requests, s.requests.attempts, s.requests.succeeded))
+        .collect();
+    assert_eq!(figures, [(control, 2, 2, 1), (canary, 1, 2, 1)]);
+}

@@ -55,9 +55,14 @@ ON CONFLICT (second_start, route) DO UPDATE SET
     replays = answer_counts.replays + excluded.replays,
     conflicts = answer_counts.conflicts + excluded.conflicts";
 
-/// Settled requests of a route since a time, by the policy version of their attempts.
+/// Settled requests of a route since a time, by the policy version of their attempts. A key
+/// freed and sent again is one record but two executions: each `requeued` entry of its history
+/// counts as one more request.
 const SIDES: &str = "
-SELECT policy_version, COUNT(*) AS requests, SUM(jsonb_array_length(attempts))::bigint AS attempts,
+SELECT policy_version,
+       SUM(1 + (SELECT COUNT(*) FROM jsonb_array_elements(history) AS h WHERE h ->> 'action' = 'requeued'))::bigint
+           AS requests,
+       SUM(jsonb_array_length(attempts))::bigint AS attempts,
        COUNT(*) FILTER (WHERE stop_reason = 'success') AS succeeded
 FROM records
 WHERE created_at >= $2 AND route = $1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL

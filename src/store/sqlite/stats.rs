@@ -50,9 +50,13 @@ WHERE second_start >= ?1 AND second_start < ?2 AND (?4 IS NULL OR route = ?4)
 GROUP BY route, step";
 
 /// Settled requests of a route since a time, by the policy version of their attempts; the range
-/// on `created_at` is served by `records_listing`.
+/// on `created_at` is served by `records_listing`. A key freed and sent again is one record but
+/// two executions: each `requeued` entry of its history counts as one more request.
 const SIDES: &str = "
-SELECT policy_version, COUNT(*) AS requests, SUM(json_array_length(attempts)) AS attempts,
+SELECT policy_version,
+       SUM(1 + (SELECT COUNT(*) FROM json_each(history) WHERE json_extract(value, '$.action') = 'requeued'))
+           AS requests,
+       SUM(json_array_length(attempts)) AS attempts,
        SUM(stop_reason = 'success') AS succeeded
 FROM records
 WHERE created_at >= ?2 AND route = ?1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
