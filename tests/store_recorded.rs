@@ -86,6 +86,12 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     admitted(&*store, "payments", "a-queued", T0, false).await;
     admitted(&*store, "orders", "other-route", T0 + 5, false).await;
     admitted(&*store, "payments", "c-sending", T0 + 30, true).await;
+    // A key freed after one attempt and sent again by its client: one record, two executions.
+    let freed = admitted(&*store, "payments", "d-freed", T0 + 40, true).await;
+    let free = AfterAttempt::Free(StopReason::AttemptCap);
+    store.attempt_ended(freed, WORKER, Some(attempt(1, T0 + 40, 503, None)), free, T0 + 60).await.unwrap();
+    let again = NewRecord { id: Uuid::new_v4(), ..request("payments", "d-freed", T0 + 900, false) };
+    assert!(matches!(store.admit(again, 0).await.unwrap(), idem::store::Admission::Requeued(_)));
 
     // Opened while the store that wrote them is still open.
     let reader = Reader::open(&db.url).await.unwrap();
@@ -99,8 +105,11 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
             (T0, State::NotStarted, None, false, 0),
             (T0 + 20, State::Done, Some(StopReason::Success), false, 2),
             (T0 + 30, State::InProgress, None, true, 0),
+            (T0 + 40, State::NotStarted, None, false, 1),
         ]
     );
+    assert_eq!(page.requests[3].requeued_at, [T0 + 900], "each time the key was sent again");
+    assert!(page.requests[1].requeued_at.is_empty());
     assert_eq!(page.requests[1].attempts, attempts, "attempts come back as stored, Retry-After included");
     assert_eq!(page.requests[1].deadline_at, T0 + 20 + 30_000);
 

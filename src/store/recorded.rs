@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use super::{postgres, sqlite, Columns, StoreError};
 use crate::policy::StopReason;
-use crate::record::{Attempt, Millis, State};
+use crate::record::{Attempt, HistoryEntry, Millis, State};
 
 /// Most requests one read returns: enough for a day of a busy route, few enough to hold and
 /// replay in memory. More are reported as cut, never silently dropped.
@@ -28,6 +28,9 @@ pub struct Recorded {
     pub in_flight: bool,
     /// Past its retention and kept as a tombstone: its attempts were dropped.
     pub tombstone: bool,
+    /// When its key, freed, was sent again, oldest first: each time a new execution of the same
+    /// record began, with attempts of its own.
+    pub requeued_at: Vec<Millis>,
 }
 
 /// What [`Reader::recorded`] found: the requests in order of arrival, and whether more matched.
@@ -79,6 +82,14 @@ impl Reader {
 
 /// Reads one row of either backend's query: `id`, `created_at`, `deadline_at`, `state`,
 /// `stop_reason`, `attempts` (JSON text), `in_flight` and `tombstone` (flags).
+/// The times of a stored history's `requeued` entries, oldest first.
+fn requeued_at(history: &str) -> Result<Vec<Millis>, StoreError> {
+    let entries: Vec<HistoryEntry> = serde_json::from_str(history)?;
+    let mut at: Vec<Millis> = entries.iter().filter(|e| e.action == "requeued").map(|e| e.at).collect();
+    at.sort_unstable();
+    Ok(at)
+}
+
 pub(crate) fn decode(row: &impl Columns) -> Result<Recorded, StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(format!("column {what}"));
     let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
@@ -97,5 +108,6 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Recorded, StoreError> {
         attempts,
         in_flight: row.flag("in_flight")?,
         tombstone: row.flag("tombstone")?,
+        requeued_at: requeued_at(&text("history")?)?,
     })
 }

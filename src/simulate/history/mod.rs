@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::{Candidate, Config, ConfigError, Route};
 use crate::policy::{RetryBudget, RetryPolicy, StopReason};
-use crate::record::{Millis, State};
+use crate::record::{Attempt, Millis, State};
 use crate::simulate::{Draws, Replay};
 use crate::store::recorded::{Reader, Recorded};
 use crate::store::StoreError;
@@ -199,28 +199,43 @@ fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
     let mut left_out = LeftOut::default();
     let first = history.first().map_or(0, |r| r.created_at);
     let mut requests = Vec::with_capacity(history.len());
+    let ms = |from: Millis, to: Millis| Duration::from_millis((to - from).max(0) as u64);
     for r in history {
         let ended = r.stop_reason.is_some() && !r.in_flight && r.state != State::InProgress;
         if r.tombstone {
             left_out.past_retention += 1;
         } else if !ended {
             left_out.running += 1;
-        } else if r.attempts.is_empty() {
-            left_out.never_sent += 1;
         } else {
-            let ms = |from: Millis, to: Millis| Duration::from_millis((to - from).max(0) as u64);
-            let last = r.attempts.last().map_or(r.created_at, |a| a.started_at + a.duration_ms as Millis);
-            let recorded =
-                Ending { attempts: r.attempts.len() as u32, stop: r.stop_reason, elapsed: ms(r.created_at, last) };
-            let cancelled = r.stop_reason == Some(StopReason::Cancelled);
-            requests.push(Replayable {
-                offset: ms(first, r.created_at),
-                seen: seen::script(r.created_at, &r.attempts, cancelled),
-                deadline: ms(r.created_at, r.deadline_at),
-                recorded,
-            });
+            // A key freed and sent again is one record but several executions, each from its
+            // own arrival; the deadline's length is the latest one's.
+            let arrivals: Vec<Millis> = std::iter::once(r.created_at).chain(r.requeued_at.iter().copied()).collect();
+            let latest = arrivals[arrivals.len() - 1];
+            let deadline = ms(latest, r.deadline_at);
+            for (i, &arrival) in arrivals.iter().enumerate() {
+                let next = arrivals.get(i + 1).copied().unwrap_or(Millis::MAX);
+                let attempts: Vec<Attempt> =
+                    r.attempts.iter().filter(|a| a.started_at >= arrival && a.started_at < next).cloned().collect();
+                if attempts.is_empty() {
+                    left_out.never_sent += 1;
+                    continue;
+                }
+                // Only the latest execution's stop reason is stored; the earlier ones freed the key.
+                let stop = if arrival == latest { r.stop_reason } else { None };
+                let last = attempts.last().map_or(arrival, |a| a.started_at + a.duration_ms as Millis);
+                let recorded = Ending { attempts: attempts.len() as u32, stop, elapsed: ms(arrival, last) };
+                let cancelled = stop == Some(StopReason::Cancelled);
+                requests.push(Replayable {
+                    offset: ms(first, arrival),
+                    seen: seen::script(arrival, &attempts, cancelled),
+                    deadline,
+                    recorded,
+                });
+            }
         }
     }
+    // Executions of requeued keys start later than their records: the replay steps in time order.
+    requests.sort_by_key(|r| r.offset);
     (requests, left_out)
 }
 

@@ -37,6 +37,7 @@ fn recorded(at: Millis, statuses: &[u16], stop: StopReason) -> Recorded {
         attempts: statuses.iter().enumerate().map(|(i, &s)| attempt(i as u32 + 1, at + 110 * i as Millis, s)).collect(),
         in_flight: false,
         tombstone: false,
+        requeued_at: vec![],
     }
 }
 
@@ -64,6 +65,22 @@ fn the_current_policy_replays_what_was_recorded() {
     assert_eq!(c.current.figures.attempts, 6);
     assert_eq!(c.current.figures, c.recorded);
     assert_eq!(c.current.unobserved, Unobserved::default());
+}
+
+#[test]
+fn a_key_freed_and_sent_again_is_two_requests_not_a_salvage() {
+    // One attempt answered 503 freed the key; its client sent it again 4 s later and got a 200.
+    let mut record = recorded(1_000, &[503], StopReason::Success);
+    record.attempts.push(attempt(2, 5_010, 200));
+    record.requeued_at = vec![5_000];
+    record.deadline_at = 5_000 + 10_000;
+    let c = run(&route("max_attempts = 1"), "[retry]\nmax_attempts = 2\n", vec![record], Assume::Last);
+    assert_eq!((c.recorded.requests, c.recorded.attempts, c.recorded.succeeded), (2, 2, 1));
+    assert_eq!(c.recorded.salvaged, 0, "the client's own retry is not the policy's salvage");
+    let f = &c.current.figures;
+    assert_eq!((f.requests, f.attempts, f.succeeded, f.salvaged), (2, 2, 1, 0));
+    assert_eq!(c.current.unobserved, Unobserved::default());
+    assert!(c.recorded.p99.unwrap() < std::time::Duration::from_secs(1), "the client's 4 s gap is no request's time");
 }
 
 #[test]

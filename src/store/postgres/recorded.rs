@@ -12,7 +12,8 @@ use crate::store::StoreError;
 /// come back as text, as [`decode`] reads them.
 const RECORDED: &str = "
 SELECT id::text AS id, created_at, deadline_at, state, stop_reason, attempts::text AS attempts,
-       in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone
+       in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone,
+       history::text AS history
 FROM records
 WHERE created_at >= $2 AND route = $1
 ORDER BY created_at, id

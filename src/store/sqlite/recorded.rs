@@ -14,7 +14,8 @@ use crate::store::StoreError;
 /// Served by `records_listing` (created_at, id); the route is filtered on the way.
 const RECORDED: &str = "
 SELECT id, created_at, deadline_at, state, stop_reason, attempts,
-       in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone
+       in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone,
+       history
 FROM records
 WHERE created_at >= ?2 AND route = ?1
 ORDER BY created_at, id
