@@ -234,6 +234,9 @@ async fn obeys(node: &Node, since: Instant, status: u16, what: &str) {
         let key = format!("{}-{what}-{tries}", node.name);
         let answer = common::send(node.post("/payments", &key, &body_of(&key))).await;
         if answer.status == status {
+            if status == 503 {
+                answer.assert_problem(503, "circuit-open");
+            }
             return;
         }
         assert!(

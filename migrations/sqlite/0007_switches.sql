@@ -15,6 +15,6 @@ CREATE TABLE switches (
     replaced_by    TEXT               -- the switch that replaced this one, if one did
 );
 
--- Every node reads the uncleared switches about once a second; the history is read newest first.
+-- Every node reads the uncleared switches twice a second; the history is read newest first.
 CREATE INDEX switches_uncleared ON switches (scope, action) WHERE cleared_at IS NULL;
 CREATE INDEX switches_history ON switches (set_at);

@@ -117,7 +117,10 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         }
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
-            Some(refusal) => app.refused(route, refusal).into_response(),
+            Some(refusal) => {
+                metrics::held_by_switch(&route.name, SwitchAction::Isolate);
+                app.refused(route, refusal).into_response()
+            }
             None => app.plain(route, request).await,
         },
     };
@@ -270,7 +273,13 @@ impl Ingress {
                     Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
                         return self.answer_record(&route, record, fingerprint, prefer).await;
                     }
-                    _ => return Err(self.refused(&route, refusal)),
+                    _ => {
+                        // Counted only when the switch holds something back: a replay is not.
+                        if self.switches.isolated(&route.name) {
+                            metrics::held_by_switch(&route.name, SwitchAction::Isolate);
+                        }
+                        return Err(self.refused(&route, refusal));
+                    }
                 }
             }
         };
@@ -318,7 +327,6 @@ impl Ingress {
     fn isolation(&self, route: &str) -> Option<Refusal> {
         let now = now_ms();
         let switch = self.switches.on(route, SwitchAction::Isolate, now)?;
-        metrics::held_by_switch(route, SwitchAction::Isolate);
         let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| Duration::from_millis((at - now).max(0) as u64));
         Some(Refusal::CircuitOpen(left.clamp(Duration::from_secs(1), ISOLATED_RETRY_AFTER)))
     }
