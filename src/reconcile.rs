@@ -216,8 +216,7 @@ pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
 
 /// Probes the upstream about `unknown` records of routes that declare how, as the configuration
 /// in force at each pass declares it.
-pub async fn probes(store: Arc<dyn Store>, config: Arc<Live>, worker: Worker) {
-    let upstream = Upstream::new();
+pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

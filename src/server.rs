@@ -92,7 +92,11 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
     // Read before the first request: a restarted node obeys the switches left on at once.
     let switches = Arc::new(Switches::default());
     switches.refresh(&*store).await?;
-    let worker = Worker::new(store.clone(), live.clone(), node_name(), settled.clone(), switches.clone());
+    // One client, so one connection pool per upstream, for the ingress's plain proxying, the
+    // worker's attempts and the probes.
+    let upstream = Upstream::new();
+    let worker =
+        Worker::new(store.clone(), upstream.clone(), live.clone(), node_name(), settled.clone(), switches.clone());
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
@@ -103,7 +107,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         store: store.clone(),
         worker: worker.clone(),
         settled: settled.clone(),
-        upstream: Upstream::new(),
+        upstream: upstream.clone(),
         replays: Replays::new(REPLAY_CACHE_BYTES),
         bodies: bodies.clone(),
         health: health.clone(),
@@ -131,7 +135,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
     let mut upkeep = vec![
         tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone())),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone())),
-        tokio::spawn(reconcile::probes(store.clone(), live.clone(), worker.clone())),
+        tokio::spawn(reconcile::probes(store.clone(), upstream, live.clone(), worker.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
         tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone())),

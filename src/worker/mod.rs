@@ -150,6 +150,7 @@ impl Progress {
 impl Worker {
     pub fn new(
         store: Arc<dyn Store>,
+        upstream: Upstream,
         config: Arc<Live>,
         owner: String,
         settled: Arc<Settled>,
@@ -168,7 +169,7 @@ impl Worker {
                 active: AtomicUsize::new(0),
                 idle: Notify::new(),
                 store,
-                upstream: Upstream::new(),
+                upstream,
                 config,
                 owner,
                 settled,
