@@ -11,7 +11,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::config::{Live, Route};
-use crate::policy::{canary_stop_reason, Cohort};
+use crate::policy::{canary_stop_reason, Cohort, PolicyVersion};
 use crate::record::{duration_ms, now_ms, Millis};
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
@@ -31,9 +31,20 @@ pub const ACTOR: &str = "idem canary";
 pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>) {
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The canaries watched at the last look: one a reload removed or replaced is shown as ended.
+    let mut watched: Vec<(String, PolicyVersion)> = Vec::new();
     loop {
         tick.tick().await;
         let config = live.current();
+        let now_watched: Vec<(String, PolicyVersion)> = config
+            .routes
+            .iter()
+            .filter_map(|r| r.canary.as_ref().map(|c| (r.name.clone(), c.policy_version.clone())))
+            .collect();
+        for (route, version) in watched.iter().filter(|w| !now_watched.contains(w)) {
+            crate::metrics::canary_running(route, version, false);
+        }
+        watched = now_watched;
         for route in config.routes.iter().filter(|r| r.canary.is_some()) {
             if let Err(e) = look(&*store, &switches, route, now_ms()).await {
                 tracing::warn!(route = %route.name, error = %e, "could not compare the canary's sides");

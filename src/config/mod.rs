@@ -298,7 +298,7 @@ pub fn describe(c: &Config) -> String {
             );
             let _ = writeln!(
                 out,
-                "    stops by itself after {} requests a side if amplification is over {} or final success drops by over {}",
+                "    stops by itself after {} canary requests if amplification is over {} or final success drops by over {}",
                 canary.stop.min_requests,
                 limit(canary.stop.amplification_over),
                 limit(canary.stop.final_success_drop)
