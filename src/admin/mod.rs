@@ -13,6 +13,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
 use bytes::Bytes;
+use secrecy::ExposeSecret;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -109,7 +110,7 @@ async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: 
     // The token of the configuration in force: a reload that changes it applies at once.
     if let Some(expected) = &admin.config.current().auth.admin_token {
         let given = crate::credentials::bearer(request.headers());
-        let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected));
+        let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected.expose_secret()));
         if !ok {
             return Problem::new(
                 StatusCode::UNAUTHORIZED,

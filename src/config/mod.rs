@@ -66,16 +66,25 @@ pub struct StoreConfig {
     pub retention: Duration,
 }
 
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct AuthConfig {
-    /// The admin bearer token, read from the environment variable the config names.
-    /// `None` means the admin API takes no token.
-    pub admin_token: Option<String>,
+    /// The admin bearer token, read from the environment variable the config names; a secret,
+    /// so that no debug print or log line shows it. `None` means the admin API takes no token.
+    pub admin_token: Option<secrecy::SecretString>,
     /// Empty means every caller is tenant "default" — or, when a route forwards the client's
     /// `Authorization`, the tenant of that credential's digest.
     pub tenants: Vec<Tenant>,
     /// A header that carries the tenant token (e.g. `x-api-key`), read before `Authorization`.
     pub token_header: Option<http::HeaderName>,
+}
+
+/// Whether a reload changes the auth settings (see [`changes`]).
+impl PartialEq for AuthConfig {
+    fn eq(&self, other: &AuthConfig) -> bool {
+        use secrecy::ExposeSecret;
+        let token = |a: &AuthConfig| a.admin_token.as_ref().map(|t| t.expose_secret().to_string());
+        token(self) == token(other) && self.tenants == other.tenants && self.token_header == other.token_header
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

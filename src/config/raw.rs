@@ -276,7 +276,7 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
     let admin_token = match raw.admin_token_env {
         None => None,
         Some(var) => match env(&var) {
-            Some(token) if !token.is_empty() => Some(token),
+            Some(token) if !token.is_empty() => Some(secrecy::SecretString::from(token)),
             _ => {
                 return Err(invalid(
                     "auth.admin_token_env",

@@ -1,4 +1,5 @@
 use super::*;
+use secrecy::ExposeSecret;
 
 const MINIMAL: &str = r#"
     [[routes]]
@@ -202,7 +203,8 @@ fn secrets_come_from_the_environment() {
     let e = error_of(text);
     assert!(e.contains("auth.admin_token_env") && e.contains("IDEM_TEST_TOKEN"), "{e}");
     let c = Config::parse_with_env(text, |v| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".into())).unwrap();
-    assert_eq!(c.auth.admin_token.as_deref(), Some("s3cret"));
+    assert_eq!(c.auth.admin_token.as_ref().map(|t| t.expose_secret()), Some("s3cret"));
+    assert!(!format!("{:?}", c.auth).contains("s3cret"), "a token never shows in a debug print");
 }
 
 #[test]
