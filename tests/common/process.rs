@@ -27,10 +27,12 @@ pub const LEASE: Duration = Duration::from_secs(1);
 /// How long a node may take to answer `/readyz` after it was started.
 const READY_WITHIN: Duration = Duration::from_secs(30);
 
-/// A port on 127.0.0.1 that was free a moment ago: bound on port 0, then released. The node
-/// binds it again at once, and again after every restart.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// Ports on 127.0.0.1 that were free a moment ago, all different: bound on port 0 together, then
+/// released (a port released at once may well be the next one handed out, so none is released
+/// before all are picked). A node binds them again at once, and again after every restart.
+pub fn free_ports<const N: usize>() -> [u16; N] {
+    let held: [std::net::TcpListener; N] = std::array::from_fn(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    held.map(|l| l.local_addr().unwrap().port())
 }
 
 /// Everything of a node's config but `[server]`: the worker with the short [`LEASE`] (plus
@@ -62,7 +64,7 @@ impl Node {
     /// and returns once it is ready.
     pub async fn start(name: &str, body: &str) -> Node {
         let dir = TempDir::new().unwrap();
-        let (listen, admin) = (free_port(), free_port());
+        let [listen, admin] = free_ports();
         let config = dir.path().join("idem.toml");
         let server = format!("[server]\nlisten = \"127.0.0.1:{listen}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n");
         std::fs::write(&config, format!("{server}{body}")).unwrap();
