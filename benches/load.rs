@@ -2,11 +2,12 @@
 //!
 //! Everything runs in this process on 127.0.0.1: a fast upstream (axum, `201` + ~60 bytes of
 //! JSON), a plain reverse proxy (axum + a shared `reqwest::Client`, no recording) as the
-//! baseline, and Idem started with `idem::server::start` once per store (SQLite with
+//! baseline, nginx as a second one when it is on the PATH (Debian's `nginx-light`: the proxy
+//! Idem's figures are judged against from outside), and Idem started with `idem::server::start` once per store (SQLite with
 //! `synchronous=FULL`, SQLite with `synchronous=NORMAL`, and PostgreSQL when
 //! `IDEM_BENCH_POSTGRES_URL` or `IDEM_TEST_POSTGRES_URL` is set). Each target is driven by the same
 //! closed-loop generator: N tasks, one keep-alive `reqwest::Client` each, sending POSTs back to
-//! back for a fixed time after a warm-up, at concurrency 1 and 64.
+//! back for a fixed time after a warm-up, at concurrency 1, 8 and 64.
 //!
 //! Cases: the plain proxy; Idem with a fresh `Idempotency-Key` per request; Idem replaying keys
 //! that were created during the warm-up. Every answered request's latency goes into an HDR
@@ -45,7 +46,7 @@ use tokio::net::TcpListener;
 const REQUEST_BODY: &str = r#"{"amount":1000,"currency":"eur","customer":"cus_bench"}"#;
 /// The upstream's answer to every request.
 const UPSTREAM_BODY: &str = r#"{"id":"pay_bench_000001","status":"succeeded","amount":1000}"#;
-const CONCURRENCIES: [usize; 2] = [1, 64];
+const CONCURRENCIES: [usize; 3] = [1, 8, 64];
 /// Keys a replay task creates during its warm-up, at most.
 const MAX_REPLAY_KEYS: usize = 4096;
 
@@ -216,6 +217,64 @@ async fn start_proxy(upstream: &str) -> String {
         axum::serve(listener, app).await.unwrap();
     });
     format!("http://{addr}")
+}
+
+// ---- nginx, the reverse proxy operators deploy (a second baseline) -----------------------------
+
+/// nginx from the PATH, proxying to the same upstream, with keep-alive connections to it and no
+/// access log: what Idem's cost is judged against from outside. Stopped when dropped.
+struct Nginx {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGTERM, not SIGKILL: the master stops its workers before it exits.
+        let _ = std::process::Command::new("kill").arg(self.child.id().to_string()).status();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_nginx(upstream: &str) -> Result<Nginx, String> {
+    let version = std::process::Command::new("nginx").arg("-v").output();
+    if version.is_err() {
+        return Err("nginx is not on the PATH (Debian: apt-get install nginx-light)".into());
+    }
+    let port =
+        std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let d = dir.path().display();
+    let upstream_host = upstream.trim_start_matches("http://");
+    let conf = format!(
+        "daemon off;\nworker_processes auto;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+           fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+           upstream api {{ server {upstream_host}; keepalive 256; }}\n\
+           server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://api;\n\
+               proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n    }}\n  }}\n}}\n"
+    );
+    let path = dir.path().join("nginx.conf");
+    std::fs::write(&path, conf).map_err(|e| e.to_string())?;
+    let child = std::process::Command::new("nginx")
+        .arg("-p")
+        .arg(dir.path())
+        .arg("-c")
+        .arg(&path)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("nginx did not start: {e}"))?;
+    let nginx = Nginx { child, url: format!("http://127.0.0.1:{port}"), _dir: dir };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        if Instant::now() > deadline {
+            return Err("nginx did not listen within 5s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(nginx)
 }
 
 // ---- Idem --------------------------------------------------------------------------------------
@@ -704,17 +763,31 @@ fn print_open_table(rows: &[Row], rate: f64) {
 
 fn print_table(rows: &[Row]) {
     let proxy = |c: usize| rows.iter().find(|r| r.target == "plain proxy" && r.concurrency == c).map(|r| &r.measured);
+    let nginx = |c: usize| rows.iter().find(|r| r.target == "nginx" && r.concurrency == c).map(|r| &r.measured);
     println!();
     println!(
-        "{:<14} {:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9} {:>8}",
-        "target", "store", "c", "req/s", "p50 us", "p99 us", "p99.9 us", "errors", "x proxy", "+p50 us", "cpu us"
+        "{:<14} {:<14} {:>3} {:>10} {:>9} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8}",
+        "target",
+        "store",
+        "c",
+        "req/s",
+        "p50 us",
+        "p99 us",
+        "p99.9 us",
+        "errors",
+        "x proxy",
+        "x nginx",
+        "+p50 us",
+        "cpu us"
     );
-    println!("{}", "-".repeat(110));
+    println!("{}", "-".repeat(119));
     for row in rows {
         let m = &row.measured;
         let base = proxy(row.concurrency);
-        let ratio =
-            base.map(|b| format!("{:.2}", m.per_second() / b.per_second().max(1e-9))).unwrap_or_else(|| "-".into());
+        let times = |b: Option<&Measured>| {
+            b.map(|b| format!("{:.2}", m.per_second() / b.per_second().max(1e-9))).unwrap_or_else(|| "-".into())
+        };
+        let (ratio, to_nginx) = (times(base), times(nginx(row.concurrency)));
         let added = match base {
             Some(b) if row.concurrency == 1 => {
                 format!("{:+}", m.latency_us.value_at_quantile(0.5) as i64 - b.latency_us.value_at_quantile(0.5) as i64)
@@ -723,7 +796,7 @@ fn print_table(rows: &[Row]) {
         };
         let cpu = m.cpu.as_secs_f64() * 1e6 / m.requests.max(1) as f64;
         println!(
-            "{:<14} {:<14} {:>3} {:>10.0} {:>9} {:>9} {:>9} {:>7} {:>8} {:>9} {:>8.0}",
+            "{:<14} {:<14} {:>3} {:>10.0} {:>9} {:>9} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8.0}",
             row.target,
             row.store,
             row.concurrency,
@@ -733,6 +806,7 @@ fn print_table(rows: &[Row]) {
             m.latency_us.value_at_quantile(0.999),
             m.errors,
             ratio,
+            to_nginx,
             added,
             cpu
         );
@@ -757,6 +831,22 @@ async fn bench(settings: Settings) {
     let mut notes = Vec::new();
     let mut targets =
         vec![Target { name: "plain proxy", store: "-".into(), url: format!("{proxy}/payments"), keys: Keys::None }];
+    let nginx = match start_nginx(&upstream).await {
+        Ok(nginx) => {
+            println!("nginx on {}", nginx.url);
+            targets.push(Target {
+                name: "nginx",
+                store: "-".into(),
+                url: format!("{}/payments", nginx.url),
+                keys: Keys::None,
+            });
+            Some(nginx)
+        }
+        Err(e) => {
+            notes.push(format!("nginx rows skipped: {e}"));
+            None
+        }
+    };
 
     // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
     let dir = tempfile::Builder::new().prefix("idem-load-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -861,6 +951,7 @@ async fn bench(settings: Settings) {
         }
     }
     drop(dir);
+    drop(nginx);
 
     let errors: u64 = rows.iter().map(|r| r.measured.errors).sum();
     println!();
@@ -874,9 +965,9 @@ async fn bench(settings: Settings) {
         println!("peak resident memory of this process (every target, generator and upstream): {} MiB", kib / 1024);
     }
     println!(
-        "x proxy: throughput / plain proxy's at the same c; +p50 us: p50 minus the plain proxy's \
+        "x proxy, x nginx: throughput / the plain proxy's (or nginx's) at the same c; +p50 us: p50 minus the plain proxy's \
          (c=1 only); cpu us: this process's CPU time per answered request, generator and upstream \
-         included (a PostgreSQL server's is not); latencies of every answered request, in microseconds"
+         included (a PostgreSQL server's and nginx's are not); latencies of every answered request, in microseconds"
     );
     if let Some(rate) = open_rate(&rows) {
         print_open_table(&open_rows, rate);
