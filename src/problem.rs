@@ -275,7 +275,7 @@ impl Problem {
             "circuit-open",
             "Upstream circuit open",
             "The upstream has been failing, so requests to it are refused for a while to let it recover. \
-             Nothing was recorded or sent: retry after the indicated time with the same key.",
+             Nothing was sent and the key is free: retry after the indicated time with the same key.",
         )
         .retry_after(retry_after)
         .retryable()

@@ -99,6 +99,29 @@ async fn an_isolated_route_refuses_new_keys_but_replays_done_ones(b: Backend) {
     assert_eq!(upstream.hits("paid-before"), 1);
 }
 
+/// A request admitted before the isolation and still queued when it is set gets the same answer
+/// as one refused at admission: nothing is sent, the key is free.
+async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
+    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(500))]);
+    let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    set(&broker, json!({"scope": "payments", "action": "isolate", "reason": "upstream is melting"})).await;
+    assert_eq!(ahead.await.unwrap().status, 201, "the attempt in flight ends normally");
+    let queued = queued.await.unwrap();
+    queued.assert_problem(503, "circuit-open");
+    assert_eq!(queued.header("x-should-retry"), Some("true"));
+    assert_eq!(queued.header("idempotency-status"), Some("not_started"));
+    assert_eq!(upstream.hits("queued"), 0, "nothing reached the upstream");
+    let record = broker.record_json("queued").await;
+    assert_eq!((record["state"].as_str(), record["queued"].as_bool()), (Some("not_started"), Some(false)));
+    assert_eq!(record["stop_reason"], "circuit_open");
+}
+
 async fn a_switch_ends_by_itself_when_it_expires(b: Backend) {
     let (upstream, broker) = setup(b, QUICK_RETRIES).await;
     let switch =
@@ -289,6 +312,7 @@ async fn the_switch_metric_is_one_while_a_switch_is_on(b: Backend) {
 both_stores!(
     retries_off_lets_only_first_attempts_out_until_it_is_cleared,
     an_isolated_route_refuses_new_keys_but_replays_done_ones,
+    a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free,
     a_switch_ends_by_itself_when_it_expires,
     bad_switch_requests_are_refused_naming_the_field,
     a_switch_survives_a_restart,

@@ -43,7 +43,9 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
             let problem = match stop {
                 StopReason::Deadline => Problem::deadline_exceeded(),
                 StopReason::Cancelled => Problem::cancelled(),
-                StopReason::CircuitOpen => Problem::upstream_unavailable("its circuit breaker is open").retry_after(1),
+                // The same answer as a refusal at admission: the circuit (or an isolation switch)
+                // may open between a request's admission and its first attempt.
+                StopReason::CircuitOpen => Problem::circuit_open(1),
                 StopReason::RetryBudget => {
                     Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
                 }
