@@ -247,15 +247,21 @@ VALUE     the upstream's Retry-After: delta-seconds as in HTTP (3) or a duration
 
 Example: \"400ms:503 retry-after=300ms, 700ms:200, 100ms:200\"";
 
-/// Logs at `level` unless `RUST_LOG` says otherwise.
-fn init_logging(format: LogFormat, level: &str) {
+/// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr by a thread of
+/// their own, so a request never waits on the terminal or the journal; none is dropped (a
+/// writer that falls 128k lines behind makes loggers wait). Keep the guard until exit: dropping
+/// it flushes what is queued.
+fn init_logging(format: LogFormat, level: &str) -> tracing_appender::non_blocking::WorkerGuard {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let (writer, guard) =
+        tracing_appender::non_blocking::NonBlockingBuilder::default().lossy(false).finish(std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    guard
 }
 
 #[tokio::main]
@@ -265,7 +271,7 @@ async fn main() -> ExitCode {
         Command::Demo { verbose: false, .. } => "warn",
         _ => "info",
     };
-    init_logging(cli.log_format, level);
+    let _flushed_at_exit = init_logging(cli.log_format, level);
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
