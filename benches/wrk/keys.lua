@@ -1,0 +1,35 @@
+-- Unique idempotency keys per request: `new` (every request a new key) or `replay` (each
+-- connection repeats one key, recorded by its first request). The mode comes from the
+-- IDEM_WRK_MODE variable.
+local mode = os.getenv("IDEM_WRK_MODE") or "new"
+local body = '{"amount":42}'
+local threads = 0
+local prefix, n = "", 0
+
+function setup(thread)
+  threads = threads + 1
+  thread:set("id", threads)
+end
+
+function init(args)
+  prefix = string.format("%s-%d-%d-%d", mode, os.time(), id, math.random(1, 1e9))
+end
+
+function request()
+  local key
+  if mode == "replay" then
+    key = prefix .. "-" .. (n % 64)
+  else
+    key = prefix .. "-" .. n
+  end
+  n = n + 1
+  return wrk.format("POST", "/payments",
+    { ["Idempotency-Key"] = key, ["Content-Type"] = "application/json" }, body)
+end
+
+function done(summary, latency, requests)
+  io.write(string.format("RESULT %.0f %d %d %d\n",
+    summary.requests / (summary.duration / 1e6),
+    latency:percentile(50), latency:percentile(99), summary.errors.status + summary.errors.connect
+      + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
