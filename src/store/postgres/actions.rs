@@ -4,7 +4,7 @@
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::{one_element, COLUMNS};
+use super::rows::{one_element, COLUMNS};
 use crate::record::{HistoryEntry, Millis, Record, State};
 use crate::store::{decode, refusal, Action, Cancelled, Resolution, StoreError};
 

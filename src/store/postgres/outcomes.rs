@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
-use super::one_element;
+use super::rows::{one_element, record_id};
 use crate::policy::StopReason;
 use crate::record::{Attempt, Millis};
 use crate::store::{AfterAttempt, Lease, StoreError, Stored};
@@ -129,5 +129,5 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<Uuid, bool>, St
     .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|(id, cancel)| Ok((super::record_id(&id)?, cancel))).collect()
+    rows.into_iter().map(|(id, cancel)| Ok((record_id(&id)?, cancel))).collect()
 }

@@ -5,7 +5,7 @@
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use super::{one_element, COLUMNS};
+use super::rows::{one_element, COLUMNS};
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
 use crate::store::{decode, StoreError, SweepPlan, TakeOverTo};

@@ -7,6 +7,7 @@
 
 mod files;
 pub(super) mod recorded;
+mod rows;
 mod stats;
 mod switches;
 mod writer;

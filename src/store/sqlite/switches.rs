@@ -6,6 +6,7 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 use uuid::Uuid;
 
+use super::rows::WriterRow;
 use crate::record::Millis;
 use crate::store::{decode_switch, StoreError, SwitchCleared};
 use crate::switch::{Clearing, Switch};
@@ -49,7 +50,7 @@ pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, Sto
             new.id.to_string()
         ])?;
         while let Some(row) = rows.next()? {
-            replaced = Some(decode_switch(row)?);
+            replaced = Some(decode_switch(&WriterRow(row))?);
         }
     }
     conn.prepare_cached(INSERT)?.execute(params![
@@ -68,12 +69,12 @@ pub(super) fn clear(conn: &Connection, id: Uuid, clearing: &Clearing) -> Result<
     let mut statement = conn.prepare_cached(CLEAR)?;
     let mut rows = statement.query(params![id.to_string(), clearing.at, clearing.actor, clearing.reason])?;
     if let Some(row) = rows.next()? {
-        return Ok(SwitchCleared::Cleared(decode_switch(row)?));
+        return Ok(SwitchCleared::Cleared(decode_switch(&WriterRow(row))?));
     }
     let mut statement = conn.prepare_cached("SELECT * FROM switches WHERE id = ?1")?;
     let mut rows = statement.query([id.to_string()])?;
     Ok(match rows.next()? {
-        Some(row) => SwitchCleared::NotActive(decode_switch(row)?),
+        Some(row) => SwitchCleared::NotActive(decode_switch(&WriterRow(row))?),
         None => SwitchCleared::Missing,
     })
 }

@@ -8,30 +8,14 @@ use super::writer::TakeOver;
 use crate::policy::StopReason;
 use crate::record::{Attempt, HistoryEntry, Millis, Record, State};
 use crate::store::{
-    decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
-    Stored, SweepPlan,
+    refusal, Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, Stored, SweepPlan,
 };
-
-impl Columns for rusqlite::Row<'_> {
-    fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn flag(&self, name: &str) -> Result<bool, StoreError> {
-        Ok(self.get(name)?)
-    }
-}
 
 /// The one row `sql` returns, decoded, if any.
 fn record_of(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<Option<Record>, StoreError> {
     let mut statement = conn.prepare_cached(sql)?;
     let mut rows = statement.query(params)?;
-    rows.next()?.map(decode).transpose()
+    rows.next()?.map(super::rows::record).transpose()
 }
 
 fn get(conn: &Connection, id: Uuid) -> Result<Option<Record>, StoreError> {
@@ -345,7 +329,7 @@ pub(super) fn claim_unclaimed(
     let mut rows = statement.query(params![owner, until, idle_since, now, limit])?;
     let mut records = Vec::new();
     while let Some(row) = rows.next()? {
-        records.push(decode(row)?);
+        records.push(super::rows::record(row)?);
     }
     Ok(records)
 }
