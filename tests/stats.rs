@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
+use idem::store::AddAnswerCounts;
 use serde_json::Value;
 
 both_stores!(
@@ -214,10 +215,25 @@ async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(back
     };
     // Two nodes count the same second of the same route; a third second, long ago, is forgotten
     // by a later flush.
-    store.add_answer_counts(vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 10_000, 7, 0)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 1_000, 1, 1)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 11_000, 1, 0)], 5_000).await.unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts {
+            counts: vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)],
+            forget_before: 0,
+        })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 10_000, 7, 0)], forget_before: 0 })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 1_000, 1, 1)], forget_before: 0 })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 11_000, 1, 0)], forget_before: 5_000 })
+        .await
+        .unwrap();
 
     let span = StatsSpan { start: 0, end: 20_000, step: 10_000, route: None };
     let mut answers = store.stats(&span).await.unwrap().answers;

@@ -25,8 +25,9 @@ use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use idem::store::{
-    self, Action, Admission, AfterAttempt, Cancelled, Claim, Cursor, Lease, ListFilter, NewRecord, Notice, Resolution,
-    RouteSweep, Store, SweepPlan, TakeOverTo,
+    self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
+    ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, Renew, Resolution, Resolve, Retry,
+    RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -227,13 +228,16 @@ async fn fetch(store: &Arc<dyn Store>, id: Uuid) -> Record {
 }
 
 async fn queued(store: &Arc<dyn Store>, new: NewRecord) -> Record {
-    created(store.admit(new, 0).await.unwrap())
+    created(store.admit(Admit { new, retention_cutoff: 0 }).await.unwrap())
 }
 
 /// A record claimed by [`WORKER`] with a lease until `T0 + LEASE`.
 async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = queued(store, new).await;
-    assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .await
+        .unwrap());
     fetch(store, record.id).await
 }
 
@@ -241,16 +245,26 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// replay-safe.
 async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap();
+    let lease = store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(attempt(1, T0 + 10, "ambiguous", None)),
-            AfterAttempt::Unknown(StopReason::UnsafeReplay),
-            T0 + 100,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "ambiguous", None)),
+            then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+            now: T0 + 100,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
@@ -262,15 +276,26 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// A record answered `201` at `done_at`.
 async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record {
     let record = in_progress(store, new).await;
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(attempt(1, T0 + 10, "success", Some(201))),
-            AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
-            done_at,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "success", Some(201))),
+            then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
+            now: done_at,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
@@ -282,8 +307,16 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record
 /// A record whose attempts stopped with nothing executed: `not_started`, free.
 async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease =
-        store.attempt_ended(record.id, WORKER, None, AfterAttempt::Free(StopReason::Deadline), T0 + 100).await.unwrap();
+    let lease = store
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: AfterAttempt::Free(StopReason::Deadline),
+            now: T0 + 100,
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let record = fetch(store, record.id).await;
     assert_eq!(record.phase(), Phase::Free);

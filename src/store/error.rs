@@ -19,6 +19,10 @@ pub enum StoreError {
         #[source]
         cause: Cause,
     },
+    /// The transition table refuses what a write would do to the record as it stands: another
+    /// write got there first.
+    #[error("the record changed meanwhile: {0}")]
+    Refused(#[from] crate::record::Refused),
     /// A stored row could not be read back; a bug or a hand-edited database.
     #[error("a stored record is unreadable: {0}")]
     Corrupt(String),

@@ -12,8 +12,8 @@ use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
 use super::rows::{record_id, COLUMNS};
-use crate::record::{HistoryEntry, Millis};
-use crate::store::{decode, Admission, NewRecord, StoreError};
+use crate::record::HistoryEntry;
+use crate::store::{decode, Admission, Admit, Fresh, NewRecord, StoreError};
 
 /// The most admissions in one statement.
 const MAX_BATCH: usize = 128;
@@ -21,8 +21,7 @@ const MAX_BATCH: usize = 128;
 const LANES: usize = 4;
 
 struct Pending {
-    new: NewRecord,
-    cutoff: Millis,
+    admit: Admit,
     reply: Reply<Admission>,
 }
 
@@ -35,8 +34,8 @@ impl Admissions {
         Admissions { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| admit_all(pool.clone(), batch)) }
     }
 
-    pub(super) async fn admit(&self, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
-        self.lanes.ask(|reply| Pending { new, cutoff, reply }).await
+    pub(super) async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
+        self.lanes.ask(|reply| Pending { admit, reply }).await
     }
 }
 
@@ -45,21 +44,21 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
     // and a key that exists is not tried twice.
     if batch.len() == 1 {
         let pending = batch.remove(0);
-        let _ = pending.reply.send(admit(&pool, pending.new, pending.cutoff).await);
+        let _ = pending.reply.send(admit(&pool, pending.admit).await);
         return;
     }
     let inserted = insert_fresh(&pool, &mut batch).await;
     for pending in batch {
         match &inserted {
-            Ok(ids) if ids.contains(&pending.new.id) => {
-                let _ = pending.reply.send(Ok(Admission::Created(pending.new.inserted())));
+            Ok(ids) if ids.contains(&pending.admit.new.id) => {
+                let _ = pending.reply.send(Ok(Admission::Created(pending.admit.new.inserted())));
             }
             // Not inserted, or the batch failed: the one-row way decides, with its own error if
             // it has one. It runs beside the lane so that the next batch need not wait for it.
             _ => {
                 let pool = pool.clone();
                 tokio::spawn(async move {
-                    let _ = pending.reply.send(admit(&pool, pending.new, pending.cutoff).await);
+                    let _ = pending.reply.send(admit(&pool, pending.admit).await);
                 });
             }
         }
@@ -71,8 +70,10 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
 async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>, StoreError> {
     // In one order in every batch, so that two batches inserting the same keys at once wait for
     // each other instead of deadlocking.
-    batch.sort_unstable_by(|a, b| (&a.new.tenant, &a.new.key).cmp(&(&b.new.tenant, &b.new.key)));
-    let news: Vec<&NewRecord> = batch.iter().map(|p| &p.new).collect();
+    batch
+        .sort_unstable_by(|a, b| (&a.admit.new.tenant, &a.admit.new.key).cmp(&(&b.admit.new.tenant, &b.admit.new.key)));
+    let news: Vec<&NewRecord> = batch.iter().map(|p| &p.admit.new).collect();
+    let fresh: Vec<Fresh> = news.iter().map(|n| n.fresh()).collect();
     let headers = news.iter().map(|n| serde_json::to_string(&n.request.headers)).collect::<Result<Vec<_>, _>>()?;
     let ids: Vec<String> = sqlx::query_scalar(INSERT_FRESH)
         .bind(news.iter().map(|n| n.id.to_string()).collect::<Vec<_>>())
@@ -87,9 +88,13 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(news.iter().map(|n| &n.request.body[..]).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.deadline_at).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.now).collect::<Vec<_>>())
-        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.owner.as_str())).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| &*c.owner)).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.lease_until)).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.policy_version.as_str())).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.state.as_str()).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.queued).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.in_flight.map(|(number, _)| i64::from(number))).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.in_flight.map(|(_, at)| at)).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
     ids.iter().map(|id| record_id(id)).collect()
@@ -101,15 +106,14 @@ INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, r
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
                      policy_version)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
-       CASE WHEN owner IS NULL THEN 'not_started' ELSE 'in_progress' END, owner IS NULL,
-       deadline_at, now, now, owner, lease_until,
-       CASE WHEN owner IS NULL THEN NULL ELSE 1 END, CASE WHEN owner IS NULL THEN NULL ELSE now END,
+       state, queued, deadline_at, now, now, owner, lease_until, in_flight_number, in_flight_started_at,
        policy_version
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
             $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
-            $15::text[])
+            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
-               deadline_at, now, owner, lease_until, policy_version)
+               deadline_at, now, owner, lease_until, policy_version, state, queued,
+               in_flight_number, in_flight_started_at)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";
 
@@ -128,10 +132,7 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
                               created_at, updated_at, lease_owner, lease_expires_at,
                               in_flight_number, in_flight_started_at, policy_version)
          VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
-                 CASE WHEN $15::text IS NULL THEN 'not_started' ELSE 'in_progress' END,
-                 $15::text IS NULL, $11, $12, $12, $15::text, $16::bigint,
-                 CASE WHEN $15::text IS NULL THEN NULL ELSE 1 END,
-                 CASE WHEN $15::text IS NULL THEN NULL ELSE $12 END, $18::text)
+                 $19, $20, $11, $12, $12, $15::text, $16::bigint, $21::bigint, $22::bigint, $18::text)
          ON CONFLICT (tenant, key) DO UPDATE SET
             id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
             attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
@@ -172,7 +173,9 @@ static EXISTING: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-pub(super) async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
+pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, StoreError> {
+    let Admit { new, retention_cutoff: cutoff } = admit;
+    let fresh = new.fresh();
     let requeued = serde_json::to_string(&[HistoryEntry {
         at: new.now,
         actor: "client".into(),
@@ -196,10 +199,14 @@ pub(super) async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Resu
             .bind(new.now)
             .bind(&requeued)
             .bind(cutoff)
-            .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
+            .bind(new.claim.as_ref().map(|c| &*c.owner))
             .bind(new.claim.as_ref().map(|c| c.lease_until))
             .bind(new.tombstone_cutoff)
             .bind(new.claim.as_ref().map(|c| c.policy_version.as_str()))
+            .bind(fresh.state.as_str())
+            .bind(fresh.queued)
+            .bind(fresh.in_flight.map(|(number, _)| i64::from(number)))
+            .bind(fresh.in_flight.map(|(_, at)| at))
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

@@ -42,16 +42,16 @@ use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use self::admissions::Admissions;
-use self::leases::{attempt_started, claim, renew};
 use self::outcomes::Outcomes;
 use self::rows::{get, COLUMNS};
-use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
+use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError, SweepPlan, SwitchCleared, TakeOverTo,
+    decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, Renew, Resolve, Retry, Store,
+    StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
-use crate::switch::{Clearing, Switch};
+use crate::record::{Millis, Phase, Record, State};
+use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
 /// nodes fit in PostgreSQL's default `max_connections`.
@@ -94,8 +94,8 @@ impl PostgresStore {
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
-        self.admissions.admit(new, retention_cutoff).await
+    async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
+        self.admissions.admit(admit).await
     }
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
@@ -112,39 +112,24 @@ impl Store for PostgresStore {
         get(&self.pool, id).await
     }
 
-    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
-        claim(&self.pool, id, owner, lease_until, now).await
+    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError> {
+        leases::claim(&self.pool, claim).await
     }
 
-    async fn attempt_started(
-        &self,
-        id: Uuid,
-        owner: &str,
-        number: u32,
-        started_at: Millis,
-        lease_until: Millis,
-        policy_version: &str,
-    ) -> Result<Lease, StoreError> {
-        attempt_started(&self.pool, id, owner, (number, started_at, lease_until, policy_version)).await
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+        leases::attempt_started(&self.pool, started).await
     }
 
-    async fn attempt_ended(
-        &self,
-        id: Uuid,
-        owner: &str,
-        attempt: Option<Attempt>,
-        then: AfterAttempt,
-        now: Millis,
-    ) -> Result<Lease, StoreError> {
-        self.outcomes.attempt_ended(id, owner, attempt, then, now).await
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+        self.outcomes.attempt_ended(ended).await
     }
 
-    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
-        renew(&self.pool, id, owner, lease_until, now).await
+    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+        leases::renew(&self.pool, renew).await
     }
 
-    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
-        actions::cancel(&self.pool, id, entry).await
+    async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
+        actions::cancel(&self.pool, cancel).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
@@ -167,12 +152,12 @@ impl Store for PostgresStore {
         page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
     }
 
-    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
-        actions::settle(&self.pool, id, resolution, false, entry).await
+    async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
+        actions::resolve(&self.pool, resolve).await
     }
 
-    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-        actions::retry(&self.pool, id, deadline_at, entry).await
+    async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
+        actions::retry(&self.pool, retry).await
     }
 
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
@@ -187,27 +172,12 @@ impl Store for PostgresStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn take_over(
-        &self,
-        id: Uuid,
-        owner: &str,
-        until: Millis,
-        to: TakeOverTo,
-        lost: Option<Attempt>,
-        entry: HistoryEntry,
-    ) -> Result<bool, StoreError> {
-        upkeep::take_over(&self.pool, id, owner, until, to, lost, entry).await
+    async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError> {
+        upkeep::take_over(&self.pool, take_over).await
     }
 
-    async fn claim_unclaimed(
-        &self,
-        owner: &str,
-        lease_until: Millis,
-        idle_since: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
-        upkeep::claim_unclaimed(&self.pool, owner, lease_until, idle_since, now, limit).await
+    async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
+        upkeep::claim_unclaimed(&self.pool, claim).await
     }
 
     async fn probes_due(
@@ -231,22 +201,16 @@ impl Store for PostgresStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn probed(
-        &self,
-        id: Uuid,
-        resolution: Option<Resolution>,
-        next_probe_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError> {
-        actions::probed(&self.pool, id, resolution, next_probe_at, entry).await
+    async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
+        actions::probed(&self.pool, probed).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
         upkeep::count_by_phase(&self.pool).await
     }
 
-    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
-        upkeep::sweep_done(&self.pool, plan, limit).await
+    async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
+        upkeep::sweep_done(&self.pool, sweep).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -262,8 +226,8 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
-        stats::add_answer_counts(&self.pool, counts, forget_before).await
+    async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
+        stats::add_answer_counts(&self.pool, add.counts, add.forget_before).await
     }
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
@@ -286,8 +250,8 @@ impl Store for PostgresStore {
         switches::set(&self.pool, &switch).await
     }
 
-    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
-        switches::clear(&self.pool, id, &clearing).await
+    async fn clear_switch(&self, clear: ClearSwitch) -> Result<SwitchCleared, StoreError> {
+        switches::clear(&self.pool, clear.id, &clear.clearing).await
     }
 
     async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {

@@ -4,12 +4,11 @@
 
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
-use uuid::Uuid;
 
 use super::rows::WriterRow;
 use crate::record::Millis;
-use crate::store::{decode_switch, StoreError, SwitchCleared};
-use crate::switch::{Clearing, Switch};
+use crate::store::{decode_switch, ClearSwitch, StoreError, SwitchCleared};
+use crate::switch::Switch;
 
 /// A switch that is active at `?3`, of scope `?1` and action `?2`, is cleared as replaced.
 const REPLACE: &str = "
@@ -37,7 +36,7 @@ fn replaced_because(new: &Switch) -> String {
     format!("replaced by switch {}: {}", new.id, new.reason)
 }
 
-pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, StoreError> {
+pub(super) fn set(conn: &Connection, new: Switch) -> Result<Option<Switch>, StoreError> {
     let mut replaced = None;
     {
         let mut replace = conn.prepare_cached(REPLACE)?;
@@ -46,7 +45,7 @@ pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, Sto
             new.action.as_str(),
             new.set_at,
             new.actor,
-            replaced_because(new),
+            replaced_because(&new),
             new.id.to_string()
         ])?;
         while let Some(row) = rows.next()? {
@@ -65,7 +64,8 @@ pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, Sto
     Ok(replaced)
 }
 
-pub(super) fn clear(conn: &Connection, id: Uuid, clearing: &Clearing) -> Result<SwitchCleared, StoreError> {
+pub(super) fn clear(conn: &Connection, clear: ClearSwitch) -> Result<SwitchCleared, StoreError> {
+    let ClearSwitch { id, clearing } = clear;
     let mut statement = conn.prepare_cached(CLEAR)?;
     let mut rows = statement.query(params![id.to_string(), clearing.at, clearing.actor, clearing.reason])?;
     if let Some(row) = rows.next()? {
