@@ -13,8 +13,8 @@ use crate::config::{Config, Live, Probe, Route};
 use crate::policy::{Class, StopReason};
 use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
 use crate::store::{
-    Action, ClaimUnclaimed, Health, Probed, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan, TakeOver,
-    TakeOverTo,
+    Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
+    TakeOver, TakeOverTo,
 };
 use crate::upstream::Upstream;
 use crate::worker::Worker;
@@ -241,7 +241,10 @@ async fn probe_route(
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
     let now = now_ms();
-    for record in store.probes_due(&route.name, duration_ms(probe.settle), now, BATCH).await? {
+    for record in store
+        .probes_due(ProbesDue { route: route.name.clone(), settle: duration_ms(probe.settle), now, limit: BATCH })
+        .await?
+    {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = now_ms() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
         let entry = HistoryEntry { at: now_ms(), actor: "probe".into(), action: "probe".into(), note: Some(note) };

@@ -26,7 +26,7 @@ use idem::policy::StopReason;
 use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
-    ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, Renew, Resolution, Resolve, Retry,
+    ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve, Retry,
     RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
 };
 use tokio::sync::broadcast;

@@ -139,6 +139,16 @@ pub struct AddAnswerCounts {
     pub forget_before: Millis,
 }
 
+/// Which `unknown` records of `route` are due a probe at `now`: the first is due `settle` after
+/// the record became unknown, the next when the last probe scheduled it.
+#[derive(Debug, Clone)]
+pub struct ProbesDue {
+    pub route: String,
+    pub settle: Millis,
+    pub now: Millis,
+    pub limit: u32,
+}
+
 // ---- the decisions the backends persist ------------------------------------------------------
 
 /// What a fresh insert stores, as [`admitted`] decides: queued, or claimed with attempt 1 marked

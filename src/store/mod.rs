@@ -25,7 +25,7 @@ use self::stats::{Side, StatsRows, StatsSpan};
 pub(crate) use command::{retried, Fresh, Stored};
 pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
-    Renew, Resolve, Retry, Sweep, TakeOver,
+    ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
 };
 pub use error::StoreError;
 pub use health::Health;
@@ -300,8 +300,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// `unknown` records of `route` whose next probe is due at `now`; the first probe is due
     /// `settle` after the record became unknown.
-    async fn probes_due(&self, route: &str, settle: Millis, now: Millis, limit: u32)
-        -> Result<Vec<Record>, StoreError>;
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError>;
 
     /// Records a probe: settles the record with `resolution`, or schedules the next probe.
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError>;

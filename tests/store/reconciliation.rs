@@ -319,11 +319,23 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let settle = 5_000;
     let due = |now: Millis| {
         let store = store.clone();
-        async move { store.probes_due("payments", settle, now, 10).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>() }
+        async move {
+            store
+                .probes_due(ProbesDue { route: "payments".into(), settle, now, limit: 10 })
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>()
+        }
     };
     assert!(due(became_unknown + settle - 1).await.is_empty(), "not before settle");
     assert_eq!(due(became_unknown + settle).await, vec![record.id]);
-    assert!(store.probes_due("refunds", settle, became_unknown + settle, 10).await.unwrap().is_empty());
+    assert!(store
+        .probes_due(ProbesDue { route: "refunds".into(), settle, now: became_unknown + settle, limit: 10 })
+        .await
+        .unwrap()
+        .is_empty());
 
     let next = became_unknown + 20_000;
     let asked = entry("probe", "still_unknown", became_unknown + settle);

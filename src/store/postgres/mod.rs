@@ -47,8 +47,8 @@ use self::rows::{get, COLUMNS};
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, Renew, Resolve, Retry, Store,
-    StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
+    Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::record::{Millis, Phase, Record, State};
 use crate::switch::Switch;
@@ -180,13 +180,8 @@ impl Store for PostgresStore {
         upkeep::claim_unclaimed(&self.pool, claim).await
     }
 
-    async fn probes_due(
-        &self,
-        route: &str,
-        settle: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError> {
+        let ProbesDue { route, settle, now, limit } = due;
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM records WHERE state = 'unknown' AND route = $1
                AND COALESCE(next_probe_at, updated_at + $2) <= $3

@@ -29,7 +29,7 @@ use self::writer::Write;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, Renew, Resolve, Retry, Store,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
     StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::record::{now_ms, Millis, Phase, Record, State};
@@ -234,13 +234,8 @@ impl Store for SqliteStore {
         self.write(|r| Write::ClaimUnclaimed(claim, r)).await
     }
 
-    async fn probes_due(
-        &self,
-        route: &str,
-        settle: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError> {
+        let ProbesDue { route, settle, now, limit } = due;
         let rows = sqlx::query(
             "SELECT * FROM records WHERE state = 'unknown' AND route = ?1
                AND COALESCE(next_probe_at, updated_at + ?2) <= ?3
