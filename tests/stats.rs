@@ -206,7 +206,8 @@ async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Back
 }
 
 async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(backend: Backend) {
-    let (store, db) = common::backend::fresh_store(backend).await.unwrap();
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     let count = |route: &str, second: i64, replays: u64, conflicts: u64| AnswerCount {
         route: route.into(),
         second,
@@ -242,6 +243,4 @@ async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(back
     assert_eq!(answers, [answer("ledger", 1, 2, 0), answer("payments", 1, 13, 1)]);
     let one_route = StatsSpan { route: Some("ledger".into()), ..span };
     assert_eq!(store.stats(&one_route).await.unwrap().answers, [answer("ledger", 1, 2, 0)]);
-    drop(store);
-    db.drop_database().await;
 }

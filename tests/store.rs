@@ -15,12 +15,11 @@ mod reconciliation;
 mod switches;
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::backend::{fresh_store, skipped, Backend};
+use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
@@ -38,57 +37,13 @@ use notices::*;
 use reconciliation::*;
 use switches::*;
 
-/// Runs `case` on an empty database of `backend`, then removes that database.
-async fn run<F, Fut>(backend: Backend, test: &str, case: F)
-where
-    F: FnOnce(Arc<dyn Store>, String) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let Some((store, db)) = fresh_store(backend).await else {
-        return skipped(test);
-    };
-    case(store, db.url.clone()).await;
-    db.drop_database().await;
+/// A store on an empty database of `backend`, which goes when the [`Db`] is dropped.
+async fn store_on(backend: Backend) -> (Arc<dyn Store>, Db) {
+    let db = Db::new(backend).await;
+    (db.store().await, db)
 }
 
-/// For each case, `sqlite::<case>` and `postgres::<case>`; the cases after `postgres_only:`
-/// exercise what only PostgreSQL offers.
-macro_rules! on_both_backends {
-    ($($case:ident),* $(,)? ; postgres_only: $($pg_case:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::run(super::Backend::Sqlite, concat!("sqlite::", stringify!($case)), |store, _| {
-                        super::$case(store)
-                    })
-                    .await
-                }
-            )*
-        }
-
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::run(super::Backend::Postgres, concat!("postgres::", stringify!($case)), |store, _| {
-                        super::$case(store)
-                    })
-                    .await
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $pg_case() {
-                    super::run(super::Backend::Postgres, concat!("postgres::", stringify!($pg_case)), super::$pg_case)
-                        .await
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+common::both_stores!(
     admit_creates_a_record_then_returns_it_for_the_same_key,
     of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record,
     concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored,
@@ -117,10 +72,20 @@ on_both_backends!(
     switches_are_set_listed_replaced_and_cleared_with_their_audit,
     an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept,
     of_concurrent_sets_of_one_scope_and_action_one_stays_active,
-    ;
-    postgres_only:
-    notices_announce_queued_and_settled_records_to_every_process,
 );
+
+/// What only PostgreSQL offers.
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn notices_announce_queued_and_settled_records_to_every_process() {
+        if super::common::backend::postgres_server_url().is_none() {
+            return super::common::backend::skipped(
+                "postgres_only::notices_announce_queued_and_settled_records_to_every_process",
+            );
+        }
+        super::notices_announce_queued_and_settled_records_to_every_process(super::Backend::Postgres).await
+    }
+}
 
 // ---- fixtures -----------------------------------------------------------------------------------
 

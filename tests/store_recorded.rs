@@ -5,7 +5,8 @@
 mod common;
 
 use bytes::Bytes;
-use common::backend::{fresh_store, postgres_url_for_new_db, skipped, Backend};
+use common::backend::{postgres_url_for_new_db, skipped};
+use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{Attempt, Millis, State, StoredRequest, StoredResponse};
@@ -108,7 +109,8 @@ async fn admitted(store: &dyn Store, route: &str, key: &str, at: Millis, claimed
 }
 
 async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts(backend: Backend) {
-    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     admitted(&*store, "payments", "too-early", T0 - 1, false).await;
     let attempts = salvaged(&*store, "b", T0 + 20).await;
     admitted(&*store, "payments", "a-queued", T0, false).await;
@@ -156,12 +158,11 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     let page = reader.recorded("payments", T0, 2).await.unwrap();
     assert_eq!((page.requests.len(), page.cut), (2, true), "over the limit, the latest are cut and it says so");
     reader.close().await;
-    drop(store);
-    db.drop_database().await;
 }
 
 async fn the_reader_cannot_write(backend: Backend) {
-    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     admitted(&*store, "payments", "kept", T0, false).await;
     let reader = Reader::open(&db.url).await.unwrap();
     let deleted = match &reader {
@@ -171,8 +172,6 @@ async fn the_reader_cannot_write(backend: Backend) {
     assert!(deleted.is_err(), "a write through the reader went through");
     assert_eq!(reader.recorded("payments", 0, 10).await.unwrap().requests.len(), 1);
     reader.close().await;
-    drop(store);
-    db.drop_database().await;
 }
 
 async fn a_database_that_is_not_a_store_is_refused_plainly(backend: Backend) {

@@ -3,9 +3,8 @@
 
 use super::*;
 
-pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(
-    store: Arc<dyn Store>,
-) {
+pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
     let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
@@ -55,7 +54,8 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     }
 }
 
-pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(store: Arc<dyn Store>) {
+pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let new = request("default", "order-1", BODY);
     let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
     assert_eq!(record.id, new.id);
@@ -84,7 +84,8 @@ pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(stor
     store.ping().await.unwrap();
 }
 
-pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(store: Arc<dyn Store>) {
+pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let admits: Vec<_> = (0..64)
         .map(|_| {
             let store = store.clone();
@@ -113,7 +114,8 @@ pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_r
 /// Admissions arriving together (which a store may write together): fresh keys, each sent at
 /// least twice, once claimed and once queued, beside a key whose expired record is taken over. Each key
 /// gets one record, made by one of its admissions, and that admission's answer is the row.
-pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(store: Arc<dyn Store>) {
+pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "expired", BODY), T0).await;
     let admits: Vec<_> = (0..128)
         .map(|i| {
@@ -155,7 +157,8 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
     assert_eq!(taken.state, State::NotStarted, "a record taken over is queued, not claimed");
 }
 
-pub(super) async fn two_tenants_with_one_key_have_independent_records(store: Arc<dyn Store>) {
+pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let acme = queued(&store, request("acme", "shared-key", BODY)).await;
     let globex = created(
         store
@@ -176,7 +179,8 @@ pub(super) async fn two_tenants_with_one_key_have_independent_records(store: Arc
     assert_eq!(fetch(&store, globex.id).await.phase(), Phase::Queued);
 }
 
-pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_another(store: Arc<dyn Store>) {
+pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_another(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let first = free(&store, request("default", "retry-me", BODY)).await;
     assert_eq!(first.stop_reason, Some(StopReason::Deadline));
 
@@ -211,7 +215,8 @@ pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_
     );
 }
 
-pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(store: Arc<dyn Store>) {
+pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "old", BODY), T0 + 1_000).await;
 
     // Finished exactly at the cutoff: still retained, still replayed.

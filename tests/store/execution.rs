@@ -2,7 +2,8 @@
 
 use super::*;
 
-pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
+pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "claim", BODY)).await;
     assert!(store
         .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
@@ -28,7 +29,8 @@ pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
     assert_eq!(record.updated_at, T0 + 1);
 }
 
-pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(store: Arc<dyn Store>) {
+pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "lease", BODY)).await;
     let thief = "node-b/worker-9";
     assert_eq!(
@@ -114,7 +116,8 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(sto
     );
 }
 
-pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(store: Arc<dyn Store>) {
+pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let binary_request: Vec<u8> = (0..=255u8).rev().collect();
     let mut new = request("default", "bytes", &binary_request);
     new.request.headers.push(("x-raw".into(), header_text(&[0x80, 0xfe, b' ', b'x'])));
@@ -191,7 +194,8 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(store.lookup("default", "bytes").await.unwrap().unwrap().response, done.response);
 }
 
-pub(super) async fn cancelling_a_queued_record_frees_it(store: Arc<dyn Store>) {
+pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "cancel-queued", BODY)).await;
     let note = entry("client", "cancel", T0 + 50);
     let freed = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
@@ -224,7 +228,8 @@ pub(super) async fn cancelling_a_queued_record_frees_it(store: Arc<dyn Store>) {
     ));
 }
 
-pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(store: Arc<dyn Store>) {
+pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
         store
@@ -264,7 +269,8 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(sto
 
 // ---- operators ----------------------------------------------------------------------------------
 
-pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(store: Arc<dyn Store>) {
+pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let waiting = queued(&store, request("default", "queued", BODY)).await;
     let note = entry("alice", "resolve", T0 + 1_000);
     let untouched = refused(
@@ -349,7 +355,8 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
         .unwrap());
 }
 
-pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(store: Arc<dyn Store>) {
+pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let (old, new) = ("aaaaaaaaaaaa", "bbbbbbbbbbbb");
     // Admitted claimed: the first attempt's mark carries the claim's version.
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: old.into() };
@@ -446,7 +453,8 @@ async fn sent(
         .is_held());
 }
 
-pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(store: Arc<dyn Store>) {
+pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let (control, canary) = ("cccccccccccc", "dddddddddddd");
     let done = || AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
     let retry = |at: Millis| AfterAttempt::Wait { not_before: at };

@@ -18,7 +18,9 @@ async fn expect_notice(notices: &mut broadcast::Receiver<Notice>, want: Notice) 
     }
 }
 
-pub(super) async fn notices_announce_queued_and_settled_records_to_every_process(store: Arc<dyn Store>, url: String) {
+pub(super) async fn notices_announce_queued_and_settled_records_to_every_process(backend: Backend) {
+    let (store, db) = store_on(backend).await;
+    let url = db.url.clone();
     // Another process on the same database: it hears of changes made through `store`.
     let other = store::open(&url).await.unwrap();
     let mut here = store.notices().expect("PostgreSQL announces changes");

@@ -3,7 +3,8 @@
 
 use super::*;
 
-pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: Arc<dyn Store>) {
+pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "orphan", BODY)).await;
     let until = T0 + 20_000;
     assert!(store
@@ -109,7 +110,8 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: A
 
 /// The same record's worker dies again and again while an attempt is in flight, on a replay-safe
 /// route: each take-over continues it, and is counted, until the one past the cap stops it.
-pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(store: Arc<dyn Store>) {
+pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     const MAX_TAKEOVERS: u32 = 2;
     let config = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = true\n";
     let route = idem::config::Config::parse_with_env(config, |_| None).unwrap().routes.remove(0);
@@ -186,8 +188,9 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
 /// workers would otherwise start over with every resend); a new operation on the key, and a
 /// record an operator re-drives, start from zero.
 pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for_a_new_operation_or_an_operator_retry(
-    store: Arc<dyn Store>,
+    backend: Backend,
 ) {
+    let (store, _db) = store_on(backend).await;
     let note = entry("node-b", "take-over", T0 + LEASE + 1);
     let take_over = |id: Uuid, to| {
         store.take_over(TakeOver {
@@ -253,7 +256,8 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     assert_eq!(fetch(&store, replaced.id).await.takeovers, 0, "past retention, a new operation");
 }
 
-pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(store: Arc<dyn Store>) {
+pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let mut ids = HashSet::new();
     for i in 0..24 {
         let new = request_on("payments", "default", &format!("orphan-{i}"), BODY, T0 + i);
@@ -313,7 +317,8 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(stor
         .is_empty());
 }
 
-pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(store: Arc<dyn Store>) {
+pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = unknown(&store, request("default", "probe-me", BODY)).await;
     let became_unknown = record.updated_at;
     let settle = 5_000;
@@ -380,7 +385,8 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     ));
 }
 
-pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(store: Arc<dyn Store>) {
+pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let mut all = Vec::new();
     for i in 0..17i64 {
         let tenant = if i % 2 == 0 { "acme" } else { "globex" };
@@ -444,7 +450,8 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
     assert!(page_through(nobody).await.is_empty());
 }
 
-pub(super) async fn records_are_counted_by_phase(store: Arc<dyn Store>) {
+pub(super) async fn records_are_counted_by_phase(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     assert!(store.count_by_phase().await.unwrap().iter().all(|(_, n)| *n == 0));
     for i in 0..3 {
         queued(&store, request("default", &format!("queued-{i}"), BODY)).await;
@@ -471,7 +478,8 @@ fn deleting(cutoff: Millis) -> SweepPlan {
     SweepPlan { now: cutoff, routes: vec![payments], others_cutoff: cutoff }
 }
 
-pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(store: Arc<dyn Store>) {
+pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old_a = done(&store, request("default", "old-a", BODY), T0 + 1_000).await;
     let old_b = done(&store, request("default", "old-b", BODY), T0 + 1_100).await;
     let recent = done(&store, request("default", "recent", BODY), T0 + 3_000).await;
@@ -502,9 +510,8 @@ pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutof
     assert!(store.get(recent.id).await.unwrap().is_none());
 }
 
-pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(
-    store: Arc<dyn Store>,
-) {
+pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "spent", BODY), T0 + 1_000).await;
     let other_route = done(&store, request_on("gone", "default", "elsewhere", BODY, T0), T0 + 1_000).await;
     // Retention ends at T0 + 2 s; the tombstone lasts 10 s more.
@@ -543,7 +550,8 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
     }
 }
 
-pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(store: Arc<dyn Store>) {
+pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     done(&store, request("default", "reused", BODY), T0 + 1_000).await;
     done(&store, request("default", "late", BODY), T0 + 1_000).await;
     let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };

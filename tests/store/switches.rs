@@ -25,7 +25,8 @@ fn ids(switches: &[Switch]) -> Vec<Uuid> {
     switches.iter().map(|s| s.id).collect()
 }
 
-pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audit(store: Arc<dyn Store>) {
+pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audit(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let payments = Scope::Route("payments".into());
     assert!(store.active_switches(T0).await.unwrap().is_empty());
 
@@ -67,7 +68,8 @@ pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audi
     assert_eq!(ids(&store.switch_history(1).await.unwrap()), vec![second.id]);
 }
 
-pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept(store: Arc<dyn Store>) {
+pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let payments = Scope::Route("payments".into());
     let brief = switch(payments.clone(), SwitchAction::Isolate, "alice", T0, Some(T0 + 1000));
     store.set_switch(brief.clone()).await.unwrap();
@@ -86,7 +88,8 @@ pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared
     assert_eq!(history[1], brief, "kept as it was set");
 }
 
-pub(super) async fn of_concurrent_sets_of_one_scope_and_action_one_stays_active(store: Arc<dyn Store>) {
+pub(super) async fn of_concurrent_sets_of_one_scope_and_action_one_stays_active(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let sets = (0..8).map(|i| {
         let store = store.clone();
         let s = switch(Scope::All, SwitchAction::RetriesOff, &format!("op{i}"), T0 + i, None);
