@@ -10,8 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{Config, Live, Probe, Route};
-use crate::policy::{Class, StopReason};
-use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
+use crate::policy::StopReason;
+use crate::record::{
+    duration_ms, now_ms, transition, Attempt, AttemptOutcome, Event, HistoryEntry, Millis, Phase, Record,
+};
 use crate::store::{
     Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
     TakeOver, TakeOverTo,
@@ -86,7 +88,7 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, m
     let event = match transition(Phase::InProgress, expiry) {
         Ok(Phase::Queued) if record.takeovers >= max_takeovers => Event::TakeoverCapReached {
             attempt_may_have_run: record.in_flight.is_some()
-                || record.attempts.iter().any(|a| a.outcome != Class::NotExecuted.as_str()),
+                || record.attempts.iter().any(|a| a.outcome != AttemptOutcome::NotExecuted),
         },
         _ => expiry,
     };
@@ -124,7 +126,7 @@ pub async fn take_over_once(
             number,
             started_at,
             duration_ms: (lease.expires_at - started_at).max(0) as u64,
-            outcome: "lost".into(),
+            outcome: AttemptOutcome::Lost,
             status: None,
             error: Some("worker_lost".into()),
             wait_ms: 0,
@@ -337,7 +339,7 @@ mod tests {
                 number: i as u32 + 1,
                 started_at: NOW,
                 duration_ms: 1,
-                outcome: outcome.to_string(),
+                outcome: AttemptOutcome::parse(outcome).unwrap(),
                 status: None,
                 error: None,
                 wait_ms: 0,

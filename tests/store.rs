@@ -22,7 +22,9 @@ use bytes::Bytes;
 use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
+use idem::record::{
+    header_text, Attempt, AttemptOutcome, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+};
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
     ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve, Retry,
@@ -132,7 +134,7 @@ fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) 
         number,
         started_at,
         duration_ms: 12,
-        outcome: outcome.into(),
+        outcome: AttemptOutcome::parse(outcome).expect("an attempt outcome"),
         status,
         error: status.is_none().then(|| "timed_out".to_string()),
         wait_ms: if number == 1 { 0 } else { 250 },

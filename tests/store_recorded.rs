@@ -9,7 +9,7 @@ use common::backend::{postgres_url_for_new_db, skipped};
 use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{Attempt, Millis, State, StoredRequest, StoredResponse};
+use idem::record::{Attempt, AttemptOutcome, Millis, State, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 use uuid::Uuid;
@@ -48,7 +48,7 @@ fn attempt(number: u32, started_at: Millis, status: u16, retry_after_ms: Option<
         number,
         started_at,
         duration_ms: 20,
-        outcome: if status == 200 { "success" } else { "not_executed" }.into(),
+        outcome: if status == 200 { AttemptOutcome::Success } else { AttemptOutcome::NotExecuted },
         status: Some(status),
         error: None,
         wait_ms: if number == 1 { 0 } else { 100 },

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
-use crate::policy::StopReason;
+use crate::policy::{Class, StopReason};
 
 mod ids;
 mod machine;
@@ -40,8 +40,7 @@ pub struct Attempt {
     pub number: u32,
     pub started_at: Millis,
     pub duration_ms: u64,
-    /// `success`, `final`, `not_executed`, `ambiguous`, or `lost` (the worker died mid-attempt).
-    pub outcome: String,
+    pub outcome: AttemptOutcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
     /// How the attempt ended when no status arrived: `connect_failed`, `timed_out`, `broken`.
@@ -57,6 +56,53 @@ pub struct Attempt {
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+}
+
+/// How an attempt ended, as stored and shown: its [`Class`], or `lost` (its worker died
+/// mid-attempt). Serialized as the class's name, as before the type existed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    Success,
+    Final,
+    NotExecuted,
+    Ambiguous,
+    Lost,
+}
+
+impl AttemptOutcome {
+    pub const ALL: [AttemptOutcome; 5] = [
+        AttemptOutcome::Success,
+        AttemptOutcome::Final,
+        AttemptOutcome::NotExecuted,
+        AttemptOutcome::Ambiguous,
+        AttemptOutcome::Lost,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Success => Class::Success.as_str(),
+            AttemptOutcome::Final => Class::Final.as_str(),
+            AttemptOutcome::NotExecuted => Class::NotExecuted.as_str(),
+            AttemptOutcome::Ambiguous => Class::Ambiguous.as_str(),
+            AttemptOutcome::Lost => "lost",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AttemptOutcome> {
+        AttemptOutcome::ALL.into_iter().find(|o| o.as_str() == text)
+    }
+}
+
+impl From<Class> for AttemptOutcome {
+    fn from(class: Class) -> AttemptOutcome {
+        match class {
+            Class::Success => AttemptOutcome::Success,
+            Class::Final => AttemptOutcome::Final,
+            Class::NotExecuted => AttemptOutcome::NotExecuted,
+            Class::Ambiguous => AttemptOutcome::Ambiguous,
+        }
+    }
 }
 
 /// An entry of the record's history: who did what, when.
@@ -157,7 +203,7 @@ impl Record {
                     "number": a.number,
                     "started_at": rfc3339(a.started_at),
                     "duration_ms": a.duration_ms,
-                    "outcome": a.outcome,
+                    "outcome": a.outcome.as_str(),
                     "wait_ms": a.wait_ms,
                 });
                 if let Some(s) = a.status {
@@ -251,6 +297,17 @@ pub fn header_bytes(text: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_attempt_outcome_is_stored_as_its_name_and_read_back() {
+        for outcome in AttemptOutcome::ALL {
+            let text = serde_json::to_string(&outcome).unwrap();
+            assert_eq!(text, format!("\"{}\"", outcome.as_str()));
+            assert_eq!(serde_json::from_str::<AttemptOutcome>(&text).unwrap(), outcome);
+            assert_eq!(AttemptOutcome::parse(outcome.as_str()), Some(outcome));
+        }
+        assert!(serde_json::from_str::<AttemptOutcome>("\"maybe\"").is_err());
+    }
 
     #[test]
     fn header_text_keeps_every_byte() {

@@ -252,7 +252,7 @@ impl Inner {
                 number: p.number,
                 started_at: started,
                 duration_ms: took.as_millis() as u64,
-                outcome: class.as_str().to_string(),
+                outcome: class.into(),
                 status: answer.as_ref().map(|a| a.response.status),
                 error: match observed {
                     Observed::Response(_) => None,
