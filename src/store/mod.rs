@@ -289,8 +289,8 @@ pub trait Store: Send + Sync + 'static {
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
 
     /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
-    /// flight, if any, and counting the take-over. Only if the lease is still the expired one
-    /// seen (`owner`, `until`): of several nodes sweeping at once, one wins.
+    /// flight, if any, and counting the take-over. Only if the lease is still the `expired` one
+    /// seen: of several nodes sweeping at once, one wins (the others get `false`).
     async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError>;
 
     /// Claims, for `owner`, up to `limit` queued records that nobody has claimed since
