@@ -242,3 +242,57 @@ impl Resolution {
 pub(crate) fn retried() -> Result<Phase, Refused> {
     transition(Phase::Unknown, Event::OperatorRetry)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Phase::*;
+
+    fn phase(stored: &Stored<'_>) -> Phase {
+        Phase::of(stored.state, stored.queued)
+    }
+
+    #[test]
+    fn what_an_attempt_leaves_behind_is_the_transition_from_in_progress() {
+        let response = StoredResponse { status: 200, headers: vec![], body: Default::default() };
+        let cases = [
+            (AfterAttempt::Wait { not_before: 7 }, InProgress),
+            (AfterAttempt::Release, Queued),
+            (AfterAttempt::Done(StopReason::Success, response), Done),
+            (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
+            (AfterAttempt::Free(StopReason::Deadline), Free),
+        ];
+        for (then, to) in cases {
+            let stored = then.stored().unwrap();
+            assert_eq!(phase(&stored), to, "{then:?}");
+            assert_eq!(Ok(to), transition(InProgress, then.event()));
+            assert_eq!(stored.not_before, if to == InProgress { Some(7) } else { None }, "{then:?}");
+            assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
+        }
+    }
+
+    #[test]
+    fn a_take_over_goes_where_the_expiry_or_the_cap_sends_it_and_says_why() {
+        let expired = |attempt_unrecorded, replay_safe, deadline_passed| Event::LeaseExpired {
+            attempt_unrecorded,
+            replay_safe,
+            deadline_passed,
+        };
+        assert_eq!(TakeOverTo::after(expired(false, false, false)), Ok(TakeOverTo::Queued));
+        assert_eq!(TakeOverTo::after(expired(false, false, true)), Ok(TakeOverTo::Free(StopReason::Deadline)));
+        assert_eq!(TakeOverTo::after(expired(true, false, false)), Ok(TakeOverTo::Unknown(StopReason::UnsafeReplay)));
+        let capped = |attempt_may_have_run| Event::TakeoverCapReached { attempt_may_have_run };
+        assert_eq!(TakeOverTo::after(capped(true)), Ok(TakeOverTo::Unknown(StopReason::TakeoverCap)));
+        assert_eq!(TakeOverTo::after(capped(false)), Ok(TakeOverTo::Free(StopReason::TakeoverCap)));
+        assert!(TakeOverTo::after(Event::Claim).is_err(), "not an event a take-over takes");
+    }
+
+    #[test]
+    fn resolutions_and_retries_move_an_unknown_record_as_the_table_says() {
+        let executed = Resolution::Executed(StoredResponse { status: 201, headers: vec![], body: Default::default() });
+        assert_eq!(executed.stored().unwrap().0, State::Done);
+        assert!(executed.stored().unwrap().1.is_some());
+        assert_eq!(Resolution::NotExecuted.stored().unwrap(), (State::NotStarted, None));
+        assert_eq!(retried(), Ok(Queued));
+    }
+}
