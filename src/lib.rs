@@ -14,9 +14,12 @@
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory.
 //! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
-//!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). A
-//!   record is committed before anything goes upstream; its deadline is the route's, or
-//!   shorter when the client asks in the route's `deadline_header`.
+//!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). Each
+//!   write is one named command, the same value for both backends; the phase it leaves a record
+//!   in is what the record's pure state machine ([`record::transition`]) decides, which each
+//!   backend persists guarded by the phase it was decided from. A record is committed before
+//!   anything goes upstream; its deadline is the route's, or shorter when the client asks in the
+//!   route's `deadline_header`.
 //! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.

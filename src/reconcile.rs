@@ -10,9 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::{Config, Live, Probe, Route};
-use crate::policy::{Class, StopReason};
-use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
-use crate::store::{Action, Health, Resolution, RouteSweep, Store, StoreError, SweepPlan, TakeOverTo};
+use crate::policy::StopReason;
+use crate::record::{
+    duration_ms, now_ms, transition, Attempt, AttemptOutcome, Event, HistoryEntry, Millis, Phase, Record,
+};
+use crate::store::{
+    Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
+    TakeOver, TakeOverTo,
+};
 use crate::upstream::Upstream;
 use crate::worker::Worker;
 
@@ -46,7 +51,7 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>) {
         let config = config.current();
         let plan = sweep_plan(&config, now_ms());
         loop {
-            match store.sweep_done(&plan, SWEEP_BATCH).await {
+            match store.sweep_done(Sweep { plan: plan.clone(), limit: SWEEP_BATCH }).await {
                 Ok(n) if n >= SWEEP_BATCH as u64 => continue,
                 Ok(n) => {
                     if n > 0 {
@@ -74,25 +79,22 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>) {
 /// it: sent again by the client's next request, it would crash its worker again, while in the
 /// reconciliation queue an operator sees it — and is freed otherwise.
 pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, max_takeovers: u32) -> TakeOverTo {
-    let event = Event::LeaseExpired {
+    let expiry = Event::LeaseExpired {
         attempt_unrecorded: record.in_flight.is_some(),
         // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
         replay_safe: route.is_some_and(|r| r.replay_safe),
         deadline_passed: now >= record.deadline_at,
     };
-    let event = match transition(Phase::InProgress, event) {
+    let event = match transition(Phase::InProgress, expiry) {
         Ok(Phase::Queued) if record.takeovers >= max_takeovers => Event::TakeoverCapReached {
             attempt_may_have_run: record.in_flight.is_some()
-                || record.attempts.iter().any(|a| a.outcome != Class::NotExecuted.as_str()),
+                || record.attempts.iter().any(|a| a.outcome != AttemptOutcome::NotExecuted),
         },
-        Ok(Phase::Queued) => return TakeOverTo::Queued,
-        Ok(Phase::Free) => return TakeOverTo::Free(StopReason::Deadline),
-        _ => return TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        _ => expiry,
     };
-    match transition(Phase::InProgress, event) {
-        Ok(Phase::Free) => TakeOverTo::Free(StopReason::TakeoverCap),
-        _ => TakeOverTo::Unknown(StopReason::TakeoverCap),
-    }
+    // Both events apply to every in-progress record; should the table ever refuse one, the
+    // record waits for reconciliation rather than being sent again.
+    TakeOverTo::after(event).unwrap_or(TakeOverTo::Unknown(StopReason::UnsafeReplay))
 }
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`.
@@ -124,7 +126,7 @@ pub async fn take_over_once(
             number,
             started_at,
             duration_ms: (lease.expires_at - started_at).max(0) as u64,
-            outcome: "lost".into(),
+            outcome: AttemptOutcome::Lost,
             status: None,
             error: Some("worker_lost".into()),
             wait_ms: 0,
@@ -150,7 +152,7 @@ pub async fn take_over_once(
                 if lost.is_some() { " while an attempt may have been in flight" } else { "" }
             )),
         };
-        if store.take_over(record.id, &lease.owner, lease.expires_at, to, lost, entry).await? {
+        if store.take_over(TakeOver { id: record.id.into(), expired: lease.clone(), to, lost, entry }).await? {
             let phase = to.phase().as_str();
             tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
             if let Some(stop) = to.stop_reason() {
@@ -167,7 +169,10 @@ pub async fn take_over_once(
     }
     let idle_since = now - duration_ms(config.worker.lease);
     let lease_until = now + duration_ms(config.worker.lease);
-    for record in store.claim_unclaimed(worker.owner(), lease_until, idle_since, now, BATCH).await? {
+    for record in store
+        .claim_unclaimed(ClaimUnclaimed { owner: worker.owner().into(), lease_until, idle_since, now, limit: BATCH })
+        .await?
+    {
         tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
         worker.resume(record);
     }
@@ -238,11 +243,16 @@ async fn probe_route(
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
     let now = now_ms();
-    for record in store.probes_due(&route.name, duration_ms(probe.settle), now, BATCH).await? {
+    for record in store
+        .probes_due(ProbesDue { route: route.name.clone(), settle: duration_ms(probe.settle), now, limit: BATCH })
+        .await?
+    {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = now_ms() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
         let entry = HistoryEntry { at: now_ms(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
-        if let Action::Applied(settled) = store.probed(record.id, resolution, next, entry).await? {
+        if let Action::Applied(settled) =
+            store.probed(Probed { id: record.id.into(), resolution, next_probe_at: next, entry }).await?
+        {
             if settled.phase() != Phase::Unknown {
                 tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
                 worker.settled(record.id);
@@ -329,7 +339,7 @@ mod tests {
                 number: i as u32 + 1,
                 started_at: NOW,
                 duration_ms: 1,
-                outcome: outcome.to_string(),
+                outcome: AttemptOutcome::parse(outcome).unwrap(),
                 status: None,
                 error: None,
                 wait_ms: 0,

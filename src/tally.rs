@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::record::{now_ms, Millis};
 use crate::store::stats::AnswerCount;
-use crate::store::{Store, StoreError};
+use crate::store::{AddAnswerCounts, Store, StoreError};
 
 /// How often counts go to the store: the resolution of the replay and 409 series.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
@@ -99,7 +99,10 @@ impl Tally {
             return Ok(());
         }
         let forget_before = now - crate::record::duration_ms(KEEP);
-        store.add_answer_counts(counts.clone(), forget_before).await.inspect_err(|_| self.restore(&counts))
+        store
+            .add_answer_counts(AddAnswerCounts { counts: counts.clone(), forget_before })
+            .await
+            .inspect_err(|_| self.restore(&counts))
     }
 }
 

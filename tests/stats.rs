@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
+use idem::store::AddAnswerCounts;
 use serde_json::Value;
 
 both_stores!(
@@ -205,7 +206,8 @@ async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Back
 }
 
 async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(backend: Backend) {
-    let (store, db) = common::backend::fresh_store(backend).await.unwrap();
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     let count = |route: &str, second: i64, replays: u64, conflicts: u64| AnswerCount {
         route: route.into(),
         second,
@@ -214,10 +216,25 @@ async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(back
     };
     // Two nodes count the same second of the same route; a third second, long ago, is forgotten
     // by a later flush.
-    store.add_answer_counts(vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 10_000, 7, 0)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 1_000, 1, 1)], 0).await.unwrap();
-    store.add_answer_counts(vec![count("payments", 11_000, 1, 0)], 5_000).await.unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts {
+            counts: vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)],
+            forget_before: 0,
+        })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 10_000, 7, 0)], forget_before: 0 })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 1_000, 1, 1)], forget_before: 0 })
+        .await
+        .unwrap();
+    store
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 11_000, 1, 0)], forget_before: 5_000 })
+        .await
+        .unwrap();
 
     let span = StatsSpan { start: 0, end: 20_000, step: 10_000, route: None };
     let mut answers = store.stats(&span).await.unwrap().answers;
@@ -226,6 +243,4 @@ async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(back
     assert_eq!(answers, [answer("ledger", 1, 2, 0), answer("payments", 1, 13, 1)]);
     let one_route = StatsSpan { route: Some("ledger".into()), ..span };
     assert_eq!(store.stats(&one_route).await.unwrap().answers, [answer("ledger", 1, 2, 0)]);
-    drop(store);
-    db.drop_database().await;
 }

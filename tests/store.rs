@@ -15,18 +15,20 @@ mod reconciliation;
 mod switches;
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::backend::{fresh_store, skipped, Backend};
+use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{header_text, Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
+use idem::record::{
+    header_text, Attempt, AttemptOutcome, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+};
 use idem::store::{
-    self, Action, Admission, AfterAttempt, Cancelled, Claim, Cursor, Lease, ListFilter, NewRecord, Notice, Resolution,
-    RouteSweep, Store, SweepPlan, TakeOverTo,
+    self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
+    ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve, Retry,
+    RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -37,57 +39,13 @@ use notices::*;
 use reconciliation::*;
 use switches::*;
 
-/// Runs `case` on an empty database of `backend`, then removes that database.
-async fn run<F, Fut>(backend: Backend, test: &str, case: F)
-where
-    F: FnOnce(Arc<dyn Store>, String) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let Some((store, db)) = fresh_store(backend).await else {
-        return skipped(test);
-    };
-    case(store, db.url.clone()).await;
-    db.drop_database().await;
+/// A store on an empty database of `backend`, which goes when the [`Db`] is dropped.
+async fn store_on(backend: Backend) -> (Arc<dyn Store>, Db) {
+    let db = Db::new(backend).await;
+    (db.store().await, db)
 }
 
-/// For each case, `sqlite::<case>` and `postgres::<case>`; the cases after `postgres_only:`
-/// exercise what only PostgreSQL offers.
-macro_rules! on_both_backends {
-    ($($case:ident),* $(,)? ; postgres_only: $($pg_case:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::run(super::Backend::Sqlite, concat!("sqlite::", stringify!($case)), |store, _| {
-                        super::$case(store)
-                    })
-                    .await
-                }
-            )*
-        }
-
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    super::run(super::Backend::Postgres, concat!("postgres::", stringify!($case)), |store, _| {
-                        super::$case(store)
-                    })
-                    .await
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $pg_case() {
-                    super::run(super::Backend::Postgres, concat!("postgres::", stringify!($pg_case)), super::$pg_case)
-                        .await
-                }
-            )*
-        }
-    };
-}
-
-on_both_backends!(
+common::both_stores!(
     admit_creates_a_record_then_returns_it_for_the_same_key,
     of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record,
     concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored,
@@ -116,10 +74,20 @@ on_both_backends!(
     switches_are_set_listed_replaced_and_cleared_with_their_audit,
     an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept,
     of_concurrent_sets_of_one_scope_and_action_one_stays_active,
-    ;
-    postgres_only:
-    notices_announce_queued_and_settled_records_to_every_process,
 );
+
+/// What only PostgreSQL offers.
+mod postgres_only {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn notices_announce_queued_and_settled_records_to_every_process() {
+        if super::common::backend::postgres_server_url().is_none() {
+            return super::common::backend::skipped(
+                "postgres_only::notices_announce_queued_and_settled_records_to_every_process",
+            );
+        }
+        super::notices_announce_queued_and_settled_records_to_every_process(super::Backend::Postgres).await
+    }
+}
 
 // ---- fixtures -----------------------------------------------------------------------------------
 
@@ -166,7 +134,7 @@ fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) 
         number,
         started_at,
         duration_ms: 12,
-        outcome: outcome.into(),
+        outcome: AttemptOutcome::parse(outcome).expect("an attempt outcome"),
         status,
         error: status.is_none().then(|| "timed_out".to_string()),
         wait_ms: if number == 1 { 0 } else { 250 },
@@ -227,13 +195,16 @@ async fn fetch(store: &Arc<dyn Store>, id: Uuid) -> Record {
 }
 
 async fn queued(store: &Arc<dyn Store>, new: NewRecord) -> Record {
-    created(store.admit(new, 0).await.unwrap())
+    created(store.admit(Admit { new, retention_cutoff: 0 }).await.unwrap())
 }
 
 /// A record claimed by [`WORKER`] with a lease until `T0 + LEASE`.
 async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = queued(store, new).await;
-    assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .await
+        .unwrap());
     fetch(store, record.id).await
 }
 
@@ -241,16 +212,26 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// replay-safe.
 async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap();
+    let lease = store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(attempt(1, T0 + 10, "ambiguous", None)),
-            AfterAttempt::Unknown(StopReason::UnsafeReplay),
-            T0 + 100,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "ambiguous", None)),
+            then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+            now: T0 + 100,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
@@ -262,15 +243,26 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// A record answered `201` at `done_at`.
 async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record {
     let record = in_progress(store, new).await;
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(attempt(1, T0 + 10, "success", Some(201))),
-            AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
-            done_at,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "success", Some(201))),
+            then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
+            now: done_at,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
@@ -282,8 +274,16 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record
 /// A record whose attempts stopped with nothing executed: `not_started`, free.
 async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease =
-        store.attempt_ended(record.id, WORKER, None, AfterAttempt::Free(StopReason::Deadline), T0 + 100).await.unwrap();
+    let lease = store
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: AfterAttempt::Free(StopReason::Deadline),
+            now: T0 + 100,
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let record = fetch(store, record.id).await;
     assert_eq!(record.phase(), Phase::Free);

@@ -5,12 +5,13 @@
 mod common;
 
 use bytes::Bytes;
-use common::backend::{fresh_store, postgres_url_for_new_db, skipped, Backend};
+use common::backend::{postgres_url_for_new_db, skipped};
+use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{Attempt, Millis, State, StoredRequest, StoredResponse};
+use idem::record::{Attempt, AttemptOutcome, Millis, State, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
-use idem::store::{AfterAttempt, Claim, NewRecord, Store};
+use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 use uuid::Uuid;
 
 const T0: Millis = 1_700_000_000_000;
@@ -47,7 +48,7 @@ fn attempt(number: u32, started_at: Millis, status: u16, retry_after_ms: Option<
         number,
         started_at,
         duration_ms: 20,
-        outcome: if status == 200 { "success" } else { "not_executed" }.into(),
+        outcome: if status == 200 { AttemptOutcome::Success } else { AttemptOutcome::NotExecuted },
         status: Some(status),
         error: None,
         wait_ms: if number == 1 { 0 } else { 100 },
@@ -61,26 +62,55 @@ async fn salvaged(store: &dyn Store, key: &str, at: Millis) -> Vec<Attempt> {
     let id = admitted(store, "payments", key, at, true).await;
     let first = attempt(1, at, 503, Some(100));
     let wait = AfterAttempt::Wait { not_before: at + 120 };
-    store.attempt_ended(id, WORKER, Some(first.clone()), wait, at + 20).await.unwrap();
-    store.attempt_started(id, WORKER, 2, at + 120, at + 15_000, VERSION).await.unwrap();
+    store
+        .attempt_ended(AttemptEnded {
+            id: id.into(),
+            owner: WORKER.into(),
+            attempt: Some(first.clone()),
+            then: wait,
+            now: at + 20,
+        })
+        .await
+        .unwrap();
+    store
+        .attempt_started(AttemptStarted {
+            id: id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: at + 120,
+            lease_until: at + 15_000,
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     let second = attempt(2, at + 120, 200, None);
     let done = AfterAttempt::Done(
         StopReason::Success,
         StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"ok") },
     );
-    store.attempt_ended(id, WORKER, Some(second.clone()), done, at + 140).await.unwrap();
+    store
+        .attempt_ended(AttemptEnded {
+            id: id.into(),
+            owner: WORKER.into(),
+            attempt: Some(second.clone()),
+            then: done,
+            now: at + 140,
+        })
+        .await
+        .unwrap();
     vec![first, second]
 }
 
 async fn admitted(store: &dyn Store, route: &str, key: &str, at: Millis, claimed: bool) -> Uuid {
-    match store.admit(request(route, key, at, claimed), 0).await.unwrap() {
+    match store.admit(Admit { new: request(route, key, at, claimed), retention_cutoff: 0 }).await.unwrap() {
         idem::store::Admission::Created(record) => record.id,
         other => panic!("expected a new record, got {other:?}"),
     }
 }
 
 async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts(backend: Backend) {
-    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     admitted(&*store, "payments", "too-early", T0 - 1, false).await;
     let attempts = salvaged(&*store, "b", T0 + 20).await;
     admitted(&*store, "payments", "a-queued", T0, false).await;
@@ -89,9 +119,21 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     // A key freed after one attempt and sent again by its client: one record, two executions.
     let freed = admitted(&*store, "payments", "d-freed", T0 + 40, true).await;
     let free = AfterAttempt::Free(StopReason::AttemptCap);
-    store.attempt_ended(freed, WORKER, Some(attempt(1, T0 + 40, 503, None)), free, T0 + 60).await.unwrap();
+    store
+        .attempt_ended(AttemptEnded {
+            id: freed.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 40, 503, None)),
+            then: free,
+            now: T0 + 60,
+        })
+        .await
+        .unwrap();
     let again = NewRecord { id: Uuid::new_v4(), ..request("payments", "d-freed", T0 + 900, false) };
-    assert!(matches!(store.admit(again, 0).await.unwrap(), idem::store::Admission::Requeued(_)));
+    assert!(matches!(
+        store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap(),
+        idem::store::Admission::Requeued(_)
+    ));
 
     // Opened while the store that wrote them is still open.
     let reader = Reader::open(&db.url).await.unwrap();
@@ -116,12 +158,11 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     let page = reader.recorded("payments", T0, 2).await.unwrap();
     assert_eq!((page.requests.len(), page.cut), (2, true), "over the limit, the latest are cut and it says so");
     reader.close().await;
-    drop(store);
-    db.drop_database().await;
 }
 
 async fn the_reader_cannot_write(backend: Backend) {
-    let Some((store, db)) = fresh_store(backend).await else { return skipped("recorded") };
+    let db = Db::new(backend).await;
+    let store = db.store().await;
     admitted(&*store, "payments", "kept", T0, false).await;
     let reader = Reader::open(&db.url).await.unwrap();
     let deleted = match &reader {
@@ -131,8 +172,6 @@ async fn the_reader_cannot_write(backend: Backend) {
     assert!(deleted.is_err(), "a write through the reader went through");
     assert_eq!(reader.recorded("payments", 0, 10).await.unwrap().requests.len(), 1);
     reader.close().await;
-    drop(store);
-    db.drop_database().await;
 }
 
 async fn a_database_that_is_not_a_store_is_refused_plainly(backend: Backend) {

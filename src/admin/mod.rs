@@ -324,7 +324,12 @@ async fn apply_resolve(admin: &Admin, id: Uuid, resolution: Resolution, who: &At
         Resolution::Executed(_) => "resolve executed",
         Resolution::NotExecuted => "resolve not_executed",
     };
-    match admin.store.resolve(id, resolution, who.entry(action)).await.map_err(store_problem)? {
+    match admin
+        .store
+        .resolve(crate::store::Resolve { id: id.into(), resolution, entry: who.entry(action) })
+        .await
+        .map_err(store_problem)?
+    {
         Action::Applied(record) => {
             admin.settled.settled(record.id);
             Ok(record)
@@ -356,7 +361,12 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
         ));
     };
     let deadline_at = now_ms() + duration_ms(route.retry.deadline);
-    match admin.store.retry(id, deadline_at, who.entry("retry")).await.map_err(store_problem)? {
+    match admin
+        .store
+        .retry(crate::store::Retry { id: id.into(), deadline_at, entry: who.entry("retry") })
+        .await
+        .map_err(store_problem)?
+    {
         Action::Applied(record) => {
             admin.worker.submit(record.clone(), None, None);
             Ok(record)
@@ -378,7 +388,12 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
 /// Cancels one record: a queued one at once, a running one when its worker next looks (the
 /// flag is `true` then).
 async fn apply_cancel(admin: &Admin, id: Uuid, who: &Attribution) -> Result<(Record, bool), Problem> {
-    match admin.store.cancel(id, who.entry("cancel")).await.map_err(store_problem)? {
+    match admin
+        .store
+        .cancel(crate::store::Cancel { id: id.into(), entry: who.entry("cancel") })
+        .await
+        .map_err(store_problem)?
+    {
         Cancelled::Dequeued(record) => {
             admin.settled.settled(record.id);
             Ok((record, false))

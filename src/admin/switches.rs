@@ -110,7 +110,7 @@ pub(super) async fn clear(
     let request: ClearRequest = json_body(&body)?;
     let now = now_ms();
     let clearing = request.parse(now).map_err(invalid)?;
-    match admin.store.clear_switch(id, clearing).await.map_err(store_problem)? {
+    match admin.store.clear_switch(crate::store::ClearSwitch { id, clearing }).await.map_err(store_problem)? {
         SwitchCleared::Cleared(switch) => {
             show_now(&admin).await;
             let cleared = switch.cleared.as_ref();

@@ -26,7 +26,7 @@ use crate::policy::{outcome_eta, Pending};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{duration_ms, now_ms, Millis, Phase, Record, State, StoredRequest};
-use crate::store::{Admission, Health, NewRecord, Store};
+use crate::store::{Admission, Admit, Health, NewRecord, Store};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::tally::Tally;
@@ -287,18 +287,22 @@ impl Ingress {
         // one commit before the send instead of three.
         let reservation = self.worker.reserve(config, route);
         let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), &policy)), ..new };
-        let record =
-            match self.store.admit(new, self.retention_cutoff(&route.name)).await.map_err(|e| Problem::store(&e))? {
-                Admission::Created(record) | Admission::Requeued(record) => {
-                    metrics::request(&route.name);
-                    if route.forward_authorization {
-                        let credential = parts.headers.get(header::AUTHORIZATION).cloned();
-                        self.worker.hold_credential(record.id, credential, record.deadline_at);
-                    }
-                    return self.execute(record, slot, reservation, prefer).await;
+        let record = match self
+            .store
+            .admit(Admit { new, retention_cutoff: self.retention_cutoff(&route.name) })
+            .await
+            .map_err(|e| Problem::store(&e))?
+        {
+            Admission::Created(record) | Admission::Requeued(record) => {
+                metrics::request(&route.name);
+                if route.forward_authorization {
+                    let credential = parts.headers.get(header::AUTHORIZATION).cloned();
+                    self.worker.hold_credential(record.id, credential, record.deadline_at);
                 }
-                Admission::Existing(record) => record,
-            };
+                return self.execute(record, slot, reservation, prefer).await;
+            }
+            Admission::Existing(record) => record,
+        };
         drop((slot, reservation));
         self.answer_record(&route, record, fingerprint, prefer).await
     }

@@ -15,7 +15,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{now_ms, HistoryEntry, Phase, Record};
-use crate::store::Cancelled;
+use crate::store::{Cancel, Cancelled};
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
     let tenant = credentials::tenant(&app.config.current(), headers)?;
@@ -102,7 +102,7 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
     let record = find(app, headers, key).await?;
     let entry =
         HistoryEntry { at: now_ms(), actor: format!("client:{}", record.tenant), action: "cancel".into(), note: None };
-    match app.store.cancel(record.id, entry).await.map_err(|e| Problem::store(&e))? {
+    match app.store.cancel(Cancel { id: record.id.into(), entry }).await.map_err(|e| Problem::store(&e))? {
         Cancelled::Dequeued(record) => {
             app.settled.settled(record.id);
             Ok(record_response(StatusCode::OK, &record))

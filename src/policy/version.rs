@@ -11,6 +11,7 @@
 //! those changes no decision of the policy.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -21,13 +22,21 @@ use super::{BreakerSettings, Jitter, RetryPolicy};
 /// side do not collide, short enough for a metric label and a log line.
 const DIGITS: usize = 12;
 
-/// The digest of an effective policy: 12 lower-case hex digits.
+/// The digest of an effective policy: 12 lower-case hex digits. Shared, not copied: every
+/// attempt is stored with its version.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PolicyVersion(String);
+pub struct PolicyVersion(Arc<str>);
 
 impl PolicyVersion {
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// A version as stored with a record: the name of a policy that may no longer be configured.
+impl From<&str> for PolicyVersion {
+    fn from(version: &str) -> PolicyVersion {
+        PolicyVersion(version.into())
     }
 }
 
@@ -50,7 +59,7 @@ pub struct Effective<'a> {
 impl Effective<'_> {
     pub fn version(&self) -> PolicyVersion {
         let digest = Sha256::digest(self.canonical().as_bytes());
-        PolicyVersion(hex::encode(digest)[..DIGITS].to_string())
+        PolicyVersion(hex::encode(digest)[..DIGITS].into())
     }
 
     /// One `name=value` line per setting, in a fixed order, durations in whole microseconds and

@@ -5,10 +5,11 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
-use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse};
-use crate::switch::{Clearing, Switch};
+use crate::policy::{PolicyVersion, StopReason};
+use crate::record::{transition, Event, Millis, Owner, Phase, Record, StoredRequest, StoredResponse};
+use crate::switch::Switch;
 
+mod command;
 mod error;
 mod health;
 mod listing;
@@ -19,8 +20,13 @@ pub mod sqlite;
 pub mod stats;
 mod switches;
 
-use self::stats::{AnswerCount, Side, StatsRows, StatsSpan};
+use self::stats::{Side, StatsRows, StatsSpan};
 
+pub(crate) use command::{retried, Fresh, Stored};
+pub use command::{
+    AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
+    ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
+};
 pub use error::StoreError;
 pub use health::Health;
 pub use listing::{page, Cursor, ListFilter, Page};
@@ -55,6 +61,7 @@ pub struct NewRecord {
 impl NewRecord {
     /// The record as a fresh insert stores it: queued, or claimed with attempt 1 marked.
     pub fn inserted(self) -> Record {
+        let fresh = self.fresh();
         let claim = self.claim;
         Record {
             id: self.id,
@@ -66,11 +73,13 @@ impl NewRecord {
             query: self.query,
             fingerprint: self.fingerprint,
             request: self.request,
-            state: if claim.is_some() { State::InProgress } else { State::NotStarted },
-            queued: claim.is_none(),
+            state: fresh.state,
+            queued: fresh.queued,
             deadline_at: self.deadline_at,
-            in_flight: claim.as_ref().map(|_| (1, self.now)),
-            lease: claim.as_ref().map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.lease_until }),
+            in_flight: fresh.in_flight,
+            lease: claim
+                .as_ref()
+                .map(|c| crate::record::Lease { owner: c.owner.to_string(), expires_at: c.lease_until }),
             attempts: Vec::new(),
             stop_reason: None,
             response: None,
@@ -81,7 +90,7 @@ impl NewRecord {
             takeovers: 0,
             not_before: None,
             tombstone_until: None,
-            policy_version: claim.as_ref().map(|c| c.policy_version.clone()),
+            policy_version: claim.as_ref().map(|c| c.policy_version.to_string()),
             created_at: self.now,
             updated_at: self.now,
         }
@@ -111,10 +120,10 @@ pub struct RouteSweep {
 /// A worker's lease on a record it admits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
-    pub owner: String,
+    pub owner: Owner,
     pub lease_until: Millis,
     /// The version of the policy the first attempt is sent under, stored with its mark.
-    pub policy_version: String,
+    pub policy_version: PolicyVersion,
 }
 
 /// The result of recording a request: either this request owns execution now, or a record for
@@ -145,34 +154,6 @@ pub enum AfterAttempt {
     Release,
 }
 
-/// What a record stores after an attempt, whichever backend stores it.
-pub(crate) struct Stored<'a> {
-    pub state: State,
-    pub stop: Option<StopReason>,
-    pub response: Option<&'a StoredResponse>,
-    /// Handed back to the queue (a release), rather than kept or settled.
-    pub queued: bool,
-    /// While waiting: the earliest start of the next attempt.
-    pub not_before: Option<Millis>,
-}
-
-impl AfterAttempt {
-    pub(crate) fn stored(&self) -> Stored<'_> {
-        let (state, stop, response) = match self {
-            AfterAttempt::Wait { .. } => (State::InProgress, None, None),
-            AfterAttempt::Release => (State::NotStarted, None, None),
-            AfterAttempt::Done(stop, response) => (State::Done, Some(*stop), Some(response)),
-            AfterAttempt::Unknown(stop) => (State::Unknown, Some(*stop), None),
-            AfterAttempt::Free(stop) => (State::NotStarted, Some(*stop), None),
-        };
-        let not_before = match self {
-            AfterAttempt::Wait { not_before } => Some(*not_before),
-            _ => None,
-        };
-        Stored { state, stop, response, queued: matches!(self, AfterAttempt::Release), not_before }
-    }
-}
-
 /// Where a take-over moves a record whose lease expired (SPEC §4), and why it stopped there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TakeOverTo {
@@ -199,11 +180,6 @@ impl TakeOverTo {
             TakeOverTo::Queued => None,
             TakeOverTo::Free(stop) | TakeOverTo::Unknown(stop) => Some(stop),
         }
-    }
-
-    /// What the record stores: its state, whether it is queued, and the stop reason.
-    pub(crate) fn stored(self) -> (State, bool, Option<StopReason>) {
-        (self.phase().state(), self == TakeOverTo::Queued, self.stop_reason())
     }
 }
 
@@ -248,23 +224,15 @@ pub enum Resolution {
     NotExecuted,
 }
 
-impl Resolution {
-    /// The state it settles a record in, and the response to store.
-    pub(crate) fn stored(&self) -> (State, Option<&StoredResponse>) {
-        match self {
-            Resolution::Executed(response) => (State::Done, Some(response)),
-            Resolution::NotExecuted => (State::NotStarted, None),
-        }
-    }
-}
-
-/// The answer of an action meant for `unknown` records (resolve, retry, a probe) when `record`
-/// is missing or in another state; `None` when the action applies.
-pub(crate) fn refusal(record: Option<Record>) -> Option<Action> {
+/// Decides `event` for `record` as read: the phase it moves to, or the action's answer when the
+/// record is missing or the transition table refuses the event from where it stands.
+pub(crate) fn decide(record: Option<Record>, event: Event) -> Result<(Record, Phase), Action> {
     match record {
-        None => Some(Action::Missing),
-        Some(record) if record.state != State::Unknown => Some(Action::Refused(record)),
-        Some(_) => None,
+        None => Err(Action::Missing),
+        Some(record) => match transition(record.phase(), event) {
+            Ok(to) => Ok((record, to)),
+            Err(_) => Err(Action::Refused(record)),
+        },
     }
 }
 
@@ -282,53 +250,38 @@ pub trait Store: Send + Sync + 'static {
     /// Records a request unless its key exists. Atomic under any concurrency: of many requests
     /// with one key, exactly one gets `Created` (or `Requeued`). A `done` record past retention
     /// counts as absent and is replaced.
-    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError>;
+    async fn admit(&self, admit: Admit) -> Result<Admission, StoreError>;
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError>;
 
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
 
     /// Queued → in_progress under `owner`'s lease. False if it is no longer queued.
-    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError>;
+    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError>;
 
     /// Persists "attempt `number` may have been sent" before it is sent, with the version of
     /// the policy it is sent under, and extends the lease. If `owner` no longer holds the
     /// lease, the attempt must not be sent.
-    async fn attempt_started(
-        &self,
-        id: Uuid,
-        owner: &str,
-        number: u32,
-        started_at: Millis,
-        lease_until: Millis,
-        policy_version: &str,
-    ) -> Result<Lease, StoreError>;
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError>;
 
     /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
-    async fn attempt_ended(
-        &self,
-        id: Uuid,
-        owner: &str,
-        attempt: Option<Attempt>,
-        then: AfterAttempt,
-        now: Millis,
-    ) -> Result<Lease, StoreError>;
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError>;
 
     /// Extends `owner`'s lease.
-    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError>;
+    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError>;
 
-    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError>;
+    async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError>;
 
     // ---- operators --------------------------------------------------------------------------
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError>;
 
     /// Settles an `unknown` record; anything else is refused.
-    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError>;
+    async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError>;
 
     /// Re-drives an `unknown` record (the operator asserts a re-send is safe): queued again with
     /// a fresh deadline. Anything else is refused.
-    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError>;
+    async fn retry(&self, retry: Retry) -> Result<Action, StoreError>;
 
     // ---- take-over and reconciliation ---------------------------------------------------------
 
@@ -336,44 +289,21 @@ pub trait Store: Send + Sync + 'static {
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
 
     /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
-    /// flight, if any, and counting the take-over. Only if the lease is still the expired one
-    /// seen (`owner`, `until`): of several nodes sweeping at once, one wins.
-    #[allow(clippy::too_many_arguments)]
-    async fn take_over(
-        &self,
-        id: Uuid,
-        owner: &str,
-        until: Millis,
-        to: TakeOverTo,
-        lost: Option<Attempt>,
-        entry: HistoryEntry,
-    ) -> Result<bool, StoreError>;
+    /// flight, if any, and counting the take-over. Only if the lease is still the `expired` one
+    /// seen: of several nodes sweeping at once, one wins (the others get `false`).
+    async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError>;
 
     /// Claims, for `owner`, up to `limit` queued records that nobody has claimed since
     /// `idle_since` (the node that queued them died, or is busy). Safe to call from many nodes
     /// at once: each record is claimed by one.
-    async fn claim_unclaimed(
-        &self,
-        owner: &str,
-        lease_until: Millis,
-        idle_since: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError>;
+    async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError>;
 
     /// `unknown` records of `route` whose next probe is due at `now`; the first probe is due
     /// `settle` after the record became unknown.
-    async fn probes_due(&self, route: &str, settle: Millis, now: Millis, limit: u32)
-        -> Result<Vec<Record>, StoreError>;
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError>;
 
     /// Records a probe: settles the record with `resolution`, or schedules the next probe.
-    async fn probed(
-        &self,
-        id: Uuid,
-        resolution: Option<Resolution>,
-        next_probe_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError>;
+    async fn probed(&self, probed: Probed) -> Result<Action, StoreError>;
 
     /// How many records are in each phase (queued and free `not_started` counted apart).
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError>;
@@ -381,7 +311,7 @@ pub trait Store: Send + Sync + 'static {
     /// Ends retention by the plan: up to `limit` `done` records of each route turned into
     /// tombstones or deleted, and up to `limit` tombstones past their time deleted; returns how
     /// many records changed.
-    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError>;
+    async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError>;
 
     /// Can the store be trusted with a request right now? A cheap check, run a few times a second
     /// by every node: the database answers, and (SQLite) its files are still the ones opened. A
@@ -392,7 +322,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Adds replays and 409s counted in memory to the per-second counters every node shares,
     /// and forgets counters of seconds before `forget_before`.
-    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError>;
+    async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError>;
 
     /// What `/admin/stats` draws for `span`, aggregated by the database: requests by step of
     /// arrival, the reconciliation queue's comings and goings, the answer counters.
@@ -410,7 +340,7 @@ pub trait Store: Send + Sync + 'static {
     async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError>;
 
     /// Clears switch `id` if it is active at `clearing.at`.
-    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError>;
+    async fn clear_switch(&self, clear: ClearSwitch) -> Result<SwitchCleared, StoreError>;
 
     /// The switches active at `now`, oldest first: what every node obeys.
     async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError>;

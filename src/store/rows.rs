@@ -2,7 +2,6 @@
 //! same way.
 
 use bytes::Bytes;
-use sqlx::Row;
 use uuid::Uuid;
 
 use super::StoreError;
@@ -10,8 +9,9 @@ use crate::fingerprint::Fingerprint;
 use crate::policy::StopReason;
 use crate::record::{Record, State, StoredRequest, StoredResponse};
 
-/// A row read by column name, whichever driver produced it: sqlx's rows (both backends) and the
-/// SQLite writer's rusqlite rows. Integers arrive as 64 bits (PostgreSQL's queries cast theirs).
+/// A row read by column name, whichever driver produced it: any sqlx row (both backends), and
+/// the SQLite writer's rusqlite rows (`sqlite::rows`). Integers arrive as 64 bits (PostgreSQL's
+/// queries cast theirs).
 pub(crate) trait Columns {
     fn text(&self, name: &str) -> Result<Option<String>, StoreError>;
     fn integer(&self, name: &str) -> Result<Option<i64>, StoreError>;
@@ -19,26 +19,29 @@ pub(crate) trait Columns {
     fn flag(&self, name: &str) -> Result<bool, StoreError>;
 }
 
-macro_rules! sqlx_columns {
-    ($row:ty) => {
-        impl Columns for $row {
-            fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-            fn flag(&self, name: &str) -> Result<bool, StoreError> {
-                Ok(self.try_get(name)?)
-            }
-        }
-    };
+/// Every sqlx row whose database decodes the four kinds of value: the trait names no driver.
+impl<R> Columns for R
+where
+    R: sqlx::Row,
+    for<'n> &'n str: sqlx::ColumnIndex<R>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<i64>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Option<Vec<u8>>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> bool: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+    fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+    fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.try_get(name)?)
+    }
+    fn flag(&self, name: &str) -> Result<bool, StoreError> {
+        Ok(self.try_get(name)?)
+    }
 }
-sqlx_columns!(sqlx::sqlite::SqliteRow);
-sqlx_columns!(sqlx::postgres::PgRow);
 
 /// Reads a record from a row of either backend, checking every value: ids and JSON arrive as
 /// text, booleans as booleans (or SQLite's 0 and 1).

@@ -15,8 +15,9 @@ use uuid::Uuid;
 use crate::config::{Config, Live, Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, Pace, Settlement, StopReason};
+use crate::record::Owner;
 use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
-use crate::store::{self, Claim, Lease, Store};
+use crate::store::{self, AttemptEnded, AttemptStarted, Claim, ClaimQueued, Lease, Renew, Store};
 use crate::switchboard::Switches;
 use crate::upstream::{self, Upstream};
 
@@ -87,7 +88,7 @@ struct Inner {
     /// `worker.lease`, fixed for the life of the process (a reload cannot change it).
     lease: Duration,
     /// This process's name in leases.
-    owner: String,
+    owner: Owner,
     /// At most `worker.concurrency` records execute at once.
     permits: Arc<Semaphore>,
     settled: Arc<Settled>,
@@ -171,7 +172,7 @@ impl Worker {
                 store,
                 upstream,
                 config,
-                owner,
+                owner: owner.into(),
                 settled,
                 switches,
                 cancels: Mutex::new(HashMap::new()),
@@ -233,7 +234,7 @@ impl Worker {
         Claim {
             owner: self.inner.owner.clone(),
             lease_until: self.inner.lease_until(now),
-            policy_version: policy.version.to_string(),
+            policy_version: policy.version.clone(),
         }
     }
 

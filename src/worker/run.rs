@@ -43,9 +43,27 @@ impl Inner {
         now + duration_ms(self.lease)
     }
 
+    /// The write that stores how an attempt of `record` (or the execution) ended.
+    fn ended(&self, record: &Record, attempt: Option<Attempt>, then: store::AfterAttempt, now: Millis) -> AttemptEnded {
+        AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, now }
+    }
+
+    /// The write that extends this worker's lease on `id` from `now`.
+    fn renewal(&self, id: Uuid, now: Millis) -> Renew {
+        Renew { id: id.into(), owner: self.owner.clone(), lease_until: self.lease_until(now), now }
+    }
+
     pub(super) async fn claim_and_run(&self, record: Record) -> Outcome {
         let now = now_ms();
-        let claimed = self.store.claim(record.id, &self.owner, self.lease_until(now), now).await;
+        let claimed = self
+            .store
+            .claim(ClaimQueued {
+                id: record.id.into(),
+                owner: self.owner.clone(),
+                lease_until: self.lease_until(now),
+                now,
+            })
+            .await;
         lock(&self.mine).remove(&record.id);
         match claimed {
             Ok(true) => self.run(record, None).await,
@@ -162,14 +180,14 @@ impl Inner {
             if !marked {
                 match self
                     .store
-                    .attempt_started(
-                        record.id,
-                        &self.owner,
-                        p.number,
-                        started,
-                        self.lease_until(started),
-                        chosen.version.as_str(),
-                    )
+                    .attempt_started(AttemptStarted {
+                        id: record.id.into(),
+                        owner: self.owner.clone(),
+                        number: p.number,
+                        started_at: started,
+                        lease_until: self.lease_until(started),
+                        policy_version: chosen.version.clone(),
+                    })
                     .await
                 {
                     Ok(Lease::Held { cancel_requested: false }) => {}
@@ -234,7 +252,7 @@ impl Inner {
                 number: p.number,
                 started_at: started,
                 duration_ms: took.as_millis() as u64,
-                outcome: class.as_str().to_string(),
+                outcome: class.into(),
                 status: answer.as_ref().map(|a| a.response.status),
                 error: match observed {
                     Observed::Response(_) => None,
@@ -266,7 +284,7 @@ impl Inner {
             };
             let now = now_ms();
             let then = store::AfterAttempt::Wait { not_before: now + duration_ms(wait) };
-            match self.store.attempt_ended(record.id, &self.owner, Some(attempt), then, now).await {
+            match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
                 Ok(Lease::Held { cancel_requested: false }) => {}
                 Ok(Lease::Held { cancel_requested: true }) => {
                     return self.finish_after(record, route, None, StopReason::Cancelled, p).await
@@ -291,7 +309,7 @@ impl Inner {
     /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
     /// this node after its restart) to continue within the same deadline.
     pub(super) async fn release(&self, record: &Record) -> Outcome {
-        match self.store.attempt_ended(record.id, &self.owner, None, store::AfterAttempt::Release, now_ms()).await {
+        match self.store.attempt_ended(self.ended(record, None, store::AfterAttempt::Release, now_ms())).await {
             Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
             Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
         }
@@ -342,7 +360,7 @@ impl Inner {
                 (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
             }
         };
-        let result = self.store.attempt_ended(record.id, &self.owner, attempt, then, now_ms()).await;
+        let result = self.store.attempt_ended(self.ended(record, attempt, then, now_ms())).await;
         self.settled.settled(record.id);
         match result {
             Ok(Lease::Held { .. }) => {
@@ -366,7 +384,7 @@ impl Inner {
                 out = &mut attempt => return out,
                 _ = tokio::time::sleep(every) => {
                     let now = now_ms();
-                    if let Ok(Lease::Lost) = self.store.renew(id, &self.owner, self.lease_until(now), now).await {
+                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, now)).await {
                         warn!("lost the lease while an attempt was in flight");
                     }
                 }
@@ -400,7 +418,7 @@ impl Inner {
             }
             if tokio::time::Instant::now() < until {
                 let now = now_ms();
-                match self.store.renew(id, &self.owner, self.lease_until(now), now).await {
+                match self.store.renew(self.renewal(id, now)).await {
                     Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
                     Ok(Lease::Lost) => return WaitEnd::Lost,
                     _ => {}

@@ -4,11 +4,7 @@
 //! `.ci/start-postgres` prints). Without that variable PostgreSQL tests are skipped, except
 //! under CI, where a skipped backend would hide a failure.
 
-use std::sync::Arc;
-
-use idem::store::{self, Store};
 use sqlx::{Connection, PgConnection};
-use tempfile::TempDir;
 use uuid::Uuid;
 
 pub const POSTGRES_URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
@@ -17,25 +13,6 @@ pub const POSTGRES_URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
 pub enum Backend {
     Sqlite,
     Postgres,
-}
-
-/// An empty database that lives as long as this value; PostgreSQL's is dropped by [`TestDb::drop_database`].
-pub struct TestDb {
-    pub backend: Backend,
-    /// The `store.url` that opens it.
-    pub url: String,
-    /// Holds the SQLite file's directory.
-    _dir: Option<TempDir>,
-}
-
-impl TestDb {
-    /// Removes a PostgreSQL test database (closing whatever connections remain), so test runs do
-    /// not accumulate them. SQLite's directory goes when the value is dropped.
-    pub async fn drop_database(self) {
-        if self.backend == Backend::Postgres {
-            drop_postgres_db(&self.url).await;
-        }
-    }
 }
 
 /// The PostgreSQL server to test against, if one is configured. Panics under CI (`CI` set) when
@@ -99,18 +76,4 @@ pub fn with_database(server: &str, name: &str) -> String {
 fn database_name(url: &str) -> Option<String> {
     let url = reqwest::Url::parse(url).ok()?;
     Some(url.path().trim_start_matches('/').to_string())
-}
-
-/// An open store on an empty database of `backend`, or `None` when that backend is not
-/// available here (PostgreSQL without `IDEM_TEST_POSTGRES_URL`, outside CI).
-pub async fn fresh_store(backend: Backend) -> Option<(Arc<dyn Store>, TestDb)> {
-    let db = match backend {
-        Backend::Sqlite => {
-            let dir = TempDir::new().unwrap();
-            TestDb { backend, url: format!("sqlite://{}", dir.path().join("idem.db").display()), _dir: Some(dir) }
-        }
-        Backend::Postgres => TestDb { backend, url: postgres_url_for_new_db().await?, _dir: None },
-    };
-    let store = store::open(&db.url).await.unwrap_or_else(|e| panic!("cannot open {}: {e}", db.url));
-    Some((store, db))
 }

@@ -227,6 +227,12 @@ impl Db {
         };
         Db { url: url.clone(), backend, _guard: Arc::new(DbGuard { backend, url, _dir: dir }) }
     }
+
+    /// The store on this database, opened as a broker opens it (migrations applied).
+    #[allow(dead_code)]
+    pub async fn store(&self) -> Arc<dyn idem::store::Store> {
+        idem::store::open(&self.url).await.unwrap_or_else(|e| panic!("cannot open {}: {e}", self.url))
+    }
 }
 
 /// Runs each listed `async fn case(backend: Backend)` twice, as `sqlite::case` and

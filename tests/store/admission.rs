@@ -3,28 +3,48 @@
 
 use super::*;
 
-pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(
-    store: Arc<dyn Store>,
-) {
+pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
-    let record = created(store.admit(new.clone(), 0).await.unwrap());
+    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
     assert_eq!(record.phase(), Phase::InProgress);
     assert_eq!(record.lease, Some(idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE }));
     assert_eq!(record.in_flight, Some((1, T0)), "attempt 1 is marked as about to be sent");
     assert_same(&record, &fetch(&store, record.id).await);
     // The claim holds like any other: its worker may store the outcome, nobody else may.
-    assert!(store.renew(record.id, WORKER, T0 + LEASE + 1, T0 + 2).await.unwrap().is_held());
-    assert_eq!(store.renew(record.id, "someone-else", T0 + LEASE, T0 + 2).await.unwrap(), Lease::Lost);
+    assert!(store
+        .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE + 1, now: T0 + 2 })
+        .await
+        .unwrap()
+        .is_held());
+    assert_eq!(
+        store
+            .renew(Renew { id: record.id.into(), owner: "someone-else".into(), lease_until: T0 + LEASE, now: T0 + 2 })
+            .await
+            .unwrap(),
+        Lease::Lost
+    );
     // A duplicate sees it in progress; it is not admitted twice.
-    assert!(matches!(store.admit(new, 0).await.unwrap(), Admission::Existing(r) if r.id == record.id));
+    assert!(
+        matches!(store.admit(Admit { new, retention_cutoff: 0 }).await.unwrap(), Admission::Existing(r) if r.id == record.id)
+    );
 
     // A free record taken up again is queued, whatever the claim says: its worker claims it.
     let freed = request("default", "freed", BODY);
     let first = in_progress(&store, freed.clone()).await;
-    store.attempt_ended(first.id, WORKER, None, AfterAttempt::Free(StopReason::AttemptCap), T0 + 5).await.unwrap();
+    store
+        .attempt_ended(AttemptEnded {
+            id: first.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: AfterAttempt::Free(StopReason::AttemptCap),
+            now: T0 + 5,
+        })
+        .await
+        .unwrap();
     let again = NewRecord { id: Uuid::new_v4(), claim: Some(claim), ..freed };
-    match store.admit(again, 0).await.unwrap() {
+    match store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap() {
         Admission::Requeued(r) => {
             assert_eq!(r.phase(), Phase::Queued);
             assert_eq!(r.in_flight, None);
@@ -34,9 +54,10 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     }
 }
 
-pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(store: Arc<dyn Store>) {
+pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let new = request("default", "order-1", BODY);
-    let record = created(store.admit(new.clone(), 0).await.unwrap());
+    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
     assert_eq!(record.id, new.id);
     assert_eq!((record.tenant.as_str(), record.key.as_str()), ("default", "order-1"));
     assert_eq!(
@@ -51,7 +72,8 @@ pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(stor
     assert!(record.attempts.is_empty() && record.history.is_empty() && !record.cancel_requested);
     assert_same(&record, &fetch(&store, new.id).await);
 
-    let again = existing(store.admit(request("default", "order-1", BODY), 0).await.unwrap());
+    let again =
+        existing(store.admit(Admit { new: request("default", "order-1", BODY), retention_cutoff: 0 }).await.unwrap());
     assert_eq!(again.id, new.id);
     assert_eq!(again.phase(), Phase::Queued);
 
@@ -62,11 +84,14 @@ pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(stor
     store.ping().await.unwrap();
 }
 
-pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(store: Arc<dyn Store>) {
+pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let admits: Vec<_> = (0..64)
         .map(|_| {
             let store = store.clone();
-            tokio::spawn(async move { store.admit(request("default", "contended", BODY), 0).await.unwrap() })
+            tokio::spawn(async move {
+                store.admit(Admit { new: request("default", "contended", BODY), retention_cutoff: 0 }).await.unwrap()
+            })
         })
         .collect();
     let mut created_ids = Vec::new();
@@ -89,7 +114,8 @@ pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_r
 /// Admissions arriving together (which a store may write together): fresh keys, each sent at
 /// least twice, once claimed and once queued, beside a key whose expired record is taken over. Each key
 /// gets one record, made by one of its admissions, and that admission's answer is the row.
-pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(store: Arc<dyn Store>) {
+pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "expired", BODY), T0).await;
     let admits: Vec<_> = (0..128)
         .map(|i| {
@@ -101,7 +127,7 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
                 policy_version: VERSION.into(),
             });
             let new = NewRecord { claim, ..request("default", &key, BODY) };
-            tokio::spawn(async move { (key, store.admit(new, T0 + 1).await.unwrap()) })
+            tokio::spawn(async move { (key, store.admit(Admit { new, retention_cutoff: T0 + 1 }).await.unwrap()) })
         })
         .collect();
     let mut made: HashMap<String, Vec<Record>> = HashMap::new();
@@ -131,31 +157,46 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
     assert_eq!(taken.state, State::NotStarted, "a record taken over is queued, not claimed");
 }
 
-pub(super) async fn two_tenants_with_one_key_have_independent_records(store: Arc<dyn Store>) {
+pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let acme = queued(&store, request("acme", "shared-key", BODY)).await;
-    let globex = created(store.admit(request("globex", "shared-key", b"{\"other\":1}"), 0).await.unwrap());
+    let globex = created(
+        store
+            .admit(Admit { new: request("globex", "shared-key", b"{\"other\":1}"), retention_cutoff: 0 })
+            .await
+            .unwrap(),
+    );
     assert_ne!(acme.id, globex.id);
     assert_eq!(store.lookup("acme", "shared-key").await.unwrap().unwrap().id, acme.id);
     assert_eq!(store.lookup("globex", "shared-key").await.unwrap().unwrap().id, globex.id);
     assert!(store.lookup("initech", "shared-key").await.unwrap().is_none());
 
     // Settling one tenant's record leaves the other's alone.
-    assert!(store.claim(acme.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: acme.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .await
+        .unwrap());
     assert_eq!(fetch(&store, globex.id).await.phase(), Phase::Queued);
 }
 
-pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_another(store: Arc<dyn Store>) {
+pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_another(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let first = free(&store, request("default", "retry-me", BODY)).await;
     assert_eq!(first.stop_reason, Some(StopReason::Deadline));
 
-    let other = existing(store.admit(request("default", "retry-me", b"{\"amount\":43}"), 0).await.unwrap());
+    let other = existing(
+        store
+            .admit(Admit { new: request("default", "retry-me", b"{\"amount\":43}"), retention_cutoff: 0 })
+            .await
+            .unwrap(),
+    );
     assert_eq!(other.id, first.id);
     assert_eq!(other.phase(), Phase::Free, "another request must not take the key over");
 
     let mut again = request("default", "retry-me", BODY);
     again.now = T0 + 5_000;
     again.deadline_at = T0 + 35_000;
-    let requeued = match store.admit(again, 0).await.unwrap() {
+    let requeued = match store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap() {
         Admission::Requeued(record) => record,
         other => panic!("expected Requeued, got {other:?}"),
     };
@@ -167,19 +208,26 @@ pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_
     assert_eq!((last.actor.as_str(), last.action.as_str(), last.at), ("client", "requeued", T0 + 5_000));
 
     // Queued again, it is no longer free: a second identical request is a duplicate.
-    assert_eq!(existing(store.admit(request("default", "retry-me", BODY), 0).await.unwrap()).id, first.id);
+    assert_eq!(
+        existing(store.admit(Admit { new: request("default", "retry-me", BODY), retention_cutoff: 0 }).await.unwrap())
+            .id,
+        first.id
+    );
 }
 
-pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(store: Arc<dyn Store>) {
+pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "old", BODY), T0 + 1_000).await;
 
     // Finished exactly at the cutoff: still retained, still replayed.
-    let kept = existing(store.admit(request("default", "old", BODY), T0 + 1_000).await.unwrap());
+    let kept = existing(
+        store.admit(Admit { new: request("default", "old", BODY), retention_cutoff: T0 + 1_000 }).await.unwrap(),
+    );
     assert_eq!((kept.id, kept.phase()), (old.id, Phase::Done));
 
     let mut new = request("default", "old", b"{\"amount\":1}");
     new.now = T0 + 90_000;
-    let replaced = created(store.admit(new.clone(), T0 + 1_001).await.unwrap());
+    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + 1_001 }).await.unwrap());
     assert_eq!(replaced.id, new.id);
     assert_ne!(replaced.id, old.id);
     assert_eq!(replaced.phase(), Phase::Queued);
@@ -193,7 +241,7 @@ pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(store
     let old = done(&store, request("default", "old-claimed", BODY), T0 + 1_000).await;
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim), ..request("default", "old-claimed", BODY) };
-    let replaced = created(store.admit(new.clone(), T0 + 1_001).await.unwrap());
+    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + 1_001 }).await.unwrap());
     assert_eq!((replaced.id, replaced.phase(), replaced.in_flight), (new.id, Phase::Queued, None));
     assert_eq!(fetch(&store, new.id).await.phase(), Phase::Queued, "as stored");
     assert_ne!(replaced.id, old.id);

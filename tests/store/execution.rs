@@ -2,11 +2,26 @@
 
 use super::*;
 
-pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
+pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "claim", BODY)).await;
-    assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
-    assert!(!store.claim(record.id, "node-b/worker-1", T0 + LEASE, T0 + 2).await.unwrap());
-    assert!(!store.claim(Uuid::new_v4(), WORKER, T0 + LEASE, T0 + 2).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .await
+        .unwrap());
+    assert!(!store
+        .claim(ClaimQueued {
+            id: record.id.into(),
+            owner: "node-b/worker-1".into(),
+            lease_until: T0 + LEASE,
+            now: T0 + 2
+        })
+        .await
+        .unwrap());
+    assert!(!store
+        .claim(ClaimQueued { id: Uuid::new_v4().into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 2 })
+        .await
+        .unwrap());
     let record = fetch(&store, record.id).await;
     assert_eq!(record.phase(), Phase::InProgress);
     let lease = record.lease.expect("a claimed record has a lease");
@@ -14,19 +29,39 @@ pub(super) async fn a_queued_record_is_claimed_once(store: Arc<dyn Store>) {
     assert_eq!(record.updated_at, T0 + 1);
 }
 
-pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(store: Arc<dyn Store>) {
+pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "lease", BODY)).await;
     let thief = "node-b/worker-9";
-    assert_eq!(store.attempt_started(record.id, thief, 1, T0 + 10, T0 + 99_000, VERSION).await.unwrap(), Lease::Lost);
-    assert_eq!(store.renew(record.id, thief, T0 + 99_000, T0 + 10).await.unwrap(), Lease::Lost);
+    assert_eq!(
+        store
+            .attempt_started(AttemptStarted {
+                id: record.id.into(),
+                owner: thief.into(),
+                number: 1,
+                started_at: T0 + 10,
+                lease_until: T0 + 99_000,
+                policy_version: VERSION.into()
+            })
+            .await
+            .unwrap(),
+        Lease::Lost
+    );
+    assert_eq!(
+        store
+            .renew(Renew { id: record.id.into(), owner: thief.into(), lease_until: T0 + 99_000, now: T0 + 10 })
+            .await
+            .unwrap(),
+        Lease::Lost
+    );
     let ended = store
-        .attempt_ended(
-            record.id,
-            thief,
-            Some(attempt(1, T0 + 10, "success", Some(200))),
-            AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
-            T0 + 20,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: thief.into(),
+            attempt: Some(attempt(1, T0 + 10, "success", Some(200))),
+            then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
+            now: T0 + 20,
+        })
         .await
         .unwrap();
     assert_eq!(ended, Lease::Lost);
@@ -36,24 +71,53 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(sto
     assert!(unchanged.in_flight.is_none() && unchanged.attempts.is_empty() && unchanged.response.is_none());
 
     // The holder is told it holds it, and its lease moves.
-    let held = store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + 20_000, VERSION).await.unwrap();
+    let held = store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + 20_000,
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     assert_eq!(held, Lease::Held { cancel_requested: false });
     let record = fetch(&store, record.id).await;
     assert_eq!(record.in_flight, Some((1, T0 + 10)));
     assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + 20_000));
-    assert_eq!(store.renew(record.id, WORKER, T0 + 25_000, T0 + 11).await.unwrap(), held);
+    assert_eq!(
+        store
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + 25_000, now: T0 + 11 })
+            .await
+            .unwrap(),
+        held
+    );
     assert_eq!(fetch(&store, record.id).await.lease.map(|l| l.expires_at), Some(T0 + 25_000));
 
     // Once settled, nobody holds it.
     let lease = store
-        .attempt_ended(record.id, WORKER, None, AfterAttempt::Unknown(StopReason::UnsafeReplay), T0 + 30)
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+            now: T0 + 30,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
-    assert_eq!(store.renew(record.id, WORKER, T0 + 30_000, T0 + 31).await.unwrap(), Lease::Lost);
+    assert_eq!(
+        store
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + 30_000, now: T0 + 31 })
+            .await
+            .unwrap(),
+        Lease::Lost
+    );
 }
 
-pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(store: Arc<dyn Store>) {
+pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let binary_request: Vec<u8> = (0..=255u8).rev().collect();
     let mut new = request("default", "bytes", &binary_request);
     new.request.headers.push(("x-raw".into(), header_text(&[0x80, 0xfe, b' ', b'x'])));
@@ -61,9 +125,29 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(record.request, new.request, "the request is kept byte for byte");
 
     let first = attempt(1, T0 + 10, "not_executed", Some(503));
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, T0 + LEASE, VERSION).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let wait = AfterAttempt::Wait { not_before: T0 + 250 };
-    let lease = store.attempt_ended(record.id, WORKER, Some(first.clone()), wait, T0 + 30).await.unwrap();
+    let lease = store
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(first.clone()),
+            then: wait,
+            now: T0 + 30,
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let waiting = fetch(&store, record.id).await;
     assert_eq!(waiting.phase(), Phase::InProgress, "a wait keeps the record");
@@ -76,16 +160,27 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     body.extend_from_slice(&[0xc3, 0x28, 0x00, 0xff, 0xfe]);
     let answer = response(201, &body);
     let second = attempt(2, T0 + 300, "success", Some(201));
-    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 300, T0 + LEASE, VERSION).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: T0 + 300,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + 300)));
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(second.clone()),
-            AfterAttempt::Done(StopReason::Success, answer.clone()),
-            T0 + 320,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(second.clone()),
+            then: AfterAttempt::Done(StopReason::Success, answer.clone()),
+            now: T0 + 320,
+        })
         .await
         .unwrap();
     assert_eq!(lease, Lease::Held { cancel_requested: false });
@@ -99,36 +194,52 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(store.lookup("default", "bytes").await.unwrap().unwrap().response, done.response);
 }
 
-pub(super) async fn cancelling_a_queued_record_frees_it(store: Arc<dyn Store>) {
+pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "cancel-queued", BODY)).await;
     let note = entry("client", "cancel", T0 + 50);
-    let freed = match store.cancel(record.id, note.clone()).await.unwrap() {
+    let freed = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Dequeued(record) => record,
         other => panic!("expected Dequeued, got {other:?}"),
     };
     assert_eq!(freed.phase(), Phase::Free);
     assert_eq!(freed.stop_reason, Some(StopReason::Cancelled));
     assert_eq!(freed.history, vec![note.clone()]);
-    assert!(!store.claim(record.id, WORKER, T0 + LEASE, T0 + 60).await.unwrap(), "nothing is left to run");
+    assert!(
+        !store
+            .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 60 })
+            .await
+            .unwrap(),
+        "nothing is left to run"
+    );
 
     // Free, it has nothing left to cancel; neither has a done record or a missing one.
-    assert!(matches!(store.cancel(record.id, note.clone()).await.unwrap(), Cancelled::Refused(r) if r.id == record.id));
+    assert!(
+        matches!(store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap(), Cancelled::Refused(r) if r.id == record.id)
+    );
     let finished = done(&store, request("default", "cancel-done", BODY), T0 + 100).await;
-    match store.cancel(finished.id, note.clone()).await.unwrap() {
+    match store.cancel(Cancel { id: finished.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Refused(r) => assert_eq!((r.phase(), r.history.len()), (Phase::Done, 0)),
         other => panic!("expected Refused, got {other:?}"),
     }
-    assert!(matches!(store.cancel(Uuid::new_v4(), note).await.unwrap(), Cancelled::Missing));
+    assert!(matches!(
+        store.cancel(Cancel { id: Uuid::new_v4().into(), entry: note }).await.unwrap(),
+        Cancelled::Missing
+    ));
 }
 
-pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(store: Arc<dyn Store>) {
+pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
-        store.renew(record.id, WORKER, T0 + LEASE, T0 + 5).await.unwrap(),
+        store
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 5 })
+            .await
+            .unwrap(),
         Lease::Held { cancel_requested: false }
     );
     let note = entry("operator", "cancel", T0 + 50);
-    let flagged = match store.cancel(record.id, note.clone()).await.unwrap() {
+    let flagged = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Flagged(record) => record,
         other => panic!("expected Flagged, got {other:?}"),
     };
@@ -136,11 +247,21 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(sto
     assert!(flagged.cancel_requested);
     assert_eq!(flagged.history, vec![note]);
     assert_eq!(
-        store.renew(record.id, WORKER, T0 + LEASE, T0 + 60).await.unwrap(),
+        store
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 60 })
+            .await
+            .unwrap(),
         Lease::Held { cancel_requested: true }
     );
     assert!(store
-        .attempt_started(record.id, WORKER, 2, T0 + 70, T0 + LEASE, VERSION)
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: T0 + 70,
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
         .await
         .unwrap()
         .cancel_requested());
@@ -148,63 +269,135 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(sto
 
 // ---- operators ----------------------------------------------------------------------------------
 
-pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(store: Arc<dyn Store>) {
+pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let waiting = queued(&store, request("default", "queued", BODY)).await;
     let note = entry("alice", "resolve", T0 + 1_000);
-    let untouched = refused(store.resolve(waiting.id, Resolution::NotExecuted, note.clone()).await.unwrap());
+    let untouched = refused(
+        store
+            .resolve(Resolve { id: waiting.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .await
+            .unwrap(),
+    );
     assert_eq!((untouched.phase(), untouched.history.len()), (Phase::Queued, 0));
-    let untouched = refused(store.retry(waiting.id, T0 + 99_000, note.clone()).await.unwrap());
+    let untouched = refused(
+        store.retry(Retry { id: waiting.id.into(), deadline_at: T0 + 99_000, entry: note.clone() }).await.unwrap(),
+    );
     assert_eq!((untouched.phase(), untouched.deadline_at), (Phase::Queued, T0 + 30_000));
     assert!(matches!(
-        store.resolve(Uuid::new_v4(), Resolution::NotExecuted, note.clone()).await.unwrap(),
+        store
+            .resolve(Resolve { id: Uuid::new_v4().into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .await
+            .unwrap(),
         Action::Missing
     ));
-    assert!(matches!(store.retry(Uuid::new_v4(), T0, note.clone()).await.unwrap(), Action::Missing));
+    assert!(matches!(
+        store.retry(Retry { id: Uuid::new_v4().into(), deadline_at: T0, entry: note.clone() }).await.unwrap(),
+        Action::Missing
+    ));
 
     // Executed: done, with the operator's response replayed from now on.
     let executed = unknown(&store, request("default", "executed", BODY)).await;
     let answer = response(200, b"{\"confirmed\":true}");
-    let resolved =
-        applied(store.resolve(executed.id, Resolution::Executed(answer.clone()), note.clone()).await.unwrap());
+    let resolved = applied(
+        store
+            .resolve(Resolve {
+                id: executed.id.into(),
+                resolution: Resolution::Executed(answer.clone()),
+                entry: note.clone(),
+            })
+            .await
+            .unwrap(),
+    );
     assert_eq!(resolved.phase(), Phase::Done);
     assert_eq!(resolved.response, Some(answer));
     assert_eq!(resolved.history, vec![note.clone()]);
     assert_eq!((resolved.updated_at, resolved.probe_count), (T0 + 1_000, 0));
     assert_eq!(resolved.attempts.len(), 1, "the attempts are kept");
-    refused(store.resolve(executed.id, Resolution::NotExecuted, note.clone()).await.unwrap());
-    refused(store.retry(executed.id, T0 + 99_000, note.clone()).await.unwrap());
+    refused(
+        store
+            .resolve(Resolve { id: executed.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .await
+            .unwrap(),
+    );
+    refused(
+        store.retry(Retry { id: executed.id.into(), deadline_at: T0 + 99_000, entry: note.clone() }).await.unwrap(),
+    );
 
     // Not executed: the key is free.
     let not_executed = unknown(&store, request("default", "not-executed", BODY)).await;
-    let freed = applied(store.resolve(not_executed.id, Resolution::NotExecuted, note.clone()).await.unwrap());
+    let freed = applied(
+        store
+            .resolve(Resolve { id: not_executed.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .await
+            .unwrap(),
+    );
     assert_eq!((freed.phase(), freed.response.is_none()), (Phase::Free, true));
     assert_eq!(freed.history, vec![note.clone()]);
 
     // Retried: queued again with a fresh deadline, for a worker to claim.
     let retried = unknown(&store, request("default", "retried", BODY)).await;
     let again = entry("bob", "retry", T0 + 2_000);
-    let requeued = applied(store.retry(retried.id, T0 + 99_000, again.clone()).await.unwrap());
+    let requeued = applied(
+        store.retry(Retry { id: retried.id.into(), deadline_at: T0 + 99_000, entry: again.clone() }).await.unwrap(),
+    );
     assert_eq!(requeued.phase(), Phase::Queued);
     assert_eq!((requeued.deadline_at, requeued.stop_reason, requeued.updated_at), (T0 + 99_000, None, T0 + 2_000));
     assert_eq!(requeued.history, vec![again]);
-    assert!(store.claim(retried.id, WORKER, T0 + 2_000 + LEASE, T0 + 2_001).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued {
+            id: retried.id.into(),
+            owner: WORKER.into(),
+            lease_until: T0 + 2_000 + LEASE,
+            now: T0 + 2_001
+        })
+        .await
+        .unwrap());
 }
 
-pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(store: Arc<dyn Store>) {
+pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let (old, new) = ("aaaaaaaaaaaa", "bbbbbbbbbbbb");
     // Admitted claimed: the first attempt's mark carries the claim's version.
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: old.into() };
     let record = created(
-        store.admit(NewRecord { claim: Some(claim), ..request("default", "versions", BODY) }, 0).await.unwrap(),
+        store
+            .admit(Admit {
+                new: NewRecord { claim: Some(claim), ..request("default", "versions", BODY) },
+                retention_cutoff: 0,
+            })
+            .await
+            .unwrap(),
     );
     assert_eq!(record.policy_version.as_deref(), Some(old));
     assert_eq!(fetch(&store, record.id).await.policy_version.as_deref(), Some(old));
     let first = Attempt { policy_version: Some(old.into()), ..attempt(1, T0, "not_executed", Some(503)) };
     let then = AfterAttempt::Wait { not_before: T0 + 100 };
-    assert!(store.attempt_ended(record.id, WORKER, Some(first), then, T0 + 50).await.unwrap().is_held());
+    assert!(store
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(first),
+            then,
+            now: T0 + 50
+        })
+        .await
+        .unwrap()
+        .is_held());
 
     // Attempt 2 is marked under another policy, and its worker dies before storing its outcome.
-    assert!(store.attempt_started(record.id, WORKER, 2, T0 + 100, T0 + 200, new).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: T0 + 100,
+            lease_until: T0 + 200,
+            policy_version: new.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let marked = fetch(&store, record.id).await;
     assert_eq!(marked.policy_version.as_deref(), Some(new), "the mark, written before the send, names its policy");
     assert_eq!(marked.attempts[0].policy_version.as_deref(), Some(old));
@@ -212,7 +405,13 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(stor
     // The take-over records the lost attempt under the policy of its mark.
     let lost = Attempt { policy_version: marked.policy_version.clone(), ..attempt(2, T0 + 100, "lost", None) };
     let to = TakeOverTo::Unknown(StopReason::UnsafeReplay);
-    let taken = store.take_over(record.id, WORKER, T0 + 200, to, Some(lost), entry("node-b", "take_over", T0 + 201));
+    let taken = store.take_over(TakeOver {
+        id: record.id.into(),
+        expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + 200 },
+        to,
+        lost: Some(lost),
+        entry: entry("node-b", "take_over", T0 + 201),
+    });
     assert!(taken.await.unwrap());
     let settled = fetch(&store, record.id).await;
     let versions: Vec<Option<&str>> = settled.attempts.iter().map(|a| a.policy_version.as_deref()).collect();
@@ -233,13 +432,29 @@ async fn sent(
     status: u16,
     then: AfterAttempt,
 ) {
-    assert!(store.attempt_started(id, WORKER, number, at, at + LEASE, version).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: id.into(),
+            owner: WORKER.into(),
+            number,
+            started_at: at,
+            lease_until: at + LEASE,
+            policy_version: version.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let outcome = if status < 300 { "success" } else { "not_executed" };
     let a = Attempt { policy_version: Some(version.into()), ..attempt(number, at, outcome, Some(status)) };
-    assert!(store.attempt_ended(id, WORKER, Some(a), then, at + 20).await.unwrap().is_held());
+    assert!(store
+        .attempt_ended(AttemptEnded { id: id.into(), owner: WORKER.into(), attempt: Some(a), then, now: at + 20 })
+        .await
+        .unwrap()
+        .is_held());
 }
 
-pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(store: Arc<dyn Store>) {
+pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let (control, canary) = ("cccccccccccc", "dddddddddddd");
     let done = || AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
     let retry = |at: Millis| AfterAttempt::Wait { not_before: at };
@@ -255,13 +470,27 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(s
     let first = in_progress(&store, freed.clone()).await;
     sent(&store, first.id, 1, T0 + 10, control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
     let again = NewRecord { id: Uuid::new_v4(), now: T0 + 500, ..freed };
-    assert!(matches!(store.admit(again, 0).await.unwrap(), Admission::Requeued(_)));
-    assert!(store.claim(first.id, WORKER, T0 + LEASE, T0 + 501).await.unwrap());
+    assert!(matches!(store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap(), Admission::Requeued(_)));
+    assert!(store
+        .claim(ClaimQueued { id: first.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 501 })
+        .await
+        .unwrap());
     sent(&store, first.id, 2, T0 + 510, control, 201, done()).await;
 
     // Not counted: still running, another route, or arrived before the window.
     let running = in_progress(&store, request("default", "running", BODY)).await;
-    assert!(store.attempt_started(running.id, WORKER, 1, T0 + 10, T0 + LEASE, control).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: running.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: T0 + LEASE,
+            policy_version: control.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let elsewhere = in_progress(&store, request_on("emails", "default", "elsewhere", BODY, T0)).await;
     sent(&store, elsewhere.id, 1, T0 + 10, control, 201, done()).await;
     let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - 10_000)).await;

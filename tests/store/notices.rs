@@ -18,7 +18,9 @@ async fn expect_notice(notices: &mut broadcast::Receiver<Notice>, want: Notice) 
     }
 }
 
-pub(super) async fn notices_announce_queued_and_settled_records_to_every_process(store: Arc<dyn Store>, url: String) {
+pub(super) async fn notices_announce_queued_and_settled_records_to_every_process(backend: Backend) {
+    let (store, db) = store_on(backend).await;
+    let url = db.url.clone();
     // Another process on the same database: it hears of changes made through `store`.
     let other = store::open(&url).await.unwrap();
     let mut here = store.notices().expect("PostgreSQL announces changes");
@@ -30,15 +32,18 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
 
     // A request waiting elsewhere asks to hear when it settles: that one is announced.
     other.watch(record.id).await.unwrap();
-    assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 1).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .await
+        .unwrap());
     let lease = store
-        .attempt_ended(
-            record.id,
-            WORKER,
-            Some(attempt(1, T0 + 10, "success", Some(201))),
-            AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
-            T0 + 20,
-        )
+        .attempt_ended(AttemptEnded {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "success", Some(201))),
+            then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
+            now: T0 + 20,
+        })
         .await
         .unwrap();
     assert!(lease.is_held());
@@ -48,12 +53,24 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     let mut audit = other.notices().expect("PostgreSQL announces changes");
     let quiet = in_progress(&store, request("default", "quiet", BODY)).await;
     let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
-    store.attempt_ended(quiet.id, WORKER, None, done, T0 + 20).await.unwrap();
+    store
+        .attempt_ended(AttemptEnded {
+            id: quiet.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: done,
+            now: T0 + 20,
+        })
+        .await
+        .unwrap();
 
     // A queued record cancelled settles too, and an operator's retry queues again.
     let cancelled = queued(&store, request("default", "cancelled", BODY)).await;
     other.watch(cancelled.id).await.unwrap();
-    assert!(matches!(store.cancel(cancelled.id, entry("client", "cancel", T0)).await.unwrap(), Cancelled::Dequeued(_)));
+    assert!(matches!(
+        store.cancel(Cancel { id: cancelled.id.into(), entry: entry("client", "cancel", T0) }).await.unwrap(),
+        Cancelled::Dequeued(_)
+    ));
     expect_notice(&mut there, Notice::Settled(cancelled.id)).await;
     // Notices arrive in commit order: had the quiet one been announced, it would be here by now.
     let mut heard = Vec::new();
@@ -66,10 +83,25 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     other.watch(retried.id).await.unwrap();
     let unsure = AfterAttempt::Unknown(StopReason::UnsafeReplay);
     store
-        .attempt_ended(retried.id, WORKER, Some(attempt(1, T0 + 10, "ambiguous", None)), unsure, T0 + 100)
+        .attempt_ended(AttemptEnded {
+            id: retried.id.into(),
+            owner: WORKER.into(),
+            attempt: Some(attempt(1, T0 + 10, "ambiguous", None)),
+            then: unsure,
+            now: T0 + 100,
+        })
         .await
         .unwrap();
     expect_notice(&mut there, Notice::Settled(retried.id)).await;
-    applied(store.retry(retried.id, T0 + 60_000, entry("operator", "retry", T0 + 200)).await.unwrap());
+    applied(
+        store
+            .retry(Retry {
+                id: retried.id.into(),
+                deadline_at: T0 + 60_000,
+                entry: entry("operator", "retry", T0 + 200),
+            })
+            .await
+            .unwrap(),
+    );
     expect_notice(&mut there, Notice::Queued(retried.id)).await;
 }

@@ -3,47 +3,65 @@
 
 use super::*;
 
-pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: Arc<dyn Store>) {
+pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "orphan", BODY)).await;
     let until = T0 + 20_000;
-    assert!(store.attempt_started(record.id, WORKER, 1, T0 + 10, until, VERSION).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + 10,
+            lease_until: until,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     assert!(store.expired_leases(until, 10).await.unwrap().is_empty(), "not expired while `until` is now");
     let expired = store.expired_leases(until + 1, 10).await.unwrap();
     assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
 
     let lost = attempt(1, T0 + 10, "lost", None);
     let note = entry("node-b", "take_over", until + 1);
-    let stale = store.take_over(
-        record.id,
-        WORKER,
-        T0 + LEASE,
-        TakeOverTo::Unknown(StopReason::UnsafeReplay),
-        Some(lost.clone()),
-        note.clone(),
-    );
+    let stale = store.take_over(TakeOver {
+        id: record.id.into(),
+        expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+        to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        lost: Some(lost.clone()),
+        entry: note.clone(),
+    });
     assert!(!stale.await.unwrap(), "the lease seen must be the current one");
-    let other_owner = store.take_over(
-        record.id,
-        "node-c",
-        until,
-        TakeOverTo::Unknown(StopReason::UnsafeReplay),
-        Some(lost.clone()),
-        note.clone(),
-    );
+    let other_owner = store.take_over(TakeOver {
+        id: record.id.into(),
+        expired: idem::record::Lease { owner: "node-c".into(), expires_at: until },
+        to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        lost: Some(lost.clone()),
+        entry: note.clone(),
+    });
     assert!(!other_owner.await.unwrap());
     assert!(store
-        .take_over(
-            record.id,
-            WORKER,
-            until,
-            TakeOverTo::Unknown(StopReason::UnsafeReplay),
-            Some(lost.clone()),
-            note.clone()
-        )
+        .take_over(TakeOver {
+            id: record.id.into(),
+            expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
+            to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+            lost: Some(lost.clone()),
+            entry: note.clone()
+        })
         .await
         .unwrap());
     assert!(
-        !store.take_over(record.id, WORKER, until, TakeOverTo::Queued, None, note.clone()).await.unwrap(),
+        !store
+            .take_over(TakeOver {
+                id: record.id.into(),
+                expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
+                to: TakeOverTo::Queued,
+                lost: None,
+                entry: note.clone()
+            })
+            .await
+            .unwrap(),
         "of two sweepers with the same view, one wins"
     );
 
@@ -57,15 +75,33 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: A
 
     // A record with nothing in flight is queued again for any worker.
     let idle = in_progress(&store, request("default", "idle", BODY)).await;
-    assert!(store.take_over(idle.id, WORKER, T0 + LEASE, TakeOverTo::Queued, None, note.clone()).await.unwrap());
+    assert!(store
+        .take_over(TakeOver {
+            id: idle.id.into(),
+            expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            to: TakeOverTo::Queued,
+            lost: None,
+            entry: note.clone()
+        })
+        .await
+        .unwrap());
     let requeued = fetch(&store, idle.id).await;
     assert_eq!((requeued.phase(), requeued.attempts.len(), requeued.stop_reason), (Phase::Queued, 0, None));
-    assert!(store.claim(idle.id, "node-b", until + LEASE, until + 2).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued { id: idle.id.into(), owner: "node-b".into(), lease_until: until + LEASE, now: until + 2 })
+        .await
+        .unwrap());
 
     // Past its deadline, it is freed instead.
     let late = in_progress(&store, request("default", "late", BODY)).await;
     assert!(store
-        .take_over(late.id, WORKER, T0 + LEASE, TakeOverTo::Free(StopReason::Deadline), None, note)
+        .take_over(TakeOver {
+            id: late.id.into(),
+            expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            to: TakeOverTo::Free(StopReason::Deadline),
+            lost: None,
+            entry: note
+        })
         .await
         .unwrap());
     let freed = fetch(&store, late.id).await;
@@ -74,7 +110,8 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(store: A
 
 /// The same record's worker dies again and again while an attempt is in flight, on a replay-safe
 /// route: each take-over continues it, and is counted, until the one past the cap stops it.
-pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(store: Arc<dyn Store>) {
+pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     const MAX_TAKEOVERS: u32 = 2;
     let config = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = true\n";
     let route = idem::config::Config::parse_with_env(config, |_| None).unwrap().routes.remove(0);
@@ -83,8 +120,25 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     for round in 0..=MAX_TAKEOVERS {
         let (now, worker) = (T0 + 1_000 * (round as Millis + 1), format!("node-{round}"));
         let until = now + 500;
-        assert!(store.claim(record.id, &worker, until, now).await.unwrap(), "round {round}");
-        assert!(store.attempt_started(record.id, &worker, round + 1, now + 1, until, VERSION).await.unwrap().is_held());
+        assert!(
+            store
+                .claim(ClaimQueued { id: record.id.into(), owner: worker.as_str().into(), lease_until: until, now })
+                .await
+                .unwrap(),
+            "round {round}"
+        );
+        assert!(store
+            .attempt_started(AttemptStarted {
+                id: record.id.into(),
+                owner: worker.as_str().into(),
+                number: round + 1,
+                started_at: now + 1,
+                lease_until: until,
+                policy_version: VERSION.into()
+            })
+            .await
+            .unwrap()
+            .is_held());
         // The worker dies with its attempt in flight; its lease runs out.
         let expired = store.expired_leases(until + 1, 10).await.unwrap();
         let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");
@@ -92,7 +146,16 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let to = idem::reconcile::after_lease_expiry(seen, Some(&route), until + 1, MAX_TAKEOVERS);
         let note = entry(&format!("node-{}", round + 1), "take-over", until + 1);
         let lost = attempt(round + 1, now + 1, "lost", None);
-        assert!(store.take_over(record.id, &worker, until, to, Some(lost), note.clone()).await.unwrap());
+        assert!(store
+            .take_over(TakeOver {
+                id: record.id.into(),
+                expired: idem::record::Lease { owner: worker.as_str().into(), expires_at: until },
+                to,
+                lost: Some(lost),
+                entry: note.clone()
+            })
+            .await
+            .unwrap());
         notes.push(note);
         let after = fetch(&store, record.id).await;
         assert_eq!(after.takeovers, round + 1);
@@ -107,46 +170,94 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     assert_eq!(stopped.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["lost"; 3]);
     assert_eq!(stopped.history, notes);
     assert!(store.expired_leases(T0 + 60_000, 10).await.unwrap().is_empty(), "nothing left to take over");
-    assert!(!store.claim(record.id, WORKER, T0 + 60_000, T0 + 10_000).await.unwrap(), "nor to claim");
+    assert!(
+        !store
+            .claim(ClaimQueued {
+                id: record.id.into(),
+                owner: WORKER.into(),
+                lease_until: T0 + 60_000,
+                now: T0 + 10_000
+            })
+            .await
+            .unwrap(),
+        "nor to claim"
+    );
 }
 
 /// A freed record that its client sends again keeps its count (a record that crashes its
 /// workers would otherwise start over with every resend); a new operation on the key, and a
 /// record an operator re-drives, start from zero.
 pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for_a_new_operation_or_an_operator_retry(
-    store: Arc<dyn Store>,
+    backend: Backend,
 ) {
+    let (store, _db) = store_on(backend).await;
     let note = entry("node-b", "take-over", T0 + LEASE + 1);
-    let take_over = |id, to| store.take_over(id, WORKER, T0 + LEASE, to, None, note.clone());
+    let take_over = |id: Uuid, to| {
+        store.take_over(TakeOver {
+            id: id.into(),
+            expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            to,
+            lost: None,
+            entry: note.clone(),
+        })
+    };
 
     let new = request("default", "freed", BODY);
     let freed = in_progress(&store, new.clone()).await;
     assert!(take_over(freed.id, TakeOverTo::Free(StopReason::TakeoverCap)).await.unwrap());
     let freed = fetch(&store, freed.id).await;
     assert_eq!((freed.phase(), freed.stop_reason, freed.takeovers), (Phase::Free, Some(StopReason::TakeoverCap), 1));
-    match store.admit(NewRecord { id: Uuid::new_v4(), ..new }, 0).await.unwrap() {
+    match store.admit(Admit { new: NewRecord { id: Uuid::new_v4(), ..new }, retention_cutoff: 0 }).await.unwrap() {
         Admission::Requeued(r) => assert_eq!((r.phase(), r.takeovers, r.stop_reason), (Phase::Queued, 1, None)),
         other => panic!("expected Requeued, got {other:?}"),
     }
 
     let stuck = in_progress(&store, request("default", "stuck", BODY)).await;
     assert!(take_over(stuck.id, TakeOverTo::Unknown(StopReason::TakeoverCap)).await.unwrap());
-    let retried = applied(store.retry(stuck.id, T0 + 90_000, entry("ops", "retry", T0 + LEASE + 2)).await.unwrap());
+    let retried = applied(
+        store
+            .retry(Retry {
+                id: stuck.id.into(),
+                deadline_at: T0 + 90_000,
+                entry: entry("ops", "retry", T0 + LEASE + 2),
+            })
+            .await
+            .unwrap(),
+    );
     assert_eq!((retried.phase(), retried.takeovers), (Phase::Queued, 0));
 
     let new = request("default", "finished", BODY);
     let finished = in_progress(&store, new.clone()).await;
     assert!(take_over(finished.id, TakeOverTo::Queued).await.unwrap());
-    assert!(store.claim(finished.id, WORKER, T0 + 2 * LEASE, T0 + LEASE + 2).await.unwrap());
+    assert!(store
+        .claim(ClaimQueued {
+            id: finished.id.into(),
+            owner: WORKER.into(),
+            lease_until: T0 + 2 * LEASE,
+            now: T0 + LEASE + 2
+        })
+        .await
+        .unwrap());
     let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
-    assert!(store.attempt_ended(finished.id, WORKER, None, done, T0 + LEASE + 3).await.unwrap().is_held());
+    assert!(store
+        .attempt_ended(AttemptEnded {
+            id: finished.id.into(),
+            owner: WORKER.into(),
+            attempt: None,
+            then: done,
+            now: T0 + LEASE + 3
+        })
+        .await
+        .unwrap()
+        .is_held());
     assert_eq!(fetch(&store, finished.id).await.takeovers, 1);
     let again = NewRecord { id: Uuid::new_v4(), now: T0 + 100_000, ..new };
-    let replaced = created(store.admit(again, T0 + 50_000).await.unwrap());
+    let replaced = created(store.admit(Admit { new: again, retention_cutoff: T0 + 50_000 }).await.unwrap());
     assert_eq!(fetch(&store, replaced.id).await.takeovers, 0, "past retention, a new operation");
 }
 
-pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(store: Arc<dyn Store>) {
+pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let mut ids = HashSet::new();
     for i in 0..24 {
         let new = request_on("payments", "default", &format!("orphan-{i}"), BODY, T0 + i);
@@ -162,7 +273,16 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(stor
             tokio::spawn(async move {
                 let mut claimed = Vec::new();
                 loop {
-                    let batch = store.claim_unclaimed(owner, T0 + 60_000, T0 + 1_000, T0 + 6_000, 3).await.unwrap();
+                    let batch = store
+                        .claim_unclaimed(ClaimUnclaimed {
+                            owner: owner.into(),
+                            lease_until: T0 + 60_000,
+                            idle_since: T0 + 1_000,
+                            now: T0 + 6_000,
+                            limit: 3,
+                        })
+                        .await
+                        .unwrap();
                     if batch.is_empty() {
                         return claimed;
                     }
@@ -184,24 +304,52 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(stor
     assert_eq!(seen.len(), unique.len(), "no record is claimed twice");
     assert_eq!(unique, ids, "every idle record is claimed");
     assert_eq!(fetch(&store, fresh.id).await.phase(), Phase::Queued);
-    assert!(store.claim_unclaimed("node-c", T0 + 60_000, T0 + 1_000, T0 + 7_000, 10).await.unwrap().is_empty());
+    assert!(store
+        .claim_unclaimed(ClaimUnclaimed {
+            owner: "node-c".into(),
+            lease_until: T0 + 60_000,
+            idle_since: T0 + 1_000,
+            now: T0 + 7_000,
+            limit: 10
+        })
+        .await
+        .unwrap()
+        .is_empty());
 }
 
-pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(store: Arc<dyn Store>) {
+pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let record = unknown(&store, request("default", "probe-me", BODY)).await;
     let became_unknown = record.updated_at;
     let settle = 5_000;
     let due = |now: Millis| {
         let store = store.clone();
-        async move { store.probes_due("payments", settle, now, 10).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>() }
+        async move {
+            store
+                .probes_due(ProbesDue { route: "payments".into(), settle, now, limit: 10 })
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.id)
+                .collect::<Vec<_>>()
+        }
     };
     assert!(due(became_unknown + settle - 1).await.is_empty(), "not before settle");
     assert_eq!(due(became_unknown + settle).await, vec![record.id]);
-    assert!(store.probes_due("refunds", settle, became_unknown + settle, 10).await.unwrap().is_empty());
+    assert!(store
+        .probes_due(ProbesDue { route: "refunds".into(), settle, now: became_unknown + settle, limit: 10 })
+        .await
+        .unwrap()
+        .is_empty());
 
     let next = became_unknown + 20_000;
     let asked = entry("probe", "still_unknown", became_unknown + settle);
-    let probed = applied(store.probed(record.id, None, next, asked.clone()).await.unwrap());
+    let probed = applied(
+        store
+            .probed(Probed { id: record.id.into(), resolution: None, next_probe_at: next, entry: asked.clone() })
+            .await
+            .unwrap(),
+    );
     assert_eq!((probed.phase(), probed.probe_count, probed.next_probe_at), (Phase::Unknown, 1, Some(next)));
     assert_eq!(probed.history, vec![asked.clone()]);
     assert!(due(next - 1).await.is_empty(), "the next probe waits for its time");
@@ -210,18 +358,35 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let answered = entry("probe", "executed", next);
     let settled = applied(
         store
-            .probed(record.id, Some(Resolution::Executed(response(200, b"{}"))), next + 1, answered.clone())
+            .probed(Probed {
+                id: record.id.into(),
+                resolution: Some(Resolution::Executed(response(200, b"{}"))),
+                next_probe_at: next + 1,
+                entry: answered.clone(),
+            })
             .await
             .unwrap(),
     );
     assert_eq!((settled.phase(), settled.probe_count, settled.next_probe_at), (Phase::Done, 2, None));
     assert_eq!(settled.history, vec![asked, answered.clone()]);
     assert!(due(next + 60_000).await.is_empty());
-    refused(store.probed(record.id, None, next + 1, answered.clone()).await.unwrap());
-    assert!(matches!(store.probed(Uuid::new_v4(), None, next, answered).await.unwrap(), Action::Missing));
+    refused(
+        store
+            .probed(Probed { id: record.id.into(), resolution: None, next_probe_at: next + 1, entry: answered.clone() })
+            .await
+            .unwrap(),
+    );
+    assert!(matches!(
+        store
+            .probed(Probed { id: Uuid::new_v4().into(), resolution: None, next_probe_at: next, entry: answered })
+            .await
+            .unwrap(),
+        Action::Missing
+    ));
 }
 
-pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(store: Arc<dyn Store>) {
+pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let mut all = Vec::new();
     for i in 0..17i64 {
         let tenant = if i % 2 == 0 { "acme" } else { "globex" };
@@ -229,7 +394,15 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
         // Three records share each creation time: the id breaks the tie.
         let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + i / 3)).await;
         if i % 4 == 0 {
-            assert!(store.claim(record.id, WORKER, T0 + LEASE, T0 + 100).await.unwrap());
+            assert!(store
+                .claim(ClaimQueued {
+                    id: record.id.into(),
+                    owner: WORKER.into(),
+                    lease_until: T0 + LEASE,
+                    now: T0 + 100
+                })
+                .await
+                .unwrap());
         }
         all.push(fetch(&store, record.id).await);
     }
@@ -277,7 +450,8 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
     assert!(page_through(nobody).await.is_empty());
 }
 
-pub(super) async fn records_are_counted_by_phase(store: Arc<dyn Store>) {
+pub(super) async fn records_are_counted_by_phase(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     assert!(store.count_by_phase().await.unwrap().iter().all(|(_, n)| *n == 0));
     for i in 0..3 {
         queued(&store, request("default", &format!("queued-{i}"), BODY)).await;
@@ -304,7 +478,8 @@ fn deleting(cutoff: Millis) -> SweepPlan {
     SweepPlan { now: cutoff, routes: vec![payments], others_cutoff: cutoff }
 }
 
-pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(store: Arc<dyn Store>) {
+pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old_a = done(&store, request("default", "old-a", BODY), T0 + 1_000).await;
     let old_b = done(&store, request("default", "old-b", BODY), T0 + 1_100).await;
     let recent = done(&store, request("default", "recent", BODY), T0 + 3_000).await;
@@ -313,29 +488,36 @@ pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutof
     let released = free(&store, request("default", "free", BODY)).await;
 
     let cutoff = T0 + 2_000;
-    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 1, "at most `limit` per call");
-    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 1);
-    assert_eq!(store.sweep_done(&deleting(cutoff), 1).await.unwrap(), 0);
+    assert_eq!(
+        store.sweep_done(Sweep { plan: deleting(cutoff), limit: 1 }).await.unwrap(),
+        1,
+        "at most `limit` per call"
+    );
+    assert_eq!(store.sweep_done(Sweep { plan: deleting(cutoff), limit: 1 }).await.unwrap(), 1);
+    assert_eq!(store.sweep_done(Sweep { plan: deleting(cutoff), limit: 1 }).await.unwrap(), 0);
     for gone in [old_a.id, old_b.id] {
         assert!(store.get(gone).await.unwrap().is_none());
     }
     for kept in [recent.id, unsettled.id, waiting.id, released.id] {
         fetch(&store, kept).await;
     }
-    assert_eq!(store.sweep_done(&deleting(T0 + 3_000), 100).await.unwrap(), 0, "finished at the cutoff is kept");
-    assert_eq!(store.sweep_done(&deleting(T0 + 3_001), 100).await.unwrap(), 1);
+    assert_eq!(
+        store.sweep_done(Sweep { plan: deleting(T0 + 3_000), limit: 100 }).await.unwrap(),
+        0,
+        "finished at the cutoff is kept"
+    );
+    assert_eq!(store.sweep_done(Sweep { plan: deleting(T0 + 3_001), limit: 100 }).await.unwrap(), 1);
     assert!(store.get(recent.id).await.unwrap().is_none());
 }
 
-pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(
-    store: Arc<dyn Store>,
-) {
+pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let old = done(&store, request("default", "spent", BODY), T0 + 1_000).await;
     let other_route = done(&store, request_on("gone", "default", "elsewhere", BODY, T0), T0 + 1_000).await;
     // Retention ends at T0 + 2 s; the tombstone lasts 10 s more.
     let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
     let plan = SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: T0 + 2_000 };
-    assert_eq!(store.sweep_done(&plan, 100).await.unwrap(), 2);
+    assert_eq!(store.sweep_done(Sweep { plan: plan.clone(), limit: 100 }).await.unwrap(), 2);
     assert!(store.get(other_route.id).await.unwrap().is_none(), "a route no longer configured keeps no tombstone");
 
     let tombstone = fetch(&store, old.id).await;
@@ -346,7 +528,7 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
     assert!(tombstone.response.unwrap().body.is_empty() && tombstone.request.body.is_empty(), "bodies dropped");
     assert!(tombstone.attempts.is_empty() && tombstone.history.is_empty());
     // Sweeping again changes nothing: a tombstone is not swept as a done record.
-    assert_eq!(store.sweep_done(&plan, 100).await.unwrap(), 0);
+    assert_eq!(store.sweep_done(Sweep { plan, limit: 100 }).await.unwrap(), 0);
 
     // The same request within the tombstone: refused with the tombstone, never admitted.
     let within = T0 + 5_000;
@@ -356,23 +538,27 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
         tombstone_cutoff: Some(within - 11_000),
         ..request("default", "spent", BODY)
     };
-    match store.admit(again.clone(), within - 2_000).await.unwrap() {
+    match store.admit(Admit { new: again.clone(), retention_cutoff: within - 2_000 }).await.unwrap() {
         Admission::Existing(record) => assert_eq!(record.id, old.id),
         other => panic!("a spent key was admitted again: {other:?}"),
     }
     // A route that keeps no tombstones (any more) lets it execute again.
     let untombed = NewRecord { tombstone_cutoff: None, ..again.clone() };
-    match store.admit(untombed, within - 2_000).await.unwrap() {
+    match store.admit(Admit { new: untombed, retention_cutoff: within - 2_000 }).await.unwrap() {
         Admission::Requeued(record) | Admission::Created(record) => assert_eq!(record.tombstone_until, None),
         other => panic!("{other:?}"),
     }
 }
 
-pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(store: Arc<dyn Store>) {
+pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     done(&store, request("default", "reused", BODY), T0 + 1_000).await;
     done(&store, request("default", "late", BODY), T0 + 1_000).await;
     let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
-    store.sweep_done(&SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: 0 }, 100).await.unwrap();
+    store
+        .sweep_done(Sweep { plan: SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: 0 }, limit: 100 })
+        .await
+        .unwrap();
 
     let within = T0 + 5_000;
     let other_body = NewRecord {
@@ -382,7 +568,7 @@ pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(sto
         ..request("default", "reused", b"{\"amount\":7}")
     };
     assert!(matches!(
-        store.admit(other_body, within - 2_000).await.unwrap(),
+        store.admit(Admit { new: other_body, retention_cutoff: within - 2_000 }).await.unwrap(),
         Admission::Requeued(_) | Admission::Created(_)
     ));
     // Past the tombstone: the same request executes afresh, before the sweep deletes it and after.
@@ -393,5 +579,8 @@ pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(sto
         tombstone_cutoff: Some(after - 11_000),
         ..request("default", "late", BODY)
     };
-    assert!(matches!(store.admit(late, after - 2_000).await.unwrap(), Admission::Requeued(_) | Admission::Created(_)));
+    assert!(matches!(
+        store.admit(Admit { new: late, retention_cutoff: after - 2_000 }).await.unwrap(),
+        Admission::Requeued(_) | Admission::Created(_)
+    ));
 }

@@ -1,7 +1,7 @@
 //! The emergency switches: set, replaced, cleared, expired; the active ones and the history.
 
 use super::*;
-use idem::store::SwitchCleared;
+use idem::store::{ClearSwitch, SwitchCleared};
 use idem::switch::{Clearing, Scope, Switch, SwitchAction};
 
 fn switch(scope: Scope, action: SwitchAction, actor: &str, set_at: Millis, expires_at: Option<Millis>) -> Switch {
@@ -25,7 +25,8 @@ fn ids(switches: &[Switch]) -> Vec<Uuid> {
     switches.iter().map(|s| s.id).collect()
 }
 
-pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audit(store: Arc<dyn Store>) {
+pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audit(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let payments = Scope::Route("payments".into());
     assert!(store.active_switches(T0).await.unwrap().is_empty());
 
@@ -44,15 +45,18 @@ pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audi
     assert!(how.reason.contains(&second.id.to_string()) && how.reason.contains("bob saw a storm"), "{}", how.reason);
     assert_eq!(ids(&store.active_switches(T0 + 11).await.unwrap()), vec![all.id, second.id]);
 
-    match store.clear_switch(second.id, clearing("carol", T0 + 20)).await.unwrap() {
+    match store.clear_switch(ClearSwitch { id: second.id, clearing: clearing("carol", T0 + 20) }).await.unwrap() {
         SwitchCleared::Cleared(s) => assert_eq!(s.cleared, Some(clearing("carol", T0 + 20))),
         other => panic!("expected Cleared, got {other:?}"),
     }
-    match store.clear_switch(second.id, clearing("dave", T0 + 21)).await.unwrap() {
+    match store.clear_switch(ClearSwitch { id: second.id, clearing: clearing("dave", T0 + 21) }).await.unwrap() {
         SwitchCleared::NotActive(s) => assert_eq!(s.cleared.unwrap().actor, "carol", "the first clearing stands"),
         other => panic!("expected NotActive, got {other:?}"),
     }
-    assert!(matches!(store.clear_switch(Uuid::new_v4(), clearing("dave", T0)).await.unwrap(), SwitchCleared::Missing));
+    assert!(matches!(
+        store.clear_switch(ClearSwitch { id: Uuid::new_v4(), clearing: clearing("dave", T0) }).await.unwrap(),
+        SwitchCleared::Missing
+    ));
     assert_eq!(ids(&store.active_switches(T0 + 22).await.unwrap()), vec![all.id]);
 
     // Everything stays in the history, newest first.
@@ -64,14 +68,15 @@ pub(super) async fn switches_are_set_listed_replaced_and_cleared_with_their_audi
     assert_eq!(ids(&store.switch_history(1).await.unwrap()), vec![second.id]);
 }
 
-pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept(store: Arc<dyn Store>) {
+pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared_but_kept(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let payments = Scope::Route("payments".into());
     let brief = switch(payments.clone(), SwitchAction::Isolate, "alice", T0, Some(T0 + 1000));
     store.set_switch(brief.clone()).await.unwrap();
     assert_eq!(ids(&store.active_switches(T0 + 999).await.unwrap()), vec![brief.id]);
     assert!(store.active_switches(T0 + 1000).await.unwrap().is_empty(), "over at its expiry");
 
-    match store.clear_switch(brief.id, clearing("bob", T0 + 1000)).await.unwrap() {
+    match store.clear_switch(ClearSwitch { id: brief.id, clearing: clearing("bob", T0 + 1000) }).await.unwrap() {
         SwitchCleared::NotActive(s) => assert_eq!(s.cleared, None),
         other => panic!("expected NotActive, got {other:?}"),
     }
@@ -83,7 +88,8 @@ pub(super) async fn an_expired_switch_is_not_active_not_replaced_and_not_cleared
     assert_eq!(history[1], brief, "kept as it was set");
 }
 
-pub(super) async fn of_concurrent_sets_of_one_scope_and_action_one_stays_active(store: Arc<dyn Store>) {
+pub(super) async fn of_concurrent_sets_of_one_scope_and_action_one_stays_active(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
     let sets = (0..8).map(|i| {
         let store = store.clone();
         let s = switch(Scope::All, SwitchAction::RetriesOff, &format!("op{i}"), T0 + i, None);

@@ -172,7 +172,7 @@ mod tests {
             number,
             started_at,
             duration_ms: took,
-            outcome: String::new(),
+            outcome: crate::record::AttemptOutcome::Success,
             status,
             error: error.map(str::to_string),
             wait_ms: 0,

@@ -17,7 +17,7 @@ fn attempt(number: u32, started_at: Millis, status: u16) -> Attempt {
         number,
         started_at,
         duration_ms: 10,
-        outcome: String::new(),
+        outcome: crate::record::AttemptOutcome::Success,
         status: Some(status),
         error: None,
         wait_ms: 0,

@@ -2,15 +2,16 @@
 //! record before it decides, so each locks the row for its one transaction.
 
 use sqlx::PgPool;
-use uuid::Uuid;
 
-use super::{one_element, COLUMNS};
-use crate::record::{HistoryEntry, Millis, Record, State};
-use crate::store::{decode, refusal, Action, Cancelled, Resolution, StoreError};
+use super::rows::{one_element, COLUMNS};
+use crate::record::{transition, Event, HistoryEntry, Phase, Record, RecordId, Refused};
+use crate::store::{
+    decide, decode, retried, Action, Cancel, Cancelled, Probed, Resolution, Resolve, Retry, StoreError,
+};
 
 /// Reads a record and locks it until `tx` ends: the read-then-write actions decide on what they
 /// read, so nothing may change it in between.
-async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: Uuid) -> Result<Option<Record>, StoreError> {
+async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: RecordId) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid FOR UPDATE"))
         .bind(id.to_string())
         .fetch_optional(&mut **tx)
@@ -19,40 +20,50 @@ async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: Uuid) -> Resul
         .transpose()
 }
 
-pub(super) async fn cancel(pool: &PgPool, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+/// A cancel as [`transition`] decides it from the locked record's phase, persisted guarded by
+/// that phase.
+pub(super) async fn cancel(pool: &PgPool, cancel: Cancel) -> Result<Cancelled, StoreError> {
+    let Cancel { id, entry } = cancel;
     let mut tx = pool.begin().await?;
     let Some(record) = lock(&mut tx, id).await? else {
         return Ok(Cancelled::Missing);
     };
-    let set = match (record.state, record.queued) {
-        (State::NotStarted, true) => "queued = FALSE, stop_reason = 'cancelled'",
-        (State::InProgress, _) => "cancel_requested = TRUE",
+    let (set, guard) = match transition(record.phase(), Event::Cancel) {
+        Ok(Phase::Free) => ("queued = FALSE, stop_reason = 'cancelled'", "state = 'not_started' AND queued"),
+        Ok(Phase::InProgress) => ("cancel_requested = TRUE", "state = 'in_progress'"),
         _ => return Ok(Cancelled::Refused(record)),
     };
     let row = sqlx::query(&format!(
         "UPDATE records SET {set}, updated_at = $3, history = history || $2::jsonb
-         WHERE id = $1::uuid
+         WHERE id = $1::uuid AND {guard}
          RETURNING {COLUMNS}"
     ))
     .bind(id.to_string())
     .bind(one_element(&entry)?)
     .bind(entry.at)
-    .fetch_one(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
     tx.commit().await?;
+    let Some(row) = row else {
+        return Err(Refused { from: record.phase(), event: Event::Cancel }.into());
+    };
     let updated = decode(&row)?;
-    Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
+    Ok(if record.phase() == Phase::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
+}
+
+pub(super) async fn resolve(pool: &PgPool, resolve: Resolve) -> Result<Action, StoreError> {
+    settle(pool, resolve.id, resolve.resolution, false, resolve.entry).await
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
-pub(super) async fn settle(
+async fn settle(
     pool: &PgPool,
-    id: Uuid,
+    id: RecordId,
     resolution: Resolution,
     probe: bool,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
-    let (state, response) = resolution.stored();
+    let (state, response) = resolution.stored()?;
     let sql = unknown_update(
         "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
          response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
@@ -67,7 +78,7 @@ pub(super) async fn settle(
         .bind(entry.at)
         .bind(i32::from(probe))
         .bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
+    on_unknown(pool, id, resolution.event(), update).await
 }
 
 /// An update of one `unknown` record (`$1`) that sets `set` and returns the record.
@@ -79,50 +90,52 @@ fn unknown_update(set: &str) -> String {
     )
 }
 
-/// Runs `update` (made by [`unknown_update`]) on record `id`, locked first: a record that is not
-/// `unknown` is refused, with the state it is in.
+/// Runs `update` (made by [`unknown_update`]) on record `id`, locked first, if the transition
+/// table lets the record as it stands take `event`; otherwise it is refused, as it stands.
 async fn on_unknown(
     pool: &PgPool,
-    id: Uuid,
+    id: RecordId,
+    event: Event,
     update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
 ) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    if let Some(answer) = refusal(lock(&mut tx, id).await?) {
+    if let Err(answer) = decide(lock(&mut tx, id).await?, event) {
         return Ok(answer);
     }
-    let row = update.fetch_one(&mut *tx).await?;
+    let row = update.fetch_optional(&mut *tx).await?;
     tx.commit().await?;
-    Ok(Action::Applied(decode(&row)?))
+    match row {
+        Some(row) => Ok(Action::Applied(decode(&row)?)),
+        None => Err(Refused { from: Phase::Unknown, event }.into()),
+    }
 }
 
-pub(super) async fn retry(
-    pool: &PgPool,
-    id: Uuid,
-    deadline_at: Millis,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
+pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreError> {
+    let Retry { id, deadline_at, entry } = retry;
+    let to = retried()?;
     let sql = unknown_update(
-        "state = 'not_started', queued = TRUE, deadline_at = $2, stop_reason = NULL,
+        "state = $5, queued = $6, deadline_at = $2, stop_reason = NULL,
          cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, takeovers = 0,
          history = history || $4::jsonb",
     );
-    let update = sqlx::query(&sql).bind(id.to_string()).bind(deadline_at).bind(entry.at).bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
+    let update = sqlx::query(&sql)
+        .bind(id.to_string())
+        .bind(deadline_at)
+        .bind(entry.at)
+        .bind(one_element(&entry)?)
+        .bind(to.state().as_str())
+        .bind(to == Phase::Queued);
+    on_unknown(pool, id, Event::OperatorRetry, update).await
 }
 
-pub(super) async fn probed(
-    pool: &PgPool,
-    id: Uuid,
-    resolution: Option<Resolution>,
-    next_at: Millis,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
+pub(super) async fn probed(pool: &PgPool, probed: Probed) -> Result<Action, StoreError> {
+    let Probed { id, resolution, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
         return settle(pool, id, resolution, true, entry).await;
     }
     let sql = unknown_update(
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
     );
-    let update = sqlx::query(&sql).bind(id.to_string()).bind(next_at).bind(entry.at).bind(one_element(&entry)?);
-    on_unknown(pool, id, update).await
+    let update = sqlx::query(&sql).bind(id.to_string()).bind(next_probe_at).bind(entry.at).bind(one_element(&entry)?);
+    on_unknown(pool, id, Event::ProbeInconclusive, update).await
 }

@@ -2,15 +2,18 @@
 //! execute, commit and answer; under load the new keys waiting at the same moment go in as one
 //! `INSERT … SELECT FROM unnest(…) ON CONFLICT DO NOTHING`, one statement and one commit for all
 //! of them. Whatever that insert did not take — a key that has a record already, the same key
-//! twice in one batch, a batch that failed — goes the one-row way ([`super::admit`]), which
+//! twice in one batch, a batch that failed — goes the one-row way ([`admit`]), which
 //! decides takeovers and reads the record that refused it.
 
-use sqlx::PgPool;
+use std::sync::LazyLock;
+
+use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
-use crate::record::Millis;
-use crate::store::{Admission, NewRecord, StoreError};
+use super::rows::{record_id, COLUMNS};
+use crate::record::HistoryEntry;
+use crate::store::{decode, Admission, Admit, Fresh, NewRecord, StoreError};
 
 /// The most admissions in one statement.
 const MAX_BATCH: usize = 128;
@@ -18,8 +21,7 @@ const MAX_BATCH: usize = 128;
 const LANES: usize = 4;
 
 struct Pending {
-    new: NewRecord,
-    cutoff: Millis,
+    admit: Admit,
     reply: Reply<Admission>,
 }
 
@@ -32,8 +34,8 @@ impl Admissions {
         Admissions { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| admit_all(pool.clone(), batch)) }
     }
 
-    pub(super) async fn admit(&self, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
-        self.lanes.ask(|reply| Pending { new, cutoff, reply }).await
+    pub(super) async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
+        self.lanes.ask(|reply| Pending { admit, reply }).await
     }
 }
 
@@ -42,21 +44,21 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
     // and a key that exists is not tried twice.
     if batch.len() == 1 {
         let pending = batch.remove(0);
-        let _ = pending.reply.send(super::admit(&pool, pending.new, pending.cutoff).await);
+        let _ = pending.reply.send(admit(&pool, pending.admit).await);
         return;
     }
     let inserted = insert_fresh(&pool, &mut batch).await;
     for pending in batch {
         match &inserted {
-            Ok(ids) if ids.contains(&pending.new.id) => {
-                let _ = pending.reply.send(Ok(Admission::Created(pending.new.inserted())));
+            Ok(ids) if ids.contains(&pending.admit.new.id) => {
+                let _ = pending.reply.send(Ok(Admission::Created(pending.admit.new.inserted())));
             }
             // Not inserted, or the batch failed: the one-row way decides, with its own error if
             // it has one. It runs beside the lane so that the next batch need not wait for it.
             _ => {
                 let pool = pool.clone();
                 tokio::spawn(async move {
-                    let _ = pending.reply.send(super::admit(&pool, pending.new, pending.cutoff).await);
+                    let _ = pending.reply.send(admit(&pool, pending.admit).await);
                 });
             }
         }
@@ -68,8 +70,10 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
 async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>, StoreError> {
     // In one order in every batch, so that two batches inserting the same keys at once wait for
     // each other instead of deadlocking.
-    batch.sort_unstable_by(|a, b| (&a.new.tenant, &a.new.key).cmp(&(&b.new.tenant, &b.new.key)));
-    let news: Vec<&NewRecord> = batch.iter().map(|p| &p.new).collect();
+    batch
+        .sort_unstable_by(|a, b| (&a.admit.new.tenant, &a.admit.new.key).cmp(&(&b.admit.new.tenant, &b.admit.new.key)));
+    let news: Vec<&NewRecord> = batch.iter().map(|p| &p.admit.new).collect();
+    let fresh: Vec<Fresh> = news.iter().map(|n| n.fresh()).collect();
     let headers = news.iter().map(|n| serde_json::to_string(&n.request.headers)).collect::<Result<Vec<_>, _>>()?;
     let ids: Vec<String> = sqlx::query_scalar(INSERT_FRESH)
         .bind(news.iter().map(|n| n.id.to_string()).collect::<Vec<_>>())
@@ -84,12 +88,16 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(news.iter().map(|n| &n.request.body[..]).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.deadline_at).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.now).collect::<Vec<_>>())
-        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.owner.as_str())).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| &*c.owner)).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.lease_until)).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.policy_version.as_str())).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.state.as_str()).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.queued).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.in_flight.map(|(number, _)| i64::from(number))).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.in_flight.map(|(_, at)| at)).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
-    ids.iter().map(|id| super::record_id(id)).collect()
+    ids.iter().map(|id| record_id(id)).collect()
 }
 
 const INSERT_FRESH: &str = "
@@ -98,14 +106,130 @@ INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, r
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
                      policy_version)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
-       CASE WHEN owner IS NULL THEN 'not_started' ELSE 'in_progress' END, owner IS NULL,
-       deadline_at, now, now, owner, lease_until,
-       CASE WHEN owner IS NULL THEN NULL ELSE 1 END, CASE WHEN owner IS NULL THEN NULL ELSE now END,
+       state, queued, deadline_at, now, now, owner, lease_until, in_flight_number, in_flight_started_at,
        policy_version
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
             $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
-            $15::text[])
+            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
-               deadline_at, now, owner, lease_until, policy_version)
+               deadline_at, now, owner, lease_until, policy_version, state, queued,
+               in_flight_number, in_flight_started_at)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";
+
+/// How many times `admit` retries when the row it conflicted with changed before it could read
+/// it. Each retry needs another request to change that very row in between; more than a few in a
+/// row means something is wrong.
+const ADMIT_TRIES: usize = 8;
+
+/// Insert, or take over a key whose record is expired (`done` past retention) or free with the
+/// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
+/// any number of concurrent admits one inserts or updates and the others see its result.
+static ADMIT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
+                              request_headers, request_body, state, queued, deadline_at,
+                              created_at, updated_at, lease_owner, lease_expires_at,
+                              in_flight_number, in_flight_started_at, policy_version)
+         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
+                 $19, $20, $11, $12, $12, $15::text, $16::bigint, $21::bigint, $22::bigint, $18::text)
+         ON CONFLICT (tenant, key) DO UPDATE SET
+            id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
+            attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
+            history = CASE WHEN records.state = 'done' THEN '[]'::jsonb
+                           ELSE records.history || $13::jsonb END,
+            created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
+                              ELSE records.created_at END,
+            takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
+            policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
+            route = excluded.route, method = excluded.method, path = excluded.path,
+            query = excluded.query, fingerprint = excluded.fingerprint,
+            request_headers = excluded.request_headers, request_body = excluded.request_body,
+            state = 'not_started', queued = TRUE, deadline_at = excluded.deadline_at,
+            lease_owner = NULL, lease_expires_at = NULL, in_flight_number = NULL,
+            in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
+            response_headers = NULL, response_body = NULL, done_at = NULL,
+            cancel_requested = FALSE, probe_count = 0, next_probe_at = NULL, not_before = NULL,
+            tombstone_until = NULL, updated_at = excluded.updated_at
+         WHERE (records.state = 'done' AND records.done_at < $14
+                AND NOT ($17::bigint IS NOT NULL AND records.done_at >= $17::bigint
+                         AND records.fingerprint = excluded.fingerprint))
+            OR (records.state = 'not_started' AND NOT records.queued
+                AND records.fingerprint = excluded.fingerprint)
+         RETURNING {COLUMNS}"
+    )
+});
+
+/// The record that refused an admit, and whether it has since become admissible (then the
+/// admit is tried again rather than answered with a record that no longer refuses it).
+static EXISTING: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT {COLUMNS},
+                COALESCE((state = 'done' AND done_at < $3
+                          AND NOT ($5::bigint IS NOT NULL AND done_at >= $5::bigint AND fingerprint = $4))
+                         OR (state = 'not_started' AND NOT queued AND fingerprint = $4),
+                         FALSE) AS admissible
+         FROM records WHERE tenant = $1 AND key = $2"
+    )
+});
+
+pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, StoreError> {
+    let Admit { new, retention_cutoff: cutoff } = admit;
+    let fresh = new.fresh();
+    let requeued = serde_json::to_string(&[HistoryEntry {
+        at: new.now,
+        actor: "client".into(),
+        action: "requeued".into(),
+        note: Some("the same request was sent again for a free key".into()),
+    }])?;
+    let request_headers = serde_json::to_string(&new.request.headers)?;
+    for _ in 0..ADMIT_TRIES {
+        let row = sqlx::query(&ADMIT)
+            .bind(new.id.to_string())
+            .bind(&new.tenant)
+            .bind(&new.key)
+            .bind(&new.route)
+            .bind(&new.method)
+            .bind(&new.path)
+            .bind(&new.query)
+            .bind(&new.fingerprint.as_bytes()[..])
+            .bind(&request_headers)
+            .bind(&new.request.body[..])
+            .bind(new.deadline_at)
+            .bind(new.now)
+            .bind(&requeued)
+            .bind(cutoff)
+            .bind(new.claim.as_ref().map(|c| &*c.owner))
+            .bind(new.claim.as_ref().map(|c| c.lease_until))
+            .bind(new.tombstone_cutoff)
+            .bind(new.claim.as_ref().map(|c| c.policy_version.as_str()))
+            .bind(fresh.state.as_str())
+            .bind(fresh.queued)
+            .bind(fresh.in_flight.map(|(number, _)| i64::from(number)))
+            .bind(fresh.in_flight.map(|(_, at)| at))
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = row {
+            // The row as this statement left it. Read back later, another worker of any node
+            // might already have claimed a requeued record, which would pass for our own claim.
+            let record = decode(&row)?;
+            return Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) });
+        }
+        // The key's record refused this request. Read it; it may have changed (or been swept)
+        // since, in which case the insert decides again.
+        let row = sqlx::query(&EXISTING)
+            .bind(&new.tenant)
+            .bind(&new.key)
+            .bind(cutoff)
+            .bind(&new.fingerprint.as_bytes()[..])
+            .bind(new.tombstone_cutoff)
+            .fetch_optional(pool)
+            .await?;
+        if let Some(row) = row {
+            if !row.try_get::<bool, _>("admissible")? {
+                return Ok(Admission::Existing(decode(&row)?));
+            }
+        }
+    }
+    Err(StoreError::Unavailable(format!("the record for key `{}` kept changing while it was admitted", new.key)))
+}

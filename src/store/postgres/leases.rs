@@ -4,14 +4,13 @@
 
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::Row;
-use uuid::Uuid;
 
-use crate::record::Millis;
-use crate::store::{Lease, StoreError};
+use crate::record::{transition, Event, Phase};
+use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError};
 
 /// Takes a queued record.
 pub(super) const CLAIM: &str = "
-UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $2, lease_expires_at = $3,
+UPDATE records SET state = $5, queued = FALSE, lease_owner = $2, lease_expires_at = $3,
                    updated_at = $4
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'not_started' AND queued";
 
@@ -28,14 +27,17 @@ UPDATE records SET lease_expires_at = $3, updated_at = $4
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
 RETURNING cancel_requested";
 
-pub(super) async fn claim(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    until: Millis,
-    now: Millis,
-) -> Result<bool, StoreError> {
-    let done = sqlx::query(CLAIM).bind(id.to_string()).bind(owner).bind(until).bind(now).execute(pool).await?;
+pub(super) async fn claim(pool: &PgPool, claim: ClaimQueued) -> Result<bool, StoreError> {
+    let ClaimQueued { id, owner, lease_until, now } = claim;
+    let to = transition(Phase::Queued, Event::Claim)?;
+    let done = sqlx::query(CLAIM)
+        .bind(id.to_string())
+        .bind(&*owner)
+        .bind(lease_until)
+        .bind(now)
+        .bind(to.state().as_str())
+        .execute(pool)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 
@@ -46,35 +48,23 @@ fn lease_of(row: Option<PgRow>) -> Result<Lease, StoreError> {
     })
 }
 
-/// The attempt's number, start, lease end and policy version.
-pub(super) type Started<'a> = (u32, Millis, Millis, &'a str);
-
-pub(super) async fn attempt_started(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    started: Started<'_>,
-) -> Result<Lease, StoreError> {
-    let (number, at, until, version) = started;
+pub(super) async fn attempt_started(pool: &PgPool, started: AttemptStarted) -> Result<Lease, StoreError> {
+    let AttemptStarted { id, owner, number, started_at, lease_until, policy_version } = started;
     let row = sqlx::query(ATTEMPT_STARTED)
         .bind(id.to_string())
-        .bind(owner)
+        .bind(&*owner)
         .bind(i64::from(number))
-        .bind(at)
-        .bind(until)
-        .bind(version)
+        .bind(started_at)
+        .bind(lease_until)
+        .bind(policy_version.as_str())
         .fetch_optional(pool)
         .await?;
     lease_of(row)
 }
 
-pub(super) async fn renew(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    until: Millis,
-    now: Millis,
-) -> Result<Lease, StoreError> {
-    let row = sqlx::query(RENEW).bind(id.to_string()).bind(owner).bind(until).bind(now).fetch_optional(pool).await?;
+pub(super) async fn renew(pool: &PgPool, renew: Renew) -> Result<Lease, StoreError> {
+    let Renew { id, owner, lease_until, now } = renew;
+    let row =
+        sqlx::query(RENEW).bind(id.to_string()).bind(&*owner).bind(lease_until).bind(now).fetch_optional(pool).await?;
     lease_of(row)
 }

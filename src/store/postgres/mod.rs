@@ -28,30 +28,30 @@ mod leases;
 mod notices;
 mod outcomes;
 pub(super) mod recorded;
+mod rows;
 mod stats;
 mod switches;
 #[cfg(test)]
 mod tests;
 mod upkeep;
 
-use std::sync::LazyLock;
-
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
-use sqlx::{Connection, Row};
+use sqlx::Connection;
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
 use self::admissions::Admissions;
-use self::leases::{attempt_started, claim, renew};
 use self::outcomes::Outcomes;
-use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
+use self::rows::{get, COLUMNS};
+use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Notice, Page, Resolution,
-    Store, StoreError, SweepPlan, SwitchCleared, TakeOverTo,
+    decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
+    Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
-use crate::switch::{Clearing, Switch};
+use crate::record::{Millis, Phase, Record, State};
+use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
 /// nodes fit in PostgreSQL's default `max_connections`.
@@ -59,21 +59,6 @@ const MAX_CONNECTIONS: u32 = 16;
 /// Notices held for a slow subscriber before it starts missing some (it then sees `Lagged` and
 /// re-reads what it waits for).
 const NOTICE_BACKLOG: usize = 1024;
-/// How many times `admit` retries when the row it conflicted with changed before it could read
-/// it. Each retry needs another request to change that very row in between; more than a few in a
-/// row means something is wrong.
-const ADMIT_TRIES: usize = 8;
-
-/// Every column of `records`, in the shape [`decode`] reads: ids and JSON as text, integers
-/// as 64 bits.
-const COLUMNS: &str = "id::text AS id, tenant, key, route, method, path, query, fingerprint,
-    request_headers::text AS request_headers, request_body, state, queued, deadline_at,
-    lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
-    attempts::text AS attempts, stop_reason, response_status::bigint AS response_status,
-    response_headers::text AS response_headers, response_body, history::text AS history,
-    cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
-    takeovers::bigint AS takeovers, tombstone_until, policy_version";
-
 pub struct PostgresStore {
     pool: PgPool,
     admissions: Admissions,
@@ -107,143 +92,10 @@ impl PostgresStore {
     }
 }
 
-// ---- SQL -------------------------------------------------------------------------------------
-
-/// Insert, or take over a key whose record is expired (`done` past retention) or free with the
-/// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
-/// any number of concurrent admits one inserts or updates and the others see its result.
-static ADMIT: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
-                              request_headers, request_body, state, queued, deadline_at,
-                              created_at, updated_at, lease_owner, lease_expires_at,
-                              in_flight_number, in_flight_started_at, policy_version)
-         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
-                 CASE WHEN $15::text IS NULL THEN 'not_started' ELSE 'in_progress' END,
-                 $15::text IS NULL, $11, $12, $12, $15::text, $16::bigint,
-                 CASE WHEN $15::text IS NULL THEN NULL ELSE 1 END,
-                 CASE WHEN $15::text IS NULL THEN NULL ELSE $12 END, $18::text)
-         ON CONFLICT (tenant, key) DO UPDATE SET
-            id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
-            attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
-            history = CASE WHEN records.state = 'done' THEN '[]'::jsonb
-                           ELSE records.history || $13::jsonb END,
-            created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
-                              ELSE records.created_at END,
-            takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
-            policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
-            route = excluded.route, method = excluded.method, path = excluded.path,
-            query = excluded.query, fingerprint = excluded.fingerprint,
-            request_headers = excluded.request_headers, request_body = excluded.request_body,
-            state = 'not_started', queued = TRUE, deadline_at = excluded.deadline_at,
-            lease_owner = NULL, lease_expires_at = NULL, in_flight_number = NULL,
-            in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
-            response_headers = NULL, response_body = NULL, done_at = NULL,
-            cancel_requested = FALSE, probe_count = 0, next_probe_at = NULL, not_before = NULL,
-            tombstone_until = NULL, updated_at = excluded.updated_at
-         WHERE (records.state = 'done' AND records.done_at < $14
-                AND NOT ($17::bigint IS NOT NULL AND records.done_at >= $17::bigint
-                         AND records.fingerprint = excluded.fingerprint))
-            OR (records.state = 'not_started' AND NOT records.queued
-                AND records.fingerprint = excluded.fingerprint)
-         RETURNING {COLUMNS}"
-    )
-});
-
-async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
-    sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
-        .bind(id.to_string())
-        .fetch_optional(pool)
-        .await?
-        .map(|row| decode(&row))
-        .transpose()
-}
-
-/// The record that refused an admit, and whether it has since become admissible (then the
-/// admit is tried again rather than answered with a record that no longer refuses it).
-static EXISTING: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT {COLUMNS},
-                COALESCE((state = 'done' AND done_at < $3
-                          AND NOT ($5::bigint IS NOT NULL AND done_at >= $5::bigint AND fingerprint = $4))
-                         OR (state = 'not_started' AND NOT queued AND fingerprint = $4),
-                         FALSE) AS admissible
-         FROM records WHERE tenant = $1 AND key = $2"
-    )
-});
-
-async fn admit(pool: &PgPool, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
-    let requeued = serde_json::to_string(&[HistoryEntry {
-        at: new.now,
-        actor: "client".into(),
-        action: "requeued".into(),
-        note: Some("the same request was sent again for a free key".into()),
-    }])?;
-    let request_headers = serde_json::to_string(&new.request.headers)?;
-    for _ in 0..ADMIT_TRIES {
-        let row = sqlx::query(&ADMIT)
-            .bind(new.id.to_string())
-            .bind(&new.tenant)
-            .bind(&new.key)
-            .bind(&new.route)
-            .bind(&new.method)
-            .bind(&new.path)
-            .bind(&new.query)
-            .bind(&new.fingerprint.as_bytes()[..])
-            .bind(&request_headers)
-            .bind(&new.request.body[..])
-            .bind(new.deadline_at)
-            .bind(new.now)
-            .bind(&requeued)
-            .bind(cutoff)
-            .bind(new.claim.as_ref().map(|c| c.owner.as_str()))
-            .bind(new.claim.as_ref().map(|c| c.lease_until))
-            .bind(new.tombstone_cutoff)
-            .bind(new.claim.as_ref().map(|c| c.policy_version.as_str()))
-            .fetch_optional(pool)
-            .await?;
-        if let Some(row) = row {
-            // The row as this statement left it. Read back later, another worker of any node
-            // might already have claimed a requeued record, which would pass for our own claim.
-            let record = decode(&row)?;
-            return Ok(if record.id == new.id { Admission::Created(record) } else { Admission::Requeued(record) });
-        }
-        // The key's record refused this request. Read it; it may have changed (or been swept)
-        // since, in which case the insert decides again.
-        let row = sqlx::query(&EXISTING)
-            .bind(&new.tenant)
-            .bind(&new.key)
-            .bind(cutoff)
-            .bind(&new.fingerprint.as_bytes()[..])
-            .bind(new.tombstone_cutoff)
-            .fetch_optional(pool)
-            .await?;
-        if let Some(row) = row {
-            if !row.try_get::<bool, _>("admissible")? {
-                return Ok(Admission::Existing(decode(&row)?));
-            }
-        }
-    }
-    Err(StoreError::Unavailable(format!("the record for key `{}` kept changing while it was admitted", new.key)))
-}
-
-// The statements about one leased or queued record. Each names the record by id and checks
-// its state in a form no index can serve (see the module's documentation).
-
-/// A record id that PostgreSQL returned as text.
-fn record_id(text: &str) -> Result<Uuid, StoreError> {
-    Uuid::parse_str(text).map_err(|e| StoreError::Corrupt(format!("record id `{text}`: {e}")))
-}
-
-/// A JSON array holding `item`: what `jsonb || …` appends as one element.
-fn one_element<T: serde::Serialize>(item: &T) -> Result<String, StoreError> {
-    Ok(serde_json::to_string(&[item])?)
-}
-
 #[async_trait]
 impl Store for PostgresStore {
-    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
-        self.admissions.admit(new, retention_cutoff).await
+    async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
+        self.admissions.admit(admit).await
     }
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
@@ -260,39 +112,24 @@ impl Store for PostgresStore {
         get(&self.pool, id).await
     }
 
-    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
-        claim(&self.pool, id, owner, lease_until, now).await
+    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError> {
+        leases::claim(&self.pool, claim).await
     }
 
-    async fn attempt_started(
-        &self,
-        id: Uuid,
-        owner: &str,
-        number: u32,
-        started_at: Millis,
-        lease_until: Millis,
-        policy_version: &str,
-    ) -> Result<Lease, StoreError> {
-        attempt_started(&self.pool, id, owner, (number, started_at, lease_until, policy_version)).await
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+        leases::attempt_started(&self.pool, started).await
     }
 
-    async fn attempt_ended(
-        &self,
-        id: Uuid,
-        owner: &str,
-        attempt: Option<Attempt>,
-        then: AfterAttempt,
-        now: Millis,
-    ) -> Result<Lease, StoreError> {
-        self.outcomes.attempt_ended(id, owner, attempt, then, now).await
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+        self.outcomes.attempt_ended(ended).await
     }
 
-    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
-        renew(&self.pool, id, owner, lease_until, now).await
+    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+        leases::renew(&self.pool, renew).await
     }
 
-    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
-        actions::cancel(&self.pool, id, entry).await
+    async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
+        actions::cancel(&self.pool, cancel).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
@@ -315,12 +152,12 @@ impl Store for PostgresStore {
         page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
     }
 
-    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
-        actions::settle(&self.pool, id, resolution, false, entry).await
+    async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
+        actions::resolve(&self.pool, resolve).await
     }
 
-    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-        actions::retry(&self.pool, id, deadline_at, entry).await
+    async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
+        actions::retry(&self.pool, retry).await
     }
 
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
@@ -335,36 +172,16 @@ impl Store for PostgresStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn take_over(
-        &self,
-        id: Uuid,
-        owner: &str,
-        until: Millis,
-        to: TakeOverTo,
-        lost: Option<Attempt>,
-        entry: HistoryEntry,
-    ) -> Result<bool, StoreError> {
-        upkeep::take_over(&self.pool, id, owner, until, to, lost, entry).await
+    async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError> {
+        upkeep::take_over(&self.pool, take_over).await
     }
 
-    async fn claim_unclaimed(
-        &self,
-        owner: &str,
-        lease_until: Millis,
-        idle_since: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
-        upkeep::claim_unclaimed(&self.pool, owner, lease_until, idle_since, now, limit).await
+    async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
+        upkeep::claim_unclaimed(&self.pool, claim).await
     }
 
-    async fn probes_due(
-        &self,
-        route: &str,
-        settle: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError> {
+        let ProbesDue { route, settle, now, limit } = due;
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM records WHERE state = 'unknown' AND route = $1
                AND COALESCE(next_probe_at, updated_at + $2) <= $3
@@ -379,22 +196,16 @@ impl Store for PostgresStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn probed(
-        &self,
-        id: Uuid,
-        resolution: Option<Resolution>,
-        next_probe_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError> {
-        actions::probed(&self.pool, id, resolution, next_probe_at, entry).await
+    async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
+        actions::probed(&self.pool, probed).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
         upkeep::count_by_phase(&self.pool).await
     }
 
-    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
-        upkeep::sweep_done(&self.pool, plan, limit).await
+    async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
+        upkeep::sweep_done(&self.pool, sweep).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -410,8 +221,8 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
-        stats::add_answer_counts(&self.pool, counts, forget_before).await
+    async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
+        stats::add_answer_counts(&self.pool, add.counts, add.forget_before).await
     }
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
@@ -434,8 +245,8 @@ impl Store for PostgresStore {
         switches::set(&self.pool, &switch).await
     }
 
-    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
-        switches::clear(&self.pool, id, &clearing).await
+    async fn clear_switch(&self, clear: ClearSwitch) -> Result<SwitchCleared, StoreError> {
+        switches::clear(&self.pool, clear.id, &clear.clearing).await
     }
 
     async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {

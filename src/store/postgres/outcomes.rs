@@ -7,13 +7,12 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
-use super::one_element;
+use super::rows::{one_element, record_id};
 use crate::policy::StopReason;
-use crate::record::{Attempt, Millis};
-use crate::store::{AfterAttempt, Lease, StoreError, Stored};
+use crate::record::{Millis, Owner, RecordId};
+use crate::store::{AttemptEnded, Lease, StoreError, Stored};
 
 /// The most outcomes in one call.
 const MAX_BATCH: usize = 128;
@@ -22,8 +21,8 @@ const LANES: usize = 4;
 
 /// One attempt's outcome, encoded for the call.
 struct Ending {
-    id: Uuid,
-    owner: String,
+    id: RecordId,
+    owner: Owner,
     attempt: Option<String>,
     state: &'static str,
     stop: Option<&'static str>,
@@ -45,21 +44,15 @@ impl Outcomes {
         Outcomes { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| store(pool.clone(), batch)) }
     }
 
-    /// Stores where the record goes after `attempt`, if `owner` still holds its lease.
-    pub(super) async fn attempt_ended(
-        &self,
-        id: Uuid,
-        owner: &str,
-        attempt: Option<Attempt>,
-        then: AfterAttempt,
-        now: Millis,
-    ) -> Result<Lease, StoreError> {
-        let Stored { state, stop, response, queued, not_before } = then.stored();
+    /// Stores where the record goes after the attempt, if its owner still holds its lease.
+    pub(super) async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+        let AttemptEnded { id, owner, attempt, then, now } = ended;
+        let Stored { state, stop, response, queued, not_before } = then.stored()?;
         let attempt = attempt.as_ref().map(one_element).transpose()?;
         let headers = response.map(|r| serde_json::to_string(&r.headers)).transpose()?;
         let ending = |reply| Ending {
             id,
-            owner: owner.to_string(),
+            owner,
             attempt,
             state: state.as_str(),
             stop: stop.map(StopReason::as_str),
@@ -98,7 +91,7 @@ async fn store_alone(pool: PgPool, ending: Ending) {
     let _ = ending.reply.send(lease(&ended, ending.id));
 }
 
-fn lease(ended: &Result<HashMap<Uuid, bool>, StoreError>, id: Uuid) -> Result<Lease, StoreError> {
+fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> Result<Lease, StoreError> {
     match ended {
         Ok(ended) => Ok(match ended.get(&id) {
             Some(&cancel_requested) => Lease::Held { cancel_requested },
@@ -110,14 +103,14 @@ fn lease(ended: &Result<HashMap<Uuid, bool>, StoreError>, id: Uuid) -> Result<Le
 
 /// Calls `idem_end_attempts`: the records whose lease was still held, and whether each was asked
 /// to cancel.
-async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<Uuid, bool>, StoreError> {
+async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>, StoreError> {
     let rows: Vec<(String, bool)> = sqlx::query_as(
         "SELECT ended::text, cancel_requested FROM idem_end_attempts(
              $1::text[]::uuid[], $2::text[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
              $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[])",
     )
     .bind(batch.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.owner.as_str()).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| &*e.owner).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| e.attempt.as_deref()).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| e.state).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| e.stop).collect::<Vec<_>>())
@@ -129,5 +122,5 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<Uuid, bool>, St
     .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
     .fetch_all(pool)
     .await?;
-    rows.into_iter().map(|(id, cancel)| Ok((super::record_id(&id)?, cancel))).collect()
+    rows.into_iter().map(|(id, cancel)| Ok((RecordId(record_id(&id)?), cancel))).collect()
 }

@@ -25,7 +25,7 @@ async fn one_record_statements_go_through_the_primary_key() {
     sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
     // Each statement with its parameters' types, as the store binds them.
     let statements = [
-        (CLAIM, "text, text, int8, int8"),
+        (CLAIM, "text, text, int8, int8, text"),
         (ATTEMPT_STARTED, "text, text, int8, int8, int8, text"),
         (RENEW, "text, text, int8, int8"),
         (TAKE_OVER, "text, text, int8, text, bool, text, text, text, int8"),

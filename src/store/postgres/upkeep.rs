@@ -3,12 +3,11 @@
 //! compare-and-set on the lease it saw, and the batch statements skip rows another has locked.
 
 use sqlx::{PgPool, Row};
-use uuid::Uuid;
 
-use super::{one_element, COLUMNS};
+use super::rows::{one_element, COLUMNS};
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Phase, Record, State};
-use crate::store::{decode, StoreError, SweepPlan, TakeOverTo};
+use crate::record::{Phase, Record, State};
+use crate::store::{decode, ClaimUnclaimed, StoreError, Sweep, TakeOver};
 
 /// Takes over a record whose lease expired.
 pub(super) const TAKE_OVER: &str = "
@@ -19,24 +18,16 @@ UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
   AND lease_expires_at = $3";
 
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn take_over(
-    pool: &PgPool,
-    id: Uuid,
-    owner: &str,
-    until: Millis,
-    to: TakeOverTo,
-    lost: Option<Attempt>,
-    entry: HistoryEntry,
-) -> Result<bool, StoreError> {
-    let (state, queued, stop) = to.stored();
+pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool, StoreError> {
+    let TakeOver { id, expired, to, lost, entry } = take_over;
+    let phase = to.phase();
     let done = sqlx::query(TAKE_OVER)
         .bind(id.to_string())
-        .bind(owner)
-        .bind(until)
-        .bind(state.as_str())
-        .bind(queued)
-        .bind(stop.map(StopReason::as_str))
+        .bind(&expired.owner)
+        .bind(expired.expires_at)
+        .bind(phase.state().as_str())
+        .bind(phase == Phase::Queued)
+        .bind(to.stop_reason().map(StopReason::as_str))
         .bind(lost.as_ref().map(one_element).transpose()?)
         .bind(one_element(&entry)?)
         .bind(entry.at)
@@ -47,14 +38,8 @@ pub(super) async fn take_over(
 
 /// Of several nodes claiming at once, each skips the rows another has locked: every record goes
 /// to exactly one, and none waits.
-pub(super) async fn claim_unclaimed(
-    pool: &PgPool,
-    owner: &str,
-    until: Millis,
-    idle_since: Millis,
-    now: Millis,
-    limit: u32,
-) -> Result<Vec<Record>, StoreError> {
+pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
+    let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
     let rows = sqlx::query(&format!(
         "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $1,
                 lease_expires_at = $2, updated_at = $4
@@ -64,8 +49,8 @@ pub(super) async fn claim_unclaimed(
                       FOR UPDATE SKIP LOCKED)
          RETURNING {COLUMNS}"
     ))
-    .bind(owner)
-    .bind(until)
+    .bind(&*owner)
+    .bind(lease_until)
     .bind(idle_since)
     .bind(now)
     .bind(i64::from(limit))
@@ -74,7 +59,8 @@ pub(super) async fn claim_unclaimed(
     rows.iter().map(decode).collect()
 }
 
-pub(super) async fn sweep_done(pool: &PgPool, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, StoreError> {
+    let Sweep { plan, limit } = sweep;
     let limit = i64::from(limit);
     let mut changed = 0;
     for route in &plan.routes {

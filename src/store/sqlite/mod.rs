@@ -5,8 +5,10 @@
 //!
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
+mod actions;
 mod files;
 pub(super) mod recorded;
+mod rows;
 mod stats;
 mod switches;
 mod writer;
@@ -23,14 +25,15 @@ use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use self::files::DatabaseFiles;
-use self::writer::{TakeOver, Write};
-use super::stats::{AnswerCount, Side, StatsRows, StatsSpan};
+use self::writer::Write;
+use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, Action, Admission, AfterAttempt, Cancelled, Lease, ListFilter, NewRecord, Page, Resolution, Store,
-    StoreError, SweepPlan, SwitchCleared, TakeOverTo,
+    decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
+    StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::record::{now_ms, Attempt, HistoryEntry, Millis, Phase, Record, State};
-use crate::switch::{Clearing, Switch};
+use crate::record::{now_ms, Millis, Phase, Record, State};
+use crate::switch::Switch;
 
 pub struct SqliteStore {
     writes: mpsc::Sender<Write>,
@@ -141,8 +144,8 @@ fn corrupt(what: &str) -> StoreError {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn admit(&self, new: NewRecord, retention_cutoff: Millis) -> Result<Admission, StoreError> {
-        self.write(|r| Write::Admit(new, retention_cutoff, r)).await
+    async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
+        self.write(|r| Write::Admit(admit, r)).await
     }
 
     async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
@@ -164,44 +167,24 @@ impl Store for SqliteStore {
             .transpose()
     }
 
-    async fn claim(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<bool, StoreError> {
-        let owner = owner.to_string();
-        self.write(|r| Write::Claim(id, owner, lease_until, now, r)).await
+    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError> {
+        self.write(|r| Write::Claim(claim, r)).await
     }
 
-    async fn attempt_started(
-        &self,
-        id: Uuid,
-        owner: &str,
-        number: u32,
-        started_at: Millis,
-        lease_until: Millis,
-        policy_version: &str,
-    ) -> Result<Lease, StoreError> {
-        let owner = owner.to_string();
-        let version = policy_version.to_string();
-        self.write(|r| Write::AttemptStarted(id, owner, number, started_at, lease_until, version, r)).await
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+        self.write(|r| Write::AttemptStarted(started, r)).await
     }
 
-    async fn attempt_ended(
-        &self,
-        id: Uuid,
-        owner: &str,
-        attempt: Option<Attempt>,
-        then: AfterAttempt,
-        now: Millis,
-    ) -> Result<Lease, StoreError> {
-        let owner = owner.to_string();
-        self.write(|r| Write::AttemptEnded(id, owner, attempt, then, now, r)).await
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+        self.write(|r| Write::AttemptEnded(ended, r)).await
     }
 
-    async fn renew(&self, id: Uuid, owner: &str, lease_until: Millis, now: Millis) -> Result<Lease, StoreError> {
-        let owner = owner.to_string();
-        self.write(|r| Write::Renew(id, owner, lease_until, now, r)).await
+    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+        self.write(|r| Write::Renew(renew, r)).await
     }
 
-    async fn cancel(&self, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
-        self.write(|r| Write::Cancel(id, entry, r)).await
+    async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
+        self.write(|r| Write::Cancel(cancel, r)).await
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
@@ -223,12 +206,12 @@ impl Store for SqliteStore {
         page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
     }
 
-    async fn resolve(&self, id: Uuid, resolution: Resolution, entry: HistoryEntry) -> Result<Action, StoreError> {
-        self.write(|r| Write::Resolve(id, resolution, entry, r)).await
+    async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
+        self.write(|r| Write::Resolve(resolve, r)).await
     }
 
-    async fn retry(&self, id: Uuid, deadline_at: Millis, entry: HistoryEntry) -> Result<Action, StoreError> {
-        self.write(|r| Write::Retry(id, deadline_at, entry, r)).await
+    async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
+        self.write(|r| Write::Retry(retry, r)).await
     }
 
     async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
@@ -243,38 +226,16 @@ impl Store for SqliteStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn take_over(
-        &self,
-        id: Uuid,
-        owner: &str,
-        until: Millis,
-        to: TakeOverTo,
-        lost: Option<Attempt>,
-        entry: HistoryEntry,
-    ) -> Result<bool, StoreError> {
-        let t = TakeOver { id, owner: owner.to_string(), until, to, lost, entry };
-        self.write(|r| Write::TakeOver(t, r)).await
+    async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError> {
+        self.write(|r| Write::TakeOver(take_over, r)).await
     }
 
-    async fn claim_unclaimed(
-        &self,
-        owner: &str,
-        lease_until: Millis,
-        idle_since: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
-        let owner = owner.to_string();
-        self.write(|r| Write::ClaimUnclaimed(owner, lease_until, idle_since, now, limit, r)).await
+    async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
+        self.write(|r| Write::ClaimUnclaimed(claim, r)).await
     }
 
-    async fn probes_due(
-        &self,
-        route: &str,
-        settle: Millis,
-        now: Millis,
-        limit: u32,
-    ) -> Result<Vec<Record>, StoreError> {
+    async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError> {
+        let ProbesDue { route, settle, now, limit } = due;
         let rows = sqlx::query(
             "SELECT * FROM records WHERE state = 'unknown' AND route = ?1
                AND COALESCE(next_probe_at, updated_at + ?2) <= ?3
@@ -289,14 +250,8 @@ impl Store for SqliteStore {
         rows.iter().map(decode).collect()
     }
 
-    async fn probed(
-        &self,
-        id: Uuid,
-        resolution: Option<Resolution>,
-        next_probe_at: Millis,
-        entry: HistoryEntry,
-    ) -> Result<Action, StoreError> {
-        self.write(|r| Write::Probed(id, resolution, next_probe_at, entry, r)).await
+    async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
+        self.write(|r| Write::Probed(probed, r)).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
@@ -313,9 +268,8 @@ impl Store for SqliteStore {
             .collect()
     }
 
-    async fn sweep_done(&self, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
-        let plan = plan.clone();
-        self.write(|r| Write::SweepDone(plan, limit, r)).await
+    async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
+        self.write(|r| Write::Sweep(sweep, r)).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
@@ -330,8 +284,8 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn add_answer_counts(&self, counts: Vec<AnswerCount>, forget_before: Millis) -> Result<(), StoreError> {
-        self.write(|r| Write::AddAnswerCounts(counts, forget_before, r)).await
+    async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
+        self.write(|r| Write::AddAnswerCounts(add, r)).await
     }
 
     async fn stats(&self, span: &StatsSpan) -> Result<StatsRows, StoreError> {
@@ -346,8 +300,8 @@ impl Store for SqliteStore {
         self.write(|r| Write::SetSwitch(switch, r)).await
     }
 
-    async fn clear_switch(&self, id: Uuid, clearing: Clearing) -> Result<SwitchCleared, StoreError> {
-        self.write(|r| Write::ClearSwitch(id, clearing, r)).await
+    async fn clear_switch(&self, clear: ClearSwitch) -> Result<SwitchCleared, StoreError> {
+        self.write(|r| Write::ClearSwitch(clear, r)).await
     }
 
     async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {

@@ -5,8 +5,8 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use crate::record::Millis;
-use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
-use crate::store::StoreError;
+use crate::store::stats::{answer, cohort, side, spell, Side, StatsRows, StatsSpan};
+use crate::store::{AddAnswerCounts, StoreError};
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
 /// (`substr(…, 1, 2)` and zeros for the other digits). The range on `created_at` is served by
@@ -83,11 +83,8 @@ pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRo
 
 /// Adds one node's counts to the per-second counters and forgets those before `forget_before`
 /// (the primary key starts with the second, so that is a range at the table's head).
-pub(super) fn add_answer_counts(
-    conn: &Connection,
-    counts: &[AnswerCount],
-    forget_before: Millis,
-) -> Result<(), StoreError> {
+pub(super) fn add_answer_counts(conn: &Connection, add: AddAnswerCounts) -> Result<(), StoreError> {
+    let AddAnswerCounts { counts, forget_before } = add;
     let mut add = conn.prepare_cached(
         "INSERT INTO answer_counts (second_start, route, replays, conflicts) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (second_start, route) DO UPDATE SET

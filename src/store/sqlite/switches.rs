@@ -4,11 +4,11 @@
 
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
-use uuid::Uuid;
 
+use super::rows::WriterRow;
 use crate::record::Millis;
-use crate::store::{decode_switch, StoreError, SwitchCleared};
-use crate::switch::{Clearing, Switch};
+use crate::store::{decode_switch, ClearSwitch, StoreError, SwitchCleared};
+use crate::switch::Switch;
 
 /// A switch that is active at `?3`, of scope `?1` and action `?2`, is cleared as replaced.
 const REPLACE: &str = "
@@ -36,7 +36,7 @@ fn replaced_because(new: &Switch) -> String {
     format!("replaced by switch {}: {}", new.id, new.reason)
 }
 
-pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, StoreError> {
+pub(super) fn set(conn: &Connection, new: Switch) -> Result<Option<Switch>, StoreError> {
     let mut replaced = None;
     {
         let mut replace = conn.prepare_cached(REPLACE)?;
@@ -45,11 +45,11 @@ pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, Sto
             new.action.as_str(),
             new.set_at,
             new.actor,
-            replaced_because(new),
+            replaced_because(&new),
             new.id.to_string()
         ])?;
         while let Some(row) = rows.next()? {
-            replaced = Some(decode_switch(row)?);
+            replaced = Some(decode_switch(&WriterRow(row))?);
         }
     }
     conn.prepare_cached(INSERT)?.execute(params![
@@ -64,16 +64,17 @@ pub(super) fn set(conn: &Connection, new: &Switch) -> Result<Option<Switch>, Sto
     Ok(replaced)
 }
 
-pub(super) fn clear(conn: &Connection, id: Uuid, clearing: &Clearing) -> Result<SwitchCleared, StoreError> {
+pub(super) fn clear(conn: &Connection, clear: ClearSwitch) -> Result<SwitchCleared, StoreError> {
+    let ClearSwitch { id, clearing } = clear;
     let mut statement = conn.prepare_cached(CLEAR)?;
     let mut rows = statement.query(params![id.to_string(), clearing.at, clearing.actor, clearing.reason])?;
     if let Some(row) = rows.next()? {
-        return Ok(SwitchCleared::Cleared(decode_switch(row)?));
+        return Ok(SwitchCleared::Cleared(decode_switch(&WriterRow(row))?));
     }
     let mut statement = conn.prepare_cached("SELECT * FROM switches WHERE id = ?1")?;
     let mut rows = statement.query([id.to_string()])?;
     Ok(match rows.next()? {
-        Some(row) => SwitchCleared::NotActive(decode_switch(row)?),
+        Some(row) => SwitchCleared::NotActive(decode_switch(&WriterRow(row))?),
         None => SwitchCleared::Missing,
     })
 }

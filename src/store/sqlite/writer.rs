@@ -18,56 +18,63 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use tokio::sync::{mpsc, oneshot};
-use uuid::Uuid;
 
 use super::files::{io_failure, DatabaseFiles};
-use super::writes::{
-    admit, attempt_ended, attempt_started, cancel, claim, claim_unclaimed, probe, probed, renew, retry, settle,
-    sweep_done, take_over,
-};
-use crate::record::{Attempt, HistoryEntry, Millis, Record};
-use crate::store::stats::AnswerCount;
+use super::{actions, writes};
+use crate::record::{Millis, Record};
 use crate::store::{
-    Action, Admission, AfterAttempt, Cancelled, Lease, NewRecord, Resolution, StoreError, SweepPlan, SwitchCleared,
-    TakeOverTo,
+    Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
+    ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::switch::{Clearing, Switch};
+use crate::switch::Switch;
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
-pub(super) enum Write {
-    Admit(NewRecord, Millis, Reply<Admission>),
-    Claim(Uuid, String, Millis, Millis, Reply<bool>),
-    /// The record, the owner, the attempt's number, its start, the lease's new end, and the
-    /// version of the policy it is sent under.
-    AttemptStarted(Uuid, String, u32, Millis, Millis, String, Reply<Lease>),
-    AttemptEnded(Uuid, String, Option<Attempt>, AfterAttempt, Millis, Reply<Lease>),
-    Renew(Uuid, String, Millis, Millis, Reply<Lease>),
-    Cancel(Uuid, HistoryEntry, Reply<Cancelled>),
-    Resolve(Uuid, Resolution, HistoryEntry, Reply<Action>),
-    Retry(Uuid, Millis, HistoryEntry, Reply<Action>),
-    TakeOver(TakeOver, Reply<bool>),
-    Probed(Uuid, Option<Resolution>, Millis, HistoryEntry, Reply<Action>),
-    ClaimUnclaimed(String, Millis, Millis, Millis, u32, Reply<Vec<Record>>),
-    SweepDone(SweepPlan, u32, Reply<u64>),
-    /// A write that changes nothing a record depends on, made to find out whether the database
-    /// takes writes again after it was lost. The only write run while the store is lost.
-    Probe(Millis, Reply<()>),
-    AddAnswerCounts(Vec<AnswerCount>, Millis, Reply<()>),
-    SetSwitch(Switch, Reply<Option<Switch>>),
-    ClearSwitch(Uuid, Clearing, Reply<SwitchCleared>),
+/// Declares [`Write`], one variant per command (its struct and the reply it gets), with what
+/// applies it and what answers it when it never runs.
+macro_rules! writes {
+    ($($(#[$doc:meta])* $variant:ident($command:ty) -> $answer:ty = $apply:path;)*) => {
+        pub(super) enum Write {
+            $($(#[$doc])* $variant($command, Reply<$answer>),)*
+        }
+
+        fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
+            match write {
+                $(Write::$variant(command, reply) => pending(reply, $apply(conn, command)),)*
+            }
+        }
+
+        /// A write that never ran; its reply carries `e`.
+        fn fail(write: Write, e: &StoreError) -> Box<dyn Deliver> {
+            match write {
+                $(Write::$variant(_, reply) => pending(reply, Err(e.clone())),)*
+            }
+        }
+    };
 }
 
-pub(super) struct TakeOver {
-    pub id: Uuid,
-    pub owner: String,
-    pub until: Millis,
-    pub to: TakeOverTo,
-    pub lost: Option<Attempt>,
-    pub entry: HistoryEntry,
+writes! {
+    Admit(Admit) -> Admission = writes::admit;
+    Claim(ClaimQueued) -> bool = writes::claim;
+    AttemptStarted(AttemptStarted) -> Lease = writes::attempt_started;
+    AttemptEnded(AttemptEnded) -> Lease = writes::attempt_ended;
+    Renew(Renew) -> Lease = writes::renew;
+    Cancel(Cancel) -> Cancelled = writes::cancel;
+    Resolve(Resolve) -> Action = actions::resolve;
+    Retry(Retry) -> Action = actions::retry;
+    TakeOver(TakeOver) -> bool = writes::take_over;
+    Probed(Probed) -> Action = actions::probed;
+    ClaimUnclaimed(ClaimUnclaimed) -> Vec<Record> = writes::claim_unclaimed;
+    Sweep(Sweep) -> u64 = writes::sweep_done;
+    /// A write that changes nothing a record depends on, made to find out whether the database
+    /// takes writes again after it was lost. The only write run while the store is lost.
+    Probe(Millis) -> () = writes::probe;
+    AddAnswerCounts(AddAnswerCounts) -> () = super::stats::add_answer_counts;
+    SetSwitch(Switch) -> Option<Switch> = super::switches::set;
+    ClearSwitch(ClearSwitch) -> SwitchCleared = super::switches::clear;
 }
 
 /// Commits between two nudges to the checkpointer.
@@ -271,56 +278,4 @@ fn probe_batch(
     commit_batch(conn, &mut probes, done, files)?;
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
         .map_err(|e| StoreError::Unavailable(format!("a checkpoint of the SQLite database still fails: {e}")))
-}
-
-/// A write that never ran; its reply carries `e`.
-fn fail(write: Write, e: &StoreError) -> Box<dyn Deliver> {
-    let e = e.clone();
-    match write {
-        Write::Admit(.., r) => pending(r, Err(e)),
-        Write::Claim(.., r) => pending(r, Err(e)),
-        Write::AttemptStarted(.., r) => pending(r, Err(e)),
-        Write::AttemptEnded(.., r) => pending(r, Err(e)),
-        Write::Renew(.., r) => pending(r, Err(e)),
-        Write::Cancel(.., r) => pending(r, Err(e)),
-        Write::Resolve(.., r) => pending(r, Err(e)),
-        Write::Retry(.., r) => pending(r, Err(e)),
-        Write::TakeOver(_, r) => pending(r, Err(e)),
-        Write::Probed(.., r) => pending(r, Err(e)),
-        Write::ClaimUnclaimed(.., r) => pending(r, Err(e)),
-        Write::SweepDone(.., r) => pending(r, Err(e)),
-        Write::Probe(_, r) => pending(r, Err(e)),
-        Write::AddAnswerCounts(.., r) => pending(r, Err(e)),
-        Write::SetSwitch(_, r) => pending(r, Err(e)),
-        Write::ClearSwitch(.., r) => pending(r, Err(e)),
-    }
-}
-
-fn apply(conn: &Connection, write: Write) -> Box<dyn Deliver> {
-    match write {
-        Write::Admit(new, cutoff, r) => pending(r, admit(conn, new, cutoff)),
-        Write::Claim(id, owner, until, now, r) => pending(r, claim(conn, id, &owner, until, now)),
-        Write::AttemptStarted(id, owner, n, at, until, version, r) => {
-            pending(r, attempt_started(conn, id, &owner, n, at, until, &version))
-        }
-        Write::AttemptEnded(id, owner, attempt, then, now, r) => {
-            pending(r, attempt_ended(conn, id, &owner, attempt, then, now))
-        }
-        Write::Renew(id, owner, until, now, r) => pending(r, renew(conn, id, &owner, until, now)),
-        Write::Cancel(id, entry, r) => pending(r, cancel(conn, id, entry)),
-        Write::Resolve(id, resolution, entry, r) => pending(r, settle(conn, id, resolution, false, entry)),
-        Write::Retry(id, deadline_at, entry, r) => pending(r, retry(conn, id, deadline_at, entry)),
-        Write::TakeOver(t, r) => pending(r, take_over(conn, t)),
-        Write::Probed(id, resolution, next_at, entry, r) => pending(r, probed(conn, id, resolution, next_at, entry)),
-        Write::ClaimUnclaimed(owner, until, idle_since, now, limit, r) => {
-            pending(r, claim_unclaimed(conn, &owner, until, idle_since, now, limit))
-        }
-        Write::SweepDone(plan, limit, r) => pending(r, sweep_done(conn, &plan, limit)),
-        Write::Probe(now, r) => pending(r, probe(conn, now)),
-        Write::AddAnswerCounts(counts, forget_before, r) => {
-            pending(r, super::stats::add_answer_counts(conn, &counts, forget_before))
-        }
-        Write::SetSwitch(switch, r) => pending(r, super::switches::set(conn, &switch)),
-        Write::ClearSwitch(id, clearing, r) => pending(r, super::switches::clear(conn, id, &clearing)),
-    }
 }

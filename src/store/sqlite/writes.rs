@@ -2,39 +2,22 @@
 //! transaction of its batch. One writer makes each statement and the reads after it atomic.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use uuid::Uuid;
 
-use super::writer::TakeOver;
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, Record, State};
+use crate::record::{transition, Event, Millis, Phase, Record, RecordId};
 use crate::store::{
-    decode, refusal, Action, Admission, AfterAttempt, Cancelled, Columns, Lease, NewRecord, Resolution, StoreError,
-    Stored, SweepPlan,
+    Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease, Renew,
+    StoreError, Stored, Sweep, TakeOver,
 };
-
-impl Columns for rusqlite::Row<'_> {
-    fn text(&self, name: &str) -> Result<Option<String>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn integer(&self, name: &str) -> Result<Option<i64>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.get(name)?)
-    }
-    fn flag(&self, name: &str) -> Result<bool, StoreError> {
-        Ok(self.get(name)?)
-    }
-}
 
 /// The one row `sql` returns, decoded, if any.
 fn record_of(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<Option<Record>, StoreError> {
     let mut statement = conn.prepare_cached(sql)?;
     let mut rows = statement.query(params)?;
-    rows.next()?.map(decode).transpose()
+    rows.next()?.map(super::rows::record).transpose()
 }
 
-fn get(conn: &Connection, id: Uuid) -> Result<Option<Record>, StoreError> {
+pub(super) fn get(conn: &Connection, id: RecordId) -> Result<Option<Record>, StoreError> {
     record_of(conn, "SELECT * FROM records WHERE id = ?1", [id.to_string()])
 }
 
@@ -44,9 +27,7 @@ const ADMIT: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at, policy_version)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10,
-        CASE WHEN ?13 IS NULL THEN 'not_started' ELSE 'in_progress' END, ?13 IS NULL, ?11, ?12, ?12,
-        ?13, ?14, CASE WHEN ?13 IS NULL THEN NULL ELSE 1 END, CASE WHEN ?13 IS NULL THEN NULL ELSE ?12 END, ?17)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?14, ?20, ?21, ?17)
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
@@ -74,8 +55,10 @@ RETURNING id, state";
 /// or `Existing` (nothing came back: the key's record decides). A fresh insert is not read back:
 /// it holds what `new` says. (An expired record taken over gets the new id too, but is queued
 /// rather than claimed: that one is read back.)
-pub(super) fn admit(conn: &Connection, new: NewRecord, cutoff: Millis) -> Result<Admission, StoreError> {
+pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreError> {
+    let Admit { new, retention_cutoff: cutoff } = admit;
     let headers = serde_json::to_string(&new.request.headers)?;
+    let fresh = new.fresh();
     let written: Option<(String, String)> = conn
         .prepare_cached(ADMIT)?
         .query_row(
@@ -92,17 +75,20 @@ pub(super) fn admit(conn: &Connection, new: NewRecord, cutoff: Millis) -> Result
                 &new.request.body[..],
                 new.deadline_at,
                 new.now,
-                new.claim.as_ref().map(|c| c.owner.as_str()),
+                new.claim.as_ref().map(|c| &*c.owner),
                 new.claim.as_ref().map(|c| c.lease_until),
                 cutoff,
                 new.tombstone_cutoff,
                 new.claim.as_ref().map(|c| c.policy_version.as_str()),
+                fresh.state.as_str(),
+                fresh.queued,
+                fresh.in_flight.map(|(number, _)| number),
+                fresh.in_flight.map(|(_, at)| at),
             ],
             |row| Ok((row.get(0)?, row.get(1)?)),
         )
         .optional()?;
-    let inserted = if new.claim.is_some() { State::InProgress } else { State::NotStarted };
-    if written.as_ref().is_some_and(|(id, state)| *id == new.id.to_string() && state == inserted.as_str()) {
+    if written.as_ref().is_some_and(|(id, state)| *id == new.id.to_string() && state == fresh.state.as_str()) {
         return Ok(Admission::Created(new.inserted()));
     }
     let record = record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![new.tenant, new.key])?
@@ -114,14 +100,15 @@ pub(super) fn admit(conn: &Connection, new: NewRecord, cutoff: Millis) -> Result
     })
 }
 
-pub(super) fn claim(conn: &Connection, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<bool, StoreError> {
+pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<bool, StoreError> {
+    let ClaimQueued { id, owner, lease_until, now } = claim;
+    let to = transition(Phase::Queued, Event::Claim)?;
     let changed = conn
         .prepare_cached(
-            "UPDATE records SET state = 'in_progress', queued = 0, lease_owner = ?2, lease_expires_at = ?3,
-                updated_at = ?4
-         WHERE id = ?1 AND state = 'not_started' AND queued = 1",
+            "UPDATE records SET state = ?5, queued = 0, lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
+             WHERE id = ?1 AND state = 'not_started' AND queued = 1",
         )?
-        .execute(params![id.to_string(), owner, until, now])?;
+        .execute(params![id.to_string(), &*owner, lease_until, now, to.state().as_str()])?;
     Ok(changed == 1)
 }
 
@@ -134,35 +121,22 @@ fn lease(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Result<
     })
 }
 
-pub(super) fn attempt_started(
-    conn: &Connection,
-    id: Uuid,
-    owner: &str,
-    number: u32,
-    at: Millis,
-    until: Millis,
-    policy_version: &str,
-) -> Result<Lease, StoreError> {
+pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<Lease, StoreError> {
+    let AttemptStarted { id, owner, number, started_at, lease_until, policy_version } = started;
     lease(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
                 policy_version = ?6, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
          RETURNING cancel_requested",
-        params![id.to_string(), owner, number, at, until, policy_version],
+        params![id.to_string(), &*owner, number, started_at, lease_until, policy_version.as_str()],
     )
 }
 
-pub(super) fn attempt_ended(
-    conn: &Connection,
-    id: Uuid,
-    owner: &str,
-    attempt: Option<Attempt>,
-    then: AfterAttempt,
-    now: Millis,
-) -> Result<Lease, StoreError> {
+pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Lease, StoreError> {
+    let AttemptEnded { id, owner, attempt, then, now } = ended;
     let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
-    let Stored { state, stop, response, queued, not_before } = then.stored();
+    let Stored { state, stop, response, queued, not_before } = then.stored()?;
     lease(
         conn,
         "UPDATE records SET
@@ -178,7 +152,7 @@ pub(super) fn attempt_ended(
          RETURNING cancel_requested",
         params![
             id.to_string(),
-            owner,
+            &*owner,
             attempt,
             state.as_str(),
             stop.map(StopReason::as_str),
@@ -192,96 +166,51 @@ pub(super) fn attempt_ended(
     )
 }
 
-pub(super) fn renew(conn: &Connection, id: Uuid, owner: &str, until: Millis, now: Millis) -> Result<Lease, StoreError> {
+pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<Lease, StoreError> {
+    let Renew { id, owner, lease_until, now } = renew;
     lease(
         conn,
         "UPDATE records SET lease_expires_at = ?3, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
          RETURNING cancel_requested",
-        params![id.to_string(), owner, until, now],
+        params![id.to_string(), &*owner, lease_until, now],
     )
 }
 
-pub(super) fn cancel(conn: &Connection, id: Uuid, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+/// A cancel as [`transition`] decides it, from the record's phase as read: dequeued (freed),
+/// flagged for its worker, or refused. The update is guarded by that phase.
+pub(super) fn cancel(conn: &Connection, cancel: Cancel) -> Result<Cancelled, StoreError> {
+    let Cancel { id, entry } = cancel;
     let Some(record) = get(conn, id)? else {
         return Ok(Cancelled::Missing);
     };
-    let sql = match (record.state, record.queued) {
-        (State::NotStarted, true) => {
+    let sql = match transition(record.phase(), Event::Cancel) {
+        Ok(Phase::Free) => {
             "UPDATE records SET queued = 0, stop_reason = 'cancelled', updated_at = ?3,
                     history = json_insert(history, '$[#]', json(?2))
-             WHERE id = ?1"
+             WHERE id = ?1 AND state = 'not_started' AND queued = 1"
         }
-        (State::InProgress, _) => {
+        Ok(Phase::InProgress) => {
             "UPDATE records SET cancel_requested = 1, updated_at = ?3,
                     history = json_insert(history, '$[#]', json(?2))
-             WHERE id = ?1"
+             WHERE id = ?1 AND state = 'in_progress'"
         }
         _ => return Ok(Cancelled::Refused(record)),
     };
-    conn.prepare_cached(sql)?.execute(params![id.to_string(), serde_json::to_string(&entry)?, entry.at])?;
+    let changed =
+        conn.prepare_cached(sql)?.execute(params![id.to_string(), serde_json::to_string(&entry)?, entry.at])?;
     let updated = get(conn, id)?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
-    Ok(if record.state == State::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
+    Ok(match (changed, record.phase()) {
+        (0, _) => Cancelled::Refused(updated),
+        (_, Phase::InProgress) => Cancelled::Flagged(updated),
+        _ => Cancelled::Dequeued(updated),
+    })
 }
 
-fn applied(conn: &Connection, id: Uuid) -> Result<Action, StoreError> {
-    get(conn, id)?.map(Action::Applied).ok_or_else(|| StoreError::Corrupt("record vanished".into()))
-}
-
-/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
-pub(super) fn settle(
-    conn: &Connection,
-    id: Uuid,
-    resolution: Resolution,
-    probe: bool,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
-    if let Some(answer) = refusal(get(conn, id)?) {
-        return Ok(answer);
-    }
-    let (state, response) = resolution.stored();
-    conn.prepare_cached(
-        "UPDATE records SET state = ?2, queued = 0, response_status = ?3, response_headers = ?4,
-                response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
-                next_probe_at = NULL, probe_count = probe_count + ?7,
-                history = json_insert(history, '$[#]', json(?8))
-         WHERE id = ?1 AND state = 'unknown'",
-    )?
-    .execute(params![
-        id.to_string(),
-        state.as_str(),
-        response.map(|r| r.status),
-        response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
-        response.map(|r| &r.body[..]),
-        entry.at,
-        probe,
-        serde_json::to_string(&entry)?,
-    ])?;
-    applied(conn, id)
-}
-
-pub(super) fn retry(
-    conn: &Connection,
-    id: Uuid,
-    deadline_at: Millis,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
-    if let Some(answer) = refusal(get(conn, id)?) {
-        return Ok(answer);
-    }
-    conn.prepare_cached(
-        "UPDATE records SET state = 'not_started', queued = 1, deadline_at = ?2, stop_reason = NULL,
-                cancel_requested = 0, next_probe_at = NULL, updated_at = ?3, takeovers = 0,
-                history = json_insert(history, '$[#]', json(?4))
-         WHERE id = ?1 AND state = 'unknown'",
-    )?
-    .execute(params![id.to_string(), deadline_at, entry.at, serde_json::to_string(&entry)?])?;
-    applied(conn, id)
-}
-
-pub(super) fn take_over(conn: &Connection, t: TakeOver) -> Result<bool, StoreError> {
-    let (state, queued, stop) = t.to.stored();
-    let lost = t.lost.map(|a| serde_json::to_string(&a)).transpose()?;
+pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, StoreError> {
+    let TakeOver { id, expired, to, lost, entry } = take_over;
+    let phase = to.phase();
+    let lost = lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let changed = conn
         .prepare_cached(
             "UPDATE records SET state = ?4, queued = ?5, stop_reason = ?6, lease_owner = NULL,
@@ -292,49 +221,21 @@ pub(super) fn take_over(conn: &Connection, t: TakeOver) -> Result<bool, StoreErr
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2 AND lease_expires_at = ?3",
         )?
         .execute(params![
-            t.id.to_string(),
-            t.owner,
-            t.until,
-            state.as_str(),
-            queued,
-            stop.map(StopReason::as_str),
+            id.to_string(),
+            expired.owner,
+            expired.expires_at,
+            phase.state().as_str(),
+            phase == Phase::Queued,
+            to.stop_reason().map(StopReason::as_str),
             lost,
-            serde_json::to_string(&t.entry)?,
-            t.entry.at,
+            serde_json::to_string(&entry)?,
+            entry.at,
         ])?;
     Ok(changed == 1)
 }
 
-pub(super) fn probed(
-    conn: &Connection,
-    id: Uuid,
-    resolution: Option<Resolution>,
-    next_at: Millis,
-    entry: HistoryEntry,
-) -> Result<Action, StoreError> {
-    if let Some(resolution) = resolution {
-        return settle(conn, id, resolution, true, entry);
-    }
-    if let Some(answer) = refusal(get(conn, id)?) {
-        return Ok(answer);
-    }
-    conn.prepare_cached(
-        "UPDATE records SET probe_count = probe_count + 1, next_probe_at = ?2, updated_at = ?3,
-                history = json_insert(history, '$[#]', json(?4))
-         WHERE id = ?1 AND state = 'unknown'",
-    )?
-    .execute(params![id.to_string(), next_at, entry.at, serde_json::to_string(&entry)?])?;
-    applied(conn, id)
-}
-
-pub(super) fn claim_unclaimed(
-    conn: &Connection,
-    owner: &str,
-    until: Millis,
-    idle_since: Millis,
-    now: Millis,
-    limit: u32,
-) -> Result<Vec<Record>, StoreError> {
+pub(super) fn claim_unclaimed(conn: &Connection, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
+    let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
     let mut statement = conn.prepare_cached(
         "UPDATE records SET state = 'in_progress', queued = 0, lease_owner = ?1, lease_expires_at = ?2,
                 updated_at = ?4
@@ -342,15 +243,16 @@ pub(super) fn claim_unclaimed(
                       ORDER BY created_at LIMIT ?5)
          RETURNING *",
     )?;
-    let mut rows = statement.query(params![owner, until, idle_since, now, limit])?;
+    let mut rows = statement.query(params![&*owner, lease_until, idle_since, now, limit])?;
     let mut records = Vec::new();
     while let Some(row) = rows.next()? {
-        records.push(decode(row)?);
+        records.push(super::rows::record(row)?);
     }
     Ok(records)
 }
 
-pub(super) fn sweep_done(conn: &Connection, plan: &SweepPlan, limit: u32) -> Result<u64, StoreError> {
+pub(super) fn sweep_done(conn: &Connection, sweep: Sweep) -> Result<u64, StoreError> {
+    let Sweep { plan, limit } = sweep;
     let mut changed = 0;
     for route in &plan.routes {
         changed += match route.tombstone_after {

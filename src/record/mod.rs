@@ -9,7 +9,13 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
-use crate::policy::StopReason;
+use crate::policy::{Class, StopReason};
+
+mod ids;
+mod machine;
+
+pub use ids::{Owner, RecordId};
+pub use machine::{admitted, transition, Event, Phase, Refused, State};
 
 /// Wall-clock time in milliseconds since the Unix epoch: what the store keeps, because
 /// deadlines and leases must mean the same thing to every process that reads the record.
@@ -28,150 +34,13 @@ pub fn duration_ms(d: Duration) -> Millis {
     d.as_millis().min(i64::MAX as u128) as Millis
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum State {
-    /// Recorded; nothing can have reached the upstream yet. Either queued for a worker or free.
-    NotStarted,
-    /// A worker holds a lease on it and an attempt may be in flight.
-    InProgress,
-    /// Final: a response is stored and replayed until retention ends.
-    Done,
-    /// An attempt may have executed and the route is not replay-safe: waits for reconciliation.
-    Unknown,
-}
-
-impl State {
-    pub const ALL: [State; 4] = [State::NotStarted, State::InProgress, State::Done, State::Unknown];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            State::NotStarted => "not_started",
-            State::InProgress => "in_progress",
-            State::Done => "done",
-            State::Unknown => "unknown",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<State> {
-        State::ALL.into_iter().find(|s| s.as_str() == text)
-    }
-}
-
-/// Where a record stands: its state, and for `not_started` whether work is queued for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    Queued,
-    Free,
-    InProgress,
-    Done,
-    Unknown,
-}
-
-impl Phase {
-    pub fn of(state: State, queued: bool) -> Phase {
-        match state {
-            State::NotStarted if queued => Phase::Queued,
-            State::NotStarted => Phase::Free,
-            State::InProgress => Phase::InProgress,
-            State::Done => Phase::Done,
-            State::Unknown => Phase::Unknown,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Phase::Queued => "queued",
-            Phase::Free => "free",
-            Phase::InProgress => "in_progress",
-            Phase::Done => "done",
-            Phase::Unknown => "unknown",
-        }
-    }
-
-    pub fn state(self) -> State {
-        match self {
-            Phase::Queued | Phase::Free => State::NotStarted,
-            Phase::InProgress => State::InProgress,
-            Phase::Done => State::Done,
-            Phase::Unknown => State::Unknown,
-        }
-    }
-}
-
-/// The events of SPEC §4's transition table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Event {
-    /// A request with the same key and fingerprint arrives for a free record.
-    Requeue,
-    Claim,
-    AttemptSent,
-    FinalResponse,
-    WaitForRetry,
-    AmbiguousNotReplaySafe,
-    /// Retries stopped and nothing may have executed (or the route is replay-safe).
-    StopFree,
-    LeaseExpired {
-        attempt_unrecorded: bool,
-        replay_safe: bool,
-        deadline_passed: bool,
-    },
-    /// A lease expired that would be continued, but the record was taken over too often already.
-    TakeoverCapReached {
-        attempt_may_have_run: bool,
-    },
-    ResolveExecuted,
-    ResolveNotExecuted,
-    OperatorRetry,
-    /// A cancel while queued: nothing was sent, the key is freed.
-    CancelQueued,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("a record that is {from:?} cannot take {event:?}")]
-pub struct Refused {
-    pub from: Phase,
-    pub event: Event,
-}
-
-/// SPEC §4's transition table as a function: anything not listed is refused.
-pub fn transition(from: Phase, event: Event) -> Result<Phase, Refused> {
-    use Event::*;
-    use Phase::*;
-    let to = match (from, event) {
-        (Free, Requeue) => Queued,
-        (Queued, Claim) => InProgress,
-        (Queued, CancelQueued) => Free,
-        (InProgress, AttemptSent | WaitForRetry) => InProgress,
-        (InProgress, FinalResponse) => Done,
-        (InProgress, AmbiguousNotReplaySafe) => Unknown,
-        (InProgress, StopFree) => Free,
-        (InProgress, LeaseExpired { attempt_unrecorded, replay_safe, deadline_passed }) => {
-            if attempt_unrecorded && !replay_safe {
-                Unknown
-            } else if deadline_passed {
-                Free
-            } else {
-                Queued
-            }
-        }
-        (InProgress, TakeoverCapReached { attempt_may_have_run: true }) => Unknown,
-        (InProgress, TakeoverCapReached { attempt_may_have_run: false }) => Free,
-        (Unknown, ResolveExecuted) => Done,
-        (Unknown, ResolveNotExecuted) => Free,
-        (Unknown, OperatorRetry) => Queued,
-        _ => return Err(Refused { from, event }),
-    };
-    Ok(to)
-}
-
 /// One physical attempt, as stored with its record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Attempt {
     pub number: u32,
     pub started_at: Millis,
     pub duration_ms: u64,
-    /// `success`, `final`, `not_executed`, `ambiguous`, or `lost` (the worker died mid-attempt).
-    pub outcome: String,
+    pub outcome: AttemptOutcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
     /// How the attempt ended when no status arrived: `connect_failed`, `timed_out`, `broken`.
@@ -187,6 +56,53 @@ pub struct Attempt {
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+}
+
+/// How an attempt ended, as stored and shown: its [`Class`], or `lost` (its worker died
+/// mid-attempt). Serialized as the class's name, as before the type existed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    Success,
+    Final,
+    NotExecuted,
+    Ambiguous,
+    Lost,
+}
+
+impl AttemptOutcome {
+    pub const ALL: [AttemptOutcome; 5] = [
+        AttemptOutcome::Success,
+        AttemptOutcome::Final,
+        AttemptOutcome::NotExecuted,
+        AttemptOutcome::Ambiguous,
+        AttemptOutcome::Lost,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Success => Class::Success.as_str(),
+            AttemptOutcome::Final => Class::Final.as_str(),
+            AttemptOutcome::NotExecuted => Class::NotExecuted.as_str(),
+            AttemptOutcome::Ambiguous => Class::Ambiguous.as_str(),
+            AttemptOutcome::Lost => "lost",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AttemptOutcome> {
+        AttemptOutcome::ALL.into_iter().find(|o| o.as_str() == text)
+    }
+}
+
+impl From<Class> for AttemptOutcome {
+    fn from(class: Class) -> AttemptOutcome {
+        match class {
+            Class::Success => AttemptOutcome::Success,
+            Class::Final => AttemptOutcome::Final,
+            Class::NotExecuted => AttemptOutcome::NotExecuted,
+            Class::Ambiguous => AttemptOutcome::Ambiguous,
+        }
+    }
 }
 
 /// An entry of the record's history: who did what, when.
@@ -287,7 +203,7 @@ impl Record {
                     "number": a.number,
                     "started_at": rfc3339(a.started_at),
                     "duration_ms": a.duration_ms,
-                    "outcome": a.outcome,
+                    "outcome": a.outcome.as_str(),
                     "wait_ms": a.wait_ms,
                 });
                 if let Some(s) = a.status {
@@ -381,69 +297,16 @@ pub fn header_bytes(text: &str) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use Event::*;
-    use Phase::*;
-
-    const ALL_PHASES: [Phase; 5] = [Queued, Free, InProgress, Done, Unknown];
-
-    fn expired(attempt_unrecorded: bool, replay_safe: bool, deadline_passed: bool) -> Event {
-        LeaseExpired { attempt_unrecorded, replay_safe, deadline_passed }
-    }
 
     #[test]
-    fn the_happy_path_goes_queued_in_progress_done() {
-        let p = transition(Queued, Claim).unwrap();
-        let p = transition(p, AttemptSent).unwrap();
-        assert_eq!(transition(p, FinalResponse), Ok(Done));
-    }
-
-    #[test]
-    fn an_ambiguous_attempt_on_an_unsafe_route_becomes_unknown_and_only_an_operator_settles_it() {
-        assert_eq!(transition(InProgress, AmbiguousNotReplaySafe), Ok(Unknown));
-        assert_eq!(transition(Unknown, ResolveExecuted), Ok(Done));
-        assert_eq!(transition(Unknown, ResolveNotExecuted), Ok(Free));
-        assert_eq!(transition(Unknown, OperatorRetry), Ok(Queued));
-        for event in [Claim, Requeue, FinalResponse, StopFree, CancelQueued] {
-            assert!(transition(Unknown, event).is_err(), "{event:?}");
+    fn an_attempt_outcome_is_stored_as_its_name_and_read_back() {
+        for outcome in AttemptOutcome::ALL {
+            let text = serde_json::to_string(&outcome).unwrap();
+            assert_eq!(text, format!("\"{}\"", outcome.as_str()));
+            assert_eq!(serde_json::from_str::<AttemptOutcome>(&text).unwrap(), outcome);
+            assert_eq!(AttemptOutcome::parse(outcome.as_str()), Some(outcome));
         }
-    }
-
-    #[test]
-    fn lease_expiry_follows_what_may_have_been_sent() {
-        assert_eq!(transition(InProgress, expired(true, false, false)), Ok(Unknown));
-        assert_eq!(transition(InProgress, expired(true, false, true)), Ok(Unknown));
-        assert_eq!(transition(InProgress, expired(true, true, false)), Ok(Queued));
-        assert_eq!(transition(InProgress, expired(false, false, false)), Ok(Queued));
-        assert_eq!(transition(InProgress, expired(false, false, true)), Ok(Free));
-    }
-
-    #[test]
-    fn a_record_taken_over_too_often_stops_unknown_if_an_attempt_may_have_run_and_free_otherwise() {
-        let capped = |attempt_may_have_run| TakeoverCapReached { attempt_may_have_run };
-        assert_eq!(transition(InProgress, capped(true)), Ok(Unknown));
-        assert_eq!(transition(InProgress, capped(false)), Ok(Free));
-        for from in [Queued, Free, Done, Unknown] {
-            assert!(transition(from, capped(true)).is_err(), "{from:?}");
-        }
-    }
-
-    #[test]
-    fn done_is_final_and_only_settled_records_are_resolved() {
-        for event in [Requeue, Claim, AttemptSent, FinalResponse, ResolveExecuted, ResolveNotExecuted, OperatorRetry] {
-            assert!(transition(Done, event).is_err(), "{event:?}");
-        }
-        for from in [Queued, Free, InProgress, Done] {
-            assert!(transition(from, ResolveExecuted).is_err(), "{from:?}");
-            assert!(transition(from, OperatorRetry).is_err(), "{from:?}");
-        }
-    }
-
-    #[test]
-    fn only_a_free_record_is_requeued_and_only_a_queued_one_is_claimed() {
-        for from in ALL_PHASES {
-            assert_eq!(transition(from, Requeue).is_ok(), from == Free, "{from:?}");
-            assert_eq!(transition(from, Claim).is_ok(), from == Queued, "{from:?}");
-        }
+        assert!(serde_json::from_str::<AttemptOutcome>("\"maybe\"").is_err());
     }
 
     #[test]

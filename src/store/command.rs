@@ -1,0 +1,298 @@
+//! The store's writes, one named struct each. The same value is the [`Store`](super::Store)
+//! method's argument, the SQLite writer's queued message and the PostgreSQL batch's item, so a
+//! write's fields are spelled once. Where a write moves a record, the phase it stores is the one
+//! [`transition`] decides; each backend persists that decision, guarded by the phase it was
+//! decided from.
+
+use uuid::Uuid;
+
+use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
+use crate::policy::{PolicyVersion, StopReason};
+use crate::record::{
+    admitted, transition, Attempt, Event, HistoryEntry, Lease, Millis, Owner, Phase, RecordId, Refused,
+};
+use crate::record::{State, StoredResponse};
+use crate::store::stats::AnswerCount;
+use crate::switch::Clearing;
+
+/// Records a request unless its key exists (see [`Store::admit`](super::Store::admit)).
+#[derive(Debug, Clone)]
+pub struct Admit {
+    pub new: NewRecord,
+    /// A `done` record that finished before this is past its retention: absent for this key.
+    pub retention_cutoff: Millis,
+}
+
+/// Takes a queued record under `owner`'s lease.
+#[derive(Debug, Clone)]
+pub struct ClaimQueued {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub lease_until: Millis,
+    pub now: Millis,
+}
+
+/// Marks attempt `number` as possibly sent, before it is sent, and extends the lease.
+#[derive(Debug, Clone)]
+pub struct AttemptStarted {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub number: u32,
+    pub started_at: Millis,
+    pub lease_until: Millis,
+    /// The version of the policy it is sent under.
+    pub policy_version: PolicyVersion,
+}
+
+/// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
+#[derive(Debug, Clone)]
+pub struct AttemptEnded {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub attempt: Option<Attempt>,
+    pub then: AfterAttempt,
+    pub now: Millis,
+}
+
+/// Extends `owner`'s lease.
+#[derive(Debug, Clone)]
+pub struct Renew {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub lease_until: Millis,
+    pub now: Millis,
+}
+
+/// A client's or an operator's cancel.
+#[derive(Debug, Clone)]
+pub struct Cancel {
+    pub id: RecordId,
+    pub entry: HistoryEntry,
+}
+
+/// Settles an `unknown` record.
+#[derive(Debug, Clone)]
+pub struct Resolve {
+    pub id: RecordId,
+    pub resolution: Resolution,
+    pub entry: HistoryEntry,
+}
+
+/// Re-drives an `unknown` record with a fresh deadline.
+#[derive(Debug, Clone)]
+pub struct Retry {
+    pub id: RecordId,
+    pub deadline_at: Millis,
+    pub entry: HistoryEntry,
+}
+
+/// Moves a record whose lease expired to `to`, if its lease is still `expired`.
+#[derive(Debug, Clone)]
+pub struct TakeOver {
+    pub id: RecordId,
+    /// The expired lease as it was seen: of several nodes sweeping at once, one wins.
+    pub expired: Lease,
+    pub to: TakeOverTo,
+    /// The attempt lost in flight, if one may have been.
+    pub lost: Option<Attempt>,
+    pub entry: HistoryEntry,
+}
+
+/// Claims queued records that nobody has claimed since `idle_since`.
+#[derive(Debug, Clone)]
+pub struct ClaimUnclaimed {
+    pub owner: Owner,
+    pub lease_until: Millis,
+    pub idle_since: Millis,
+    pub now: Millis,
+    pub limit: u32,
+}
+
+/// Records a probe of an `unknown` record: settled by `resolution`, or probed again later.
+#[derive(Debug, Clone)]
+pub struct Probed {
+    pub id: RecordId,
+    pub resolution: Option<Resolution>,
+    pub next_probe_at: Millis,
+    pub entry: HistoryEntry,
+}
+
+/// Ends retention by `plan`, at most `limit` records of each kind.
+#[derive(Debug, Clone)]
+pub struct Sweep {
+    pub plan: SweepPlan,
+    pub limit: u32,
+}
+
+/// Clears a switch if it is active at `clearing.at`.
+#[derive(Debug, Clone)]
+pub struct ClearSwitch {
+    pub id: Uuid,
+    pub clearing: Clearing,
+}
+
+/// Adds answers counted in memory to the shared counters, forgetting seconds before
+/// `forget_before`.
+#[derive(Debug, Clone)]
+pub struct AddAnswerCounts {
+    pub counts: Vec<AnswerCount>,
+    pub forget_before: Millis,
+}
+
+/// Which `unknown` records of `route` are due a probe at `now`: the first is due `settle` after
+/// the record became unknown, the next when the last probe scheduled it.
+#[derive(Debug, Clone)]
+pub struct ProbesDue {
+    pub route: String,
+    pub settle: Millis,
+    pub now: Millis,
+    pub limit: u32,
+}
+
+// ---- the decisions the backends persist ------------------------------------------------------
+
+/// What a fresh insert stores, as [`admitted`] decides: queued, or claimed with attempt 1 marked
+/// as about to be sent.
+pub(crate) struct Fresh {
+    pub state: State,
+    pub queued: bool,
+    pub in_flight: Option<(u32, Millis)>,
+}
+
+impl NewRecord {
+    pub(crate) fn fresh(&self) -> Fresh {
+        let phase = admitted(self.claim.is_some());
+        let in_flight = (phase == Phase::InProgress).then_some((1, self.now));
+        Fresh { state: phase.state(), queued: phase == Phase::Queued, in_flight }
+    }
+}
+
+/// What a record stores after an attempt, whichever backend stores it.
+pub(crate) struct Stored<'a> {
+    pub state: State,
+    pub stop: Option<StopReason>,
+    pub response: Option<&'a StoredResponse>,
+    /// Handed back to the queue (a release), rather than kept or settled.
+    pub queued: bool,
+    /// While waiting: the earliest start of the next attempt.
+    pub not_before: Option<Millis>,
+}
+
+impl AfterAttempt {
+    /// The event of the transition table this is.
+    pub fn event(&self) -> Event {
+        match self {
+            AfterAttempt::Wait { .. } => Event::WaitForRetry,
+            AfterAttempt::Release => Event::Release,
+            AfterAttempt::Done(..) => Event::FinalResponse,
+            AfterAttempt::Unknown(_) => Event::AmbiguousNotReplaySafe,
+            AfterAttempt::Free(_) => Event::StopFree,
+        }
+    }
+
+    /// What the record stores, from `in_progress` (the only phase a lease holder writes in).
+    pub(crate) fn stored(&self) -> Result<Stored<'_>, Refused> {
+        let phase = transition(Phase::InProgress, self.event())?;
+        let (stop, response, not_before) = match self {
+            AfterAttempt::Wait { not_before } => (None, None, Some(*not_before)),
+            AfterAttempt::Release => (None, None, None),
+            AfterAttempt::Done(stop, response) => (Some(*stop), Some(response), None),
+            AfterAttempt::Unknown(stop) | AfterAttempt::Free(stop) => (Some(*stop), None, None),
+        };
+        Ok(Stored { state: phase.state(), stop, response, queued: phase == Phase::Queued, not_before })
+    }
+}
+
+impl TakeOverTo {
+    /// Where `event` (a lease's expiry, or the take-over cap) moves an `in_progress` record, and
+    /// why it stopped there if it did.
+    pub fn after(event: Event) -> Result<TakeOverTo, Refused> {
+        let capped = matches!(event, Event::TakeoverCapReached { .. });
+        Ok(match transition(Phase::InProgress, event)? {
+            Phase::Queued if !capped => TakeOverTo::Queued,
+            Phase::Free => TakeOverTo::Free(if capped { StopReason::TakeoverCap } else { StopReason::Deadline }),
+            Phase::Unknown => {
+                TakeOverTo::Unknown(if capped { StopReason::TakeoverCap } else { StopReason::UnsafeReplay })
+            }
+            _ => return Err(Refused { from: Phase::InProgress, event }),
+        })
+    }
+}
+
+impl Resolution {
+    pub fn event(&self) -> Event {
+        match self {
+            Resolution::Executed(_) => Event::ResolveExecuted,
+            Resolution::NotExecuted => Event::ResolveNotExecuted,
+        }
+    }
+
+    /// The state it settles an `unknown` record in, and the response to store.
+    pub(crate) fn stored(&self) -> Result<(State, Option<&StoredResponse>), Refused> {
+        let phase = transition(Phase::Unknown, self.event())?;
+        let response = match self {
+            Resolution::Executed(response) => Some(response),
+            Resolution::NotExecuted => None,
+        };
+        Ok((phase.state(), response))
+    }
+}
+
+/// The phase an operator's retry re-drives an `unknown` record to.
+pub(crate) fn retried() -> Result<Phase, Refused> {
+    transition(Phase::Unknown, Event::OperatorRetry)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Phase::*;
+
+    fn phase(stored: &Stored<'_>) -> Phase {
+        Phase::of(stored.state, stored.queued)
+    }
+
+    #[test]
+    fn what_an_attempt_leaves_behind_is_the_transition_from_in_progress() {
+        let response = StoredResponse { status: 200, headers: vec![], body: Default::default() };
+        let cases = [
+            (AfterAttempt::Wait { not_before: 7 }, InProgress),
+            (AfterAttempt::Release, Queued),
+            (AfterAttempt::Done(StopReason::Success, response), Done),
+            (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
+            (AfterAttempt::Free(StopReason::Deadline), Free),
+        ];
+        for (then, to) in cases {
+            let stored = then.stored().unwrap();
+            assert_eq!(phase(&stored), to, "{then:?}");
+            assert_eq!(Ok(to), transition(InProgress, then.event()));
+            assert_eq!(stored.not_before, if to == InProgress { Some(7) } else { None }, "{then:?}");
+            assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
+        }
+    }
+
+    #[test]
+    fn a_take_over_goes_where_the_expiry_or_the_cap_sends_it_and_says_why() {
+        let expired = |attempt_unrecorded, replay_safe, deadline_passed| Event::LeaseExpired {
+            attempt_unrecorded,
+            replay_safe,
+            deadline_passed,
+        };
+        assert_eq!(TakeOverTo::after(expired(false, false, false)), Ok(TakeOverTo::Queued));
+        assert_eq!(TakeOverTo::after(expired(false, false, true)), Ok(TakeOverTo::Free(StopReason::Deadline)));
+        assert_eq!(TakeOverTo::after(expired(true, false, false)), Ok(TakeOverTo::Unknown(StopReason::UnsafeReplay)));
+        let capped = |attempt_may_have_run| Event::TakeoverCapReached { attempt_may_have_run };
+        assert_eq!(TakeOverTo::after(capped(true)), Ok(TakeOverTo::Unknown(StopReason::TakeoverCap)));
+        assert_eq!(TakeOverTo::after(capped(false)), Ok(TakeOverTo::Free(StopReason::TakeoverCap)));
+        assert!(TakeOverTo::after(Event::Claim).is_err(), "not an event a take-over takes");
+    }
+
+    #[test]
+    fn resolutions_and_retries_move_an_unknown_record_as_the_table_says() {
+        let executed = Resolution::Executed(StoredResponse { status: 201, headers: vec![], body: Default::default() });
+        assert_eq!(executed.stored().unwrap().0, State::Done);
+        assert!(executed.stored().unwrap().1.is_some());
+        assert_eq!(Resolution::NotExecuted.stored().unwrap(), (State::NotStarted, None));
+        assert_eq!(retried(), Ok(Queued));
+    }
+}

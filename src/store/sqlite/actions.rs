@@ -1,0 +1,95 @@
+//! The SQLite writer's operator actions and probes: settle or re-drive an `unknown` record. Each
+//! reads the record, lets [`decide`] apply the transition table to it, and persists the decision
+//! guarded by the phase it was decided from.
+
+use rusqlite::{params, Connection};
+
+use super::writes::get;
+use crate::record::{Event, HistoryEntry, Phase, RecordId};
+use crate::store::{decide, Action, Probed, Resolution, Resolve, Retry, StoreError};
+
+/// The record as `changed` rows (0 or 1) of a guarded update left it: applied, or refused when
+/// the guard no longer matched.
+fn answer(conn: &Connection, id: RecordId, changed: usize) -> Result<Action, StoreError> {
+    let record = get(conn, id)?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
+    Ok(if changed == 1 { Action::Applied(record) } else { Action::Refused(record) })
+}
+
+pub(super) fn resolve(conn: &Connection, resolve: Resolve) -> Result<Action, StoreError> {
+    settle(conn, resolve.id, resolve.resolution, false, resolve.entry)
+}
+
+/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+fn settle(
+    conn: &Connection,
+    id: RecordId,
+    resolution: Resolution,
+    probe: bool,
+    entry: HistoryEntry,
+) -> Result<Action, StoreError> {
+    if let Err(answer) = decide(get(conn, id)?, resolution.event()) {
+        return Ok(answer);
+    }
+    let (state, response) = resolution.stored()?;
+    let changed = conn
+        .prepare_cached(
+            "UPDATE records SET state = ?2, queued = 0, response_status = ?3, response_headers = ?4,
+                response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
+                next_probe_at = NULL, probe_count = probe_count + ?7,
+                history = json_insert(history, '$[#]', json(?8))
+             WHERE id = ?1 AND state = 'unknown'",
+        )?
+        .execute(params![
+            id.to_string(),
+            state.as_str(),
+            response.map(|r| r.status),
+            response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
+            response.map(|r| &r.body[..]),
+            entry.at,
+            probe,
+            serde_json::to_string(&entry)?,
+        ])?;
+    answer(conn, id, changed)
+}
+
+pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreError> {
+    let Retry { id, deadline_at, entry } = retry;
+    let to = match decide(get(conn, id)?, Event::OperatorRetry) {
+        Ok((_, to)) => to,
+        Err(answer) => return Ok(answer),
+    };
+    let changed = conn
+        .prepare_cached(
+            "UPDATE records SET state = ?5, queued = ?6, deadline_at = ?2, stop_reason = NULL,
+                cancel_requested = 0, next_probe_at = NULL, updated_at = ?3, takeovers = 0,
+                history = json_insert(history, '$[#]', json(?4))
+             WHERE id = ?1 AND state = 'unknown'",
+        )?
+        .execute(params![
+            id.to_string(),
+            deadline_at,
+            entry.at,
+            serde_json::to_string(&entry)?,
+            to.state().as_str(),
+            to == Phase::Queued
+        ])?;
+    answer(conn, id, changed)
+}
+
+pub(super) fn probed(conn: &Connection, probed: Probed) -> Result<Action, StoreError> {
+    let Probed { id, resolution, next_probe_at, entry } = probed;
+    if let Some(resolution) = resolution {
+        return settle(conn, id, resolution, true, entry);
+    }
+    if let Err(answer) = decide(get(conn, id)?, Event::ProbeInconclusive) {
+        return Ok(answer);
+    }
+    let changed = conn
+        .prepare_cached(
+            "UPDATE records SET probe_count = probe_count + 1, next_probe_at = ?2, updated_at = ?3,
+                history = json_insert(history, '$[#]', json(?4))
+             WHERE id = ?1 AND state = 'unknown'",
+        )?
+        .execute(params![id.to_string(), next_probe_at, entry.at, serde_json::to_string(&entry)?])?;
+    answer(conn, id, changed)
+}
