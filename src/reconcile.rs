@@ -9,9 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::{Clock, SharedClock};
 use crate::config::{Config, Live, Probe, Route};
 use crate::policy::{Class, StopReason};
-use crate::record::{duration_ms, now_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
+use crate::record::{duration_ms, transition, Attempt, Event, HistoryEntry, Millis, Phase, Record};
 use crate::store::{Action, Health, Resolution, RouteSweep, Store, StoreError, SweepPlan, TakeOverTo};
 use crate::upstream::Upstream;
 use crate::worker::Worker;
@@ -41,10 +42,10 @@ pub fn sweep_plan(config: &Config, now: Millis) -> SweepPlan {
 }
 
 /// Sweeps by the configuration in force at each pass, and paces itself by it.
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>) {
+pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) {
     loop {
         let config = config.current();
-        let plan = sweep_plan(&config, now_ms());
+        let plan = sweep_plan(&config, clock.now());
         loop {
             match store.sweep_done(&plan, SWEEP_BATCH).await {
                 Ok(n) if n >= SWEEP_BATCH as u64 => continue,
@@ -96,7 +97,7 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, m
 }
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`.
-pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>) {
+pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>, clock: SharedClock) {
     // The lease cannot change without a restart: the pace is set once.
     let lease = config.current().worker.lease;
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
@@ -104,18 +105,19 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = take_over_once(&*store, &worker, &config.current()).await {
+        if let Err(e) = take_over_once(&*store, &worker, &config.current(), clock.now()).await {
             e.log("take-over sweep failed; will try again");
         }
     }
 }
 
+/// One pass of [`take_overs`], as of `now`.
 pub async fn take_over_once(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
+    now: Millis,
 ) -> Result<(), crate::store::StoreError> {
-    let now = now_ms();
     for record in store.expired_leases(now, BATCH).await? {
         let Some(lease) = &record.lease else { continue };
         let route = config.route_named(&record.route);
@@ -158,7 +160,7 @@ pub async fn take_over_once(
             }
             if to == TakeOverTo::Queued {
                 if let Some(record) = store.get(record.id).await? {
-                    worker.submit(record, None, None);
+                    worker.submit(record);
                 }
             } else {
                 worker.settled(record.id);
@@ -216,14 +218,14 @@ pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
 
 /// Probes the upstream about `unknown` records of routes that declare how, as the configuration
 /// in force at each pass declares it.
-pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker) {
+pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker, clock: SharedClock) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let config = config.current();
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
-            if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
+            if let Err(e) = probe_route(&*store, &upstream, route, &worker, &*clock).await {
                 e.log(&format!("probing the records of route {} failed; will try again", route.name));
             }
         }
@@ -235,13 +237,14 @@ async fn probe_route(
     upstream: &Upstream,
     route: &Route,
     worker: &Worker,
+    clock: &dyn Clock,
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
-    let now = now_ms();
+    let now = clock.now();
     for record in store.probes_due(&route.name, duration_ms(probe.settle), now, BATCH).await? {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
-        let next = now_ms() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
-        let entry = HistoryEntry { at: now_ms(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
+        let next = clock.now() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
+        let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
         if let Action::Applied(settled) = store.probed(record.id, resolution, next, entry).await? {
             if settled.phase() != Phase::Unknown {
                 tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");

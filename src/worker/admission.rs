@@ -1,0 +1,205 @@
+//! Admission: the one call the ingress makes into the worker. A new request is shed before
+//! anything is recorded when its route is saturated, its upstream's circuit is open or an
+//! operator isolated it; else it is recorded and its execution starts. With a worker and a place
+//! among the route's attempts free right now, the record is inserted already claimed by this
+//! process, its first attempt marked as about to be sent: one commit before the send, not three.
+
+use std::sync::Arc;
+
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+
+use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
+use crate::config::{Config, Policy, Route};
+use crate::record::{duration_ms, Millis, Record, State};
+use crate::store::{Admission, Claim, NewRecord, StoreError};
+
+/// A new request, as the ingress read it, asking to be executed.
+pub struct Admit<'a> {
+    /// The configuration the request was read under: an execution that starts at once keeps it.
+    pub config: &'a Arc<Config>,
+    pub route: &'a Route,
+    /// The policy chosen for it (see [`crate::switchboard::Switches::policy`]); a record claimed
+    /// at insert has its first attempt marked with this policy's version.
+    pub policy: Policy<'a>,
+    /// The record to insert, unclaimed: whether it is claimed at insert is decided here.
+    pub new: NewRecord,
+    /// Done records of the key older than this are past their retention: the key is free.
+    pub retention_cutoff: Millis,
+    /// The request's headers: its `Authorization` is held for the execution when the route
+    /// forwards it.
+    pub headers: &'a http::HeaderMap,
+    /// Whether the request waits for the outcome; a `respond-async` one is answered at once.
+    pub awaits: bool,
+}
+
+/// What became of an [`Admit`].
+pub enum Admitted {
+    /// This request owns the record, which executes now (or once a worker is free); `outcome`
+    /// brings its end to a request that waits for it.
+    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Outcome>> },
+    /// The key already has a record this request does not own: it decides the answer.
+    Existing(Record),
+    /// Shed before anything was recorded; the record to insert is handed back, for the answer
+    /// to look the key up (an existing record still answers).
+    Refused(Refusal, NewRecord),
+}
+
+/// A worker and a place among a route's attempts, set aside for an execution that starts at once.
+pub(super) struct Reservation {
+    pub(super) worker: OwnedSemaphorePermit,
+    pub(super) attempt: OwnedSemaphorePermit,
+    /// The configuration the admission was read under: the record is claimed, and its first
+    /// attempt marked, with its route's policy, so the execution keeps that one.
+    pub(super) config: Arc<Config>,
+}
+
+pub(super) enum Start {
+    /// Queued: claim it first.
+    Claim,
+    /// Already claimed by this process (a take-over, an orphan).
+    Claimed,
+    /// Admitted claimed, first attempt marked, capacity in hand.
+    Reserved(Reservation),
+}
+
+impl Worker {
+    /// Admits a new request: sheds it, or records it and starts its execution. Per request this
+    /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
+    pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
+        let Admit { config, route, policy, new, retention_cutoff, headers, awaits } = admit;
+        let inner = &self.inner;
+        let entered = match inner.switches.isolation(&route.name) {
+            Some(wait) => Err(Refusal::CircuitOpen(wait)),
+            None => inner.guards.enter(route),
+        };
+        let slot = match entered {
+            Ok(slot) => slot,
+            Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
+        };
+        let reservation = reserve(&inner.permits, &inner.guards.route(route), config);
+        let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
+        let record = match inner.store.admit(new, retention_cutoff).await? {
+            Admission::Created(record) | Admission::Requeued(record) => record,
+            Admission::Existing(record) => return Ok(Admitted::Existing(record)),
+        };
+        if route.forward_authorization {
+            let credential = headers.get(http::header::AUTHORIZATION).cloned();
+            lock(&inner.credentials).hold(record.id, credential, record.deadline_at, inner.clock.now());
+        }
+        // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
+        let start = match reservation.filter(|_| record.state == State::InProgress) {
+            Some(reservation) => Start::Reserved(reservation),
+            None => {
+                lock(&inner.mine).insert(record.id);
+                Start::Claim
+            }
+        };
+        let (reply, outcome) = match awaits {
+            true => {
+                let (tx, rx) = oneshot::channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
+        let record = Arc::new(record);
+        self.spawn(record.clone(), Some(slot), reply, start);
+        Ok(Admitted::Executing { record, outcome })
+    }
+}
+
+/// Sets aside one of the worker's `permits` and a place among the attempts of `guard`'s route,
+/// if both are free right now.
+fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -> Option<Reservation> {
+    let worker = permits.clone().try_acquire_owned().ok()?;
+    let attempt = guard.attempts.clone().try_acquire_owned().ok()?;
+    Some(Reservation { worker, attempt, config: config.clone() })
+}
+
+impl Inner {
+    /// The claim that a reserved admission writes: this process's lease, starting `now`, and
+    /// the version of the policy its first attempt is sent under.
+    pub(super) fn claim(&self, now: Millis, policy: &Policy<'_>) -> Claim {
+        Claim {
+            owner: self.owner.clone(),
+            lease_until: self.lease_until(now),
+            policy_version: policy.version.to_string(),
+        }
+    }
+
+    pub(super) fn lease_until(&self, now: Millis) -> Millis {
+        now + duration_ms(self.lease)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::{Guards, Slot};
+    use super::*;
+    use crate::config::Config;
+
+    fn config(route_extra: &str) -> Config {
+        let text = format!(
+            "[store]\nurl = \"sqlite::memory:\"\n[worker]\nconcurrency = 2\n\n[[routes]]\nname = \"payments\"\n\
+             path_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\n{route_extra}\n"
+        );
+        Config::parse_with_env(&text, |_| None).unwrap()
+    }
+
+    #[test]
+    fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
+        let config = config("max_concurrency = 4");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        // Four in flight and, at that size, four queued behind them (the queue is at least 4).
+        let slots: Vec<Slot> = (0..8).map(|_| guards.enter(route).expect("within the bound")).collect();
+        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        // A refused entry holds no place: one leaving makes room for exactly one more.
+        drop(slots.into_iter().next());
+        assert!(guards.enter(route).is_ok());
+    }
+
+    #[test]
+    fn places_taken_outside_the_ingress_count_but_are_never_refused() {
+        let config = config("max_concurrency = 1");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        let taken: Vec<_> = (0..5).map(|_| guards.enter(route).unwrap()).collect();
+        assert!(guards.slot("payments").is_some(), "a take-over is never refused");
+        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        drop(taken);
+        assert!(guards.slot("gone").is_none(), "a route no longer configured has no guard to count on");
+    }
+
+    #[test]
+    fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
+        let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        for _ in 0..2 {
+            guards.record_outcome(&route.upstream, false);
+        }
+        match guards.enter(route) {
+            Err(Refusal::CircuitOpen(wait)) => assert!(wait <= Duration::from_secs(30) && !wait.is_zero(), "{wait:?}"),
+            other => panic!("expected an open circuit, got {:?}", other.map(|_| "a slot")),
+        }
+    }
+
+    #[test]
+    fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
+        let config = Arc::new(config("max_concurrency = 1"));
+        let route = &config.routes[0];
+        let guards = Guards::new(&config);
+        let permits = Arc::new(Semaphore::new(2));
+        let guard = guards.route(route);
+        let reserve = || reserve(&permits, &guard, &config);
+        let first = reserve().expect("a worker and a place are free");
+        assert!(reserve().is_none(), "the route's one place is taken");
+        drop(first);
+        let busy: Vec<_> = (0..2).map(|_| permits.clone().try_acquire_owned().unwrap()).collect();
+        assert!(reserve().is_none(), "no worker is free");
+        drop(busy);
+        assert!(reserve().is_some());
+    }
+}
