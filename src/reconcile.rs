@@ -298,32 +298,18 @@ mod tests {
 
     const NOW: Millis = 1_700_000_000_000;
 
+    const ROUTE_P: &str =
+        "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {safe}\n";
+
     fn route(replay_safe: bool) -> Route {
-        let text = format!(
-            "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {replay_safe}\n"
-        );
+        let text = ROUTE_P.replace("{safe}", &replay_safe.to_string());
         Config::parse_with_env(&text, |_| None).unwrap().routes.remove(0)
     }
 
     /// An in-progress record, taken over `takeovers` times before, with attempts that ended as
     /// `outcomes`, and one more in flight if `in_flight`.
     fn leased(takeovers: u32, outcomes: &[&str], in_flight: bool) -> Record {
-        let new = NewRecord {
-            id: uuid::Uuid::new_v4(),
-            tenant: "default".into(),
-            key: "k".into(),
-            route: "p".into(),
-            method: "POST".into(),
-            path: "/p".into(),
-            query: String::new(),
-            fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
-            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
-            deadline_at: NOW + 30_000,
-            now: NOW,
-            claim: None,
-            tombstone_cutoff: None,
-        };
-        let mut record = new.inserted();
+        let mut record = new_record().inserted();
         record.takeovers = takeovers;
         record.attempts = outcomes
             .iter()
@@ -342,6 +328,68 @@ mod tests {
             .collect();
         record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));
         record
+    }
+
+    /// A request to route `p`, arriving at `NOW`.
+    fn new_record() -> NewRecord {
+        NewRecord {
+            id: uuid::Uuid::new_v4(),
+            tenant: "default".into(),
+            key: "k".into(),
+            route: "p".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            query: String::new(),
+            fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
+            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            deadline_at: NOW + 30_000,
+            now: NOW,
+            claim: None,
+            tombstone_cutoff: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_is_taken_over_once_the_clock_passes_its_expiry_and_not_before() {
+        use crate::clock::ManualClock;
+        use crate::store::Claim;
+        use crate::worker::{Parts, Settled, Worker};
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let text =
+            format!("[store]\nurl = \"{url}\"\n[worker]\nlease = \"10s\"\n{}", ROUTE_P.replace("{safe}", "false"));
+        let config = Config::parse_with_env(&text, |_| None).unwrap();
+        let store = crate::store::open(&url).await.unwrap();
+        let clock = Arc::new(ManualClock::new(NOW));
+        let worker = Worker::new(Parts {
+            store: store.clone(),
+            upstream: Upstream::new(),
+            config: Arc::new(Live::new(config.clone())),
+            owner: "alive".into(),
+            settled: Arc::new(Settled::default()),
+            switches: Arc::new(crate::switchboard::Switches::new(clock.clone())),
+            clock: clock.clone(),
+        });
+        // Another node admitted it claimed, its first attempt marked as sent, and then died.
+        let version = config.routes[0].policy_version.to_string();
+        let claim = Claim { owner: "dead".into(), lease_until: NOW + 10_000, policy_version: version };
+        let new = NewRecord { claim: Some(claim), ..new_record() };
+        let id = new.id;
+        store.admit(new, 0).await.unwrap();
+
+        clock.set(NOW + 10_000);
+        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        let record = store.get(id).await.unwrap().unwrap();
+        assert_eq!(record.lease.as_ref().map(|l| l.owner.as_str()), Some("dead"), "taken over at its expiry");
+
+        clock.advance(Duration::from_millis(1));
+        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        let record = store.get(id).await.unwrap().unwrap();
+        // Not replay-safe, with an attempt that may have gone out: unknown, the attempt lost.
+        assert_eq!(record.phase(), Phase::Unknown);
+        assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
+        let entry = record.history.last().unwrap();
+        assert_eq!((entry.at, entry.actor.as_str()), (NOW + 10_001, "node:alive"));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! ever held across an upstream call.
 //!
 //! Its parts, by job:
-//! - [`admission`] — the one call the ingress makes ([`Worker::admit`]): shed or record a new
+//! - `admission` — the one call the ingress makes ([`Worker::admit`]): shed or record a new
 //!   request, and start its execution (claimed in the same commit when a worker is free).
 //! - `guards` — what a route and its upstream can take: slots, attempts in flight, the retry
 //!   budget and the breaker.
@@ -46,7 +46,7 @@ pub enum Outcome {
     Lost,
 }
 
-pub mod admission;
+mod admission;
 mod attempts;
 mod credentials;
 mod drain;
