@@ -280,20 +280,24 @@ impl Ingress {
                 self.executing(&record, outcome).await
             }
             Admitted::Existing(record) => self.answer_record(&route, record, fingerprint, prefer).await,
-            Admitted::Refused(refusal, new) => {
-                let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
-                match existing {
-                    Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
-                        self.answer_record(&route, record, fingerprint, prefer).await
-                    }
-                    _ => {
-                        // Counted only when the switch holds something back: a replay is not.
-                        if self.switches.isolated(&route.name) {
-                            metrics::held_by_switch(&route.name, SwitchAction::Isolate);
-                        }
-                        Err(self.refused(&route, refusal))
-                    }
+            Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,
+        }
+    }
+
+    /// A request the worker shed before recording it: refused, unless its key has a live record,
+    /// which answers it.
+    async fn shed(&self, route: &Route, refusal: Refusal, new: NewRecord, prefer: Prefer) -> Answer {
+        let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
+        match existing {
+            Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
+                self.answer_record(&route, record, new.fingerprint, prefer).await
+            }
+            _ => {
+                // Counted only when the switch holds something back: a replay is not.
+                if self.switches.isolated(&route.name) {
+                    metrics::held_by_switch(&route.name, SwitchAction::Isolate);
                 }
+                Err(self.refused(&route, refusal))
             }
         }
     }
