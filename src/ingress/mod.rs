@@ -279,7 +279,7 @@ impl Ingress {
                 metrics::request(&route.name);
                 self.executing(&record, outcome).await
             }
-            Admitted::Existing(record) => self.answer_record(&route, record, fingerprint, prefer).await,
+            Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
             Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,
         }
     }
@@ -290,14 +290,14 @@ impl Ingress {
         let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
         match existing {
             Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
-                self.answer_record(&route, record, new.fingerprint, prefer).await
+                self.answer_record(route, record, new.fingerprint, prefer).await
             }
             _ => {
                 // Counted only when the switch holds something back: a replay is not.
                 if self.switches.isolated(&route.name) {
                     metrics::held_by_switch(&route.name, SwitchAction::Isolate);
                 }
-                Err(self.refused(&route, refusal))
+                Err(self.refused(route, refusal))
             }
         }
     }

@@ -94,12 +94,11 @@ impl Worker {
                 Start::Claim
             }
         };
-        let (reply, outcome) = match awaits {
-            true => {
-                let (tx, rx) = oneshot::channel();
-                (Some(tx), Some(rx))
-            }
-            false => (None, None),
+        let (reply, outcome) = if awaits {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
         };
         let record = Arc::new(record);
         self.spawn(record.clone(), Some(slot), reply, start);
@@ -135,16 +134,115 @@ impl Inner {
 mod tests {
     use std::time::Duration;
 
-    use super::super::{Guards, Slot};
+    use super::super::{Guards, Parts, Settled, Slot};
     use super::*;
-    use crate::config::Config;
+    use crate::clock::ManualClock;
+    use crate::config::{Config, Live};
+    use crate::switchboard::Switches;
+
+    const NOW: Millis = 1_700_000_000_000;
 
     fn config(route_extra: &str) -> Config {
+        config_at("sqlite::memory:", route_extra)
+    }
+
+    /// Two workers, a lease of ten seconds, and one route, `payments`, with `route_extra`.
+    fn config_at(store_url: &str, route_extra: &str) -> Config {
         let text = format!(
-            "[store]\nurl = \"sqlite::memory:\"\n[worker]\nconcurrency = 2\n\n[[routes]]\nname = \"payments\"\n\
-             path_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\n{route_extra}\n"
+            "[store]\nurl = \"{store_url}\"\n[worker]\nconcurrency = 2\nlease = \"10s\"\n\n[[routes]]\n\
+             name = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\n{route_extra}\n"
         );
         Config::parse_with_env(&text, |_| None).unwrap()
+    }
+
+    /// A worker on a fresh SQLite store in `dir`, whose clock stands at `NOW` until moved.
+    async fn worker_on_clock(dir: &tempfile::TempDir, route_extra: &str) -> (Worker, Arc<Config>) {
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let config = Arc::new(config_at(&url, route_extra));
+        let clock = Arc::new(ManualClock::new(NOW));
+        let worker = Worker::new(Parts {
+            store: crate::store::open(&url).await.unwrap(),
+            upstream: crate::upstream::Upstream::new(),
+            config: Arc::new(Live::new((*config).clone())),
+            owner: "here".into(),
+            settled: Arc::new(Settled::default()),
+            switches: Arc::new(Switches::new(clock.clone())),
+            clock,
+        });
+        (worker, config)
+    }
+
+    /// A request for `payments` under `key`, arriving at `NOW`.
+    fn request(key: &str) -> NewRecord {
+        NewRecord {
+            id: uuid::Uuid::now_v7(),
+            tenant: "default".into(),
+            key: key.into(),
+            route: "payments".into(),
+            method: "POST".into(),
+            path: "/payments".into(),
+            query: String::new(),
+            fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
+            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            deadline_at: NOW + 30_000,
+            now: NOW,
+            claim: None,
+            tombstone_cutoff: None,
+        }
+    }
+
+    async fn admit(worker: &Worker, config: &Arc<Config>, key: &str, awaits: bool) -> Admitted {
+        let route = &config.routes[0];
+        let admit = Admit {
+            config,
+            route,
+            policy: route.policy_for("default", key, true),
+            new: request(key),
+            retention_cutoff: 0,
+            headers: &http::HeaderMap::new(),
+            awaits,
+        };
+        worker.admit(admit).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn with_a_worker_free_a_new_request_is_recorded_claimed_its_first_attempt_marked_now() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let (worker, config) = worker_on_clock(&dir, "").await;
+        let Admitted::Executing { record, outcome } = admit(&worker, &config, "fresh", false).await else {
+            panic!("a new key on a free route executes")
+        };
+        assert!(outcome.is_none(), "nobody waits for it: answered at once");
+        assert_eq!(record.state, State::InProgress);
+        let lease = record.lease.as_ref().expect("claimed in the same commit");
+        assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + 10_000));
+        assert_eq!(record.in_flight, Some((1, NOW)), "its first attempt marked as sent now");
+        // The same key again is not this request's to execute.
+        assert!(matches!(admit(&worker, &config, "fresh", true).await, Admitted::Existing(_)));
+    }
+
+    #[tokio::test]
+    async fn an_isolated_route_sheds_before_recording_and_hands_the_request_back() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let (worker, config) = worker_on_clock(&dir, "").await;
+        let isolate = crate::switch::SetRequest {
+            scope: Some("payments".into()),
+            action: Some("isolate".into()),
+            reason: Some("upstream down".into()),
+            ..Default::default()
+        };
+        let switch = isolate.parse(uuid::Uuid::now_v7(), NOW, |_| true).unwrap();
+        let inner = &worker.inner;
+        inner.store.set_switch(switch).await.unwrap();
+        inner.switches.refresh(&*inner.store).await.unwrap();
+        match admit(&worker, &config, "held", true).await {
+            Admitted::Refused(Refusal::CircuitOpen(wait), new) => {
+                assert_eq!(new.key, "held", "the request is handed back, to look its key up");
+                assert!(wait >= Duration::from_secs(1), "{wait:?}");
+            }
+            _ => panic!("an isolated route takes no new key"),
+        }
+        assert!(inner.store.lookup("default", "held").await.unwrap().is_none(), "nothing recorded");
     }
 
     #[test]
