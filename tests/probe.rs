@@ -202,13 +202,18 @@ async fn a_probe_answering_404_frees_the_key_and_the_next_request_executes(b: Ba
     assert_eq!(broker.record_json("absent").await["state"], "done");
 }
 
-/// Waits until `key` has been probed `n` times, its record still `unknown`.
-async fn await_probes(upstream: &Payments, broker: &Broker, key: &str, n: usize) {
+/// Waits until `key`'s record shows `n` probes, still `unknown`. The record, not the upstream,
+/// is watched: the time of the next probe is stored with the probe's entry, after it was sent.
+async fn await_probes(broker: &Broker, key: &str, n: usize) {
     let until = Instant::now() + Duration::from_secs(10);
-    while upstream.probes(key).len() < n {
-        assert!(Instant::now() < until, "probed {} times, not {n}", upstream.probes(key).len());
+    loop {
         let record = broker.record_json(key).await;
         assert_eq!(record["state"], "unknown", "{record:#}");
+        let probed = probe_entries(&record).len();
+        if probed >= n {
+            return;
+        }
+        assert!(Instant::now() < until, "probed {probed} times, not {n}: {record:#}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -226,12 +231,13 @@ async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_bac
     // First once the outcome has settled, then after twice the settle, then four times.
     for (n, wait) in [(1, settle), (2, 2 * settle), (3, 4 * settle)] {
         clock.advance(wait);
-        await_probes(&upstream, &broker, "unsure", n).await;
+        await_probes(&broker, "unsure", n).await;
     }
     let record = broker.record_json("unsure").await;
     assert_eq!(record["state"], "unknown", "{record:#}");
     let probes = probe_entries(&record);
     assert_eq!(probes.len(), 3, "each probe waited for its backoff to pass: {record:#}");
+    assert_eq!(upstream.probes("unsure").len(), 3);
     for entry in &probes {
         assert!(entry["note"].as_str().unwrap().contains("→ 500"), "{record:#}");
     }
