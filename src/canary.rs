@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
+use crate::clock::SharedClock;
 use crate::config::{Live, Route};
 use crate::policy::{canary_stop_reason, Cohort, PolicyVersion};
-use crate::record::{duration_ms, now_ms, Millis};
+use crate::record::{duration_ms, Millis};
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 use crate::switchboard::Switches;
@@ -28,7 +29,7 @@ const WINDOW: Duration = Duration::from_secs(3600);
 pub const ACTOR: &str = "idem canary";
 
 /// Watches the canaries of the configuration in force for as long as the node runs.
-pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>) {
+pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>, clock: SharedClock) {
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The canaries watched at the last look: one a reload removed or replaced is shown as ended.
@@ -46,7 +47,7 @@ pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switche
         }
         watched = now_watched;
         for route in config.routes.iter().filter(|r| r.canary.is_some()) {
-            if let Err(e) = look(&*store, &switches, route, now_ms()).await {
+            if let Err(e) = look(&*store, &switches, route, clock.now()).await {
                 tracing::warn!(route = %route.name, error = %e, "could not compare the canary's sides");
             }
         }

@@ -20,7 +20,9 @@
 //!   backend persists guarded by the phase it was decided from. A record is committed before
 //!   anything goes upstream; its deadline is the route's, or shorter when the client asks in the
 //!   route's `deadline_header`.
-//! - [`worker`] — claims a record under a lease, sends attempts through [`upstream`], stores each
+//! - [`worker`] — admits a new request in one call from the ingress ([`worker::Worker::admit`]:
+//!   shed by the route's limits, or recorded and started, claimed in the same commit when a
+//!   worker is free); claims a record under a lease, sends attempts through [`upstream`], stores each
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //!   An execution keeps the route and policy it was claimed with, whatever a reload does, and
@@ -50,9 +52,12 @@
 //!   a candidate, sharing each policy's retry budget in time order.
 //! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
 //!   body timeouts, and the bound on request bytes held in memory.
+//! - [`clock`] — the time, passed in: every part above reads what time it is from one
+//!   [`clock::Clock`] (the system's, or a test's [`clock::ManualClock`]); waits use tokio's timer.
 
 pub mod admin;
 pub mod canary;
+pub mod clock;
 pub mod config;
 pub mod credentials;
 pub mod demo;

@@ -9,11 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::clock::{Clock, SharedClock};
 use crate::config::{Config, Live, Probe, Route};
 use crate::policy::StopReason;
-use crate::record::{
-    duration_ms, now_ms, transition, Attempt, AttemptOutcome, Event, HistoryEntry, Millis, Phase, Record,
-};
+use crate::record::{duration_ms, transition, Attempt, AttemptOutcome, Event, HistoryEntry, Millis, Phase, Record};
 use crate::store::{
     Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
     TakeOver, TakeOverTo,
@@ -46,10 +45,10 @@ pub fn sweep_plan(config: &Config, now: Millis) -> SweepPlan {
 }
 
 /// Sweeps by the configuration in force at each pass, and paces itself by it.
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>) {
+pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) {
     loop {
         let config = config.current();
-        let plan = sweep_plan(&config, now_ms());
+        let plan = sweep_plan(&config, clock.now());
         loop {
             match store.sweep_done(Sweep { plan: plan.clone(), limit: SWEEP_BATCH }).await {
                 Ok(n) if n >= SWEEP_BATCH as u64 => continue,
@@ -98,7 +97,7 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, m
 }
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`.
-pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>) {
+pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>, clock: SharedClock) {
     // The lease cannot change without a restart: the pace is set once.
     let lease = config.current().worker.lease;
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
@@ -106,18 +105,19 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Err(e) = take_over_once(&*store, &worker, &config.current()).await {
+        if let Err(e) = take_over_once(&*store, &worker, &config.current(), clock.now()).await {
             e.log("take-over sweep failed; will try again");
         }
     }
 }
 
+/// One pass of [`take_overs`], as of `now`.
 pub async fn take_over_once(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
+    now: Millis,
 ) -> Result<(), crate::store::StoreError> {
-    let now = now_ms();
     for record in store.expired_leases(now, BATCH).await? {
         let Some(lease) = &record.lease else { continue };
         let route = config.route_named(&record.route);
@@ -160,7 +160,7 @@ pub async fn take_over_once(
             }
             if to == TakeOverTo::Queued {
                 if let Some(record) = store.get(record.id).await? {
-                    worker.submit(record, None, None);
+                    worker.submit(record);
                 }
             } else {
                 worker.settled(record.id);
@@ -221,14 +221,14 @@ pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
 
 /// Probes the upstream about `unknown` records of routes that declare how, as the configuration
 /// in force at each pass declares it.
-pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker) {
+pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker, clock: SharedClock) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let config = config.current();
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
-            if let Err(e) = probe_route(&*store, &upstream, route, &worker).await {
+            if let Err(e) = probe_route(&*store, &upstream, route, &worker, &*clock).await {
                 e.log(&format!("probing the records of route {} failed; will try again", route.name));
             }
         }
@@ -240,16 +240,17 @@ async fn probe_route(
     upstream: &Upstream,
     route: &Route,
     worker: &Worker,
+    clock: &dyn Clock,
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
-    let now = now_ms();
+    let now = clock.now();
     for record in store
         .probes_due(ProbesDue { route: route.name.clone(), settle: duration_ms(probe.settle), now, limit: BATCH })
         .await?
     {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
-        let next = now_ms() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
-        let entry = HistoryEntry { at: now_ms(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
+        let next = clock.now() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
+        let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
         if let Action::Applied(settled) =
             store.probed(Probed { id: record.id.into(), resolution, next_probe_at: next, entry }).await?
         {
@@ -305,32 +306,18 @@ mod tests {
 
     const NOW: Millis = 1_700_000_000_000;
 
+    const ROUTE_P: &str =
+        "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {safe}\n";
+
     fn route(replay_safe: bool) -> Route {
-        let text = format!(
-            "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {replay_safe}\n"
-        );
+        let text = ROUTE_P.replace("{safe}", &replay_safe.to_string());
         Config::parse_with_env(&text, |_| None).unwrap().routes.remove(0)
     }
 
     /// An in-progress record, taken over `takeovers` times before, with attempts that ended as
     /// `outcomes`, and one more in flight if `in_flight`.
     fn leased(takeovers: u32, outcomes: &[&str], in_flight: bool) -> Record {
-        let new = NewRecord {
-            id: uuid::Uuid::new_v4(),
-            tenant: "default".into(),
-            key: "k".into(),
-            route: "p".into(),
-            method: "POST".into(),
-            path: "/p".into(),
-            query: String::new(),
-            fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
-            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
-            deadline_at: NOW + 30_000,
-            now: NOW,
-            claim: None,
-            tombstone_cutoff: None,
-        };
-        let mut record = new.inserted();
+        let mut record = new_record().inserted();
         record.takeovers = takeovers;
         record.attempts = outcomes
             .iter()
@@ -349,6 +336,68 @@ mod tests {
             .collect();
         record.in_flight = in_flight.then_some((outcomes.len() as u32 + 1, NOW));
         record
+    }
+
+    /// A request to route `p`, arriving at `NOW`.
+    fn new_record() -> NewRecord {
+        NewRecord {
+            id: uuid::Uuid::new_v4(),
+            tenant: "default".into(),
+            key: "k".into(),
+            route: "p".into(),
+            method: "POST".into(),
+            path: "/p".into(),
+            query: String::new(),
+            fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
+            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            deadline_at: NOW + 30_000,
+            now: NOW,
+            claim: None,
+            tombstone_cutoff: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lease_is_taken_over_once_the_clock_passes_its_expiry_and_not_before() {
+        use crate::clock::ManualClock;
+        use crate::store::Claim;
+        use crate::worker::{Parts, Settled, Worker};
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let text =
+            format!("[store]\nurl = \"{url}\"\n[worker]\nlease = \"10s\"\n{}", ROUTE_P.replace("{safe}", "false"));
+        let config = Config::parse_with_env(&text, |_| None).unwrap();
+        let store = crate::store::open(&url).await.unwrap();
+        let clock = Arc::new(ManualClock::new(NOW));
+        let worker = Worker::new(Parts {
+            store: store.clone(),
+            upstream: Upstream::new(),
+            config: Arc::new(Live::new(config.clone())),
+            owner: "alive".into(),
+            settled: Arc::new(Settled::default()),
+            switches: Arc::new(crate::switchboard::Switches::new(clock.clone())),
+            clock: clock.clone(),
+        });
+        // Another node admitted it claimed, its first attempt marked as sent, and then died.
+        let version = config.routes[0].policy_version.clone();
+        let claim = Claim { owner: "dead".into(), lease_until: NOW + 10_000, policy_version: version };
+        let new = NewRecord { claim: Some(claim), ..new_record() };
+        let id = new.id;
+        store.admit(crate::store::Admit { new, retention_cutoff: 0 }).await.unwrap();
+
+        clock.set(NOW + 10_000);
+        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        let record = store.get(id).await.unwrap().unwrap();
+        assert_eq!(record.lease.as_ref().map(|l| l.owner.as_str()), Some("dead"), "taken over at its expiry");
+
+        clock.advance(Duration::from_millis(1));
+        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        let record = store.get(id).await.unwrap().unwrap();
+        // Not replay-safe, with an attempt that may have gone out: unknown, the attempt lost.
+        assert_eq!(record.phase(), Phase::Unknown);
+        assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
+        let entry = record.history.last().unwrap();
+        assert_eq!((entry.at, entry.actor.as_str()), (NOW + 10_001, "node:alive"));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
 use crate::canary;
+use crate::clock::{self, SharedClock};
 use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
 use crate::edge::{self, process, ListenerLimits};
@@ -22,7 +23,7 @@ use crate::store::{self, StoreError};
 use crate::switchboard::{self, Switches};
 use crate::tally::{self, Tally};
 use crate::upstream::Upstream;
-use crate::worker::{Settled, Worker};
+use crate::worker::{self, Settled, Worker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -50,6 +51,8 @@ pub struct Running {
     tally: Arc<Tally>,
     /// Where those last counts go.
     store: Arc<dyn store::Store>,
+    /// The time they are counted at.
+    clock: SharedClock,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     upkeep: Vec<JoinHandle<()>>,
@@ -70,15 +73,22 @@ fn node_name() -> String {
 
 /// Starts a broker on `config`, which it cannot reload: there is no file to read again.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    launch(config, None).await
+    start_with_clock(config, None, clock::system()).await
 }
 
 /// Starts a broker on `config`, read from `file`, which a reload reads again.
 pub async fn start_reloadable(config: Config, file: PathBuf) -> Result<Running, StartError> {
-    launch(config, Some(file)).await
+    start_with_clock(config, Some(file), clock::system()).await
 }
 
-async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartError> {
+/// Starts a broker that reads the time from `clock` (a test's [`clock::ManualClock`], say)
+/// wherever it stamps, compares or computes a time; `file`, if given, is what a reload reads.
+/// Waiting is still done on tokio's timer.
+pub async fn start_with_clock(
+    config: Config,
+    file: Option<PathBuf>,
+    clock: SharedClock,
+) -> Result<Running, StartError> {
     crate::metrics::handle();
     let live = Arc::new(Live::new(config));
     // The settings a reload cannot change are read here, once.
@@ -90,13 +100,20 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
     // Read before the first request: a restarted node obeys the switches left on at once.
-    let switches = Arc::new(Switches::default());
+    let switches = Arc::new(Switches::new(clock.clone()));
     switches.refresh(&*store).await?;
     // One client, so one connection pool per upstream, for the ingress's plain proxying, the
     // worker's attempts and the probes.
     let upstream = Upstream::new();
-    let worker =
-        Worker::new(store.clone(), upstream.clone(), live.clone(), node_name(), settled.clone(), switches.clone());
+    let worker = Worker::new(worker::Parts {
+        store: store.clone(),
+        upstream: upstream.clone(),
+        config: live.clone(),
+        owner: node_name(),
+        settled: settled.clone(),
+        switches: switches.clone(),
+        clock: clock.clone(),
+    });
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
 
@@ -113,6 +130,9 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         health: health.clone(),
         tally: tally.clone(),
         switches: switches.clone(),
+        clock: clock.clone(),
+        pace: worker.pace(),
+        stopping: worker.stopping(),
     });
     let admin = Arc::new(Admin {
         config: live.clone(),
@@ -122,6 +142,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         settled,
         bodies,
         switches: switches.clone(),
+        clock: clock.clone(),
     });
 
     let (stop, stopped) = watch::channel(false);
@@ -133,12 +154,12 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
     ];
     let mut upkeep = vec![
-        tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone())),
-        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone())),
-        tokio::spawn(reconcile::probes(store.clone(), upstream, live.clone(), worker.clone())),
+        tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone(), clock.clone())),
+        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone())),
+        tokio::spawn(reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone())),
         tokio::spawn(reconcile::watch_store(store.clone(), health)),
-        tokio::spawn(tally::flush_every_second(tally.clone(), store.clone())),
-        tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone())),
+        tokio::spawn(tally::flush_every_second(tally.clone(), store.clone(), clock.clone())),
+        tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone())),
         tokio::spawn(switchboard::keep_fresh(switches, store.clone())),
     ];
     // Other nodes sharing the store announce the records they settle: wake our waiters.
@@ -156,7 +177,7 @@ async fn launch(config: Config, file: Option<PathBuf>) -> Result<Running, StartE
         }));
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, tally, store, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, tally, store, clock, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -214,7 +235,7 @@ impl Running {
                 tracing::warn!("a listener did not finish its answers in time");
             }
         }
-        if let Err(e) = self.tally.flush(&*self.store).await {
+        if let Err(e) = self.tally.flush(&*self.store, self.clock.now()).await {
             tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
     }

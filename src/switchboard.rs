@@ -7,8 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use crate::clock::{self, SharedClock};
+use crate::config::{Policy, Route};
 use crate::policy::Switched;
-use crate::record::{now_ms, Millis};
+use crate::record::Millis;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 
@@ -16,9 +18,10 @@ use crate::switch::{Scope, Switch, SwitchAction};
 pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
 
 /// The switches in force, shared by the ingress, the worker and the admin API.
-#[derive(Default)]
 pub struct Switches {
     active: RwLock<Arc<Vec<Switch>>>,
+    /// What "now" is when a switch's expiry is checked.
+    clock: SharedClock,
     /// Numbers each read as it starts, and the number of the read now shown, so that a slow
     /// read that began before a set cannot overwrite the fresher view the set left.
     reads: AtomicU64,
@@ -27,7 +30,27 @@ pub struct Switches {
     failing: AtomicBool,
 }
 
+/// The longest `Retry-After` of a refusal by an `isolate` switch.
+const ISOLATED_RETRY_AFTER: Duration = Duration::from_secs(5);
+
+impl Default for Switches {
+    fn default() -> Switches {
+        Switches::new(clock::system())
+    }
+}
+
 impl Switches {
+    /// An empty view, whose expiries are checked against `clock`.
+    pub fn new(clock: SharedClock) -> Switches {
+        Switches {
+            active: RwLock::default(),
+            clock,
+            reads: AtomicU64::new(0),
+            shown: Mutex::new(0),
+            failing: AtomicBool::new(false),
+        }
+    }
+
     /// A view that starts with `active` (for tests and tools; a node reads its view from the store).
     pub fn with(active: Vec<Switch>) -> Switches {
         let switches = Switches::default();
@@ -45,7 +68,7 @@ impl Switches {
     }
 
     fn is_on(&self, route: &str, action: SwitchAction) -> bool {
-        let now = now_ms();
+        let now = self.clock.now();
         self.snapshot().iter().any(|s| s.holds(route, action, now))
     }
 
@@ -64,12 +87,27 @@ impl Switches {
 
     /// What the retry policy is told about `route` right now.
     pub fn switched(&self, route: &str) -> Switched {
-        let now = now_ms();
+        let now = self.clock.now();
         let active = self.snapshot();
         Switched {
             retries_off: active.iter().any(|s| s.holds(route, SwitchAction::RetriesOff, now)),
             isolated: active.iter().any(|s| s.holds(route, SwitchAction::Isolate, now)),
         }
+    }
+
+    /// How long an `isolate` switch on `route` asks a refused client to wait, if one is on: until
+    /// the switch expires, or a few seconds, since it may be cleared sooner (one second at least).
+    pub fn isolation(&self, route: &str) -> Option<Duration> {
+        let now = self.clock.now();
+        let switch = self.on(route, SwitchAction::Isolate, now)?;
+        let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| Duration::from_millis((at - now).max(0) as u64));
+        Some(left.clamp(Duration::from_secs(1), ISOLATED_RETRY_AFTER))
+    }
+
+    /// The policy a request of `tenant` with `key` runs under on `route`: the route's own, or the
+    /// canary's for a request in the slice of a canary that no `canary_off` switch has ended.
+    pub fn policy<'r>(&self, route: &'r Route, tenant: &str, key: &str) -> Policy<'r> {
+        route.policy_for(tenant, key, !self.canary_off(&route.name))
     }
 
     /// The switches active at `now`, oldest first.
@@ -82,7 +120,7 @@ impl Switches {
     /// switch everything back on.
     pub async fn refresh(&self, store: &dyn Store) -> Result<(), StoreError> {
         let number = self.reads.fetch_add(1, Ordering::SeqCst) + 1;
-        let read = store.active_switches(now_ms()).await;
+        let read = store.active_switches(self.clock.now()).await;
         let was_failing = self.failing.swap(read.is_err(), Ordering::SeqCst);
         let active = match read {
             Ok(active) => active,
@@ -166,7 +204,7 @@ mod tests {
 
     #[test]
     fn the_view_answers_per_route_and_drops_expired_switches_by_itself() {
-        let far = now_ms() + 3_600_000;
+        let far = crate::record::now_ms() + 3_600_000;
         let switches = Switches::with(vec![
             switch(Scope::Route("payments".into()), SwitchAction::RetriesOff, Some(far)),
             switch(Scope::All, SwitchAction::CanaryOff, None),
@@ -175,13 +213,13 @@ mod tests {
         assert_eq!(switches.switched("payments"), Switched { retries_off: true, isolated: false });
         assert_eq!(switches.switched("orders"), Switched::default(), "its isolation expired");
         assert!(switches.canary_off("orders") && switches.canary_off("payments"));
-        assert_eq!(switches.active(now_ms()).len(), 2);
+        assert_eq!(switches.active(crate::record::now_ms()).len(), 2);
     }
 
     #[test]
     fn the_metric_has_every_scope_and_action_with_help_and_type() {
         let switches = Switches::with(vec![switch(Scope::Route("gone".into()), SwitchAction::Isolate, None)]);
-        let text = switches.render_metric(&["payments"], now_ms());
+        let text = switches.render_metric(&["payments"], crate::record::now_ms());
         assert!(text.starts_with("# HELP idem_switch_active "));
         assert!(text.contains("idem_switch_active{scope=\"all\",action=\"retries_off\"} 0\n"));
         assert!(text.contains("idem_switch_active{scope=\"payments\",action=\"canary_off\"} 0\n"));

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use crate::record::{now_ms, Millis};
+use crate::clock::SharedClock;
+use crate::record::Millis;
 use crate::store::stats::AnswerCount;
 use crate::store::{AddAnswerCounts, Store, StoreError};
 
@@ -91,9 +92,8 @@ impl Tally {
     }
 
     /// Adds what was counted to the store (and forgets counters older than [`KEEP`]). When the
-    /// store refuses, the counts are kept for the next flush.
-    pub async fn flush(&self, store: &dyn Store) -> Result<(), StoreError> {
-        let now = now_ms();
+    /// store refuses, the counts are kept for the next flush. `now` is the second they count in.
+    pub async fn flush(&self, store: &dyn Store, now: Millis) -> Result<(), StoreError> {
         let counts = self.take(now);
         if counts.is_empty() {
             return Ok(());
@@ -107,12 +107,12 @@ impl Tally {
 }
 
 /// Flushes every [`FLUSH_EVERY`] until aborted.
-pub async fn flush_every_second(tally: Arc<Tally>, store: Arc<dyn Store>) {
+pub async fn flush_every_second(tally: Arc<Tally>, store: Arc<dyn Store>, clock: SharedClock) {
     let mut ticks = tokio::time::interval(FLUSH_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        if let Err(e) = tally.flush(&*store).await {
+        if let Err(e) = tally.flush(&*store, clock.now()).await {
             tracing::warn!(error = %e, "cannot store the replay and 409 counts; keeping them for the next try");
         }
     }

@@ -8,7 +8,10 @@ use common::JsonOf;
 
 use common::{both_stores, send, Backend, Broker, Db, Upstream};
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
+
+use idem::clock::ManualClock;
 
 use serde_json::{json, Value};
 
@@ -147,18 +150,44 @@ async fn a_record_can_be_awaited_instead_of_polled(b: Backend) {
     assert_eq!(now["state"], "done");
 }
 
-/// Waits until a done record of `key` is past a retention of one second.
-async fn past_retention() {
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
+/// A broker whose time only moves when the test moves it: a retention or a tombstone is
+/// passed at once instead of slept through.
+async fn setup_on_clock(b: Backend, route_extra: &str) -> (Upstream, Broker, Arc<ManualClock>) {
+    let upstream = Upstream::start().await;
+    let clock = Arc::new(ManualClock::starting_now());
+    let broker = Broker::start_with_clock(&Db::new(b).await, &upstream.url(), route_extra, "", clock.clone()).await;
+    (upstream, broker, clock)
+}
+
+/// Moves the broker's time past a done record's retention of one second.
+fn past_retention(clock: &ManualClock) {
+    clock.advance(Duration::from_millis(1_300));
+}
+
+/// Waits for the retention sweep (which runs every second) to have made `key`'s record a tombstone.
+async fn await_tombstone(broker: &Broker) {
+    let url = format!("{}/admin/requests?state=done", broker.admin);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed: Value = broker.http.get(&url).json_of().await;
+        if listed["items"][0]["tombstone_until"].is_string() {
+            return;
+        }
+        assert!(Instant::now() < until, "the sweep never made a tombstone: {listed:#}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 async fn a_late_retry_within_the_tombstone_is_refused_and_never_executed(b: Backend) {
-    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"30d\"", "").await;
+    let (upstream, broker, clock) = setup_on_clock(b, "retention = \"1s\"\ntombstone = \"30d\"").await;
     let first = send(broker.post("/payments", "late", r#"{"amount":5}"#)).await;
     assert_eq!(first.status, 201);
-    past_retention().await;
-    // Before the sweep turns it into a tombstone, and after (it runs every second).
-    for _ in 0..2 {
+    past_retention(&clock);
+    // Past its retention, whether the sweep has made it a tombstone yet or not.
+    for swept in [false, true] {
+        if swept {
+            await_tombstone(&broker).await;
+        }
         let r = send(broker.post("/payments", "late", r#"{"amount":5}"#)).await;
         r.assert_problem(410, "result-expired");
         let p = r.json();
@@ -166,7 +195,6 @@ async fn a_late_retry_within_the_tombstone_is_refused_and_never_executed(b: Back
         assert!(p["completed_at"].as_str().is_some_and(|t| t.starts_with("20")), "{p}");
         assert_eq!(p["retryable"], false);
         assert_eq!(r.header("x-should-retry"), Some("false"));
-        tokio::time::sleep(Duration::from_millis(1_200)).await;
     }
     assert_eq!(upstream.hits("late"), 1, "a spent key was executed again");
     // Another body under the reused key is a new operation.
@@ -176,16 +204,16 @@ async fn a_late_retry_within_the_tombstone_is_refused_and_never_executed(b: Back
 }
 
 async fn after_the_tombstone_or_without_one_the_same_request_executes_again(b: Backend) {
-    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"1s\"", "").await;
+    let (upstream, broker, clock) = setup_on_clock(b, "retention = \"1s\"\ntombstone = \"1s\"").await;
     send(broker.post("/payments", "old", "{}")).await;
-    tokio::time::sleep(Duration::from_millis(2_300)).await;
+    clock.advance(Duration::from_millis(2_300));
     let r = send(broker.post("/payments", "old", "{}")).await;
     assert_eq!(r.status, 201, "{:?}", r.body);
     assert_eq!(upstream.hits("old"), 2);
 
-    let (upstream, broker) = setup(b, "retention = \"1s\"\ntombstone = \"0s\"", "").await;
+    let (upstream, broker, clock) = setup_on_clock(b, "retention = \"1s\"\ntombstone = \"0s\"").await;
     send(broker.post("/payments", "untombed", "{}")).await;
-    past_retention().await;
+    past_retention(&clock);
     let r = send(broker.post("/payments", "untombed", "{}")).await;
     assert_eq!(r.status, 201, "{:?}", r.body);
     assert_eq!(upstream.hits("untombed"), 2);

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use idem::clock::{Clock, ManualClock};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -115,13 +116,22 @@ impl Payments {
 
 /// A broker whose non-replay-safe `payments` route probes `GET /payments/by-key/{key}`.
 async fn setup(b: Backend) -> (Payments, Broker) {
+    setup_with(b, SETTLE, None).await
+}
+
+/// The same with another `settle`, and on `clock` when one is given.
+async fn setup_with(b: Backend, settle: Duration, clock: Option<Arc<ManualClock>>) -> (Payments, Broker) {
     let upstream = Payments::start().await;
     let extra = format!(
         "[routes.retry]\nbase = \"10ms\"\n\n[routes.probe]\nmethod = \"GET\"\n\
          path = \"/payments/by-key/{{idempotency_key}}\"\nsettle = \"{}ms\"\n",
-        SETTLE.as_millis()
+        settle.as_millis()
     );
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "replay_safe = false", &extra).await;
+    let db = Db::new(b).await;
+    let broker = match clock {
+        Some(clock) => Broker::start_with_clock(&db, &upstream.url(), "replay_safe = false", &extra, clock).await,
+        None => Broker::start(&db, &upstream.url(), "replay_safe = false", &extra).await,
+    };
     (upstream, broker)
 }
 
@@ -192,34 +202,49 @@ async fn a_probe_answering_404_frees_the_key_and_the_next_request_executes(b: Ba
     assert_eq!(broker.record_json("absent").await["state"], "done");
 }
 
+/// Waits until `key`'s record shows `n` probes, still `unknown`. The record, not the upstream,
+/// is watched: the time of the next probe is stored with the probe's entry, after it was sent.
+async fn await_probes(broker: &Broker, key: &str, n: usize) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let record = broker.record_json(key).await;
+        assert_eq!(record["state"], "unknown", "{record:#}");
+        let probed = probe_entries(&record).len();
+        if probed >= n {
+            return;
+        }
+        assert!(Instant::now() < until, "probed {probed} times, not {n}: {record:#}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_backoff(b: Backend) {
-    let (upstream, broker) = setup(b).await;
+    // A settle of a minute, on a clock the test moves: the backoff is seen in the broker's time,
+    // without waiting minutes for it.
+    let settle = Duration::from_secs(60);
+    let clock = Arc::new(ManualClock::starting_now());
+    let (upstream, broker) = setup_with(b, settle, Some(clock.clone())).await;
     upstream.script("GET /payments/by-key/unsure", vec![Reply::status(500)]);
     make_unknown(&upstream, &broker, "unsure", vec![]).await;
+    let unknown_at = clock.now();
 
-    let until = Instant::now() + Duration::from_secs(8);
-    while upstream.probes("unsure").len() < 3 {
-        assert!(Instant::now() < until, "probed {} times in 8 s", upstream.probes("unsure").len());
-        let record = broker.record_json("unsure").await;
-        assert_eq!(record["state"], "unknown", "{record:#}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // First once the outcome has settled, then after twice the settle, then four times.
+    for (n, wait) in [(1, settle), (2, 2 * settle), (3, 4 * settle)] {
+        clock.advance(wait);
+        await_probes(&broker, "unsure", n).await;
     }
-    let asked = upstream.probes("unsure");
-    let gaps: Vec<Duration> = asked.windows(2).map(|w| w[1] - w[0]).collect();
-    assert!(gaps.iter().all(|&g| g >= SETTLE), "probes closer than the settle: {gaps:?}");
-    assert!(gaps[1] >= gaps[0], "probes do not back off: {gaps:?}");
-
     let record = broker.record_json("unsure").await;
     assert_eq!(record["state"], "unknown", "{record:#}");
     let probes = probe_entries(&record);
-    assert!(probes.len() >= 2, "{record:#}");
+    assert_eq!(probes.len(), 3, "each probe waited for its backoff to pass: {record:#}");
+    assert_eq!(upstream.probes("unsure").len(), 3);
     for entry in &probes {
         assert!(entry["note"].as_str().unwrap().contains("→ 500"), "{record:#}");
     }
-    for pair in probes.windows(2) {
-        let gap = at(pair[1]).duration_since(at(pair[0])).unwrap_or_default();
-        assert!(gap >= SETTLE, "probe entries {gap:?} apart: {record:#}");
-    }
+    let since =
+        |entry: &Value| at(entry).duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis() as i64 - unknown_at;
+    let offsets: Vec<i64> = probes.iter().map(|e| since(e)).collect();
+    assert_eq!(offsets, [60_000, 180_000, 420_000], "probes at the settle, then backing off: {record:#}");
 
     common::send(broker.post("/payments", "unsure", BODY)).await.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.posts().len(), 1, "an unknown record was sent upstream again");

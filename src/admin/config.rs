@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -38,14 +37,9 @@ fn applied_json(applied: &Applied) -> serde_json::Value {
 }
 
 fn refusal(e: &ReloadError) -> Problem {
-    let (name, title, status) = match e {
-        ReloadError::NoFile => ("reload-unavailable", "Nothing to reload", StatusCode::CONFLICT),
-        ReloadError::Config(_) => ("config-refused", "Configuration refused", StatusCode::UNPROCESSABLE_ENTITY),
-    };
     let detail = format!("{}. The running configuration is kept; nothing of the file was applied.", e.detail());
-    let mut problem = Problem::new(status, name, title, detail);
-    if let Some(key) = e.key() {
-        problem.extensions.push(("key", json!(key)));
+    match e {
+        ReloadError::NoFile => Problem::reload_unavailable(detail),
+        ReloadError::Config(_) => Problem::config_refused(detail, e.key()),
     }
-    problem
 }

@@ -18,11 +18,12 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use crate::clock::SharedClock;
 use crate::config::Live;
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::reconcile;
-use crate::record::{duration_ms, header_text, now_ms, HistoryEntry, Record, State as RecordState, StoredResponse};
+use crate::record::{duration_ms, header_text, HistoryEntry, Millis, Record, State as RecordState, StoredResponse};
 use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;
@@ -53,6 +54,8 @@ pub struct Admin {
     /// This node's view of the emergency switches: refreshed at once after a set or a clear
     /// here, and exported as `idem_switch_active`.
     pub switches: Arc<Switches>,
+    /// What time it is: for the audit trail, a retry's fresh deadline, the series and switches.
+    pub clock: SharedClock,
 }
 
 pub fn router(admin: Arc<Admin>) -> Router {
@@ -79,10 +82,10 @@ pub fn router(admin: Arc<Admin>) -> Router {
 
 /// Ready when the store can be trusted with a request: without it no request can be recorded
 /// safely. Bounded in time, like the health check every node runs.
-async fn ready(State(admin): State<Arc<Admin>>) -> (StatusCode, String) {
+async fn ready(State(admin): State<Arc<Admin>>) -> Response {
     match reconcile::store_health(&*admin.store).await {
-        Ok(()) => (StatusCode::OK, "ready\n".into()),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
+        Ok(()) => "ready\n".into_response(),
+        Err(e) => Problem::not_ready(&e).into_response(),
     }
 }
 
@@ -99,7 +102,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
     };
     let config = admin.config.current();
     let routes: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
-    let switches = admin.switches.render_metric(&routes, now_ms());
+    let switches = admin.switches.render_metric(&routes, admin.clock.now());
     let circuits = admin.worker.guards().breaker_states();
     let body = crate::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
@@ -112,13 +115,7 @@ async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: 
         let given = crate::credentials::bearer(request.headers());
         let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected.expose_secret()));
         if !ok {
-            return Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "Unauthorized",
-                "The admin API needs the admin bearer token (the value of the variable named by auth.admin_token_env).",
-            )
-            .into_response();
+            return Problem::admin_unauthorized().into_response();
         }
     }
     next.run(request).await
@@ -128,29 +125,13 @@ fn record_id(id: &str) -> Result<Uuid, Problem> {
     Uuid::parse_str(id).map_err(|_| Problem::bad_request("invalid-id", format!("`{id}` is not a record id (a UUID).")))
 }
 
+/// No record has the id an operator named.
 fn not_found() -> Problem {
-    Problem::new(
-        StatusCode::NOT_FOUND,
-        "request-not-found",
-        "No such record",
-        "No record has this id (it may have expired).",
-    )
+    Problem::not_found().with_detail("No record has this id (it may have expired).")
 }
 
 fn refused(record: &Record, action: &str) -> Problem {
-    let why = match record.state {
-        RecordState::Done => "it is done: its response is final and replayed to every duplicate",
-        RecordState::InProgress => "it is in progress: wait for its outcome (or cancel it)",
-        RecordState::NotStarted => "it is not_started: nothing is uncertain about it",
-        RecordState::Unknown => "it is unknown",
-    };
-    Problem::new(
-        StatusCode::CONFLICT,
-        "invalid-transition",
-        "Action not allowed in this state",
-        format!("Only an unknown record can be {action}; this one cannot, because {why}."),
-    )
-    .state(record.state)
+    Problem::invalid_transition(record.state, action)
 }
 
 fn record_json(record: &Record) -> Response {
@@ -214,12 +195,26 @@ struct Attribution {
 }
 
 impl Attribution {
+    /// The attribution of an action taken at `now`.
+    fn at(&self, now: Millis) -> Stamped<'_> {
+        Stamped { who: self, now }
+    }
+}
+
+/// An [`Attribution`] and when the action it attributes is taken.
+struct Stamped<'a> {
+    who: &'a Attribution,
+    now: Millis,
+}
+
+impl Stamped<'_> {
+    /// The history entry the action leaves on the record.
     fn entry(&self, action: &str) -> HistoryEntry {
         HistoryEntry {
-            at: now_ms(),
-            actor: self.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
+            at: self.now,
+            actor: self.who.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
             action: action.into(),
-            note: self.note.clone().filter(|n| !n.trim().is_empty()),
+            note: self.who.note.clone().filter(|n| !n.trim().is_empty()),
         }
     }
 }
@@ -324,6 +319,7 @@ async fn apply_resolve(admin: &Admin, id: Uuid, resolution: Resolution, who: &At
         Resolution::Executed(_) => "resolve executed",
         Resolution::NotExecuted => "resolve not_executed",
     };
+    let who = who.at(admin.clock.now());
     match admin
         .store
         .resolve(crate::store::Resolve { id: id.into(), resolution, entry: who.entry(action) })
@@ -353,14 +349,10 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
     };
     let config = admin.config.current();
     let Some(route) = config.route_named(&record.route) else {
-        return Err(Problem::new(
-            StatusCode::CONFLICT,
-            "route-gone",
-            "Route no longer configured",
-            format!("The record's route `{}` is not in the current config, so it cannot be sent.", record.route),
-        ));
+        return Err(Problem::route_gone(&record.route));
     };
-    let deadline_at = now_ms() + duration_ms(route.retry.deadline);
+    let who = who.at(admin.clock.now());
+    let deadline_at = who.now + duration_ms(route.retry.deadline);
     match admin
         .store
         .retry(crate::store::Retry { id: id.into(), deadline_at, entry: who.entry("retry") })
@@ -368,7 +360,7 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
         .map_err(store_problem)?
     {
         Action::Applied(record) => {
-            admin.worker.submit(record.clone(), None, None);
+            admin.worker.submit(record.clone());
             Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "retried")),
@@ -388,6 +380,7 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
 /// Cancels one record: a queued one at once, a running one when its worker next looks (the
 /// flag is `true` then).
 async fn apply_cancel(admin: &Admin, id: Uuid, who: &Attribution) -> Result<(Record, bool), Problem> {
+    let who = who.at(admin.clock.now());
     match admin
         .store
         .cancel(crate::store::Cancel { id: id.into(), entry: who.entry("cancel") })

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Query, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -15,7 +14,7 @@ use serde_json::{json, Value};
 use super::series::assemble;
 use super::Admin;
 use crate::problem::Problem;
-use crate::record::{now_ms, rfc3339, Millis};
+use crate::record::{rfc3339, Millis};
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.
@@ -116,18 +115,11 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
     let route = q.route.filter(|r| !r.is_empty());
     let config = admin.config.current();
     let routes: Vec<&str> = match &route {
-        Some(name) if config.route_named(name).is_none() => {
-            return Err(Problem::new(
-                StatusCode::NOT_FOUND,
-                "route-not-found",
-                "No such route",
-                format!("No route named `{name}` is configured."),
-            ))
-        }
+        Some(name) if config.route_named(name).is_none() => return Err(Problem::route_not_found(name)),
         Some(name) => vec![name.as_str()],
         None => config.routes.iter().map(|r| r.name.as_str()).collect(),
     };
-    let now = now_ms();
+    let now = admin.clock.now();
     let span = resolution.span(now, route.clone());
     let rows = admin.store.stats(&span).await.map_err(|e| Problem::store(&e))?;
     let routes: Vec<Value> = assemble(&span, now, &routes, &rows)
@@ -152,6 +144,7 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::StatusCode;
 
     fn secs(s: u64) -> Duration {
         Duration::from_secs(s)

@@ -22,22 +22,15 @@ use uuid::Uuid;
 
 use super::{json_body, store_problem, Admin};
 use crate::problem::Problem;
-use crate::record::now_ms;
 use crate::store::{SwitchCleared, MAX_HISTORY};
 use crate::switch::{ClearRequest, Invalid, SetRequest, Switch};
 
 /// History rows shown unless the request asks for another number.
 const DEFAULT_HISTORY: u32 = 100;
 
-/// A switch request refused: 422, naming the field (also as the document's `field` member).
+/// A switch request refused: 422, naming the field.
 fn invalid(e: Invalid) -> Problem {
-    let mut problem = Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-switch", "Invalid switch", e.to_string());
-    problem.extensions.push(("field", json!(e.field)));
-    problem
-}
-
-fn not_found() -> Problem {
-    Problem::new(StatusCode::NOT_FOUND, "switch-not-found", "No such switch", "No switch has this id.")
+    Problem::invalid_switch(e.field, e.to_string())
 }
 
 fn switch_id(id: &str) -> Result<Uuid, Problem> {
@@ -52,7 +45,7 @@ async fn show_now(admin: &Admin) {
 
 pub(super) async fn set(State(admin): State<Arc<Admin>>, body: Bytes) -> Result<Response, Problem> {
     let request: SetRequest = json_body(&body)?;
-    let now = now_ms();
+    let now = admin.clock.now();
     let switch = request
         .parse(Uuid::now_v7(), now, |name| admin.config.current().route_named(name).is_some())
         .map_err(invalid)?;
@@ -93,7 +86,7 @@ pub(super) async fn list(State(admin): State<Arc<Admin>>, Query(q): Query<ListQu
             Problem::bad_request("invalid-limit", format!("limit: `{text}` is not between 1 and {MAX_HISTORY}."))
         })?,
     };
-    let now = now_ms();
+    let now = admin.clock.now();
     let switches: Vec<Switch> =
         if history { admin.store.switch_history(limit).await } else { admin.store.active_switches(now).await }
             .map_err(store_problem)?;
@@ -108,7 +101,7 @@ pub(super) async fn clear(
 ) -> Result<Response, Problem> {
     let id = switch_id(&id)?;
     let request: ClearRequest = json_body(&body)?;
-    let now = now_ms();
+    let now = admin.clock.now();
     let clearing = request.parse(now).map_err(invalid)?;
     match admin.store.clear_switch(crate::store::ClearSwitch { id, clearing }).await.map_err(store_problem)? {
         SwitchCleared::Cleared(switch) => {
@@ -124,12 +117,7 @@ pub(super) async fn clear(
             );
             Ok(Json(switch.to_json(now)).into_response())
         }
-        SwitchCleared::NotActive(switch) => Err(Problem::new(
-            StatusCode::CONFLICT,
-            "switch-not-active",
-            "Switch not active",
-            format!("This switch is {} already: there is nothing to clear.", switch.status(now).as_str()),
-        )),
-        SwitchCleared::Missing => Err(not_found()),
+        SwitchCleared::NotActive(switch) => Err(Problem::switch_not_active(switch.status(now).as_str())),
+        SwitchCleared::Missing => Err(Problem::switch_not_found()),
     }
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::Ingress;
 use crate::problem::Problem;
-use crate::record::{duration_ms, now_ms, Millis, Record, State};
+use crate::record::{duration_ms, Millis, Record, State};
 
 impl Ingress {
     /// How long a route's done records are replayed, as configured now; a route no longer
@@ -16,7 +16,7 @@ impl Ingress {
     }
 
     pub(super) fn retention_cutoff(&self, route: &str) -> Millis {
-        now_ms() - duration_ms(self.retention(route))
+        self.clock.now() - duration_ms(self.retention(route))
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not

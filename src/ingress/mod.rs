@@ -10,10 +10,11 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use bytes::Bytes;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 use uuid::Uuid;
 
+use crate::clock::SharedClock;
 use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
@@ -21,17 +22,16 @@ use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
-use crate::policy::StopReason;
-use crate::policy::{outcome_eta, Pending};
+use crate::policy::{outcome_eta, Pace, Pending, StopReason};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{duration_ms, now_ms, Millis, Phase, Record, State, StoredRequest};
-use crate::store::{Admission, Admit, Health, NewRecord, Store};
+use crate::record::{duration_ms, Millis, Phase, Record, State, StoredRequest};
+use crate::store::{Health, NewRecord, Store};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::tally::Tally;
 use crate::upstream::Upstream;
-use crate::worker::{Outcome, Refusal, Reservation, Settled, Slot, Worker};
+use crate::worker::{Admit, Admitted, Outcome, Refusal, Settled, Worker};
 
 /// What a keyed request was read with: the configuration in force when it arrived, its route
 /// there, its head, and when it arrived.
@@ -49,8 +49,6 @@ pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 /// How often a waiting request re-reads its record anyway, should an announcement of its
 /// settlement by another node be lost.
 const WAIT_POLL: Duration = Duration::from_secs(1);
-/// The longest `Retry-After` of a refusal by an `isolate` switch.
-const ISOLATED_RETRY_AFTER: Duration = Duration::from_secs(5);
 
 pub struct Ingress {
     /// The configuration in force: each request reads it once, when it arrives, and is served
@@ -69,6 +67,12 @@ pub struct Ingress {
     pub tally: Arc<Tally>,
     /// The operator's emergency switches: an isolated route takes no new key.
     pub switches: Arc<Switches>,
+    /// What time it is: a request's arrival, its deadline, its key's retention.
+    pub clock: SharedClock,
+    /// How long the worker's attempts typically take on each route, for a 409's estimate.
+    pub pace: Arc<Pace>,
+    /// Becomes true when the process begins to shut down: waiting requests are answered then.
+    pub stopping: watch::Receiver<bool>,
 }
 
 mod answers;
@@ -92,7 +96,7 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let arrival = now_ms();
+    let arrival = app.clock.now();
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
@@ -208,7 +212,7 @@ impl Ingress {
             }
         };
         if key.is_some() && !response.headers().contains_key(EXPIRES_HEADER) {
-            let until = now_ms() + duration_ms(route.retention);
+            let until = self.clock.now() + duration_ms(route.retention);
             response.headers_mut().insert(EXPIRES_HEADER, http_date(until));
         }
         response
@@ -225,7 +229,7 @@ impl Ingress {
         let Read { config, route, parts, arrival } = read;
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
-        let policy = self.worker.policy(route, &tenant, key.as_str());
+        let policy = self.switches.policy(route, &tenant, key.as_str());
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
             id: Uuid::now_v7(),
@@ -258,53 +262,44 @@ impl Ingress {
         }
         // A store found down cannot record it: refused at once rather than after the store fails.
         self.health.check().map_err(|e| Problem::store(&e))?;
-        // A new execution is shed here, before anything is recorded, if the route is saturated,
-        // its upstream's circuit is open or an operator isolated it — unless the key exists: its
+        // A new execution is shed before anything is recorded if the route is saturated, its
+        // upstream's circuit is open or an operator isolated it — unless the key exists: its
         // record answers then.
-        let entered = match self.isolation(&route.name) {
-            Some(refusal) => Err(refusal),
-            None => self.worker.guards().enter(&route),
+        let admit = Admit {
+            config,
+            route,
+            policy,
+            new,
+            retention_cutoff: self.retention_cutoff(&route.name),
+            headers: &parts.headers,
+            awaits: !prefer.respond_async,
         };
-        let slot = match entered {
-            Ok(slot) => slot,
-            Err(refusal) => {
-                let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
-                match existing {
-                    Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
-                        return self.answer_record(&route, record, fingerprint, prefer).await;
-                    }
-                    _ => {
-                        // Counted only when the switch holds something back: a replay is not.
-                        if self.switches.isolated(&route.name) {
-                            metrics::held_by_switch(&route.name, SwitchAction::Isolate);
-                        }
-                        return Err(self.refused(&route, refusal));
-                    }
-                }
-            }
-        };
-        // With a worker free right now, record it already claimed and its first attempt marked:
-        // one commit before the send instead of three.
-        let reservation = self.worker.reserve(config, route);
-        let new = NewRecord { claim: reservation.as_ref().map(|_| self.worker.claim(now_ms(), &policy)), ..new };
-        let record = match self
-            .store
-            .admit(Admit { new, retention_cutoff: self.retention_cutoff(&route.name) })
-            .await
-            .map_err(|e| Problem::store(&e))?
-        {
-            Admission::Created(record) | Admission::Requeued(record) => {
+        match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
+            Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);
-                if route.forward_authorization {
-                    let credential = parts.headers.get(header::AUTHORIZATION).cloned();
-                    self.worker.hold_credential(record.id, credential, record.deadline_at);
-                }
-                return self.execute(record, slot, reservation, prefer).await;
+                self.executing(&record, outcome).await
             }
-            Admission::Existing(record) => record,
-        };
-        drop((slot, reservation));
-        self.answer_record(&route, record, fingerprint, prefer).await
+            Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
+            Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,
+        }
+    }
+
+    /// A request the worker shed before recording it: refused, unless its key has a live record,
+    /// which answers it.
+    async fn shed(&self, route: &Route, refusal: Refusal, new: NewRecord, prefer: Prefer) -> Answer {
+        let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
+        match existing {
+            Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
+                self.answer_record(route, record, new.fingerprint, prefer).await
+            }
+            _ => {
+                // Counted only when the switch holds something back: a replay is not.
+                if self.switches.isolated(&route.name) {
+                    metrics::held_by_switch(&route.name, SwitchAction::Isolate);
+                }
+                Err(self.refused(route, refusal))
+            }
+        }
     }
 
     /// The answer for a request whose key already has a record it does not own.
@@ -326,13 +321,9 @@ impl Ingress {
         self.answer_existing(record, prefer.wait).await
     }
 
-    /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's, asking the
-    /// client back when the switch expires, or within a few seconds, since it may be cleared.
+    /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's.
     fn isolation(&self, route: &str) -> Option<Refusal> {
-        let now = now_ms();
-        let switch = self.switches.on(route, SwitchAction::Isolate, now)?;
-        let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| Duration::from_millis((at - now).max(0) as u64));
-        Some(Refusal::CircuitOpen(left.clamp(Duration::from_secs(1), ISOLATED_RETRY_AFTER)))
+        self.switches.isolation(route).map(Refusal::CircuitOpen)
     }
 
     fn refused(&self, route: &Route, refusal: Refusal) -> Problem {
@@ -348,49 +339,42 @@ impl Ingress {
         }
     }
 
-    /// This request owns the record: hand it to a worker and answer with the outcome.
-    async fn execute(&self, record: Record, slot: Slot, reservation: Option<Reservation>, prefer: Prefer) -> Answer {
-        // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
-        let reservation = reservation.filter(|_| record.state == State::InProgress);
-        let start = |record: Record, reply| match reservation {
-            Some(reservation) => self.worker.start(record, slot, reservation, reply),
-            None => self.worker.submit(record, Some(slot), reply),
-        };
-        if prefer.respond_async {
+    /// This request owns the record, which a worker executes: answer with the outcome, or at
+    /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
+    async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Outcome>>) -> Answer {
+        let Some(outcome) = outcome else {
             let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
-            let body = record.to_json(false);
-            let state = record.state;
-            start(record, None);
-            let mut response = (StatusCode::ACCEPTED, Json(body)).into_response();
+            let mut response = (StatusCode::ACCEPTED, Json(record.to_json(false))).into_response();
             let headers = response.headers_mut();
-            headers.insert(STATUS_HEADER, HeaderValue::from_static(state.as_str()));
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
             headers.insert("preference-applied", HeaderValue::from_static("respond-async"));
             if let Ok(v) = HeaderValue::from_str(&location) {
                 headers.insert(header::LOCATION, v);
             }
             return Ok(response);
-        }
-        let (tx, rx) = oneshot::channel();
+        };
         let id = record.id;
-        // What a replay of the outcome needs, taken before the record moves to the worker. The
-        // record becomes done after it arrived, so its retention ends later than this entry's.
-        let (tenant, key, route) = (record.tenant.clone(), record.key.clone(), record.route.clone());
-        let fingerprint = record.fingerprint;
+        // The record becomes done after it arrived, so its retention ends later than this entry's.
         let expires_at = record.created_at + duration_ms(self.retention(&record.route));
-        let patience = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64) + Duration::from_secs(5);
-        start(record, Some(tx));
-        match tokio::time::timeout(patience, rx).await {
+        let patience =
+            Duration::from_millis((record.deadline_at - self.clock.now()).max(0) as u64) + Duration::from_secs(5);
+        match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
                 if let Outcome::Done(_, response) = &outcome {
-                    let replay = Replay { fingerprint, route, response: response.clone(), expires_at };
-                    self.replays.keep(&tenant, &key, replay);
+                    let replay = Replay {
+                        fingerprint: record.fingerprint,
+                        route: record.route.clone(),
+                        response: response.clone(),
+                        expires_at,
+                    };
+                    self.replays.keep(&record.tenant, &record.key, replay);
                 }
                 outcome_response(outcome)
             }
             // Another worker (of this node or another) runs it: wait for it like a duplicate.
             _ => match self.store.get(id).await {
                 Ok(Some(record)) => {
-                    let left = Duration::from_millis((record.deadline_at - now_ms()).max(0) as u64);
+                    let left = Duration::from_millis((record.deadline_at - self.clock.now()).max(0) as u64);
                     // Its outcome answers this request first-hand: it is not a replay.
                     self.answer(record, Some(left + Duration::from_secs(1)), false).await
                 }
@@ -453,12 +437,12 @@ impl Ingress {
             Phase::Unknown => Err(Problem::outcome_unknown().state(State::Unknown)),
             Phase::Queued | Phase::InProgress => {
                 let pending = Pending {
-                    now: now_ms(),
+                    now: self.clock.now(),
                     in_flight_since: record.in_flight.map(|(_, started)| started),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };
-                let eta = outcome_eta(pending, self.worker.pace().typical(&record.route));
+                let eta = outcome_eta(pending, self.pace.typical(&record.route));
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
@@ -478,7 +462,7 @@ impl Ingress {
         // Another node may settle it: have it announced.
         self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
         // At shutdown, waiting ends: the client is answered with where its request stands.
-        let mut stopping = self.worker.stopping();
+        let mut stopping = self.stopping.clone();
         loop {
             let watch = self.settled.watch(id);
             let notified = watch.notified();

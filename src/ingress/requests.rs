@@ -14,7 +14,7 @@ use crate::credentials;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
-use crate::record::{now_ms, HistoryEntry, Phase, Record};
+use crate::record::{HistoryEntry, Phase, Record};
 use crate::store::{Cancel, Cancelled};
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
@@ -100,8 +100,12 @@ pub(super) async fn cancel_request(
 
 async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
     let record = find(app, headers, key).await?;
-    let entry =
-        HistoryEntry { at: now_ms(), actor: format!("client:{}", record.tenant), action: "cancel".into(), note: None };
+    let entry = HistoryEntry {
+        at: app.clock.now(),
+        actor: format!("client:{}", record.tenant),
+        action: "cancel".into(),
+        note: None,
+    };
     match app.store.cancel(Cancel { id: record.id.into(), entry }).await.map_err(|e| Problem::store(&e))? {
         Cancelled::Dequeued(record) => {
             app.settled.settled(record.id);

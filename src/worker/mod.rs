@@ -1,25 +1,36 @@
-//! The worker: claims a queued record, executes it under its deadline, and stores every attempt
-//! and the outcome. It runs apart from the client's request, so a client that disconnects does
-//! not cancel an execution, and no database transaction is ever held across an upstream call.
+//! The worker: admits a new request (or sheds it), claims a queued record, executes it under its
+//! deadline, and stores every attempt and the outcome. It runs apart from the client's request,
+//! so a client that disconnects does not cancel an execution, and no database transaction is
+//! ever held across an upstream call.
+//!
+//! Its parts, by job:
+//! - `admission` — the one call the ingress makes ([`Worker::admit`]): shed or record a new
+//!   request, and start its execution (claimed in the same commit when a worker is free).
+//! - `guards` — what a route and its upstream can take: slots, attempts in flight, the retry
+//!   budget and the breaker.
+//! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
+//!   attempts and waits between them, with its lease kept alive.
+//! - `drain` — executions in flight, counted for a graceful shutdown.
+//! - `waiters` — requests waiting for a record to settle; `credentials` — client credentials
+//!   held in memory until their execution starts.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::Duration;
 
-use tokio::sync::{oneshot, watch, Notify, OwnedSemaphorePermit, Semaphore};
-use tracing::{info_span, warn, Instrument};
+use tokio::sync::{oneshot, watch, Semaphore};
+use tracing::{info_span, Instrument};
 use uuid::Uuid;
 
-use crate::config::{Config, Live, Policy, Route};
-use crate::metrics;
-use crate::policy::{self, Class, Decision, Ended, Execution, Observed, Pace, Settlement, StopReason};
+use crate::clock::SharedClock;
+use crate::config::Live;
+use crate::policy::{Pace, StopReason};
 use crate::record::Owner;
-use crate::record::{duration_ms, now_ms, Attempt, Millis, Phase, Record, StoredResponse};
-use crate::store::{self, AttemptEnded, AttemptStarted, Claim, ClaimQueued, Lease, Renew, Store};
+use crate::record::{Phase, Record, StoredResponse};
+use crate::store::Store;
 use crate::switchboard::Switches;
-use crate::upstream::{self, Upstream};
+use crate::upstream::Upstream;
 
 /// What the request that started an execution is told when it ends.
 #[derive(Debug, Clone)]
@@ -36,48 +47,43 @@ pub enum Outcome {
     Lost,
 }
 
+mod admission;
+mod attempts;
 mod credentials;
+mod drain;
+mod execution;
 mod guards;
-mod run;
-mod settled;
+mod waiters;
 
+use admission::Start;
+pub use admission::{Admit, Admitted};
 use credentials::HeldCredentials;
+use drain::Drain;
+use execution::CancelSignal;
 pub use guards::{Guards, Refusal, Slot};
-use run::Running;
-pub use settled::Settled;
+pub use waiters::Settled;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A worker and a place among a route's attempts, set aside for an execution that starts at once.
-pub struct Reservation {
-    worker: OwnedSemaphorePermit,
-    attempt: OwnedSemaphorePermit,
-    /// The configuration the admission was read under: the record is claimed, and its first
-    /// attempt marked, with its route's policy, so the execution keeps that one.
-    config: Arc<Config>,
-}
-
-enum Start {
-    /// Queued: claim it first.
-    Claim,
-    /// Already claimed by this process (a take-over, an orphan).
-    Claimed,
-    /// Admitted claimed, first attempt marked, capacity in hand.
-    Reserved(Reservation),
-}
-
-/// Lets a cancel reach an execution running in this process at once, even mid-wait.
-#[derive(Default)]
-struct CancelSignal {
-    raised: AtomicBool,
-    notify: Notify,
-}
-
 #[derive(Clone)]
 pub struct Worker {
     inner: Arc<Inner>,
+}
+
+/// What a [`Worker`] is built on: the parts of the broker it shares with the others.
+pub struct Parts {
+    pub store: Arc<dyn Store>,
+    pub upstream: Upstream,
+    /// The configuration in force; an execution reads it once, when it starts.
+    pub config: Arc<Live>,
+    /// This process's name in leases.
+    pub owner: String,
+    pub settled: Arc<Settled>,
+    pub switches: Arc<Switches>,
+    /// What time it is: for leases, attempt stamps, deadlines and `Retry-After` dates.
+    pub clock: SharedClock,
 }
 
 struct Inner {
@@ -95,8 +101,10 @@ struct Inner {
     guards: Arc<Guards>,
     /// The operator's emergency switches: asked before every attempt and after it ends.
     switches: Arc<Switches>,
-    /// Each route's typical attempt duration, for the 409's estimate of when an outcome is due.
-    pace: Pace,
+    clock: SharedClock,
+    /// Each route's typical attempt duration, for the 409's estimate of when an outcome is due;
+    /// shared with the ingress, which makes that estimate.
+    pace: Arc<Pace>,
     /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
@@ -104,77 +112,30 @@ struct Inner {
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
     mine: Mutex<HashSet<Uuid>>,
-    /// Set at shutdown: executions hand their records back instead of waiting or starting.
-    stopping: watch::Sender<bool>,
-    /// Executions running in this process, and a wake-up for when there are none.
-    active: AtomicUsize,
-    idle: Notify,
-}
-
-enum WaitEnd {
-    Elapsed,
-    Cancelled,
-    /// The process is shutting down: hand the record back.
-    Stopping,
-    Lost,
-}
-
-/// Where an execution stands between attempts.
-struct Progress {
-    /// When the request arrived as its route's deadline counts: earlier than it did if the client
-    /// shortened its deadline, so that the time left always ends at the record's `deadline_at`.
-    arrival: Millis,
-    /// The number of the last attempt stored with the record (all executions).
-    number: u32,
-    wait_before: Duration,
-    /// What the policy's next decisions depend on: attempts made, the last wait, what they showed.
-    run: Execution,
-    /// The last attempt's response, if one came.
-    last_response: Option<StoredResponse>,
-}
-
-impl Progress {
-    fn new(record: &Record, deadline: Duration) -> Progress {
-        let arrival = record.deadline_at - duration_ms(deadline);
-        Progress {
-            arrival,
-            number: record.attempts.len() as u32,
-            wait_before: Duration::ZERO,
-            // Attempts an earlier worker made before a take-over count against `max_attempts`,
-            // as the deadline they spent does.
-            run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
-            last_response: None,
-        }
-    }
+    /// Executions in flight, and the shutdown they drain for.
+    drain: Drain,
 }
 
 impl Worker {
-    pub fn new(
-        store: Arc<dyn Store>,
-        upstream: Upstream,
-        config: Arc<Live>,
-        owner: String,
-        settled: Arc<Settled>,
-        switches: Arc<Switches>,
-    ) -> Worker {
+    pub fn new(parts: Parts) -> Worker {
+        let Parts { store, upstream, config, owner, settled, switches, clock } = parts;
         let current = config.current();
         Worker {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(current.worker.concurrency)),
                 guards: Arc::new(Guards::new(&current)),
                 lease: current.worker.lease,
-                pace: Pace::default(),
+                pace: Arc::new(Pace::default()),
                 credentials: Mutex::new(HeldCredentials::default()),
-                stopping: watch::channel(false).0,
                 mine: Mutex::new(HashSet::new()),
-                active: AtomicUsize::new(0),
-                idle: Notify::new(),
+                drain: Drain::default(),
                 store,
                 upstream,
                 config,
                 owner: owner.into(),
                 settled,
                 switches,
+                clock,
                 cancels: Mutex::new(HashMap::new()),
             }),
         }
@@ -188,62 +149,26 @@ impl Worker {
         &self.inner.guards
     }
 
-    pub fn pace(&self) -> &Pace {
-        &self.inner.pace
+    /// The attempt durations this worker observes, for whoever estimates when an outcome is due.
+    pub fn pace(&self) -> Arc<Pace> {
+        self.inner.pace.clone()
     }
 
-    /// Keeps the client's credential for the execution of `id` that is about to start here.
-    /// Useless after `deadline_at`, when no attempt can start any more.
-    pub fn hold_credential(&self, id: Uuid, credential: Option<http::HeaderValue>, deadline_at: Millis) {
-        lock(&self.inner.credentials).hold(id, credential, deadline_at, now_ms());
-    }
-
-    /// Executes a queued record in the background; `reply`, if given, gets the outcome.
-    /// `slot` is the place the ingress took on the route; without one, one is taken here.
-    pub fn submit(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>) {
-        let slot = slot.or_else(|| self.inner.guards.slot(&record.route));
+    /// Executes a queued record in the background (an operator's retry, a queued record found
+    /// unclaimed). It takes a place on its route, counted but never refused.
+    pub fn submit(&self, record: Record) {
+        let slot = self.inner.guards.slot(&record.route);
         lock(&self.inner.mine).insert(record.id);
-        self.spawn(record, slot, reply, Start::Claim);
+        self.spawn(Arc::new(record), slot, None, Start::Claim);
     }
 
     /// Executes a record this process already claimed (a take-over or an unclaimed record).
     pub fn resume(&self, record: Record) {
         let slot = self.inner.guards.slot(&record.route);
-        self.spawn(record, slot, None, Start::Claimed);
+        self.spawn(Arc::new(record), slot, None, Start::Claimed);
     }
 
-    /// Sets aside a worker and a place among `route`'s attempts for an execution that starts at
-    /// once, if both are free right now. With it, the ingress records the request already claimed
-    /// by this process, its first attempt marked as about to be sent, in one commit.
-    /// `config` is the configuration the request was read under, which the execution keeps.
-    pub fn reserve(&self, config: &Arc<Config>, route: &Route) -> Option<Reservation> {
-        let worker = self.inner.permits.clone().try_acquire_owned().ok()?;
-        let attempt = self.inner.guards.route(route).attempts.clone().try_acquire_owned().ok()?;
-        Some(Reservation { worker, attempt, config: config.clone() })
-    }
-
-    /// The policy a request of `tenant` with `key` runs under on `route`: the route's own, or the
-    /// canary's for a request in the slice of a canary that no `canary_off` switch has ended.
-    pub fn policy<'r>(&self, route: &'r Route, tenant: &str, key: &str) -> Policy<'r> {
-        self.inner.policy(route, tenant, key)
-    }
-
-    /// The claim that a reserved admission writes: this process's lease, starting `now`, and
-    /// the version of the policy its first attempt is sent under (chosen by [`Worker::policy`]).
-    pub fn claim(&self, now: Millis, policy: &Policy<'_>) -> Claim {
-        Claim {
-            owner: self.inner.owner.clone(),
-            lease_until: self.inner.lease_until(now),
-            policy_version: policy.version.clone(),
-        }
-    }
-
-    /// Executes a record admitted with a reservation (see [`Worker::reserve`]).
-    pub fn start(&self, record: Record, slot: Slot, reservation: Reservation, reply: Option<oneshot::Sender<Outcome>>) {
-        self.spawn(record, Some(slot), reply, Start::Reserved(reservation));
-    }
-
-    fn spawn(&self, record: Record, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
+    fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
         let inner = self.inner.clone();
         let span = info_span!(
             "execution",
@@ -255,21 +180,8 @@ impl Worker {
         tokio::spawn(
             async move {
                 let _slot = slot;
-                let _running = Running::new(&inner);
-                let outcome = match start {
-                    Start::Reserved(Reservation { worker, attempt, config }) => {
-                        let _permit = worker;
-                        inner.run(record, Some((attempt, config))).await
-                    }
-                    Start::Claim | Start::Claimed => {
-                        let Ok(_permit) = inner.permits.acquire().await else { return };
-                        if matches!(start, Start::Claim) {
-                            inner.claim_and_run(record).await
-                        } else {
-                            inner.run(record, None).await
-                        }
-                    }
-                };
+                let _running = inner.drain.running();
+                let Some(outcome) = inner.execute(&record, start).await else { return };
                 if let Some(reply) = reply {
                     let _ = reply.send(outcome);
                 }
@@ -281,22 +193,7 @@ impl Worker {
     /// Graceful shutdown: no attempt starts from now on and waits end at once, handing their
     /// records back to the queue; attempts in flight get up to `bound` to finish and be stored.
     pub async fn shutdown(&self, bound: Duration) {
-        let inner = &self.inner;
-        inner.stopping.send_replace(true);
-        let drained = async {
-            loop {
-                let idle = inner.idle.notified();
-                tokio::pin!(idle);
-                idle.as_mut().enable();
-                if inner.active.load(Ordering::SeqCst) == 0 {
-                    return;
-                }
-                idle.await;
-            }
-        };
-        if tokio::time::timeout(bound, drained).await.is_err() {
-            warn!(running = inner.active.load(Ordering::SeqCst), "shutdown bound reached with attempts in flight");
-        }
+        self.inner.drain.shutdown(bound).await;
     }
 
     /// Another process queued a record: with a worker free here, try to claim and run it. Of
@@ -314,14 +211,14 @@ impl Worker {
                 return;
             }
             let _slot = inner.guards.slot(&record.route);
-            let _running = Running::new(&inner);
-            inner.claim_and_run(record).await;
+            let _running = inner.drain.running();
+            inner.claim_and_run(&record).await;
         });
     }
 
     /// Becomes true when the process begins to shut down.
     pub fn stopping(&self) -> watch::Receiver<bool> {
-        self.inner.stopping.subscribe()
+        self.inner.drain.stopping()
     }
 
     /// Wakes requests waiting for a record that was settled outside a worker.
@@ -331,7 +228,7 @@ impl Worker {
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
     pub fn cancel(&self, id: Uuid) {
-        let signal = self.inner.cancels.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
+        let signal = lock(&self.inner.cancels).get(&id).cloned();
         if let Some(s) = signal {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();

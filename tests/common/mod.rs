@@ -12,6 +12,7 @@ use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
+use idem::clock::{self, ManualClock, SharedClock};
 use idem::config::Config;
 use idem::server::{self, Running};
 use serde_json::{json, Value};
@@ -316,11 +317,29 @@ impl Broker {
     }
 
     pub async fn start_with(db: &Db, config_text: String) -> Broker {
+        Broker::start_on_clock(db, config_text, clock::system()).await
+    }
+
+    /// Starts a broker on `db` that reads the time from `clock`: a test holding a
+    /// [`ManualClock`] moves the broker's time on by hand (a retention, a lease, a probe's settle
+    /// passed at once), where it would otherwise sleep for it.
+    pub async fn start_with_clock(
+        db: &Db,
+        upstream: &str,
+        route_extra: &str,
+        extra: &str,
+        clock: Arc<ManualClock>,
+    ) -> Broker {
+        let text = config_text(&db.url, upstream, route_extra, extra);
+        Broker::start_on_clock(db, text, clock).await
+    }
+
+    async fn start_on_clock(db: &Db, config_text: String, clock: SharedClock) -> Broker {
         let config = Config::parse_with_env(&config_text, |name| std::env::var(name).ok()).unwrap();
         let dir = TempDir::new().unwrap();
         let config_file = dir.path().join("idem.toml");
         std::fs::write(&config_file, &config_text).unwrap();
-        let running = server::start_reloadable(config, config_file.clone()).await.unwrap();
+        let running = server::start_with_clock(config, Some(config_file.clone()), clock).await.unwrap();
         Broker {
             url: format!("http://{}", running.listen),
             admin: format!("http://{}", running.admin_listen),

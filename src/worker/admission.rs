@@ -1,0 +1,299 @@
+//! Admission: the one call the ingress makes into the worker. A new request is shed before
+//! anything is recorded when its route is saturated, its upstream's circuit is open or an
+//! operator isolated it; else it is recorded and its execution starts. With a worker and a place
+//! among the route's attempts free right now, the record is inserted already claimed by this
+//! process, its first attempt marked as about to be sent: one commit before the send, not three.
+
+use std::sync::Arc;
+
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+
+use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
+use crate::config::{Config, Policy, Route};
+use crate::record::{duration_ms, Millis, Record, State};
+use crate::store::{self, Admission, Claim, NewRecord, StoreError};
+
+/// A new request, as the ingress read it, asking to be executed.
+pub struct Admit<'a> {
+    /// The configuration the request was read under: an execution that starts at once keeps it.
+    pub config: &'a Arc<Config>,
+    pub route: &'a Route,
+    /// The policy chosen for it (see [`crate::switchboard::Switches::policy`]); a record claimed
+    /// at insert has its first attempt marked with this policy's version.
+    pub policy: Policy<'a>,
+    /// The record to insert, unclaimed: whether it is claimed at insert is decided here.
+    pub new: NewRecord,
+    /// Done records of the key older than this are past their retention: the key is free.
+    pub retention_cutoff: Millis,
+    /// The request's headers: its `Authorization` is held for the execution when the route
+    /// forwards it.
+    pub headers: &'a http::HeaderMap,
+    /// Whether the request waits for the outcome; a `respond-async` one is answered at once.
+    pub awaits: bool,
+}
+
+/// What became of an [`Admit`].
+pub enum Admitted {
+    /// This request owns the record, which executes now (or once a worker is free); `outcome`
+    /// brings its end to a request that waits for it.
+    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Outcome>> },
+    /// The key already has a record this request does not own: it decides the answer.
+    Existing(Record),
+    /// Shed before anything was recorded; the record to insert is handed back, for the answer
+    /// to look the key up (an existing record still answers).
+    Refused(Refusal, NewRecord),
+}
+
+/// A worker and a place among a route's attempts, set aside for an execution that starts at once.
+pub(super) struct Reservation {
+    pub(super) worker: OwnedSemaphorePermit,
+    pub(super) attempt: OwnedSemaphorePermit,
+    /// The configuration the admission was read under: the record is claimed, and its first
+    /// attempt marked, with its route's policy, so the execution keeps that one.
+    pub(super) config: Arc<Config>,
+}
+
+pub(super) enum Start {
+    /// Queued: claim it first.
+    Claim,
+    /// Already claimed by this process (a take-over, an orphan).
+    Claimed,
+    /// Admitted claimed, first attempt marked, capacity in hand.
+    Reserved(Reservation),
+}
+
+impl Worker {
+    /// Admits a new request: sheds it, or records it and starts its execution. Per request this
+    /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
+    pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
+        let Admit { config, route, policy, new, retention_cutoff, headers, awaits } = admit;
+        let inner = &self.inner;
+        let entered = match inner.switches.isolation(&route.name) {
+            Some(wait) => Err(Refusal::CircuitOpen(wait)),
+            None => inner.guards.enter(route),
+        };
+        let slot = match entered {
+            Ok(slot) => slot,
+            Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
+        };
+        let reservation = reserve(&inner.permits, &inner.guards.route(route), config);
+        let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
+        let record = match inner.store.admit(store::Admit { new, retention_cutoff }).await? {
+            Admission::Created(record) | Admission::Requeued(record) => record,
+            Admission::Existing(record) => return Ok(Admitted::Existing(record)),
+        };
+        if route.forward_authorization {
+            let credential = headers.get(http::header::AUTHORIZATION).cloned();
+            lock(&inner.credentials).hold(record.id, credential, record.deadline_at, inner.clock.now());
+        }
+        // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
+        let start = match reservation.filter(|_| record.state == State::InProgress) {
+            Some(reservation) => Start::Reserved(reservation),
+            None => {
+                lock(&inner.mine).insert(record.id);
+                Start::Claim
+            }
+        };
+        let (reply, outcome) = if awaits {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let record = Arc::new(record);
+        self.spawn(record.clone(), Some(slot), reply, start);
+        Ok(Admitted::Executing { record, outcome })
+    }
+}
+
+/// Sets aside one of the worker's `permits` and a place among the attempts of `guard`'s route,
+/// if both are free right now.
+fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -> Option<Reservation> {
+    let worker = permits.clone().try_acquire_owned().ok()?;
+    let attempt = guard.attempts.clone().try_acquire_owned().ok()?;
+    Some(Reservation { worker, attempt, config: config.clone() })
+}
+
+impl Inner {
+    /// The claim that a reserved admission writes: this process's lease, starting `now`, and
+    /// the version of the policy its first attempt is sent under.
+    pub(super) fn claim(&self, now: Millis, policy: &Policy<'_>) -> Claim {
+        Claim { owner: self.owner.clone(), lease_until: self.lease_until(now), policy_version: policy.version.clone() }
+    }
+
+    pub(super) fn lease_until(&self, now: Millis) -> Millis {
+        now + duration_ms(self.lease)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::{Guards, Parts, Settled, Slot};
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::{Config, Live};
+    use crate::switchboard::Switches;
+
+    const NOW: Millis = 1_700_000_000_000;
+
+    fn config(route_extra: &str) -> Config {
+        config_at("sqlite::memory:", route_extra)
+    }
+
+    /// Two workers, a lease of ten seconds, and one route, `payments`, with `route_extra`.
+    fn config_at(store_url: &str, route_extra: &str) -> Config {
+        let text = format!(
+            "[store]\nurl = \"{store_url}\"\n[worker]\nconcurrency = 2\nlease = \"10s\"\n\n[[routes]]\n\
+             name = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9\"\n{route_extra}\n"
+        );
+        Config::parse_with_env(&text, |_| None).unwrap()
+    }
+
+    /// A worker on a fresh SQLite store in `dir`, whose clock stands at `NOW` until moved.
+    async fn worker_on_clock(dir: &tempfile::TempDir, route_extra: &str) -> (Worker, Arc<Config>) {
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let config = Arc::new(config_at(&url, route_extra));
+        let clock = Arc::new(ManualClock::new(NOW));
+        let worker = Worker::new(Parts {
+            store: crate::store::open(&url).await.unwrap(),
+            upstream: crate::upstream::Upstream::new(),
+            config: Arc::new(Live::new((*config).clone())),
+            owner: "here".into(),
+            settled: Arc::new(Settled::default()),
+            switches: Arc::new(Switches::new(clock.clone())),
+            clock,
+        });
+        (worker, config)
+    }
+
+    /// A request for `payments` under `key`, arriving at `NOW`.
+    fn request(key: &str) -> NewRecord {
+        NewRecord {
+            id: uuid::Uuid::now_v7(),
+            tenant: "default".into(),
+            key: key.into(),
+            route: "payments".into(),
+            method: "POST".into(),
+            path: "/payments".into(),
+            query: String::new(),
+            fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
+            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            deadline_at: NOW + 30_000,
+            now: NOW,
+            claim: None,
+            tombstone_cutoff: None,
+        }
+    }
+
+    async fn admit(worker: &Worker, config: &Arc<Config>, key: &str, awaits: bool) -> Admitted {
+        let route = &config.routes[0];
+        let admit = Admit {
+            config,
+            route,
+            policy: route.policy_for("default", key, true),
+            new: request(key),
+            retention_cutoff: 0,
+            headers: &http::HeaderMap::new(),
+            awaits,
+        };
+        worker.admit(admit).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn with_a_worker_free_a_new_request_is_recorded_claimed_its_first_attempt_marked_now() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let (worker, config) = worker_on_clock(&dir, "").await;
+        let Admitted::Executing { record, outcome } = admit(&worker, &config, "fresh", false).await else {
+            panic!("a new key on a free route executes")
+        };
+        assert!(outcome.is_none(), "nobody waits for it: answered at once");
+        assert_eq!(record.state, State::InProgress);
+        let lease = record.lease.as_ref().expect("claimed in the same commit");
+        assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + 10_000));
+        assert_eq!(record.in_flight, Some((1, NOW)), "its first attempt marked as sent now");
+        // The same key again is not this request's to execute.
+        assert!(matches!(admit(&worker, &config, "fresh", true).await, Admitted::Existing(_)));
+    }
+
+    #[tokio::test]
+    async fn an_isolated_route_sheds_before_recording_and_hands_the_request_back() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let (worker, config) = worker_on_clock(&dir, "").await;
+        let isolate = crate::switch::SetRequest {
+            scope: Some("payments".into()),
+            action: Some("isolate".into()),
+            reason: Some("upstream down".into()),
+            ..Default::default()
+        };
+        let switch = isolate.parse(uuid::Uuid::now_v7(), NOW, |_| true).unwrap();
+        let inner = &worker.inner;
+        inner.store.set_switch(switch).await.unwrap();
+        inner.switches.refresh(&*inner.store).await.unwrap();
+        match admit(&worker, &config, "held", true).await {
+            Admitted::Refused(Refusal::CircuitOpen(wait), new) => {
+                assert_eq!(new.key, "held", "the request is handed back, to look its key up");
+                assert!(wait >= Duration::from_secs(1), "{wait:?}");
+            }
+            _ => panic!("an isolated route takes no new key"),
+        }
+        assert!(inner.store.lookup("default", "held").await.unwrap().is_none(), "nothing recorded");
+    }
+
+    #[test]
+    fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
+        let config = config("max_concurrency = 4");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        // Four in flight and, at that size, four queued behind them (the queue is at least 4).
+        let slots: Vec<Slot> = (0..8).map(|_| guards.enter(route).expect("within the bound")).collect();
+        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        // A refused entry holds no place: one leaving makes room for exactly one more.
+        drop(slots.into_iter().next());
+        assert!(guards.enter(route).is_ok());
+    }
+
+    #[test]
+    fn places_taken_outside_the_ingress_count_but_are_never_refused() {
+        let config = config("max_concurrency = 1");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        let taken: Vec<_> = (0..5).map(|_| guards.enter(route).unwrap()).collect();
+        assert!(guards.slot("payments").is_some(), "a take-over is never refused");
+        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        drop(taken);
+        assert!(guards.slot("gone").is_none(), "a route no longer configured has no guard to count on");
+    }
+
+    #[test]
+    fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
+        let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
+        let guards = Guards::new(&config);
+        let route = &config.routes[0];
+        for _ in 0..2 {
+            guards.record_outcome(&route.upstream, false);
+        }
+        match guards.enter(route) {
+            Err(Refusal::CircuitOpen(wait)) => assert!(wait <= Duration::from_secs(30) && !wait.is_zero(), "{wait:?}"),
+            other => panic!("expected an open circuit, got {:?}", other.map(|_| "a slot")),
+        }
+    }
+
+    #[test]
+    fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
+        let config = Arc::new(config("max_concurrency = 1"));
+        let route = &config.routes[0];
+        let guards = Guards::new(&config);
+        let permits = Arc::new(Semaphore::new(2));
+        let guard = guards.route(route);
+        let reserve = || reserve(&permits, &guard, &config);
+        let first = reserve().expect("a worker and a place are free");
+        assert!(reserve().is_none(), "the route's one place is taken");
+        drop(first);
+        let busy: Vec<_> = (0..2).map(|_| permits.clone().try_acquire_owned().unwrap()).collect();
+        assert!(reserve().is_none(), "no worker is free");
+        drop(busy);
+        assert!(reserve().is_some());
+    }
+}

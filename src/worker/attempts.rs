@@ -1,0 +1,408 @@
+//! The attempts of one execution: each stored before it is sent and after it ends, the policy
+//! asked before and after each, the waits between them spent renewing the lease.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{info_span, warn, Instrument};
+use uuid::Uuid;
+
+use super::execution::CancelSignal;
+use super::guards::RouteGuard;
+use super::{Inner, Outcome};
+use crate::config::{Policy, Route};
+use crate::metrics;
+use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
+use crate::record::{duration_ms, Attempt, Millis, Record, StoredResponse};
+use crate::store::{self, AttemptStarted, Lease};
+use crate::upstream::{self, Answer};
+
+/// What an execution runs with, fixed when it starts.
+pub(super) struct Job<'a> {
+    pub(super) record: &'a Record,
+    /// The route as the execution read it: a reload meanwhile changes nothing here.
+    pub(super) route: &'a Route,
+    /// The policy its attempts run under, and are stored with.
+    pub(super) chosen: Policy<'a>,
+    pub(super) url: reqwest::Url,
+    /// The headers every attempt adds: the route's own, and the client's credential if forwarded.
+    pub(super) credentials: &'a http::HeaderMap,
+    pub(super) signal: &'a CancelSignal,
+    /// The route's limits as they stood when the execution started: its attempts count
+    /// against them to the end, whatever a reload does to the route meanwhile.
+    pub(super) guard: Arc<RouteGuard>,
+}
+
+/// Where an execution stands between attempts.
+pub(super) struct Progress {
+    /// When the request arrived as its route's deadline counts: earlier than it did if the client
+    /// shortened its deadline, so that the time left always ends at the record's `deadline_at`.
+    pub(super) arrival: Millis,
+    /// The number of the last attempt stored with the record (all executions).
+    number: u32,
+    wait_before: Duration,
+    /// What the policy's next decisions depend on: attempts made, the last wait, what they showed.
+    pub(super) run: Execution,
+    /// The last attempt's response, if one came.
+    pub(super) last_response: Option<StoredResponse>,
+}
+
+impl Progress {
+    pub(super) fn new(record: &Record, deadline: Duration) -> Progress {
+        let arrival = record.deadline_at - duration_ms(deadline);
+        Progress {
+            arrival,
+            number: record.attempts.len() as u32,
+            wait_before: Duration::ZERO,
+            // Attempts an earlier worker made before a take-over count against `max_attempts`,
+            // as the deadline they spent does.
+            run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
+            last_response: None,
+        }
+    }
+}
+
+/// Why the attempts stopped, and so how the execution ends.
+enum End {
+    /// The policy (or a cancel) stopped them: settle the record, with the last attempt if it is
+    /// not stored yet.
+    Stop(StopReason, Option<Attempt>),
+    /// The process is stopping: hand the record back.
+    Release,
+    /// The record is no longer this worker's (or the store failed): its record is the answer.
+    Lost,
+}
+
+enum WaitEnd {
+    Elapsed,
+    Cancelled,
+    /// The process is shutting down: hand the record back.
+    Stopping,
+    Lost,
+}
+
+impl WaitEnd {
+    /// Whether the execution goes on after the wait, or how it ends.
+    fn then(self) -> Result<(), End> {
+        match self {
+            WaitEnd::Elapsed => Ok(()),
+            WaitEnd::Cancelled => Err(End::Stop(StopReason::Cancelled, None)),
+            WaitEnd::Stopping => Err(End::Release),
+            WaitEnd::Lost => Err(End::Lost),
+        }
+    }
+}
+
+/// An attempt about to be sent: when it started, the place it holds on its route, and how long
+/// the policy lets it take.
+struct Begun {
+    started: Millis,
+    in_flight: Option<OwnedSemaphorePermit>,
+    limit: Duration,
+}
+
+/// An attempt that ended: what the upstream answered (or what went wrong), and how long it took.
+struct Sent {
+    result: Result<Answer, Observed>,
+    took: Duration,
+    started: Millis,
+    span: tracing::Span,
+}
+
+impl Inner {
+    /// Runs attempts until the policy stops, then settles (or hands back) the record.
+    pub(super) async fn attempts(&self, job: &Job<'_>, reserved: Option<OwnedSemaphorePermit>) -> Outcome {
+        let mut p = Progress::new(job.record, job.chosen.retry.deadline);
+        let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
+        match end {
+            End::Stop(stop, attempt) => self.finish_after(job.record, job.route, attempt, stop, p).await,
+            End::Release => self.release(job.record).await,
+            End::Lost => Outcome::Lost,
+        }
+    }
+
+    async fn attempt_loop(
+        &self,
+        job: &Job<'_>,
+        p: &mut Progress,
+        mut reserved: Option<OwnedSemaphorePermit>,
+    ) -> Result<Infallible, End> {
+        self.owed_wait(job, p).await?;
+        loop {
+            let begun = self.begin(job, p, reserved.take()).await?;
+            let sent = self.send(job, p, begun).await;
+            let wait = self.judge(job, p, sent)?;
+            self.wait_to_retry(job, p, wait).await?;
+        }
+    }
+
+    /// Taken over (or handed back) in the middle of a wait: the rest of it is still owed.
+    async fn owed_wait(&self, job: &Job<'_>, p: &mut Progress) -> Result<(), End> {
+        let record = job.record;
+        let Some(not_before) = record.not_before else { return Ok(()) };
+        if let Some(rest) = Some(not_before - self.clock.now()).filter(|&ms| ms > 0) {
+            self.wait(record.id, Duration::from_millis(rest as u64), job.signal).await.then()?;
+        }
+        // The next attempt follows the whole wait, wherever it was spent: it is recorded as
+        // such, and feeds decorrelated jitter as it would have.
+        if let Some(last) = record.attempts.last() {
+            let ended = last.started_at + last.duration_ms as Millis;
+            let wait = Duration::from_millis((not_before - ended).max(0) as u64);
+            p.wait_before = wait;
+            p.run.waited(wait);
+        }
+        Ok(())
+    }
+
+    /// Takes a place for the next attempt, asks the policy whether it may go, and marks it in the
+    /// store as about to be sent — unless it was admitted with that mark (`reserved`).
+    async fn begin(
+        &self,
+        job: &Job<'_>,
+        p: &mut Progress,
+        reserved: Option<OwnedSemaphorePermit>,
+    ) -> Result<Begun, End> {
+        let Job { record, route, chosen, .. } = job;
+        // `marked`: admitted already claimed, with this first attempt marked as about to be
+        // sent in the same commit, so nothing more is written before sending it.
+        let (started, in_flight, marked) = match reserved {
+            Some(place) => (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), true),
+            None => {
+                // A place among the route's attempts in flight, held for this attempt only.
+                let place = self.renewing(record.id, job.guard.attempts.clone().acquire_owned()).await.ok();
+                (self.clock.now(), place, false)
+            }
+        };
+        let cancelled = job.signal.raised.load(Ordering::SeqCst);
+        let switched = self.switches.switched(&route.name);
+        let limit = p
+            .run
+            .next_attempt(chosen.retry, since(p.arrival, started), cancelled, switched)
+            .map_err(|stop| End::Stop(stop, None))?;
+        if self.drain.is_stopping() && !marked {
+            return Err(End::Release);
+        }
+        let made = p.run.sending();
+        p.number += 1;
+        if !marked {
+            match self
+                .store
+                .attempt_started(AttemptStarted {
+                    id: record.id.into(),
+                    owner: self.owner.clone(),
+                    number: p.number,
+                    started_at: started,
+                    lease_until: self.lease_until(started),
+                    policy_version: chosen.version.clone(),
+                })
+                .await
+            {
+                Ok(Lease::Held { cancel_requested: false }) => {}
+                Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
+                Ok(Lease::Lost) => return Err(End::Lost),
+                Err(e) => {
+                    // Without a durable "may have been sent" mark the attempt must not go out.
+                    warn!(error = %e, "could not record an attempt; not sending it");
+                    return Err(End::Lost);
+                }
+            }
+        }
+        if made == 1 {
+            job.guard.first_attempt();
+        }
+        Ok(Begun { started, in_flight, limit })
+    }
+
+    /// Sends the attempt, keeping the lease alive while it is in flight.
+    async fn send(&self, job: &Job<'_>, p: &Progress, begun: Begun) -> Sent {
+        let Job { record, route, .. } = job;
+        let Begun { started, in_flight, limit } = begun;
+        let mut told = job.credentials.clone();
+        upstream::tell_deadline(&mut told, route.deadline_header.as_ref(), limit);
+        let clock = Instant::now();
+        let sent = self.upstream.send(
+            &record.method,
+            job.url.clone(),
+            &record.request.headers,
+            &told,
+            record.request.body.clone(),
+            limit,
+        );
+        let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
+        let result = self.renewing(record.id, sent).instrument(span.clone()).await;
+        let took = clock.elapsed();
+        drop(in_flight);
+        Sent { result, took, started, span }
+    }
+
+    /// Classifies the attempt that ended and asks the policy what follows: the wait before the
+    /// next attempt, or the end of the execution (with this attempt, still to be stored).
+    fn judge(&self, job: &Job<'_>, p: &mut Progress, sent: Sent) -> Result<(Attempt, Duration), End> {
+        let Job { route, chosen, .. } = job;
+        let Sent { result, took, started, span } = sent;
+        let (observed, answer) = match result {
+            Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
+            Err(observed) => (observed, None),
+        };
+        let retry_after = self.retry_after(answer.as_ref());
+        let switched = self.switches.switched(&route.name);
+        let (class, decision) = p.run.ended(
+            chosen.retry,
+            route.replay_safe,
+            Ended {
+                observed,
+                retry_after,
+                elapsed: since(p.arrival, self.clock.now()),
+                cancelled: job.signal.raised.load(Ordering::SeqCst),
+                // An isolated route's upstream is as good as behind an open circuit.
+                circuit_open: switched.isolated || self.guards.circuit_open(&route.upstream),
+                retries_off: switched.retries_off,
+            },
+            rand::random::<f64>,
+            || job.guard.take_retry(),
+        );
+        let attempt = stored_attempt(p, started, took, class, answer.as_ref(), observed, retry_after, chosen);
+        span.in_scope(|| {
+            tracing::info!(
+                attempt = p.number,
+                outcome = class.as_str(),
+                status = attempt.status,
+                took_ms = attempt.duration_ms,
+                wait_ms = attempt.wait_ms,
+                "attempt"
+            )
+        });
+        metrics::attempt(&route.name, chosen.version, class, took);
+        self.pace.observe(&route.name, took);
+        p.last_response = answer.map(|a| a.response);
+        match decision {
+            Decision::Stop(stop) => Err(End::Stop(stop, Some(attempt))),
+            Decision::RetryAfter(wait) => Ok((attempt, wait)),
+        }
+    }
+
+    /// The upstream's `Retry-After`, if it sent one the policy can read.
+    fn retry_after(&self, answer: Option<&Answer>) -> Option<Duration> {
+        let value = answer?.retry_after.as_deref()?;
+        let parsed = policy::parse_retry_after(value, self.clock.system_time());
+        if parsed.is_none() {
+            warn!(value, "ignoring an unparseable Retry-After from the upstream");
+        }
+        parsed
+    }
+
+    /// Stores the attempt that ended and the time the next one may start, then waits for it.
+    async fn wait_to_retry(
+        &self,
+        job: &Job<'_>,
+        p: &mut Progress,
+        (attempt, wait): (Attempt, Duration),
+    ) -> Result<(), End> {
+        let record = job.record;
+        let now = self.clock.now();
+        let then = store::AfterAttempt::Wait { not_before: now + duration_ms(wait) };
+        match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
+            Ok(Lease::Held { cancel_requested: false }) => {}
+            Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
+            Ok(Lease::Lost) => return Err(End::Lost),
+            Err(e) => {
+                warn!(error = %e, "could not record an attempt's outcome");
+                return Err(End::Lost);
+            }
+        }
+        self.wait(record.id, wait, job.signal).await.then()?;
+        p.run.waited(wait);
+        p.wait_before = wait;
+        Ok(())
+    }
+
+    /// Awaits an attempt while keeping the lease alive.
+    async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
+        tokio::pin!(attempt);
+        let every = self.lease / 3;
+        loop {
+            tokio::select! {
+                out = &mut attempt => return out,
+                _ = tokio::time::sleep(every) => {
+                    let now = self.clock.now();
+                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, now)).await {
+                        warn!("lost the lease while an attempt was in flight");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sleeps before a retry, renewing the lease, and stops at once on a cancel.
+    async fn wait(&self, id: Uuid, total: Duration, signal: &CancelSignal) -> WaitEnd {
+        let until = tokio::time::Instant::now() + total;
+        let slice = self.lease / 3;
+        let mut stopping = self.drain.stopping();
+        loop {
+            if *stopping.borrow_and_update() {
+                return WaitEnd::Stopping;
+            }
+            let notified = signal.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if signal.raised.load(Ordering::SeqCst) {
+                return WaitEnd::Cancelled;
+            }
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return WaitEnd::Elapsed;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep((until - now).min(slice)) => {}
+                _ = &mut notified => return WaitEnd::Cancelled,
+                _ = stopping.changed() => return WaitEnd::Stopping,
+            }
+            if tokio::time::Instant::now() < until {
+                let now = self.clock.now();
+                match self.store.renew(self.renewal(id, now)).await {
+                    Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
+                    Ok(Lease::Lost) => return WaitEnd::Lost,
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// The attempt as it is stored with the record.
+#[allow(clippy::too_many_arguments)]
+fn stored_attempt(
+    p: &Progress,
+    started: Millis,
+    took: Duration,
+    class: Class,
+    answer: Option<&Answer>,
+    observed: Observed,
+    retry_after: Option<Duration>,
+    chosen: &Policy<'_>,
+) -> Attempt {
+    Attempt {
+        number: p.number,
+        started_at: started,
+        duration_ms: took.as_millis() as u64,
+        outcome: class.into(),
+        status: answer.map(|a| a.response.status),
+        error: match observed {
+            Observed::Response(_) => None,
+            Observed::ConnectFailed => Some("connect_failed".into()),
+            Observed::TimedOut => Some("timed_out".into()),
+            Observed::Broken => Some("broken".into()),
+        },
+        wait_ms: p.wait_before.as_millis() as u64,
+        policy_version: Some(chosen.version.to_string()),
+        retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
+    }
+}
+
+pub(super) fn since(arrival: Millis, now: Millis) -> Duration {
+    Duration::from_millis((now - arrival).max(0) as u64)
+}

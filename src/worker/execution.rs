@@ -1,0 +1,219 @@
+//! One execution, from its claim to its settlement: the route and policy it keeps, the
+//! credential it forwards, and the record's end (done, unknown or free) stored with its outcome.
+//! The attempts between are in `attempts`.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tracing::warn;
+use uuid::Uuid;
+
+use super::admission::{Reservation, Start};
+use super::attempts::{since, Job, Progress};
+use super::{lock, Inner, Outcome};
+use crate::config::{Config, Policy, Route};
+use crate::metrics;
+use crate::policy::{Class, Settlement, StopReason};
+use crate::record::{Attempt, Millis, Record};
+use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
+use crate::switch::SwitchAction;
+
+/// Lets a cancel reach an execution running in this process at once, even mid-wait.
+#[derive(Default)]
+pub(super) struct CancelSignal {
+    pub(super) raised: AtomicBool,
+    pub(super) notify: Notify,
+}
+
+impl Inner {
+    /// The write that stores how an attempt of `record` (or the execution) ended.
+    pub(super) fn ended(
+        &self,
+        record: &Record,
+        attempt: Option<Attempt>,
+        then: store::AfterAttempt,
+        now: Millis,
+    ) -> AttemptEnded {
+        AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, now }
+    }
+
+    /// The write that extends this worker's lease on `id` from `now`.
+    pub(super) fn renewal(&self, id: Uuid, now: Millis) -> Renew {
+        Renew { id: id.into(), owner: self.owner.clone(), lease_until: self.lease_until(now), now }
+    }
+
+    /// Runs a spawned execution as `start` says; `None` when the process is past running any.
+    pub(super) async fn execute(&self, record: &Record, start: Start) -> Option<Outcome> {
+        let outcome = match start {
+            Start::Reserved(Reservation { worker, attempt, config }) => {
+                let _permit = worker;
+                self.run(record, Some((attempt, config))).await
+            }
+            Start::Claim => {
+                let _permit = self.permits.acquire().await.ok()?;
+                self.claim_and_run(record).await
+            }
+            Start::Claimed => {
+                let _permit = self.permits.acquire().await.ok()?;
+                self.run(record, None).await
+            }
+        };
+        Some(outcome)
+    }
+
+    /// The policy a record executes under: the one its attempts were marked with when it has
+    /// any (so a canary switched off or on meanwhile moves no record across), else a fresh choice.
+    pub(super) fn policy_of<'r>(&self, route: &'r Route, record: &Record) -> Policy<'r> {
+        let marked = record.policy_version.as_deref().and_then(|v| route.policy_named(v));
+        marked.unwrap_or_else(|| self.switches.policy(route, &record.tenant, &record.key))
+    }
+
+    pub(super) async fn claim_and_run(&self, record: &Record) -> Outcome {
+        let now = self.clock.now();
+        let claimed = self
+            .store
+            .claim(ClaimQueued {
+                id: record.id.into(),
+                owner: self.owner.clone(),
+                lease_until: self.lease_until(now),
+                now,
+            })
+            .await;
+        lock(&self.mine).remove(&record.id);
+        match claimed {
+            Ok(true) => self.run(record, None).await,
+            Ok(false) => Outcome::Lost,
+            Err(e) => {
+                warn!(error = %e, "could not claim a record; it stays queued");
+                Outcome::Lost
+            }
+        }
+    }
+
+    /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
+    /// The route and its policy are read once, here, from the configuration the record was
+    /// admitted under when it was admitted claimed, else from the one in force now: a reload
+    /// during the execution changes neither, and a route removed since still lets it finish.
+    async fn run(&self, record: &Record, reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>) -> Outcome {
+        let (reserved, config) = match reserved {
+            Some((place, config)) => (Some(place), config),
+            None => (None, self.config.current()),
+        };
+        let Some(route) = config.route_named(&record.route) else {
+            warn!(route = %record.route, "the record's route is no longer configured");
+            return self.settle_unsent(record, false, StopReason::Cancelled).await;
+        };
+        // Checked at ingress; only a route changed since then can make it fail here.
+        let Ok(url) = route.upstream_url(&record.path, &record.query) else {
+            warn!(route = %record.route, "the record's path would not reach the upstream as recorded; not sending it");
+            return self.settle_unsent(record, false, StopReason::Cancelled).await;
+        };
+        let credential = lock(&self.credentials).take(record.id);
+        let mut credentials = route.upstream_headers.clone();
+        if route.forward_authorization {
+            let Some(sent) = credential else {
+                // Reached here, a record that is not replay-safe has had no attempt that may have
+                // executed (a take-over makes those unknown), so settling frees it.
+                warn!("the client's credential is not held by this process; not sending");
+                return self.settle_unsent(record, route.replay_safe, StopReason::CredentialUnavailable).await;
+            };
+            if let Some(credential) = sent {
+                credentials.insert(http::header::AUTHORIZATION, credential);
+            }
+        }
+        let signal = Arc::new(CancelSignal::default());
+        lock(&self.cancels).insert(record.id, signal.clone());
+        let job = Job {
+            record,
+            route,
+            chosen: self.policy_of(route, record),
+            url,
+            credentials: &credentials,
+            signal: &signal,
+            guard: self.guards.route(route),
+        };
+        let outcome = self.attempts(&job, reserved).await;
+        lock(&self.cancels).remove(&record.id);
+        outcome
+    }
+
+    /// Settles a record that this execution sends nothing for.
+    async fn settle_unsent(&self, record: &Record, replay_safe: bool, stop: StopReason) -> Outcome {
+        let progress = Progress::new(record, Duration::ZERO);
+        self.finish(record, replay_safe, None, stop, progress).await
+    }
+
+    /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
+    /// this node after its restart) to continue within the same deadline.
+    pub(super) async fn release(&self, record: &Record) -> Outcome {
+        match self.store.attempt_ended(self.ended(record, None, store::AfterAttempt::Release, self.clock.now())).await {
+            Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
+            Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
+        }
+        Outcome::Lost
+    }
+
+    /// Settles an execution that made attempts (or meant to): the breaker and the metrics hear
+    /// how it ended, then the record is settled.
+    pub(super) async fn finish_after(
+        &self,
+        record: &Record,
+        route: &Route,
+        attempt: Option<Attempt>,
+        stop: StopReason,
+        p: Progress,
+    ) -> Outcome {
+        // The breaker hears the request's logical outcome, once: did the upstream serve it?
+        if let (true, Some(class)) = (stop != StopReason::Cancelled, p.run.last()) {
+            let served = matches!(class, Class::Success | Class::Final)
+                && p.last_response.as_ref().is_some_and(|r| r.status < 500);
+            self.guards.record_outcome(&route.upstream, served);
+        }
+        metrics::stopped(&route.name, stop, p.run.attempts(), since(p.arrival, self.clock.now()));
+        match stop {
+            StopReason::RetriesOff => metrics::held_by_switch(&route.name, SwitchAction::RetriesOff),
+            StopReason::CircuitOpen if self.switches.isolated(&route.name) => {
+                metrics::held_by_switch(&route.name, SwitchAction::Isolate)
+            }
+            _ => {}
+        }
+        self.finish(record, route.replay_safe, attempt, stop, p).await
+    }
+
+    /// Stores the record's end, as the policy settles it, and wakes whoever waits for it.
+    async fn finish(
+        &self,
+        record: &Record,
+        replay_safe: bool,
+        attempt: Option<Attempt>,
+        stop: StopReason,
+        p: Progress,
+    ) -> Outcome {
+        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response) {
+            (Settlement::Done, Some(response)) => {
+                (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
+            }
+            (Settlement::Free, last) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
+            // `Done` always comes with the response that made it so; should it ever not, the
+            // safe reading of an execution we cannot show is "unknown".
+            (Settlement::Unknown, _) | (Settlement::Done, None) => {
+                (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
+            }
+        };
+        let result = self.store.attempt_ended(self.ended(record, attempt, then, self.clock.now())).await;
+        self.settled.settled(record.id);
+        match result {
+            Ok(Lease::Held { .. }) => {
+                tracing::info!(stop = stop.as_str(), "settled");
+                outcome
+            }
+            Ok(Lease::Lost) => Outcome::Lost,
+            Err(e) => {
+                warn!(error = %e, "could not store an outcome; the lease will expire and be taken over");
+                Outcome::Lost
+            }
+        }
+    }
+}
