@@ -227,6 +227,18 @@ impl Ingress {
         fingerprint: Fingerprint,
     ) -> Answer {
         let Read { config, route, parts, arrival } = read;
+        // A replay known to this node needs no database at all, nor anything a new record does.
+        if let Some(replay) = self.replays.get(&tenant, key.as_str(), arrival) {
+            if replay.fingerprint != fingerprint {
+                metrics::answered(&route.name, "key_reused");
+                return Err(Problem::key_reused().state(State::Done));
+            }
+            metrics::answered(&replay.route, "replay");
+            self.tally.replay(&replay.route);
+            let mut response = stored_response(&replay.response, true);
+            response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
+            return Ok(response);
+        }
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
         let policy = self.switches.policy(route, &tenant, key.as_str());
@@ -248,18 +260,6 @@ impl Ingress {
                 .then(|| arrival - duration_ms(route.retention + route.tombstone)),
         };
 
-        // A replay known to this node needs no database at all.
-        if let Some(replay) = self.replays.get(&new.tenant, &new.key, arrival) {
-            if replay.fingerprint != fingerprint {
-                metrics::answered(&route.name, "key_reused");
-                return Err(Problem::key_reused().state(State::Done));
-            }
-            metrics::answered(&replay.route, "replay");
-            self.tally.replay(&replay.route);
-            let mut response = stored_response(&replay.response, true);
-            response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
-            return Ok(response);
-        }
         // A store found down cannot record it: refused at once rather than after the store fails.
         self.health.check().map_err(|e| Problem::store(&e))?;
         // A new execution is shed before anything is recorded if the route is saturated, its
