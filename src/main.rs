@@ -256,7 +256,9 @@ fn init_logging(format: LogFormat, level: &str) -> tracing_appender::non_blockin
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let (writer, guard) =
         tracing_appender::non_blocking::NonBlockingBuilder::default().lossy(false).finish(std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer);
+    // Colours for a person at a terminal; a file, a pipe or the journal gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),

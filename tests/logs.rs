@@ -1,5 +1,6 @@
 //! Logs: JSON on request, one span per logical request with its executions and attempts
-//! beneath it, and never a body, a credential or a cookie.
+//! beneath it, and never a body, a credential or a cookie; plain text without terminal colours
+//! when they go to a file or a pipe.
 
 mod common;
 
@@ -9,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::Upstream;
 
-#[tokio::test(flavor = "multi_thread")]
-async fn json_logs_carry_request_and_attempt_spans_and_no_secrets() {
+/// What a broker logs in `format` while it answers one keyed request, read from a pipe.
+async fn logs_of_one_request(format: &str) -> String {
     let upstream = Upstream::start().await;
     let dir = tempfile::TempDir::new().unwrap();
     let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -28,7 +29,7 @@ async fn json_logs_carry_request_and_attempt_spans_and_no_secrets() {
     )
     .unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["--log-format", "json", "serve", "--config"])
+        .args(["--log-format", format, "serve", "--config"])
         .arg(&config)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -55,6 +56,12 @@ async fn json_logs_carry_request_and_attempt_spans_and_no_secrets() {
     let mut logs = String::new();
     child.stderr.take().unwrap().read_to_string(&mut logs).unwrap();
     child.wait().unwrap();
+    logs
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_logs_carry_request_and_attempt_spans_and_no_secrets() {
+    let logs = logs_of_one_request("json").await;
 
     let events: Vec<serde_json::Value> =
         logs.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}"))).collect();
@@ -74,4 +81,12 @@ async fn json_logs_carry_request_and_attempt_spans_and_no_secrets() {
     for secret in ["SECRET-BODY", "TOP-SECRET-TOKEN", "COOKIE-SECRET"] {
         assert!(!logs.contains(secret), "{secret} was logged");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn text_logs_to_a_pipe_carry_no_terminal_colour_codes() {
+    let logs = logs_of_one_request("text").await;
+    let attempt = logs.lines().find(|l| l.contains(" attempt ")).unwrap_or_else(|| panic!("no attempt line in {logs}"));
+    assert!(attempt.contains("key=logged-key") && attempt.contains("outcome=\"success\""), "{attempt}");
+    assert!(!logs.contains('\u{1b}'), "escape codes in {logs:?}");
 }
