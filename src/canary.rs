@@ -13,7 +13,7 @@ use uuid::Uuid;
 use crate::clock::SharedClock;
 use crate::config::{Live, Route};
 use crate::policy::{canary_stop_reason, Cohort, PolicyVersion};
-use crate::record::{duration_ms, Millis};
+use crate::record::Timestamp;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 use crate::switchboard::Switches;
@@ -60,7 +60,7 @@ const HISTORY_READ: u32 = 200;
 /// One look at a route's canary: its two sides' figures exported, and the canary ended if a stop
 /// condition holds. What is on and when the canary last resumed are read from the store, not
 /// from this node's view: of several nodes, the first to stop it does, and the others see it.
-async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Millis) -> Result<(), StoreError> {
+async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timestamp) -> Result<(), StoreError> {
     let Some(canary) = &route.canary else { return Ok(()) };
     let off = |s: &Switch| s.action == SwitchAction::CanaryOff && s.scope.covers(&route.name);
     if store.active_switches(now).await?.iter().any(off) {
@@ -76,7 +76,7 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Millis
         .filter(|s| off(s))
         .filter_map(|s| s.cleared.as_ref().map(|c| c.at).or(s.expires_at))
         .max();
-    let since = resumed.unwrap_or(Millis::MIN).max(now - duration_ms(WINDOW));
+    let since = resumed.unwrap_or(Timestamp::MIN).max(now - WINDOW);
     let sides = store.sides(&route.name, since).await?;
     let side =
         |version: &str| sides.iter().find(|s| s.policy_version == version).map_or(Cohort::default(), |s| s.requests);

@@ -7,15 +7,15 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::record::{duration_ms, now_ms, Millis};
+use crate::record::Timestamp;
 
 /// What time it is, in milliseconds since the Unix epoch.
 pub trait Clock: Send + Sync {
-    fn now(&self) -> Millis;
+    fn now(&self) -> Timestamp;
 
     /// The same instant as a [`SystemTime`], for what reads HTTP dates against it.
     fn system_time(&self) -> SystemTime {
-        SystemTime::UNIX_EPOCH + Duration::from_millis(self.now().max(0) as u64)
+        self.now().system_time()
     }
 }
 
@@ -27,8 +27,8 @@ pub type SharedClock = Arc<dyn Clock>;
 pub struct SystemClock;
 
 impl Clock for SystemClock {
-    fn now(&self) -> Millis {
-        now_ms()
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
     }
 }
 
@@ -40,31 +40,34 @@ pub fn system() -> SharedClock {
 /// A clock that moves only when told to: set to an instant, or advanced by a duration.
 #[derive(Debug)]
 pub struct ManualClock {
+    /// Milliseconds since the epoch: an atomic integer, so that a test's thread and the broker's
+    /// tasks share it without a lock.
     now: AtomicI64,
 }
 
 impl ManualClock {
-    pub fn new(now: Millis) -> ManualClock {
-        ManualClock { now: AtomicI64::new(now) }
+    pub fn new(now: Timestamp) -> ManualClock {
+        ManualClock { now: AtomicI64::new(now.as_millis()) }
     }
 
     /// Starts where the system clock is now, so that what it stamps reads as a plausible date.
     pub fn starting_now() -> ManualClock {
-        ManualClock::new(now_ms())
+        ManualClock::new(Timestamp::now())
     }
 
-    pub fn set(&self, now: Millis) {
-        self.now.store(now, Ordering::SeqCst);
+    pub fn set(&self, now: Timestamp) {
+        self.now.store(now.as_millis(), Ordering::SeqCst);
     }
 
     pub fn advance(&self, by: Duration) {
-        self.now.fetch_add(duration_ms(by), Ordering::SeqCst);
+        let by = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        let _ = self.now.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| Some(now.saturating_add(by)));
     }
 }
 
 impl Clock for ManualClock {
-    fn now(&self) -> Millis {
-        self.now.load(Ordering::SeqCst)
+    fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.now.load(Ordering::SeqCst))
     }
 }
 
@@ -74,19 +77,20 @@ mod tests {
 
     #[test]
     fn a_manual_clock_moves_only_when_told() {
-        let clock = ManualClock::new(1_000);
-        assert_eq!(clock.now(), 1_000);
+        let at = Timestamp::from_millis;
+        let clock = ManualClock::new(at(1_000));
+        assert_eq!(clock.now(), at(1_000));
         clock.advance(Duration::from_millis(250));
-        assert_eq!(clock.now(), 1_250);
-        clock.set(10);
-        assert_eq!(clock.now(), 10);
+        assert_eq!(clock.now(), at(1_250));
+        clock.set(at(10));
+        assert_eq!(clock.now(), at(10));
         assert_eq!(clock.system_time(), SystemTime::UNIX_EPOCH + Duration::from_millis(10));
     }
 
     #[test]
     fn the_system_clock_reads_the_time_of_day() {
-        let before = now_ms();
+        let before = Timestamp::now();
         let read = SystemClock.now();
-        assert!(read >= before && read <= now_ms());
+        assert!(read >= before && read <= Timestamp::now());
     }
 }

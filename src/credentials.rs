@@ -10,17 +10,18 @@ use subtle::ConstantTimeEq;
 
 use crate::config::Config;
 use crate::problem::Problem;
+use crate::record::Tenant;
 
 /// The tenant of a request: "default" without tenants (or, when keys are scoped by credential,
 /// the digest of the client's `Authorization`); else the tenant whose token digest matches.
-pub fn tenant(config: &Config, headers: &HeaderMap) -> Result<String, Problem> {
+pub fn tenant(config: &Config, headers: &HeaderMap) -> Result<Tenant, Problem> {
     if !config.uses_tenants() {
         if config.scopes_by_credential() {
             if let Some(credential) = headers.get(header::AUTHORIZATION) {
                 return Ok(credential_scope(credential.as_bytes()));
             }
         }
-        return Ok("default".to_string());
+        return Ok(Tenant::default());
     }
     let mut candidates = tokens(config, headers);
     let found = candidates.find_map(|token| {
@@ -32,9 +33,9 @@ pub fn tenant(config: &Config, headers: &HeaderMap) -> Result<String, Problem> {
 
 /// A tenant name for the holder of a credential: its digest, so the credential itself is never
 /// stored, and two credentials never share a scope.
-fn credential_scope(credential: &[u8]) -> String {
+fn credential_scope(credential: &[u8]) -> Tenant {
     let digest = Sha256::digest(credential);
-    format!("credential:{}", hex::encode(&digest[..16]))
+    Tenant::from(format!("credential:{}", hex::encode(&digest[..16])))
 }
 
 /// Every token the request offers: the configured header's, then `Authorization`'s.

@@ -1,15 +1,19 @@
 //! The `Idempotency-Key` header, parsed into a value that can only exist when valid.
 
 use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
 
 use http::HeaderMap;
+use serde::{Serialize, Serializer};
 
 pub const HEADER: &str = "idempotency-key";
 pub const MAX_LEN: usize = 255;
 
-/// A client's idempotency key: 1 to 255 visible ASCII characters.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct IdempotencyKey(String);
+/// A client's idempotency key: 1 to 255 visible ASCII characters. Parsed once by the ingress,
+/// then shared, not copied, by the record, its lookups and its logs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(Arc<str>);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
@@ -76,11 +80,42 @@ impl IdempotencyKey {
         if !key.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(not_visible());
         }
-        Ok(IdempotencyKey(key.to_string()))
+        Ok(IdempotencyKey(key.into()))
+    }
+
+    /// A key as read back from the store, which only ever holds keys that were validated when
+    /// their request was recorded: not checked again.
+    pub fn from_stored(key: String) -> IdempotencyKey {
+        IdempotencyKey(key.into())
     }
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+impl Deref for IdempotencyKey {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl PartialEq<str> for IdempotencyKey {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for IdempotencyKey {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl Serialize for IdempotencyKey {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
     }
 }
 
@@ -238,7 +273,7 @@ mod tests {
     use super::*;
 
     fn parse(raw: &str) -> Result<String, KeyError> {
-        IdempotencyKey::parse_header(raw.as_bytes()).map(|k| k.0)
+        IdempotencyKey::parse_header(raw.as_bytes()).map(|k| k.as_str().to_string())
     }
 
     #[test]

@@ -13,13 +13,14 @@
 //!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory.
-//! - [`store`] — the durable [`record`]s: one trait, a SQLite implementation (group commit
-//!   through a single writer thread) and a PostgreSQL one (`SKIP LOCKED`, `LISTEN/NOTIFY`). Each
-//!   write is one named command, the same value for both backends; the phase it leaves a record
-//!   in is what the record's pure state machine ([`record::transition`]) decides, which each
-//!   backend persists guarded by the phase it was decided from. A record is committed before
-//!   anything goes upstream; its deadline is the route's, or shorter when the client asks in the
-//!   route's `deadline_header`.
+//! - [`store`] — the durable [`record`]s, named by their [`record::Tenant`] and
+//!   [`key::IdempotencyKey`], every time in them a [`record::Timestamp`]: one trait, a SQLite
+//!   implementation (group commit through a single writer thread) and a PostgreSQL one
+//!   (`SKIP LOCKED`, `LISTEN/NOTIFY`). Each write is one named command carrying those types,
+//!   the same value for both backends; the phase it leaves a record in is what the record's
+//!   pure state machine ([`record::transition`]) decides, which each backend persists guarded by
+//!   the phase it was decided from. A record is committed before anything goes upstream; its
+//!   deadline is the route's, or shorter when the client asks in the route's `deadline_header`.
 //! - [`worker`] — admits a new request in one call from the ingress ([`worker::Worker::admit`]:
 //!   shed by the route's limits, or recorded and started, claimed in the same commit when a
 //!   worker is free); claims a record under a lease, sends attempts through [`upstream`], stores each

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::clock::{Clock, SharedClock};
 use crate::config::{Config, Live, Probe, Route};
 use crate::policy::StopReason;
-use crate::record::{duration_ms, transition, Attempt, AttemptOutcome, Event, HistoryEntry, Millis, Phase, Record};
+use crate::record::{transition, Attempt, AttemptOutcome, Event, HistoryEntry, Phase, Record, Timestamp};
 use crate::store::{
     Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
     TakeOver, TakeOverTo,
@@ -31,17 +31,17 @@ pub fn sweep_interval(retention: Duration) -> Duration {
 /// What the sweep does at `now`: each route's done records past its retention become tombstones
 /// (or go, when the route keeps none); those of routes no longer configured go after the store's
 /// retention.
-pub fn sweep_plan(config: &Config, now: Millis) -> SweepPlan {
+pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
     let routes = config
         .routes
         .iter()
         .map(|r| RouteSweep {
             route: r.name.clone(),
-            cutoff: now - duration_ms(r.retention),
-            tombstone_after: (!r.tombstone.is_zero()).then(|| duration_ms(r.retention + r.tombstone)),
+            cutoff: now - r.retention,
+            tombstone_after: (!r.tombstone.is_zero()).then(|| r.retention + r.tombstone),
         })
         .collect();
-    SweepPlan { now, routes, others_cutoff: now - duration_ms(config.store.retention) }
+    SweepPlan { now, routes, others_cutoff: now - config.store.retention }
 }
 
 /// Sweeps by the configuration in force at each pass, and paces itself by it.
@@ -77,7 +77,7 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: Sh
 /// if any attempt may have run — even on a replay-safe route, where the rule above would free
 /// it: sent again by the client's next request, it would crash its worker again, while in the
 /// reconciliation queue an operator sees it — and is freed otherwise.
-pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Millis, max_takeovers: u32) -> TakeOverTo {
+pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp, max_takeovers: u32) -> TakeOverTo {
     let expiry = Event::LeaseExpired {
         attempt_unrecorded: record.in_flight.is_some(),
         // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
@@ -116,7 +116,7 @@ pub async fn take_over_once(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
-    now: Millis,
+    now: Timestamp,
 ) -> Result<(), crate::store::StoreError> {
     for record in store.expired_leases(now, BATCH).await? {
         let Some(lease) = &record.lease else { continue };
@@ -125,7 +125,7 @@ pub async fn take_over_once(
         let lost = record.in_flight.map(|(number, started_at)| Attempt {
             number,
             started_at,
-            duration_ms: (lease.expires_at - started_at).max(0) as u64,
+            duration_ms: (lease.expires_at - started_at).as_millis() as u64,
             outcome: AttemptOutcome::Lost,
             status: None,
             error: Some("worker_lost".into()),
@@ -167,8 +167,8 @@ pub async fn take_over_once(
             }
         }
     }
-    let idle_since = now - duration_ms(config.worker.lease);
-    let lease_until = now + duration_ms(config.worker.lease);
+    let idle_since = now - config.worker.lease;
+    let lease_until = now + config.worker.lease;
     for record in store
         .claim_unclaimed(ClaimUnclaimed { owner: worker.owner().into(), lease_until, idle_since, now, limit: BATCH })
         .await?
@@ -244,12 +244,11 @@ async fn probe_route(
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
     let now = clock.now();
-    for record in store
-        .probes_due(ProbesDue { route: route.name.clone(), settle: duration_ms(probe.settle), now, limit: BATCH })
-        .await?
+    for record in
+        store.probes_due(ProbesDue { route: route.name.clone(), settle: probe.settle, now, limit: BATCH }).await?
     {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
-        let next = clock.now() + duration_ms(probe_backoff(probe.settle, record.probe_count + 1));
+        let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
         let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
         if let Action::Applied(settled) =
             store.probed(Probed { id: record.id.into(), resolution, next_probe_at: next, entry }).await?
@@ -304,7 +303,7 @@ mod tests {
     use crate::config::Config;
     use crate::store::NewRecord;
 
-    const NOW: Millis = 1_700_000_000_000;
+    const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
     const ROUTE_P: &str =
         "[[routes]]\nname = \"p\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\nreplay_safe = {safe}\n";
@@ -343,14 +342,14 @@ mod tests {
         NewRecord {
             id: uuid::Uuid::new_v4(),
             tenant: "default".into(),
-            key: "k".into(),
+            key: crate::key::IdempotencyKey::parse("k").unwrap(),
             route: "p".into(),
             method: "POST".into(),
             path: "/p".into(),
             query: String::new(),
             fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),
             request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
-            deadline_at: NOW + 30_000,
+            deadline_at: NOW + Duration::from_millis(30_000),
             now: NOW,
             claim: None,
             tombstone_cutoff: None,
@@ -380,12 +379,13 @@ mod tests {
         });
         // Another node admitted it claimed, its first attempt marked as sent, and then died.
         let version = config.routes[0].policy_version.clone();
-        let claim = Claim { owner: "dead".into(), lease_until: NOW + 10_000, policy_version: version };
+        let claim =
+            Claim { owner: "dead".into(), lease_until: NOW + Duration::from_millis(10_000), policy_version: version };
         let new = NewRecord { claim: Some(claim), ..new_record() };
         let id = new.id;
-        store.admit(crate::store::Admit { new, retention_cutoff: 0 }).await.unwrap();
+        store.admit(crate::store::Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap();
 
-        clock.set(NOW + 10_000);
+        clock.set(NOW + Duration::from_millis(10_000));
         take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
         let record = store.get(id).await.unwrap().unwrap();
         assert_eq!(record.lease.as_ref().map(|l| l.owner.as_str()), Some("dead"), "taken over at its expiry");
@@ -397,7 +397,7 @@ mod tests {
         assert_eq!(record.phase(), Phase::Unknown);
         assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
         let entry = record.history.last().unwrap();
-        assert_eq!((entry.at, entry.actor.as_str()), (NOW + 10_001, "node:alive"));
+        assert_eq!((entry.at, entry.actor.as_str()), (NOW + Duration::from_millis(10_001), "node:alive"));
     }
 
     #[test]
@@ -441,7 +441,7 @@ mod tests {
         );
         let late = leased(5, &[], false);
         assert_eq!(
-            after_lease_expiry(&late, Some(&unsafe_route), NOW + 60_000, 1),
+            after_lease_expiry(&late, Some(&unsafe_route), NOW + Duration::from_millis(60_000), 1),
             TakeOverTo::Free(StopReason::Deadline)
         );
         assert_eq!(after_lease_expiry(&late, None, NOW, 9), TakeOverTo::Queued, "a gone route has nothing in flight");

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::record::{duration_ms, rfc3339, Millis};
+use crate::record::Timestamp;
 
 /// What a switch applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -80,7 +80,7 @@ impl SwitchAction {
 /// Who ended a switch, when and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Clearing {
-    pub at: Millis,
+    pub at: Timestamp,
     pub actor: String,
     pub reason: String,
     /// Set when the switch was not cleared by hand but replaced by a new one of the same scope
@@ -96,9 +96,9 @@ pub struct Switch {
     /// Why it was set: required, so that whoever finds it on knows what to check before clearing.
     pub reason: String,
     pub actor: String,
-    pub set_at: Millis,
+    pub set_at: Timestamp,
     /// After this it is off by itself, and stays in the history as `expired`.
-    pub expires_at: Option<Millis>,
+    pub expires_at: Option<Timestamp>,
     pub cleared: Option<Clearing>,
 }
 
@@ -123,7 +123,7 @@ impl Status {
 }
 
 impl Switch {
-    pub fn status(&self, now: Millis) -> Status {
+    pub fn status(&self, now: Timestamp) -> Status {
         match &self.cleared {
             Some(c) if c.replaced_by.is_some() => Status::Replaced,
             Some(_) => Status::Cleared,
@@ -132,19 +132,19 @@ impl Switch {
         }
     }
 
-    pub fn is_active(&self, now: Millis) -> bool {
+    pub fn is_active(&self, now: Timestamp) -> bool {
         self.status(now) == Status::Active
     }
 
     /// Whether it is on for `route`, doing `action`, at `now`.
-    pub fn holds(&self, route: &str, action: SwitchAction, now: Millis) -> bool {
+    pub fn holds(&self, route: &str, action: SwitchAction, now: Timestamp) -> bool {
         self.action == action && self.scope.covers(route) && self.is_active(now)
     }
 
-    pub fn to_json(&self, now: Millis) -> Value {
+    pub fn to_json(&self, now: Timestamp) -> Value {
         let cleared = self.cleared.as_ref().map(|c| {
             json!({
-                "at": rfc3339(c.at),
+                "at": c.at.rfc3339(),
                 "actor": c.actor,
                 "reason": c.reason,
                 "replaced_by": c.replaced_by,
@@ -156,8 +156,8 @@ impl Switch {
             "action": self.action.as_str(),
             "reason": self.reason,
             "actor": self.actor,
-            "set_at": rfc3339(self.set_at),
-            "expires_at": self.expires_at.map(rfc3339),
+            "set_at": self.set_at.rfc3339(),
+            "expires_at": self.expires_at.map(Timestamp::rfc3339),
             "status": self.status(now).as_str(),
             "active": self.is_active(now),
             "cleared": cleared,
@@ -200,7 +200,7 @@ pub struct SetRequest {
 impl SetRequest {
     /// The switch this asks for, set at `now` with id `id`; `is_route` says which route names
     /// exist.
-    pub fn parse(self, id: Uuid, now: Millis, is_route: impl Fn(&str) -> bool) -> Result<Switch, Invalid> {
+    pub fn parse(self, id: Uuid, now: Timestamp, is_route: impl Fn(&str) -> bool) -> Result<Switch, Invalid> {
         let scope = match self.scope.as_deref().map(str::trim) {
             None | Some("") => return Err(invalid("scope", "is required: a route's name, or \"all\"")),
             Some(Scope::ALL) => Scope::All,
@@ -216,7 +216,7 @@ impl SetRequest {
         let reason = reason(self.reason)?;
         let expires_at = match self.expires_in.as_deref().map(str::trim).filter(|t| !t.is_empty()) {
             None => None,
-            Some(text) => Some(now + duration_ms(expiry(text)?)),
+            Some(text) => Some(now + expiry(text)?),
         };
         Ok(Switch { id, scope, action, reason, actor: actor(self.actor)?, set_at: now, expires_at, cleared: None })
     }
@@ -231,7 +231,7 @@ pub struct ClearRequest {
 }
 
 impl ClearRequest {
-    pub fn parse(self, now: Millis) -> Result<Clearing, Invalid> {
+    pub fn parse(self, now: Timestamp) -> Result<Clearing, Invalid> {
         Ok(Clearing { at: now, actor: actor(self.actor)?, reason: reason(self.reason)?, replaced_by: None })
     }
 }
@@ -273,7 +273,7 @@ pub fn expiry(text: &str) -> Result<Duration, Invalid> {
 mod tests {
     use super::*;
 
-    const NOW: Millis = 1_700_000_000_000;
+    const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
     fn request(scope: &str, action: &str, reason: &str, expires_in: Option<&str>) -> SetRequest {
         SetRequest {
@@ -296,7 +296,7 @@ mod tests {
         assert_eq!(s.action, SwitchAction::RetriesOff);
         assert_eq!(s.reason, "storm on the PSP");
         assert_eq!(s.actor, DEFAULT_ACTOR);
-        assert_eq!(s.expires_at, Some(NOW + 30 * 60 * 1000));
+        assert_eq!(s.expires_at, Some(NOW + Duration::from_secs(30 * 60)));
         let all = parse(request("all", "isolate", "x", None)).unwrap();
         assert_eq!((all.scope, all.expires_at), (Scope::All, None));
     }
@@ -323,8 +323,8 @@ mod tests {
         assert!(s.holds("payments", SwitchAction::RetriesOff, NOW));
         assert!(!s.holds("orders", SwitchAction::RetriesOff, NOW));
         assert!(!s.holds("payments", SwitchAction::Isolate, NOW));
-        assert!(!s.holds("payments", SwitchAction::RetriesOff, NOW + 1000));
-        assert_eq!(s.status(NOW + 1000), Status::Expired);
+        assert!(!s.holds("payments", SwitchAction::RetriesOff, NOW + Duration::from_millis(1000)));
+        assert_eq!(s.status(NOW + Duration::from_millis(1000)), Status::Expired);
         s.expires_at = None;
         s.cleared = Some(Clearing { at: NOW, actor: "bob".into(), reason: "over".into(), replaced_by: None });
         assert_eq!(s.status(NOW), Status::Cleared);

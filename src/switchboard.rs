@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::clock::{self, SharedClock};
 use crate::config::{Policy, Route};
 use crate::policy::Switched;
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 
@@ -63,7 +63,7 @@ impl Switches {
     }
 
     /// The switch doing `action` on `route` at `now`, if one is on.
-    pub fn on(&self, route: &str, action: SwitchAction, now: Millis) -> Option<Switch> {
+    pub fn on(&self, route: &str, action: SwitchAction, now: Timestamp) -> Option<Switch> {
         self.snapshot().iter().find(|s| s.holds(route, action, now)).cloned()
     }
 
@@ -100,7 +100,7 @@ impl Switches {
     pub fn isolation(&self, route: &str) -> Option<Duration> {
         let now = self.clock.now();
         let switch = self.on(route, SwitchAction::Isolate, now)?;
-        let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| Duration::from_millis((at - now).max(0) as u64));
+        let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| at - now);
         Some(left.clamp(Duration::from_secs(1), ISOLATED_RETRY_AFTER))
     }
 
@@ -111,7 +111,7 @@ impl Switches {
     }
 
     /// The switches active at `now`, oldest first.
-    pub fn active(&self, now: Millis) -> Vec<Switch> {
+    pub fn active(&self, now: Timestamp) -> Vec<Switch> {
         self.snapshot().iter().filter(|s| s.is_active(now)).cloned().collect()
     }
 
@@ -145,7 +145,7 @@ impl Switches {
     /// The `idem_switch_active` gauge: for every scope (all, each of `routes`, and any other a
     /// stored switch names) and action, 1 while a switch is on, else 0. Written per broker, like
     /// the other figures read at scrape time.
-    pub fn render_metric(&self, routes: &[&str], now: Millis) -> String {
+    pub fn render_metric(&self, routes: &[&str], now: Timestamp) -> String {
         let active = self.active(now);
         let mut scopes: Vec<Scope> = std::iter::once(Scope::All).chain(routes.iter().map(|r| Scope::of(r))).collect();
         for s in &active {
@@ -189,14 +189,14 @@ mod tests {
 
     use super::*;
 
-    fn switch(scope: Scope, action: SwitchAction, expires_at: Option<Millis>) -> Switch {
+    fn switch(scope: Scope, action: SwitchAction, expires_at: Option<Timestamp>) -> Switch {
         Switch {
             id: Uuid::new_v4(),
             scope,
             action,
             reason: "storm".into(),
             actor: "alice".into(),
-            set_at: 0,
+            set_at: Timestamp::EPOCH,
             expires_at,
             cleared: None,
         }
@@ -204,22 +204,22 @@ mod tests {
 
     #[test]
     fn the_view_answers_per_route_and_drops_expired_switches_by_itself() {
-        let far = crate::record::now_ms() + 3_600_000;
+        let far = Timestamp::now() + Duration::from_secs(3_600);
         let switches = Switches::with(vec![
             switch(Scope::Route("payments".into()), SwitchAction::RetriesOff, Some(far)),
             switch(Scope::All, SwitchAction::CanaryOff, None),
-            switch(Scope::Route("orders".into()), SwitchAction::Isolate, Some(1)),
+            switch(Scope::Route("orders".into()), SwitchAction::Isolate, Some(Timestamp::from_millis(1))),
         ]);
         assert_eq!(switches.switched("payments"), Switched { retries_off: true, isolated: false });
         assert_eq!(switches.switched("orders"), Switched::default(), "its isolation expired");
         assert!(switches.canary_off("orders") && switches.canary_off("payments"));
-        assert_eq!(switches.active(crate::record::now_ms()).len(), 2);
+        assert_eq!(switches.active(Timestamp::now()).len(), 2);
     }
 
     #[test]
     fn the_metric_has_every_scope_and_action_with_help_and_type() {
         let switches = Switches::with(vec![switch(Scope::Route("gone".into()), SwitchAction::Isolate, None)]);
-        let text = switches.render_metric(&["payments"], crate::record::now_ms());
+        let text = switches.render_metric(&["payments"], Timestamp::now());
         assert!(text.starts_with("# HELP idem_switch_active "));
         assert!(text.contains("idem_switch_active{scope=\"all\",action=\"retries_off\"} 0\n"));
         assert!(text.contains("idem_switch_active{scope=\"payments\",action=\"canary_off\"} 0\n"));

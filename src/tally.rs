@@ -10,7 +10,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::SharedClock;
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::stats::AnswerCount;
 use crate::store::{AddAnswerCounts, Store, StoreError};
 
@@ -67,8 +67,8 @@ impl Tally {
 
     /// Takes the counts so far, as the counts of the second `now` falls in; nothing for routes
     /// with nothing counted.
-    pub fn take(&self, now: Millis) -> Vec<AnswerCount> {
-        let second = now - now.rem_euclid(1000);
+    pub fn take(&self, now: Timestamp) -> Vec<AnswerCount> {
+        let second = Timestamp::from_millis(now.as_millis() - now.as_millis().rem_euclid(1000));
         self.routes
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -93,12 +93,12 @@ impl Tally {
 
     /// Adds what was counted to the store (and forgets counters older than [`KEEP`]). When the
     /// store refuses, the counts are kept for the next flush. `now` is the second they count in.
-    pub async fn flush(&self, store: &dyn Store, now: Millis) -> Result<(), StoreError> {
+    pub async fn flush(&self, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
         let counts = self.take(now);
         if counts.is_empty() {
             return Ok(());
         }
-        let forget_before = now - crate::record::duration_ms(KEEP);
+        let forget_before = now - KEEP;
         store
             .add_answer_counts(AddAnswerCounts { counts: counts.clone(), forget_before })
             .await
@@ -129,10 +129,11 @@ mod tests {
         tally.replay("payments");
         tally.conflict("payments");
         tally.replay("gone");
-        let counts = tally.take(12_345);
-        assert_eq!(counts, [AnswerCount { route: "payments".into(), second: 12_000, replays: 2, conflicts: 1 }]);
-        assert!(tally.take(13_000).is_empty(), "taken counts are not taken again");
+        let at = Timestamp::from_millis;
+        let counts = tally.take(at(12_345));
+        assert_eq!(counts, [AnswerCount { route: "payments".into(), second: at(12_000), replays: 2, conflicts: 1 }]);
+        assert!(tally.take(at(13_000)).is_empty(), "taken counts are not taken again");
         tally.restore(&counts);
-        assert_eq!(tally.take(14_999)[0].replays, 2, "counts the store refused go with the next flush");
+        assert_eq!(tally.take(at(14_999))[0].replays, 2, "counts the store refused go with the next flush");
     }
 }

@@ -241,10 +241,9 @@ async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_bac
     for entry in &probes {
         assert!(entry["note"].as_str().unwrap().contains("→ 500"), "{record:#}");
     }
-    let since =
-        |entry: &Value| at(entry).duration_since(SystemTime::UNIX_EPOCH).unwrap().as_millis() as i64 - unknown_at;
-    let offsets: Vec<i64> = probes.iter().map(|e| since(e)).collect();
-    assert_eq!(offsets, [60_000, 180_000, 420_000], "probes at the settle, then backing off: {record:#}");
+    let since = |entry: &Value| idem::record::Timestamp::from(at(entry)) - unknown_at;
+    let offsets: Vec<Duration> = probes.iter().map(|e| since(e)).collect();
+    assert_eq!(offsets, [60, 180, 420].map(Duration::from_secs), "probes at the settle, then backing off: {record:#}");
 
     common::send(broker.post("/payments", "unsure", BODY)).await.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.posts().len(), 1, "an unknown record was sent upstream again");

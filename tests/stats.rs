@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use idem::record::Timestamp;
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
 use idem::store::AddAnswerCounts;
 use serde_json::Value;
@@ -208,9 +209,10 @@ async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Back
 async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(backend: Backend) {
     let db = Db::new(backend).await;
     let store = db.store().await;
+    let at = Timestamp::from_millis;
     let count = |route: &str, second: i64, replays: u64, conflicts: u64| AnswerCount {
         route: route.into(),
-        second,
+        second: at(second),
         replays,
         conflicts,
     };
@@ -219,24 +221,24 @@ async fn answer_counts_from_several_nodes_add_up_and_old_ones_are_forgotten(back
     store
         .add_answer_counts(AddAnswerCounts {
             counts: vec![count("payments", 10_000, 5, 1), count("ledger", 12_000, 2, 0)],
-            forget_before: 0,
+            forget_before: at(0),
         })
         .await
         .unwrap();
     store
-        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 10_000, 7, 0)], forget_before: 0 })
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 10_000, 7, 0)], forget_before: at(0) })
         .await
         .unwrap();
     store
-        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 1_000, 1, 1)], forget_before: 0 })
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 1_000, 1, 1)], forget_before: at(0) })
         .await
         .unwrap();
     store
-        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 11_000, 1, 0)], forget_before: 5_000 })
+        .add_answer_counts(AddAnswerCounts { counts: vec![count("payments", 11_000, 1, 0)], forget_before: at(5_000) })
         .await
         .unwrap();
 
-    let span = StatsSpan { start: 0, end: 20_000, step: 10_000, route: None };
+    let span = StatsSpan { start: at(0), end: at(20_000), step: Duration::from_secs(10), route: None };
     let mut answers = store.stats(&span).await.unwrap().answers;
     answers.sort_by(|a, b| (a.step, &a.route).cmp(&(b.step, &b.route)));
     let answer = |route: &str, step, replays, conflicts| Answers { route: route.into(), step, replays, conflicts };

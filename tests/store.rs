@@ -21,9 +21,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
+use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
 use idem::record::{
-    header_text, Attempt, AttemptOutcome, HistoryEntry, Millis, Phase, Record, State, StoredRequest, StoredResponse,
+    header_text, Attempt, AttemptOutcome, HistoryEntry, Phase, Record, State, StoredRequest, StoredResponse, Timestamp,
 };
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
@@ -92,23 +93,33 @@ mod postgres_only {
 // ---- fixtures -----------------------------------------------------------------------------------
 
 /// An arbitrary fixed instant; tests move time by adding to it.
-const T0: Millis = 1_700_000_000_000;
+const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
+
+/// A span of `n` milliseconds, to move time on from [`T0`].
+const fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
 const BODY: &[u8] = br#"{"amount":42,"currency":"eur"}"#;
 const WORKER: &str = "node-a/worker-1";
-const LEASE: Millis = 15_000;
+const LEASE: Duration = ms(15_000);
 /// A policy version, as a route's policy would give it.
 const VERSION: &str = "0123456789ab";
+
+/// A key the ingress would have accepted.
+fn key(text: &str) -> IdempotencyKey {
+    IdempotencyKey::parse(text).unwrap()
+}
 
 fn request(tenant: &str, key: &str, body: &[u8]) -> NewRecord {
     request_on("payments", tenant, key, body, T0)
 }
 
-fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Millis) -> NewRecord {
+fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp) -> NewRecord {
     let path = format!("/{route}");
     NewRecord {
         id: Uuid::new_v4(),
         tenant: tenant.into(),
-        key: key.into(),
+        key: self::key(key),
         route: route.into(),
         method: "POST".into(),
         path: path.clone(),
@@ -118,30 +129,18 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Millis) ->
             headers: vec![("content-type".into(), "application/json".into())],
             body: Bytes::copy_from_slice(body),
         },
-        deadline_at: now + 30_000,
+        deadline_at: now + ms(30_000),
         now,
         claim: None,
         tombstone_cutoff: None,
     }
 }
 
-fn entry(actor: &str, action: &str, at: Millis) -> HistoryEntry {
+fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
     HistoryEntry { at, actor: actor.into(), action: action.into(), note: Some(format!("{actor} {action}")) }
 }
 
-/// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker.
-fn started(record: &Record, number: u32, at: Millis, lease_until: Millis) -> AttemptStarted {
-    AttemptStarted {
-        id: record.id.into(),
-        owner: WORKER.into(),
-        number,
-        started_at: at,
-        lease_until,
-        policy_version: VERSION.into(),
-    }
-}
-
-fn attempt(number: u32, started_at: Millis, outcome: &str, status: Option<u16>) -> Attempt {
+fn attempt(number: u32, started_at: Timestamp, outcome: &str, status: Option<u16>) -> Attempt {
     Attempt {
         number,
         started_at,
@@ -207,14 +206,14 @@ async fn fetch(store: &Arc<dyn Store>, id: Uuid) -> Record {
 }
 
 async fn queued(store: &Arc<dyn Store>, new: NewRecord) -> Record {
-    created(store.admit(Admit { new, retention_cutoff: 0 }).await.unwrap())
+    created(store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap())
 }
 
 /// A record claimed by [`WORKER`] with a lease until `T0 + LEASE`.
 async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = queued(store, new).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap());
     fetch(store, record.id).await
@@ -224,15 +223,25 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// replay-safe.
 async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease = store.attempt_started(started(&record, 1, T0 + 10, T0 + LEASE)).await.unwrap();
+    let lease = store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + ms(10),
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     assert!(lease.is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
-            attempt: Some(attempt(1, T0 + 10, "ambiguous", None)),
+            attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
-            now: T0 + 100,
+            now: T0 + ms(100),
         })
         .await
         .unwrap();
@@ -243,14 +252,25 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 }
 
 /// A record answered `201` at `done_at`.
-async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Millis) -> Record {
+async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Record {
     let record = in_progress(store, new).await;
-    assert!(store.attempt_started(started(&record, 1, T0 + 10, T0 + LEASE)).await.unwrap().is_held());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + ms(10),
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
-            attempt: Some(attempt(1, T0 + 10, "success", Some(201))),
+            attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
             now: done_at,
         })
@@ -271,7 +291,7 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
             owner: WORKER.into(),
             attempt: None,
             then: AfterAttempt::Free(StopReason::Deadline),
-            now: T0 + 100,
+            now: T0 + ms(100),
         })
         .await
         .unwrap();

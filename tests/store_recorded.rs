@@ -9,31 +9,36 @@ use common::backend::{postgres_url_for_new_db, skipped};
 use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{Attempt, AttemptOutcome, Millis, State, StoredRequest, StoredResponse};
+use idem::record::{Attempt, AttemptOutcome, State, StoredRequest, StoredResponse, Timestamp};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 use uuid::Uuid;
 
-const T0: Millis = 1_700_000_000_000;
+const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
+
+/// A span of `n` milliseconds, to move time on from [`T0`].
+const fn ms(n: u64) -> std::time::Duration {
+    std::time::Duration::from_millis(n)
+}
 const WORKER: &str = "node-a/worker-1";
 
-fn request(route: &str, key: &str, now: Millis, claimed: bool) -> NewRecord {
+fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
     let path = format!("/{route}");
     NewRecord {
         id: Uuid::new_v4(),
         tenant: "default".into(),
-        key: key.into(),
+        key: idem::key::IdempotencyKey::parse(key).unwrap(),
         route: route.into(),
         method: "POST".into(),
         path: path.clone(),
         query: String::new(),
         fingerprint: Fingerprint::of(route, "POST", &path, "", None, b"{}"),
         request: StoredRequest { headers: vec![], body: Bytes::from_static(b"{}") },
-        deadline_at: now + 30_000,
+        deadline_at: now + ms(30_000),
         now,
         claim: claimed.then(|| Claim {
             owner: WORKER.into(),
-            lease_until: now + 15_000,
+            lease_until: now + ms(15_000),
             policy_version: VERSION.into(),
         }),
         tombstone_cutoff: None,
@@ -43,7 +48,7 @@ fn request(route: &str, key: &str, now: Millis, claimed: bool) -> NewRecord {
 /// The policy every attempt here was sent under.
 const VERSION: &str = "0123456789ab";
 
-fn attempt(number: u32, started_at: Millis, status: u16, retry_after_ms: Option<u64>) -> Attempt {
+fn attempt(number: u32, started_at: Timestamp, status: u16, retry_after_ms: Option<u64>) -> Attempt {
     Attempt {
         number,
         started_at,
@@ -58,17 +63,17 @@ fn attempt(number: u32, started_at: Millis, status: u16, retry_after_ms: Option<
 }
 
 /// A request admitted at `at`, its first attempt a 503 asking for 100 ms, its second a 200.
-async fn salvaged(store: &dyn Store, key: &str, at: Millis) -> Vec<Attempt> {
+async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     let id = admitted(store, "payments", key, at, true).await;
     let first = attempt(1, at, 503, Some(100));
-    let wait = AfterAttempt::Wait { not_before: at + 120 };
+    let wait = AfterAttempt::Wait { not_before: at + ms(120) };
     store
         .attempt_ended(AttemptEnded {
             id: id.into(),
             owner: WORKER.into(),
             attempt: Some(first.clone()),
             then: wait,
-            now: at + 20,
+            now: at + ms(20),
         })
         .await
         .unwrap();
@@ -77,13 +82,13 @@ async fn salvaged(store: &dyn Store, key: &str, at: Millis) -> Vec<Attempt> {
             id: id.into(),
             owner: WORKER.into(),
             number: 2,
-            started_at: at + 120,
-            lease_until: at + 15_000,
+            started_at: at + ms(120),
+            lease_until: at + ms(15_000),
             policy_version: VERSION.into(),
         })
         .await
         .unwrap();
-    let second = attempt(2, at + 120, 200, None);
+    let second = attempt(2, at + ms(120), 200, None);
     let done = AfterAttempt::Done(
         StopReason::Success,
         StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"ok") },
@@ -94,15 +99,19 @@ async fn salvaged(store: &dyn Store, key: &str, at: Millis) -> Vec<Attempt> {
             owner: WORKER.into(),
             attempt: Some(second.clone()),
             then: done,
-            now: at + 140,
+            now: at + ms(140),
         })
         .await
         .unwrap();
     vec![first, second]
 }
 
-async fn admitted(store: &dyn Store, route: &str, key: &str, at: Millis, claimed: bool) -> Uuid {
-    match store.admit(Admit { new: request(route, key, at, claimed), retention_cutoff: 0 }).await.unwrap() {
+async fn admitted(store: &dyn Store, route: &str, key: &str, at: Timestamp, claimed: bool) -> Uuid {
+    match store
+        .admit(Admit { new: request(route, key, at, claimed), retention_cutoff: Timestamp::EPOCH })
+        .await
+        .unwrap()
+    {
         idem::store::Admission::Created(record) => record.id,
         other => panic!("expected a new record, got {other:?}"),
     }
@@ -111,27 +120,27 @@ async fn admitted(store: &dyn Store, route: &str, key: &str, at: Millis, claimed
 async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts(backend: Backend) {
     let db = Db::new(backend).await;
     let store = db.store().await;
-    admitted(&*store, "payments", "too-early", T0 - 1, false).await;
-    let attempts = salvaged(&*store, "b", T0 + 20).await;
+    admitted(&*store, "payments", "too-early", T0 - ms(1), false).await;
+    let attempts = salvaged(&*store, "b", T0 + ms(20)).await;
     admitted(&*store, "payments", "a-queued", T0, false).await;
-    admitted(&*store, "orders", "other-route", T0 + 5, false).await;
-    admitted(&*store, "payments", "c-sending", T0 + 30, true).await;
+    admitted(&*store, "orders", "other-route", T0 + ms(5), false).await;
+    admitted(&*store, "payments", "c-sending", T0 + ms(30), true).await;
     // A key freed after one attempt and sent again by its client: one record, two executions.
-    let freed = admitted(&*store, "payments", "d-freed", T0 + 40, true).await;
+    let freed = admitted(&*store, "payments", "d-freed", T0 + ms(40), true).await;
     let free = AfterAttempt::Free(StopReason::AttemptCap);
     store
         .attempt_ended(AttemptEnded {
             id: freed.into(),
             owner: WORKER.into(),
-            attempt: Some(attempt(1, T0 + 40, 503, None)),
+            attempt: Some(attempt(1, T0 + ms(40), 503, None)),
             then: free,
-            now: T0 + 60,
+            now: T0 + ms(60),
         })
         .await
         .unwrap();
-    let again = NewRecord { id: Uuid::new_v4(), ..request("payments", "d-freed", T0 + 900, false) };
+    let again = NewRecord { id: Uuid::new_v4(), ..request("payments", "d-freed", T0 + ms(900), false) };
     assert!(matches!(
-        store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap(),
+        store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap(),
         idem::store::Admission::Requeued(_)
     ));
 
@@ -145,15 +154,15 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
         found,
         [
             (T0, State::NotStarted, None, false, 0),
-            (T0 + 20, State::Done, Some(StopReason::Success), false, 2),
-            (T0 + 30, State::InProgress, None, true, 0),
-            (T0 + 40, State::NotStarted, None, false, 1),
+            (T0 + ms(20), State::Done, Some(StopReason::Success), false, 2),
+            (T0 + ms(30), State::InProgress, None, true, 0),
+            (T0 + ms(40), State::NotStarted, None, false, 1),
         ]
     );
-    assert_eq!(page.requests[3].requeued_at, [T0 + 900], "each time the key was sent again");
+    assert_eq!(page.requests[3].requeued_at, [T0 + ms(900)], "each time the key was sent again");
     assert!(page.requests[1].requeued_at.is_empty());
     assert_eq!(page.requests[1].attempts, attempts, "attempts come back as stored, Retry-After included");
-    assert_eq!(page.requests[1].deadline_at, T0 + 20 + 30_000);
+    assert_eq!(page.requests[1].deadline_at, T0 + ms(20) + ms(30_000));
 
     let page = reader.recorded("payments", T0, 2).await.unwrap();
     assert_eq!((page.requests.len(), page.cut), (2, true), "over the limit, the latest are cut and it says so");
@@ -170,7 +179,7 @@ async fn the_reader_cannot_write(backend: Backend) {
         Reader::Postgres(pool) => sqlx::query("DELETE FROM records").execute(pool).await.map(drop),
     };
     assert!(deleted.is_err(), "a write through the reader went through");
-    assert_eq!(reader.recorded("payments", 0, 10).await.unwrap().requests.len(), 1);
+    assert_eq!(reader.recorded("payments", Timestamp::EPOCH, 10).await.unwrap().requests.len(), 1);
     reader.close().await;
 }
 

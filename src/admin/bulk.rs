@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::{apply_cancel, apply_resolve, apply_retry, json_body, store_problem, Admin, Attribution};
 use crate::problem::Problem;
-use crate::record::{Millis, Record, State as RecordState};
+use crate::record::{Record, State as RecordState, Tenant, Timestamp};
 use crate::store::{Cursor, ListFilter, Resolution};
 
 /// How many records one bulk call acts on unless it says otherwise; and at most.
@@ -61,9 +61,9 @@ enum BulkAction {
 struct Filter {
     state: RecordState,
     route: Option<String>,
-    tenant: Option<String>,
-    created_after: Option<Millis>,
-    created_before: Option<Millis>,
+    tenant: Option<Tenant>,
+    created_after: Option<Timestamp>,
+    created_before: Option<Timestamp>,
 }
 
 #[derive(Debug)]
@@ -78,14 +78,14 @@ fn bad_filter(field: &str, detail: impl std::fmt::Display) -> Problem {
     Problem::bad_request("invalid-filter", format!("filter.{field}: {detail}"))
 }
 
-fn time(field: &str, text: Option<String>) -> Result<Option<Millis>, Problem> {
+fn time(field: &str, text: Option<String>) -> Result<Option<Timestamp>, Problem> {
     let Some(text) = text.filter(|t| !t.is_empty()) else {
         return Ok(None);
     };
     let at = humantime::parse_rfc3339_weak(&text)
         .map_err(|_| bad_filter(field, format!("`{text}` is not an RFC 3339 UTC time like 2024-05-01T12:00:00Z")))?;
     let ms = at.duration_since(UNIX_EPOCH).map_err(|_| bad_filter(field, format!("`{text}` is before 1970")))?;
-    Ok(Some(Millis::try_from(ms.as_millis()).unwrap_or(Millis::MAX)))
+    Ok(Some(Timestamp::EPOCH + ms))
 }
 
 impl Plan {
@@ -103,7 +103,7 @@ impl Plan {
         let filter = Filter {
             state,
             route: raw.route.filter(|s| !s.is_empty()),
-            tenant: raw.tenant.filter(|s| !s.is_empty()),
+            tenant: raw.tenant.filter(|s| !s.is_empty()).map(Tenant::from),
             created_after: time("created_after", raw.created_after)?,
             created_before: time("created_before", raw.created_before)?,
         };
@@ -236,8 +236,8 @@ mod tests {
         .unwrap();
         assert_eq!(p.filter.state, RecordState::Unknown);
         assert_eq!(p.filter.route.as_deref(), Some("payments"));
-        assert_eq!(p.filter.created_after, Some(1_714_521_600_000));
-        assert_eq!(p.filter.created_before, Some(1_714_608_000_500));
+        assert_eq!(p.filter.created_after, Some(Timestamp::from_millis(1_714_521_600_000)));
+        assert_eq!(p.filter.created_before, Some(Timestamp::from_millis(1_714_608_000_500)));
         assert_eq!((p.action, p.dry_run, p.limit), (BulkAction::ResolveNotExecuted, true, DEFAULT_LIMIT));
         let p = plan(json!({"filter": {"state": "in_progress"}, "action": "cancel", "limit": 5})).unwrap();
         assert_eq!((p.action, p.dry_run, p.limit), (BulkAction::Cancel, false, 5));

@@ -23,7 +23,7 @@ use crate::config::Live;
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::reconcile;
-use crate::record::{duration_ms, header_text, HistoryEntry, Millis, Record, State as RecordState, StoredResponse};
+use crate::record::{header_text, HistoryEntry, Record, State as RecordState, StoredResponse, Tenant, Timestamp};
 use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;
@@ -170,7 +170,7 @@ async fn list(State(admin): State<Arc<Admin>>, Query(q): Query<ListQuery>) -> Re
     let filter = ListFilter {
         state,
         route: q.route.filter(|s| !s.is_empty()),
-        tenant: q.tenant.filter(|s| !s.is_empty()),
+        tenant: q.tenant.filter(|s| !s.is_empty()).map(Tenant::from),
         limit: q.limit.unwrap_or(50).clamp(1, 1000),
         cursor,
     };
@@ -196,7 +196,7 @@ struct Attribution {
 
 impl Attribution {
     /// The attribution of an action taken at `now`.
-    fn at(&self, now: Millis) -> Stamped<'_> {
+    fn at(&self, now: Timestamp) -> Stamped<'_> {
         Stamped { who: self, now }
     }
 }
@@ -204,7 +204,7 @@ impl Attribution {
 /// An [`Attribution`] and when the action it attributes is taken.
 struct Stamped<'a> {
     who: &'a Attribution,
-    now: Millis,
+    now: Timestamp,
 }
 
 impl Stamped<'_> {
@@ -352,7 +352,7 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
         return Err(Problem::route_gone(&record.route));
     };
     let who = who.at(admin.clock.now());
-    let deadline_at = who.now + duration_ms(route.retry.deadline);
+    let deadline_at = who.now + route.retry.deadline;
     match admin
         .store
         .retry(crate::store::Retry { id: id.into(), deadline_at, entry: who.entry("retry") })

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Map, Value};
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::stats::{StatsRows, StatsSpan, UnknownSpell};
 
 /// One route's series, a value per step.
@@ -52,8 +52,8 @@ impl RouteSeries {
 
 /// Sorts the store's rows into a series per route of `routes` (rows of other routes are left
 /// out). `now` is when the queue's depth of the last step is read.
-pub fn assemble(span: &StatsSpan, now: Millis, routes: &[&str], rows: &StatsRows) -> Vec<(String, RouteSeries)> {
-    let points = ((span.end - span.start) / span.step.max(1)).max(0) as usize;
+pub fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsRows) -> Vec<(String, RouteSeries)> {
+    let points = span.points() as usize;
     let mut series: Vec<(String, RouteSeries)> =
         routes.iter().map(|r| (r.to_string(), RouteSeries::new(points))).collect();
     let index: BTreeMap<&str, usize> = routes.iter().enumerate().map(|(i, r)| (*r, i)).collect();
@@ -87,14 +87,13 @@ pub fn assemble(span: &StatsSpan, now: Millis, routes: &[&str], rows: &StatsRows
 }
 
 /// When each step's queue depth is read: at its end, or `now` for the step still filling.
-fn depth_sample_times(span: &StatsSpan, now: Millis) -> Vec<Millis> {
-    let points = ((span.end - span.start) / span.step.max(1)).max(0);
-    (1..=points).map(|i| (span.start + i * span.step).min(now)).collect()
+fn depth_sample_times(span: &StatsSpan, now: Timestamp) -> Vec<Timestamp> {
+    (0..span.points()).map(|i| span.step_end(i).min(now)).collect()
 }
 
 /// How many records were in the queue at each of `samples` (ascending): those that had entered
 /// by then and not yet left.
-fn depth<'a>(samples: &[Millis], spells: impl Iterator<Item = &'a UnknownSpell>) -> Vec<u64> {
+fn depth<'a>(samples: &[Timestamp], spells: impl Iterator<Item = &'a UnknownSpell>) -> Vec<u64> {
     let mut change = vec![0i64; samples.len() + 1];
     for spell in spells {
         let from = samples.partition_point(|&t| t < spell.entered);
@@ -287,6 +286,7 @@ impl RouteSeries {
 mod tests {
     use super::*;
     use crate::store::stats::{Answers, Cohort};
+    use std::time::Duration;
 
     #[test]
     fn quantiles_are_nearest_rank_over_the_histogram() {
@@ -299,13 +299,17 @@ mod tests {
         assert_eq!(quantile(&[(7, 1)].into(), 0.0), Some(7));
     }
 
-    fn spell(entered: Millis, left: Option<Millis>) -> UnknownSpell {
-        UnknownSpell { route: "payments".into(), entered, left }
+    fn at(ms: i64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn spell(entered: i64, left: Option<i64>) -> UnknownSpell {
+        UnknownSpell { route: "payments".into(), entered: at(entered), left: left.map(at) }
     }
 
     #[test]
     fn the_queue_depth_counts_records_entered_and_not_yet_left_at_each_step_end() {
-        let samples = [10, 20, 30, 35];
+        let samples = [10, 20, 30, 35].map(at);
         let spells = [
             spell(5, None),      // there throughout
             spell(10, Some(20)), // entered at the first sample, gone by the second
@@ -323,7 +327,7 @@ mod tests {
 
     #[test]
     fn rows_are_sorted_into_steps_per_configured_route_and_curves_computed_from_them() {
-        let span = StatsSpan { start: 0, end: 30_000, step: 10_000, route: None };
+        let span = StatsSpan { start: at(0), end: at(30_000), step: Duration::from_secs(10), route: None };
         let rows = StatsRows {
             cohorts: vec![
                 // Step 0 of payments: 4 requests; 1 succeeded at once, 2 after a retry, 1 was
@@ -336,13 +340,13 @@ mod tests {
                 Cohort { succeeded: 1, first_try: 1, ..cohort("ledger", 1, Some(5), 1, 1) },
                 cohort("removed-route", 0, Some(5), 9, 9),
             ],
-            unknown: vec![spell(15_000, None), UnknownSpell { route: "ledger".into(), entered: 1, left: Some(2) }],
+            unknown: vec![spell(15_000, None), UnknownSpell { route: "ledger".into(), ..spell(1, Some(2)) }],
             answers: vec![
                 Answers { route: "payments".into(), step: 1, replays: 3, conflicts: 1 },
                 Answers { route: "ledger".into(), step: 2, replays: 2, conflicts: 0 },
             ],
         };
-        let series = assemble(&span, 25_000, &["payments", "ledger"], &rows);
+        let series = assemble(&span, at(25_000), &["payments", "ledger"], &rows);
         assert_eq!(series.iter().map(|(r, _)| r.as_str()).collect::<Vec<_>>(), ["payments", "ledger"]);
         let payments = series[0].1.to_json();
         let s = &payments["series"];

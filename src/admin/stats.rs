@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::series::assemble;
 use super::Admin;
 use crate::problem::Problem;
-use crate::record::{rfc3339, Millis};
+use crate::record::Timestamp;
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.
@@ -92,10 +92,16 @@ impl Resolution {
 
     /// The span to query at `now`: whole steps aligned on multiples of the step, the last one
     /// holding `now` (and still filling).
-    pub fn span(&self, now: Millis, route: Option<String>) -> StatsSpan {
-        let step = self.step.as_secs() as Millis * 1000;
-        let end = (now.div_euclid(step) + 1) * step;
-        StatsSpan { start: end - points(self.window, self.step) as Millis * step, end, step, route }
+    pub fn span(&self, now: Timestamp, route: Option<String>) -> StatsSpan {
+        let step = self.step.as_secs() as i64 * 1000;
+        let end = (now.as_millis().div_euclid(step) + 1) * step;
+        let start = end - points(self.window, self.step) as i64 * step;
+        StatsSpan {
+            start: Timestamp::from_millis(start),
+            end: Timestamp::from_millis(end),
+            step: Duration::from_millis(step as u64),
+            route,
+        }
     }
 }
 
@@ -131,11 +137,11 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
         })
         .collect();
     Ok(Json(json!({
-        "start": rfc3339(span.start),
-        "end": rfc3339(span.end),
-        "step_ms": span.step,
-        "points": (span.end - span.start) / span.step,
-        "now": rfc3339(now),
+        "start": span.start.rfc3339(),
+        "end": span.end.rfc3339(),
+        "step_ms": span.step_ms(),
+        "points": span.points(),
+        "now": now.rfc3339(),
         "routes": routes,
     }))
     .into_response())
@@ -185,13 +191,13 @@ mod tests {
     #[test]
     fn the_span_is_whole_aligned_steps_ending_with_the_one_now_falls_in() {
         let r = Resolution::parse(Some("1m"), Some("10s")).unwrap();
-        let span = r.span(1_000_123_456, Some("payments".into()));
-        assert_eq!(span.step, 10_000);
-        assert_eq!(span.end, 1_000_130_000);
-        assert_eq!(span.start, 1_000_070_000);
+        let span = r.span(Timestamp::from_millis(1_000_123_456), Some("payments".into()));
+        assert_eq!(span.step, Duration::from_secs(10));
+        assert_eq!(span.end, Timestamp::from_millis(1_000_130_000));
+        assert_eq!(span.start, Timestamp::from_millis(1_000_070_000));
         assert_eq!(span.route.as_deref(), Some("payments"));
         // A window that is not a whole number of steps is rounded up to one.
-        let span = Resolution::parse(Some("25s"), Some("10s")).unwrap().span(0, None);
-        assert_eq!((span.start, span.end), (-20_000, 10_000));
+        let span = Resolution::parse(Some("25s"), Some("10s")).unwrap().span(Timestamp::EPOCH, None);
+        assert_eq!((span.start.as_millis(), span.end.as_millis()), (-20_000, 10_000));
     }
 }

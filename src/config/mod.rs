@@ -89,7 +89,8 @@ impl PartialEq for AuthConfig {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tenant {
-    pub name: String,
+    /// Held as the records name it, so that a request's tenant is this one, shared.
+    pub name: crate::record::Tenant,
     /// SHA-256 of the tenant's bearer token; the token itself is never stored.
     pub token_sha256: [u8; 32],
 }

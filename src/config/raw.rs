@@ -302,7 +302,7 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
                 "must be the 64 hex digits of the token's SHA-256 (the token itself is never configured)",
             )
         })?;
-        tenants.push(Tenant { name: t.name, token_sha256: digest });
+        tenants.push(Tenant { name: t.name.into(), token_sha256: digest });
     }
     let token_header = raw
         .token_header

@@ -10,7 +10,7 @@ use axum::response::Response;
 use super::REPLAYED_HEADER;
 use crate::policy::StopReason;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{Millis, State, StoredResponse};
+use crate::record::{State, StoredResponse, Timestamp};
 use crate::upstream;
 use crate::worker::Outcome;
 
@@ -18,9 +18,8 @@ use crate::worker::Outcome;
 pub(super) type Answer = Result<Response, Problem>;
 
 /// A time as an HTTP-date header value.
-pub(super) fn http_date(at: Millis) -> HeaderValue {
-    let when = std::time::UNIX_EPOCH + Duration::from_millis(at.max(0) as u64);
-    HeaderValue::from_str(&httpdate::fmt_http_date(when)).expect("an HTTP-date is a valid header value")
+pub(super) fn http_date(at: Timestamp) -> HeaderValue {
+    HeaderValue::from_str(&httpdate::fmt_http_date(at.system_time())).expect("an HTTP-date is a valid header value")
 }
 
 /// The answer for the request that drove an execution.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::Ingress;
 use crate::problem::Problem;
-use crate::record::{duration_ms, Millis, Record, State};
+use crate::record::{Record, State, Timestamp};
 
 impl Ingress {
     /// How long a route's done records are replayed, as configured now; a route no longer
@@ -15,8 +15,8 @@ impl Ingress {
         config.route_named(route).map_or(config.store.retention, |r| r.retention)
     }
 
-    pub(super) fn retention_cutoff(&self, route: &str) -> Millis {
-        self.clock.now() - duration_ms(self.retention(route))
+    pub(super) fn retention_cutoff(&self, route: &str) -> Timestamp {
+        self.clock.now() - self.retention(route)
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
@@ -24,7 +24,7 @@ impl Ingress {
     pub(super) fn spent(&self, record: &Record) -> Option<Problem> {
         let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
         let status = record.response.as_ref().map(|r| r.status);
-        spent.then(|| Problem::result_expired(status, &crate::record::rfc3339(record.updated_at)).state(State::Done))
+        spent.then(|| Problem::result_expired(status, &record.updated_at.rfc3339()).state(State::Done))
     }
 
     pub(super) fn expired(&self, record: &Record) -> bool {

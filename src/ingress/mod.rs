@@ -25,7 +25,7 @@ use crate::metrics;
 use crate::policy::{outcome_eta, Pace, Pending, StopReason};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{duration_ms, Millis, Phase, Record, State, StoredRequest};
+use crate::record::{Phase, Record, State, StoredRequest, Tenant, Timestamp};
 use crate::store::{Health, NewRecord, Store};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
@@ -39,7 +39,7 @@ struct Read<'a> {
     config: &'a Arc<Config>,
     route: &'a Route,
     parts: &'a http::request::Parts,
-    arrival: Millis,
+    arrival: Timestamp,
 }
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -147,9 +147,9 @@ impl Ingress {
         &self,
         config: &Arc<Config>,
         route: &Route,
-        tenant: String,
+        tenant: Tenant,
         request: Request,
-        arrival: Millis,
+        arrival: Timestamp,
     ) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
@@ -212,7 +212,7 @@ impl Ingress {
             }
         };
         if key.is_some() && !response.headers().contains_key(EXPIRES_HEADER) {
-            let until = self.clock.now() + duration_ms(route.retention);
+            let until = self.clock.now() + route.retention;
             response.headers_mut().insert(EXPIRES_HEADER, http_date(until));
         }
         response
@@ -221,7 +221,7 @@ impl Ingress {
     async fn execute_keyed(
         &self,
         read: Read<'_>,
-        tenant: String,
+        tenant: Tenant,
         body: Bytes,
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
@@ -246,18 +246,17 @@ impl Ingress {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
             id: Uuid::now_v7(),
             tenant,
-            key: key.as_str().to_string(),
+            key: key.clone(),
             route: route.name.clone(),
             method: parts.method.as_str().to_string(),
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
             request: StoredRequest { headers: stored_headers(&route, &parts.headers), body },
-            deadline_at: arrival + duration_ms(deadline(policy.retry, &route, &parts.headers)),
+            deadline_at: arrival + deadline(policy.retry, &route, &parts.headers),
             now: arrival,
             claim: None,
-            tombstone_cutoff: (!route.tombstone.is_zero())
-                .then(|| arrival - duration_ms(route.retention + route.tombstone)),
+            tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
         };
 
         // A store found down cannot record it: refused at once rather than after the store fails.
@@ -355,9 +354,8 @@ impl Ingress {
         };
         let id = record.id;
         // The record becomes done after it arrived, so its retention ends later than this entry's.
-        let expires_at = record.created_at + duration_ms(self.retention(&record.route));
-        let patience =
-            Duration::from_millis((record.deadline_at - self.clock.now()).max(0) as u64) + Duration::from_secs(5);
+        let expires_at = record.created_at + self.retention(&record.route);
+        let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
                 if let Outcome::Done(_, response) = &outcome {
@@ -374,7 +372,7 @@ impl Ingress {
             // Another worker (of this node or another) runs it: wait for it like a duplicate.
             _ => match self.store.get(id).await {
                 Ok(Some(record)) => {
-                    let left = Duration::from_millis((record.deadline_at - self.clock.now()).max(0) as u64);
+                    let left = record.deadline_at - self.clock.now();
                     // Its outcome answers this request first-hand: it is not a replay.
                     self.answer(record, Some(left + Duration::from_secs(1)), false).await
                 }
@@ -420,7 +418,7 @@ impl Ingress {
             Phase::Done => match &record.response {
                 Some(response) => {
                     // A done record is not updated again: this is when it became done.
-                    let expires_at = record.updated_at + duration_ms(self.retention(&record.route));
+                    let expires_at = record.updated_at + self.retention(&record.route);
                     let kept = Replay {
                         fingerprint: record.fingerprint,
                         route: record.route.clone(),

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::fingerprint::Fingerprint;
-use crate::record::{Millis, StoredResponse};
+use crate::record::{StoredResponse, Timestamp};
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
 /// deletes it — on every node alike — so its answer can be replayed without reading the
@@ -17,7 +17,7 @@ pub struct Replay {
     pub(super) route: String,
     pub(super) response: StoredResponse,
     /// No later than the record's own end of retention.
-    pub(super) expires_at: Millis,
+    pub(super) expires_at: Timestamp,
 }
 
 #[derive(Clone)]
@@ -54,7 +54,7 @@ impl Replays {
         format!("{tenant}\u{0}{key}")
     }
 
-    pub(super) fn get(&self, tenant: &str, key: &str, now: Millis) -> Option<Arc<Replay>> {
+    pub(super) fn get(&self, tenant: &str, key: &str, now: Timestamp) -> Option<Arc<Replay>> {
         self.cache.get(&Replays::id(tenant, key)).filter(|r| r.expires_at > now)
     }
 

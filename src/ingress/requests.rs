@@ -23,7 +23,7 @@ async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, P
         KeyError::Missing => Problem::missing_key(),
         KeyError::Invalid(why) => Problem::invalid_key(why),
     })?;
-    match app.store.lookup(&tenant, key.as_str()).await {
+    match app.store.lookup(&tenant, &key).await {
         Ok(Some(record)) if !app.expired(&record) => Ok(record),
         Ok(_) => Err(Problem::not_found()),
         Err(e) => Err(Problem::store(&e)),

@@ -5,6 +5,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::record::Timestamp;
+
 /// Each route's typical attempt duration, learnt from the attempts this process made: an
 /// exponentially weighted mean, so that it follows an upstream that slows down or recovers
 /// within a few dozen attempts.
@@ -35,16 +37,15 @@ impl Pace {
     }
 }
 
-/// Where a record that is not settled yet stands, as far as its timing goes (all in ms since
-/// the epoch).
+/// Where a record that is not settled yet stands, as far as its timing goes.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Pending {
-    pub now: i64,
+    pub now: Timestamp,
     /// The attempt in flight started then.
-    pub in_flight_since: Option<i64>,
+    pub in_flight_since: Option<Timestamp>,
     /// Waiting between attempts: the next starts no earlier than this.
-    pub next_attempt_at: Option<i64>,
-    pub deadline_at: i64,
+    pub next_attempt_at: Option<Timestamp>,
+    pub deadline_at: Timestamp,
 }
 
 /// Assumed for a route with no attempt seen yet.
@@ -56,22 +57,31 @@ const SOONEST: Duration = Duration::from_millis(50);
 /// pace, or the wait to the next attempt plus one at that pace; never past the deadline, by
 /// which time there is an outcome whatever happens.
 pub fn outcome_eta(pending: Pending, typical: Option<Duration>) -> Duration {
-    let typical = typical.unwrap_or(UNSEEN).as_millis() as i64;
+    let typical = typical.unwrap_or(UNSEEN);
     let at = match (pending.in_flight_since, pending.next_attempt_at) {
         (Some(started), _) => (started + typical).max(pending.now),
         (None, Some(next)) => next.max(pending.now) + typical,
         (None, None) => pending.now + typical,
     };
     let at = at.min(pending.deadline_at.max(pending.now));
-    Duration::from_millis((at - pending.now) as u64).max(SOONEST)
+    (at - pending.now).max(SOONEST)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn at(ms: i64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
     fn pending(in_flight_since: Option<i64>, next_attempt_at: Option<i64>) -> Pending {
-        Pending { now: 10_000, in_flight_since, next_attempt_at, deadline_at: 40_000 }
+        Pending {
+            now: at(10_000),
+            in_flight_since: in_flight_since.map(at),
+            next_attempt_at: next_attempt_at.map(at),
+            deadline_at: at(40_000),
+        }
     }
 
     #[test]
@@ -106,9 +116,9 @@ mod tests {
 
     #[test]
     fn nothing_is_expected_after_the_deadline() {
-        let late = Pending { now: 10_000, in_flight_since: None, next_attempt_at: Some(50_000), deadline_at: 11_000 };
+        let late = Pending { deadline_at: at(11_000), ..pending(None, Some(50_000)) };
         assert_eq!(outcome_eta(late, Some(Duration::from_millis(500))), Duration::from_millis(1_000));
-        let past = Pending { deadline_at: 9_000, ..late };
+        let past = Pending { deadline_at: at(9_000), ..late };
         assert_eq!(outcome_eta(past, None), SOONEST);
     }
 }

@@ -2,8 +2,9 @@
 
 use std::fmt;
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use serde::{Serialize, Serializer};
 use uuid::Uuid;
 
 /// A record's id.
@@ -27,6 +28,12 @@ impl fmt::Display for RecordId {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner(Arc<str>);
 
+impl Owner {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<&str> for Owner {
     fn from(name: &str) -> Owner {
         Owner(name.into())
@@ -49,5 +56,68 @@ impl Deref for Owner {
 impl fmt::Display for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
+    }
+}
+
+/// Whose a record is: the tenant a request's credentials name (SPEC §2 `[auth]`), `default`
+/// without tenants. Keys are unique per tenant. Shared, not copied: the ingress resolves it once
+/// per request and it flows into the record, its lookups and its logs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tenant(Arc<str>);
+
+impl Tenant {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The tenant of a broker that configures none: one allocation for the process, shared.
+impl Default for Tenant {
+    fn default() -> Tenant {
+        static DEFAULT: OnceLock<Tenant> = OnceLock::new();
+        DEFAULT.get_or_init(|| Tenant::from("default")).clone()
+    }
+}
+
+impl From<&str> for Tenant {
+    fn from(name: &str) -> Tenant {
+        Tenant(name.into())
+    }
+}
+
+impl From<String> for Tenant {
+    fn from(name: String) -> Tenant {
+        Tenant(name.into())
+    }
+}
+
+impl Deref for Tenant {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl PartialEq<str> for Tenant {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for Tenant {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl fmt::Display for Tenant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for Tenant {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
     }
 }

@@ -1,7 +1,5 @@
 //! A request's durable record and the state machine it moves through (SPEC §4).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
 use base64::Engine;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -9,36 +7,22 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
 use crate::policy::{Class, StopReason};
 
 mod ids;
 mod machine;
+mod time;
 
-pub use ids::{Owner, RecordId};
+pub use ids::{Owner, RecordId, Tenant};
 pub use machine::{admitted, transition, Event, Phase, Refused, State};
-
-/// Wall-clock time in milliseconds since the Unix epoch: what the store keeps, because
-/// deadlines and leases must mean the same thing to every process that reads the record.
-pub type Millis = i64;
-
-pub fn now_ms() -> Millis {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as Millis).unwrap_or(0)
-}
-
-pub fn rfc3339(ms: Millis) -> String {
-    let t = UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64);
-    humantime::format_rfc3339_millis(t).to_string()
-}
-
-pub fn duration_ms(d: Duration) -> Millis {
-    d.as_millis().min(i64::MAX as u128) as Millis
-}
+pub use time::Timestamp;
 
 /// One physical attempt, as stored with its record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Attempt {
     pub number: u32,
-    pub started_at: Millis,
+    pub started_at: Timestamp,
     pub duration_ms: u64,
     pub outcome: AttemptOutcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -108,7 +92,7 @@ impl From<Class> for AttemptOutcome {
 /// An entry of the record's history: who did what, when.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HistoryEntry {
-    pub at: Millis,
+    pub at: Timestamp,
     pub actor: String,
     pub action: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -133,15 +117,15 @@ pub struct StoredRequest {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Lease {
-    pub owner: String,
-    pub expires_at: Millis,
+    pub owner: Owner,
+    pub expires_at: Timestamp,
 }
 
 #[derive(Debug, Clone)]
 pub struct Record {
     pub id: Uuid,
-    pub tenant: String,
-    pub key: String,
+    pub tenant: Tenant,
+    pub key: IdempotencyKey,
     pub route: String,
     pub method: String,
     pub path: String,
@@ -151,11 +135,11 @@ pub struct Record {
     pub state: State,
     pub queued: bool,
     /// End of the end-to-end deadline, counted from the request's arrival.
-    pub deadline_at: Millis,
+    pub deadline_at: Timestamp,
     pub lease: Option<Lease>,
     /// The attempt that may be in flight: its number and start. Set before the attempt is sent
     /// and cleared when its outcome is stored, so a take-over knows whether one may have run.
-    pub in_flight: Option<(u32, Millis)>,
+    pub in_flight: Option<(u32, Timestamp)>,
     pub attempts: Vec<Attempt>,
     pub stop_reason: Option<StopReason>,
     pub response: Option<StoredResponse>,
@@ -163,20 +147,20 @@ pub struct Record {
     pub cancel_requested: bool,
     /// Probes sent so far for an `unknown` record, and when the next is due.
     pub probe_count: u32,
-    pub next_probe_at: Option<Millis>,
+    pub next_probe_at: Option<Timestamp>,
     /// How many times its expired lease was taken over (kept when a client sends a freed record
     /// again, so a record that crashes its workers cannot do so without end).
     pub takeovers: u32,
     /// While waiting between attempts: the earliest start of the next one.
-    pub not_before: Option<Millis>,
+    pub not_before: Option<Timestamp>,
     /// A tombstone: a done record past its retention, its bodies dropped, kept until then so a
     /// late retry of the same request is answered 410 rather than executed again.
-    pub tombstone_until: Option<Millis>,
+    pub tombstone_until: Option<Timestamp>,
     /// The policy version of the latest attempt, written with its "may have been sent" mark:
     /// an attempt whose worker died before storing its outcome is still known by its policy.
     pub policy_version: Option<String>,
-    pub created_at: Millis,
-    pub updated_at: Millis,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
 }
 
 impl Record {
@@ -201,7 +185,7 @@ impl Record {
             .map(|a| {
                 let mut v = json!({
                     "number": a.number,
-                    "started_at": rfc3339(a.started_at),
+                    "started_at": a.started_at.rfc3339(),
                     "duration_ms": a.duration_ms,
                     "outcome": a.outcome.as_str(),
                     "wait_ms": a.wait_ms,
@@ -234,16 +218,16 @@ impl Record {
             "attempts": attempts,
             "stop_reason": self.stop_reason.map(StopReason::as_str),
             "takeovers": self.takeovers,
-            "deadline_at": rfc3339(self.deadline_at),
-            "created_at": rfc3339(self.created_at),
-            "updated_at": rfc3339(self.updated_at),
+            "deadline_at": self.deadline_at.rfc3339(),
+            "created_at": self.created_at.rfc3339(),
+            "updated_at": self.updated_at.rfc3339(),
         });
         if let Some(version) = &self.policy_version {
             v["policy_version"] = json!(version);
         }
         match (self.tombstone_until, &self.response) {
             (Some(until), Some(r)) => {
-                v["tombstone_until"] = rfc3339(until).into();
+                v["tombstone_until"] = until.rfc3339().into();
                 v["response"] = json!({ "status": r.status });
             }
             (_, Some(r)) => v["response"] = response_json(r),
@@ -254,7 +238,7 @@ impl Record {
                 .history
                 .iter()
                 .map(|h| {
-                    let mut e = json!({"at": rfc3339(h.at), "actor": h.actor, "action": h.action});
+                    let mut e = json!({"at": h.at.rfc3339(), "actor": h.actor, "action": h.action});
                     if let Some(n) = &h.note {
                         e["note"] = json!(n);
                     }

@@ -4,12 +4,14 @@
 //! [`transition`] decides; each backend persists that decision, guarded by the phase it was
 //! decided from.
 
+use std::time::Duration;
+
 use uuid::Uuid;
 
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
 use crate::policy::{PolicyVersion, StopReason};
 use crate::record::{
-    admitted, transition, Attempt, Event, HistoryEntry, Lease, Millis, Owner, Phase, RecordId, Refused,
+    admitted, transition, Attempt, Event, HistoryEntry, Lease, Owner, Phase, RecordId, Refused, Timestamp,
 };
 use crate::record::{State, StoredResponse};
 use crate::store::stats::AnswerCount;
@@ -20,7 +22,7 @@ use crate::switch::Clearing;
 pub struct Admit {
     pub new: NewRecord,
     /// A `done` record that finished before this is past its retention: absent for this key.
-    pub retention_cutoff: Millis,
+    pub retention_cutoff: Timestamp,
 }
 
 /// Takes a queued record under `owner`'s lease.
@@ -28,8 +30,8 @@ pub struct Admit {
 pub struct ClaimQueued {
     pub id: RecordId,
     pub owner: Owner,
-    pub lease_until: Millis,
-    pub now: Millis,
+    pub lease_until: Timestamp,
+    pub now: Timestamp,
 }
 
 /// Marks attempt `number` as possibly sent, before it is sent, and extends the lease.
@@ -38,8 +40,8 @@ pub struct AttemptStarted {
     pub id: RecordId,
     pub owner: Owner,
     pub number: u32,
-    pub started_at: Millis,
-    pub lease_until: Millis,
+    pub started_at: Timestamp,
+    pub lease_until: Timestamp,
     /// The version of the policy it is sent under.
     pub policy_version: PolicyVersion,
 }
@@ -51,7 +53,7 @@ pub struct AttemptEnded {
     pub owner: Owner,
     pub attempt: Option<Attempt>,
     pub then: AfterAttempt,
-    pub now: Millis,
+    pub now: Timestamp,
 }
 
 /// Extends `owner`'s lease.
@@ -59,8 +61,8 @@ pub struct AttemptEnded {
 pub struct Renew {
     pub id: RecordId,
     pub owner: Owner,
-    pub lease_until: Millis,
-    pub now: Millis,
+    pub lease_until: Timestamp,
+    pub now: Timestamp,
 }
 
 /// A client's or an operator's cancel.
@@ -82,7 +84,7 @@ pub struct Resolve {
 #[derive(Debug, Clone)]
 pub struct Retry {
     pub id: RecordId,
-    pub deadline_at: Millis,
+    pub deadline_at: Timestamp,
     pub entry: HistoryEntry,
 }
 
@@ -102,9 +104,9 @@ pub struct TakeOver {
 #[derive(Debug, Clone)]
 pub struct ClaimUnclaimed {
     pub owner: Owner,
-    pub lease_until: Millis,
-    pub idle_since: Millis,
-    pub now: Millis,
+    pub lease_until: Timestamp,
+    pub idle_since: Timestamp,
+    pub now: Timestamp,
     pub limit: u32,
 }
 
@@ -113,7 +115,7 @@ pub struct ClaimUnclaimed {
 pub struct Probed {
     pub id: RecordId,
     pub resolution: Option<Resolution>,
-    pub next_probe_at: Millis,
+    pub next_probe_at: Timestamp,
     pub entry: HistoryEntry,
 }
 
@@ -136,7 +138,7 @@ pub struct ClearSwitch {
 #[derive(Debug, Clone)]
 pub struct AddAnswerCounts {
     pub counts: Vec<AnswerCount>,
-    pub forget_before: Millis,
+    pub forget_before: Timestamp,
 }
 
 /// Which `unknown` records of `route` are due a probe at `now`: the first is due `settle` after
@@ -144,8 +146,8 @@ pub struct AddAnswerCounts {
 #[derive(Debug, Clone)]
 pub struct ProbesDue {
     pub route: String,
-    pub settle: Millis,
-    pub now: Millis,
+    pub settle: Duration,
+    pub now: Timestamp,
     pub limit: u32,
 }
 
@@ -156,7 +158,7 @@ pub struct ProbesDue {
 pub(crate) struct Fresh {
     pub state: State,
     pub queued: bool,
-    pub in_flight: Option<(u32, Millis)>,
+    pub in_flight: Option<(u32, Timestamp)>,
 }
 
 impl NewRecord {
@@ -175,7 +177,7 @@ pub(crate) struct Stored<'a> {
     /// Handed back to the queue (a release), rather than kept or settled.
     pub queued: bool,
     /// While waiting: the earliest start of the next attempt.
-    pub not_before: Option<Millis>,
+    pub not_before: Option<Timestamp>,
 }
 
 impl AfterAttempt {
@@ -255,8 +257,9 @@ mod tests {
     #[test]
     fn what_an_attempt_leaves_behind_is_the_transition_from_in_progress() {
         let response = StoredResponse { status: 200, headers: vec![], body: Default::default() };
+        let seven = Timestamp::from_millis(7);
         let cases = [
-            (AfterAttempt::Wait { not_before: 7 }, InProgress),
+            (AfterAttempt::Wait { not_before: seven }, InProgress),
             (AfterAttempt::Release, Queued),
             (AfterAttempt::Done(StopReason::Success, response), Done),
             (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
@@ -266,7 +269,7 @@ mod tests {
             let stored = then.stored().unwrap();
             assert_eq!(phase(&stored), to, "{then:?}");
             assert_eq!(Ok(to), transition(InProgress, then.event()));
-            assert_eq!(stored.not_before, if to == InProgress { Some(7) } else { None }, "{then:?}");
+            assert_eq!(stored.not_before, if to == InProgress { Some(seven) } else { None }, "{then:?}");
             assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
         }
     }

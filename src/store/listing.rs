@@ -3,7 +3,7 @@
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::record::{Millis, Record, State};
+use crate::record::{Record, State, Tenant, Timestamp};
 
 /// Which records an operator listing shows, oldest first (a queue is worked from its head);
 /// `cursor` continues a listing after the last record shown.
@@ -11,7 +11,7 @@ use crate::record::{Millis, Record, State};
 pub struct ListFilter {
     pub state: Option<State>,
     pub route: Option<String>,
-    pub tenant: Option<String>,
+    pub tenant: Option<Tenant>,
     pub limit: u32,
     pub cursor: Option<Cursor>,
 }
@@ -19,7 +19,7 @@ pub struct ListFilter {
 /// A position in a listing: the last record shown (listings are ordered by creation, then id).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cursor {
-    pub created_at: Millis,
+    pub created_at: Timestamp,
     pub id: Uuid,
 }
 
@@ -35,7 +35,7 @@ impl Cursor {
 
     pub fn decode(token: &str) -> Option<Cursor> {
         let (at, id) = token.split_once('.')?;
-        Some(Cursor { created_at: at.parse().ok()?, id: Uuid::parse_str(id).ok()? })
+        Some(Cursor { created_at: Timestamp::from_millis(at.parse().ok()?), id: Uuid::parse_str(id).ok()? })
     }
 }
 

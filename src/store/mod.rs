@@ -1,12 +1,15 @@
 //! Durable records. One trait, one implementation per backend, each with its own SQL: SQLite
 //! (embedded default, one writer fed by group commit) and PostgreSQL.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use uuid::Uuid;
 
 use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
 use crate::policy::{PolicyVersion, StopReason};
-use crate::record::{transition, Event, Millis, Owner, Phase, Record, StoredRequest, StoredResponse};
+use crate::record::{transition, Event, Owner, Phase, Record, StoredRequest, StoredResponse, Tenant, Timestamp};
 use crate::switch::Switch;
 
 mod command;
@@ -19,6 +22,9 @@ mod rows;
 pub mod sqlite;
 pub mod stats;
 mod switches;
+mod timestamp;
+
+pub(crate) use timestamp::span_ms;
 
 use self::stats::{Side, StatsRows, StatsSpan};
 
@@ -38,16 +44,16 @@ pub use switches::{SwitchCleared, MAX_HISTORY};
 #[derive(Debug, Clone)]
 pub struct NewRecord {
     pub id: Uuid,
-    pub tenant: String,
-    pub key: String,
+    pub tenant: Tenant,
+    pub key: IdempotencyKey,
     pub route: String,
     pub method: String,
     pub path: String,
     pub query: String,
     pub fingerprint: Fingerprint,
     pub request: StoredRequest,
-    pub deadline_at: Millis,
-    pub now: Millis,
+    pub deadline_at: Timestamp,
+    pub now: Timestamp,
     /// Record it already claimed, its first attempt marked as about to be sent, in the same
     /// commit: for a worker that will send it at once. Applies to a fresh insert only; a record
     /// taken over from a free or expired one is queued as usual.
@@ -55,7 +61,7 @@ pub struct NewRecord {
     /// Done records of the key that finished at or after this are still remembered (tombstones,
     /// SPEC §9): past their retention, the same request is refused with the record rather than
     /// executed again. `None`: the route keeps no tombstones.
-    pub tombstone_cutoff: Option<Millis>,
+    pub tombstone_cutoff: Option<Timestamp>,
 }
 
 impl NewRecord {
@@ -77,9 +83,7 @@ impl NewRecord {
             queued: fresh.queued,
             deadline_at: self.deadline_at,
             in_flight: fresh.in_flight,
-            lease: claim
-                .as_ref()
-                .map(|c| crate::record::Lease { owner: c.owner.to_string(), expires_at: c.lease_until }),
+            lease: claim.as_ref().map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.lease_until }),
             attempts: Vec::new(),
             stop_reason: None,
             response: None,
@@ -100,28 +104,28 @@ impl NewRecord {
 /// What the retention sweep does, route by route.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SweepPlan {
-    pub now: Millis,
+    pub now: Timestamp,
     pub routes: Vec<RouteSweep>,
     /// Done records of routes no longer configured end their retention before this; no
     /// tombstone is kept for them.
-    pub others_cutoff: Millis,
+    pub others_cutoff: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteSweep {
     pub route: String,
     /// Done records finished before this are past their retention.
-    pub cutoff: Millis,
+    pub cutoff: Timestamp,
     /// How long a tombstone outlives its record's completion (retention + tombstone), or `None`
     /// when the route keeps none and the records are deleted.
-    pub tombstone_after: Option<Millis>,
+    pub tombstone_after: Option<Duration>,
 }
 
 /// A worker's lease on a record it admits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub owner: Owner,
-    pub lease_until: Millis,
+    pub lease_until: Timestamp,
     /// The version of the policy the first attempt is sent under, stored with its mark.
     pub policy_version: PolicyVersion,
 }
@@ -142,7 +146,7 @@ pub enum Admission {
 #[derive(Debug, Clone)]
 pub enum AfterAttempt {
     /// Another attempt follows, not before this time; the lease is kept.
-    Wait { not_before: Millis },
+    Wait { not_before: Timestamp },
     /// `done`, with the response to replay.
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed and must not be sent again automatically.
@@ -252,7 +256,7 @@ pub trait Store: Send + Sync + 'static {
     /// counts as absent and is replaced.
     async fn admit(&self, admit: Admit) -> Result<Admission, StoreError>;
 
-    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError>;
+    async fn lookup(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError>;
 
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
 
@@ -286,7 +290,7 @@ pub trait Store: Send + Sync + 'static {
     // ---- take-over and reconciliation ---------------------------------------------------------
 
     /// `in_progress` records whose lease expired before `now`.
-    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError>;
+    async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError>;
 
     /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
     /// flight, if any, and counting the take-over. Only if the lease is still the `expired` one
@@ -330,7 +334,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// A route's requests that arrived since `since` and have settled, by the policy version
     /// their attempts ran under: the two sides of a canary, for its stop conditions.
-    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError>;
+    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError>;
 
     // ---- emergency switches (SPEC §10) ---------------------------------------------------------
 
@@ -343,7 +347,7 @@ pub trait Store: Send + Sync + 'static {
     async fn clear_switch(&self, clear: ClearSwitch) -> Result<SwitchCleared, StoreError>;
 
     /// The switches active at `now`, oldest first: what every node obeys.
-    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError>;
+    async fn active_switches(&self, now: Timestamp) -> Result<Vec<Switch>, StoreError>;
 
     /// The audit trail: every switch ever set (active, expired, cleared or replaced), newest
     /// first, at most `limit`.

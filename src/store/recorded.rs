@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use super::{postgres, sqlite, Columns, StoreError};
 use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, Millis, State};
+use crate::record::{Attempt, HistoryEntry, State, Timestamp};
 
 /// Most requests one read returns: enough for a day of a busy route, few enough to hold and
 /// replay in memory. More are reported as cut, never silently dropped.
@@ -17,9 +17,9 @@ pub const MAX_RECORDED: u32 = 500_000;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
     pub id: Uuid,
-    pub created_at: Millis,
+    pub created_at: Timestamp,
     /// The end of its deadline: the route's, or earlier if the client shortened it.
-    pub deadline_at: Millis,
+    pub deadline_at: Timestamp,
     pub state: State,
     /// `None` while its execution has not ended.
     pub stop_reason: Option<StopReason>,
@@ -30,7 +30,7 @@ pub struct Recorded {
     pub tombstone: bool,
     /// When its key, freed, was sent again, oldest first: each time a new execution of the same
     /// record began, with attempts of its own.
-    pub requeued_at: Vec<Millis>,
+    pub requeued_at: Vec<Timestamp>,
 }
 
 /// What [`Reader::recorded`] found: the requests in order of arrival, and whether more matched.
@@ -61,7 +61,7 @@ impl Reader {
     }
 
     /// The requests of `route` that arrived at or after `since`, oldest first, at most `limit`.
-    pub async fn recorded(&self, route: &str, since: Millis, limit: u32) -> Result<RecordedPage, StoreError> {
+    pub async fn recorded(&self, route: &str, since: Timestamp, limit: u32) -> Result<RecordedPage, StoreError> {
         let limit = limit.clamp(1, MAX_RECORDED);
         let mut requests = match self {
             Reader::Sqlite(pool) => sqlite::recorded::read(pool, route, since, limit + 1).await?,
@@ -83,9 +83,9 @@ impl Reader {
 /// Reads one row of either backend's query: `id`, `created_at`, `deadline_at`, `state`,
 /// `stop_reason`, `attempts` (JSON text), `in_flight` and `tombstone` (flags).
 /// The times of a stored history's `requeued` entries, oldest first.
-fn requeued_at(history: &str) -> Result<Vec<Millis>, StoreError> {
+fn requeued_at(history: &str) -> Result<Vec<Timestamp>, StoreError> {
     let entries: Vec<HistoryEntry> = serde_json::from_str(history)?;
-    let mut at: Vec<Millis> = entries.iter().filter(|e| e.action == "requeued").map(|e| e.at).collect();
+    let mut at: Vec<Timestamp> = entries.iter().filter(|e| e.action == "requeued").map(|e| e.at).collect();
     at.sort_unstable();
     Ok(at)
 }
@@ -93,13 +93,12 @@ fn requeued_at(history: &str) -> Result<Vec<Millis>, StoreError> {
 pub(crate) fn decode(row: &impl Columns) -> Result<Recorded, StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(format!("column {what}"));
     let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
-    let required = |name: &'static str| row.integer(name)?.ok_or_else(|| corrupt(name));
     let mut attempts: Vec<Attempt> = serde_json::from_str(&text("attempts")?)?;
     attempts.sort_by_key(|a| a.number);
     Ok(Recorded {
         id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
-        created_at: required("created_at")?,
-        deadline_at: required("deadline_at")?,
+        created_at: row.time("created_at")?.ok_or_else(|| corrupt("created_at"))?,
+        deadline_at: row.time("deadline_at")?.ok_or_else(|| corrupt("deadline_at"))?,
         state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,
         stop_reason: row
             .text("stop_reason")?

@@ -6,8 +6,9 @@ use uuid::Uuid;
 
 use super::StoreError;
 use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
 use crate::policy::StopReason;
-use crate::record::{Record, State, StoredRequest, StoredResponse};
+use crate::record::{Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
 
 /// A row read by column name, whichever driver produced it: any sqlx row (both backends), and
 /// the SQLite writer's rusqlite rows (`sqlite::rows`). Integers arrive as 64 bits (PostgreSQL's
@@ -17,6 +18,11 @@ pub(crate) trait Columns {
     fn integer(&self, name: &str) -> Result<Option<i64>, StoreError>;
     fn blob(&self, name: &str) -> Result<Option<Vec<u8>>, StoreError>;
     fn flag(&self, name: &str) -> Result<bool, StoreError>;
+
+    /// A time, stored as milliseconds since the epoch.
+    fn time(&self, name: &str) -> Result<Option<Timestamp>, StoreError> {
+        Ok(self.integer(name)?.map(Timestamp::from_millis))
+    }
 }
 
 /// Every sqlx row whose database decodes the four kinds of value: the trait names no driver.
@@ -50,6 +56,8 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
     let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
     let number = |name: &'static str| row.integer(name);
     let required = |name: &'static str| row.integer(name)?.ok_or_else(|| corrupt(name));
+    let time = |name: &'static str| row.time(name);
+    let required_time = |name: &'static str| row.time(name)?.ok_or_else(|| corrupt(name));
     let response = match number("response_status")? {
         None => None,
         Some(status) => Some(StoredResponse {
@@ -60,16 +68,16 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
     };
     let in_flight = match number("in_flight_number")?.zip(number("in_flight_started_at")?) {
         None => None,
-        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, at)),
+        Some((n, at)) => Some((u32::try_from(n).map_err(|_| corrupt("in_flight_number"))?, Timestamp::from_millis(at))),
     };
     let lease = row
         .text("lease_owner")?
-        .zip(number("lease_expires_at")?)
-        .map(|(owner, expires_at)| crate::record::Lease { owner, expires_at });
+        .zip(time("lease_expires_at")?)
+        .map(|(owner, expires_at)| crate::record::Lease { owner: owner.into(), expires_at });
     Ok(Record {
         id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
-        tenant: text("tenant")?,
-        key: text("key")?,
+        tenant: Tenant::from(text("tenant")?),
+        key: IdempotencyKey::from_stored(text("key")?),
         route: text("route")?,
         method: text("method")?,
         path: text("path")?,
@@ -82,7 +90,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         },
         state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,
         queued: row.flag("queued")?,
-        deadline_at: required("deadline_at")?,
+        deadline_at: required_time("deadline_at")?,
         lease,
         in_flight,
         attempts: serde_json::from_str(&text("attempts")?)?,
@@ -94,12 +102,12 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         history: serde_json::from_str(&text("history")?)?,
         cancel_requested: row.flag("cancel_requested")?,
         probe_count: u32::try_from(required("probe_count")?).map_err(|_| corrupt("probe_count"))?,
-        next_probe_at: number("next_probe_at")?,
+        next_probe_at: time("next_probe_at")?,
         takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
-        not_before: number("not_before")?,
-        tombstone_until: number("tombstone_until")?,
+        not_before: time("not_before")?,
+        tombstone_until: time("tombstone_until")?,
         policy_version: row.text("policy_version")?,
-        created_at: required("created_at")?,
-        updated_at: required("updated_at")?,
+        created_at: required_time("created_at")?,
+        updated_at: required_time("updated_at")?,
     })
 }

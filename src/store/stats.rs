@@ -3,7 +3,9 @@
 //! which `admin::stats` assembles into series. Every node reads the same tables, so every node
 //! answers for the whole cluster.
 
-use crate::record::Millis;
+use std::time::Duration;
+
+use crate::record::Timestamp;
 use crate::store::{Columns, StoreError};
 
 /// Replays and 409s counted in memory by one node over one second, added to the store's
@@ -12,18 +14,18 @@ use crate::store::{Columns, StoreError};
 pub struct AnswerCount {
     pub route: String,
     /// The start of the second, in ms since the epoch (a multiple of 1000).
-    pub second: Millis,
+    pub second: Timestamp,
     pub replays: u64,
     pub conflicts: u64,
 }
 
-/// Which records and counters the stats cover: `[start, end)` in steps of `step` ms, all
-/// multiples of 1000 so that the per-second counters fall into whole steps.
+/// Which records and counters the stats cover: `[start, end)` in steps of `step`, all whole
+/// seconds so that the per-second counters fall into whole steps.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatsSpan {
-    pub start: Millis,
-    pub end: Millis,
-    pub step: Millis,
+    pub start: Timestamp,
+    pub end: Timestamp,
+    pub step: Duration,
     /// One route, or all of them.
     pub route: Option<String>,
 }
@@ -54,8 +56,8 @@ pub struct Cohort {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnknownSpell {
     pub route: String,
-    pub entered: Millis,
-    pub left: Option<Millis>,
+    pub entered: Timestamp,
+    pub left: Option<Timestamp>,
 }
 
 /// Replays and 409s of one route in one step, summed over nodes and seconds.
@@ -67,6 +69,23 @@ pub struct Answers {
     pub conflicts: u64,
 }
 
+impl StatsSpan {
+    /// The step in milliseconds, as the queries bucket times by it (at least 1).
+    pub fn step_ms(&self) -> i64 {
+        i64::try_from(self.step.as_millis()).unwrap_or(i64::MAX).max(1)
+    }
+
+    /// How many steps the span holds.
+    pub fn points(&self) -> i64 {
+        (self.end.as_millis() - self.start.as_millis()).max(0) / self.step_ms()
+    }
+
+    /// The end of step `i` (counted from 0).
+    pub fn step_end(&self, i: i64) -> Timestamp {
+        Timestamp::from_millis(self.start.as_millis().saturating_add((i + 1).saturating_mul(self.step_ms())))
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsRows {
     pub cohorts: Vec<Cohort>,
@@ -76,8 +95,7 @@ pub struct StatsRows {
 
 /// A step index read back from the database, checked to lie in the span.
 pub(crate) fn step_index(span: &StatsSpan, index: i64) -> Option<usize> {
-    let steps = (span.end - span.start) / span.step.max(1);
-    (0..steps).contains(&index).then_some(index as usize)
+    (0..span.points()).contains(&index).then_some(index as usize)
 }
 
 /// A count read back from the database: never negative.
@@ -105,7 +123,11 @@ pub(crate) fn cohort(span: &StatsSpan, row: &impl Columns) -> Result<Option<Coho
 
 /// A spell of one record in the unknown queue.
 pub(crate) fn spell(row: &impl Columns) -> Result<UnknownSpell, StoreError> {
-    Ok(UnknownSpell { route: route(row)?, entered: required(row, "entered")?, left: row.integer("left_at")? })
+    Ok(UnknownSpell {
+        route: route(row)?,
+        entered: Timestamp::from_millis(required(row, "entered")?),
+        left: row.time("left_at")?,
+    })
 }
 
 /// The replays and 409s of one route in one step.

@@ -24,7 +24,7 @@ pub(crate) fn decode_switch(row: &impl Columns) -> Result<Switch, StoreError> {
     let corrupt = |what: &str| StoreError::Corrupt(format!("switches column {what}"));
     let text = |name: &'static str| row.text(name)?.ok_or_else(|| corrupt(name));
     let id = |name: &'static str, value: &str| Uuid::parse_str(value).map_err(|_| corrupt(name));
-    let cleared = match row.integer("cleared_at")? {
+    let cleared = match row.time("cleared_at")? {
         None => None,
         Some(at) => Some(Clearing {
             at,
@@ -39,8 +39,8 @@ pub(crate) fn decode_switch(row: &impl Columns) -> Result<Switch, StoreError> {
         action: SwitchAction::parse(&text("action")?).ok_or_else(|| corrupt("action"))?,
         reason: text("reason")?,
         actor: text("actor")?,
-        set_at: row.integer("set_at")?.ok_or_else(|| corrupt("set_at"))?,
-        expires_at: row.integer("expires_at")?,
+        set_at: row.time("set_at")?.ok_or_else(|| corrupt("set_at"))?,
+        expires_at: row.time("expires_at")?,
         cleared,
     })
 }

@@ -10,7 +10,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
 use crate::config::{Config, Policy, Route};
-use crate::record::{duration_ms, Millis, Record, State};
+use crate::record::{Record, State, Timestamp};
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.
@@ -24,7 +24,7 @@ pub struct Admit<'a> {
     /// The record to insert, unclaimed: whether it is claimed at insert is decided here.
     pub new: NewRecord,
     /// Done records of the key older than this are past their retention: the key is free.
-    pub retention_cutoff: Millis,
+    pub retention_cutoff: Timestamp,
     /// The request's headers: its `Authorization` is held for the execution when the route
     /// forwards it.
     pub headers: &'a http::HeaderMap,
@@ -117,12 +117,12 @@ fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -
 impl Inner {
     /// The claim that a reserved admission writes: this process's lease, starting `now`, and
     /// the version of the policy its first attempt is sent under.
-    pub(super) fn claim(&self, now: Millis, policy: &Policy<'_>) -> Claim {
+    pub(super) fn claim(&self, now: Timestamp, policy: &Policy<'_>) -> Claim {
         Claim { owner: self.owner.clone(), lease_until: self.lease_until(now), policy_version: policy.version.clone() }
     }
 
-    pub(super) fn lease_until(&self, now: Millis) -> Millis {
-        now + duration_ms(self.lease)
+    pub(super) fn lease_until(&self, now: Timestamp) -> Timestamp {
+        now + self.lease
     }
 }
 
@@ -136,7 +136,7 @@ mod tests {
     use crate::config::{Config, Live};
     use crate::switchboard::Switches;
 
-    const NOW: Millis = 1_700_000_000_000;
+    const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
     fn config(route_extra: &str) -> Config {
         config_at("sqlite::memory:", route_extra)
@@ -173,14 +173,14 @@ mod tests {
         NewRecord {
             id: uuid::Uuid::now_v7(),
             tenant: "default".into(),
-            key: key.into(),
+            key: crate::key::IdempotencyKey::parse(key).unwrap(),
             route: "payments".into(),
             method: "POST".into(),
             path: "/payments".into(),
             query: String::new(),
             fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
             request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
-            deadline_at: NOW + 30_000,
+            deadline_at: NOW + Duration::from_millis(30_000),
             now: NOW,
             claim: None,
             tombstone_cutoff: None,
@@ -194,7 +194,7 @@ mod tests {
             route,
             policy: route.policy_for("default", key, true),
             new: request(key),
-            retention_cutoff: 0,
+            retention_cutoff: Timestamp::EPOCH,
             headers: &http::HeaderMap::new(),
             awaits,
         };
@@ -211,7 +211,7 @@ mod tests {
         assert!(outcome.is_none(), "nobody waits for it: answered at once");
         assert_eq!(record.state, State::InProgress);
         let lease = record.lease.as_ref().expect("claimed in the same commit");
-        assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + 10_000));
+        assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + Duration::from_millis(10_000)));
         assert_eq!(record.in_flight, Some((1, NOW)), "its first attempt marked as sent now");
         // The same key again is not this request's to execute.
         assert!(matches!(admit(&worker, &config, "fresh", true).await, Admitted::Existing(_)));
@@ -238,7 +238,15 @@ mod tests {
             }
             _ => panic!("an isolated route takes no new key"),
         }
-        assert!(inner.store.lookup("default", "held").await.unwrap().is_none(), "nothing recorded");
+        assert!(
+            inner
+                .store
+                .lookup(&"default".into(), &crate::key::IdempotencyKey::parse("held").unwrap())
+                .await
+                .unwrap()
+                .is_none(),
+            "nothing recorded"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use super::{Inner, Outcome};
 use crate::config::{Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
-use crate::record::{duration_ms, Attempt, Millis, Record, StoredResponse};
+use crate::record::{Attempt, Record, StoredResponse, Timestamp};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer};
 
@@ -41,7 +41,7 @@ pub(super) struct Job<'a> {
 pub(super) struct Progress {
     /// When the request arrived as its route's deadline counts: earlier than it did if the client
     /// shortened its deadline, so that the time left always ends at the record's `deadline_at`.
-    pub(super) arrival: Millis,
+    pub(super) arrival: Timestamp,
     /// The number of the last attempt stored with the record (all executions).
     number: u32,
     wait_before: Duration,
@@ -53,7 +53,7 @@ pub(super) struct Progress {
 
 impl Progress {
     pub(super) fn new(record: &Record, deadline: Duration) -> Progress {
-        let arrival = record.deadline_at - duration_ms(deadline);
+        let arrival = record.deadline_at - deadline;
         Progress {
             arrival,
             number: record.attempts.len() as u32,
@@ -100,7 +100,7 @@ impl WaitEnd {
 /// An attempt about to be sent: when it started, the place it holds on its route, and how long
 /// the policy lets it take.
 struct Begun {
-    started: Millis,
+    started: Timestamp,
     in_flight: Option<OwnedSemaphorePermit>,
     limit: Duration,
 }
@@ -109,7 +109,7 @@ struct Begun {
 struct Sent {
     result: Result<Answer, Observed>,
     took: Duration,
-    started: Millis,
+    started: Timestamp,
     span: tracing::Span,
 }
 
@@ -144,14 +144,14 @@ impl Inner {
     async fn owed_wait(&self, job: &Job<'_>, p: &mut Progress) -> Result<(), End> {
         let record = job.record;
         let Some(not_before) = record.not_before else { return Ok(()) };
-        if let Some(rest) = Some(not_before - self.clock.now()).filter(|&ms| ms > 0) {
-            self.wait(record.id, Duration::from_millis(rest as u64), job.signal).await.then()?;
+        if let Some(rest) = Some(not_before - self.clock.now()).filter(|rest| !rest.is_zero()) {
+            self.wait(record.id, rest, job.signal).await.then()?;
         }
         // The next attempt follows the whole wait, wherever it was spent: it is recorded as
         // such, and feeds decorrelated jitter as it would have.
         if let Some(last) = record.attempts.last() {
-            let ended = last.started_at + last.duration_ms as Millis;
-            let wait = Duration::from_millis((not_before - ended).max(0) as u64);
+            let ended = last.started_at + Duration::from_millis(last.duration_ms);
+            let wait = not_before - ended;
             p.wait_before = wait;
             p.run.waited(wait);
         }
@@ -304,7 +304,7 @@ impl Inner {
     ) -> Result<(), End> {
         let record = job.record;
         let now = self.clock.now();
-        let then = store::AfterAttempt::Wait { not_before: now + duration_ms(wait) };
+        let then = store::AfterAttempt::Wait { not_before: now + wait };
         match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
             Ok(Lease::Held { cancel_requested: false }) => {}
             Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
@@ -377,7 +377,7 @@ impl Inner {
 #[allow(clippy::too_many_arguments)]
 fn stored_attempt(
     p: &Progress,
-    started: Millis,
+    started: Timestamp,
     took: Duration,
     class: Class,
     answer: Option<&Answer>,
@@ -403,6 +403,6 @@ fn stored_attempt(
     }
 }
 
-pub(super) fn since(arrival: Millis, now: Millis) -> Duration {
-    Duration::from_millis((now - arrival).max(0) as u64)
+pub(super) fn since(arrival: Timestamp, now: Timestamp) -> Duration {
+    now - arrival
 }

@@ -4,20 +4,26 @@ use std::collections::HashMap;
 
 use uuid::Uuid;
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 
 /// Client credentials waiting for their execution to start. One whose record another node ran
 /// is never taken: it is dropped once its deadline has passed.
 #[derive(Default)]
 pub(super) struct HeldCredentials {
-    by_record: HashMap<Uuid, (Option<http::HeaderValue>, Millis)>,
+    by_record: HashMap<Uuid, (Option<http::HeaderValue>, Timestamp)>,
     /// Expired entries are swept when the map grows past this, which then doubles: amortised,
     /// a hold costs O(1).
     sweep_at: usize,
 }
 
 impl HeldCredentials {
-    pub(super) fn hold(&mut self, id: Uuid, credential: Option<http::HeaderValue>, deadline_at: Millis, now: Millis) {
+    pub(super) fn hold(
+        &mut self,
+        id: Uuid,
+        credential: Option<http::HeaderValue>,
+        deadline_at: Timestamp,
+        now: Timestamp,
+    ) {
         if self.by_record.len() >= self.sweep_at {
             self.by_record.retain(|_, (_, until)| *until > now);
             self.sweep_at = (2 * self.by_record.len()).max(256);

@@ -16,7 +16,7 @@ use super::{lock, Inner, Outcome};
 use crate::config::{Config, Policy, Route};
 use crate::metrics;
 use crate::policy::{Class, Settlement, StopReason};
-use crate::record::{Attempt, Millis, Record};
+use crate::record::{Attempt, Record, Timestamp};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 
@@ -34,13 +34,13 @@ impl Inner {
         record: &Record,
         attempt: Option<Attempt>,
         then: store::AfterAttempt,
-        now: Millis,
+        now: Timestamp,
     ) -> AttemptEnded {
         AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, now }
     }
 
     /// The write that extends this worker's lease on `id` from `now`.
-    pub(super) fn renewal(&self, id: Uuid, now: Millis) -> Renew {
+    pub(super) fn renewal(&self, id: Uuid, now: Timestamp) -> Renew {
         Renew { id: id.into(), owner: self.owner.clone(), lease_until: self.lease_until(now), now }
     }
 

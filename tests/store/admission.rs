@@ -7,27 +7,32 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     let (store, _db) = store_on(backend).await;
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
-    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
+    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: Timestamp::EPOCH }).await.unwrap());
     assert_eq!(record.phase(), Phase::InProgress);
     assert_eq!(record.lease, Some(idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE }));
     assert_eq!(record.in_flight, Some((1, T0)), "attempt 1 is marked as about to be sent");
     assert_same(&record, &fetch(&store, record.id).await);
     // The claim holds like any other: its worker may store the outcome, nobody else may.
     assert!(store
-        .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE + 1, now: T0 + 2 })
+        .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE + ms(1), now: T0 + ms(2) })
         .await
         .unwrap()
         .is_held());
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: "someone-else".into(), lease_until: T0 + LEASE, now: T0 + 2 })
+            .renew(Renew {
+                id: record.id.into(),
+                owner: "someone-else".into(),
+                lease_until: T0 + LEASE,
+                now: T0 + ms(2)
+            })
             .await
             .unwrap(),
         Lease::Lost
     );
     // A duplicate sees it in progress; it is not admitted twice.
     assert!(
-        matches!(store.admit(Admit { new, retention_cutoff: 0 }).await.unwrap(), Admission::Existing(r) if r.id == record.id)
+        matches!(store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap(), Admission::Existing(r) if r.id == record.id)
     );
 
     // A free record taken up again is queued, whatever the claim says: its worker claims it.
@@ -39,12 +44,12 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
             owner: WORKER.into(),
             attempt: None,
             then: AfterAttempt::Free(StopReason::AttemptCap),
-            now: T0 + 5,
+            now: T0 + ms(5),
         })
         .await
         .unwrap();
     let again = NewRecord { id: Uuid::new_v4(), claim: Some(claim), ..freed };
-    match store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap() {
+    match store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap() {
         Admission::Requeued(r) => {
             assert_eq!(r.phase(), Phase::Queued);
             assert_eq!(r.in_flight, None);
@@ -57,7 +62,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
 pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let new = request("default", "order-1", BODY);
-    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: 0 }).await.unwrap());
+    let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: Timestamp::EPOCH }).await.unwrap());
     assert_eq!(record.id, new.id);
     assert_eq!((record.tenant.as_str(), record.key.as_str()), ("default", "order-1"));
     assert_eq!(
@@ -67,19 +72,23 @@ pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(back
     assert_eq!(record.fingerprint, new.fingerprint);
     assert_eq!(record.request, new.request);
     assert_eq!(record.phase(), Phase::Queued);
-    assert_eq!((record.deadline_at, record.created_at, record.updated_at), (T0 + 30_000, T0, T0));
+    assert_eq!((record.deadline_at, record.created_at, record.updated_at), (T0 + ms(30_000), T0, T0));
     assert!(record.lease.is_none() && record.in_flight.is_none() && record.response.is_none());
     assert!(record.attempts.is_empty() && record.history.is_empty() && !record.cancel_requested);
     assert_same(&record, &fetch(&store, new.id).await);
 
-    let again =
-        existing(store.admit(Admit { new: request("default", "order-1", BODY), retention_cutoff: 0 }).await.unwrap());
+    let again = existing(
+        store
+            .admit(Admit { new: request("default", "order-1", BODY), retention_cutoff: Timestamp::EPOCH })
+            .await
+            .unwrap(),
+    );
     assert_eq!(again.id, new.id);
     assert_eq!(again.phase(), Phase::Queued);
 
-    assert_eq!(store.lookup("default", "order-1").await.unwrap().map(|r| r.id), Some(new.id));
+    assert_eq!(store.lookup(&"default".into(), &key("order-1")).await.unwrap().map(|r| r.id), Some(new.id));
     assert_eq!(fetch(&store, new.id).await.key, "order-1");
-    assert!(store.lookup("default", "order-2").await.unwrap().is_none());
+    assert!(store.lookup(&"default".into(), &key("order-2")).await.unwrap().is_none());
     assert!(store.get(Uuid::new_v4()).await.unwrap().is_none());
     store.ping().await.unwrap();
 }
@@ -90,7 +99,10 @@ pub(super) async fn of_64_concurrent_admits_of_one_key_exactly_one_creates_the_r
         .map(|_| {
             let store = store.clone();
             tokio::spawn(async move {
-                store.admit(Admit { new: request("default", "contended", BODY), retention_cutoff: 0 }).await.unwrap()
+                store
+                    .admit(Admit { new: request("default", "contended", BODY), retention_cutoff: Timestamp::EPOCH })
+                    .await
+                    .unwrap()
             })
         })
         .collect();
@@ -127,7 +139,7 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
                 policy_version: VERSION.into(),
             });
             let new = NewRecord { claim, ..request("default", &key, BODY) };
-            tokio::spawn(async move { (key, store.admit(Admit { new, retention_cutoff: T0 + 1 }).await.unwrap()) })
+            tokio::spawn(async move { (key, store.admit(Admit { new, retention_cutoff: T0 + ms(1) }).await.unwrap()) })
         })
         .collect();
     let mut made: HashMap<String, Vec<Record>> = HashMap::new();
@@ -146,13 +158,13 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
     assert_eq!(made.len(), 64, "every key was admitted once: {:?}", made.keys());
     for (key, records) in &made {
         assert_eq!(records.len(), 1, "`{key}` was admitted {} times", records.len());
-        let stored = store.lookup("default", key).await.unwrap().unwrap();
+        let stored = store.lookup(&"default".into(), &super::key(key)).await.unwrap().unwrap();
         assert_eq!(seen[key], HashSet::from([stored.id]), "`{key}`: every admission saw the one record");
         if key != "expired" {
             assert_same(&records[0], &stored);
         }
     }
-    let taken = store.lookup("default", "expired").await.unwrap().unwrap();
+    let taken = store.lookup(&"default".into(), &key("expired")).await.unwrap().unwrap();
     assert_ne!(taken.id, old.id, "the expired record was replaced");
     assert_eq!(taken.state, State::NotStarted, "a record taken over is queued, not claimed");
 }
@@ -162,18 +174,18 @@ pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: B
     let acme = queued(&store, request("acme", "shared-key", BODY)).await;
     let globex = created(
         store
-            .admit(Admit { new: request("globex", "shared-key", b"{\"other\":1}"), retention_cutoff: 0 })
+            .admit(Admit { new: request("globex", "shared-key", b"{\"other\":1}"), retention_cutoff: Timestamp::EPOCH })
             .await
             .unwrap(),
     );
     assert_ne!(acme.id, globex.id);
-    assert_eq!(store.lookup("acme", "shared-key").await.unwrap().unwrap().id, acme.id);
-    assert_eq!(store.lookup("globex", "shared-key").await.unwrap().unwrap().id, globex.id);
-    assert!(store.lookup("initech", "shared-key").await.unwrap().is_none());
+    assert_eq!(store.lookup(&"acme".into(), &key("shared-key")).await.unwrap().unwrap().id, acme.id);
+    assert_eq!(store.lookup(&"globex".into(), &key("shared-key")).await.unwrap().unwrap().id, globex.id);
+    assert!(store.lookup(&"initech".into(), &key("shared-key")).await.unwrap().is_none());
 
     // Settling one tenant's record leaves the other's alone.
     assert!(store
-        .claim(ClaimQueued { id: acme.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .claim(ClaimQueued { id: acme.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap());
     assert_eq!(fetch(&store, globex.id).await.phase(), Phase::Queued);
@@ -186,7 +198,10 @@ pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_
 
     let other = existing(
         store
-            .admit(Admit { new: request("default", "retry-me", b"{\"amount\":43}"), retention_cutoff: 0 })
+            .admit(Admit {
+                new: request("default", "retry-me", b"{\"amount\":43}"),
+                retention_cutoff: Timestamp::EPOCH,
+            })
             .await
             .unwrap(),
     );
@@ -194,54 +209,59 @@ pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_
     assert_eq!(other.phase(), Phase::Free, "another request must not take the key over");
 
     let mut again = request("default", "retry-me", BODY);
-    again.now = T0 + 5_000;
-    again.deadline_at = T0 + 35_000;
-    let requeued = match store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap() {
+    again.now = T0 + ms(5_000);
+    again.deadline_at = T0 + ms(35_000);
+    let requeued = match store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap() {
         Admission::Requeued(record) => record,
         other => panic!("expected Requeued, got {other:?}"),
     };
     assert_eq!(requeued.id, first.id, "a requeued record keeps its id");
     assert_eq!(requeued.phase(), Phase::Queued);
-    assert_eq!((requeued.created_at, requeued.updated_at, requeued.deadline_at), (T0, T0 + 5_000, T0 + 35_000));
+    assert_eq!((requeued.created_at, requeued.updated_at, requeued.deadline_at), (T0, T0 + ms(5_000), T0 + ms(35_000)));
     assert_eq!(requeued.stop_reason, None);
     let last = requeued.history.last().expect("the requeue is in the history");
-    assert_eq!((last.actor.as_str(), last.action.as_str(), last.at), ("client", "requeued", T0 + 5_000));
+    assert_eq!((last.actor.as_str(), last.action.as_str(), last.at), ("client", "requeued", T0 + ms(5_000)));
 
     // Queued again, it is no longer free: a second identical request is a duplicate.
     assert_eq!(
-        existing(store.admit(Admit { new: request("default", "retry-me", BODY), retention_cutoff: 0 }).await.unwrap())
-            .id,
+        existing(
+            store
+                .admit(Admit { new: request("default", "retry-me", BODY), retention_cutoff: Timestamp::EPOCH })
+                .await
+                .unwrap()
+        )
+        .id,
         first.id
     );
 }
 
 pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    let old = done(&store, request("default", "old", BODY), T0 + 1_000).await;
+    let old = done(&store, request("default", "old", BODY), T0 + ms(1_000)).await;
 
     // Finished exactly at the cutoff: still retained, still replayed.
     let kept = existing(
-        store.admit(Admit { new: request("default", "old", BODY), retention_cutoff: T0 + 1_000 }).await.unwrap(),
+        store.admit(Admit { new: request("default", "old", BODY), retention_cutoff: T0 + ms(1_000) }).await.unwrap(),
     );
     assert_eq!((kept.id, kept.phase()), (old.id, Phase::Done));
 
     let mut new = request("default", "old", b"{\"amount\":1}");
-    new.now = T0 + 90_000;
-    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + 1_001 }).await.unwrap());
+    new.now = T0 + ms(90_000);
+    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + ms(1_001) }).await.unwrap());
     assert_eq!(replaced.id, new.id);
     assert_ne!(replaced.id, old.id);
     assert_eq!(replaced.phase(), Phase::Queued);
     assert_eq!(replaced.fingerprint, new.fingerprint);
-    assert_eq!(replaced.created_at, T0 + 90_000);
+    assert_eq!(replaced.created_at, T0 + ms(90_000));
     assert!(replaced.attempts.is_empty() && replaced.history.is_empty());
     assert!(replaced.response.is_none() && replaced.stop_reason.is_none() && replaced.lease.is_none());
     assert!(store.get(old.id).await.unwrap().is_none());
 
     // With a claim, the replacement is still queued (its worker claims it), and says so.
-    let old = done(&store, request("default", "old-claimed", BODY), T0 + 1_000).await;
+    let old = done(&store, request("default", "old-claimed", BODY), T0 + ms(1_000)).await;
     let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
     let new = NewRecord { claim: Some(claim), ..request("default", "old-claimed", BODY) };
-    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + 1_001 }).await.unwrap());
+    let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + ms(1_001) }).await.unwrap());
     assert_eq!((replaced.id, replaced.phase(), replaced.in_flight), (new.id, Phase::Queued, None));
     assert_eq!(fetch(&store, new.id).await.phase(), Phase::Queued, "as stored");
     assert_ne!(replaced.id, old.id);

@@ -6,7 +6,7 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "claim", BODY)).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap());
     assert!(!store
@@ -14,19 +14,24 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
             id: record.id.into(),
             owner: "node-b/worker-1".into(),
             lease_until: T0 + LEASE,
-            now: T0 + 2
+            now: T0 + ms(2)
         })
         .await
         .unwrap());
     assert!(!store
-        .claim(ClaimQueued { id: Uuid::new_v4().into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 2 })
+        .claim(ClaimQueued {
+            id: Uuid::new_v4().into(),
+            owner: WORKER.into(),
+            lease_until: T0 + LEASE,
+            now: T0 + ms(2)
+        })
         .await
         .unwrap());
     let record = fetch(&store, record.id).await;
     assert_eq!(record.phase(), Phase::InProgress);
     let lease = record.lease.expect("a claimed record has a lease");
     assert_eq!((lease.owner.as_str(), lease.expires_at), (WORKER, T0 + LEASE));
-    assert_eq!(record.updated_at, T0 + 1);
+    assert_eq!(record.updated_at, T0 + ms(1));
 }
 
 pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(backend: Backend) {
@@ -39,8 +44,8 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
                 id: record.id.into(),
                 owner: thief.into(),
                 number: 1,
-                started_at: T0 + 10,
-                lease_until: T0 + 99_000,
+                started_at: T0 + ms(10),
+                lease_until: T0 + ms(99_000),
                 policy_version: VERSION.into()
             })
             .await
@@ -49,7 +54,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     );
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: thief.into(), lease_until: T0 + 99_000, now: T0 + 10 })
+            .renew(Renew { id: record.id.into(), owner: thief.into(), lease_until: T0 + ms(99_000), now: T0 + ms(10) })
             .await
             .unwrap(),
         Lease::Lost
@@ -58,9 +63,9 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: thief.into(),
-            attempt: Some(attempt(1, T0 + 10, "success", Some(200))),
+            attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
             then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
-            now: T0 + 20,
+            now: T0 + ms(20),
         })
         .await
         .unwrap();
@@ -71,19 +76,29 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert!(unchanged.in_flight.is_none() && unchanged.attempts.is_empty() && unchanged.response.is_none());
 
     // The holder is told it holds it, and its lease moves.
-    let held = store.attempt_started(started(&record, 1, T0 + 10, T0 + 20_000)).await.unwrap();
+    let held = store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + ms(10),
+            lease_until: T0 + ms(20_000),
+            policy_version: VERSION.into(),
+        })
+        .await
+        .unwrap();
     assert_eq!(held, Lease::Held { cancel_requested: false });
     let record = fetch(&store, record.id).await;
-    assert_eq!(record.in_flight, Some((1, T0 + 10)));
-    assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + 20_000));
+    assert_eq!(record.in_flight, Some((1, T0 + ms(10))));
+    assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + ms(20_000)));
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + 25_000, now: T0 + 11 })
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + ms(25_000), now: T0 + ms(11) })
             .await
             .unwrap(),
         held
     );
-    assert_eq!(fetch(&store, record.id).await.lease.map(|l| l.expires_at), Some(T0 + 25_000));
+    assert_eq!(fetch(&store, record.id).await.lease.map(|l| l.expires_at), Some(T0 + ms(25_000)));
 
     // Once settled, nobody holds it.
     let lease = store
@@ -92,14 +107,14 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             owner: WORKER.into(),
             attempt: None,
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
-            now: T0 + 30,
+            now: T0 + ms(30),
         })
         .await
         .unwrap();
     assert!(lease.is_held());
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + 30_000, now: T0 + 31 })
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + ms(30_000), now: T0 + ms(31) })
             .await
             .unwrap(),
         Lease::Lost
@@ -114,23 +129,34 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     let record = in_progress(&store, new.clone()).await;
     assert_eq!(record.request, new.request, "the request is kept byte for byte");
 
-    let first = attempt(1, T0 + 10, "not_executed", Some(503));
-    assert!(store.attempt_started(started(&record, 1, T0 + 10, T0 + LEASE)).await.unwrap().is_held());
-    let wait = AfterAttempt::Wait { not_before: T0 + 250 };
+    let first = attempt(1, T0 + ms(10), "not_executed", Some(503));
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + ms(10),
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
+    let wait = AfterAttempt::Wait { not_before: T0 + ms(250) };
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
             attempt: Some(first.clone()),
             then: wait,
-            now: T0 + 30,
+            now: T0 + ms(30),
         })
         .await
         .unwrap();
     assert!(lease.is_held());
     let waiting = fetch(&store, record.id).await;
     assert_eq!(waiting.phase(), Phase::InProgress, "a wait keeps the record");
-    assert_eq!(waiting.not_before, Some(T0 + 250), "and when the next attempt may start");
+    assert_eq!(waiting.not_before, Some(T0 + ms(250)), "and when the next attempt may start");
     assert_eq!(waiting.lease.as_ref().map(|l| l.owner.as_str()), Some(WORKER), "and the lease");
     assert_eq!(waiting.in_flight, None, "the attempt's outcome is recorded");
     assert_eq!(waiting.attempts, vec![first.clone()]);
@@ -138,16 +164,27 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     let mut body: Vec<u8> = (0..=255u8).collect();
     body.extend_from_slice(&[0xc3, 0x28, 0x00, 0xff, 0xfe]);
     let answer = response(201, &body);
-    let second = attempt(2, T0 + 300, "success", Some(201));
-    assert!(store.attempt_started(started(&record, 2, T0 + 300, T0 + LEASE)).await.unwrap().is_held());
-    assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + 300)));
+    let second = attempt(2, T0 + ms(300), "success", Some(201));
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: T0 + ms(300),
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
+    assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + ms(300))));
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
             attempt: Some(second.clone()),
             then: AfterAttempt::Done(StopReason::Success, answer.clone()),
-            now: T0 + 320,
+            now: T0 + ms(320),
         })
         .await
         .unwrap();
@@ -158,14 +195,14 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(done.response, Some(answer), "status, headers and body exactly as received");
     assert_eq!(done.attempts, vec![first, second]);
     assert_eq!(done.stop_reason, Some(StopReason::Success));
-    assert_eq!((done.lease, done.in_flight, done.updated_at), (None, None, T0 + 320));
-    assert_eq!(store.lookup("default", "bytes").await.unwrap().unwrap().response, done.response);
+    assert_eq!((done.lease, done.in_flight, done.updated_at), (None, None, T0 + ms(320)));
+    assert_eq!(store.lookup(&"default".into(), &key("bytes")).await.unwrap().unwrap().response, done.response);
 }
 
 pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "cancel-queued", BODY)).await;
-    let note = entry("client", "cancel", T0 + 50);
+    let note = entry("client", "cancel", T0 + ms(50));
     let freed = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Dequeued(record) => record,
         other => panic!("expected Dequeued, got {other:?}"),
@@ -175,7 +212,12 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     assert_eq!(freed.history, vec![note.clone()]);
     assert!(
         !store
-            .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 60 })
+            .claim(ClaimQueued {
+                id: record.id.into(),
+                owner: WORKER.into(),
+                lease_until: T0 + LEASE,
+                now: T0 + ms(60)
+            })
             .await
             .unwrap(),
         "nothing is left to run"
@@ -185,7 +227,7 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     assert!(
         matches!(store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap(), Cancelled::Refused(r) if r.id == record.id)
     );
-    let finished = done(&store, request("default", "cancel-done", BODY), T0 + 100).await;
+    let finished = done(&store, request("default", "cancel-done", BODY), T0 + ms(100)).await;
     match store.cancel(Cancel { id: finished.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Refused(r) => assert_eq!((r.phase(), r.history.len()), (Phase::Done, 0)),
         other => panic!("expected Refused, got {other:?}"),
@@ -201,12 +243,12 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 5 })
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(5) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: false }
     );
-    let note = entry("operator", "cancel", T0 + 50);
+    let note = entry("operator", "cancel", T0 + ms(50));
     let flagged = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
         Cancelled::Flagged(record) => record,
         other => panic!("expected Flagged, got {other:?}"),
@@ -216,12 +258,23 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     assert_eq!(flagged.history, vec![note]);
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 60 })
+            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(60) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: true }
     );
-    assert!(store.attempt_started(started(&record, 2, T0 + 70, T0 + LEASE)).await.unwrap().cancel_requested());
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 2,
+            started_at: T0 + ms(70),
+            lease_until: T0 + LEASE,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .cancel_requested());
 }
 
 // ---- operators ----------------------------------------------------------------------------------
@@ -229,7 +282,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
 pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let waiting = queued(&store, request("default", "queued", BODY)).await;
-    let note = entry("alice", "resolve", T0 + 1_000);
+    let note = entry("alice", "resolve", T0 + ms(1_000));
     let untouched = refused(
         store
             .resolve(Resolve { id: waiting.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
@@ -238,9 +291,9 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     );
     assert_eq!((untouched.phase(), untouched.history.len()), (Phase::Queued, 0));
     let untouched = refused(
-        store.retry(Retry { id: waiting.id.into(), deadline_at: T0 + 99_000, entry: note.clone() }).await.unwrap(),
+        store.retry(Retry { id: waiting.id.into(), deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap(),
     );
-    assert_eq!((untouched.phase(), untouched.deadline_at), (Phase::Queued, T0 + 30_000));
+    assert_eq!((untouched.phase(), untouched.deadline_at), (Phase::Queued, T0 + ms(30_000)));
     assert!(matches!(
         store
             .resolve(Resolve { id: Uuid::new_v4().into(), resolution: Resolution::NotExecuted, entry: note.clone() })
@@ -269,7 +322,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     assert_eq!(resolved.phase(), Phase::Done);
     assert_eq!(resolved.response, Some(answer));
     assert_eq!(resolved.history, vec![note.clone()]);
-    assert_eq!((resolved.updated_at, resolved.probe_count), (T0 + 1_000, 0));
+    assert_eq!((resolved.updated_at, resolved.probe_count), (T0 + ms(1_000), 0));
     assert_eq!(resolved.attempts.len(), 1, "the attempts are kept");
     refused(
         store
@@ -278,7 +331,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
             .unwrap(),
     );
     refused(
-        store.retry(Retry { id: executed.id.into(), deadline_at: T0 + 99_000, entry: note.clone() }).await.unwrap(),
+        store.retry(Retry { id: executed.id.into(), deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap(),
     );
 
     // Not executed: the key is free.
@@ -294,19 +347,22 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
 
     // Retried: queued again with a fresh deadline, for a worker to claim.
     let retried = unknown(&store, request("default", "retried", BODY)).await;
-    let again = entry("bob", "retry", T0 + 2_000);
+    let again = entry("bob", "retry", T0 + ms(2_000));
     let requeued = applied(
-        store.retry(Retry { id: retried.id.into(), deadline_at: T0 + 99_000, entry: again.clone() }).await.unwrap(),
+        store.retry(Retry { id: retried.id.into(), deadline_at: T0 + ms(99_000), entry: again.clone() }).await.unwrap(),
     );
     assert_eq!(requeued.phase(), Phase::Queued);
-    assert_eq!((requeued.deadline_at, requeued.stop_reason, requeued.updated_at), (T0 + 99_000, None, T0 + 2_000));
+    assert_eq!(
+        (requeued.deadline_at, requeued.stop_reason, requeued.updated_at),
+        (T0 + ms(99_000), None, T0 + ms(2_000))
+    );
     assert_eq!(requeued.history, vec![again]);
     assert!(store
         .claim(ClaimQueued {
             id: retried.id.into(),
             owner: WORKER.into(),
-            lease_until: T0 + 2_000 + LEASE,
-            now: T0 + 2_001
+            lease_until: T0 + ms(2_000) + LEASE,
+            now: T0 + ms(2_001)
         })
         .await
         .unwrap());
@@ -321,7 +377,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
         store
             .admit(Admit {
                 new: NewRecord { claim: Some(claim), ..request("default", "versions", BODY) },
-                retention_cutoff: 0,
+                retention_cutoff: Timestamp::EPOCH,
             })
             .await
             .unwrap(),
@@ -329,14 +385,14 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     assert_eq!(record.policy_version.as_deref(), Some(old));
     assert_eq!(fetch(&store, record.id).await.policy_version.as_deref(), Some(old));
     let first = Attempt { policy_version: Some(old.into()), ..attempt(1, T0, "not_executed", Some(503)) };
-    let then = AfterAttempt::Wait { not_before: T0 + 100 };
+    let then = AfterAttempt::Wait { not_before: T0 + ms(100) };
     assert!(store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
             attempt: Some(first),
             then,
-            now: T0 + 50
+            now: T0 + ms(50)
         })
         .await
         .unwrap()
@@ -348,8 +404,8 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
             id: record.id.into(),
             owner: WORKER.into(),
             number: 2,
-            started_at: T0 + 100,
-            lease_until: T0 + 200,
+            started_at: T0 + ms(100),
+            lease_until: T0 + ms(200),
             policy_version: new.into()
         })
         .await
@@ -360,14 +416,14 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     assert_eq!(marked.attempts[0].policy_version.as_deref(), Some(old));
 
     // The take-over records the lost attempt under the policy of its mark.
-    let lost = Attempt { policy_version: marked.policy_version.clone(), ..attempt(2, T0 + 100, "lost", None) };
+    let lost = Attempt { policy_version: marked.policy_version.clone(), ..attempt(2, T0 + ms(100), "lost", None) };
     let to = TakeOverTo::Unknown(StopReason::UnsafeReplay);
     let taken = store.take_over(TakeOver {
         id: record.id.into(),
-        expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + 200 },
+        expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + ms(200) },
         to,
         lost: Some(lost),
-        entry: entry("node-b", "take_over", T0 + 201),
+        entry: entry("node-b", "take_over", T0 + ms(201)),
     });
     assert!(taken.await.unwrap());
     let settled = fetch(&store, record.id).await;
@@ -384,7 +440,7 @@ async fn sent(
     store: &Arc<dyn Store>,
     id: Uuid,
     number: u32,
-    at: Millis,
+    at: Timestamp,
     version: &str,
     status: u16,
     then: AfterAttempt,
@@ -404,7 +460,7 @@ async fn sent(
     let outcome = if status < 300 { "success" } else { "not_executed" };
     let a = Attempt { policy_version: Some(version.into()), ..attempt(number, at, outcome, Some(status)) };
     assert!(store
-        .attempt_ended(AttemptEnded { id: id.into(), owner: WORKER.into(), attempt: Some(a), then, now: at + 20 })
+        .attempt_ended(AttemptEnded { id: id.into(), owner: WORKER.into(), attempt: Some(a), then, now: at + ms(20) })
         .await
         .unwrap()
         .is_held());
@@ -414,25 +470,28 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     let (store, _db) = store_on(backend).await;
     let (control, canary) = ("cccccccccccc", "dddddddddddd");
     let done = || AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
-    let retry = |at: Millis| AfterAttempt::Wait { not_before: at };
+    let retry = |at: Timestamp| AfterAttempt::Wait { not_before: at };
 
     // The canary: a 503 then a success, two attempts for one request.
     let salvaged = in_progress(&store, request("default", "salvaged", BODY)).await;
-    sent(&store, salvaged.id, 1, T0 + 10, canary, 503, retry(T0 + 100)).await;
-    sent(&store, salvaged.id, 2, T0 + 100, canary, 201, done()).await;
+    sent(&store, salvaged.id, 1, T0 + ms(10), canary, 503, retry(T0 + ms(100))).await;
+    sent(&store, salvaged.id, 2, T0 + ms(100), canary, 201, done()).await;
 
     // The control: a key freed after one 503, sent again by its client and then served: one
     // record, two executions.
     let freed = request("default", "freed", BODY);
     let first = in_progress(&store, freed.clone()).await;
-    sent(&store, first.id, 1, T0 + 10, control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
-    let again = NewRecord { id: Uuid::new_v4(), now: T0 + 500, ..freed };
-    assert!(matches!(store.admit(Admit { new: again, retention_cutoff: 0 }).await.unwrap(), Admission::Requeued(_)));
+    sent(&store, first.id, 1, T0 + ms(10), control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+    let again = NewRecord { id: Uuid::new_v4(), now: T0 + ms(500), ..freed };
+    assert!(matches!(
+        store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap(),
+        Admission::Requeued(_)
+    ));
     assert!(store
-        .claim(ClaimQueued { id: first.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 501 })
+        .claim(ClaimQueued { id: first.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(501) })
         .await
         .unwrap());
-    sent(&store, first.id, 2, T0 + 510, control, 201, done()).await;
+    sent(&store, first.id, 2, T0 + ms(510), control, 201, done()).await;
 
     // Not counted: still running, another route, or arrived before the window.
     let running = in_progress(&store, request("default", "running", BODY)).await;
@@ -441,7 +500,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
             id: running.id.into(),
             owner: WORKER.into(),
             number: 1,
-            started_at: T0 + 10,
+            started_at: T0 + ms(10),
             lease_until: T0 + LEASE,
             policy_version: control.into()
         })
@@ -449,11 +508,11 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
         .unwrap()
         .is_held());
     let elsewhere = in_progress(&store, request_on("emails", "default", "elsewhere", BODY, T0)).await;
-    sent(&store, elsewhere.id, 1, T0 + 10, control, 201, done()).await;
-    let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - 10_000)).await;
-    sent(&store, early.id, 1, T0 + 10, canary, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+    sent(&store, elsewhere.id, 1, T0 + ms(10), control, 201, done()).await;
+    let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - ms(10_000))).await;
+    sent(&store, early.id, 1, T0 + ms(10), canary, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
 
-    let mut sides = store.sides("payments", T0 - 1_000).await.unwrap();
+    let mut sides = store.sides("payments", T0 - ms(1_000)).await.unwrap();
     sides.sort_by(|a, b| a.policy_version.cmp(&b.policy_version));
     let figures: Vec<(&str, u64, u64, u64)> = sides
         .iter()

@@ -33,16 +33,16 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     // A request waiting elsewhere asks to hear when it settles: that one is announced.
     other.watch(record.id).await.unwrap();
     assert!(store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + 1 })
+        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap());
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
             owner: WORKER.into(),
-            attempt: Some(attempt(1, T0 + 10, "success", Some(201))),
+            attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
-            now: T0 + 20,
+            now: T0 + ms(20),
         })
         .await
         .unwrap();
@@ -59,7 +59,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             owner: WORKER.into(),
             attempt: None,
             then: done,
-            now: T0 + 20,
+            now: T0 + ms(20),
         })
         .await
         .unwrap();
@@ -86,9 +86,9 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
         .attempt_ended(AttemptEnded {
             id: retried.id.into(),
             owner: WORKER.into(),
-            attempt: Some(attempt(1, T0 + 10, "ambiguous", None)),
+            attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: unsure,
-            now: T0 + 100,
+            now: T0 + ms(100),
         })
         .await
         .unwrap();
@@ -97,8 +97,8 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
         store
             .retry(Retry {
                 id: retried.id.into(),
-                deadline_at: T0 + 60_000,
-                entry: entry("operator", "retry", T0 + 200),
+                deadline_at: T0 + ms(60_000),
+                entry: entry("operator", "retry", T0 + ms(200)),
             })
             .await
             .unwrap(),

@@ -6,14 +6,25 @@ use super::*;
 pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "orphan", BODY)).await;
-    let until = T0 + 20_000;
-    assert!(store.attempt_started(started(&record, 1, T0 + 10, until)).await.unwrap().is_held());
+    let until = T0 + ms(20_000);
+    assert!(store
+        .attempt_started(AttemptStarted {
+            id: record.id.into(),
+            owner: WORKER.into(),
+            number: 1,
+            started_at: T0 + ms(10),
+            lease_until: until,
+            policy_version: VERSION.into()
+        })
+        .await
+        .unwrap()
+        .is_held());
     assert!(store.expired_leases(until, 10).await.unwrap().is_empty(), "not expired while `until` is now");
-    let expired = store.expired_leases(until + 1, 10).await.unwrap();
+    let expired = store.expired_leases(until + ms(1), 10).await.unwrap();
     assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
 
-    let lost = attempt(1, T0 + 10, "lost", None);
-    let note = entry("node-b", "take_over", until + 1);
+    let lost = attempt(1, T0 + ms(10), "lost", None);
+    let note = entry("node-b", "take_over", until + ms(1));
     let stale = store.take_over(TakeOver {
         id: record.id.into(),
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
@@ -60,7 +71,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     assert_eq!((taken.lease, taken.in_flight), (None, None));
     assert_eq!(taken.attempts, vec![lost]);
     assert_eq!(taken.history, vec![note.clone()]);
-    assert!(store.expired_leases(until + 1, 10).await.unwrap().is_empty());
+    assert!(store.expired_leases(until + ms(1), 10).await.unwrap().is_empty());
 
     // A record with nothing in flight is queued again for any worker.
     let idle = in_progress(&store, request("default", "idle", BODY)).await;
@@ -77,7 +88,12 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let requeued = fetch(&store, idle.id).await;
     assert_eq!((requeued.phase(), requeued.attempts.len(), requeued.stop_reason), (Phase::Queued, 0, None));
     assert!(store
-        .claim(ClaimQueued { id: idle.id.into(), owner: "node-b".into(), lease_until: until + LEASE, now: until + 2 })
+        .claim(ClaimQueued {
+            id: idle.id.into(),
+            owner: "node-b".into(),
+            lease_until: until + LEASE,
+            now: until + ms(2)
+        })
         .await
         .unwrap());
 
@@ -107,8 +123,8 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     let record = queued(&store, request("default", "poison", BODY)).await;
     let mut notes = Vec::new();
     for round in 0..=MAX_TAKEOVERS {
-        let (now, worker) = (T0 + 1_000 * (round as Millis + 1), format!("node-{round}"));
-        let until = now + 500;
+        let (now, worker) = (T0 + ms(1_000 * (round as u64 + 1)), format!("node-{round}"));
+        let until = now + ms(500);
         assert!(
             store
                 .claim(ClaimQueued { id: record.id.into(), owner: worker.as_str().into(), lease_until: until, now })
@@ -121,7 +137,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
                 id: record.id.into(),
                 owner: worker.as_str().into(),
                 number: round + 1,
-                started_at: now + 1,
+                started_at: now + ms(1),
                 lease_until: until,
                 policy_version: VERSION.into()
             })
@@ -129,12 +145,12 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
             .unwrap()
             .is_held());
         // The worker dies with its attempt in flight; its lease runs out.
-        let expired = store.expired_leases(until + 1, 10).await.unwrap();
+        let expired = store.expired_leases(until + ms(1), 10).await.unwrap();
         let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");
         assert_eq!(seen.takeovers, round);
-        let to = idem::reconcile::after_lease_expiry(seen, Some(&route), until + 1, MAX_TAKEOVERS);
-        let note = entry(&format!("node-{}", round + 1), "take-over", until + 1);
-        let lost = attempt(round + 1, now + 1, "lost", None);
+        let to = idem::reconcile::after_lease_expiry(seen, Some(&route), until + ms(1), MAX_TAKEOVERS);
+        let note = entry(&format!("node-{}", round + 1), "take-over", until + ms(1));
+        let lost = attempt(round + 1, now + ms(1), "lost", None);
         assert!(store
             .take_over(TakeOver {
                 id: record.id.into(),
@@ -158,14 +174,14 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     assert_eq!((stopped.lease, stopped.in_flight), (None, None));
     assert_eq!(stopped.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["lost"; 3]);
     assert_eq!(stopped.history, notes);
-    assert!(store.expired_leases(T0 + 60_000, 10).await.unwrap().is_empty(), "nothing left to take over");
+    assert!(store.expired_leases(T0 + ms(60_000), 10).await.unwrap().is_empty(), "nothing left to take over");
     assert!(
         !store
             .claim(ClaimQueued {
                 id: record.id.into(),
                 owner: WORKER.into(),
-                lease_until: T0 + 60_000,
-                now: T0 + 10_000
+                lease_until: T0 + ms(60_000),
+                now: T0 + ms(10_000)
             })
             .await
             .unwrap(),
@@ -180,7 +196,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     backend: Backend,
 ) {
     let (store, _db) = store_on(backend).await;
-    let note = entry("node-b", "take-over", T0 + LEASE + 1);
+    let note = entry("node-b", "take-over", T0 + LEASE + ms(1));
     let take_over = |id: Uuid, to| {
         store.take_over(TakeOver {
             id: id.into(),
@@ -196,7 +212,11 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     assert!(take_over(freed.id, TakeOverTo::Free(StopReason::TakeoverCap)).await.unwrap());
     let freed = fetch(&store, freed.id).await;
     assert_eq!((freed.phase(), freed.stop_reason, freed.takeovers), (Phase::Free, Some(StopReason::TakeoverCap), 1));
-    match store.admit(Admit { new: NewRecord { id: Uuid::new_v4(), ..new }, retention_cutoff: 0 }).await.unwrap() {
+    match store
+        .admit(Admit { new: NewRecord { id: Uuid::new_v4(), ..new }, retention_cutoff: Timestamp::EPOCH })
+        .await
+        .unwrap()
+    {
         Admission::Requeued(r) => assert_eq!((r.phase(), r.takeovers, r.stop_reason), (Phase::Queued, 1, None)),
         other => panic!("expected Requeued, got {other:?}"),
     }
@@ -207,8 +227,8 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
         store
             .retry(Retry {
                 id: stuck.id.into(),
-                deadline_at: T0 + 90_000,
-                entry: entry("ops", "retry", T0 + LEASE + 2),
+                deadline_at: T0 + ms(90_000),
+                entry: entry("ops", "retry", T0 + LEASE + ms(2)),
             })
             .await
             .unwrap(),
@@ -223,7 +243,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
             id: finished.id.into(),
             owner: WORKER.into(),
             lease_until: T0 + 2 * LEASE,
-            now: T0 + LEASE + 2
+            now: T0 + LEASE + ms(2)
         })
         .await
         .unwrap());
@@ -234,14 +254,14 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
             owner: WORKER.into(),
             attempt: None,
             then: done,
-            now: T0 + LEASE + 3
+            now: T0 + LEASE + ms(3)
         })
         .await
         .unwrap()
         .is_held());
     assert_eq!(fetch(&store, finished.id).await.takeovers, 1);
-    let again = NewRecord { id: Uuid::new_v4(), now: T0 + 100_000, ..new };
-    let replaced = created(store.admit(Admit { new: again, retention_cutoff: T0 + 50_000 }).await.unwrap());
+    let again = NewRecord { id: Uuid::new_v4(), now: T0 + ms(100_000), ..new };
+    let replaced = created(store.admit(Admit { new: again, retention_cutoff: T0 + ms(50_000) }).await.unwrap());
     assert_eq!(fetch(&store, replaced.id).await.takeovers, 0, "past retention, a new operation");
 }
 
@@ -249,11 +269,11 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(back
     let (store, _db) = store_on(backend).await;
     let mut ids = HashSet::new();
     for i in 0..24 {
-        let new = request_on("payments", "default", &format!("orphan-{i}"), BODY, T0 + i);
+        let new = request_on("payments", "default", &format!("orphan-{i}"), BODY, T0 + ms(i));
         ids.insert(queued(&store, new).await.id);
     }
     // Queued after `idle_since`: its node may still claim it, so nobody else does.
-    let fresh = queued(&store, request_on("payments", "default", "fresh", BODY, T0 + 5_000)).await;
+    let fresh = queued(&store, request_on("payments", "default", "fresh", BODY, T0 + ms(5_000))).await;
 
     let callers: Vec<_> = ["node-a", "node-b"]
         .into_iter()
@@ -265,9 +285,9 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(back
                     let batch = store
                         .claim_unclaimed(ClaimUnclaimed {
                             owner: owner.into(),
-                            lease_until: T0 + 60_000,
-                            idle_since: T0 + 1_000,
-                            now: T0 + 6_000,
+                            lease_until: T0 + ms(60_000),
+                            idle_since: T0 + ms(1_000),
+                            now: T0 + ms(6_000),
                             limit: 3,
                         })
                         .await
@@ -296,9 +316,9 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(back
     assert!(store
         .claim_unclaimed(ClaimUnclaimed {
             owner: "node-c".into(),
-            lease_until: T0 + 60_000,
-            idle_since: T0 + 1_000,
-            now: T0 + 7_000,
+            lease_until: T0 + ms(60_000),
+            idle_since: T0 + ms(1_000),
+            now: T0 + ms(7_000),
             limit: 10
         })
         .await
@@ -310,8 +330,8 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let (store, _db) = store_on(backend).await;
     let record = unknown(&store, request("default", "probe-me", BODY)).await;
     let became_unknown = record.updated_at;
-    let settle = 5_000;
-    let due = |now: Millis| {
+    let settle = ms(5_000);
+    let due = |now: Timestamp| {
         let store = store.clone();
         async move {
             store
@@ -323,7 +343,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
                 .collect::<Vec<_>>()
         }
     };
-    assert!(due(became_unknown + settle - 1).await.is_empty(), "not before settle");
+    assert!(due(became_unknown + settle - ms(1)).await.is_empty(), "not before settle");
     assert_eq!(due(became_unknown + settle).await, vec![record.id]);
     assert!(store
         .probes_due(ProbesDue { route: "refunds".into(), settle, now: became_unknown + settle, limit: 10 })
@@ -331,7 +351,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
         .unwrap()
         .is_empty());
 
-    let next = became_unknown + 20_000;
+    let next = became_unknown + ms(20_000);
     let asked = entry("probe", "still_unknown", became_unknown + settle);
     let probed = applied(
         store
@@ -341,7 +361,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     );
     assert_eq!((probed.phase(), probed.probe_count, probed.next_probe_at), (Phase::Unknown, 1, Some(next)));
     assert_eq!(probed.history, vec![asked.clone()]);
-    assert!(due(next - 1).await.is_empty(), "the next probe waits for its time");
+    assert!(due(next - ms(1)).await.is_empty(), "the next probe waits for its time");
     assert_eq!(due(next).await, vec![record.id]);
 
     let answered = entry("probe", "executed", next);
@@ -350,7 +370,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
             .probed(Probed {
                 id: record.id.into(),
                 resolution: Some(Resolution::Executed(response(200, b"{}"))),
-                next_probe_at: next + 1,
+                next_probe_at: next + ms(1),
                 entry: answered.clone(),
             })
             .await
@@ -358,10 +378,15 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     );
     assert_eq!((settled.phase(), settled.probe_count, settled.next_probe_at), (Phase::Done, 2, None));
     assert_eq!(settled.history, vec![asked, answered.clone()]);
-    assert!(due(next + 60_000).await.is_empty());
+    assert!(due(next + ms(60_000)).await.is_empty());
     refused(
         store
-            .probed(Probed { id: record.id.into(), resolution: None, next_probe_at: next + 1, entry: answered.clone() })
+            .probed(Probed {
+                id: record.id.into(),
+                resolution: None,
+                next_probe_at: next + ms(1),
+                entry: answered.clone(),
+            })
             .await
             .unwrap(),
     );
@@ -381,14 +406,14 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
         let tenant = if i % 2 == 0 { "acme" } else { "globex" };
         let route = if i % 3 == 0 { "refunds" } else { "payments" };
         // Three records share each creation time: the id breaks the tie.
-        let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + i / 3)).await;
+        let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + ms(i as u64 / 3))).await;
         if i % 4 == 0 {
             assert!(store
                 .claim(ClaimQueued {
                     id: record.id.into(),
                     owner: WORKER.into(),
                     lease_until: T0 + LEASE,
-                    now: T0 + 100
+                    now: T0 + ms(100)
                 })
                 .await
                 .unwrap());
@@ -448,7 +473,7 @@ pub(super) async fn records_are_counted_by_phase(backend: Backend) {
     for i in 0..2 {
         in_progress(&store, request("default", &format!("running-{i}"), BODY)).await;
     }
-    done(&store, request("default", "done", BODY), T0 + 100).await;
+    done(&store, request("default", "done", BODY), T0 + ms(100)).await;
     unknown(&store, request("default", "unknown", BODY)).await;
     free(&store, request("default", "free", BODY)).await;
 
@@ -462,21 +487,21 @@ pub(super) async fn records_are_counted_by_phase(backend: Backend) {
 }
 
 /// Deletes `payments` records (no tombstones) and those of unconfigured routes done before `cutoff`.
-fn deleting(cutoff: Millis) -> SweepPlan {
+fn deleting(cutoff: Timestamp) -> SweepPlan {
     let payments = RouteSweep { route: "payments".into(), cutoff, tombstone_after: None };
     SweepPlan { now: cutoff, routes: vec![payments], others_cutoff: cutoff }
 }
 
 pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutoff(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    let old_a = done(&store, request("default", "old-a", BODY), T0 + 1_000).await;
-    let old_b = done(&store, request("default", "old-b", BODY), T0 + 1_100).await;
-    let recent = done(&store, request("default", "recent", BODY), T0 + 3_000).await;
+    let old_a = done(&store, request("default", "old-a", BODY), T0 + ms(1_000)).await;
+    let old_b = done(&store, request("default", "old-b", BODY), T0 + ms(1_100)).await;
+    let recent = done(&store, request("default", "recent", BODY), T0 + ms(3_000)).await;
     let unsettled = unknown(&store, request("default", "unknown", BODY)).await;
     let waiting = queued(&store, request("default", "queued", BODY)).await;
     let released = free(&store, request("default", "free", BODY)).await;
 
-    let cutoff = T0 + 2_000;
+    let cutoff = T0 + ms(2_000);
     assert_eq!(
         store.sweep_done(Sweep { plan: deleting(cutoff), limit: 1 }).await.unwrap(),
         1,
@@ -491,26 +516,26 @@ pub(super) async fn sweeping_deletes_only_done_records_finished_before_the_cutof
         fetch(&store, kept).await;
     }
     assert_eq!(
-        store.sweep_done(Sweep { plan: deleting(T0 + 3_000), limit: 100 }).await.unwrap(),
+        store.sweep_done(Sweep { plan: deleting(T0 + ms(3_000)), limit: 100 }).await.unwrap(),
         0,
         "finished at the cutoff is kept"
     );
-    assert_eq!(store.sweep_done(Sweep { plan: deleting(T0 + 3_001), limit: 100 }).await.unwrap(), 1);
+    assert_eq!(store.sweep_done(Sweep { plan: deleting(T0 + ms(3_001)), limit: 100 }).await.unwrap(), 1);
     assert!(store.get(recent.id).await.unwrap().is_none());
 }
 
 pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    let old = done(&store, request("default", "spent", BODY), T0 + 1_000).await;
-    let other_route = done(&store, request_on("gone", "default", "elsewhere", BODY, T0), T0 + 1_000).await;
+    let old = done(&store, request("default", "spent", BODY), T0 + ms(1_000)).await;
+    let other_route = done(&store, request_on("gone", "default", "elsewhere", BODY, T0), T0 + ms(1_000)).await;
     // Retention ends at T0 + 2 s; the tombstone lasts 10 s more.
-    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
-    let plan = SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: T0 + 2_000 };
+    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + ms(2_000), tombstone_after: Some(ms(11_000)) };
+    let plan = SweepPlan { now: T0 + ms(2_000), routes: vec![payments], others_cutoff: T0 + ms(2_000) };
     assert_eq!(store.sweep_done(Sweep { plan: plan.clone(), limit: 100 }).await.unwrap(), 2);
     assert!(store.get(other_route.id).await.unwrap().is_none(), "a route no longer configured keeps no tombstone");
 
     let tombstone = fetch(&store, old.id).await;
-    assert_eq!(tombstone.tombstone_until, Some(T0 + 12_000));
+    assert_eq!(tombstone.tombstone_until, Some(T0 + ms(12_000)));
     assert_eq!(tombstone.state, State::Done);
     assert_eq!(tombstone.fingerprint, old.fingerprint);
     assert_eq!(tombstone.response.as_ref().map(|r| r.status), Some(201), "the final status is kept");
@@ -520,20 +545,20 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
     assert_eq!(store.sweep_done(Sweep { plan, limit: 100 }).await.unwrap(), 0);
 
     // The same request within the tombstone: refused with the tombstone, never admitted.
-    let within = T0 + 5_000;
+    let within = T0 + ms(5_000);
     let again = NewRecord {
         id: Uuid::new_v4(),
         now: within,
-        tombstone_cutoff: Some(within - 11_000),
+        tombstone_cutoff: Some(within - ms(11_000)),
         ..request("default", "spent", BODY)
     };
-    match store.admit(Admit { new: again.clone(), retention_cutoff: within - 2_000 }).await.unwrap() {
+    match store.admit(Admit { new: again.clone(), retention_cutoff: within - ms(2_000) }).await.unwrap() {
         Admission::Existing(record) => assert_eq!(record.id, old.id),
         other => panic!("a spent key was admitted again: {other:?}"),
     }
     // A route that keeps no tombstones (any more) lets it execute again.
     let untombed = NewRecord { tombstone_cutoff: None, ..again.clone() };
-    match store.admit(Admit { new: untombed, retention_cutoff: within - 2_000 }).await.unwrap() {
+    match store.admit(Admit { new: untombed, retention_cutoff: within - ms(2_000) }).await.unwrap() {
         Admission::Requeued(record) | Admission::Created(record) => assert_eq!(record.tombstone_until, None),
         other => panic!("{other:?}"),
     }
@@ -541,35 +566,38 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
 
 pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    done(&store, request("default", "reused", BODY), T0 + 1_000).await;
-    done(&store, request("default", "late", BODY), T0 + 1_000).await;
-    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + 2_000, tombstone_after: Some(11_000) };
+    done(&store, request("default", "reused", BODY), T0 + ms(1_000)).await;
+    done(&store, request("default", "late", BODY), T0 + ms(1_000)).await;
+    let payments = RouteSweep { route: "payments".into(), cutoff: T0 + ms(2_000), tombstone_after: Some(ms(11_000)) };
     store
-        .sweep_done(Sweep { plan: SweepPlan { now: T0 + 2_000, routes: vec![payments], others_cutoff: 0 }, limit: 100 })
+        .sweep_done(Sweep {
+            plan: SweepPlan { now: T0 + ms(2_000), routes: vec![payments], others_cutoff: Timestamp::EPOCH },
+            limit: 100,
+        })
         .await
         .unwrap();
 
-    let within = T0 + 5_000;
+    let within = T0 + ms(5_000);
     let other_body = NewRecord {
         id: Uuid::new_v4(),
         now: within,
-        tombstone_cutoff: Some(within - 11_000),
+        tombstone_cutoff: Some(within - ms(11_000)),
         ..request("default", "reused", b"{\"amount\":7}")
     };
     assert!(matches!(
-        store.admit(Admit { new: other_body, retention_cutoff: within - 2_000 }).await.unwrap(),
+        store.admit(Admit { new: other_body, retention_cutoff: within - ms(2_000) }).await.unwrap(),
         Admission::Requeued(_) | Admission::Created(_)
     ));
     // Past the tombstone: the same request executes afresh, before the sweep deletes it and after.
-    let after = T0 + 13_000;
+    let after = T0 + ms(13_000);
     let late = NewRecord {
         id: Uuid::new_v4(),
         now: after,
-        tombstone_cutoff: Some(after - 11_000),
+        tombstone_cutoff: Some(after - ms(11_000)),
         ..request("default", "late", BODY)
     };
     assert!(matches!(
-        store.admit(Admit { new: late, retention_cutoff: after - 2_000 }).await.unwrap(),
+        store.admit(Admit { new: late, retention_cutoff: after - ms(2_000) }).await.unwrap(),
         Admission::Requeued(_) | Admission::Created(_)
     ));
 }

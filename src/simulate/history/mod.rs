@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::{Candidate, Config, ConfigError, Route};
 use crate::policy::{RetryBudget, RetryPolicy, StopReason};
-use crate::record::{Attempt, Millis, State};
+use crate::record::{Attempt, State, Timestamp};
 use crate::simulate::{Draws, Replay};
 use crate::store::recorded::{Reader, Recorded};
 use crate::store::StoreError;
@@ -35,18 +35,18 @@ use seen::{History, Seen};
 /// The start of the history: a duration back from now (`24h`) or an RFC 3339 time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Since {
-    pub at: Millis,
+    pub at: Timestamp,
     pub text: String,
 }
 
 impl Since {
-    pub fn parse(text: &str, now: Millis) -> Result<Since, String> {
+    pub fn parse(text: &str, now: Timestamp) -> Result<Since, String> {
         let trimmed = text.trim();
         let at = if let Ok(ago) = humantime::parse_duration(trimmed) {
-            now.saturating_sub(ago.as_millis().min(i64::MAX as u128) as Millis)
+            now - ago
         } else if let Ok(time) = humantime::parse_rfc3339_weak(trimmed) {
             match time.duration_since(std::time::UNIX_EPOCH) {
-                Ok(d) => d.as_millis() as Millis,
+                Ok(d) => Timestamp::EPOCH + d,
                 Err(_) => return Err(format!("`{text}` is before 1970")),
             }
         } else {
@@ -122,7 +122,7 @@ pub struct Replayed {
 pub struct Comparison {
     pub route: String,
     pub source: Source,
-    pub first_arrival: Option<Millis>,
+    pub first_arrival: Option<Timestamp>,
     pub left_out: LeftOut,
     pub recorded: Figures,
     pub current: Replayed,
@@ -197,9 +197,8 @@ pub fn compare(
 
 fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
     let mut left_out = LeftOut::default();
-    let first = history.first().map_or(0, |r| r.created_at);
+    let first = history.first().map_or(Timestamp::EPOCH, |r| r.created_at);
     let mut requests = Vec::with_capacity(history.len());
-    let ms = |from: Millis, to: Millis| Duration::from_millis((to - from).max(0) as u64);
     for r in history {
         let ended = r.stop_reason.is_some() && !r.in_flight && r.state != State::InProgress;
         if r.tombstone {
@@ -209,11 +208,11 @@ fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
         } else {
             // A key freed and sent again is one record but several executions, each from its
             // own arrival; the deadline's length is the latest one's.
-            let arrivals: Vec<Millis> = std::iter::once(r.created_at).chain(r.requeued_at.iter().copied()).collect();
+            let arrivals: Vec<Timestamp> = std::iter::once(r.created_at).chain(r.requeued_at.iter().copied()).collect();
             let latest = arrivals[arrivals.len() - 1];
-            let deadline = ms(latest, r.deadline_at);
+            let deadline = r.deadline_at - latest;
             for (i, &arrival) in arrivals.iter().enumerate() {
-                let next = arrivals.get(i + 1).copied().unwrap_or(Millis::MAX);
+                let next = arrivals.get(i + 1).copied().unwrap_or(Timestamp::MAX);
                 let attempts: Vec<Attempt> =
                     r.attempts.iter().filter(|a| a.started_at >= arrival && a.started_at < next).cloned().collect();
                 if attempts.is_empty() {
@@ -222,11 +221,11 @@ fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
                 }
                 // Only the latest execution's stop reason is stored; the earlier ones freed the key.
                 let stop = if arrival == latest { r.stop_reason } else { None };
-                let last = attempts.last().map_or(arrival, |a| a.started_at + a.duration_ms as Millis);
-                let recorded = Ending { attempts: attempts.len() as u32, stop, elapsed: ms(arrival, last) };
+                let last = attempts.last().map_or(arrival, |a| a.started_at + Duration::from_millis(a.duration_ms));
+                let recorded = Ending { attempts: attempts.len() as u32, stop, elapsed: last - arrival };
                 let cancelled = stop == Some(StopReason::Cancelled);
                 requests.push(Replayable {
-                    offset: ms(first, arrival),
+                    offset: arrival - first,
                     seen: seen::script(arrival, &attempts, cancelled),
                     deadline,
                     recorded,

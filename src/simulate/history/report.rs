@@ -8,7 +8,6 @@ use serde_json::{json, Value};
 
 use super::{Comparison, Figures, Replayed, Unobserved};
 use crate::policy::RetryPolicy;
-use crate::record::rfc3339;
 use crate::simulate::report::jitter_name;
 
 fn ms(d: Duration) -> u64 {
@@ -82,7 +81,8 @@ pub fn human(c: &Comparison) -> String {
     let mut out = String::new();
     let replayed = c.recorded.requests;
     let l = &c.left_out;
-    let _ = writeln!(out, "route {}: requests since {} ({})", c.route, rfc3339(c.source.since.at), c.source.since.text);
+    let _ =
+        writeln!(out, "route {}: requests since {} ({})", c.route, c.source.since.at.rfc3339(), c.source.since.text);
     let _ = writeln!(
         out,
         "{replayed} replayed; left out: {} still running, {} never sent, {} past retention{}",
@@ -187,9 +187,9 @@ pub fn json(c: &Comparison) -> Value {
     }
     json!({
         "route": c.route,
-        "since": rfc3339(c.source.since.at),
+        "since": c.source.since.at.rfc3339(),
         "since_given": c.source.since.text,
-        "first_arrival": c.first_arrival.map(rfc3339),
+        "first_arrival": c.first_arrival.map(crate::record::Timestamp::rfc3339),
         "replayed": c.recorded.requests,
         "left_out": {
             "running": c.left_out.running,

@@ -6,7 +6,7 @@ use std::fmt::Write;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::record::{Attempt, Millis};
+use crate::record::{Attempt, Timestamp};
 use crate::simulate::{Outcome, Scripted, Upstream};
 
 /// One recorded attempt: when it started after the request's arrival, and what it met.
@@ -81,7 +81,7 @@ impl Unobserved {
 
 /// The request's recorded attempts as a script. A request cancelled by its caller carries the
 /// cancel on its last attempt, where the worker heard it.
-pub fn script(created_at: Millis, attempts: &[Attempt], cancelled: bool) -> Vec<Seen> {
+pub fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: bool) -> Vec<Seen> {
     let last = attempts.len().saturating_sub(1);
     attempts
         .iter()
@@ -97,11 +97,7 @@ pub fn script(created_at: Millis, attempts: &[Attempt], cancelled: bool) -> Vec<
             // Only a status can carry a Retry-After; the worker records none otherwise.
             let retry_after = a.retry_after_ms.filter(|_| a.status.is_some()).map(Duration::from_millis);
             let outcome = outcome(Duration::from_millis(a.duration_ms), result, retry_after, cancelled && i == last);
-            Seen {
-                start: Duration::from_millis((a.started_at - created_at).max(0) as u64),
-                outcome,
-                timed_out: result == Scripted::Timeout,
-            }
+            Seen { start: a.started_at - created_at, outcome, timed_out: result == Scripted::Timeout }
         })
         .collect()
 }
@@ -167,10 +163,14 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    fn attempt(number: u32, started_at: Millis, took: u64, status: Option<u16>, error: Option<&str>) -> Attempt {
+    fn at(ms: i64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn attempt(number: u32, started_at: i64, took: u64, status: Option<u16>, error: Option<&str>) -> Attempt {
         Attempt {
             number,
-            started_at,
+            started_at: at(started_at),
             duration_ms: took,
             outcome: crate::record::AttemptOutcome::Success,
             status,
@@ -185,11 +185,15 @@ mod tests {
     fn a_recorded_retry_after_is_replayed() {
         let mut a = attempt(1, 0, 40, Some(503), None);
         a.retry_after_ms = Some(2000);
-        assert_eq!(script(0, &[a], false)[0].outcome.text, "40ms:503 retry-after=2000ms");
+        assert_eq!(script(at(0), &[a], false)[0].outcome.text, "40ms:503 retry-after=2000ms");
     }
 
     fn recorded() -> Vec<Seen> {
-        script(1000, &[attempt(1, 1010, 40, Some(503), None), attempt(2, 1200, 600, None, Some("timed_out"))], false)
+        script(
+            at(1000),
+            &[attempt(1, 1010, 40, Some(503), None), attempt(2, 1200, 600, None, Some("timed_out"))],
+            false,
+        )
     }
 
     #[test]
@@ -198,7 +202,7 @@ mod tests {
         let texts: Vec<_> = seen.iter().map(|s| s.outcome.text.as_str()).collect();
         assert_eq!(texts, ["40ms:503", "600ms:timeout"]);
         assert_eq!((seen[0].start, seen[1].start, seen[1].timed_out), (ms(10), ms(200), true));
-        let cancelled = script(0, &[attempt(1, 0, 5, None, Some("broken"))], true);
+        let cancelled = script(at(0), &[attempt(1, 0, 5, None, Some("broken"))], true);
         assert_eq!(cancelled[0].outcome.text, "5ms:broken cancel");
     }
 

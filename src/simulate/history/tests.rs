@@ -12,10 +12,14 @@ fn route(retry: &str) -> Route {
     Config::parse(&text).unwrap().routes[0].clone()
 }
 
-fn attempt(number: u32, started_at: Millis, status: u16) -> Attempt {
+fn at(ms: i64) -> Timestamp {
+    Timestamp::from_millis(ms)
+}
+
+fn attempt(number: u32, started_at: i64, status: u16) -> Attempt {
     Attempt {
         number,
-        started_at,
+        started_at: at(started_at),
         duration_ms: 10,
         outcome: crate::record::AttemptOutcome::Success,
         status: Some(status),
@@ -27,14 +31,18 @@ fn attempt(number: u32, started_at: Millis, status: u16) -> Attempt {
 }
 
 /// A request that arrived at `at` and met `statuses`, one attempt after another, 100 ms apart.
-fn recorded(at: Millis, statuses: &[u16], stop: StopReason) -> Recorded {
+fn recorded(arrival: i64, statuses: &[u16], stop: StopReason) -> Recorded {
     Recorded {
         id: Uuid::new_v4(),
-        created_at: at,
-        deadline_at: at + 10_000,
+        created_at: at(arrival),
+        deadline_at: at(arrival + 10_000),
         state: State::Done,
         stop_reason: Some(stop),
-        attempts: statuses.iter().enumerate().map(|(i, &s)| attempt(i as u32 + 1, at + 110 * i as Millis, s)).collect(),
+        attempts: statuses
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| attempt(i as u32 + 1, arrival + 110 * i as i64, s))
+            .collect(),
         in_flight: false,
         tombstone: false,
         requeued_at: vec![],
@@ -42,7 +50,7 @@ fn recorded(at: Millis, statuses: &[u16], stop: StopReason) -> Recorded {
 }
 
 fn source() -> Source {
-    Source { since: Since { at: 0, text: "24h".into() }, cut: false, candidate_file: "candidate.toml".into() }
+    Source { since: Since { at: at(0), text: "24h".into() }, cut: false, candidate_file: "candidate.toml".into() }
 }
 
 fn run(route: &Route, candidate: &str, history: Vec<Recorded>, assume: Assume) -> Comparison {
@@ -72,8 +80,8 @@ fn a_key_freed_and_sent_again_is_two_requests_not_a_salvage() {
     // One attempt answered 503 freed the key; its client sent it again 4 s later and got a 200.
     let mut record = recorded(1_000, &[503], StopReason::Success);
     record.attempts.push(attempt(2, 5_010, 200));
-    record.requeued_at = vec![5_000];
-    record.deadline_at = 5_000 + 10_000;
+    record.requeued_at = vec![at(5_000)];
+    record.deadline_at = at(5_000 + 10_000);
     let c = run(&route("max_attempts = 1"), "[retry]\nmax_attempts = 2\n", vec![record], Assume::Last);
     assert_eq!((c.recorded.requests, c.recorded.attempts, c.recorded.succeeded), (2, 2, 1));
     assert_eq!(c.recorded.salvaged, 0, "the client's own retry is not the policy's salvage");
@@ -127,7 +135,7 @@ fn requests_not_ended_never_sent_or_past_retention_are_left_out() {
 #[test]
 fn a_deadline_the_client_shortened_holds_under_either_policy() {
     let mut r = recorded(0, &[503, 503], StopReason::Deadline);
-    r.deadline_at = 150;
+    r.deadline_at = at(150);
     let c = run(&route(""), "[retry]\nmax_attempts = 3\ndeadline = \"60s\"\n", vec![r], Assume::Last);
     assert_eq!(c.candidate.figures.deadline_stopped, 1);
     assert_eq!(c.candidate.figures.attempts, 1);
@@ -135,9 +143,9 @@ fn a_deadline_the_client_shortened_holds_under_either_policy() {
 
 #[test]
 fn since_is_a_duration_back_or_a_time() {
-    let now = 100_000_000;
-    assert_eq!(Since::parse("24h", 100_000_000_000).unwrap().at, 100_000_000_000 - 86_400_000);
-    assert_eq!(Since::parse("1970-01-01T00:01:00Z", now).unwrap().at, 60_000);
+    let now = at(100_000_000);
+    assert_eq!(Since::parse("24h", at(100_000_000_000)).unwrap().at, at(100_000_000_000 - 86_400_000));
+    assert_eq!(Since::parse("1970-01-01T00:01:00Z", now).unwrap().at, at(60_000));
     for bad in ["yesterday", "", "-5m", "24", "2999-01-01T00:00:00Z"] {
         assert!(Since::parse(bad, now).is_err(), "{bad:?}");
     }

@@ -186,8 +186,8 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
     for _ in 0..ADMIT_TRIES {
         let row = sqlx::query(&ADMIT)
             .bind(new.id.to_string())
-            .bind(&new.tenant)
-            .bind(&new.key)
+            .bind(new.tenant.as_str())
+            .bind(new.key.as_str())
             .bind(&new.route)
             .bind(&new.method)
             .bind(&new.path)
@@ -218,8 +218,8 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
         // The key's record refused this request. Read it; it may have changed (or been swept)
         // since, in which case the insert decides again.
         let row = sqlx::query(&EXISTING)
-            .bind(&new.tenant)
-            .bind(&new.key)
+            .bind(new.tenant.as_str())
+            .bind(new.key.as_str())
             .bind(cutoff)
             .bind(&new.fingerprint.as_bytes()[..])
             .bind(new.tombstone_cutoff)

@@ -46,11 +46,12 @@ use self::outcomes::Outcomes;
 use self::rows::{get, COLUMNS};
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
     Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::record::{Millis, Phase, Record, State};
+use crate::key::IdempotencyKey;
+use crate::record::{Phase, Record, State, Tenant, Timestamp};
 use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
@@ -98,10 +99,10 @@ impl Store for PostgresStore {
         self.admissions.admit(admit).await
     }
 
-    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
+    async fn lookup(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE tenant = $1 AND key = $2"))
-            .bind(tenant)
-            .bind(key)
+            .bind(tenant.as_str())
+            .bind(key.as_str())
             .fetch_optional(&self.pool)
             .await?
             .map(|row| decode(&row))
@@ -160,7 +161,7 @@ impl Store for PostgresStore {
         actions::retry(&self.pool, retry).await
     }
 
-    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
+    async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM records WHERE state = 'in_progress' AND lease_expires_at < $1
              ORDER BY lease_expires_at LIMIT $2"
@@ -188,7 +189,7 @@ impl Store for PostgresStore {
              ORDER BY created_at LIMIT $4"
         ))
         .bind(route)
-        .bind(settle)
+        .bind(span_ms(settle))
         .bind(now)
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
@@ -229,7 +230,7 @@ impl Store for PostgresStore {
         stats::read(&self.pool, span).await
     }
 
-    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.pool, route, since).await
     }
 
@@ -249,7 +250,7 @@ impl Store for PostgresStore {
         switches::clear(&self.pool, clear.id, &clear.clearing).await
     }
 
-    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {
+    async fn active_switches(&self, now: Timestamp) -> Result<Vec<Switch>, StoreError> {
         switches::active(&self.pool, now).await
     }
 

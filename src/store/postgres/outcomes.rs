@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use super::lanes::{Lanes, Reply};
 use super::rows::{one_element, record_id};
 use crate::policy::StopReason;
-use crate::record::{Millis, Owner, RecordId};
+use crate::record::{Owner, RecordId, Timestamp};
 use crate::store::{AttemptEnded, Lease, StoreError, Stored};
 
 /// The most outcomes in one call.
@@ -29,9 +29,9 @@ struct Ending {
     status: Option<i32>,
     headers: Option<String>,
     body: Option<Bytes>,
-    now: Millis,
+    now: Timestamp,
     queued: bool,
-    not_before: Option<Millis>,
+    not_before: Option<Timestamp>,
     reply: Reply<Lease>,
 }
 

@@ -4,7 +4,7 @@
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Executor;
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::recorded::{decode, Recorded};
 use crate::store::StoreError;
 
@@ -40,7 +40,7 @@ pub(in crate::store) async fn open(url: &str) -> Result<PgPool, StoreError> {
 pub(in crate::store) async fn read(
     pool: &PgPool,
     route: &str,
-    since: Millis,
+    since: Timestamp,
     limit: u32,
 ) -> Result<Vec<Recorded>, StoreError> {
     let rows = sqlx::query(RECORDED).bind(route).bind(since).bind(i64::from(limit)).fetch_all(pool).await?;

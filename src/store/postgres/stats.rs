@@ -3,7 +3,7 @@
 
 use sqlx::postgres::PgPool;
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
 
@@ -68,7 +68,7 @@ FROM records
 WHERE created_at >= $2 AND route = $1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
 GROUP BY policy_version";
 
-pub(super) async fn sides(pool: &PgPool, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+pub(super) async fn sides(pool: &PgPool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
     let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(pool).await?;
     rows.iter().map(side).collect()
 }
@@ -76,10 +76,10 @@ pub(super) async fn sides(pool: &PgPool, route: &str, since: Millis) -> Result<V
 pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
     let cohorts =
-        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(pool).await?;
+        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(pool).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(pool).await?;
     let answers =
-        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(pool).await?;
+        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(pool).await?;
     Ok(StatsRows {
         cohorts: cohorts.iter().filter_map(|row| cohort(span, row).transpose()).collect::<Result<_, _>>()?,
         unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,
@@ -91,11 +91,11 @@ pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, S
 pub(super) async fn add_answer_counts(
     pool: &PgPool,
     counts: Vec<AnswerCount>,
-    forget_before: Millis,
+    forget_before: Timestamp,
 ) -> Result<(), StoreError> {
     let mut tx = pool.begin().await?;
     if !counts.is_empty() {
-        let seconds: Vec<i64> = counts.iter().map(|c| c.second).collect();
+        let seconds: Vec<Timestamp> = counts.iter().map(|c| c.second).collect();
         let routes: Vec<String> = counts.iter().map(|c| c.route.clone()).collect();
         let replays: Vec<i64> = counts.iter().map(|c| c.replays as i64).collect();
         let conflicts: Vec<i64> = counts.iter().map(|c| c.conflicts as i64).collect();

@@ -6,7 +6,7 @@
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::{decode_switch, StoreError, SwitchCleared};
 use crate::switch::{Clearing, Switch};
 
@@ -72,7 +72,7 @@ pub(super) async fn clear(pool: &PgPool, id: Uuid, clearing: &Clearing) -> Resul
     })
 }
 
-pub(super) async fn active(pool: &PgPool, now: Millis) -> Result<Vec<Switch>, StoreError> {
+pub(super) async fn active(pool: &PgPool, now: Timestamp) -> Result<Vec<Switch>, StoreError> {
     let rows = sqlx::query(&format!(
         "SELECT {COLUMNS} FROM switches WHERE cleared_at IS NULL AND (expires_at IS NULL OR expires_at > $1)
          ORDER BY set_at, id"

@@ -7,7 +7,7 @@ use sqlx::{PgPool, Row};
 use super::rows::{one_element, COLUMNS};
 use crate::policy::StopReason;
 use crate::record::{Phase, Record, State};
-use crate::store::{decode, ClaimUnclaimed, StoreError, Sweep, TakeOver};
+use crate::store::{decode, span_ms, ClaimUnclaimed, StoreError, Sweep, TakeOver};
 
 /// Takes over a record whose lease expired.
 pub(super) const TAKE_OVER: &str = "
@@ -23,7 +23,7 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
     let phase = to.phase();
     let done = sqlx::query(TAKE_OVER)
         .bind(id.to_string())
-        .bind(&expired.owner)
+        .bind(expired.owner.as_str())
         .bind(expired.expires_at)
         .bind(phase.state().as_str())
         .bind(phase == Phase::Queued)
@@ -75,7 +75,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
                 )
                 .bind(route.cutoff)
                 .bind(&route.route)
-                .bind(after)
+                .bind(span_ms(after))
                 .bind(limit)
                 .execute(pool)
                 .await?

@@ -28,11 +28,12 @@ use self::files::DatabaseFiles;
 use self::writer::Write;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
     StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use crate::record::{now_ms, Millis, Phase, Record, State};
+use crate::key::IdempotencyKey;
+use crate::record::{Phase, Record, State, Tenant, Timestamp};
 use crate::switch::Switch;
 
 pub struct SqliteStore {
@@ -148,10 +149,10 @@ impl Store for SqliteStore {
         self.write(|r| Write::Admit(admit, r)).await
     }
 
-    async fn lookup(&self, tenant: &str, key: &str) -> Result<Option<Record>, StoreError> {
+    async fn lookup(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
-            .bind(tenant)
-            .bind(key)
+            .bind(tenant.as_str())
+            .bind(key.as_str())
             .fetch_optional(self.reads()?)
             .await?
             .map(|row| decode(&row))
@@ -214,7 +215,7 @@ impl Store for SqliteStore {
         self.write(|r| Write::Retry(retry, r)).await
     }
 
-    async fn expired_leases(&self, now: Millis, limit: u32) -> Result<Vec<Record>, StoreError> {
+    async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         let rows = sqlx::query(
             "SELECT * FROM records WHERE state = 'in_progress' AND lease_expires_at < ?1
              ORDER BY lease_expires_at LIMIT ?2",
@@ -242,7 +243,7 @@ impl Store for SqliteStore {
              ORDER BY created_at LIMIT ?4",
         )
         .bind(route)
-        .bind(settle)
+        .bind(span_ms(settle))
         .bind(now)
         .bind(limit as i64)
         .fetch_all(self.reads()?)
@@ -277,7 +278,7 @@ impl Store for SqliteStore {
         self.files.verify_access()?;
         if !self.files.is_available() {
             // Its own files again: it resumes once they take a write.
-            self.write(|r| Write::Probe(now_ms(), r)).await?;
+            self.write(|r| Write::Probe(Timestamp::now(), r)).await?;
             self.files.restore();
         }
         sqlx::query("SELECT 1").execute(self.reads()?).await?;
@@ -292,7 +293,7 @@ impl Store for SqliteStore {
         stats::read(&self.reads, span).await
     }
 
-    async fn sides(&self, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.reads, route, since).await
     }
 
@@ -304,7 +305,7 @@ impl Store for SqliteStore {
         self.write(|r| Write::ClearSwitch(clear, r)).await
     }
 
-    async fn active_switches(&self, now: Millis) -> Result<Vec<Switch>, StoreError> {
+    async fn active_switches(&self, now: Timestamp) -> Result<Vec<Switch>, StoreError> {
         switches::active(self.reads()?, now).await
     }
 

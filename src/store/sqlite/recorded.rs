@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 use super::split_synchronous;
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::recorded::{decode, Recorded};
 use crate::store::StoreError;
 
@@ -48,7 +48,7 @@ pub(in crate::store) async fn open(url: &str) -> Result<SqlitePool, StoreError> 
 pub(in crate::store) async fn read(
     pool: &SqlitePool,
     route: &str,
-    since: Millis,
+    since: Timestamp,
     limit: u32,
 ) -> Result<Vec<Recorded>, StoreError> {
     let rows = sqlx::query(RECORDED).bind(route).bind(since).bind(i64::from(limit)).fetch_all(pool).await?;

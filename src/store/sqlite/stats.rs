@@ -4,7 +4,7 @@
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, Side, StatsRows, StatsSpan};
 use crate::store::{AddAnswerCounts, StoreError};
 
@@ -62,7 +62,7 @@ FROM records
 WHERE created_at >= ?2 AND route = ?1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
 GROUP BY policy_version";
 
-pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Millis) -> Result<Vec<Side>, StoreError> {
+pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
     let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(reads).await?;
     rows.iter().map(side).collect()
 }
@@ -70,10 +70,10 @@ pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Millis) -> Res
 pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
     let cohorts =
-        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(reads).await?;
+        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(reads).await?;
     let answers =
-        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step).bind(route).fetch_all(reads).await?;
+        sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
     Ok(StatsRows {
         cohorts: cohorts.iter().filter_map(|row| cohort(span, row).transpose()).collect::<Result<_, _>>()?,
         unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,

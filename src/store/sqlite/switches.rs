@@ -6,7 +6,7 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use super::rows::WriterRow;
-use crate::record::Millis;
+use crate::record::Timestamp;
 use crate::store::{decode_switch, ClearSwitch, StoreError, SwitchCleared};
 use crate::switch::Switch;
 
@@ -79,7 +79,7 @@ pub(super) fn clear(conn: &Connection, clear: ClearSwitch) -> Result<SwitchClear
     })
 }
 
-pub(super) async fn active(reads: &SqlitePool, now: Millis) -> Result<Vec<Switch>, StoreError> {
+pub(super) async fn active(reads: &SqlitePool, now: Timestamp) -> Result<Vec<Switch>, StoreError> {
     let rows = sqlx::query(ACTIVE).bind(now).fetch_all(reads).await?;
     rows.iter().map(decode_switch).collect()
 }

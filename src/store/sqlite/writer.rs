@@ -21,7 +21,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::files::{io_failure, DatabaseFiles};
 use super::{actions, writes};
-use crate::record::{Millis, Record};
+use crate::record::{Record, Timestamp};
 use crate::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
     ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,
@@ -71,7 +71,7 @@ writes! {
     Sweep(Sweep) -> u64 = writes::sweep_done;
     /// A write that changes nothing a record depends on, made to find out whether the database
     /// takes writes again after it was lost. The only write run while the store is lost.
-    Probe(Millis) -> () = writes::probe;
+    Probe(Timestamp) -> () = writes::probe;
     AddAnswerCounts(AddAnswerCounts) -> () = super::stats::add_answer_counts;
     SetSwitch(Switch) -> Option<Switch> = super::switches::set;
     ClearSwitch(ClearSwitch) -> SwitchCleared = super::switches::clear;

@@ -4,10 +4,10 @@
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::policy::StopReason;
-use crate::record::{transition, Event, Millis, Phase, Record, RecordId};
+use crate::record::{transition, Event, Phase, Record, RecordId, Timestamp};
 use crate::store::{
-    Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease, Renew,
-    StoreError, Stored, Sweep, TakeOver,
+    span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease,
+    Renew, StoreError, Stored, Sweep, TakeOver,
 };
 
 /// The one row `sql` returns, decoded, if any.
@@ -64,8 +64,8 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         .query_row(
             params![
                 new.id.to_string(),
-                new.tenant,
-                new.key,
+                &*new.tenant,
+                &*new.key,
                 new.route,
                 new.method,
                 new.path,
@@ -91,8 +91,9 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     if written.as_ref().is_some_and(|(id, state)| *id == new.id.to_string() && state == fresh.state.as_str()) {
         return Ok(Admission::Created(new.inserted()));
     }
-    let record = record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![new.tenant, new.key])?
-        .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
+    let record =
+        record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![&*new.tenant, &*new.key])?
+            .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
     Ok(match written {
         None => Admission::Existing(record),
         Some(_) if record.id == new.id => Admission::Created(record),
@@ -222,7 +223,7 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
         )?
         .execute(params![
             id.to_string(),
-            expired.owner,
+            &*expired.owner,
             expired.expires_at,
             phase.state().as_str(),
             phase == Phase::Queued,
@@ -264,7 +265,7 @@ pub(super) fn sweep_done(conn: &Connection, sweep: Sweep) -> Result<u64, StoreEr
                      WHERE id IN (SELECT id FROM records WHERE state = 'done' AND tombstone_until IS NULL
                                   AND done_at < ?1 AND route = ?2 LIMIT ?4)",
                 )?
-                .execute(params![route.cutoff, route.route, after, limit])?,
+                .execute(params![route.cutoff, route.route, span_ms(after), limit])?,
             None => conn
                 .prepare_cached(
                     "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
@@ -288,7 +289,7 @@ pub(super) fn sweep_done(conn: &Connection, sweep: Sweep) -> Result<u64, StoreEr
 }
 
 /// Rewrites the one row of `liveness`: a commit that touches no record.
-pub(super) fn probe(conn: &Connection, now: Millis) -> Result<(), StoreError> {
+pub(super) fn probe(conn: &Connection, now: Timestamp) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO liveness (id, written_at) VALUES (1, ?1)
          ON CONFLICT (id) DO UPDATE SET written_at = excluded.written_at",
