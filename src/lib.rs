@@ -77,6 +77,7 @@ pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod stream;
 pub mod switch;
 pub mod switchboard;
 pub mod tally;
