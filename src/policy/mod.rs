@@ -38,6 +38,9 @@ pub struct RetryPolicy {
     pub ambiguous: Vec<u16>,
     pub budget_ratio: f64,
     pub budget_min_per_sec: f64,
+    /// After a streamed answer's first byte reached the client: the longest silence between two
+    /// parts before the stream counts as cut (SPEC §11).
+    pub stream_idle_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,6 +371,7 @@ impl RetryPolicy {
             ambiguous: vec![502, 504],
             budget_ratio: 0.1,
             budget_min_per_sec: 10.0,
+            stream_idle_timeout: Duration::from_secs(30),
         }
     }
 }
