@@ -114,10 +114,14 @@ pub enum StopReason {
     TakeoverCap,
     /// An operator's `retries_off` switch was on when a retry would have started.
     RetriesOff,
+    /// A streamed answer's upstream cut it after its first byte reached the client.
+    StreamCut,
+    /// A streamed answer's upstream sent nothing for `stream_idle_timeout` after its first byte.
+    StreamIdleTimeout,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 12] = [
+    pub const ALL: [StopReason; 14] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -130,6 +134,8 @@ impl StopReason {
         StopReason::CredentialUnavailable,
         StopReason::TakeoverCap,
         StopReason::RetriesOff,
+        StopReason::StreamCut,
+        StopReason::StreamIdleTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -146,6 +152,8 @@ impl StopReason {
             StopReason::CredentialUnavailable => "credential_unavailable",
             StopReason::TakeoverCap => "takeover_cap",
             StopReason::RetriesOff => "retries_off",
+            StopReason::StreamCut => "stream_cut",
+            StopReason::StreamIdleTimeout => "stream_idle_timeout",
         }
     }
 

@@ -32,8 +32,9 @@ use crate::store::Store;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 
-/// What the request that started an execution is told when it ends.
-#[derive(Debug, Clone)]
+/// What the request that started an execution is told when it ends, or, for a streamed answer,
+/// at its first body byte.
+#[derive(Debug)]
 pub enum Outcome {
     /// `done`: the stored response. `stop` is `deadline` when it arrived too late for the client.
     Done(StopReason, StoredResponse),
@@ -45,6 +46,40 @@ pub enum Outcome {
     /// This worker lost the record (claimed elsewhere, cancelled before it started, or the store
     /// failed): the record in the store is the answer.
     Lost,
+    /// The upstream's answer streams (SPEC §11): its head, and its body as it arrives. The
+    /// execution goes on reading it to its end and settles the record whatever the client does.
+    Streaming(Streamed),
+}
+
+/// A streamed answer as its first client gets it.
+pub struct Streamed {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub event_stream: bool,
+    pub reader: crate::stream::Reader,
+}
+
+impl std::fmt::Debug for Streamed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streamed").field("status", &self.status).field("event_stream", &self.event_stream).finish()
+    }
+}
+
+/// The request waiting for an execution, told once: at a streamed answer's first byte, or when
+/// the execution ends.
+#[derive(Default)]
+pub(super) struct Reply(Mutex<Option<oneshot::Sender<Outcome>>>);
+
+impl Reply {
+    fn to(reply: Option<oneshot::Sender<Outcome>>) -> Reply {
+        Reply(Mutex::new(reply))
+    }
+
+    pub(super) fn send(&self, outcome: Outcome) {
+        if let Some(reply) = lock(&self.0).take() {
+            let _ = reply.send(outcome);
+        }
+    }
 }
 
 mod admission;
@@ -53,6 +88,7 @@ mod credentials;
 mod drain;
 mod execution;
 mod guards;
+mod streaming;
 mod waiters;
 
 use admission::Start;
@@ -109,6 +145,8 @@ struct Inner {
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+    /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
+    streams: Mutex<HashMap<Uuid, Arc<crate::stream::Tap>>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
     mine: Mutex<HashSet<Uuid>>,
@@ -137,6 +175,7 @@ impl Worker {
                 switches,
                 clock,
                 cancels: Mutex::new(HashMap::new()),
+                streams: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -181,10 +220,9 @@ impl Worker {
             async move {
                 let _slot = slot;
                 let _running = inner.drain.running();
-                let Some(outcome) = inner.execute(&record, start).await else { return };
-                if let Some(reply) = reply {
-                    let _ = reply.send(outcome);
-                }
+                let reply = Reply::to(reply);
+                let Some(outcome) = inner.execute(&record, start, &reply).await else { return };
+                reply.send(outcome);
             }
             .instrument(span),
         );
@@ -212,7 +250,7 @@ impl Worker {
             }
             let _slot = inner.guards.slot(&record.route);
             let _running = inner.drain.running();
-            inner.claim_and_run(&record).await;
+            inner.claim_and_run(&record, &Reply::default()).await;
         });
     }
 

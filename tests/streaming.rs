@@ -1,0 +1,132 @@
+//! SPEC §11, through real HTTP: a broker on port 0 in front of an upstream that streams
+//! OpenAI-style server-sent events (`data: {…}` lines ending with `data: [DONE]`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
+use common::{both_stores, send, Backend, Broker, Db};
+
+const BODY: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+const PATH: &str = "/payments/v1/chat/completions";
+/// Retries come quickly, so a test that waits for one does not wait long.
+const FAST_RETRY: &str = "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n";
+const SETTLES: Duration = Duration::from_secs(10);
+
+async fn setup(b: Backend, route_extra: &str, extra: &str) -> (SseUpstream, Broker) {
+    let upstream = SseUpstream::start().await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    (upstream, broker)
+}
+
+/// The body of `n` events `part 1` … `part n` and `[DONE]`, as the upstream sends it.
+fn whole(n: usize) -> String {
+    let mut body: String = (1..=n).map(|i| event_bytes(&format!("part {i}"))).collect();
+    body.push_str(DONE);
+    body
+}
+
+/// Reads `response` until what arrived ends with `until`, and returns all of it.
+async fn read_until(response: &mut reqwest::Response, until: &str) -> String {
+    let mut seen = Vec::new();
+    while !seen.ends_with(until.as_bytes()) {
+        let part = response.chunk().await.unwrap().unwrap_or_else(|| panic!("ended before {until:?}: {seen:?}"));
+        seen.extend_from_slice(&part);
+    }
+    String::from_utf8(seen).unwrap()
+}
+
+/// Reads the rest of `response`, and whether it ended cleanly.
+async fn read_rest(response: &mut reqwest::Response) -> (String, bool) {
+    let mut seen = Vec::new();
+    let clean = loop {
+        match response.chunk().await {
+            Ok(Some(part)) => seen.extend_from_slice(&part),
+            Ok(None) => break true,
+            Err(_) => break false,
+        }
+    };
+    (String::from_utf8(seen).unwrap(), clean)
+}
+
+async fn the_first_event_reaches_the_client_before_the_upstream_has_finished(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script(
+        "first",
+        vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done])],
+    );
+    let mut response = broker.post(PATH, "first", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    assert_eq!(response.headers()["idempotency-status"], "in_progress");
+    let first = read_until(&mut response, &event_bytes("part 1")).await;
+    assert_eq!(first, event_bytes("part 1"));
+    assert_eq!(upstream.finished("first"), 0, "the upstream is held at its gate");
+    upstream.open("first");
+    let (rest, clean) = read_rest(&mut response).await;
+    assert!(clean);
+    assert_eq!(format!("{first}{rest}"), whole(2));
+
+    let record = broker.await_record("first", SETTLES, |r| r["state"] == "done").await;
+    assert_eq!(record["response"]["status"], 200);
+    assert_eq!(record["response"]["body"], whole(2), "the whole body is stored");
+    assert_eq!(record["stop_reason"], "success");
+    assert_eq!(upstream.hits("first"), 1);
+}
+
+async fn a_503_before_the_first_byte_is_retried(b: Backend) {
+    let (upstream, broker) = setup(b, "", FAST_RETRY).await;
+    upstream.script("busy", vec![Answer::Refuse(503), Answer::Stream(events(2))]);
+    let r = send(broker.post(PATH, "busy", BODY)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(std::str::from_utf8(&r.body).unwrap(), whole(2));
+    assert_eq!(upstream.hits("busy"), 2);
+    let record = broker.await_record("busy", SETTLES, |r| r["state"] == "done").await;
+    let outcomes: Vec<_> = record["attempts"].as_array().unwrap().iter().map(|a| a["outcome"].clone()).collect();
+    assert_eq!(outcomes, ["not_executed", "success"]);
+}
+
+async fn a_client_that_disconnects_still_leaves_a_replayable_record(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script(
+        "leaves",
+        vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done])],
+    );
+    let mut response = broker.post(PATH, "leaves", BODY).send().await.unwrap();
+    read_until(&mut response, &event_bytes("part 1")).await;
+    drop(response);
+    upstream.open("leaves");
+    broker.await_record("leaves", SETTLES, |r| r["state"] == "done").await;
+
+    let again = send(broker.post(PATH, "leaves", BODY)).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(std::str::from_utf8(&again.body).unwrap(), whole(2), "read to its end without the client");
+    assert_eq!(upstream.hits("leaves"), 1, "never a second execution");
+}
+
+async fn a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script("again", vec![Answer::Stream(events(3))]);
+    let first = send(broker.post(PATH, "again", BODY)).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    broker.await_record("again", SETTLES, |r| r["state"] == "done").await;
+
+    let replay = send(broker.post(PATH, "again", BODY)).await;
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body, "byte for byte");
+    assert_eq!(replay.header("content-type"), Some("text/event-stream"));
+    assert_eq!(replay.header("cache-control"), Some("no-cache"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotency-status"), Some("done"));
+    assert_eq!(upstream.hits("again"), 1);
+}
+
+both_stores!(
+    the_first_event_reaches_the_client_before_the_upstream_has_finished,
+    a_503_before_the_first_byte_is_retried,
+    a_client_that_disconnects_still_leaves_a_replayable_record,
+    a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers,
+);
