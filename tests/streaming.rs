@@ -124,9 +124,84 @@ async fn a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers(b: 
     assert_eq!(upstream.hits("again"), 1);
 }
 
+/// The problem in the `idem-error` event that ends a cut event stream, and what came before it.
+fn error_event(seen: &str) -> (String, serde_json::Value) {
+    let at = seen.find("event: idem-error\n").unwrap_or_else(|| panic!("no idem-error event in {seen:?}"));
+    let data: String = seen[at..].lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    (seen[..at].to_string(), serde_json::from_str(&data).unwrap())
+}
+
+/// Three events, then the upstream cuts the connection.
+fn cut_after_three() -> Vec<Step> {
+    vec![Step::Event("part 1".into()), Step::Event("part 2".into()), Step::Event("part 3".into()), Step::Cut]
+}
+
+async fn a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again(b: Backend) {
+    let (upstream, broker) = setup(b, "", FAST_RETRY).await;
+    upstream.script("cut", vec![Answer::Stream(cut_after_three())]);
+    let mut response = broker.post(PATH, "cut", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean, "the client's stream ends with an error, not as though whole");
+    let (before, problem) = error_event(&seen);
+    let three: String = (1..=3).map(|i| event_bytes(&format!("part {i}"))).collect();
+    assert_eq!(before, three);
+    assert_eq!(problem["type"], "urn:idem:problem:stream-cut");
+    assert_eq!(problem["idempotency_key"], "cut");
+
+    let record = broker.await_record("cut", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "stream_cut");
+    assert_eq!(record["response"]["body"], three, "the partial body is kept for the operator");
+    let attempts = record["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0]["status"], 200);
+
+    let again = send(broker.post(PATH, "cut", BODY)).await;
+    again.assert_problem(502, "outcome-unknown");
+    assert_eq!(upstream.hits("cut"), 1, "never re-sent");
+}
+
+async fn a_cut_on_a_replay_safe_route_frees_the_key(b: Backend) {
+    let (upstream, broker) = setup(b, "replay_safe = true", FAST_RETRY).await;
+    upstream.script("safe", vec![Answer::Stream(cut_after_three())]);
+    let mut response = broker.post(PATH, "safe", BODY).send().await.unwrap();
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean);
+    let (_, problem) = error_event(&seen);
+    assert_eq!(problem["type"], "urn:idem:problem:stream-cut");
+    let record = broker.await_record("safe", SETTLES, |r| r["state"] == "not_started").await;
+    assert_eq!(record["stop_reason"], "stream_cut");
+    assert!(record["response"].is_null(), "nothing is kept for a freed key");
+    assert_eq!(upstream.hits("safe"), 1, "not retried within the answer");
+
+    let afresh = send(broker.post(PATH, "safe", BODY)).await;
+    assert_eq!(afresh.status, 200);
+    assert_eq!(std::str::from_utf8(&afresh.body).unwrap(), whole(3));
+    assert_eq!(upstream.hits("safe"), 2, "the freed key executes afresh");
+}
+
+async fn a_stall_past_the_idle_timeout_ends_the_stream_as_unknown(b: Backend) {
+    let retry = "[routes.retry]\nstream_idle_timeout = \"200ms\"\n";
+    let (upstream, broker) = setup(b, "", retry).await;
+    upstream.script("stall", vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Stall])]);
+    let mut response = broker.post(PATH, "stall", BODY).send().await.unwrap();
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean);
+    let (before, problem) = error_event(&seen);
+    assert_eq!(before, event_bytes("part 1"));
+    assert!(problem["detail"].as_str().unwrap().contains("stream_idle_timeout"), "{problem}");
+    let record = broker.await_record("stall", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "stream_idle_timeout");
+    assert_eq!(record["attempts"][0]["error"], "stream_idle_timeout");
+    assert_eq!(upstream.hits("stall"), 1);
+}
+
 both_stores!(
     the_first_event_reaches_the_client_before_the_upstream_has_finished,
     a_503_before_the_first_byte_is_retried,
     a_client_that_disconnects_still_leaves_a_replayable_record,
     a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers,
+    a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again,
+    a_cut_on_a_replay_safe_route_frees_the_key,
+    a_stall_past_the_idle_timeout_ends_the_stream_as_unknown,
 );

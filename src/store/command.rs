@@ -185,7 +185,7 @@ impl AfterAttempt {
             AfterAttempt::Wait { .. } => Event::WaitForRetry,
             AfterAttempt::Release => Event::Release,
             AfterAttempt::Done(..) => Event::FinalResponse,
-            AfterAttempt::Unknown(_) => Event::AmbiguousNotReplaySafe,
+            AfterAttempt::Unknown(_) | AfterAttempt::Cut(..) => Event::AmbiguousNotReplaySafe,
             AfterAttempt::Free(_) => Event::StopFree,
         }
     }
@@ -198,6 +198,7 @@ impl AfterAttempt {
             AfterAttempt::Release => (None, None, None),
             AfterAttempt::Done(stop, response) => (Some(*stop), Some(response), None),
             AfterAttempt::Unknown(stop) | AfterAttempt::Free(stop) => (Some(*stop), None, None),
+            AfterAttempt::Cut(stop, partial) => (Some(*stop), Some(partial), None),
         };
         Ok(Stored { state: phase.state(), stop, response, queued: phase == Phase::Queued, not_before })
     }

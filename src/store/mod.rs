@@ -147,6 +147,9 @@ pub enum AfterAttempt {
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed and must not be sent again automatically.
     Unknown(StopReason),
+    /// `unknown`, as a streamed answer cut after its first byte reached the client (SPEC §11):
+    /// what arrived of it is kept in the record's response for the operator, never replayed.
+    Cut(StopReason, StoredResponse),
     /// `not_started`, free: nothing executed (or the route is replay-safe); the key is released.
     Free(StopReason),
     /// `not_started`, queued: handed back between attempts (at shutdown) for any worker to

@@ -77,7 +77,12 @@ pub fn client_body(reader: Reader, event_stream: bool) -> Body {
                 Next::End(End::Cut(problem)) if event_stream => Some((Ok(error_event(&problem)), Step::Failing)),
                 Next::End(End::Cut(_)) => Some((Err(StreamCut), Step::Over)),
             },
-            Step::Failing => Some((Err(StreamCut), Step::Over)),
+            Step::Failing => {
+                // hyper drops what it has buffered but not yet written when a body fails: let it
+                // write the error event out first, as it does whenever the body has nothing ready.
+                tokio::task::yield_now().await;
+                Some((Err(StreamCut), Step::Over))
+            }
             Step::Over => None,
         }
     });

@@ -51,6 +51,8 @@ pub(super) struct Progress {
     pub(super) run: Execution,
     /// The last attempt's response, if one came.
     pub(super) last_response: Option<StoredResponse>,
+    /// What arrived of a streamed answer that was cut: kept with the `unknown` record.
+    pub(super) partial: Option<StoredResponse>,
 }
 
 impl Progress {
@@ -64,6 +66,7 @@ impl Progress {
             // as the deadline they spent does.
             run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
             last_response: None,
+            partial: None,
         }
     }
 }

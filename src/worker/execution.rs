@@ -197,14 +197,17 @@ impl Inner {
         stop: StopReason,
         p: Progress,
     ) -> Outcome {
-        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response) {
-            (Settlement::Done, Some(response)) => {
+        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response, p.partial) {
+            (Settlement::Done, Some(response), _) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
-            (Settlement::Free, last) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
+            (Settlement::Free, last, _) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
+            (Settlement::Unknown, _, Some(partial)) => {
+                (store::AfterAttempt::Cut(stop, partial), Outcome::Unknown(stop))
+            }
             // `Done` always comes with the response that made it so; should it ever not, the
             // safe reading of an execution we cannot show is "unknown".
-            (Settlement::Unknown, _) | (Settlement::Done, None) => {
+            (Settlement::Unknown, _, None) | (Settlement::Done, None, _) => {
                 (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
             }
         };

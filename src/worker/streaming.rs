@@ -127,6 +127,8 @@ impl Inner {
             Err(short) => {
                 let problem = Problem::stream_cut(short.why(), route.replay_safe).for_key(&record.key);
                 tap.finish(stream::cut(problem.document()));
+                // Kept for the operator when the record becomes `unknown`; within the bound only.
+                p.partial = tap.body().map(|body| StoredResponse { status, headers: head.headers.clone(), body });
                 attempt.error = Some(short.stop().as_str().to_string());
                 short.stop()
             }

@@ -144,6 +144,9 @@ async fn answer(State(seen): State<Arc<Mutex<Seen>>>, headers: HeaderMap) -> Res
                     continue;
                 }
                 Step::Cut => {
+                    // hyper drops what it buffered but has not written when a body fails: let the
+                    // events before the cut go out first, as a real upstream's would have.
+                    tokio::task::yield_now().await;
                     ended(&seen);
                     Err(std::io::Error::other("cut by the script"))
                 }
