@@ -196,6 +196,55 @@ async fn a_stall_past_the_idle_timeout_ends_the_stream_as_unknown(b: Backend) {
     assert_eq!(upstream.hits("stall"), 1);
 }
 
+async fn a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    let gated = vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done];
+    upstream.script("attach", vec![Answer::Stream(gated)]);
+    let mut first = broker.post(PATH, "attach", BODY).send().await.unwrap();
+    let head = read_until(&mut first, &event_bytes("part 1")).await;
+
+    // Without waiting, a duplicate is refused while the stream runs.
+    let refused = send(broker.post(PATH, "attach", BODY)).await;
+    refused.assert_problem(409, "request-in-progress");
+
+    let mut second = broker.post(PATH, "attach", BODY).header("prefer", "wait=10").send().await.unwrap();
+    assert_eq!(second.status(), 200);
+    assert_eq!(second.headers()["content-type"], "text/event-stream");
+    assert_eq!(second.headers()["idempotent-replayed"], "true");
+    let already = read_until(&mut second, &event_bytes("part 1")).await;
+    assert_eq!(already, head, "what was already sent, from the first byte");
+    assert_eq!(upstream.finished("attach"), 0, "the upstream is still held: the duplicate follows live");
+
+    upstream.open("attach");
+    let (rest1, clean1) = read_rest(&mut first).await;
+    let (rest2, clean2) = read_rest(&mut second).await;
+    assert!(clean1 && clean2);
+    assert_eq!(format!("{head}{rest1}"), whole(2));
+    assert_eq!(format!("{already}{rest2}"), whole(2));
+    assert_eq!(upstream.hits("attach"), 1, "never a second execution");
+}
+
+async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream
+        .script("early", vec![Answer::Stream(vec![Step::Gate, Step::Event("part 1".into()), Step::Gate, Step::Done])]);
+    let first = tokio::spawn(broker.post(PATH, "early", BODY).send());
+    broker.await_record("early", SETTLES, |r| r["state"] == "in_progress").await;
+    let second = tokio::spawn(broker.post(PATH, "early", BODY).header("prefer", "wait=10").send());
+    upstream.open("early");
+    let mut second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), 200);
+    let part = read_until(&mut second, &event_bytes("part 1")).await;
+    assert_eq!(part, event_bytes("part 1"));
+    upstream.open("early");
+    let (rest, clean) = read_rest(&mut second).await;
+    assert!(clean);
+    assert_eq!(format!("{part}{rest}"), whole(1));
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.bytes().await.unwrap(), whole(1).as_bytes());
+    assert_eq!(upstream.hits("early"), 1);
+}
+
 both_stores!(
     the_first_event_reaches_the_client_before_the_upstream_has_finished,
     a_503_before_the_first_byte_is_retried,
@@ -204,4 +253,6 @@ both_stores!(
     a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again,
     a_cut_on_a_replay_safe_route_frees_the_key,
     a_stall_past_the_idle_timeout_ends_the_stream_as_unknown,
+    a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes,
+    a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does,
 );

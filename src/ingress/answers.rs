@@ -8,6 +8,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::REPLAYED_HEADER;
+use crate::metrics;
 use crate::policy::StopReason;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{Millis, State, StoredResponse};
@@ -94,4 +95,16 @@ pub(super) fn response_of(stored: &StoredResponse) -> Response {
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = upstream::to_header_map(&stored.headers);
     response
+}
+
+impl super::Ingress {
+    /// A duplicate that waits, attached to its record's answer streaming through this process:
+    /// it gets what was already sent, then follows live (SPEC §11).
+    pub(super) fn attached(&self, record: &crate::record::Record) -> Option<Response> {
+        let streamed = self.worker.attach(record.id)?;
+        metrics::answered(&record.route, "attached");
+        let mut response = streamed_response(streamed);
+        response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+        Some(response)
+    }
 }

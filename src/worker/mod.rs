@@ -65,6 +65,23 @@ impl std::fmt::Debug for Streamed {
     }
 }
 
+/// A streamed answer in flight: its head, and the tap its body flows through.
+#[derive(Clone)]
+pub(super) struct Flow {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, String)>,
+    pub(super) event_stream: bool,
+    pub(super) tap: Arc<crate::stream::Tap>,
+}
+
+impl Flow {
+    /// A reader from the first byte, while the body is still kept whole.
+    fn attach(&self) -> Option<Streamed> {
+        let reader = self.tap.attach()?;
+        Some(Streamed { status: self.status, headers: self.headers.clone(), event_stream: self.event_stream, reader })
+    }
+}
+
 /// The request waiting for an execution, told once: at a streamed answer's first byte, or when
 /// the execution ends.
 #[derive(Default)]
@@ -146,7 +163,7 @@ struct Inner {
     credentials: Mutex<HeldCredentials>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
     /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
-    streams: Mutex<HashMap<Uuid, Arc<crate::stream::Tap>>>,
+    streams: Mutex<HashMap<Uuid, Flow>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
     mine: Mutex<HashSet<Uuid>>,
@@ -262,6 +279,18 @@ impl Worker {
     /// Wakes requests waiting for a record that was settled outside a worker.
     pub fn settled(&self, id: Uuid) {
         self.inner.settled.settled(id);
+    }
+
+    /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
+    /// what a duplicate that waits gets instead of a 409 (SPEC §11).
+    pub fn attach(&self, id: Uuid) -> Option<Streamed> {
+        let flow = lock(&self.inner.streams).get(&id).cloned();
+        flow?.attach()
+    }
+
+    /// Whether `id`'s answer is streaming through this process.
+    pub fn streaming(&self, id: Uuid) -> bool {
+        lock(&self.inner.streams).contains_key(&id)
     }
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.

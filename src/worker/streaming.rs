@@ -10,7 +10,7 @@ use std::time::Duration;
 use tracing::Instrument;
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
-use super::{lock, Inner, Outcome, Streamed};
+use super::{lock, Flow, Inner, Outcome};
 use crate::metrics;
 use crate::policy::{Decision, Ended, Observed, StopReason};
 use crate::problem::Problem;
@@ -56,16 +56,14 @@ impl Inner {
         let super::attempts::Flowing { mut head, first, in_flight, sent_at, first_byte } = flowing;
         let tap = Tap::new(route.max_stored_body as u64, stream::WINDOW);
         // A fresh tap takes readers; the client's is attached before any part can be dropped.
-        let reader = tap.attach();
+        let flow = Flow { status: head.status, headers: head.headers.clone(), event_stream: head.event_stream, tap };
+        let reader = flow.attach();
+        let tap = flow.tap.clone();
         tap.push(first).await;
-        lock(&self.streams).insert(record.id, tap.clone());
-        if let Some(reader) = reader {
-            let streamed = Streamed {
-                status: head.status,
-                headers: head.headers.clone(),
-                event_stream: head.event_stream,
-                reader,
-            };
+        lock(&self.streams).insert(record.id, flow);
+        // Duplicates waiting for the record are woken to attach to its stream.
+        self.settled.settled(record.id);
+        if let Some(streamed) = reader {
             job.reply.send(Outcome::Streaming(streamed));
         }
 
