@@ -222,6 +222,19 @@ impl Problem {
         )
     }
 
+    /// A duplicate of a done request whose streamed answer was longer than the route stores.
+    pub fn response_not_stored() -> Problem {
+        Problem::new(
+            StatusCode::CONFLICT,
+            "response-not-stored",
+            "Response not stored",
+            "This request was executed and its answer was streamed to the client that sent it, but the answer \
+             was longer than the route's max_stored_body, so it was not stored and cannot be replayed. It will \
+             not be executed again under this key.",
+        )
+        .state(State::Done)
+    }
+
     pub fn deadline_exceeded() -> Problem {
         Problem::new(
             StatusCode::GATEWAY_TIMEOUT,

@@ -72,7 +72,19 @@ async fn the_first_event_reaches_the_client_before_the_upstream_has_finished(b: 
     assert_eq!(record["response"]["status"], 200);
     assert_eq!(record["response"]["body"], whole(2), "the whole body is stored");
     assert_eq!(record["stop_reason"], "success");
+    let stream = &record["stream"];
+    assert_eq!(stream["bytes"], whole(2).len(), "{record:#}");
+    assert_eq!(stream["stored"], true);
+    assert!(stream.get("cut_at").is_none(), "a whole stream has no cut");
+    assert!(stream["first_byte_ms"].as_u64().unwrap() <= stream["duration_ms"].as_u64().unwrap());
     assert_eq!(upstream.hits("first"), 1);
+
+    let metrics = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    for name in
+        ["idem_stream_first_byte_seconds_count", "idem_stream_duration_seconds_count", "idem_stream_bytes_total"]
+    {
+        assert!(metrics.contains(&format!("{name}{{route=\"payments\"}}")), "{name} missing from:\n{metrics}");
+    }
 }
 
 async fn a_503_before_the_first_byte_is_retried(b: Backend) {
@@ -152,6 +164,7 @@ async fn a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_ne
     let record = broker.await_record("cut", SETTLES, |r| r["state"] == "unknown").await;
     assert_eq!(record["stop_reason"], "stream_cut");
     assert_eq!(record["response"]["body"], three, "the partial body is kept for the operator");
+    assert_eq!(record["stream"]["cut_at"], three.len(), "where it was cut");
     let attempts = record["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0]["status"], 200);
@@ -245,6 +258,25 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     assert_eq!(upstream.hits("early"), 1);
 }
 
+async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again(b: Backend) {
+    let (upstream, broker) = setup(b, "max_stored_body = \"200B\"", "").await;
+    upstream.script("long", vec![Answer::Stream(events(5))]);
+    let first = send(broker.post(PATH, "long", BODY)).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(std::str::from_utf8(&first.body).unwrap(), whole(5), "the client gets it all");
+    assert!(whole(5).len() > 200);
+
+    let record = broker.await_record("long", SETTLES, |r| r["state"] == "done").await;
+    assert_eq!(record["stream"]["stored"], false, "{record:#}");
+    assert_eq!(record["stream"]["bytes"], whole(5).len());
+    let again = send(broker.post(PATH, "long", BODY)).await;
+    again.assert_problem(409, "response-not-stored");
+    assert_eq!(again.header("idempotency-status"), Some("done"));
+    let waited = send(broker.post(PATH, "long", BODY).header("prefer", "wait=5")).await;
+    waited.assert_problem(409, "response-not-stored");
+    assert_eq!(upstream.hits("long"), 1, "never a second execution");
+}
+
 both_stores!(
     the_first_event_reaches_the_client_before_the_upstream_has_finished,
     a_503_before_the_first_byte_is_retried,
@@ -255,4 +287,5 @@ both_stores!(
     a_stall_past_the_idle_timeout_ends_the_stream_as_unknown,
     a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes,
     a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does,
+    an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again,
 );

@@ -424,6 +424,8 @@ impl Ingress {
         }
         match record.phase() {
             Phase::Done => match &record.response {
+                // Streamed past `max_stored_body`: done, but there is nothing to replay.
+                Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
                 Some(response) => {
                     // A done record is not updated again: this is when it became done.
                     let expires_at = record.updated_at + duration_ms(self.retention(&record.route));

@@ -54,6 +54,15 @@ pub struct AttemptEnded {
     pub now: Millis,
 }
 
+/// Stores how a streamed answer went, before its outcome, while `owner` holds the lease.
+#[derive(Debug, Clone)]
+pub struct StreamEnded {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub facts: crate::record::StreamFacts,
+    pub now: Millis,
+}
+
 /// Extends `owner`'s lease.
 #[derive(Debug, Clone)]
 pub struct Renew {

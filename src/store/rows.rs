@@ -99,6 +99,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         not_before: number("not_before")?,
         tombstone_until: number("tombstone_until")?,
         policy_version: row.text("policy_version")?,
+        stream: row.text("stream")?.map(|s| serde_json::from_str(&s)).transpose()?,
         created_at: required("created_at")?,
         updated_at: required("updated_at")?,
     })

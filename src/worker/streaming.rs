@@ -7,14 +7,15 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tracing::Instrument;
+use tracing::{warn, Instrument};
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
 use super::{lock, Flow, Inner, Outcome};
 use crate::metrics;
 use crate::policy::{Decision, Ended, Observed, StopReason};
 use crate::problem::Problem;
-use crate::record::StoredResponse;
+use crate::record::{StoredResponse, StreamFacts};
+use crate::store::{Lease, StreamEnded};
 use crate::stream::{self, Tap};
 
 /// Why a stream ended short.
@@ -147,6 +148,28 @@ impl Inner {
         metrics::attempt(&route.name, chosen.version, class, took);
         // The pace estimates when an outcome is due from how long answers take to start.
         self.pace.observe(&route.name, first_byte);
-        End::Stop(stop, Some(attempt))
+        let bytes = tap.received();
+        let facts = StreamFacts {
+            bytes,
+            stored: tap.body().is_some(),
+            cut_at: ended.is_err().then_some(bytes),
+            first_byte_ms: first_byte.as_millis() as u64,
+            duration_ms: took.as_millis() as u64,
+        };
+        metrics::streamed(&route.name, first_byte, took, bytes);
+        // Stored before the outcome: a done record must never be replayed from a body it did not
+        // keep, so whether it kept it is known by the time it is done.
+        let written = self
+            .store
+            .stream_ended(StreamEnded { id: record.id.into(), owner: self.owner.clone(), facts, now: self.clock.now() })
+            .await;
+        match written {
+            Ok(Lease::Held { .. }) => End::Stop(stop, Some(attempt)),
+            Ok(Lease::Lost) => End::Lost,
+            Err(e) => {
+                warn!(error = %e, "could not store how a streamed answer went; its lease will expire and be taken over");
+                End::Lost
+            }
+        }
     }
 }
