@@ -268,7 +268,7 @@ mod tests {
         let cases = [
             (AfterAttempt::Wait { not_before: 7 }, InProgress),
             (AfterAttempt::Release, Queued),
-            (AfterAttempt::Done(StopReason::Success, response), Done),
+            (AfterAttempt::Done(StopReason::Success, response.clone()), Done),
             (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
             (AfterAttempt::Free(StopReason::Deadline), Free),
         ];
@@ -279,6 +279,12 @@ mod tests {
             assert_eq!(stored.not_before, if to == InProgress { Some(7) } else { None }, "{then:?}");
             assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
         }
+        // A streamed answer cut after its first byte: unknown, what arrived of it kept.
+        let cut = AfterAttempt::Cut(StopReason::StreamCut, response.clone());
+        let stored = cut.stored().unwrap();
+        assert_eq!(phase(&stored), Unknown);
+        assert_eq!(stored.stop, Some(StopReason::StreamCut));
+        assert_eq!(stored.response, Some(&response));
     }
 
     #[test]
