@@ -27,7 +27,9 @@
 //!   attempt before and after it is sent; between attempts it asks [`policy`], which is pure:
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //!   An execution keeps the route and policy it was claimed with, whatever a reload does, and
-//!   stores every attempt with its policy's version.
+//!   stores every attempt with its policy's version. An answer that arrives in parts is passed
+//!   through a [`stream`] tap to its client (and to duplicates that attach) as it arrives, and
+//!   read to its end and stored whatever the client does (SPEC §11).
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
 //!   requests while the store cannot record them.
@@ -78,6 +80,7 @@ pub mod reload;
 pub mod server;
 pub mod simulate;
 pub mod store;
+pub mod stream;
 pub mod switch;
 pub mod switchboard;
 pub mod tally;

@@ -66,6 +66,17 @@ fn describe() {
     );
     describe_counter!("idem_stops_total", "Executions that ended, per route and stop reason.");
     describe_histogram!(
+        "idem_stream_first_byte_seconds",
+        Unit::Seconds,
+        "Streamed answers: from the attempt's send to the first body byte, per route."
+    );
+    describe_histogram!(
+        "idem_stream_duration_seconds",
+        Unit::Seconds,
+        "Streamed answers: from the attempt's send to the stream's end, per route."
+    );
+    describe_counter!("idem_stream_bytes_total", "Streamed answers: body bytes passed through, per route.");
+    describe_histogram!(
         "idem_request_duration_seconds",
         Unit::Seconds,
         "End-to-end time of an execution, from the request's arrival to its outcome."
@@ -160,6 +171,14 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
     } else if stop == StopReason::RetryBudget {
         counter!("idem_retry_budget_exhausted_total", "route" => route).increment(1);
     }
+}
+
+/// A streamed answer ended (SPEC §11): its time to first byte, its duration and its bytes.
+pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
+    let route = route.to_string();
+    histogram!("idem_stream_first_byte_seconds", "route" => route.clone()).record(first_byte.as_secs_f64());
+    histogram!("idem_stream_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
+    counter!("idem_stream_bytes_total", "route" => route).increment(bytes);
 }
 
 /// A take-over stopped a record whose worker died (SPEC §4): `unsafe_replay`, `deadline` or

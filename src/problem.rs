@@ -204,6 +204,37 @@ impl Problem {
         )
     }
 
+    /// A streamed answer that ended short after its first byte reached the client (SPEC §11):
+    /// `why` says what ended it; `replay_safe` decides what became of the key.
+    pub fn stream_cut(why: &str, replay_safe: bool) -> Problem {
+        let then = if replay_safe {
+            "The route is replay-safe, so the key is free: send it again with the same key and it will be \
+             executed afresh."
+        } else {
+            "The upstream may have executed it, so it will not be sent again: it waits for reconciliation, and \
+             asking again with the same key tells you its outcome once settled."
+        };
+        Problem::new(
+            StatusCode::BAD_GATEWAY,
+            "stream-cut",
+            "Stream cut",
+            format!("The upstream's streamed answer ended before it was complete ({why}). {then}"),
+        )
+    }
+
+    /// A duplicate of a done request whose streamed answer was longer than the route stores.
+    pub fn response_not_stored() -> Problem {
+        Problem::new(
+            StatusCode::CONFLICT,
+            "response-not-stored",
+            "Response not stored",
+            "This request was executed and its answer was streamed to the client that sent it, but the answer \
+             was longer than the route's max_stored_body, so it was not stored and cannot be replayed. It will \
+             not be executed again under this key.",
+        )
+        .state(State::Done)
+    }
+
     pub fn deadline_exceeded() -> Problem {
         Problem::new(
             StatusCode::GATEWAY_TIMEOUT,

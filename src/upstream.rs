@@ -146,23 +146,71 @@ impl Upstream {
         body: Bytes,
         limit: Duration,
     ) -> Result<Answer, Observed> {
+        let until = tokio::time::Instant::now() + limit;
+        self.send_head(method, url, headers, credentials, body, until).await?.whole(until).await
+    }
+
+    /// Sends one attempt and waits until `until` for its status and headers; the body is left
+    /// to read, whole or part by part.
+    pub async fn send_head(
+        &self,
+        method: &str,
+        url: reqwest::Url,
+        headers: &[(String, String)],
+        credentials: &HeaderMap,
+        body: Bytes,
+        until: tokio::time::Instant,
+    ) -> Result<Head, Observed> {
         let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
         let mut headers = to_header_map(headers);
         // Credentials are added at the send, never to what is stored.
         headers.extend(credentials.clone());
-        let request = self.client.request(method, url).headers(headers).body(body).timeout(limit);
-        let response = request.send().await.map_err(|e| observed(&e))?;
+        let request = self.client.request(method, url).headers(headers).body(body);
+        let response = match tokio::time::timeout_at(until, request.send()).await {
+            Ok(sent) => sent.map_err(|e| observed(&e))?,
+            Err(_) => return Err(Observed::TimedOut),
+        };
         let status = response.status().as_u16();
         let retry_after = response.headers().get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
+        let streamed = crate::stream::is_streamed(response.headers());
+        let event_stream = crate::stream::is_event_stream(response.headers());
         let headers = storable_response_headers(response.headers());
-        // The status arrived: from here on, any failure may follow an execution.
-        let body =
-            response.bytes().await.map_err(|e| if e.is_timeout() { Observed::TimedOut } else { Observed::Broken })?;
+        Ok(Head { status, headers, retry_after, streamed, event_stream, response })
+    }
+}
+
+/// An upstream answer whose status and headers have arrived. From here on, any failure may
+/// follow an execution.
+#[derive(Debug)]
+pub struct Head {
+    pub status: u16,
+    /// The end-to-end headers, as stored and returned.
+    pub headers: Vec<(String, String)>,
+    pub retry_after: Option<String>,
+    /// Its body is passed on as it arrives (SPEC §11): server-sent events, chunked, or long.
+    pub streamed: bool,
+    pub event_stream: bool,
+    response: reqwest::Response,
+}
+
+impl Head {
+    /// The whole body, if it arrives before `until`.
+    pub async fn whole(self, until: tokio::time::Instant) -> Result<Answer, Observed> {
+        let Head { status, headers, retry_after, response, .. } = self;
+        let body = match tokio::time::timeout_at(until, response.bytes()).await {
+            Ok(body) => body.map_err(|e| if e.is_timeout() { Observed::TimedOut } else { Observed::Broken })?,
+            Err(_) => return Err(Observed::TimedOut),
+        };
         // A small body arrives as a slice of the connection's read buffer, and would keep all of
         // it (8 KiB or more) alive for as long as the answer is cached for replays; the
         // connection would allocate a new buffer for every response. A copy is the body's size.
         let body = Bytes::copy_from_slice(&body);
         Ok(Answer { response: StoredResponse { status, headers, body }, retry_after })
+    }
+
+    /// The next part of the body, as it comes; `None` at its end. An error is a cut.
+    pub async fn part(&mut self) -> Result<Option<Bytes>, Observed> {
+        self.response.chunk().await.map_err(|_| Observed::Broken)
     }
 }
 

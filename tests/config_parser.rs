@@ -34,6 +34,7 @@ methods = ["POST", "PATCH", "DELETE"]
 replay_safe = false
 forward_idempotency_key = true
 max_body = "1MiB"
+max_stored_body = "8MiB"
 max_concurrency = 256
 require_key = true
 forward_authorization = false
@@ -54,6 +55,7 @@ not_processed = [429, 503]
 ambiguous = [502, 504]
 budget_ratio = 0.1
 budget_min_per_sec = 10
+stream_idle_timeout = "30s"
 [routes.circuit]
 failures = 5
 open_for = "5s"
@@ -92,6 +94,7 @@ const KEYS: &[&str] = &[
     "routes[].replay_safe",
     "routes[].forward_idempotency_key",
     "routes[].max_body",
+    "routes[].max_stored_body",
     "routes[].max_concurrency",
     "routes[].forward_authorization",
     "routes[].upstream_headers_env",
@@ -111,6 +114,7 @@ const KEYS: &[&str] = &[
     "routes[].retry.ambiguous",
     "routes[].retry.budget_ratio",
     "routes[].retry.budget_min_per_sec",
+    "routes[].retry.stream_idle_timeout",
     "routes[].circuit.failures",
     "routes[].circuit.open_for",
     "routes[].circuit.max_open_for",

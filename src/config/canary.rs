@@ -158,6 +158,7 @@ impl RawRetry {
             ambiguous: self.ambiguous.or(main.ambiguous),
             budget_ratio: main.budget_ratio,
             budget_min_per_sec: main.budget_min_per_sec,
+            stream_idle_timeout: self.stream_idle_timeout.or(main.stream_idle_timeout),
         }
     }
 }

@@ -96,6 +96,7 @@ fn over(raw: RawRetry, current: &RetryPolicy) -> RawRetry {
         ambiguous: raw.ambiguous.or_else(|| statuses(&current.ambiguous)),
         budget_ratio: raw.budget_ratio.or(Some(current.budget_ratio)),
         budget_min_per_sec: raw.budget_min_per_sec.or(Some(current.budget_min_per_sec)),
+        stream_idle_timeout: raw.stream_idle_timeout.or_else(|| ms(current.stream_idle_timeout)),
     }
 }
 

@@ -172,6 +172,7 @@ fn differing_keys(a: &Route, b: &Route) -> Vec<&'static str> {
         ("key_from", a.key_from != b.key_from),
         ("fingerprint_ignore", a.fingerprint_ignore != b.fingerprint_ignore),
         ("max_body", a.max_body != b.max_body),
+        ("max_stored_body", a.max_stored_body != b.max_stored_body),
         ("max_concurrency", a.max_concurrency != b.max_concurrency),
         ("retry", a.retry != b.retry),
         ("circuit", a.circuit != b.circuit),

@@ -137,6 +137,9 @@ pub struct Route {
     /// JSON pointers removed from the body before it is fingerprinted (timestamps, nonces).
     pub fingerprint_ignore: Vec<String>,
     pub max_body: usize,
+    /// Answers longer than this are passed to the client but not stored: their duplicates get
+    /// 409 `response-not-stored` (SPEC §11).
+    pub max_stored_body: usize,
     pub max_concurrency: usize,
     pub retry: RetryPolicy,
     pub circuit: BreakerSettings,
@@ -263,23 +266,25 @@ pub fn describe(c: &Config) -> String {
         let _ = writeln!(out, "  policy_version {}", r.policy_version);
         let _ = writeln!(
             out,
-            "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_concurrency {}",
+            "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_stored_body {} B; max_concurrency {}",
             methods.join(","),
             r.replay_safe,
             r.forward_idempotency_key,
             r.max_body,
+            r.max_stored_body,
             r.max_concurrency
         );
         let _ = writeln!(
             out,
-            "  retry: {} attempts within {} (per try {}, min {}); backoff {:?} jitter, base {}, cap {}",
+            "  retry: {} attempts within {} (per try {}, min {}); backoff {:?} jitter, base {}, cap {}; stream idle {}",
             p.max_attempts,
             h(p.deadline),
             h(p.per_try_timeout),
             h(p.min_try),
             p.jitter,
             h(p.base),
-            h(p.cap)
+            h(p.cap),
+            h(p.stream_idle_timeout)
         );
         let _ = writeln!(
             out,

@@ -85,6 +85,7 @@ pub(super) struct RawRoute {
     #[serde(default)]
     pub(super) fingerprint_ignore: Vec<String>,
     pub(super) max_body: Option<String>,
+    pub(super) max_stored_body: Option<String>,
     pub(super) max_concurrency: Option<i64>,
     pub(super) retry: Option<RawRetry>,
     pub(super) circuit: Option<RawCircuit>,
@@ -116,6 +117,7 @@ pub(super) struct RawRetry {
     pub(super) ambiguous: Option<Vec<i64>>,
     pub(super) budget_ratio: Option<f64>,
     pub(super) budget_min_per_sec: Option<f64>,
+    pub(super) stream_idle_timeout: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -127,6 +129,22 @@ pub(super) struct RawProbe {
 }
 
 // ---- validation -----------------------------------------------------------------------------
+
+/// A size like "1MiB": more than zero, at most [`MAX_BODY`].
+pub(super) fn size(key: &str, value: Option<&str>, default: &str) -> Result<usize, ConfigError> {
+    let text = value.unwrap_or(default);
+    let bytes = text
+        .parse::<bytesize::ByteSize>()
+        .map_err(|_| invalid(key, format!("`{text}` is not a size like \"1MiB\"")))?
+        .as_u64();
+    if bytes == 0 {
+        return Err(invalid(key, "must be greater than zero"));
+    }
+    if bytes > MAX_BODY {
+        return Err(invalid(key, format!("`{text}` is beyond any sane bound (at most 1GiB)")));
+    }
+    usize::try_from(bytes).map_err(|_| invalid(key, "is too large"))
+}
 
 pub(super) fn duration(key: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
     let text = value.unwrap_or(default);

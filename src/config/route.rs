@@ -40,20 +40,8 @@ impl RawRoute {
             }
             Some(list) => list.iter().map(|m| method(&format!("{key}.methods"), m)).collect::<Result<_, _>>()?,
         };
-        let max_body_text = self.max_body.unwrap_or_else(|| "1MiB".into());
-        let max_body = max_body_text
-            .parse::<bytesize::ByteSize>()
-            .map_err(|_| invalid(format!("{key}.max_body"), format!("`{max_body_text}` is not a size like \"1MiB\"")))?
-            .as_u64();
-        if max_body == 0 {
-            return Err(invalid(format!("{key}.max_body"), "must be greater than zero"));
-        }
-        if max_body > MAX_BODY {
-            return Err(invalid(
-                format!("{key}.max_body"),
-                format!("`{max_body_text}` is beyond any sane bound (at most 1GiB)"),
-            ));
-        }
+        let max_body = size(&format!("{key}.max_body"), self.max_body.as_deref(), "1MiB")?;
+        let max_stored_body = size(&format!("{key}.max_stored_body"), self.max_stored_body.as_deref(), "8MiB")?;
         let probe = self.probe.map(|p| p.validate(&format!("{key}.probe"))).transpose()?;
         let upstream_headers =
             upstream_headers(&format!("{key}.upstream_headers_env"), &self.upstream_headers_env, env)?;
@@ -110,7 +98,8 @@ impl RawRoute {
             tombstone,
             key_from,
             fingerprint_ignore: self.fingerprint_ignore,
-            max_body: usize::try_from(max_body).map_err(|_| invalid(format!("{key}.max_body"), "is too large"))?,
+            max_body,
+            max_stored_body,
             max_concurrency: positive(&format!("{key}.max_concurrency"), self.max_concurrency, 256)?,
             retry,
             circuit,
@@ -216,6 +205,7 @@ impl RawRetry {
         let min_try = duration(&k("min_try"), self.min_try.as_deref(), "100ms")?;
         let base = duration(&k("base"), self.base.as_deref(), "100ms")?;
         let cap = duration(&k("cap"), self.cap.as_deref(), "2s")?;
+        let stream_idle_timeout = duration(&k("stream_idle_timeout"), self.stream_idle_timeout.as_deref(), "30s")?;
         if min_try > per_try_timeout {
             return Err(invalid(k("min_try"), "must not exceed per_try_timeout: no attempt could ever start"));
         }
@@ -262,6 +252,7 @@ impl RawRetry {
             ambiguous,
             budget_ratio,
             budget_min_per_sec,
+            stream_idle_timeout,
         })
     }
 }

@@ -48,6 +48,8 @@ fn a_minimal_config_gets_the_documented_defaults() {
     assert!(!r.replay_safe);
     assert!(r.forward_idempotency_key);
     assert_eq!(r.max_body, 1024 * 1024);
+    assert_eq!(r.max_stored_body, 8 * 1024 * 1024);
+    assert_eq!(r.retry.stream_idle_timeout, Duration::from_secs(30));
     assert_eq!(r.max_concurrency, 256);
     assert_eq!(r.retry.max_attempts, 3);
     assert_eq!(r.retry.deadline, Duration::from_secs(30));
@@ -66,6 +68,8 @@ fn bad_durations_name_their_key() {
     assert!(e.contains("routes[0].retry.deadline") && e.contains("soon"), "{e}");
     let e = error_of(&with_retry_line("per_try_timeout = \"0s\""));
     assert!(e.contains("routes[0].retry.per_try_timeout") && e.contains("greater than zero"), "{e}");
+    let e = error_of(&with_retry_line("stream_idle_timeout = \"0s\""));
+    assert!(e.contains("routes[0].retry.stream_idle_timeout") && e.contains("greater than zero"), "{e}");
     let e = error_of(&format!("[store]\nretention = \"-1h\"\n{MINIMAL}"));
     assert!(e.contains("store.retention"), "{e}");
 }
@@ -161,6 +165,10 @@ fn configs_that_cannot_be_right_are_refused_without_echoing_secrets() {
     assert!(e.contains("store.retention") && e.contains("bound"), "{e}");
     let e = error_of(&with_retry_line("deadline = \"1000years\""));
     assert!(e.contains("routes[0].retry.deadline") && e.contains("bound"), "{e}");
+    let e = error_of(&with_route_line("max_stored_body = \"0B\""));
+    assert!(e.contains("routes[0].max_stored_body") && e.contains("greater than zero"), "{e}");
+    let e = error_of(&with_route_line("max_stored_body = \"2GiB\""));
+    assert!(e.contains("routes[0].max_stored_body") && e.contains("bound"), "{e}");
     let e = error_of(&with_route_line("max_body = \"100TiB\""));
     assert!(e.contains("routes[0].max_body") && e.contains("bound"), "{e}");
     let e = error_of(&with_route_line("max_concurrency = 100000000000"));

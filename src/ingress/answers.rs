@@ -8,11 +8,13 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::REPLAYED_HEADER;
+use crate::metrics;
 use crate::policy::StopReason;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{State, StoredResponse, Timestamp};
+use crate::stream;
 use crate::upstream;
-use crate::worker::Outcome;
+use crate::worker::{Outcome, Streamed};
 
 /// An answer on a keyed route: a response, or a problem that is told its key before it is sent.
 pub(super) type Answer = Result<Response, Problem>;
@@ -58,7 +60,21 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
             Err(problem.state(State::NotStarted))
         }
         Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
+        Outcome::Streaming(streamed) => Ok(streamed_response(streamed)),
     }
+}
+
+/// A streamed answer as it arrives (SPEC §11): the upstream's status and headers, and its body
+/// part by part. Its record is still `in_progress` while it flows; a cut ends the body visibly.
+pub(super) fn streamed_response(streamed: Streamed) -> Response {
+    let Streamed { status, headers, event_stream, reader } = streamed;
+    let mut response = Response::new(stream::client_body(reader, event_stream));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    *response.headers_mut() = upstream::to_header_map(&headers);
+    let headers = response.headers_mut();
+    headers.insert(STATUS_HEADER, HeaderValue::from_static(State::InProgress.as_str()));
+    headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
+    response
 }
 
 /// A stored response, as the upstream gave it; replays are marked.
@@ -78,4 +94,16 @@ pub(super) fn response_of(stored: &StoredResponse) -> Response {
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     *response.headers_mut() = upstream::to_header_map(&stored.headers);
     response
+}
+
+impl super::Ingress {
+    /// A duplicate that waits, attached to its record's answer streaming through this process:
+    /// it gets what was already sent, then follows live (SPEC §11).
+    pub(super) fn attached(&self, record: &crate::record::Record) -> Option<Response> {
+        let streamed = self.worker.attach(record.id)?;
+        metrics::answered(&record.route, "attached");
+        let mut response = streamed_response(streamed);
+        response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+        Some(response)
+    }
 }

@@ -391,10 +391,16 @@ impl Ingress {
     /// marked as a replay unless this request is the one whose execution produced it.
     async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
         if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
-            match self.wait_for(record.id, wait).await {
+            if let Some(attached) = self.attached(&record) {
+                return Ok(attached);
+            }
+            match self.wait_for(record.id, wait, true).await {
                 Ok(Some(settled)) => record = settled,
                 Ok(None) => return Err(Problem::not_found()),
                 Err(problem) => return Err(problem),
+            }
+            if let Some(attached) = self.attached(&record) {
+                return Ok(attached);
             }
         }
         let kind = match record.phase() {
@@ -416,6 +422,8 @@ impl Ingress {
         }
         match record.phase() {
             Phase::Done => match &record.response {
+                // Streamed past `max_stored_body`: done, but there is nothing to replay.
+                Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
                 Some(response) => {
                     // A done record is not updated again: this is when it became done.
                     let expires_at = record.updated_at + self.retention(&record.route);
@@ -454,8 +462,9 @@ impl Ingress {
         }
     }
 
-    /// Waits up to `max` for a record to leave `in_progress`/queued; `None` if it disappeared.
-    pub(super) async fn wait_for(&self, id: Uuid, max: Duration) -> Result<Option<Record>, Problem> {
+    /// Waits up to `max` for a record to leave `in_progress`/queued, or, when the request can
+    /// `attach`, for its answer to start streaming here; `None` if it disappeared.
+    pub(super) async fn wait_for(&self, id: Uuid, max: Duration, attach: bool) -> Result<Option<Record>, Problem> {
         let until = tokio::time::Instant::now() + max;
         // Another node may settle it: have it announced.
         self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
@@ -472,7 +481,9 @@ impl Ingress {
             };
             let now = tokio::time::Instant::now();
             let pending = matches!(record.phase(), Phase::Queued | Phase::InProgress);
-            if !pending || now >= until || *stopping.borrow_and_update() {
+            // Its answer streaming here: the request attaches to it rather than wait for the end.
+            let streaming = attach && pending && self.worker.streaming(id);
+            if !pending || streaming || now >= until || *stopping.borrow_and_update() {
                 return Ok(Some(record));
             }
             tokio::select! {

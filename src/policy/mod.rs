@@ -38,6 +38,9 @@ pub struct RetryPolicy {
     pub ambiguous: Vec<u16>,
     pub budget_ratio: f64,
     pub budget_min_per_sec: f64,
+    /// After a streamed answer's first byte reached the client: the longest silence between two
+    /// parts before the stream counts as cut (SPEC §11).
+    pub stream_idle_timeout: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -111,10 +114,14 @@ pub enum StopReason {
     TakeoverCap,
     /// An operator's `retries_off` switch was on when a retry would have started.
     RetriesOff,
+    /// A streamed answer's upstream cut it after its first byte reached the client.
+    StreamCut,
+    /// A streamed answer's upstream sent nothing for `stream_idle_timeout` after its first byte.
+    StreamIdleTimeout,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 12] = [
+    pub const ALL: [StopReason; 14] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
@@ -127,6 +134,8 @@ impl StopReason {
         StopReason::CredentialUnavailable,
         StopReason::TakeoverCap,
         StopReason::RetriesOff,
+        StopReason::StreamCut,
+        StopReason::StreamIdleTimeout,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -143,6 +152,8 @@ impl StopReason {
             StopReason::CredentialUnavailable => "credential_unavailable",
             StopReason::TakeoverCap => "takeover_cap",
             StopReason::RetriesOff => "retries_off",
+            StopReason::StreamCut => "stream_cut",
+            StopReason::StreamIdleTimeout => "stream_idle_timeout",
         }
     }
 
@@ -368,6 +379,7 @@ impl RetryPolicy {
             ambiguous: vec![502, 504],
             budget_ratio: 0.1,
             budget_min_per_sec: 10.0,
+            stream_idle_timeout: Duration::from_secs(30),
         }
     }
 }

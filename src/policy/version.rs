@@ -22,6 +22,9 @@ use super::{BreakerSettings, Jitter, RetryPolicy};
 /// side do not collide, short enough for a metric label and a log line.
 const DIGITS: usize = 12;
 
+/// `[routes.retry] stream_idle_timeout` when it is not set.
+pub const STREAM_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+
 /// The digest of an effective policy: 12 lower-case hex digits. Shared, not copied: every
 /// attempt is stored with its version.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -103,7 +106,13 @@ impl Effective<'_> {
             format!("circuit_max_open_for_us={}", us(c.max_open_for)),
             format!("circuit_trials={}", c.trials),
         ];
-        lines.join("\n")
+        let mut text = lines.join("\n");
+        // Added while version 1 was in use: written only when it differs from its default, so
+        // a policy that leaves it alone keeps the version it had before streaming existed.
+        if r.stream_idle_timeout != STREAM_IDLE_TIMEOUT_DEFAULT {
+            text.push_str(&format!("\nstream_idle_timeout_us={}", us(r.stream_idle_timeout)));
+        }
+        text
     }
 }
 
@@ -146,7 +155,7 @@ mod tests {
         let ms = Duration::from_millis;
         /// One change of one value of the retry table.
         type Change = (&'static str, fn(&mut RetryPolicy));
-        let changes: [Change; 11] = [
+        let changes: [Change; 12] = [
             ("max_attempts", |p| p.max_attempts = 4),
             ("deadline", |p| p.deadline = Duration::from_millis(1501)),
             ("per_try_timeout", |p| p.per_try_timeout = Duration::from_millis(601)),
@@ -158,6 +167,7 @@ mod tests {
             ("ambiguous", |p| p.ambiguous = vec![502, 504, 500]),
             ("budget_ratio", |p| p.budget_ratio = 0.2),
             ("budget_min_per_sec", |p| p.budget_min_per_sec = 10.5),
+            ("stream_idle_timeout", |p| p.stream_idle_timeout = Duration::from_secs(31)),
         ];
         let mut seen = std::collections::HashSet::from([seed_version()]);
         for (field, change) in changes {

@@ -108,6 +108,22 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
+/// How a streamed answer went (SPEC §11), stored with its record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamFacts {
+    /// Body bytes received from the upstream.
+    pub bytes: u64,
+    /// Whether the body is stored: within the route's `max_stored_body`. A `done` record whose
+    /// body is not is never replayed; its duplicates are refused.
+    pub stored: bool,
+    /// Where a cut (or stalled) stream ended: the bytes received before it. `None` when whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_at: Option<u64>,
+    /// From the attempt's send to the first body byte, and to the stream's end.
+    pub first_byte_ms: u64,
+    pub duration_ms: u64,
+}
+
 /// What the broker needs to send the request again, possibly from another process.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredRequest {
@@ -159,6 +175,8 @@ pub struct Record {
     /// The policy version of the latest attempt, written with its "may have been sent" mark:
     /// an attempt whose worker died before storing its outcome is still known by its policy.
     pub policy_version: Option<String>,
+    /// Set when its answer streamed: how that went.
+    pub stream: Option<StreamFacts>,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
 }
@@ -224,6 +242,9 @@ impl Record {
         });
         if let Some(version) = &self.policy_version {
             v["policy_version"] = json!(version);
+        }
+        if let Some(stream) = &self.stream {
+            v["stream"] = json!(stream);
         }
         match (self.tombstone_until, &self.response) {
             (Some(until), Some(r)) => {

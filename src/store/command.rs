@@ -56,6 +56,15 @@ pub struct AttemptEnded {
     pub now: Timestamp,
 }
 
+/// Stores how a streamed answer went, before its outcome, while `owner` holds the lease.
+#[derive(Debug, Clone)]
+pub struct StreamEnded {
+    pub id: RecordId,
+    pub owner: Owner,
+    pub facts: crate::record::StreamFacts,
+    pub now: Timestamp,
+}
+
 /// Extends `owner`'s lease.
 #[derive(Debug, Clone)]
 pub struct Renew {
@@ -187,7 +196,7 @@ impl AfterAttempt {
             AfterAttempt::Wait { .. } => Event::WaitForRetry,
             AfterAttempt::Release => Event::Release,
             AfterAttempt::Done(..) => Event::FinalResponse,
-            AfterAttempt::Unknown(_) => Event::AmbiguousNotReplaySafe,
+            AfterAttempt::Unknown(_) | AfterAttempt::Cut(..) => Event::AmbiguousNotReplaySafe,
             AfterAttempt::Free(_) => Event::StopFree,
         }
     }
@@ -200,6 +209,7 @@ impl AfterAttempt {
             AfterAttempt::Release => (None, None, None),
             AfterAttempt::Done(stop, response) => (Some(*stop), Some(response), None),
             AfterAttempt::Unknown(stop) | AfterAttempt::Free(stop) => (Some(*stop), None, None),
+            AfterAttempt::Cut(stop, partial) => (Some(*stop), Some(partial), None),
         };
         Ok(Stored { state: phase.state(), stop, response, queued: phase == Phase::Queued, not_before })
     }
@@ -261,7 +271,7 @@ mod tests {
         let cases = [
             (AfterAttempt::Wait { not_before: seven }, InProgress),
             (AfterAttempt::Release, Queued),
-            (AfterAttempt::Done(StopReason::Success, response), Done),
+            (AfterAttempt::Done(StopReason::Success, response.clone()), Done),
             (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
             (AfterAttempt::Free(StopReason::Deadline), Free),
         ];
@@ -272,6 +282,12 @@ mod tests {
             assert_eq!(stored.not_before, if to == InProgress { Some(seven) } else { None }, "{then:?}");
             assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
         }
+        // A streamed answer cut after its first byte: unknown, what arrived of it kept.
+        let cut = AfterAttempt::Cut(StopReason::StreamCut, response.clone());
+        let stored = cut.stored().unwrap();
+        assert_eq!(phase(&stored), Unknown);
+        assert_eq!(stored.stop, Some(StopReason::StreamCut));
+        assert_eq!(stored.response, Some(&response));
     }
 
     #[test]

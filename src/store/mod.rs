@@ -31,7 +31,7 @@ use self::stats::{Side, StatsRows, StatsSpan};
 pub(crate) use command::{retried, Fresh, Stored};
 pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
-    ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
+    ProbesDue, Renew, Resolve, Retry, StreamEnded, Sweep, TakeOver,
 };
 pub use error::StoreError;
 pub use health::Health;
@@ -95,6 +95,7 @@ impl NewRecord {
             not_before: None,
             tombstone_until: None,
             policy_version: claim.as_ref().map(|c| c.policy_version.to_string()),
+            stream: None,
             created_at: self.now,
             updated_at: self.now,
         }
@@ -151,6 +152,9 @@ pub enum AfterAttempt {
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed and must not be sent again automatically.
     Unknown(StopReason),
+    /// `unknown`, as a streamed answer cut after its first byte reached the client (SPEC §11):
+    /// what arrived of it is kept in the record's response for the operator, never replayed.
+    Cut(StopReason, StoredResponse),
     /// `not_started`, free: nothing executed (or the route is replay-safe); the key is released.
     Free(StopReason),
     /// `not_started`, queued: handed back between attempts (at shutdown) for any worker to
@@ -270,6 +274,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError>;
+
+    /// Stores how a streamed answer went (SPEC §11), just before its outcome; cleared when a
+    /// later attempt starts.
+    async fn stream_ended(&self, ended: StreamEnded) -> Result<Lease, StoreError>;
 
     /// Extends `owner`'s lease.
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError>;

@@ -107,6 +107,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         not_before: time("not_before")?,
         tombstone_until: time("tombstone_until")?,
         policy_version: row.text("policy_version")?,
+        stream: row.text("stream")?.map(|s| serde_json::from_str(&s)).transpose()?,
         created_at: required_time("created_at")?,
         updated_at: required_time("updated_at")?,
     })

@@ -13,13 +13,13 @@ use uuid::Uuid;
 
 use super::execution::CancelSignal;
 use super::guards::RouteGuard;
-use super::{Inner, Outcome};
+use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
 use crate::record::{Attempt, Record, StoredResponse, Timestamp};
 use crate::store::{self, AttemptStarted, Lease};
-use crate::upstream::{self, Answer};
+use crate::upstream::{self, Answer, Head};
 
 /// What an execution runs with, fixed when it starts.
 pub(super) struct Job<'a> {
@@ -35,6 +35,8 @@ pub(super) struct Job<'a> {
     /// The route's limits as they stood when the execution started: its attempts count
     /// against them to the end, whatever a reload does to the route meanwhile.
     pub(super) guard: Arc<RouteGuard>,
+    /// The request waiting for the outcome, if any: told early when the answer streams.
+    pub(super) reply: &'a Reply,
 }
 
 /// Where an execution stands between attempts.
@@ -43,12 +45,14 @@ pub(super) struct Progress {
     /// shortened its deadline, so that the time left always ends at the record's `deadline_at`.
     pub(super) arrival: Timestamp,
     /// The number of the last attempt stored with the record (all executions).
-    number: u32,
-    wait_before: Duration,
+    pub(super) number: u32,
+    pub(super) wait_before: Duration,
     /// What the policy's next decisions depend on: attempts made, the last wait, what they showed.
     pub(super) run: Execution,
     /// The last attempt's response, if one came.
     pub(super) last_response: Option<StoredResponse>,
+    /// What arrived of a streamed answer that was cut: kept with the `unknown` record.
+    pub(super) partial: Option<StoredResponse>,
 }
 
 impl Progress {
@@ -62,12 +66,13 @@ impl Progress {
             // as the deadline they spent does.
             run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
             last_response: None,
+            partial: None,
         }
     }
 }
 
 /// Why the attempts stopped, and so how the execution ends.
-enum End {
+pub(super) enum End {
     /// The policy (or a cancel) stopped them: settle the record, with the last attempt if it is
     /// not stored yet.
     Stop(StopReason, Option<Attempt>),
@@ -105,12 +110,31 @@ struct Begun {
     limit: Duration,
 }
 
-/// An attempt that ended: what the upstream answered (or what went wrong), and how long it took.
-struct Sent {
+/// An attempt that ended: what the upstream answered (or what went wrong), and how long it took
+/// — or, when its answer streams, its head and first part, the rest still to read.
+pub(super) struct Sent {
     result: Result<Answer, Observed>,
     took: Duration,
-    started: Timestamp,
-    span: tracing::Span,
+    pub(super) started: Timestamp,
+    pub(super) span: tracing::Span,
+    pub(super) flowing: Option<Flowing>,
+}
+
+/// An answer that streams, past its first body byte: from here on it is never retried.
+pub(super) struct Flowing {
+    pub(super) head: Head,
+    pub(super) first: bytes::Bytes,
+    /// The attempt's place on its route, held until the stream ends.
+    pub(super) in_flight: Option<OwnedSemaphorePermit>,
+    /// When the attempt was sent, and how long its first byte took.
+    pub(super) sent_at: Instant,
+    pub(super) first_byte: Duration,
+}
+
+/// What one attempt's send got: the whole answer (or what went wrong), or a stream under way.
+enum Got {
+    Whole(Answer),
+    Flowing(Head, bytes::Bytes),
 }
 
 impl Inner {
@@ -135,6 +159,9 @@ impl Inner {
         loop {
             let begun = self.begin(job, p, reserved.take()).await?;
             let sent = self.send(job, p, begun).await;
+            if sent.flowing.is_some() {
+                return Err(self.stream_through(job, p, sent).await);
+            }
             let wait = self.judge(job, p, sent)?;
             self.wait_to_retry(job, p, wait).await?;
         }
@@ -217,33 +244,75 @@ impl Inner {
         Ok(Begun { started, in_flight, limit })
     }
 
-    /// Sends the attempt, keeping the lease alive while it is in flight.
+    /// Sends the attempt, keeping the lease alive while it is in flight. An answer that streams
+    /// (SPEC §11) and whose status ends the execution is read up to its first body byte only,
+    /// within the attempt's limit: until then the policy holds; after it, the stream is read
+    /// through. Any other answer is read whole, as before.
     async fn send(&self, job: &Job<'_>, p: &Progress, begun: Begun) -> Sent {
-        let Job { record, route, .. } = job;
+        let Job { record, route, chosen, .. } = job;
         let Begun { started, in_flight, limit } = begun;
         let mut told = job.credentials.clone();
         upstream::tell_deadline(&mut told, route.deadline_header.as_ref(), limit);
         let clock = Instant::now();
-        let sent = self.upstream.send(
-            &record.method,
-            job.url.clone(),
-            &record.request.headers,
-            &told,
-            record.request.body.clone(),
-            limit,
-        );
+        let until = tokio::time::Instant::now() + limit;
+        let sent = async {
+            let head = self
+                .upstream
+                .send_head(
+                    &record.method,
+                    job.url.clone(),
+                    &record.request.headers,
+                    &told,
+                    record.request.body.clone(),
+                    until,
+                )
+                .await?;
+            let settles =
+                matches!(chosen.retry.classify(Observed::Response(head.status)), Class::Success | Class::Final);
+            if !(head.streamed && settles) {
+                return head.whole(until).await.map(Got::Whole);
+            }
+            let mut head = head;
+            match tokio::time::timeout_at(until, head.part()).await {
+                Ok(Ok(Some(first))) => Ok(Got::Flowing(head, first)),
+                // An empty body: there is nothing to stream.
+                Ok(Ok(None)) => head.whole(until).await.map(Got::Whole),
+                Ok(Err(observed)) => Err(observed),
+                Err(_) => Err(Observed::TimedOut),
+            }
+        };
         let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
-        let result = self.renewing(record.id, sent).instrument(span.clone()).await;
+        let got = self.renewing(record.id, sent).instrument(span.clone()).await;
         let took = clock.elapsed();
-        drop(in_flight);
-        Sent { result, took, started, span }
+        match got {
+            Ok(Got::Flowing(head, first)) => {
+                let answer = Answer {
+                    response: StoredResponse {
+                        status: head.status,
+                        headers: head.headers.clone(),
+                        body: Default::default(),
+                    },
+                    retry_after: head.retry_after.clone(),
+                };
+                let flowing = Flowing { head, first, in_flight, sent_at: clock, first_byte: took };
+                Sent { result: Ok(answer), took, started, span, flowing: Some(flowing) }
+            }
+            Ok(Got::Whole(answer)) => {
+                drop(in_flight);
+                Sent { result: Ok(answer), took, started, span, flowing: None }
+            }
+            Err(observed) => {
+                drop(in_flight);
+                Sent { result: Err(observed), took, started, span, flowing: None }
+            }
+        }
     }
 
     /// Classifies the attempt that ended and asks the policy what follows: the wait before the
     /// next attempt, or the end of the execution (with this attempt, still to be stored).
     fn judge(&self, job: &Job<'_>, p: &mut Progress, sent: Sent) -> Result<(Attempt, Duration), End> {
         let Job { route, chosen, .. } = job;
-        let Sent { result, took, started, span } = sent;
+        let Sent { result, took, started, span, .. } = sent;
         let (observed, answer) = match result {
             Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
             Err(observed) => (observed, None),
@@ -321,7 +390,7 @@ impl Inner {
     }
 
     /// Awaits an attempt while keeping the lease alive.
-    async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
+    pub(super) async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
         tokio::pin!(attempt);
         let every = self.lease / 3;
         loop {
@@ -375,7 +444,7 @@ impl Inner {
 
 /// The attempt as it is stored with the record.
 #[allow(clippy::too_many_arguments)]
-fn stored_attempt(
+pub(super) fn stored_attempt(
     p: &Progress,
     started: Timestamp,
     took: Duration,

@@ -12,7 +12,7 @@ use uuid::Uuid;
 
 use super::admission::{Reservation, Start};
 use super::attempts::{since, Job, Progress};
-use super::{lock, Inner, Outcome};
+use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
 use crate::metrics;
 use crate::policy::{Class, Settlement, StopReason};
@@ -45,19 +45,19 @@ impl Inner {
     }
 
     /// Runs a spawned execution as `start` says; `None` when the process is past running any.
-    pub(super) async fn execute(&self, record: &Record, start: Start) -> Option<Outcome> {
+    pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
         let outcome = match start {
             Start::Reserved(Reservation { worker, attempt, config }) => {
                 let _permit = worker;
-                self.run(record, Some((attempt, config))).await
+                self.run(record, Some((attempt, config)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
-                self.claim_and_run(record).await
+                self.claim_and_run(record, reply).await
             }
             Start::Claimed => {
                 let _permit = self.permits.acquire().await.ok()?;
-                self.run(record, None).await
+                self.run(record, None, reply).await
             }
         };
         Some(outcome)
@@ -70,7 +70,7 @@ impl Inner {
         marked.unwrap_or_else(|| self.switches.policy(route, &record.tenant, &record.key))
     }
 
-    pub(super) async fn claim_and_run(&self, record: &Record) -> Outcome {
+    pub(super) async fn claim_and_run(&self, record: &Record, reply: &Reply) -> Outcome {
         let now = self.clock.now();
         let claimed = self
             .store
@@ -83,7 +83,7 @@ impl Inner {
             .await;
         lock(&self.mine).remove(&record.id);
         match claimed {
-            Ok(true) => self.run(record, None).await,
+            Ok(true) => self.run(record, None, reply).await,
             Ok(false) => Outcome::Lost,
             Err(e) => {
                 warn!(error = %e, "could not claim a record; it stays queued");
@@ -96,7 +96,12 @@ impl Inner {
     /// The route and its policy are read once, here, from the configuration the record was
     /// admitted under when it was admitted claimed, else from the one in force now: a reload
     /// during the execution changes neither, and a route removed since still lets it finish.
-    async fn run(&self, record: &Record, reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>) -> Outcome {
+    async fn run(
+        &self,
+        record: &Record,
+        reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>,
+        reply: &Reply,
+    ) -> Outcome {
         let (reserved, config) = match reserved {
             Some((place, config)) => (Some(place), config),
             None => (None, self.config.current()),
@@ -133,6 +138,7 @@ impl Inner {
             credentials: &credentials,
             signal: &signal,
             guard: self.guards.route(route),
+            reply,
         };
         let outcome = self.attempts(&job, reserved).await;
         lock(&self.cancels).remove(&record.id);
@@ -191,14 +197,17 @@ impl Inner {
         stop: StopReason,
         p: Progress,
     ) -> Outcome {
-        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response) {
-            (Settlement::Done, Some(response)) => {
+        let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response, p.partial) {
+            (Settlement::Done, Some(response), _) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
-            (Settlement::Free, last) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
+            (Settlement::Free, last, _) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last)),
+            (Settlement::Unknown, _, Some(partial)) => {
+                (store::AfterAttempt::Cut(stop, partial), Outcome::Unknown(stop))
+            }
             // `Done` always comes with the response that made it so; should it ever not, the
             // safe reading of an execution we cannot show is "unknown".
-            (Settlement::Unknown, _) | (Settlement::Done, None) => {
+            (Settlement::Unknown, _, None) | (Settlement::Done, None, _) => {
                 (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
             }
         };

@@ -32,8 +32,9 @@ use crate::store::Store;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 
-/// What the request that started an execution is told when it ends.
-#[derive(Debug, Clone)]
+/// What the request that started an execution is told when it ends, or, for a streamed answer,
+/// at its first body byte.
+#[derive(Debug)]
 pub enum Outcome {
     /// `done`: the stored response. `stop` is `deadline` when it arrived too late for the client.
     Done(StopReason, StoredResponse),
@@ -45,6 +46,57 @@ pub enum Outcome {
     /// This worker lost the record (claimed elsewhere, cancelled before it started, or the store
     /// failed): the record in the store is the answer.
     Lost,
+    /// The upstream's answer streams (SPEC §11): its head, and its body as it arrives. The
+    /// execution goes on reading it to its end and settles the record whatever the client does.
+    Streaming(Streamed),
+}
+
+/// A streamed answer as its first client gets it.
+pub struct Streamed {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub event_stream: bool,
+    pub reader: crate::stream::Reader,
+}
+
+impl std::fmt::Debug for Streamed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streamed").field("status", &self.status).field("event_stream", &self.event_stream).finish()
+    }
+}
+
+/// A streamed answer in flight: its head, and the tap its body flows through.
+#[derive(Clone)]
+pub(super) struct Flow {
+    pub(super) status: u16,
+    pub(super) headers: Vec<(String, String)>,
+    pub(super) event_stream: bool,
+    pub(super) tap: Arc<crate::stream::Tap>,
+}
+
+impl Flow {
+    /// A reader from the first byte, while the body is still kept whole.
+    fn attach(&self) -> Option<Streamed> {
+        let reader = self.tap.attach()?;
+        Some(Streamed { status: self.status, headers: self.headers.clone(), event_stream: self.event_stream, reader })
+    }
+}
+
+/// The request waiting for an execution, told once: at a streamed answer's first byte, or when
+/// the execution ends.
+#[derive(Default)]
+pub(super) struct Reply(Mutex<Option<oneshot::Sender<Outcome>>>);
+
+impl Reply {
+    fn to(reply: Option<oneshot::Sender<Outcome>>) -> Reply {
+        Reply(Mutex::new(reply))
+    }
+
+    pub(super) fn send(&self, outcome: Outcome) {
+        if let Some(reply) = lock(&self.0).take() {
+            let _ = reply.send(outcome);
+        }
+    }
 }
 
 mod admission;
@@ -53,6 +105,7 @@ mod credentials;
 mod drain;
 mod execution;
 mod guards;
+mod streaming;
 mod waiters;
 
 use admission::Start;
@@ -109,6 +162,8 @@ struct Inner {
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
     cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+    /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
+    streams: Mutex<HashMap<Uuid, Flow>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
     mine: Mutex<HashSet<Uuid>>,
@@ -137,6 +192,7 @@ impl Worker {
                 switches,
                 clock,
                 cancels: Mutex::new(HashMap::new()),
+                streams: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -181,10 +237,9 @@ impl Worker {
             async move {
                 let _slot = slot;
                 let _running = inner.drain.running();
-                let Some(outcome) = inner.execute(&record, start).await else { return };
-                if let Some(reply) = reply {
-                    let _ = reply.send(outcome);
-                }
+                let reply = Reply::to(reply);
+                let Some(outcome) = inner.execute(&record, start, &reply).await else { return };
+                reply.send(outcome);
             }
             .instrument(span),
         );
@@ -212,7 +267,7 @@ impl Worker {
             }
             let _slot = inner.guards.slot(&record.route);
             let _running = inner.drain.running();
-            inner.claim_and_run(&record).await;
+            inner.claim_and_run(&record, &Reply::default()).await;
         });
     }
 
@@ -224,6 +279,18 @@ impl Worker {
     /// Wakes requests waiting for a record that was settled outside a worker.
     pub fn settled(&self, id: Uuid) {
         self.inner.settled.settled(id);
+    }
+
+    /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
+    /// what a duplicate that waits gets instead of a 409 (SPEC §11).
+    pub fn attach(&self, id: Uuid) -> Option<Streamed> {
+        let flow = lock(&self.inner.streams).get(&id).cloned();
+        flow?.attach()
+    }
+
+    /// Whether `id`'s answer is streaming through this process.
+    pub fn streaming(&self, id: Uuid) -> bool {
+        lock(&self.inner.streams).contains_key(&id)
     }
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 pub mod backend;
 pub mod process;
+pub mod sse;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;

@@ -142,6 +142,7 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
                               ELSE records.created_at END,
             takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
             policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
+            stream = NULL,
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
             request_headers = excluded.request_headers, request_body = excluded.request_body,

@@ -6,7 +6,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::Row;
 
 use crate::record::{transition, Event, Phase};
-use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError};
+use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError, StreamEnded};
 
 /// Takes a queued record.
 pub(super) const CLAIM: &str = "
@@ -17,7 +17,7 @@ WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'not_started' AND queued";
 /// Marks an attempt as about to be sent, renewing the lease.
 pub(super) const ATTEMPT_STARTED: &str = "
 UPDATE records SET in_flight_number = $3, in_flight_started_at = $4, lease_expires_at = $5,
-                   policy_version = $6, updated_at = $4
+                   policy_version = $6, stream = NULL, updated_at = $4
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
 RETURNING cancel_requested";
 
@@ -59,6 +59,22 @@ pub(super) async fn attempt_started(pool: &PgPool, started: AttemptStarted) -> R
         .bind(policy_version.as_str())
         .fetch_optional(pool)
         .await?;
+    lease_of(row)
+}
+
+pub(super) async fn stream_ended(pool: &PgPool, ended: StreamEnded) -> Result<Lease, StoreError> {
+    let StreamEnded { id, owner, facts, now } = ended;
+    let row = sqlx::query(
+        "UPDATE records SET stream = $3::text::jsonb, updated_at = $4
+         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
+         RETURNING cancel_requested",
+    )
+    .bind(id.to_string())
+    .bind(&*owner)
+    .bind(serde_json::to_string(&facts)?)
+    .bind(now)
+    .fetch_optional(pool)
+    .await?;
     lease_of(row)
 }
 

@@ -1,6 +1,7 @@
 //! The SQLite store's writes, one function per kind, each run by the writer thread inside the
 //! transaction of its batch. One writer makes each statement and the reads after it atomic.
 
+use crate::store::StreamEnded;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::policy::StopReason;
@@ -38,6 +39,7 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
     policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
+    stream = NULL,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
     request_body = excluded.request_body, state = 'not_started', queued = 1,
@@ -127,10 +129,21 @@ pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Res
     lease(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
-                policy_version = ?6, updated_at = ?4
+                policy_version = ?6, stream = NULL, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
          RETURNING cancel_requested",
         params![id.to_string(), &*owner, number, started_at, lease_until, policy_version.as_str()],
+    )
+}
+
+pub(super) fn stream_ended(conn: &Connection, ended: StreamEnded) -> Result<Lease, StoreError> {
+    let StreamEnded { id, owner, facts, now } = ended;
+    lease(
+        conn,
+        "UPDATE records SET stream = ?3, updated_at = ?4
+         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
+         RETURNING cancel_requested",
+        params![id.to_string(), &*owner, serde_json::to_string(&facts)?, now],
     )
 }
 

@@ -1,0 +1,291 @@
+//! SPEC §11, through real HTTP: a broker on port 0 in front of an upstream that streams
+//! OpenAI-style server-sent events (`data: {…}` lines ending with `data: [DONE]`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
+use common::{both_stores, send, Backend, Broker, Db};
+
+const BODY: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+const PATH: &str = "/payments/v1/chat/completions";
+/// Retries come quickly, so a test that waits for one does not wait long.
+const FAST_RETRY: &str = "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n";
+const SETTLES: Duration = Duration::from_secs(10);
+
+async fn setup(b: Backend, route_extra: &str, extra: &str) -> (SseUpstream, Broker) {
+    let upstream = SseUpstream::start().await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    (upstream, broker)
+}
+
+/// The body of `n` events `part 1` … `part n` and `[DONE]`, as the upstream sends it.
+fn whole(n: usize) -> String {
+    let mut body: String = (1..=n).map(|i| event_bytes(&format!("part {i}"))).collect();
+    body.push_str(DONE);
+    body
+}
+
+/// Reads `response` until what arrived ends with `until`, and returns all of it.
+async fn read_until(response: &mut reqwest::Response, until: &str) -> String {
+    let mut seen = Vec::new();
+    while !seen.ends_with(until.as_bytes()) {
+        let part = response.chunk().await.unwrap().unwrap_or_else(|| panic!("ended before {until:?}: {seen:?}"));
+        seen.extend_from_slice(&part);
+    }
+    String::from_utf8(seen).unwrap()
+}
+
+/// Reads the rest of `response`, and whether it ended cleanly.
+async fn read_rest(response: &mut reqwest::Response) -> (String, bool) {
+    let mut seen = Vec::new();
+    let clean = loop {
+        match response.chunk().await {
+            Ok(Some(part)) => seen.extend_from_slice(&part),
+            Ok(None) => break true,
+            Err(_) => break false,
+        }
+    };
+    (String::from_utf8(seen).unwrap(), clean)
+}
+
+async fn the_first_event_reaches_the_client_before_the_upstream_has_finished(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script(
+        "first",
+        vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done])],
+    );
+    let mut response = broker.post(PATH, "first", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    assert_eq!(response.headers()["idempotency-status"], "in_progress");
+    let first = read_until(&mut response, &event_bytes("part 1")).await;
+    assert_eq!(first, event_bytes("part 1"));
+    assert_eq!(upstream.finished("first"), 0, "the upstream is held at its gate");
+    upstream.open("first");
+    let (rest, clean) = read_rest(&mut response).await;
+    assert!(clean);
+    assert_eq!(format!("{first}{rest}"), whole(2));
+
+    let record = broker.await_record("first", SETTLES, |r| r["state"] == "done").await;
+    assert_eq!(record["response"]["status"], 200);
+    assert_eq!(record["response"]["body"], whole(2), "the whole body is stored");
+    assert_eq!(record["stop_reason"], "success");
+    let stream = &record["stream"];
+    assert_eq!(stream["bytes"], whole(2).len(), "{record:#}");
+    assert_eq!(stream["stored"], true);
+    assert!(stream.get("cut_at").is_none(), "a whole stream has no cut");
+    assert!(stream["first_byte_ms"].as_u64().unwrap() <= stream["duration_ms"].as_u64().unwrap());
+    assert_eq!(upstream.hits("first"), 1);
+
+    let metrics = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    for name in
+        ["idem_stream_first_byte_seconds_count", "idem_stream_duration_seconds_count", "idem_stream_bytes_total"]
+    {
+        assert!(metrics.contains(&format!("{name}{{route=\"payments\"}}")), "{name} missing from:\n{metrics}");
+    }
+}
+
+async fn a_503_before_the_first_byte_is_retried(b: Backend) {
+    let (upstream, broker) = setup(b, "", FAST_RETRY).await;
+    upstream.script("busy", vec![Answer::Refuse(503), Answer::Stream(events(2))]);
+    let r = send(broker.post(PATH, "busy", BODY)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(std::str::from_utf8(&r.body).unwrap(), whole(2));
+    assert_eq!(upstream.hits("busy"), 2);
+    let record = broker.await_record("busy", SETTLES, |r| r["state"] == "done").await;
+    let outcomes: Vec<_> = record["attempts"].as_array().unwrap().iter().map(|a| a["outcome"].clone()).collect();
+    assert_eq!(outcomes, ["not_executed", "success"]);
+}
+
+async fn a_client_that_disconnects_still_leaves_a_replayable_record(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script(
+        "leaves",
+        vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done])],
+    );
+    let mut response = broker.post(PATH, "leaves", BODY).send().await.unwrap();
+    read_until(&mut response, &event_bytes("part 1")).await;
+    drop(response);
+    upstream.open("leaves");
+    broker.await_record("leaves", SETTLES, |r| r["state"] == "done").await;
+
+    let again = send(broker.post(PATH, "leaves", BODY)).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    assert_eq!(std::str::from_utf8(&again.body).unwrap(), whole(2), "read to its end without the client");
+    assert_eq!(upstream.hits("leaves"), 1, "never a second execution");
+}
+
+async fn a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream.script("again", vec![Answer::Stream(events(3))]);
+    let first = send(broker.post(PATH, "again", BODY)).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("idempotent-replayed"), None);
+    broker.await_record("again", SETTLES, |r| r["state"] == "done").await;
+
+    let replay = send(broker.post(PATH, "again", BODY)).await;
+    assert_eq!(replay.status, first.status);
+    assert_eq!(replay.body, first.body, "byte for byte");
+    assert_eq!(replay.header("content-type"), Some("text/event-stream"));
+    assert_eq!(replay.header("cache-control"), Some("no-cache"));
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.header("idempotency-status"), Some("done"));
+    assert_eq!(upstream.hits("again"), 1);
+}
+
+/// The problem in the `idem-error` event that ends a cut event stream, and what came before it.
+fn error_event(seen: &str) -> (String, serde_json::Value) {
+    let at = seen.find("event: idem-error\n").unwrap_or_else(|| panic!("no idem-error event in {seen:?}"));
+    let data: String = seen[at..].lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    (seen[..at].to_string(), serde_json::from_str(&data).unwrap())
+}
+
+/// Three events, then the upstream cuts the connection.
+fn cut_after_three() -> Vec<Step> {
+    vec![Step::Event("part 1".into()), Step::Event("part 2".into()), Step::Event("part 3".into()), Step::Cut]
+}
+
+async fn a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again(b: Backend) {
+    let (upstream, broker) = setup(b, "", FAST_RETRY).await;
+    upstream.script("cut", vec![Answer::Stream(cut_after_three())]);
+    let mut response = broker.post(PATH, "cut", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean, "the client's stream ends with an error, not as though whole");
+    let (before, problem) = error_event(&seen);
+    let three: String = (1..=3).map(|i| event_bytes(&format!("part {i}"))).collect();
+    assert_eq!(before, three);
+    assert_eq!(problem["type"], "urn:idem:problem:stream-cut");
+    assert_eq!(problem["idempotency_key"], "cut");
+
+    let record = broker.await_record("cut", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "stream_cut");
+    assert_eq!(record["response"]["body"], three, "the partial body is kept for the operator");
+    assert_eq!(record["stream"]["cut_at"], three.len(), "where it was cut");
+    let attempts = record["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 1);
+    assert_eq!(attempts[0]["status"], 200);
+
+    let again = send(broker.post(PATH, "cut", BODY)).await;
+    again.assert_problem(502, "outcome-unknown");
+    assert_eq!(upstream.hits("cut"), 1, "never re-sent");
+}
+
+async fn a_cut_on_a_replay_safe_route_frees_the_key(b: Backend) {
+    let (upstream, broker) = setup(b, "replay_safe = true", FAST_RETRY).await;
+    upstream.script("safe", vec![Answer::Stream(cut_after_three())]);
+    let mut response = broker.post(PATH, "safe", BODY).send().await.unwrap();
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean);
+    let (_, problem) = error_event(&seen);
+    assert_eq!(problem["type"], "urn:idem:problem:stream-cut");
+    let record = broker.await_record("safe", SETTLES, |r| r["state"] == "not_started").await;
+    assert_eq!(record["stop_reason"], "stream_cut");
+    assert!(record["response"].is_null(), "nothing is kept for a freed key");
+    assert_eq!(upstream.hits("safe"), 1, "not retried within the answer");
+
+    let afresh = send(broker.post(PATH, "safe", BODY)).await;
+    assert_eq!(afresh.status, 200);
+    assert_eq!(std::str::from_utf8(&afresh.body).unwrap(), whole(3));
+    assert_eq!(upstream.hits("safe"), 2, "the freed key executes afresh");
+}
+
+async fn a_stall_past_the_idle_timeout_ends_the_stream_as_unknown(b: Backend) {
+    let retry = "[routes.retry]\nstream_idle_timeout = \"200ms\"\n";
+    let (upstream, broker) = setup(b, "", retry).await;
+    upstream.script("stall", vec![Answer::Stream(vec![Step::Event("part 1".into()), Step::Stall])]);
+    let mut response = broker.post(PATH, "stall", BODY).send().await.unwrap();
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean);
+    let (before, problem) = error_event(&seen);
+    assert_eq!(before, event_bytes("part 1"));
+    assert!(problem["detail"].as_str().unwrap().contains("stream_idle_timeout"), "{problem}");
+    let record = broker.await_record("stall", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "stream_idle_timeout");
+    assert_eq!(record["attempts"][0]["error"], "stream_idle_timeout");
+    assert_eq!(upstream.hits("stall"), 1);
+}
+
+async fn a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    let gated = vec![Step::Event("part 1".into()), Step::Gate, Step::Event("part 2".into()), Step::Done];
+    upstream.script("attach", vec![Answer::Stream(gated)]);
+    let mut first = broker.post(PATH, "attach", BODY).send().await.unwrap();
+    let head = read_until(&mut first, &event_bytes("part 1")).await;
+
+    // Without waiting, a duplicate is refused while the stream runs.
+    let refused = send(broker.post(PATH, "attach", BODY)).await;
+    refused.assert_problem(409, "request-in-progress");
+
+    let mut second = broker.post(PATH, "attach", BODY).header("prefer", "wait=10").send().await.unwrap();
+    assert_eq!(second.status(), 200);
+    assert_eq!(second.headers()["content-type"], "text/event-stream");
+    assert_eq!(second.headers()["idempotent-replayed"], "true");
+    let already = read_until(&mut second, &event_bytes("part 1")).await;
+    assert_eq!(already, head, "what was already sent, from the first byte");
+    assert_eq!(upstream.finished("attach"), 0, "the upstream is still held: the duplicate follows live");
+
+    upstream.open("attach");
+    let (rest1, clean1) = read_rest(&mut first).await;
+    let (rest2, clean2) = read_rest(&mut second).await;
+    assert!(clean1 && clean2);
+    assert_eq!(format!("{head}{rest1}"), whole(2));
+    assert_eq!(format!("{already}{rest2}"), whole(2));
+    assert_eq!(upstream.hits("attach"), 1, "never a second execution");
+}
+
+async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    upstream
+        .script("early", vec![Answer::Stream(vec![Step::Gate, Step::Event("part 1".into()), Step::Gate, Step::Done])]);
+    let first = tokio::spawn(broker.post(PATH, "early", BODY).send());
+    broker.await_record("early", SETTLES, |r| r["state"] == "in_progress").await;
+    let second = tokio::spawn(broker.post(PATH, "early", BODY).header("prefer", "wait=10").send());
+    upstream.open("early");
+    let mut second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), 200);
+    let part = read_until(&mut second, &event_bytes("part 1")).await;
+    assert_eq!(part, event_bytes("part 1"));
+    upstream.open("early");
+    let (rest, clean) = read_rest(&mut second).await;
+    assert!(clean);
+    assert_eq!(format!("{part}{rest}"), whole(1));
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first.bytes().await.unwrap(), whole(1).as_bytes());
+    assert_eq!(upstream.hits("early"), 1);
+}
+
+async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again(b: Backend) {
+    let (upstream, broker) = setup(b, "max_stored_body = \"200B\"", "").await;
+    upstream.script("long", vec![Answer::Stream(events(5))]);
+    let first = send(broker.post(PATH, "long", BODY)).await;
+    assert_eq!(first.status, 200);
+    assert_eq!(std::str::from_utf8(&first.body).unwrap(), whole(5), "the client gets it all");
+    assert!(whole(5).len() > 200);
+
+    let record = broker.await_record("long", SETTLES, |r| r["state"] == "done").await;
+    assert_eq!(record["stream"]["stored"], false, "{record:#}");
+    assert_eq!(record["stream"]["bytes"], whole(5).len());
+    let again = send(broker.post(PATH, "long", BODY)).await;
+    again.assert_problem(409, "response-not-stored");
+    assert_eq!(again.header("idempotency-status"), Some("done"));
+    let waited = send(broker.post(PATH, "long", BODY).header("prefer", "wait=5")).await;
+    waited.assert_problem(409, "response-not-stored");
+    assert_eq!(upstream.hits("long"), 1, "never a second execution");
+}
+
+both_stores!(
+    the_first_event_reaches_the_client_before_the_upstream_has_finished,
+    a_503_before_the_first_byte_is_retried,
+    a_client_that_disconnects_still_leaves_a_replayable_record,
+    a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers,
+    a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again,
+    a_cut_on_a_replay_safe_route_frees_the_key,
+    a_stall_past_the_idle_timeout_ends_the_stream_as_unknown,
+    a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes,
+    a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does,
+    an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again,
+);
