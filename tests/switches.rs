@@ -107,11 +107,17 @@ async fn an_isolated_route_refuses_new_keys_but_replays_done_ones(b: Backend) {
 async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
     let upstream = Upstream::start().await;
     let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
-    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(500))]);
+    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(1500))]);
     let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The one place on the route is taken once the upstream holds the first request.
+    while upstream.hits("ahead") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Admitted and queued behind it before the isolation is set.
+    while broker.record("queued").await.status() != 200 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 
     set(&broker, json!({"scope": "payments", "action": "isolate", "reason": "upstream is melting"})).await;
     assert_eq!(ahead.await.unwrap().status, 201, "the attempt in flight ends normally");
