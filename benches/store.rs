@@ -4,24 +4,26 @@
 //! PostgreSQL runs when `IDEM_BENCH_POSTGRES_URL` (or `IDEM_TEST_POSTGRES_URL`) names a server.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
 use idem::fingerprint::Fingerprint;
+use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
-use idem::record::{now_ms, Attempt, StoredRequest, StoredResponse};
-use idem::store::{self, Admission, AfterAttempt, Claim, NewRecord, Store};
+use idem::record::{Attempt, AttemptOutcome, Owner, StoredRequest, StoredResponse, Tenant, Timestamp};
+use idem::store::{self, Admission, AfterAttempt, AttemptEnded, Claim, NewRecord, Store};
 use sqlx::Connection;
 use uuid::Uuid;
 
 const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","customer":"cus_123","description":"order 42"}"#;
 
 fn new_record(key: &str) -> NewRecord {
-    let now = now_ms();
+    let now = Timestamp::now();
     NewRecord {
         id: Uuid::new_v4(),
         tenant: "default".into(),
-        key: key.into(),
+        key: IdempotencyKey::from_stored(key.to_string()),
         route: "payments".into(),
         method: "POST".into(),
         path: "/payments".into(),
@@ -31,11 +33,20 @@ fn new_record(key: &str) -> NewRecord {
             headers: vec![("content-type".into(), "application/json".into())],
             body: Bytes::from_static(BODY),
         },
-        deadline_at: now + 30_000,
+        deadline_at: now + Duration::from_secs(30),
         now,
-        claim: Some(Claim { owner: "bench".into(), lease_until: now + 15_000, policy_version: "bench0000000".into() }),
+        claim: Some(Claim {
+            owner: "bench".into(),
+            lease_until: now + Duration::from_secs(15),
+            policy_version: "bench0000000".into(),
+        }),
         tombstone_cutoff: None,
     }
+}
+
+/// The admission of `new`, with no retention cutoff in the way.
+fn admit(new: NewRecord) -> store::Admit {
+    store::Admit { new, retention_cutoff: Timestamp::from_millis(0) }
 }
 
 fn response() -> StoredResponse {
@@ -62,21 +73,21 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
     g.bench_function("admit_new_key", |b| {
         b.iter(|| {
             n += 1;
-            rt.block_on(store.admit(new_record(&format!("admit-{n}")), 0)).unwrap()
+            rt.block_on(store.admit(admit(new_record(&format!("admit-{n}"))))).unwrap()
         })
     });
     g.bench_function("admit_then_complete", |b| {
         b.iter(|| {
             n += 1;
             rt.block_on(async {
-                let Admission::Created(r) = store.admit(new_record(&format!("full-{n}")), 0).await.unwrap() else {
+                let Admission::Created(r) = store.admit(admit(new_record(&format!("full-{n}")))).await.unwrap() else {
                     panic!("not created")
                 };
                 let attempt = Attempt {
                     number: 1,
-                    started_at: now_ms(),
+                    started_at: Timestamp::now(),
                     duration_ms: 1,
-                    outcome: "success".into(),
+                    outcome: AttemptOutcome::Success,
                     status: Some(201),
                     error: None,
                     wait_ms: 0,
@@ -84,12 +95,24 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     retry_after_ms: None,
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());
-                store.attempt_ended(r.id, "bench", Some(attempt), then, now_ms()).await.unwrap()
+                let ended = AttemptEnded {
+                    id: r.id.into(),
+                    owner: Owner::from("bench"),
+                    attempt: Some(attempt),
+                    then,
+                    now: Timestamp::now(),
+                };
+                store.attempt_ended(ended).await.unwrap()
             })
         })
     });
-    rt.block_on(store.admit(new_record("replayed"), 0)).unwrap();
-    g.bench_function("lookup_existing", |b| b.iter(|| rt.block_on(store.lookup("default", "replayed")).unwrap()));
+    rt.block_on(store.admit(admit(new_record("replayed")))).unwrap();
+    g.bench_function("lookup_existing", |b| {
+        b.iter(|| {
+            rt.block_on(store.lookup(&Tenant::from("default"), &IdempotencyKey::from_stored("replayed".into())))
+                .unwrap()
+        })
+    });
     g.finish();
 }
 
