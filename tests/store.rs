@@ -140,6 +140,18 @@ fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
     HistoryEntry { at, actor: actor.into(), action: action.into(), note: Some(format!("{actor} {action}")) }
 }
 
+/// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker.
+fn started(record: &Record, number: u32, at: Timestamp, lease_until: Timestamp) -> AttemptStarted {
+    AttemptStarted {
+        id: record.id.into(),
+        owner: WORKER.into(),
+        number,
+        started_at: at,
+        lease_until,
+        policy_version: VERSION.into(),
+    }
+}
+
 fn attempt(number: u32, started_at: Timestamp, outcome: &str, status: Option<u16>) -> Attempt {
     Attempt {
         number,
@@ -223,17 +235,7 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// replay-safe.
 async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
-    let lease = store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 1,
-            started_at: T0 + ms(10),
-            lease_until: T0 + LEASE,
-            policy_version: VERSION.into(),
-        })
-        .await
-        .unwrap();
+    let lease = store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap();
     assert!(lease.is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
@@ -254,18 +256,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 /// A record answered `201` at `done_at`.
 async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Record {
     let record = in_progress(store, new).await;
-    assert!(store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 1,
-            started_at: T0 + ms(10),
-            lease_until: T0 + LEASE,
-            policy_version: VERSION.into()
-        })
-        .await
-        .unwrap()
-        .is_held());
+    assert!(store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap().is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),

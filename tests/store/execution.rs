@@ -76,17 +76,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert!(unchanged.in_flight.is_none() && unchanged.attempts.is_empty() && unchanged.response.is_none());
 
     // The holder is told it holds it, and its lease moves.
-    let held = store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 1,
-            started_at: T0 + ms(10),
-            lease_until: T0 + ms(20_000),
-            policy_version: VERSION.into(),
-        })
-        .await
-        .unwrap();
+    let held = store.attempt_started(started(&record, 1, T0 + ms(10), T0 + ms(20_000))).await.unwrap();
     assert_eq!(held, Lease::Held { cancel_requested: false });
     let record = fetch(&store, record.id).await;
     assert_eq!(record.in_flight, Some((1, T0 + ms(10))));
@@ -130,18 +120,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(record.request, new.request, "the request is kept byte for byte");
 
     let first = attempt(1, T0 + ms(10), "not_executed", Some(503));
-    assert!(store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 1,
-            started_at: T0 + ms(10),
-            lease_until: T0 + LEASE,
-            policy_version: VERSION.into()
-        })
-        .await
-        .unwrap()
-        .is_held());
+    assert!(store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap().is_held());
     let wait = AfterAttempt::Wait { not_before: T0 + ms(250) };
     let lease = store
         .attempt_ended(AttemptEnded {
@@ -165,18 +144,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     body.extend_from_slice(&[0xc3, 0x28, 0x00, 0xff, 0xfe]);
     let answer = response(201, &body);
     let second = attempt(2, T0 + ms(300), "success", Some(201));
-    assert!(store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 2,
-            started_at: T0 + ms(300),
-            lease_until: T0 + LEASE,
-            policy_version: VERSION.into()
-        })
-        .await
-        .unwrap()
-        .is_held());
+    assert!(store.attempt_started(started(&record, 2, T0 + ms(300), T0 + LEASE)).await.unwrap().is_held());
     assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + ms(300))));
     let lease = store
         .attempt_ended(AttemptEnded {
@@ -263,18 +231,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
             .unwrap(),
         Lease::Held { cancel_requested: true }
     );
-    assert!(store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 2,
-            started_at: T0 + ms(70),
-            lease_until: T0 + LEASE,
-            policy_version: VERSION.into()
-        })
-        .await
-        .unwrap()
-        .cancel_requested());
+    assert!(store.attempt_started(started(&record, 2, T0 + ms(70), T0 + LEASE)).await.unwrap().cancel_requested());
 }
 
 // ---- operators ----------------------------------------------------------------------------------

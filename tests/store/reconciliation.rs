@@ -7,18 +7,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let (store, _db) = store_on(backend).await;
     let record = in_progress(&store, request("default", "orphan", BODY)).await;
     let until = T0 + ms(20_000);
-    assert!(store
-        .attempt_started(AttemptStarted {
-            id: record.id.into(),
-            owner: WORKER.into(),
-            number: 1,
-            started_at: T0 + ms(10),
-            lease_until: until,
-            policy_version: VERSION.into()
-        })
-        .await
-        .unwrap()
-        .is_held());
+    assert!(store.attempt_started(started(&record, 1, T0 + ms(10), until)).await.unwrap().is_held());
     assert!(store.expired_leases(until, 10).await.unwrap().is_empty(), "not expired while `until` is now");
     let expired = store.expired_leases(until + ms(1), 10).await.unwrap();
     assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
