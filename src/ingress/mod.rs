@@ -25,7 +25,7 @@ use crate::metrics;
 use crate::policy::{outcome_eta, Pace, Pending, StopReason};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{Phase, Record, State, StoredRequest, Tenant, Timestamp};
+use crate::record::{Phase, Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
 use crate::store::{Health, NewRecord, Store};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
@@ -218,6 +218,18 @@ impl Ingress {
         response
     }
 
+    /// Keeps a done record's answer in memory, so that its duplicates on this node are replayed
+    /// without the database until `expires_at`.
+    fn keep_for_replays(&self, record: &Record, response: &StoredResponse, expires_at: Timestamp) {
+        let replay = Replay {
+            fingerprint: record.fingerprint,
+            route: record.route.clone(),
+            response: response.clone(),
+            expires_at,
+        };
+        self.replays.keep(&record.tenant, &record.key, replay);
+    }
+
     async fn execute_keyed(
         &self,
         read: Read<'_>,
@@ -359,13 +371,7 @@ impl Ingress {
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
                 if let Outcome::Done(_, response) = &outcome {
-                    let replay = Replay {
-                        fingerprint: record.fingerprint,
-                        route: record.route.clone(),
-                        response: response.clone(),
-                        expires_at,
-                    };
-                    self.replays.keep(&record.tenant, &record.key, replay);
+                    self.keep_for_replays(&record, response, expires_at);
                 }
                 outcome_response(outcome)
             }
@@ -427,13 +433,7 @@ impl Ingress {
                 Some(response) => {
                     // A done record is not updated again: this is when it became done.
                     let expires_at = record.updated_at + self.retention(&record.route);
-                    let kept = Replay {
-                        fingerprint: record.fingerprint,
-                        route: record.route.clone(),
-                        response: response.clone(),
-                        expires_at,
-                    };
-                    self.replays.keep(&record.tenant, &record.key, kept);
+                    self.keep_for_replays(&record, response, expires_at);
                     let mut answer = stored_response(response, replay);
                     answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));
                     Ok(answer)
