@@ -89,7 +89,11 @@ impl Page {
             .await
             .unwrap();
         let (ws, _) = tokio_tungstenite::connect_async(target["webSocketDebuggerUrl"].as_str().unwrap()).await.unwrap();
-        Page { ws, next_id: 0 }
+        let mut page = Page { ws, next_id: 0 };
+        // A new tab starts on about:blank, which is already complete: a script run there (a hash
+        // set, say) would be lost when the console replaces it. Wait for the console itself.
+        page.until(&format!("location.href.startsWith({url:?}) && document.readyState === 'complete'")).await;
+        page
     }
 
     async fn call(&mut self, method: &str, params: Value) -> Value {
@@ -135,7 +139,6 @@ impl Page {
 
     /// A real click: mouse pressed and released at the element's centre.
     async fn click(&mut self, selector: &str) {
-        // A new tab starts on a blank page that is already complete: wait for the element itself.
         self.until(&format!("document.querySelector({selector:?}) !== null")).await;
         let js = format!(
             "(() => {{ const e = document.querySelector({selector:?}); e.scrollIntoView({{block: 'center'}}); \
@@ -180,7 +183,6 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
     send(broker.post("/payments", "fine", r#"{"amount":1}"#)).await;
 
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
-    page.until("document.readyState === 'complete'").await;
     page.eval("location.hash = '#queue'").await;
     // Without the token the API refuses, and the page says so.
     page.until("document.getElementById('message').textContent.includes('Unauthorized')").await;
@@ -252,7 +254,6 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
     }
 
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
-    page.until("document.readyState === 'complete'").await;
     page.until("!document.getElementById('health-view').hidden").await;
     page.until("document.getElementById('health-message').textContent.includes('Unauthorized')").await;
     page.type_into("#token", "health-secret").await;
@@ -291,7 +292,6 @@ async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
     let body = r#"{"amount":1}"#;
 
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
-    page.until("document.readyState === 'complete'").await;
     page.click("#nav-switches").await;
     page.until("!document.getElementById('switches-view').hidden").await;
     page.until("!document.getElementById('no-switches').hidden").await;
