@@ -57,6 +57,8 @@
 //!   body timeouts, and the bound on request bytes held in memory.
 //! - [`clock`] — the time, passed in: every part above reads what time it is from one
 //!   [`clock::Clock`] (the system's, or a test's [`clock::ManualClock`]); waits use tokio's timer.
+//! - [`logs`] — where log lines go: a buffer that a thread of its own writes to stderr in
+//!   batches, so logging a line wakes nobody.
 
 pub mod admin;
 pub mod canary;
@@ -69,6 +71,7 @@ pub mod edge;
 pub mod fingerprint;
 pub mod ingress;
 pub mod key;
+pub mod logs;
 pub mod metrics;
 pub mod path;
 pub mod policy;

@@ -247,15 +247,14 @@ VALUE     the upstream's Retry-After: delta-seconds as in HTTP (3) or a duration
 
 Example: \"400ms:503 retry-after=300ms, 700ms:200, 100ms:200\"";
 
-/// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr by a thread of
-/// their own, so a request never waits on the terminal or the journal; none is dropped (a
-/// writer that falls 128k lines behind makes loggers wait). Keep the guard until exit: dropping
-/// it flushes what is queued.
-fn init_logging(format: LogFormat, level: &str) -> tracing_appender::non_blocking::WorkerGuard {
+/// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr in batches by
+/// a thread of their own (`idem::logs`), so a request never waits on the terminal or the
+/// journal, nor wakes anyone per line; none is dropped. Keep the guard until exit: dropping it
+/// writes out what is buffered.
+fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<idem::logs::Flushed> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let (writer, guard) =
-        tracing_appender::non_blocking::NonBlockingBuilder::default().lossy(false).finish(std::io::stderr());
+    let (writer, flushed) = idem::logs::batched(std::io::stderr()).context("cannot start the log writer")?;
     // Colours for a person at a terminal; a file, a pipe or the journal gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
@@ -263,7 +262,7 @@ fn init_logging(format: LogFormat, level: &str) -> tracing_appender::non_blockin
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
-    guard
+    Ok(flushed)
 }
 
 #[tokio::main]
@@ -273,7 +272,13 @@ async fn main() -> ExitCode {
         Command::Demo { verbose: false, .. } => "warn",
         _ => "info",
     };
-    let _flushed_at_exit = init_logging(cli.log_format, level);
+    let _flushed_at_exit = match init_logging(cli.log_format, level) {
+        Ok(flushed) => flushed,
+        Err(e) => {
+            eprintln!("idem: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     match run(cli.command).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
