@@ -293,7 +293,9 @@ async fn sighup_makes_a_running_idem_serve_read_its_file_again(b: Backend) {
     let answer = send(node.post("/tickets", "t1", BODY)).await;
     assert_eq!(answer.status, 201);
     let after = versions(&node.http, &node.url).await;
-    assert!(node.log_tail(20).contains(&format!("added tickets ({})", after["tickets"])), "{}", node.log_tail(20));
+    // Log lines reach the file within moments, not at once: the change is awaited in the log too.
+    let added = format!("added tickets ({})", after["tickets"]);
+    eventually("the change in the log", Duration::from_secs(10), || async { node.log_tail(20).contains(&added) }).await;
     let text = metrics(&node.http, &node.admin).await;
     assert_eq!(sample(&text, "idem_config_reloads_total{result=\"refused\"}"), 1.0, "{text}");
     assert_eq!(sample(&text, "idem_config_reloads_total{result=\"applied\"}"), 1.0, "{text}");

@@ -86,8 +86,10 @@ impl Rig {
         }
     }
 
-    /// Error lines the broker has logged so far.
+    /// Error lines the broker has logged so far. Lines reach the file in batches, within
+    /// `idem::logs::GATHER` of being logged: wait that out, with room to spare, before counting.
     fn errors_logged(&self) -> usize {
+        std::thread::sleep(idem::logs::GATHER * 4);
         self.node.log_tail(usize::MAX).lines().filter(|l| l.contains("ERROR")).count()
     }
 }
