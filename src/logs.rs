@@ -12,13 +12,15 @@
 
 use std::io::Write;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// How long the writer thread gathers lines after the first of a batch.
 pub const GATHER: Duration = Duration::from_millis(25);
 /// Bytes buffered past which a logger waits for the writer thread.
 pub const MAX_BUFFERED: usize = 8 << 20;
+/// The longest an exit waits for the last lines to be written: a destination that takes
+/// nothing (a stalled pipe) must not keep the process from ending.
+const LAST_WRITE: Duration = Duration::from_secs(1);
 
 /// A `MakeWriter` for `tracing-subscriber`: each line is appended to the shared buffer.
 #[derive(Clone)]
@@ -26,11 +28,11 @@ pub struct Batched {
     shared: Arc<Shared>,
 }
 
-/// Keep it until exit: dropping it writes out what is buffered and stops the writer thread.
+/// Keep it until exit: dropping it writes out what is buffered (waiting up to [`LAST_WRITE`])
+/// and stops the writer thread.
 #[must_use = "dropping the guard stops the log writer"]
 pub struct Flushed {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
 }
 
 struct Shared {
@@ -45,6 +47,8 @@ struct Shared {
 struct State {
     lines: Vec<u8>,
     closed: bool,
+    /// The writer thread has written its last batch.
+    finished: bool,
 }
 
 impl Shared {
@@ -57,11 +61,11 @@ impl Shared {
 /// Starts the writer thread, which writes batches of lines to `sink`.
 pub fn batched<W: Write + Send + 'static>(sink: W) -> std::io::Result<(Batched, Flushed)> {
     let shared = Arc::new(Shared { state: Mutex::default(), work: Condvar::new(), room: Condvar::new() });
-    let thread = std::thread::Builder::new().name("idem-log-writer".into()).spawn({
+    std::thread::Builder::new().name("idem-log-writer".into()).spawn({
         let shared = shared.clone();
         move || write_loop(&shared, sink)
     })?;
-    Ok((Batched { shared: shared.clone() }, Flushed { shared, thread: Some(thread) }))
+    Ok((Batched { shared: shared.clone() }, Flushed { shared }))
 }
 
 fn write_loop<W: Write>(shared: &Shared, mut sink: W) {
@@ -83,6 +87,8 @@ fn write_loop<W: Write>(shared: &Shared, mut sink: W) {
         let _ = sink.write_all(&batch).and_then(|()| sink.flush());
         batch.clear();
         if closed {
+            shared.state().finished = true;
+            shared.room.notify_all();
             return;
         }
     }
@@ -123,11 +129,10 @@ impl Write for Line<'_> {
 
 impl Drop for Flushed {
     fn drop(&mut self) {
-        self.shared.state().closed = true;
+        let mut state = self.shared.state();
+        state.closed = true;
         self.shared.work.notify_one();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let _ = self.shared.room.wait_timeout_while(state, LAST_WRITE, |s| !s.finished);
     }
 }
 
@@ -232,5 +237,17 @@ mod tests {
         logger.join().unwrap();
         drop(flushed);
         assert_eq!(gate.1 .0.lock().unwrap().len(), 3 * MAX_BUFFERED);
+    }
+
+    #[test]
+    fn a_destination_that_takes_nothing_does_not_keep_the_exit_waiting_past_its_bound() {
+        let gate = Gate(Arc::default(), Sink::default());
+        let (writer, flushed) = batched(gate).unwrap();
+        writer.make_writer().write_all(b"never written\n").unwrap();
+        let started = Instant::now();
+        drop(flushed);
+        let took = started.elapsed();
+        assert!(took >= LAST_WRITE, "the exit did not wait for the last write: {took:?}");
+        assert!(took < LAST_WRITE * 3, "the exit waited {took:?}");
     }
 }
