@@ -132,6 +132,8 @@ impl Drop for Flushed {
         let mut state = self.shared.state();
         state.closed = true;
         self.shared.work.notify_one();
+        // A logger waiting for room behind a stalled destination goes on (its line is kept).
+        self.shared.room.notify_all();
         let _ = self.shared.room.wait_timeout_while(state, LAST_WRITE, |s| !s.finished);
     }
 }
@@ -142,13 +144,14 @@ mod tests {
     use std::time::Instant;
     use tracing_subscriber::fmt::MakeWriter;
 
-    /// A sink the test can read while the writer thread holds it.
+    /// A sink the test can read, and wait on, while the writer thread holds it.
     #[derive(Clone, Default)]
-    struct Sink(Arc<Mutex<Vec<u8>>>);
+    struct Sink(Arc<Mutex<Vec<u8>>>, Arc<Condvar>);
 
     impl Write for Sink {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
             self.0.lock().unwrap().extend_from_slice(bytes);
+            self.1.notify_all();
             Ok(bytes.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
@@ -189,12 +192,8 @@ mod tests {
         let sink = Sink::default();
         let (writer, _flushed) = batched(sink.clone()).unwrap();
         writer.make_writer().write_all(b"one line\n").unwrap();
-        let until = Instant::now() + GATHER * 20;
-        while sink.0.lock().unwrap().is_empty() {
-            assert!(Instant::now() < until, "the line was never written");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        assert_eq!(&sink.0.lock().unwrap()[..], b"one line\n");
+        let written = sink.1.wait_timeout_while(sink.0.lock().unwrap(), GATHER * 40, |s| s.is_empty()).unwrap().0;
+        assert_eq!(&written[..], b"one line\n", "the line was never written");
     }
 
     /// A sink that takes nothing until it is opened.
@@ -245,9 +244,12 @@ mod tests {
         let (writer, flushed) = batched(gate).unwrap();
         writer.make_writer().write_all(b"never written\n").unwrap();
         let started = Instant::now();
-        drop(flushed);
-        let took = started.elapsed();
-        assert!(took >= LAST_WRITE, "the exit did not wait for the last write: {took:?}");
-        assert!(took < LAST_WRITE * 3, "the exit waited {took:?}");
+        let (dropped, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(flushed);
+            let _ = dropped.send(());
+        });
+        assert!(ended.recv_timeout(LAST_WRITE * 5).is_ok(), "the exit waited on a destination that takes nothing");
+        assert!(started.elapsed() >= LAST_WRITE, "the exit did not wait for the last write");
     }
 }

@@ -265,21 +265,32 @@ fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<idem::logs::Fl
     Ok(flushed)
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = match cli.command {
         Command::Demo { verbose: false, .. } => "warn",
         _ => "info",
     };
-    let _flushed_at_exit = match init_logging(cli.log_format, level) {
+    let flushed = match init_logging(cli.log_format, level) {
         Ok(flushed) => flushed,
         Err(e) => {
             eprintln!("idem: {e:#}");
             return ExitCode::FAILURE;
         }
     };
-    match run(cli.command).await {
+    // Built by hand rather than by `#[tokio::main]`, so that the runtime stops (and what its
+    // tasks log while they stop is buffered) before the log writer writes its last lines, and
+    // the final error comes after them.
+    let ran = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => {
+            let ran = runtime.block_on(run(cli.command));
+            drop(runtime);
+            ran
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("cannot start the async runtime")),
+    };
+    drop(flushed);
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idem: {e:#}");
