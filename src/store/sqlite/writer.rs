@@ -191,15 +191,18 @@ fn write_loop(
         if commits.is_multiple_of(CHECKPOINT_EVERY) {
             let _ = checkpoint.try_send(());
         }
-        let (began, writes) = (Instant::now(), batch.len());
         let commit = match files.check() {
-            Ok(()) => commit_batch(&mut conn, &mut batch, &mut done, files),
+            Ok(()) => {
+                let (began, writes) = (Instant::now(), batch.len());
+                let commit = commit_batch(&mut conn, &mut batch, &mut done, files);
+                crate::metrics::store_commit(began.elapsed(), writes);
+                commit
+            }
             Err(lost) => probe_batch(&mut conn, &mut batch, &mut done, files, lost),
         };
         // A commit into a file that the path no longer names is as good as lost: its writers
         // hear so before anything is sent upstream on the strength of it.
         let commit = commit.and_then(|()| files.verify());
-        crate::metrics::store_commit(began.elapsed(), writes);
         for d in done.drain(..) {
             d.deliver(&commit);
         }
