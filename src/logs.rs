@@ -4,7 +4,8 @@
 //! writer thread is woken by the first line after a quiet spell, gathers for [`GATHER`], and
 //! writes everything in one call. Handing each line to a writer thread through a channel (as
 //! `tracing-appender` does) costs a wake-up per line, and the woken thread spins before it
-//! sleeps again; at two lines per request that was a sixth of a new key's CPU time.
+//! sleeps again: at two lines per new key, that thread alone took 26 µs of CPU per key at
+//! concurrency 8, against 1 µs for this one.
 //!
 //! Nothing is dropped: a writer that falls [`MAX_BUFFERED`] bytes behind (a stalled terminal or
 //! pipe) makes loggers wait. Lines reach their destination within [`GATHER`] of being logged,

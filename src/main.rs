@@ -281,14 +281,9 @@ fn main() -> ExitCode {
     // Built by hand rather than by `#[tokio::main]`, so that the runtime stops (and what its
     // tasks log while they stop is buffered) before the log writer writes its last lines, and
     // the final error comes after them.
-    let ran = match tokio::runtime::Runtime::new() {
-        Ok(runtime) => {
-            let ran = runtime.block_on(run(cli.command));
-            drop(runtime);
-            ran
-        }
-        Err(e) => Err(anyhow::Error::new(e).context("cannot start the async runtime")),
-    };
+    let ran = tokio::runtime::Runtime::new()
+        .context("cannot start the async runtime")
+        .and_then(|runtime| runtime.block_on(run(cli.command)));
     drop(flushed);
     match ran {
         Ok(()) => ExitCode::SUCCESS,

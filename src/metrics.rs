@@ -238,9 +238,9 @@ pub fn store_available(available: bool) {
 }
 
 /// One commit of the SQLite store's writer: how long it took (its statements and the log's
-/// flush to disk) and how many writes it carried. Writes refused while the store is lost are
-/// not commits. Under load, many writes share one
-/// commit; the two together say whether new keys wait on the disk or on the rest.
+/// flush to disk) and how many writes it carried. Under load many writes share one commit; the
+/// two together say whether new keys wait on the disk or on the rest. Writes refused while the
+/// store is lost are not commits.
 pub fn store_commit(took: Duration, writes: usize) {
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
     DESCRIBED.call_once(|| {
