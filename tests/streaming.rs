@@ -193,6 +193,46 @@ async fn a_cut_on_a_replay_safe_route_frees_the_key(b: Backend) {
     assert_eq!(upstream.hits("safe"), 2, "the freed key executes afresh");
 }
 
+async fn a_cut_in_a_chunked_answer_aborts_the_clients_response_and_is_unknown(b: Backend) {
+    let (upstream, broker) = setup(b, "", FAST_RETRY).await;
+    upstream.script("chunked", vec![Answer::Chunked(cut_after_three())]);
+    let mut response = broker.post(PATH, "chunked", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "application/json");
+    let (seen, clean) = read_rest(&mut response).await;
+    assert!(!clean, "the response is aborted (no last chunk), not ended as though whole");
+    let three: String = (1..=3).map(|i| event_bytes(&format!("part {i}"))).collect();
+    assert_eq!(seen, three, "what arrived before the cut, and no event added to a body that is not an event stream");
+
+    let record = broker.await_record("chunked", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "stream_cut");
+    assert_eq!(record["response"]["body"], three, "the partial body is kept for the operator");
+    assert_eq!(record["stream"]["cut_at"], three.len());
+    send(broker.post(PATH, "chunked", BODY)).await.assert_problem(502, "outcome-unknown");
+    assert_eq!(upstream.hits("chunked"), 1, "never re-sent");
+}
+
+async fn a_client_that_stops_reading_holds_the_upstream_no_longer_than_the_deadline(b: Backend) {
+    // Past max_stored_body the upstream is read only a window ahead of the client: a client
+    // that stops reading holds the upstream back, until the deadline ends the stream.
+    let limits = "max_stored_body = \"1KiB\"\n[routes.retry]\ndeadline = \"2s\"\n";
+    let (upstream, broker) = setup(b, limits, "").await;
+    // 50 MiB: more than the sockets between the upstream, the broker and the client can hold.
+    let mut long: Vec<Step> = (0..800).map(|_| Step::Filler(64 * 1024)).collect();
+    long.push(Step::Done);
+    upstream.script("stuck", vec![Answer::Stream(long)]);
+    let mut response = broker.post(PATH, "stuck", BODY).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert!(response.chunk().await.unwrap().is_some(), "the stream starts");
+    // The client reads nothing more, and keeps its connection open.
+    let record = broker.await_record("stuck", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stop_reason"], "deadline", "{record:#}");
+    assert_eq!(record["stream"]["stored"], false);
+    assert_eq!(upstream.finished("stuck"), 0, "the upstream was never read to its end");
+    assert_eq!(upstream.hits("stuck"), 1);
+    drop(response);
+}
+
 async fn a_stall_past_the_idle_timeout_ends_the_stream_as_unknown(b: Backend) {
     let retry = "[routes.retry]\nstream_idle_timeout = \"200ms\"\n";
     let (upstream, broker) = setup(b, "", retry).await;
@@ -284,6 +324,8 @@ both_stores!(
     a_duplicate_of_a_done_stream_gets_the_same_bytes_status_and_headers,
     a_cut_after_the_third_event_is_unknown_keeps_the_partial_body_and_is_never_sent_again,
     a_cut_on_a_replay_safe_route_frees_the_key,
+    a_cut_in_a_chunked_answer_aborts_the_clients_response_and_is_unknown,
+    a_client_that_stops_reading_holds_the_upstream_no_longer_than_the_deadline,
     a_stall_past_the_idle_timeout_ends_the_stream_as_unknown,
     a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes,
     a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does,

@@ -75,18 +75,22 @@ pub fn client_body(reader: Reader, event_stream: bool) -> Body {
                 Next::Part(part) => Some((Ok(part), Step::Reading(reader))),
                 Next::End(End::Complete) => None,
                 Next::End(End::Cut(problem)) if event_stream => Some((Ok(error_event(&problem)), Step::Failing)),
-                Next::End(End::Cut(_)) => Some((Err(StreamCut), Step::Over)),
+                Next::End(End::Cut(_)) => Some((Err(cut_after_flush().await), Step::Over)),
             },
-            Step::Failing => {
-                // hyper drops what it has buffered but not yet written when a body fails: let it
-                // write the error event out first, as it does whenever the body has nothing ready.
-                tokio::task::yield_now().await;
-                Some((Err(StreamCut), Step::Over))
-            }
+            Step::Failing => Some((Err(cut_after_flush().await), Step::Over)),
             Step::Over => None,
         }
     });
     Body::from_stream(parts)
+}
+
+/// The error that aborts a client's response, once what was passed on before it is written.
+/// hyper drops what it has buffered but not yet written when a body fails — the parts before
+/// the cut, the error event, even the response's head — and writes out whatever it holds
+/// whenever the body has nothing ready: so the body has nothing ready once, first.
+async fn cut_after_flush() -> StreamCut {
+    tokio::task::yield_now().await;
+    StreamCut
 }
 
 /// The problem text a cut carries, shared by every reader of the tap.

@@ -31,13 +31,17 @@ pub enum Step {
     Cut,
     /// Sends nothing more, ever.
     Stall,
+    /// One event whose content is this many `x`s: bulk, to fill buffers quickly.
+    Filler(usize),
 }
 
-/// A scripted answer: a status without a stream (`Refuse`), or a 200 event stream.
+/// A scripted answer: a status without a stream (`Refuse`), a 200 event stream, or the same
+/// parts as a chunked `application/json` body (no length announced).
 #[derive(Clone, Debug)]
 pub enum Answer {
     Refuse(u16),
     Stream(Vec<Step>),
+    Chunked(Vec<Step>),
 }
 
 /// `n` events `part 1` … `part n`, then `[DONE]`.
@@ -119,12 +123,13 @@ async fn answer(State(seen): State<Arc<Mutex<Seen>>>, headers: HeaderMap) -> Res
         *s.hits.entry(key.clone()).or_default() += 1;
         s.scripts.get_mut(&key).and_then(VecDeque::pop_front)
     };
-    let steps = match scripted.unwrap_or(Answer::Stream(events(3))) {
+    let (steps, content_type) = match scripted.unwrap_or(Answer::Stream(events(3))) {
         Answer::Refuse(status) => {
             let body = serde_json::json!({"error": {"message": "try again"}}).to_string();
             return (StatusCode::from_u16(status).unwrap(), body).into_response();
         }
-        Answer::Stream(steps) => steps,
+        Answer::Stream(steps) => (steps, "text/event-stream"),
+        Answer::Chunked(steps) => (steps, "application/json"),
     };
     let parts = futures_util::stream::unfold((steps.into_iter(), seen, key), |(mut steps, seen, key)| async move {
         loop {
@@ -151,13 +156,14 @@ async fn answer(State(seen): State<Arc<Mutex<Seen>>>, headers: HeaderMap) -> Res
                     Err(std::io::Error::other("cut by the script"))
                 }
                 Step::Stall => std::future::pending().await,
+                Step::Filler(n) => Ok(Bytes::from(event_bytes(&"x".repeat(n)))),
             };
             return Some((item, (steps, seen, key)));
         }
     });
     Response::builder()
         .status(200)
-        .header("content-type", "text/event-stream")
+        .header("content-type", content_type)
         .header("cache-control", "no-cache")
         .body(Body::from_stream(parts))
         .unwrap()
