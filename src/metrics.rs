@@ -101,6 +101,7 @@ fn describe() {
     describe_gauge!("idem_records", "Records in the store by phase; phase=\"unknown\" is the reconciliation queue.");
     describe_gauge!("idem_circuit_state", "Each upstream's circuit: 0 closed, 1 half-open, 2 open.");
     describe_gauge!("idem_connections", "Open client connections, per listener (data, admin).");
+    describe_gauge!("idem_waiting_requests", "Requests waiting for a record to settle (Prefer: wait), per route.");
     describe_counter!(
         "idem_connections_refused_total",
         "Connections past the listener's max_connections, answered 503 and closed."
@@ -190,6 +191,22 @@ pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
 /// `takeover_cap`. Counted with the stops of executions, which it ended.
 pub fn stopped_by_take_over(route: &str, stop: StopReason) {
     counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);
+}
+
+/// A request waits for a record of `route` to settle (`Prefer: wait`), until the guard is
+/// dropped: parked clients hold connections, which operators see before they run out.
+pub fn waiting(route: &str) -> Waiting {
+    let gauge = gauge!("idem_waiting_requests", "route" => route.to_string());
+    gauge.increment(1.0);
+    Waiting(gauge)
+}
+
+pub struct Waiting(metrics::Gauge);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.decrement(1.0);
+    }
 }
 
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
-use common::{both_stores, send, Backend, Broker, Db};
+use common::{both_stores, config_text, send, Backend, Broker, Db};
 
 const BODY: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 const PATH: &str = "/payments/v1/chat/completions";
@@ -277,13 +277,32 @@ async fn a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_byt
     assert_eq!(upstream.hits("attach"), 1, "never a second execution");
 }
 
+/// `idem_waiting_requests` of `route`, as the broker's `/metrics` shows it.
+async fn waiting(broker: &Broker, route: &str) -> f64 {
+    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let series = format!("idem_waiting_requests{{route=\"{route}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0.0, |v| v.parse().unwrap())
+}
+
 async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: Backend) {
-    let (upstream, broker) = setup(b, "", "").await;
+    // A route of this test's own: the metrics are the process's, and no other test waits on it.
+    let route = format!("early-{b:?}");
+    let upstream = SseUpstream::start().await;
+    let db = Db::new(b).await;
+    let config = config_text(&db.url, &upstream.url(), "", "").replace("\"payments\"", &format!("\"{route}\""));
+    let broker = Broker::start_with(&db, config).await;
     upstream
         .script("early", vec![Answer::Stream(vec![Step::Gate, Step::Event("part 1".into()), Step::Gate, Step::Done])]);
     let first = tokio::spawn(broker.post(PATH, "early", BODY).send());
     broker.await_record("early", SETTLES, |r| r["state"] == "in_progress").await;
     let second = tokio::spawn(broker.post(PATH, "early", BODY).header("prefer", "wait=10").send());
+    // The duplicate is waiting before the upstream sends its first byte.
+    let until = std::time::Instant::now() + SETTLES;
+    while waiting(&broker, &route).await != 1.0 {
+        assert!(std::time::Instant::now() < until, "the duplicate never waited");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(upstream.finished("early"), 0);
     upstream.open("early");
     let mut second = second.await.unwrap().unwrap();
     assert_eq!(second.status(), 200);
@@ -296,6 +315,7 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     let first = first.await.unwrap().unwrap();
     assert_eq!(first.bytes().await.unwrap(), whole(1).as_bytes());
     assert_eq!(upstream.hits("early"), 1);
+    assert_eq!(waiting(&broker, &route).await, 0.0, "nobody waits any more");
 }
 
 async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again(b: Backend) {

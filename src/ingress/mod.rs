@@ -400,7 +400,7 @@ impl Ingress {
             if let Some(attached) = self.attached(&record) {
                 return Ok(attached);
             }
-            match self.wait_for(record.id, wait, true).await {
+            match self.wait_for(&record, wait, true).await {
                 Ok(Some(settled)) => record = settled,
                 Ok(None) => return Err(Problem::not_found()),
                 Err(problem) => return Err(problem),
@@ -464,8 +464,10 @@ impl Ingress {
 
     /// Waits up to `max` for a record to leave `in_progress`/queued, or, when the request can
     /// `attach`, for its answer to start streaming here; `None` if it disappeared.
-    pub(super) async fn wait_for(&self, id: Uuid, max: Duration, attach: bool) -> Result<Option<Record>, Problem> {
+    pub(super) async fn wait_for(&self, record: &Record, max: Duration, attach: bool) -> Result<Option<Record>, Problem> {
+        let id = record.id;
         let until = tokio::time::Instant::now() + max;
+        let _counted = metrics::waiting(&record.route);
         // Another node may settle it: have it announced.
         self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
         // At shutdown, waiting ends: the client is answered with where its request stands.

@@ -53,7 +53,7 @@ async fn show(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response,
     let mut record = find(app, headers, key).await?;
     // An agent can wait for the outcome instead of polling: `Prefer: wait=N`.
     if let (Some(wait), Phase::Queued | Phase::InProgress) = (Prefer::from_headers(headers).wait, record.phase()) {
-        record = app.wait_for(record.id, wait, false).await?.ok_or_else(Problem::not_found)?;
+        record = app.wait_for(&record, wait, false).await?.ok_or_else(Problem::not_found)?;
     }
     Ok(record_response(StatusCode::OK, &record))
 }
