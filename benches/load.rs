@@ -42,6 +42,9 @@ use idem::config::Config;
 use sqlx::Connection;
 use tokio::net::TcpListener;
 
+#[path = "support/nginx.rs"]
+mod nginx;
+
 /// The request body every case sends (the same bytes, so replays match their fingerprint).
 const REQUEST_BODY: &str = r#"{"amount":1000,"currency":"eur","customer":"cus_bench"}"#;
 /// The upstream's answer to every request.
@@ -217,64 +220,6 @@ async fn start_proxy(upstream: &str) -> String {
         axum::serve(listener, app).await.unwrap();
     });
     format!("http://{addr}")
-}
-
-// ---- nginx, the reverse proxy operators deploy (a second baseline) -----------------------------
-
-/// nginx from the PATH, proxying to the same upstream, with keep-alive connections to it and no
-/// access log: what Idem's cost is judged against from outside. Stopped when dropped.
-struct Nginx {
-    child: std::process::Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        // SIGTERM, not SIGKILL: the master stops its workers before it exits.
-        let _ = std::process::Command::new("kill").arg(self.child.id().to_string()).status();
-        let _ = self.child.wait();
-    }
-}
-
-async fn start_nginx(upstream: &str) -> Result<Nginx, String> {
-    let version = std::process::Command::new("nginx").arg("-v").output();
-    if version.is_err() {
-        return Err("nginx is not on the PATH (Debian: apt-get install nginx-light)".into());
-    }
-    let port =
-        std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_err(|e| e.to_string())?.port();
-    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let d = dir.path().display();
-    let upstream_host = upstream.trim_start_matches("http://");
-    let conf = format!(
-        "daemon off;\nworker_processes auto;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
-         events {{ worker_connections 4096; }}\n\
-         http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
-           fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
-           upstream api {{ server {upstream_host}; keepalive 256; }}\n\
-           server {{\n    listen 127.0.0.1:{port};\n    location / {{\n      proxy_pass http://api;\n\
-               proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n    }}\n  }}\n}}\n"
-    );
-    let path = dir.path().join("nginx.conf");
-    std::fs::write(&path, conf).map_err(|e| e.to_string())?;
-    let child = std::process::Command::new("nginx")
-        .arg("-p")
-        .arg(dir.path())
-        .arg("-c")
-        .arg(&path)
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .map_err(|e| format!("nginx did not start: {e}"))?;
-    let nginx = Nginx { child, url: format!("http://127.0.0.1:{port}"), _dir: dir };
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        if Instant::now() > deadline {
-            return Err("nginx did not listen within 5s".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(nginx)
 }
 
 // ---- Idem --------------------------------------------------------------------------------------
@@ -831,7 +776,7 @@ async fn bench(settings: Settings) {
     let mut notes = Vec::new();
     let mut targets =
         vec![Target { name: "plain proxy", store: "-".into(), url: format!("{proxy}/payments"), keys: Keys::None }];
-    let nginx = match start_nginx(&upstream).await {
+    let nginx = match nginx::start(&upstream, nginx::Buffering::Default).await {
         Ok(nginx) => {
             println!("nginx on {}", nginx.url);
             targets.push(Target {

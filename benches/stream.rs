@@ -1,21 +1,24 @@
 //! Streaming benchmark (SPEC §11): what passing a streamed answer through Idem adds to its time
 //! to first byte, and what streams in flight cost in memory.
 //!
-//! Everything runs in this process on 127.0.0.1: an upstream that answers server-sent events
-//! (`data: {…}` lines, the first at once, then one every gap, ending with `data: [DONE]`), and
-//! Idem (SQLite, `synchronous=FULL`) in front of it.
+//! Idem runs as operators run it: the `idem` binary in a process of its own, on its default
+//! configuration (SQLite, `synchronous=FULL`, info logging to a file). This process holds the
+//! clients and an upstream that answers server-sent events (`data: {…}` lines, the first at
+//! once, then one every gap, ending with `data: [DONE]`), all on 127.0.0.1.
 //!
-//! 1. Time to first byte: requests one after another, straight to the upstream (the plain path)
-//!    and through Idem with a new key each, taking turns. The time runs from the send to the
-//!    first body byte; printed are p50 and p99 of each and what Idem adds.
-//! 2. Memory: `IDEM_STREAM_CONCURRENT` (default 1,000) streams opened at once, each event a second
-//!    apart, first straight to the upstream, then through Idem. This process's resident memory
-//!    is read before and once every stream has its first byte; the straight run's growth per
-//!    stream (the clients' and the upstream's share) is taken from Idem's, which leaves what Idem
-//!    holds per stream in flight.
+//! 1. Time to first byte: requests one after another, straight to the upstream, through nginx
+//!    (the plain proxy, `proxy_buffering off`, when `nginx` is on the PATH) and through Idem with
+//!    a new key each, taking turns. The time runs from the send to the first body byte; printed
+//!    are p50 and p99 of each and what Idem adds to the plain proxy's (to the straight path's
+//!    without nginx). Idem's store is warmed first, as on a broker that has run a while: its log
+//!    has reached the size at which SQLite writes it over from its start.
+//! 2. Memory: `IDEM_STREAM_CONCURRENT` (default 1,000) streams through Idem opened at once, each
+//!    event a second apart. Idem's resident memory is read before and once every stream has its
+//!    first byte; the growth per stream is what Idem holds per stream in flight.
 //!
-//! `IDEM_STREAM_SAMPLES` (default 500) sets the first part's requests per path. Run with
-//! `cargo bench --bench stream`.
+//! `IDEM_STREAM_SAMPLES` (default 500) sets the first part's requests per path,
+//! `IDEM_STREAM_WARMUP` (default 2,000) the requests that warm the store, and `IDEM_STREAM_BIN`
+//! another build of `idem` to measure instead of this one. Run with `cargo bench --bench stream`.
 
 use std::time::{Duration, Instant};
 
@@ -23,8 +26,10 @@ use axum::body::{Body, Bytes};
 use axum::extract::Query;
 use axum::response::Response;
 use hdrhistogram::Histogram;
-use idem::config::Config;
 use tokio::net::TcpListener;
+
+#[path = "support/nginx.rs"]
+mod nginx;
 
 /// How the upstream streams one answer: `events` events, `gap_ms` apart after the first.
 #[derive(serde::Deserialize, Clone, Copy)]
@@ -65,12 +70,12 @@ async fn start_upstream() -> String {
     format!("http://{addr}")
 }
 
-fn idem_config(store_url: &str, upstream: &str, concurrent: usize) -> String {
+fn idem_config(listen: u16, admin: u16, store_url: &str, upstream: &str, concurrent: usize) -> String {
     format!(
         r#"
 [server]
-listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
+listen = "127.0.0.1:{listen}"
+admin_listen = "127.0.0.1:{admin}"
 
 [store]
 url = "{store_url}"
@@ -112,9 +117,54 @@ fn micros(h: &Histogram<u64>, q: f64) -> u64 {
     h.value_at_quantile(q)
 }
 
-/// This process's resident memory, in KiB.
-fn resident_kib() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+/// The idem process, stopped when dropped.
+struct Idem {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Drop for Idem {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts `idem serve` in `dir` in front of `upstream`, logging to a file there, and returns
+/// once it is ready.
+async fn start_idem(dir: &std::path::Path, upstream: &str, concurrent: usize) -> Idem {
+    let bin = std::env::var("IDEM_STREAM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_idem").to_string());
+    let (listen, admin) = (free_port(), free_port());
+    let store = format!("sqlite://{}", dir.join("idem.db").display());
+    let config = dir.join("idem.toml");
+    std::fs::write(&config, idem_config(listen, admin, &store, upstream, concurrent)).unwrap();
+    let log = std::fs::File::create(dir.join("idem.log")).unwrap();
+    let child = std::process::Command::new(&bin)
+        .arg("serve")
+        .arg("--config")
+        .arg(&config)
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+    let idem = Idem { child, url: format!("http://127.0.0.1:{listen}") };
+    let probe = reqwest::Client::builder().no_proxy().build().unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !probe.get(format!("http://127.0.0.1:{admin}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+        assert!(Instant::now() < until, "idem was not ready within 30 s");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    idem
+}
+
+/// A process's resident memory, in KiB.
+fn resident_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
@@ -122,19 +172,19 @@ fn resident_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// Opens `n` streams to `url` at once and returns the resident memory growth, in KiB, once every
-/// one has its first byte; the streams then run to their end.
-async fn memory_of_streams(http: &reqwest::Client, url: &str, n: usize, keyed: bool, run: &str) -> i64 {
-    let before = resident_kib();
+/// Opens `n` streams to `url` at once and returns the growth of `pid`'s resident memory, in KiB,
+/// once every one has its first byte; the streams then run to their end.
+async fn memory_of_streams(http: &reqwest::Client, url: &str, n: usize, pid: u32) -> i64 {
+    let before = resident_kib(pid);
     let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(n);
     // A watch, not a Notify: a task that has not begun to wait when the release comes still sees it.
     let (release, released) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
         let (http, url, ready_tx, mut released) = (http.clone(), url.to_string(), ready_tx.clone(), released.clone());
-        let key = format!("{run}-{i}");
+        let key = format!("memory-{i}");
         tasks.push(tokio::spawn(async move {
-            let (_, response) = first_byte(&http, &url, keyed.then_some(key.as_str())).await;
+            let (_, response) = first_byte(&http, &url, Some(&key)).await;
             let _ = ready_tx.send(()).await;
             let _ = released.wait_for(|go| *go).await;
             drain(response).await;
@@ -143,10 +193,10 @@ async fn memory_of_streams(http: &reqwest::Client, url: &str, n: usize, keyed: b
     for started in 0..n {
         match tokio::time::timeout(Duration::from_secs(30), ready_rx.recv()).await {
             Ok(Some(())) => {}
-            _ => panic!("{run}: only {started} of {n} streams had their first byte within 30 s"),
+            _ => panic!("only {started} of {n} streams had their first byte within 30 s"),
         }
     }
-    let during = resident_kib();
+    let during = resident_kib(pid);
     let _ = release.send(true);
     for task in tasks {
         task.await.expect("a stream task");
@@ -156,53 +206,65 @@ async fn memory_of_streams(http: &reqwest::Client, url: &str, n: usize, keyed: b
 
 fn main() {
     let samples: usize = std::env::var("IDEM_STREAM_SAMPLES").ok().and_then(|v| v.parse().ok()).unwrap_or(500);
+    let warmup: usize = std::env::var("IDEM_STREAM_WARMUP").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let concurrent: usize = std::env::var("IDEM_STREAM_CONCURRENT").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(async move {
         let upstream = start_upstream().await;
-        let dir = tempfile::tempdir().unwrap();
-        let store = format!("sqlite://{}", dir.path().join("idem.db").display());
-        let config = Config::parse_with_env(&idem_config(&store, &upstream, concurrent), |_| None).unwrap();
-        let running = idem::server::start(config).await.expect("idem starts");
-        let through_idem = format!("http://{}/v1/chat/completions", running.listen);
+        // SQLite files live under the target directory (a real disk), not a possibly in-memory /tmp.
+        let dir = tempfile::Builder::new().prefix("idem-stream-").tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let idem = start_idem(dir.path(), &upstream, concurrent).await;
+        let through_idem = format!("{}/v1/chat/completions", idem.url);
         let straight = format!("{upstream}/v1/chat/completions");
-        println!("idem streaming benchmark: upstream {upstream}, idem on {}", running.listen);
+        println!("idem streaming benchmark: upstream {upstream}, idem on {} (files under {})", idem.url, dir.path().display());
 
-        // 1. Time to first byte, the two paths taking turns; the rest of each stream is quick.
+        // 1. Time to first byte, the paths taking turns; the rest of each stream is quick.
         let http = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(4).build().unwrap();
         let quick = "?events=3&gap_ms=1";
-        let (mut plain, mut idem) = (Histogram::<u64>::new(3).unwrap(), Histogram::<u64>::new(3).unwrap());
+        let proxy = match nginx::start(&upstream, nginx::Buffering::Off).await {
+            Ok(proxy) => Some(proxy),
+            Err(e) => {
+                println!("no plain proxy row: {e}");
+                None
+            }
+        };
+        let mut paths = vec![("straight to the upstream", format!("{straight}{quick}"), false)];
+        if let Some(proxy) = &proxy {
+            paths.push(("through nginx", format!("{}/v1/chat/completions{quick}", proxy.url), false));
+        }
+        paths.push(("through idem, new keys", format!("{through_idem}{quick}"), true));
+        for i in 0..warmup {
+            let (_, response) = first_byte(&http, &paths.last().unwrap().1, Some(&format!("warm-{i}"))).await;
+            drain(response).await;
+        }
+        let mut times: Vec<Histogram<u64>> = paths.iter().map(|_| Histogram::new(3).unwrap()).collect();
         for i in 0..samples + 50 {
-            let (t, response) = first_byte(&http, &format!("{straight}{quick}"), None).await;
-            drain(response).await;
-            let (u, response) = first_byte(&http, &format!("{through_idem}{quick}"), Some(&format!("ttfb-{i}"))).await;
-            drain(response).await;
-            // The first 50 of each warm the connections and the store.
-            if i >= 50 {
-                plain.record(t.as_micros() as u64).unwrap();
-                idem.record(u.as_micros() as u64).unwrap();
+            for ((_, url, keyed), times) in paths.iter().zip(&mut times) {
+                let key = format!("ttfb-{i}");
+                let (t, response) = first_byte(&http, url, keyed.then_some(key.as_str())).await;
+                drain(response).await;
+                // The first 50 of each warm the connections.
+                if i >= 50 {
+                    times.record(t.as_micros() as u64).unwrap();
+                }
             }
         }
         println!("\ntime to first byte, {samples} requests per path, one at a time (microseconds):");
         println!("{:<28} {:>8} {:>8}", "path", "p50", "p99");
-        println!("{:<28} {:>8} {:>8}", "straight to the upstream", micros(&plain, 0.5), micros(&plain, 0.99));
-        println!("{:<28} {:>8} {:>8}", "through idem, new keys", micros(&idem, 0.5), micros(&idem, 0.99));
-        let added = micros(&idem, 0.5) as i64 - micros(&plain, 0.5) as i64;
-        println!("idem adds {added} us at p50 (the target: within 1000 us)");
+        for ((name, ..), times) in paths.iter().zip(&times) {
+            println!("{name:<28} {:>8} {:>8}", micros(times, 0.5), micros(times, 0.99));
+        }
+        let (through, plain) = (&times[times.len() - 1], &times[times.len() - 2]);
+        let added = micros(through, 0.5) as i64 - micros(plain, 0.5) as i64;
+        let over = if proxy.is_some() { "the plain proxy's" } else { "the straight path's" };
+        println!("idem adds {added} us at p50 to {over} (the target: within 1000 us)");
+        drop(proxy);
 
         // 2. Memory of streams in flight.
         let slow = "?events=5&gap_ms=1000";
         let many = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(concurrent).build().unwrap();
-        let straight_kib = memory_of_streams(&many, &format!("{straight}{slow}"), concurrent, false, "plain").await;
-        let idem_kib = memory_of_streams(&many, &format!("{through_idem}{slow}"), concurrent, true, "mem").await;
-        let per = |kib: i64| kib as f64 / concurrent as f64;
-        println!("\n{concurrent} streams in flight at once (resident memory of this process, KiB):");
-        println!(
-            "  straight to the upstream: +{straight_kib} ({:.1} per stream: clients and upstream)",
-            per(straight_kib)
-        );
-        println!("  through idem:             +{idem_kib} ({:.1} per stream)", per(idem_kib));
-        println!("  idem's own share:          {:.1} KiB per stream in flight", per(idem_kib - straight_kib));
-        running.shutdown().await;
+        let grown = memory_of_streams(&many, &format!("{through_idem}{slow}"), concurrent, idem.child.id()).await;
+        println!("\n{concurrent} streams through idem in flight at once (idem's resident memory):");
+        println!("  +{grown} KiB, {:.1} KiB per stream in flight", grown as f64 / concurrent as f64);
     });
 }
