@@ -216,7 +216,11 @@ fn main() {
         let idem = start_idem(dir.path(), &upstream, concurrent).await;
         let through_idem = format!("{}/v1/chat/completions", idem.url);
         let straight = format!("{upstream}/v1/chat/completions");
-        println!("idem streaming benchmark: upstream {upstream}, idem on {} (files under {})", idem.url, dir.path().display());
+        println!(
+            "idem streaming benchmark: upstream {upstream}, idem on {} (files under {})",
+            idem.url,
+            dir.path().display()
+        );
 
         // 1. Time to first byte, the paths taking turns; the rest of each stream is quick.
         let http = reqwest::Client::builder().no_proxy().pool_max_idle_per_host(4).build().unwrap();

@@ -464,7 +464,12 @@ impl Ingress {
 
     /// Waits up to `max` for a record to leave `in_progress`/queued, or, when the request can
     /// `attach`, for its answer to start streaming here; `None` if it disappeared.
-    pub(super) async fn wait_for(&self, record: &Record, max: Duration, attach: bool) -> Result<Option<Record>, Problem> {
+    pub(super) async fn wait_for(
+        &self,
+        record: &Record,
+        max: Duration,
+        attach: bool,
+    ) -> Result<Option<Record>, Problem> {
         let id = record.id;
         let until = tokio::time::Instant::now() + max;
         let _counted = metrics::waiting(&record.route);
