@@ -131,20 +131,6 @@ async fn an_operator_can_end_a_canary_by_hand_and_resume_it(b: Backend) {
     assert!(in_canary(&broker, &control, "resumed").await > 0, "cleared, the canary runs again");
 }
 
-/// Polls `/metrics` until it has `line`.
-async fn metrics_show(broker: &Broker, line: &str) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let text = send(broker.http.get(format!("{}/metrics", broker.admin))).await.body;
-        let text = String::from_utf8_lossy(&text).into_owned();
-        if text.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "/metrics never showed `{line}`:\n{text}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 async fn a_canary_removed_by_a_reload_is_shown_as_ended(b: Backend) {
     let upstream = Upstream::start().await;
     let config = CANARY.replace("min_requests = 4", "min_requests = 1000");
@@ -156,12 +142,12 @@ async fn a_canary_removed_by_a_reload_is_shown_as_ended(b: Backend) {
     let described = String::from_utf8_lossy(&checked.stdout).into_owned();
     let version = described.split("canary 50% by key, policy_version ").nth(1).expect(&described)[..12].to_string();
     let running = |on: u8| format!("idem_canary_running{{route=\"payments\",policy_version=\"{version}\"}} {on}");
-    metrics_show(&broker, &running(1)).await;
+    broker.await_metric(&running(1)).await;
 
     let without = broker.config_text.split("[routes.canary]").next().unwrap().to_string();
     broker.write_config(&without);
     assert_eq!(broker.reload(None).await.status, 200);
-    metrics_show(&broker, &running(0)).await;
+    broker.await_metric(&running(0)).await;
 }
 
 both_stores!(

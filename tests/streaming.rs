@@ -277,13 +277,6 @@ async fn a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_byt
     assert_eq!(upstream.hits("attach"), 1, "never a second execution");
 }
 
-/// `idem_waiting_requests` of `route`, as the broker's `/metrics` shows it.
-async fn waiting(broker: &Broker, route: &str) -> f64 {
-    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
-    let series = format!("idem_waiting_requests{{route=\"{route}\"}} ");
-    text.lines().find_map(|l| l.strip_prefix(&series)).map_or(0.0, |v| v.parse().unwrap())
-}
-
 async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: Backend) {
     // A route of this test's own: the metrics are the process's, and no other test waits on it.
     let route = format!("early-{b:?}");
@@ -297,11 +290,8 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     broker.await_record("early", SETTLES, |r| r["state"] == "in_progress").await;
     let second = tokio::spawn(broker.post(PATH, "early", BODY).header("prefer", "wait=10").send());
     // The duplicate is waiting before the upstream sends its first byte.
-    let until = std::time::Instant::now() + SETTLES;
-    while waiting(&broker, &route).await != 1.0 {
-        assert!(std::time::Instant::now() < until, "the duplicate never waited");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let waiting = |n: u32| format!("idem_waiting_requests{{route=\"{route}\"}} {n}");
+    broker.await_metric(&waiting(1)).await;
     assert_eq!(upstream.finished("early"), 0);
     upstream.open("early");
     let mut second = second.await.unwrap().unwrap();
@@ -315,7 +305,7 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     let first = first.await.unwrap().unwrap();
     assert_eq!(first.bytes().await.unwrap(), whole(1).as_bytes());
     assert_eq!(upstream.hits("early"), 1);
-    assert_eq!(waiting(&broker, &route).await, 0.0, "nobody waits any more");
+    broker.await_metric(&waiting(0)).await;
 }
 
 async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again(b: Backend) {

@@ -72,12 +72,10 @@ impl Inner {
         let deadline = tokio::time::Instant::now() + left;
         let read = async {
             loop {
-                let until = (tokio::time::Instant::now() + idle).min(deadline);
-                match tokio::time::timeout_at(until, head.part()).await {
+                match tokio::time::timeout(idle, head.part()).await {
                     Ok(Ok(Some(part))) => tap.push(part).await,
                     Ok(Ok(None)) => return Ok(()),
                     Ok(Err(_)) => return Err(Short::Cut),
-                    Err(_) if until >= deadline => return Err(Short::Deadline),
                     Err(_) => return Err(Short::Idle),
                 }
             }

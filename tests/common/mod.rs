@@ -393,6 +393,21 @@ impl Broker {
         r.json().await.unwrap()
     }
 
+    /// Polls `/metrics` until it has `line` (a series and its value, as rendered); fails after
+    /// 15 s. The metrics are the process's: a series a test waits on should be its own.
+    pub async fn await_metric(&self, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let text = send(self.http.get(format!("{}/metrics", self.admin))).await.body;
+            let text = String::from_utf8_lossy(&text).into_owned();
+            if text.lines().any(|l| l == line) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "/metrics never showed `{line}`:\n{text}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Polls the record until `pred` holds; fails after `within`.
     pub async fn await_record(&self, key: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
         let until = Instant::now() + within;
