@@ -1,6 +1,6 @@
 //! The SQLite store. SQLite allows one writer at a time, so instead of a pool of connections
-//! fighting over the write lock, every write goes to one thread that owns the only writing
-//! connection and commits whatever has queued up in one transaction ([`writer`]). Reads run on a
+//! fighting over the write lock, every write goes through the only writing connection, which
+//! commits whatever has queued up in one transaction ([`writer`]). Reads run on a
 //! separate pool of read-only connections, which WAL lets proceed while the writer writes.
 //!
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
@@ -22,11 +22,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Connection, Row};
-use tokio::sync::{mpsc, oneshot};
 use uuid::Uuid;
 
 use self::files::DatabaseFiles;
-use self::writer::Write;
+use self::writer::{Write, Writer};
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
@@ -38,7 +37,7 @@ use crate::record::{Phase, Record, State, Tenant, Timestamp};
 use crate::switch::Switch;
 
 pub struct SqliteStore {
-    writes: mpsc::Sender<Write>,
+    writer: Writer,
     reads: SqlitePool,
     files: Arc<DatabaseFiles>,
 }
@@ -88,8 +87,8 @@ impl SqliteStore {
             .connect_with(options.clone().read_only(true))
             .await?;
 
-        let writes = writer::start(options.get_filename(), synchronous, files.clone())?;
-        Ok(SqliteStore { writes, reads, files })
+        let writer = writer::start(options.get_filename(), synchronous, files.clone())?;
+        Ok(SqliteStore { writer, reads, files })
     }
 
     /// The pool to read from, unless the files are lost: then a reader would read a file that
@@ -100,10 +99,7 @@ impl SqliteStore {
     }
 
     async fn write<T>(&self, op: impl FnOnce(writer::Reply<T>) -> Write) -> Result<T, StoreError> {
-        let stopped = || StoreError::Unavailable("the sqlite writer has stopped".into());
-        let (tx, rx) = oneshot::channel();
-        self.writes.send(op(tx)).await.map_err(|_| stopped())?;
-        rx.await.map_err(|_| stopped())?
+        self.writer.write(op).await
     }
 }
 

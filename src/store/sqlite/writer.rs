@@ -1,23 +1,25 @@
-//! The SQLite store's only writer: an OS thread that owns the one writing connection and commits
-//! whatever has queued up in one transaction (group commit), so under load one fsync covers many
-//! requests.
+//! The SQLite store's only writing connection. Under load, writes queue up for an OS thread
+//! that commits whatever has queued in one transaction (group commit), so one fsync covers many
+//! requests. When nothing else is being written, a caller on the multi-threaded runtime commits
+//! its write itself, on its own thread, instead of waking the writer and being woken back.
 //!
 //! It drives SQLite through rusqlite, synchronously, rather than through sqlx: sqlx runs every
 //! statement on a worker thread of its own and hands it over through a channel, which costs a
-//! thread wake-up per statement. A single writer runs its batch back to back, so here the only
-//! hand-offs are the batch coming in and each reply going out.
+//! thread wake-up per statement. Here a batch runs back to back, and the only hand-offs are the
+//! batch coming in and each reply going out.
 //!
-//! No write is answered before the writer has checked that its commit went to the files the
+//! No write is answered before its committer has checked that the commit went to the files the
 //! store's paths still name ([`DatabaseFiles`]); once they are lost, every write is refused but
 //! the probes that ask whether the store may resume.
 
 use crate::store::StreamEnded;
 use std::path::Path;
 use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
+use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{mpsc, oneshot};
 
 use super::files::{io_failure, DatabaseFiles};
@@ -102,12 +104,8 @@ const WAL_RESTART_PAGES: u32 = 2_048;
 const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 
 /// Starts the writer thread, and the checkpointer beside it, on the database at `path` (which
-/// the migrations have prepared, and `files` watches); both stop when every sender is dropped.
-pub(super) fn start(
-    path: &Path,
-    synchronous: &str,
-    files: Arc<DatabaseFiles>,
-) -> Result<mpsc::Sender<Write>, StoreError> {
+/// the migrations have prepared, and `files` watches); both stop when the [`Writer`] is dropped.
+pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -> Result<Writer, StoreError> {
     let conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(10))?;
     conn.execute_batch(&format!(
@@ -127,12 +125,54 @@ pub(super) fn start(
             move || checkpoint_loop(checkpoints, nudges, &files)
         })
         .map_err(cannot)?;
-    let (writes, queue) = mpsc::channel(4 * MAX_BATCH);
+    let committer = Arc::new(Mutex::new(Committer { conn, files, checkpoint: nudge, commits: 0, done: Vec::new() }));
+    let (queue, writes) = mpsc::channel(4 * MAX_BATCH);
     std::thread::Builder::new()
         .name("idem-sqlite-writer".into())
-        .spawn(move || write_loop(conn, queue, nudge, &files))
+        .spawn({
+            let committer = committer.clone();
+            move || write_loop(&committer, writes)
+        })
         .map_err(cannot)?;
-    Ok(writes)
+    Ok(Writer { queue, committer })
+}
+
+/// The way into the one writing connection.
+pub(super) struct Writer {
+    queue: mpsc::Sender<Write>,
+    committer: Arc<Mutex<Committer>>,
+}
+
+impl Writer {
+    /// Commits the write `op` builds and returns its result, once the commit is durable.
+    pub(super) async fn write<T>(&self, op: impl FnOnce(Reply<T>) -> Write) -> Result<T, StoreError> {
+        let stopped = || StoreError::Unavailable("the sqlite writer has stopped".into());
+        let (reply, result) = oneshot::channel();
+        if let Err(write) = self.commit_in_place(op(reply)) {
+            self.queue.send(write).await.map_err(|_| stopped())?;
+        }
+        result.await.map_err(|_| stopped())?
+    }
+
+    /// Commits `write` on the calling thread if nothing else is being written, or gives it back.
+    /// A write handed to the writer thread waits for that thread to wake, and its caller for its
+    /// reply to wake it in turn: two thread wake-ups, tens of microseconds each (more on a virtual
+    /// machine), in every commit at low load. Under load the connection is busy and the queue
+    /// is not empty, so writes still gather into one commit on the writer thread.
+    ///
+    /// Only on a multi-threaded runtime, which can move its other tasks to another thread while
+    /// this one waits for the disk.
+    fn commit_in_place(&self, write: Write) -> Result<(), Write> {
+        let multi_threaded = Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
+        if !multi_threaded || self.queue.capacity() < self.queue.max_capacity() {
+            return Err(write);
+        }
+        let Ok(mut committer) = self.committer.try_lock() else {
+            return Err(write);
+        };
+        tokio::task::block_in_place(|| committer.commit(&mut vec![write]));
+        Ok(())
+    }
 }
 
 /// Copies the WAL back into the database file on a thread of its own. Left to SQLite, that
@@ -182,37 +222,50 @@ fn pending<T: Send + 'static>(reply: Reply<T>, result: Result<T, StoreError>) ->
     Box::new(Pending { reply, result })
 }
 
-fn write_loop(
-    mut conn: Connection,
-    mut queue: mpsc::Receiver<Write>,
+/// The writing connection and what goes with every commit. The writer thread and callers
+/// committing in place take turns at it.
+struct Committer {
+    conn: Connection,
+    files: Arc<DatabaseFiles>,
     checkpoint: std_mpsc::SyncSender<()>,
-    files: &DatabaseFiles,
-) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    let mut done: Vec<Box<dyn Deliver>> = Vec::with_capacity(MAX_BATCH);
-    let mut commits = 0u32;
-    let mut linger = LINGER;
-    while next_batch(&mut queue, &mut batch, linger) {
-        linger = if batch.len() == 1 { LINGER } else { Duration::ZERO };
-        commits = commits.wrapping_add(1);
-        if commits.is_multiple_of(CHECKPOINT_EVERY) {
-            let _ = checkpoint.try_send(());
+    commits: u32,
+    /// Results held until the commit, kept between commits for its capacity.
+    done: Vec<Box<dyn Deliver>>,
+}
+
+impl Committer {
+    /// Commits every write of `batch` in one transaction (leaving `batch` empty) and answers
+    /// each.
+    fn commit(&mut self, batch: &mut Vec<Write>) {
+        self.commits = self.commits.wrapping_add(1);
+        if self.commits.is_multiple_of(CHECKPOINT_EVERY) {
+            let _ = self.checkpoint.try_send(());
         }
-        let commit = match files.check() {
+        let commit = match self.files.check() {
             Ok(()) => {
                 let (began, writes) = (Instant::now(), batch.len());
-                let commit = commit_batch(&mut conn, &mut batch, &mut done, files);
+                let commit = commit_batch(&mut self.conn, batch, &mut self.done, &self.files);
                 crate::metrics::store_commit(began.elapsed(), writes);
                 commit
             }
-            Err(lost) => probe_batch(&mut conn, &mut batch, &mut done, files, lost),
+            Err(lost) => probe_batch(&mut self.conn, batch, &mut self.done, &self.files, lost),
         };
         // A commit into a file that the path no longer names is as good as lost: its writers
         // hear so before anything is sent upstream on the strength of it.
-        let commit = commit.and_then(|()| files.verify());
-        for d in done.drain(..) {
+        let commit = commit.and_then(|()| self.files.verify());
+        for d in self.done.drain(..) {
             d.deliver(&commit);
         }
+    }
+}
+
+/// Commits what the queue brings until every sender is gone.
+fn write_loop(committer: &Mutex<Committer>, mut queue: mpsc::Receiver<Write>) {
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut linger = LINGER;
+    while next_batch(&mut queue, &mut batch, linger) {
+        linger = if batch.len() == 1 { LINGER } else { Duration::ZERO };
+        committer.lock().unwrap_or_else(PoisonError::into_inner).commit(&mut batch);
     }
 }
 
