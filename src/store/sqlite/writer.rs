@@ -1,7 +1,7 @@
 //! The SQLite store's only writing connection. Under load, writes queue up for an OS thread
 //! that commits whatever has queued in one transaction (group commit), so one fsync covers many
-//! requests. When nothing else is being written, a caller on the multi-threaded runtime commits
-//! its write itself, on its own thread, instead of waking the writer and being woken back.
+//! requests. When the store is idle, a caller on the multi-threaded runtime commits its write
+//! itself, on its own thread, instead of waking the writer and being woken back.
 //!
 //! It drives SQLite through rusqlite, synchronously, rather than through sqlx: sqlx runs every
 //! statement on a worker thread of its own and hands it over through a channel, which costs a
@@ -125,7 +125,14 @@ pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -
             move || checkpoint_loop(checkpoints, nudges, &files)
         })
         .map_err(cannot)?;
-    let committer = Arc::new(Mutex::new(Committer { conn, files, checkpoint: nudge, commits: 0, done: Vec::new() }));
+    let committer = Arc::new(Mutex::new(Committer {
+        conn,
+        files,
+        checkpoint: nudge,
+        commits: 0,
+        last_commit: Instant::now(),
+        done: Vec::new(),
+    }));
     let (queue, writes) = mpsc::channel(4 * MAX_BATCH);
     std::thread::Builder::new()
         .name("idem-sqlite-writer".into())
@@ -154,11 +161,12 @@ impl Writer {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Commits `write` on the calling thread if nothing else is being written, or gives it back.
-    /// A write handed to the writer thread waits for that thread to wake, and its caller for its
-    /// reply to wake it in turn: two thread wake-ups, tens of microseconds each (more on a virtual
-    /// machine), in every commit at low load. Under load the connection is busy and the queue
-    /// is not empty, so writes still gather into one commit on the writer thread.
+    /// Commits `write` on the calling thread if the store is idle, or gives it back. At low load
+    /// the writer thread has gone to sleep by the time a write comes, so a write handed to it
+    /// waits for it to wake, and then for its reply to wake the caller: two thread wake-ups,
+    /// tens of microseconds each (more on a virtual machine). Idle means nothing queued, the
+    /// connection free, and no commit for as long as the writer thread lingers after one: under
+    /// load writes keep coming sooner, and gather into the writer thread's commits as before.
     ///
     /// Only on a multi-threaded runtime, which can move its other tasks to another thread while
     /// this one waits for the disk.
@@ -170,6 +178,9 @@ impl Writer {
         let Ok(mut committer) = self.committer.try_lock() else {
             return Err(write);
         };
+        if committer.last_commit.elapsed() < LINGER {
+            return Err(write);
+        }
         tokio::task::block_in_place(|| committer.commit(&mut vec![write]));
         Ok(())
     }
@@ -229,6 +240,8 @@ struct Committer {
     files: Arc<DatabaseFiles>,
     checkpoint: std_mpsc::SyncSender<()>,
     commits: u32,
+    /// When the last commit ended.
+    last_commit: Instant,
     /// Results held until the commit, kept between commits for its capacity.
     done: Vec<Box<dyn Deliver>>,
 }
@@ -256,6 +269,7 @@ impl Committer {
         for d in self.done.drain(..) {
             d.deliver(&commit);
         }
+        self.last_commit = Instant::now();
     }
 }
 
@@ -264,8 +278,11 @@ fn write_loop(committer: &Mutex<Committer>, mut queue: mpsc::Receiver<Write>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut linger = LINGER;
     while next_batch(&mut queue, &mut batch, linger) {
+        let mut committer = committer.lock().unwrap_or_else(PoisonError::into_inner);
+        // Writes that queued while a caller committed in place join this commit.
+        take_queued(&mut queue, &mut batch);
         linger = if batch.len() == 1 { LINGER } else { Duration::ZERO };
-        committer.lock().unwrap_or_else(PoisonError::into_inner).commit(&mut batch);
+        committer.commit(&mut batch);
     }
 }
 
@@ -274,12 +291,7 @@ fn write_loop(committer: &Mutex<Committer>, mut queue: mpsc::Receiver<Write>) {
 fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>, linger: Duration) -> bool {
     let since = Instant::now();
     loop {
-        while batch.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(write) => batch.push(write),
-                Err(_) => break,
-            }
-        }
+        take_queued(queue, batch);
         if !batch.is_empty() {
             return true;
         }
@@ -287,6 +299,16 @@ fn next_batch(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>, linger:
             return queue.blocking_recv_many(batch, MAX_BATCH) > 0;
         }
         std::thread::yield_now();
+    }
+}
+
+/// Moves what has queued up into `batch`, up to [`MAX_BATCH`].
+fn take_queued(queue: &mut mpsc::Receiver<Write>, batch: &mut Vec<Write>) {
+    while batch.len() < MAX_BATCH {
+        match queue.try_recv() {
+            Ok(write) => batch.push(write),
+            Err(_) => break,
+        }
     }
 }
 
