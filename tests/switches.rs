@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use idem::clock::ManualClock;
 
-use common::{both_stores, send, Answer, Backend, Broker, Db, Reply, Upstream};
+use common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Reply, Upstream};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;
@@ -129,6 +129,37 @@ async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stay
     let record = broker.record_json("queued").await;
     assert_eq!((record["state"].as_str(), record["queued"].as_bool()), (Some("not_started"), Some(false)));
     assert_eq!(record["stop_reason"], "circuit_open");
+}
+
+/// A duplicate waiting on a queued request that an isolation frees is answered from the record,
+/// not by the execution: with the same problem as the request itself.
+async fn a_duplicate_waiting_on_a_request_an_isolation_frees_gets_circuit_open_too(b: Backend) {
+    // A route of this test's own: the metrics are the process's, and no other test waits on it.
+    let route = format!("isolated-{b:?}");
+    let upstream = Upstream::start().await;
+    let db = Db::new(b).await;
+    let config = config_text(&db.url, &upstream.url(), "max_concurrency = 1", "")
+        .replace("\"payments\"", &format!("\"{route}\""));
+    let broker = Broker::start_with(&db, config).await;
+    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(1500))]);
+    let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
+    while upstream.hits("ahead") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
+    while broker.record("queued").await.status() != 200 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let duplicate = tokio::spawn(send(broker.post("/payments", "queued", BODY).header("prefer", "wait=10")));
+    broker.await_metric(&format!("idem_waiting_requests{{route=\"{route}\"}} 1")).await;
+
+    set(&broker, json!({"scope": route, "action": "isolate", "reason": "upstream is melting"})).await;
+    assert_eq!(ahead.await.unwrap().status, 201);
+    queued.await.unwrap().assert_problem(503, "circuit-open");
+    let duplicate = duplicate.await.unwrap();
+    duplicate.assert_problem(503, "circuit-open");
+    assert_eq!(duplicate.header("idempotency-status"), Some("not_started"));
+    assert_eq!(upstream.hits("queued"), 0, "nothing reached the upstream");
 }
 
 async fn a_switch_ends_by_itself_when_it_expires(b: Backend) {
@@ -324,6 +355,7 @@ both_stores!(
     retries_off_lets_only_first_attempts_out_until_it_is_cleared,
     an_isolated_route_refuses_new_keys_but_replays_done_ones,
     a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free,
+    a_duplicate_waiting_on_a_request_an_isolation_frees_gets_circuit_open_too,
     a_switch_ends_by_itself_when_it_expires,
     bad_switch_requests_are_refused_naming_the_field,
     a_switch_survives_a_restart,

@@ -40,28 +40,33 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
             headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
             Ok(response)
         }
-        Outcome::Free(stop, None) => {
-            let problem = match stop {
-                StopReason::Deadline => Problem::deadline_exceeded(),
-                StopReason::Cancelled => Problem::cancelled(),
-                // The same answer as a refusal at admission: the circuit (or an isolation switch)
-                // may open between a request's admission and its first attempt.
-                StopReason::CircuitOpen => Problem::circuit_open(1),
-                StopReason::RetryBudget => {
-                    Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
-                }
-                StopReason::RetryAfterBeyondDeadline => {
-                    Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
-                        .retry_after(1)
-                        .retryable()
-                }
-                _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
-            };
-            Err(problem.state(State::NotStarted))
-        }
+        Outcome::Free(stop, None) => Err(freed(Some(stop))),
         Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
         Outcome::Streaming(streamed) => Ok(streamed_response(streamed)),
     }
+}
+
+/// The answer to a request whose record was freed with no upstream response to pass on, for why
+/// it stopped: the same whether its own execution tells it or the record, settled by another
+/// worker, does.
+pub(super) fn freed(stop: Option<StopReason>) -> Problem {
+    let problem = match stop {
+        Some(StopReason::Deadline) => Problem::deadline_exceeded(),
+        Some(StopReason::Cancelled) => Problem::cancelled(),
+        // The same answer as a refusal at admission: the circuit (or an isolation switch) may
+        // open between a request's admission and its first attempt.
+        Some(StopReason::CircuitOpen) => Problem::circuit_open(1),
+        Some(StopReason::RetryBudget) => {
+            Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
+        }
+        Some(StopReason::RetryAfterBeyondDeadline) => {
+            Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
+                .retry_after(1)
+                .retryable()
+        }
+        _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
+    };
+    problem.state(State::NotStarted)
 }
 
 /// A streamed answer as it arrives (SPEC §11): the upstream's status and headers, and its body

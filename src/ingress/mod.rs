@@ -22,7 +22,7 @@ use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
-use crate::policy::{outcome_eta, Pace, Pending, StopReason};
+use crate::policy::{outcome_eta, Pace, Pending};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{Phase, Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
@@ -452,13 +452,7 @@ impl Ingress {
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
-            Phase::Free => match record.stop_reason {
-                Some(StopReason::Cancelled) => Err(Problem::cancelled().state(State::NotStarted)),
-                Some(StopReason::Deadline) => Err(Problem::deadline_exceeded().state(State::NotStarted)),
-                _ => Err(Problem::upstream_unavailable("the upstream did not execute it")
-                    .retry_after(1)
-                    .state(State::NotStarted)),
-            },
+            Phase::Free => Err(answers::freed(record.stop_reason)),
         }
     }
 
