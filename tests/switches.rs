@@ -11,6 +11,7 @@ use idem::clock::ManualClock;
 
 use common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Reply, Upstream};
 use serde_json::{json, Value};
+use tokio::task::JoinHandle;
 
 const BODY: &str = r#"{"amount":42}"#;
 /// Retries come quickly: a test that sees one does not wait for it.
@@ -102,11 +103,9 @@ async fn an_isolated_route_refuses_new_keys_but_replays_done_ones(b: Backend) {
     assert_eq!(upstream.hits("paid-before"), 1);
 }
 
-/// A request admitted before the isolation and still queued when it is set gets the same answer
-/// as one refused at admission: nothing is sent, the key is free.
-async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
-    let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
+/// On a route with one place (`max_concurrency = 1`): request `ahead` holds it at the upstream
+/// for 1.5 s, and request `queued` is admitted and waits behind it.
+async fn one_ahead_and_one_queued(upstream: &Upstream, broker: &Broker) -> (JoinHandle<Answer>, JoinHandle<Answer>) {
     upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(1500))]);
     let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
     // The one place on the route is taken once the upstream holds the first request.
@@ -114,10 +113,18 @@ async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stay
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
-    // Admitted and queued behind it before the isolation is set.
     while broker.record("queued").await.status() != 200 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    (ahead, queued)
+}
+
+/// A request admitted before the isolation and still queued when it is set gets the same answer
+/// as one refused at admission: nothing is sent, the key is free.
+async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
+    let upstream = Upstream::start().await;
+    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
+    let (ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
 
     set(&broker, json!({"scope": "payments", "action": "isolate", "reason": "upstream is melting"})).await;
     assert_eq!(ahead.await.unwrap().status, 201, "the attempt in flight ends normally");
@@ -141,15 +148,7 @@ async fn a_duplicate_waiting_on_a_request_an_isolation_frees_gets_circuit_open_t
     let config = config_text(&db.url, &upstream.url(), "max_concurrency = 1", "")
         .replace("\"payments\"", &format!("\"{route}\""));
     let broker = Broker::start_with(&db, config).await;
-    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(1500))]);
-    let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
-    while upstream.hits("ahead") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
-    while broker.record("queued").await.status() != 200 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
     let duplicate = tokio::spawn(send(broker.post("/payments", "queued", BODY).header("prefer", "wait=10")));
     broker.await_metric(&format!("idem_waiting_requests{{route=\"{route}\"}} 1")).await;
 
