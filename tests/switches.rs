@@ -104,9 +104,10 @@ async fn an_isolated_route_refuses_new_keys_but_replays_done_ones(b: Backend) {
 }
 
 /// On a route with one place (`max_concurrency = 1`): request `ahead` holds it at the upstream
-/// for 1.5 s, and request `queued` is admitted and waits behind it.
+/// for 3 s, time enough for a test to set things up, and request `queued` is admitted and waits
+/// behind it.
 async fn one_ahead_and_one_queued(upstream: &Upstream, broker: &Broker) -> (JoinHandle<Answer>, JoinHandle<Answer>) {
-    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_millis(1500))]);
+    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_secs(3))]);
     let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
     // The one place on the route is taken once the upstream holds the first request.
     while upstream.hits("ahead") == 0 {

@@ -15,7 +15,7 @@
 use crate::store::StreamEnded;
 use std::path::Path;
 use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
@@ -91,6 +91,11 @@ const CHECKPOINT_EVERY: u32 = 32;
 /// writes pays for its wake-up many times over: after a batch of several, the writer sleeps at
 /// once (measured: 8–10 % less CPU per new key at c=64, the same latency at c=1).
 const LINGER: Duration = Duration::from_micros(100);
+/// How long after a commit the store counts as busy: a write that comes sooner queues for the
+/// writer thread and may share its next commit; a later one, at low load, commits in place. As
+/// long as the writer thread lingers, which is when it would pick such a write up without a
+/// wake-up.
+const IDLE_AFTER: Duration = LINGER;
 /// WAL pages past which the writer checkpoints by itself, in the commit that crosses the mark.
 /// SQLite writes the log from its start again only after a checkpoint has copied all of it, and
 /// under steady load the checkpointer never quite has: commits land while it runs. Until the
@@ -133,12 +138,12 @@ pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -
         last_commit: Instant::now(),
         done: Vec::new(),
     }));
-    let (queue, writes) = mpsc::channel(4 * MAX_BATCH);
+    let (queue, queued) = mpsc::channel(4 * MAX_BATCH);
     std::thread::Builder::new()
         .name("idem-sqlite-writer".into())
         .spawn({
             let committer = committer.clone();
-            move || write_loop(&committer, writes)
+            move || write_loop(&committer, queued)
         })
         .map_err(cannot)?;
     Ok(Writer { queue, committer })
@@ -146,7 +151,9 @@ pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -
 
 /// The way into the one writing connection.
 pub(super) struct Writer {
+    /// To the writer thread, for writes that come while the store is busy.
     queue: mpsc::Sender<Write>,
+    /// The connection itself, for a write that finds the store idle.
     committer: Arc<Mutex<Committer>>,
 }
 
@@ -163,22 +170,27 @@ impl Writer {
 
     /// Commits `write` on the calling thread if the store is idle, or gives it back. At low load
     /// the writer thread has gone to sleep by the time a write comes, so a write handed to it
-    /// waits for it to wake, and then for its reply to wake the caller: two thread wake-ups,
-    /// tens of microseconds each (more on a virtual machine). Idle means nothing queued, the
-    /// connection free, and no commit for as long as the writer thread lingers after one: under
-    /// load writes keep coming sooner, and gather into the writer thread's commits as before.
+    /// waits for it to wake, and then for its reply to wake the caller: two thread wake-ups on
+    /// the request's way, tens of microseconds each (more on a virtual machine). In place, the
+    /// only wake-up is the runtime's, off that way: `block_in_place` hands this thread's other
+    /// tasks to another thread while this one waits for the disk.
     ///
-    /// Only on a multi-threaded runtime, which can move its other tasks to another thread while
-    /// this one waits for the disk.
+    /// Idle means: nothing in the queue, the connection free, and no commit for [`IDLE_AFTER`].
+    /// A batch the writer thread has taken from the queue but not yet started is not seen; the
+    /// write committed here then only goes first. Under load writes come sooner, and gather
+    /// into the writer thread's commits as before.
+    ///
+    /// Only on a multi-threaded runtime: `block_in_place` panics on any other.
     fn commit_in_place(&self, write: Write) -> Result<(), Write> {
         let multi_threaded = Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
         if !multi_threaded || self.queue.capacity() < self.queue.max_capacity() {
             return Err(write);
         }
+        // A poisoned lock is left to the writer thread, which recovers the connection first.
         let Ok(mut committer) = self.committer.try_lock() else {
             return Err(write);
         };
-        if committer.last_commit.elapsed() < LINGER {
+        if committer.last_commit.elapsed() < IDLE_AFTER {
             return Err(write);
         }
         tokio::task::block_in_place(|| committer.commit(&mut vec![write]));
@@ -236,11 +248,15 @@ fn pending<T: Send + 'static>(reply: Reply<T>, result: Result<T, StoreError>) ->
 /// The writing connection and what goes with every commit. The writer thread and callers
 /// committing in place take turns at it.
 struct Committer {
+    /// The only connection that writes.
     conn: Connection,
+    /// Checked before and after every commit: a commit into files the paths no longer name is
+    /// lost.
     files: Arc<DatabaseFiles>,
+    /// Nudges the checkpointer every [`CHECKPOINT_EVERY`] commits.
     checkpoint: std_mpsc::SyncSender<()>,
     commits: u32,
-    /// When the last commit ended.
+    /// When the last commit ended: what tells an idle store from a busy one.
     last_commit: Instant,
     /// Results held until the commit, kept between commits for its capacity.
     done: Vec<Box<dyn Deliver>>,
@@ -271,6 +287,17 @@ impl Committer {
         }
         self.last_commit = Instant::now();
     }
+
+    /// Puts the connection back in order after a commit panicked halfway (on a caller's thread):
+    /// its transaction rolled back, so that the next one can begin, and its held results
+    /// dropped, so that their writers hear the writer stopped.
+    fn recover(&mut self) {
+        tracing::error!("a sqlite commit panicked; its writes are rolled back and refused");
+        if !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        self.done.clear();
+    }
 }
 
 /// Commits what the queue brings until every sender is gone.
@@ -278,7 +305,12 @@ fn write_loop(committer: &Mutex<Committer>, mut queue: mpsc::Receiver<Write>) {
     let mut batch = Vec::with_capacity(MAX_BATCH);
     let mut linger = LINGER;
     while next_batch(&mut queue, &mut batch, linger) {
-        let mut committer = committer.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut committer = committer.lock().unwrap_or_else(|poisoned| {
+            committer.clear_poison();
+            let mut committer = poisoned.into_inner();
+            committer.recover();
+            committer
+        });
         // Writes that queued while a caller committed in place join this commit.
         take_queued(&mut queue, &mut batch);
         linger = if batch.len() == 1 { LINGER } else { Duration::ZERO };
@@ -367,4 +399,81 @@ fn probe_batch(
     commit_batch(conn, &mut probes, done, files)?;
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
         .map_err(|e| StoreError::Unavailable(format!("a checkpoint of the SQLite database still fails: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A writer on a fresh database holding the one table its probes write to.
+    fn writer(dir: &Path) -> Arc<Writer> {
+        let path = dir.join("idem.db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(
+                "PRAGMA journal_mode = WAL;
+                 CREATE TABLE liveness (id INTEGER PRIMARY KEY, written_at INTEGER NOT NULL);",
+            )
+            .unwrap();
+        let files = Arc::new(DatabaseFiles::opened(&path).unwrap());
+        Arc::new(start(&path, "FULL", files).unwrap())
+    }
+
+    async fn probe(writer: &Writer) -> Result<(), StoreError> {
+        writer.write(|reply| Write::Probe(Timestamp::now(), reply)).await
+    }
+
+    /// Past [`IDLE_AFTER`], the next write may commit in place.
+    async fn let_the_store_go_idle() {
+        tokio::time::sleep(IDLE_AFTER * 10).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    // The test takes the connection, as a commit in place would, while the writes queue.
+    #[allow(clippy::await_holding_lock)]
+    async fn writes_that_queue_while_the_connection_is_taken_all_commit_once_it_is_free() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let writer = writer(dir.path());
+        let held = writer.committer.lock().unwrap();
+        let writes: Vec<_> = (0..20)
+            .map(|_| {
+                let writer = writer.clone();
+                tokio::spawn(async move { probe(&writer).await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(writes.iter().all(|w| !w.is_finished()), "no write commits while the connection is taken");
+        drop(held);
+        for write in writes {
+            write.await.unwrap().unwrap();
+        }
+        let_the_store_go_idle().await;
+        probe(&writer).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn on_a_single_threaded_runtime_a_write_on_an_idle_store_goes_to_the_writer_thread() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let writer = writer(dir.path());
+        let_the_store_go_idle().await;
+        // In place, `block_in_place` would panic on this runtime.
+        probe(&writer).await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_that_panicked_halfway_leaves_the_connection_usable() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let writer = writer(dir.path());
+        let poisoner = writer.clone();
+        let panicked = std::thread::spawn(move || {
+            let committer = poisoner.committer.lock().unwrap();
+            committer.conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+            panic!("a commit panics with its transaction open");
+        })
+        .join();
+        assert!(panicked.is_err() && writer.committer.is_poisoned());
+        let_the_store_go_idle().await;
+        probe(&writer).await.unwrap();
+        probe(&writer).await.unwrap();
+    }
 }
