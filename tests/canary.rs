@@ -90,8 +90,7 @@ async fn a_canary_runs_its_slice_under_its_own_policy_and_stops_itself(b: Backen
         send(broker.post("/payments", &again, BODY)).await;
         assert_eq!(ran(&broker, &again).await, (control.clone(), 1), "{again}");
     }
-    let metrics = send(broker.http.get(format!("{}/metrics", broker.admin))).await.body;
-    let metrics = String::from_utf8_lossy(&metrics);
+    let metrics = broker.metrics().await;
     assert!(
         metrics.contains(&format!("idem_canary_running{{route=\"payments\",policy_version=\"{canary}\"}} 0")),
         "{metrics}"

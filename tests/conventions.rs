@@ -233,7 +233,7 @@ async fn a_route_that_does_not_require_keys_proxies_keyless_calls_unrecorded(b: 
     let r = send(put()).await;
     assert_eq!(r.header("idempotent-replayed"), Some("true"));
     assert_eq!(upstream.hits("put-1"), 1);
-    let metrics = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let metrics = broker.metrics().await;
     let unkeyed = metrics
         .lines()
         .find(|l| l.starts_with("idem_unkeyed_requests_total{") && l.contains("route=\"payments\""))

@@ -206,7 +206,7 @@ async fn a_body_trickled_in_forever_is_cut_at_the_route_deadline(b: Backend) {
 }
 
 async fn buffered_body_bytes(broker: &Broker) -> u64 {
-    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let text = broker.metrics().await;
     text.lines()
         .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
         .and_then(|v| v.trim().parse().ok())

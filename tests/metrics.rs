@@ -51,7 +51,7 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     send(broker.post("/payments?delay_ms=500", "slow", body)).await.assert_problem(409, "request-in-progress");
     slow.await.unwrap();
 
-    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let text = broker.metrics().await;
     let route = [("route", "payments")];
     let m = |name: &str, extra: &[(&str, &str)]| {
         let labels: Vec<(&str, &str)> = route.iter().chain(extra).copied().collect();
@@ -123,7 +123,7 @@ max_attempts = 4",
     assert_eq!(reload().await.status(), 200);
     upstream.script("after", vec![Reply::status(503), Reply::status(201)]);
     assert_eq!(send(broker.post("/payments", "after", body)).await.status, 201);
-    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let text = broker.metrics().await;
     assert_eq!(sample(&text, "idem_config_reloads_total", &[("result", "refused")]), 1.0, "{text}");
     assert_eq!(sample(&text, "idem_config_reloads_total", &[("result", "applied")]), 1.0, "{text}");
     assert!(sample(&text, "idem_config_loaded_at_seconds", &[]) >= loaded_at, "{text}");
@@ -142,7 +142,7 @@ max_attempts = 4",
     assert_eq!(send(set).await.status, 201);
     upstream.script("switched", vec![Reply::status(503), Reply::status(201)]);
     assert_eq!(send(broker.post("/payments", "switched", body)).await.status, 503);
-    let text = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let text = broker.metrics().await;
     let on = [("scope", "payments"), ("action", "retries_off")];
     assert_eq!(sample(&text, "idem_switch_active", &on), 1.0, "{text}");
     assert_eq!(sample(&text, "idem_switch_active", &[("scope", "all")]), 0.0);

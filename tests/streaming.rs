@@ -79,7 +79,7 @@ async fn the_first_event_reaches_the_client_before_the_upstream_has_finished(b: 
     assert!(stream["first_byte_ms"].as_u64().unwrap() <= stream["duration_ms"].as_u64().unwrap());
     assert_eq!(upstream.hits("first"), 1);
 
-    let metrics = broker.http.get(format!("{}/metrics", broker.admin)).send().await.unwrap().text().await.unwrap();
+    let metrics = broker.metrics().await;
     for name in
         ["idem_stream_first_byte_seconds_count", "idem_stream_duration_seconds_count", "idem_stream_bytes_total"]
     {

@@ -393,13 +393,18 @@ impl Broker {
         r.json().await.unwrap()
     }
 
+    /// `/metrics` as the admin listener renders it.
+    pub async fn metrics(&self) -> String {
+        let body = send(self.http.get(format!("{}/metrics", self.admin))).await.body;
+        String::from_utf8_lossy(&body).into_owned()
+    }
+
     /// Polls `/metrics` until it has `line` (a series and its value, as rendered); fails after
     /// 15 s. The metrics are the process's: a series a test waits on should be its own.
     pub async fn await_metric(&self, line: &str) {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            let text = send(self.http.get(format!("{}/metrics", self.admin))).await.body;
-            let text = String::from_utf8_lossy(&text).into_owned();
+            let text = self.metrics().await;
             if text.lines().any(|l| l == line) {
                 return;
             }
