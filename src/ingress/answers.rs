@@ -47,8 +47,8 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
 }
 
 /// The answer to a request whose record was freed with no upstream response to pass on, for why
-/// it stopped: the same whether its own execution tells it or the record, settled by another
-/// worker, does.
+/// it stopped: the same whether its own execution tells it, or the record does (to a duplicate
+/// that waited, or to a request whose execution's outcome did not reach it).
 pub(super) fn freed(stop: Option<StopReason>) -> Problem {
     let problem = match stop {
         Some(StopReason::Deadline) => Problem::deadline_exceeded(),
