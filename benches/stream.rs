@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use axum::body::{Body, Bytes};
 use axum::extract::Query;
 use axum::response::Response;
+use axum::serve::ListenerExt;
 use hdrhistogram::Histogram;
 use tokio::net::TcpListener;
 
@@ -66,6 +67,8 @@ async fn start_upstream() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = axum::Router::new().fallback(stream);
+    // Each event goes out as it is written, as a streaming upstream's do.
+    let listener = listener.tap_io(|tcp| drop(tcp.set_nodelay(true)));
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{addr}")
 }

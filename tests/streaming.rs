@@ -327,6 +327,37 @@ async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_repl
     assert_eq!(upstream.hits("long"), 1, "never a second execution");
 }
 
+/// A client on a kept-alive connection (as SDKs keep them) gets each event as the upstream
+/// sends it. Nagle's algorithm on the broker's side would hold an event written while the one
+/// before is unacknowledged until the client's delayed ack, up to 40 ms later: the bound here is
+/// far above the upstream's 5 ms gap and below that stall, and the best of three answers counts.
+#[tokio::test]
+async fn events_are_not_held_back_on_a_kept_alive_connection() {
+    let (upstream, broker) = setup(Backend::Sqlite, "", "").await;
+    let mut gaps = Vec::new();
+    for n in 0..4 {
+        let key = format!("kept-alive-{n}");
+        let steps = vec![
+            Step::Event("part 1".into()),
+            Step::Wait(Duration::from_millis(5)),
+            Step::Event("part 2".into()),
+            Step::Gate,
+            Step::Done,
+        ];
+        upstream.script(&key, vec![Answer::Stream(steps)]);
+        let mut response = broker.post(PATH, &key, BODY).send().await.unwrap();
+        read_until(&mut response, &event_bytes("part 1")).await;
+        let first = std::time::Instant::now();
+        read_until(&mut response, &event_bytes("part 2")).await;
+        gaps.push(first.elapsed());
+        upstream.open(&key);
+        assert!(read_rest(&mut response).await.1);
+    }
+    // The first answer opens the connection, whose first segments the client acks at once.
+    let best = gaps[1..].iter().min().unwrap();
+    assert!(*best < Duration::from_millis(25), "the second event came {gaps:?} after the first");
+}
+
 both_stores!(
     the_first_event_reaches_the_client_before_the_upstream_has_finished,
     a_503_before_the_first_byte_is_retried,
