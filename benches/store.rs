@@ -100,6 +100,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     owner: Owner::from("bench"),
                     attempt: Some(attempt),
                     then,
+                    stream: None,
                     now: Timestamp::now(),
                 };
                 store.attempt_ended(ended).await.unwrap()

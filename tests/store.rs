@@ -244,6 +244,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(100),
+            stream: None,
         })
         .await
         .unwrap();
@@ -264,6 +265,7 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Rec
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
             now: done_at,
+            stream: None,
         })
         .await
         .unwrap();
@@ -283,6 +285,7 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
             attempt: None,
             then: AfterAttempt::Free(StopReason::Deadline),
             now: T0 + ms(100),
+            stream: None,
         })
         .await
         .unwrap();

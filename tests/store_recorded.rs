@@ -74,6 +74,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
             attempt: Some(first.clone()),
             then: wait,
             now: at + ms(20),
+            stream: None,
         })
         .await
         .unwrap();
@@ -100,6 +101,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
             attempt: Some(second.clone()),
             then: done,
             now: at + ms(140),
+            stream: None,
         })
         .await
         .unwrap();
@@ -135,6 +137,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
             attempt: Some(attempt(1, T0 + ms(40), 503, None)),
             then: free,
             now: T0 + ms(60),
+            stream: None,
         })
         .await
         .unwrap();

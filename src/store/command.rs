@@ -13,7 +13,7 @@ use crate::policy::{PolicyVersion, StopReason};
 use crate::record::{
     admitted, transition, Attempt, Event, HistoryEntry, Lease, Owner, Phase, RecordId, Refused, Timestamp,
 };
-use crate::record::{State, StoredResponse};
+use crate::record::{State, StoredResponse, StreamFacts};
 use crate::store::stats::AnswerCount;
 use crate::switch::Clearing;
 
@@ -53,15 +53,9 @@ pub struct AttemptEnded {
     pub owner: Owner,
     pub attempt: Option<Attempt>,
     pub then: AfterAttempt,
-    pub now: Timestamp,
-}
-
-/// Stores how a streamed answer went, before its outcome, while `owner` holds the lease.
-#[derive(Debug, Clone)]
-pub struct StreamEnded {
-    pub id: RecordId,
-    pub owner: Owner,
-    pub facts: crate::record::StreamFacts,
+    /// How the attempt's answer streamed (SPEC §11), when it did. Stored by the same write as
+    /// the outcome: a done record is never seen without knowing whether it kept its body.
+    pub stream: Option<StreamFacts>,
     pub now: Timestamp,
 }
 

@@ -31,7 +31,7 @@ use self::stats::{Side, StatsRows, StatsSpan};
 pub(crate) use command::{retried, Fresh, Stored};
 pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
-    ProbesDue, Renew, Resolve, Retry, StreamEnded, Sweep, TakeOver,
+    ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
 };
 pub use error::StoreError;
 pub use health::Health;
@@ -274,10 +274,6 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError>;
-
-    /// Stores how a streamed answer went (SPEC §11), just before its outcome; cleared when a
-    /// later attempt starts.
-    async fn stream_ended(&self, ended: StreamEnded) -> Result<Lease, StoreError>;
 
     /// Extends `owner`'s lease.
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError>;

@@ -17,7 +17,7 @@ use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
-use crate::record::{Attempt, Record, StoredResponse, Timestamp};
+use crate::record::{Attempt, Record, StoredResponse, StreamFacts, Timestamp};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Head};
 
@@ -53,6 +53,8 @@ pub(super) struct Progress {
     pub(super) last_response: Option<StoredResponse>,
     /// What arrived of a streamed answer that was cut: kept with the `unknown` record.
     pub(super) partial: Option<StoredResponse>,
+    /// How the last attempt's answer streamed, if it did: stored with the outcome.
+    pub(super) stream: Option<StreamFacts>,
 }
 
 impl Progress {
@@ -67,6 +69,7 @@ impl Progress {
             run: Execution::resumed(record.attempts.iter().filter(|a| a.started_at >= arrival).count() as u32),
             last_response: None,
             partial: None,
+            stream: None,
         }
     }
 }
@@ -374,7 +377,7 @@ impl Inner {
         let record = job.record;
         let now = self.clock.now();
         let then = store::AfterAttempt::Wait { not_before: now + wait };
-        match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
+        match self.store.attempt_ended(self.ended(record, Some(attempt), then, None, now)).await {
             Ok(Lease::Held { cancel_requested: false }) => {}
             Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
             Ok(Lease::Lost) => return Err(End::Lost),

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use tracing::{warn, Instrument};
+use tracing::Instrument;
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
 use super::{lock, Flow, Inner, Outcome};
@@ -14,7 +14,6 @@ use crate::metrics;
 use crate::policy::{Decision, Ended, Observed, StopReason};
 use crate::problem::Problem;
 use crate::record::{StoredResponse, StreamFacts};
-use crate::store::{Lease, StreamEnded};
 use crate::stream::{self, Tap};
 
 /// Why a stream ended short.
@@ -157,19 +156,7 @@ impl Inner {
             duration_ms: took.as_millis() as u64,
         };
         metrics::streamed(&route.name, first_byte, took, bytes);
-        // Stored before the outcome: a done record must never be replayed from a body it did not
-        // keep, so whether it kept it is known by the time it is done.
-        let written = self
-            .store
-            .stream_ended(StreamEnded { id: record.id.into(), owner: self.owner.clone(), facts, now: self.clock.now() })
-            .await;
-        match written {
-            Ok(Lease::Held { .. }) => End::Stop(stop, Some(attempt)),
-            Ok(Lease::Lost) => End::Lost,
-            Err(e) => {
-                warn!(error = %e, "could not store how a streamed answer went; its lease will expire and be taken over");
-                End::Lost
-            }
-        }
+        p.stream = Some(facts);
+        End::Stop(stop, Some(attempt))
     }
 }

@@ -45,6 +45,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
             attempt: None,
             then: AfterAttempt::Free(StopReason::AttemptCap),
             now: T0 + ms(5),
+            stream: None,
         })
         .await
         .unwrap();

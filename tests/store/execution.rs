@@ -66,6 +66,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
             then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
             now: T0 + ms(20),
+            stream: None,
         })
         .await
         .unwrap();
@@ -98,6 +99,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             attempt: None,
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(30),
+            stream: None,
         })
         .await
         .unwrap();
@@ -129,6 +131,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
             attempt: Some(first.clone()),
             then: wait,
             now: T0 + ms(30),
+            stream: None,
         })
         .await
         .unwrap();
@@ -153,6 +156,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
             attempt: Some(second.clone()),
             then: AfterAttempt::Done(StopReason::Success, answer.clone()),
             now: T0 + ms(320),
+            stream: None,
         })
         .await
         .unwrap();
@@ -349,7 +353,8 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
             owner: WORKER.into(),
             attempt: Some(first),
             then,
-            now: T0 + ms(50)
+            now: T0 + ms(50),
+            stream: None
         })
         .await
         .unwrap()
@@ -417,7 +422,14 @@ async fn sent(
     let outcome = if status < 300 { "success" } else { "not_executed" };
     let a = Attempt { policy_version: Some(version.into()), ..attempt(number, at, outcome, Some(status)) };
     assert!(store
-        .attempt_ended(AttemptEnded { id: id.into(), owner: WORKER.into(), attempt: Some(a), then, now: at + ms(20) })
+        .attempt_ended(AttemptEnded {
+            id: id.into(),
+            owner: WORKER.into(),
+            attempt: Some(a),
+            then,
+            now: at + ms(20),
+            stream: None
+        })
         .await
         .unwrap()
         .is_held());

@@ -43,6 +43,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
             now: T0 + ms(20),
+            stream: None,
         })
         .await
         .unwrap();
@@ -60,6 +61,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             attempt: None,
             then: done,
             now: T0 + ms(20),
+            stream: None,
         })
         .await
         .unwrap();
@@ -89,6 +91,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: unsure,
             now: T0 + ms(100),
+            stream: None,
         })
         .await
         .unwrap();

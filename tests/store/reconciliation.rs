@@ -243,7 +243,8 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
             owner: WORKER.into(),
             attempt: None,
             then: done,
-            now: T0 + LEASE + ms(3)
+            now: T0 + LEASE + ms(3),
+            stream: None
         })
         .await
         .unwrap()

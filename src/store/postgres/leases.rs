@@ -6,7 +6,7 @@ use sqlx::postgres::{PgPool, PgRow};
 use sqlx::Row;
 
 use crate::record::{transition, Event, Phase};
-use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError, StreamEnded};
+use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError};
 
 /// Takes a queued record.
 pub(super) const CLAIM: &str = "
@@ -59,22 +59,6 @@ pub(super) async fn attempt_started(pool: &PgPool, started: AttemptStarted) -> R
         .bind(policy_version.as_str())
         .fetch_optional(pool)
         .await?;
-    lease_of(row)
-}
-
-pub(super) async fn stream_ended(pool: &PgPool, ended: StreamEnded) -> Result<Lease, StoreError> {
-    let StreamEnded { id, owner, facts, now } = ended;
-    let row = sqlx::query(
-        "UPDATE records SET stream = $3::text::jsonb, updated_at = $4
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
-         RETURNING cancel_requested",
-    )
-    .bind(id.to_string())
-    .bind(&*owner)
-    .bind(serde_json::to_string(&facts)?)
-    .bind(now)
-    .fetch_optional(pool)
-    .await?;
     lease_of(row)
 }
 

@@ -35,7 +35,6 @@ mod switches;
 mod tests;
 mod upkeep;
 
-use crate::store::StreamEnded;
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
@@ -124,10 +123,6 @@ impl Store for PostgresStore {
 
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
         self.outcomes.attempt_ended(ended).await
-    }
-
-    async fn stream_ended(&self, ended: StreamEnded) -> Result<Lease, StoreError> {
-        leases::stream_ended(&self.pool, ended).await
     }
 
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {

@@ -32,6 +32,7 @@ struct Ending {
     now: Timestamp,
     queued: bool,
     not_before: Option<Timestamp>,
+    stream: Option<String>,
     reply: Reply<Lease>,
 }
 
@@ -46,10 +47,11 @@ impl Outcomes {
 
     /// Stores where the record goes after the attempt, if its owner still holds its lease.
     pub(super) async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
-        let AttemptEnded { id, owner, attempt, then, now } = ended;
+        let AttemptEnded { id, owner, attempt, then, stream, now } = ended;
         let Stored { state, stop, response, queued, not_before } = then.stored()?;
         let attempt = attempt.as_ref().map(one_element).transpose()?;
         let headers = response.map(|r| serde_json::to_string(&r.headers)).transpose()?;
+        let stream = stream.map(|s| serde_json::to_string(&s)).transpose()?;
         let ending = |reply| Ending {
             id,
             owner,
@@ -62,6 +64,7 @@ impl Outcomes {
             now,
             queued,
             not_before,
+            stream,
             reply,
         };
         self.lanes.ask(ending).await
@@ -107,7 +110,7 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>
     let rows: Vec<(String, bool)> = sqlx::query_as(
         "SELECT ended::text, cancel_requested FROM idem_end_attempts(
              $1::text[]::uuid[], $2::text[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
-             $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[])",
+             $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[], $12::text[]::jsonb[])",
     )
     .bind(batch.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| &*e.owner).collect::<Vec<_>>())
@@ -120,6 +123,7 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>
     .bind(batch.iter().map(|e| e.now).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| e.queued).collect::<Vec<_>>())
     .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
+    .bind(batch.iter().map(|e| e.stream.as_deref()).collect::<Vec<_>>())
     .fetch_all(pool)
     .await?;
     rows.into_iter().map(|(id, cancel)| Ok((RecordId(record_id(&id)?), cancel))).collect()

@@ -45,7 +45,7 @@ async fn one_record_statements_go_through_the_primary_key() {
     sqlx::query(
         "SELECT * FROM idem_end_attempts(ARRAY[gen_random_uuid()], ARRAY['w'], ARRAY[NULL]::jsonb[],
              ARRAY['done'], ARRAY[NULL], ARRAY[NULL]::int4[], ARRAY[NULL]::jsonb[], ARRAY[NULL]::bytea[],
-             ARRAY[1::int8], ARRAY[FALSE], ARRAY[NULL]::int8[])",
+             ARRAY[1::int8], ARRAY[FALSE], ARRAY[NULL]::int8[], ARRAY[NULL]::jsonb[])",
     )
     .execute(&mut *conn)
     .await

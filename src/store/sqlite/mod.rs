@@ -15,7 +15,6 @@ mod switches;
 mod writer;
 mod writes;
 
-use crate::store::StreamEnded;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -176,10 +175,6 @@ impl Store for SqliteStore {
 
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
         self.write(|r| Write::AttemptEnded(ended, r)).await
-    }
-
-    async fn stream_ended(&self, ended: StreamEnded) -> Result<Lease, StoreError> {
-        self.write(|r| Write::StreamEnded(ended, r)).await
     }
 
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {

@@ -12,7 +12,6 @@
 //! store's paths still name ([`DatabaseFiles`]); once they are lost, every write is refused but
 //! the probes that ask whether the store may resume.
 
-use crate::store::StreamEnded;
 use std::path::Path;
 use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -65,7 +64,6 @@ writes! {
     AttemptStarted(AttemptStarted) -> Lease = writes::attempt_started;
     AttemptEnded(AttemptEnded) -> Lease = writes::attempt_ended;
     Renew(Renew) -> Lease = writes::renew;
-    StreamEnded(StreamEnded) -> Lease = writes::stream_ended;
     Cancel(Cancel) -> Cancelled = writes::cancel;
     Resolve(Resolve) -> Action = actions::resolve;
     Retry(Retry) -> Action = actions::retry;

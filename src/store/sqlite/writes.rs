@@ -1,7 +1,6 @@
 //! The SQLite store's writes, one function per kind, each run by the writer thread inside the
 //! transaction of its batch. One writer makes each statement and the reads after it atomic.
 
-use crate::store::StreamEnded;
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::policy::StopReason;
@@ -136,20 +135,10 @@ pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Res
     )
 }
 
-pub(super) fn stream_ended(conn: &Connection, ended: StreamEnded) -> Result<Lease, StoreError> {
-    let StreamEnded { id, owner, facts, now } = ended;
-    lease(
-        conn,
-        "UPDATE records SET stream = ?3, updated_at = ?4
-         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
-         RETURNING cancel_requested",
-        params![id.to_string(), &*owner, serde_json::to_string(&facts)?, now],
-    )
-}
-
 pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Lease, StoreError> {
-    let AttemptEnded { id, owner, attempt, then, now } = ended;
+    let AttemptEnded { id, owner, attempt, then, stream, now } = ended;
     let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
+    let stream = stream.map(|s| serde_json::to_string(&s)).transpose()?;
     let Stored { state, stop, response, queued, not_before } = then.stored()?;
     lease(
         conn,
@@ -161,6 +150,7 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
             lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
             stop_reason = ?5, response_status = ?6, response_headers = ?7, response_body = ?8,
             done_at = CASE WHEN ?4 = 'done' THEN ?9 END,
+            stream = COALESCE(?12, stream),
             updated_at = ?9
          WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2
          RETURNING cancel_requested",
@@ -176,6 +166,7 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
             now,
             queued,
             not_before,
+            stream,
         ],
     )
 }
