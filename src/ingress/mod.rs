@@ -161,12 +161,12 @@ impl Ingress {
         let query = parts.uri.query().unwrap_or("");
         // A path the upstream would not receive as matched is refused before anything is recorded.
         if let Err(why) = route.upstream_url(parts.uri.path(), query) {
-            return self.keyed_answer(&route, sent.as_ref(), Err(Problem::invalid_path(&why)));
+            return self.keyed_answer(route, sent.as_ref(), Err(Problem::invalid_path(&why)));
         }
         // Held until this request is answered: its body lives at least that long.
-        let (body, _held) = match read_body(body, &route, &self.bodies).await {
+        let (body, _held) = match read_body(body, route, &self.bodies).await {
             Ok(read) => read,
-            Err(problem) => return self.keyed_answer(&route, sent.as_ref(), Err(problem)),
+            Err(problem) => return self.keyed_answer(route, sent.as_ref(), Err(problem)),
         };
         // Fields that change on every retry (a timestamp, a nonce) do not make another request:
         // they count neither in the fingerprint nor in a derived key.
@@ -174,7 +174,7 @@ impl Ingress {
         let essential = kept.as_deref().unwrap_or(&body);
         let (key, derived) = match sent {
             Some(key) => (key, false),
-            None => match derived::key(&route, &tenant, &parts.headers, essential) {
+            None => match derived::key(route, &tenant, &parts.headers, essential) {
                 Ok(key) => (key, true),
                 Err(missing) => return Problem::missing_key_source(&missing).state(State::NotStarted).into_response(),
             },
@@ -189,7 +189,7 @@ impl Ingress {
         );
         let read = Read { config, route, parts: &parts, arrival };
         let answer = self.execute_keyed(read, tenant, body, &key, fingerprint).await;
-        let mut response = self.keyed_answer(&route, Some(&key), answer);
+        let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
                 response.headers_mut().insert(crate::key::HEADER, value);
@@ -264,8 +264,8 @@ impl Ingress {
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
-            request: StoredRequest { headers: stored_headers(&route, &parts.headers), body },
-            deadline_at: arrival + deadline(policy.retry, &route, &parts.headers),
+            request: StoredRequest { headers: stored_headers(route, &parts.headers), body },
+            deadline_at: arrival + deadline(policy.retry, route, &parts.headers),
             now: arrival,
             claim: None,
             tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
@@ -371,7 +371,7 @@ impl Ingress {
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
                 if let Outcome::Done(_, response) = &outcome {
-                    self.keep_for_replays(&record, response, expires_at);
+                    self.keep_for_replays(record, response, expires_at);
                 }
                 outcome_response(outcome)
             }
