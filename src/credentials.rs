@@ -52,8 +52,7 @@ fn tokens<'a>(config: &Config, headers: &'a HeaderMap) -> impl Iterator<Item = S
 /// The tokens an `Authorization` value may carry: a bearer token, or a Basic pair's user name
 /// and password (SDKs put an API key in either).
 pub fn authorization_tokens(value: &str) -> Vec<String> {
-    let Some((scheme, rest)) = value.trim().split_once(' ') else { return vec![] };
-    let rest = rest.trim();
+    let Some((scheme, rest)) = scheme_and_credentials(value) else { return vec![] };
     if scheme.eq_ignore_ascii_case("bearer") {
         return vec![rest.to_string()];
     }
@@ -69,8 +68,14 @@ pub fn authorization_tokens(value: &str) -> Vec<String> {
 /// The bearer token of a request, if it has one.
 pub fn bearer(headers: &HeaderMap) -> Option<String> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
-    let (scheme, token) = value.trim().split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_string())
+    let (scheme, token) = scheme_and_credentials(value)?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.to_string())
+}
+
+/// An `Authorization` value's scheme and what follows it, trimmed; `None` without both.
+fn scheme_and_credentials(value: &str) -> Option<(&str, &str)> {
+    let (scheme, rest) = value.trim().split_once(' ')?;
+    Some((scheme, rest.trim()))
 }
 
 /// Compares two secrets in time that depends on neither: their digests are compared, so a
