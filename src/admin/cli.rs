@@ -3,6 +3,7 @@
 
 use std::fmt::Write;
 
+use secrecy::{ExposeSecret, SecretString};
 use serde_json::{json, Value};
 
 #[derive(Debug, thiserror::Error)]
@@ -19,7 +20,8 @@ pub enum CliError {
 /// How to reach the admin API, and who is acting.
 pub struct Client {
     pub base: String,
-    pub token: Option<String>,
+    /// The admin bearer token: kept out of any debug print.
+    pub token: Option<SecretString>,
     pub actor: String,
     http: reqwest::Client,
 }
@@ -86,7 +88,7 @@ impl Client {
     pub fn new(base: &str, token: Option<String>, actor: String) -> Client {
         Client {
             base: base.trim_end_matches('/').to_string(),
-            token,
+            token: token.map(SecretString::from),
             actor,
             http: reqwest::Client::builder().no_proxy().build().expect("a static client configuration"),
         }
@@ -96,7 +98,7 @@ impl Client {
         let url = format!("{}{}", self.base, path);
         let mut request = self.http.request(method, &url);
         if let Some(token) = &self.token {
-            request = request.bearer_auth(token);
+            request = request.bearer_auth(token.expose_secret());
         }
         if let Some(body) = body {
             request = request.json(&body);
