@@ -116,17 +116,8 @@ mod tests {
     /// With sequential scans priced out, a query that no index can serve would still scan.
     #[tokio::test]
     async fn the_stats_queries_read_through_indexes() {
-        let server = match std::env::var("IDEM_TEST_POSTGRES_URL") {
-            Ok(url) if !url.is_empty() => url,
-            _ if std::env::var_os("CI").is_some() => panic!("IDEM_TEST_POSTGRES_URL is not set under CI"),
-            _ => return eprintln!("skipped: set IDEM_TEST_POSTGRES_URL to run it against PostgreSQL"),
-        };
-        let name = format!("idem_stats_plans_{}", uuid::Uuid::new_v4().simple());
-        let admin = PgPool::connect(&server).await.unwrap();
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-        let mut url = reqwest::Url::parse(&server).unwrap();
-        url.set_path(&format!("/{name}"));
-        let store = super::super::PostgresStore::open(url.as_str()).await.unwrap();
+        let Some(scratch) = super::super::tests::scratch_store("idem_stats_plans").await else { return };
+        let store = &scratch.store;
 
         let mut conn = store.pool.acquire().await.unwrap();
         sqlx::query("SET enable_seqscan = off").execute(&mut *conn).await.unwrap();
@@ -143,7 +134,7 @@ mod tests {
             let plan = plan.join("\n");
             assert!(plan.contains(index) && !plan.contains("Seq Scan"), "{sql}\nis planned as\n{plan}");
         }
-        drop((conn, store));
-        sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
+        drop(conn);
+        scratch.remove().await;
     }
 }

@@ -4,22 +4,48 @@ use super::leases::{ATTEMPT_STARTED, CLAIM, RENEW};
 use super::upkeep::TAKE_OVER;
 use super::*;
 
-/// Every statement about one record (and `idem_end_attempts`) reaches it through the primary
-/// key, even in the generic plan of a table without statistics yet: with `state = '…'`, the planner scanned
-/// a partial index whole (every in-progress record's entry) and filtered on the id.
-#[tokio::test]
-async fn one_record_statements_go_through_the_primary_key() {
+/// A store on a database of its own, made for one test and removed after it.
+pub(super) struct Scratch {
+    pub(super) store: PostgresStore,
+    admin: PgPool,
+    name: String,
+}
+
+impl Scratch {
+    /// Drops the database, closing the store's connections first.
+    pub(super) async fn remove(self) {
+        drop(self.store);
+        sqlx::query(&format!("DROP DATABASE {} WITH (FORCE)", self.name)).execute(&self.admin).await.unwrap();
+    }
+}
+
+/// A [`Scratch`] store named after `prefix`, on the server that `IDEM_TEST_POSTGRES_URL` names;
+/// `None` (the test skipped) without one, except under CI.
+pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
     let server = match std::env::var("IDEM_TEST_POSTGRES_URL") {
         Ok(url) if !url.is_empty() => url,
         _ if std::env::var_os("CI").is_some() => panic!("IDEM_TEST_POSTGRES_URL is not set under CI"),
-        _ => return eprintln!("skipped: set IDEM_TEST_POSTGRES_URL to run it against PostgreSQL"),
+        _ => {
+            eprintln!("skipped: set IDEM_TEST_POSTGRES_URL to run it against PostgreSQL");
+            return None;
+        }
     };
-    let name = format!("idem_plans_{}", Uuid::new_v4().simple());
+    let name = format!("{prefix}_{}", Uuid::new_v4().simple());
     let admin = PgPool::connect(&server).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let mut url = reqwest::Url::parse(&server).unwrap();
     url.set_path(&format!("/{name}"));
     let store = PostgresStore::open(url.as_str()).await.unwrap();
+    Some(Scratch { store, admin, name })
+}
+
+/// Every statement about one record (and `idem_end_attempts`) reaches it through the primary
+/// key, even in the generic plan of a table without statistics yet: with `state = '…'`, the planner scanned
+/// a partial index whole (every in-progress record's entry) and filtered on the id.
+#[tokio::test]
+async fn one_record_statements_go_through_the_primary_key() {
+    let Some(scratch) = scratch_store("idem_plans").await else { return };
+    let store = &scratch.store;
 
     let mut conn = store.pool.acquire().await.unwrap();
     sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
@@ -59,6 +85,6 @@ async fn one_record_statements_go_through_the_primary_key() {
     .unwrap();
     sqlx::query("ROLLBACK").execute(&mut *conn).await.unwrap();
     assert_eq!(scans, [("records_pkey".to_string(), 1)], "idem_end_attempts scanned these indexes");
-    drop((conn, store));
-    sqlx::query(&format!("DROP DATABASE {name} WITH (FORCE)")).execute(&admin).await.unwrap();
+    drop(conn);
+    scratch.remove().await;
 }
