@@ -6,7 +6,7 @@ use sqlx::{PgPool, Row};
 
 use super::rows::{one_element, COLUMNS};
 use crate::policy::StopReason;
-use crate::record::{Phase, Record, State};
+use crate::record::{transition, Event, Phase, Record, State};
 use crate::store::{decode, span_ms, ClaimUnclaimed, StoreError, Sweep, TakeOver};
 
 /// Takes over a record whose lease expired.
@@ -40,8 +40,9 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
 /// to exactly one, and none waits.
 pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
     let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
+    let to = transition(Phase::Queued, Event::Claim)?;
     let rows = sqlx::query(&format!(
-        "UPDATE records SET state = 'in_progress', queued = FALSE, lease_owner = $1,
+        "UPDATE records SET state = $6, queued = FALSE, lease_owner = $1,
                 lease_expires_at = $2, updated_at = $4
          WHERE id IN (SELECT id FROM records
                       WHERE state = 'not_started' AND queued AND updated_at < $3
@@ -54,6 +55,7 @@ pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Res
     .bind(idle_since)
     .bind(now)
     .bind(i64::from(limit))
+    .bind(to.state().as_str())
     .fetch_all(pool)
     .await?;
     rows.iter().map(decode).collect()

@@ -241,14 +241,15 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
 
 pub(super) fn claim_unclaimed(conn: &Connection, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
     let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
+    let to = transition(Phase::Queued, Event::Claim)?;
     let mut statement = conn.prepare_cached(
-        "UPDATE records SET state = 'in_progress', queued = 0, lease_owner = ?1, lease_expires_at = ?2,
+        "UPDATE records SET state = ?6, queued = 0, lease_owner = ?1, lease_expires_at = ?2,
                 updated_at = ?4
          WHERE id IN (SELECT id FROM records WHERE state = 'not_started' AND queued = 1 AND updated_at < ?3
                       ORDER BY created_at LIMIT ?5)
          RETURNING *",
     )?;
-    let mut rows = statement.query(params![&*owner, lease_until, idle_since, now, limit])?;
+    let mut rows = statement.query(params![&*owner, lease_until, idle_since, now, limit, to.state().as_str()])?;
     let mut records = Vec::new();
     while let Some(row) = rows.next()? {
         records.push(super::rows::record(row)?);
