@@ -6,8 +6,9 @@
 //!   `policy_version` (a digest of its values, see [`policy`]); the configuration in force is
 //!   held replaceable ([`config::Live`]): a request, an execution, a background pass each read
 //!   it once.
-//! - [`edge`] — the listeners' accept loop: connection budgets, header and body timeouts, the
-//!   bound on request bytes held in memory.
+//! - [`edge`] — what stands between the network and the handlers: each listener's accept loop
+//!   with its connection budget, header and body timeouts, and the bound on request bytes held
+//!   in memory, so that slow or idle clients cannot starve the others.
 //! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
 //!   [`key`] (sent, or [`derived`]) and [`fingerprint`], load shedding, and
 //!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202, as the client's
@@ -53,8 +54,6 @@
 //!   decisions, against a scripted upstream on a logical clock; with `--history`, a route's
 //!   recorded requests (read from the store read-only) replayed through its current policy and
 //!   a candidate, sharing each policy's retry budget in time order.
-//! - [`edge`] — what stands before the handlers: connection budgets per listener, header and
-//!   body timeouts, and the bound on request bytes held in memory.
 //! - [`clock`] — the time, passed in: every part above reads what time it is from one
 //!   [`clock::Clock`] (the system's, or a test's [`clock::ManualClock`]); waits use tokio's timer.
 //! - [`logs`] — where log lines go: a buffer that a thread of its own writes to stderr in
