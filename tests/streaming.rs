@@ -328,12 +328,18 @@ async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_repl
 }
 
 /// A client on a kept-alive connection (as SDKs keep them) gets each event as the upstream
-/// sends it. Nagle's algorithm on the broker's side would hold an event written while the one
-/// before is unacknowledged until the client's delayed ack, up to 40 ms later: the bound here is
-/// far above the upstream's 5 ms gap and below that stall, and the best of three answers counts.
+/// sends it. With Nagle's algorithm on the broker's side, an event written while the one before
+/// is still unacknowledged waits for the client's delayed ack, up to 40 ms later. Four answers
+/// go over one connection the test opens itself, so every answer after the first is on a
+/// connection past its first segments (which a client acks at once); the bound is far above the
+/// upstream's 5 ms gap and below the stall, and the best of those three answers counts.
 #[tokio::test]
 async fn events_are_not_held_back_on_a_kept_alive_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     let (upstream, broker) = setup(Backend::Sqlite, "", "").await;
+    let address = broker.url.trim_start_matches("http://").to_string();
+    let mut connection = tokio::net::TcpStream::connect(&address).await.unwrap();
     let mut gaps = Vec::new();
     for n in 0..4 {
         let key = format!("kept-alive-{n}");
@@ -341,19 +347,34 @@ async fn events_are_not_held_back_on_a_kept_alive_connection() {
             Step::Event("part 1".into()),
             Step::Wait(Duration::from_millis(5)),
             Step::Event("part 2".into()),
-            Step::Gate,
             Step::Done,
         ];
         upstream.script(&key, vec![Answer::Stream(steps)]);
-        let mut response = broker.post(PATH, &key, BODY).send().await.unwrap();
-        read_until(&mut response, &event_bytes("part 1")).await;
-        let first = std::time::Instant::now();
-        read_until(&mut response, &event_bytes("part 2")).await;
-        gaps.push(first.elapsed());
-        upstream.open(&key);
-        assert!(read_rest(&mut response).await.1);
+        let request = format!(
+            "POST {PATH} HTTP/1.1\r\nhost: {address}\r\nidempotency-key: {key}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+            BODY.len()
+        );
+        connection.write_all(request.as_bytes()).await.unwrap();
+        // The answer is chunked: it ends with its last, empty chunk.
+        let (mut seen, mut part_1_at) = (Vec::new(), None);
+        while !seen.ends_with(b"0\r\n\r\n") {
+            let mut buffer = [0u8; 16 * 1024];
+            let read = connection.read(&mut buffer).await.unwrap();
+            assert!(read > 0, "the broker closed the connection: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buffer[..read]);
+            let text = String::from_utf8_lossy(&seen);
+            if part_1_at.is_none() && text.contains("part 1") {
+                part_1_at = Some(std::time::Instant::now());
+            }
+            if let (Some(at), true) = (part_1_at, text.contains("part 2")) {
+                if gaps.len() == n {
+                    gaps.push(at.elapsed());
+                }
+            }
+        }
+        assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
     }
-    // The first answer opens the connection, whose first segments the client acks at once.
     let best = gaps[1..].iter().min().unwrap();
     assert!(*best < Duration::from_millis(25), "the second event came {gaps:?} after the first");
 }
