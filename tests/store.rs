@@ -24,7 +24,8 @@ use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
 use idem::record::{
-    header_text, Attempt, AttemptOutcome, HistoryEntry, Phase, Record, State, StoredRequest, StoredResponse, Timestamp,
+    header_text, Attempt, AttemptOutcome, HistoryEntry, Phase, Record, State, StoredRequest, StoredResponse,
+    StreamFacts, Timestamp,
 };
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
@@ -55,6 +56,7 @@ common::both_stores!(
     a_done_record_past_retention_is_replaced_with_a_new_id,
     a_queued_record_is_claimed_once,
     a_worker_that_does_not_hold_the_lease_is_told_it_lost_it,
+    a_streamed_answers_facts_are_stored_with_its_outcome,
     a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts,
     cancelling_a_queued_record_frees_it,
     cancelling_an_in_progress_record_asks_its_worker_to_stop,

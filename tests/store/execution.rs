@@ -489,3 +489,39 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
         .collect();
     assert_eq!(figures, [(control, 2, 2, 1), (canary, 1, 2, 1)]);
 }
+
+/// How a streamed answer went is stored by the outcome's own write, only by the lease's holder;
+/// an outcome without facts leaves them, and the next attempt clears them.
+pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
+    let facts = StreamFacts { bytes: 431, stored: true, cut_at: Some(431), first_byte_ms: 12, duration_ms: 950 };
+    let record = in_progress(&store, request("default", "streamed", BODY)).await;
+    let ended = |owner: &str, then: AfterAttempt, stream: Option<StreamFacts>| AttemptEnded {
+        id: record.id.into(),
+        owner: owner.into(),
+        attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
+        then,
+        now: T0 + ms(20),
+        stream,
+    };
+    store.attempt_started(started(&record, 1, T0 + ms(10), T0 + ms(20_000))).await.unwrap();
+    let waiting = AfterAttempt::Wait { not_before: T0 + ms(25) };
+    let thief = ended("node-b/worker-9", waiting.clone(), Some(facts.clone()));
+    assert_eq!(store.attempt_ended(thief).await.unwrap(), Lease::Lost);
+    assert_eq!(fetch(&store, record.id).await.stream, None, "nothing stored without the lease");
+
+    let mine = ended(WORKER, waiting.clone(), Some(facts.clone()));
+    assert!(matches!(store.attempt_ended(mine).await.unwrap(), Lease::Held { .. }));
+    assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()));
+    store.attempt_ended(ended(WORKER, waiting, None)).await.unwrap();
+    assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()), "an outcome without facts keeps them");
+
+    store.attempt_started(started(&record, 2, T0 + ms(30), T0 + ms(20_000))).await.unwrap();
+    assert_eq!(fetch(&store, record.id).await.stream, None, "a new attempt clears them");
+
+    let done = AfterAttempt::Done(StopReason::Success, response(200, b"data: [DONE]\n\n"));
+    store.attempt_ended(ended(WORKER, done, Some(facts.clone()))).await.unwrap();
+    let record = fetch(&store, record.id).await;
+    assert_eq!(record.phase(), Phase::Done);
+    assert_eq!(record.stream, Some(facts), "stored with the outcome");
+}
