@@ -67,8 +67,10 @@ async fn start_upstream() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = axum::Router::new().fallback(stream);
-    // Each event goes out as it is written, as a streaming upstream's do.
-    let listener = listener.tap_io(|tcp| drop(tcp.set_nodelay(true)));
+    // Each event goes out as it is written, as streaming upstreams do.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{addr}")
 }

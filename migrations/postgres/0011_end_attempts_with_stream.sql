@@ -1,7 +1,7 @@
--- idem_end_attempts (0004) with one more column: how each attempt's answer streamed, when it did
--- (SPEC §11), stored by the same update as the outcome rather than by a write of its own before
--- it. NULL keeps the record's `stream` as it is. The eleven-argument form stays, for nodes not yet
--- upgraded that share this database.
+-- idem_end_attempts (0004) with one more argument: how each attempt's answer streamed, when it
+-- did (SPEC §11), stored by the same update as the outcome rather than by a write of its own
+-- before it. NULL keeps the record's `stream` as it is. The eleven-argument form stays, for nodes
+-- of the previous version still running against this database.
 CREATE FUNCTION idem_end_attempts(
     ids uuid[], owners text[], new_attempts jsonb[], states text[], stops text[], statuses integer[],
     headers jsonb[], bodies bytea[], nows bigint[], queueds boolean[], not_befores bigint[],

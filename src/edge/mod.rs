@@ -64,10 +64,10 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits
             Ok((stream, _)) => match slots.clone().try_acquire_owned() {
                 Ok(slot) => {
                     // A streamed answer is written part by part. With Nagle's algorithm on, a part
-                    // written while the previous one is unacknowledged waits for its ack, which a
-                    // client on a kept-alive connection delays by up to 40 ms: each event after
-                    // the first would arrive that late. Answers are written whole or part by part
-                    // as they come, so there is nothing for Nagle to gather anyway.
+                    // written while the previous one is still unacknowledged waits for that ack,
+                    // which a client on a kept-alive connection delays by up to 40 ms. Answers are
+                    // written whole or part by part as they come, so there is nothing for Nagle to
+                    // gather anyway.
                     let _ = stream.set_nodelay(true);
                     tokio::spawn(connections.clone().serve(stream, slot, stopped.clone()));
                 }

@@ -175,7 +175,8 @@ pub struct Record {
     /// The policy version of the latest attempt, written with its "may have been sent" mark:
     /// an attempt whose worker died before storing its outcome is still known by its policy.
     pub policy_version: Option<String>,
-    /// Set when its answer streamed: how that went.
+    /// Set when its answer streamed: how that went, written by the same write as the outcome,
+    /// and cleared when a later attempt starts.
     pub stream: Option<StreamFacts>,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,

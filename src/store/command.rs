@@ -34,7 +34,8 @@ pub struct ClaimQueued {
     pub now: Timestamp,
 }
 
-/// Marks attempt `number` as possibly sent, before it is sent, and extends the lease.
+/// Marks attempt `number` as possibly sent, before it is sent, and extends the lease. Clears how
+/// an earlier attempt's answer streamed: the facts a record shows are its latest answer's.
 #[derive(Debug, Clone)]
 pub struct AttemptStarted {
     pub id: RecordId,
@@ -55,6 +56,7 @@ pub struct AttemptEnded {
     pub then: AfterAttempt,
     /// How the attempt's answer streamed (SPEC §11), when it did. Stored by the same write as
     /// the outcome: a done record is never seen without knowing whether it kept its body.
+    /// `None` leaves what the record holds as it is.
     pub stream: Option<StreamFacts>,
     pub now: Timestamp,
 }

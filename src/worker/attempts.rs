@@ -377,7 +377,7 @@ impl Inner {
         let record = job.record;
         let now = self.clock.now();
         let then = store::AfterAttempt::Wait { not_before: now + wait };
-        match self.store.attempt_ended(self.ended(record, Some(attempt), then, None, now)).await {
+        match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
             Ok(Lease::Held { cancel_requested: false }) => {}
             Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
             Ok(Lease::Lost) => return Err(End::Lost),

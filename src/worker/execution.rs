@@ -16,7 +16,7 @@ use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
 use crate::metrics;
 use crate::policy::{Class, Settlement, StopReason};
-use crate::record::{Attempt, Record, StreamFacts, Timestamp};
+use crate::record::{Attempt, Record, Timestamp};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 
@@ -34,10 +34,9 @@ impl Inner {
         record: &Record,
         attempt: Option<Attempt>,
         then: store::AfterAttempt,
-        stream: Option<StreamFacts>,
         now: Timestamp,
     ) -> AttemptEnded {
-        AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, stream, now }
+        AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, stream: None, now }
     }
 
     /// The write that extends this worker's lease on `id` from `now`.
@@ -155,11 +154,7 @@ impl Inner {
     /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
     /// this node after its restart) to continue within the same deadline.
     pub(super) async fn release(&self, record: &Record) -> Outcome {
-        match self
-            .store
-            .attempt_ended(self.ended(record, None, store::AfterAttempt::Release, None, self.clock.now()))
-            .await
-        {
+        match self.store.attempt_ended(self.ended(record, None, store::AfterAttempt::Release, self.clock.now())).await {
             Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
             Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
         }
@@ -216,7 +211,8 @@ impl Inner {
                 (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
             }
         };
-        let ended = self.ended(record, attempt, then, p.stream, self.clock.now());
+        // A streamed answer's facts go with its outcome, in the same write.
+        let ended = AttemptEnded { stream: p.stream, ..self.ended(record, attempt, then, self.clock.now()) };
         let result = self.store.attempt_ended(ended).await;
         self.settled.settled(record.id);
         match result {

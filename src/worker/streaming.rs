@@ -47,7 +47,8 @@ impl Short {
 
 impl Inner {
     /// Passes a streamed answer to its client as it arrives while keeping it for the record,
-    /// then ends the execution: the stop to settle with, and the attempt to store.
+    /// then ends the execution: the stop to settle with, and the attempt to store; how the stream
+    /// went is left in `p.stream`, for the outcome's write.
     pub(super) async fn stream_through(&self, job: &Job<'_>, p: &mut Progress, sent: Sent) -> End {
         let Job { record, route, chosen, .. } = job;
         let Sent { started, span, flowing, .. } = sent;

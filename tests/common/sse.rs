@@ -81,9 +81,11 @@ impl SseUpstream {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Seen::default()));
         let app = axum::Router::new().fallback(answer).with_state(seen.clone());
-        // Each event goes out as it is written, as a streaming upstream's do: what holds one
+        // Each event goes out as it is written, as streaming upstreams do: what holds one
         // back on its way to the client is then the broker's doing.
-        let listener = listener.tap_io(|tcp| drop(tcp.set_nodelay(true)));
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         SseUpstream { addr, seen }
     }
