@@ -327,6 +327,28 @@ async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_repl
     assert_eq!(upstream.hits("long"), 1, "never a second execution");
 }
 
+async fn a_cut_answer_too_long_to_keep_replays_the_operators_resolution(b: Backend) {
+    let (upstream, broker) = setup(b, "max_stored_body = \"200B\"", "").await;
+    let long_then_cut = vec![Step::Filler(300), Step::Cut];
+    upstream.script("long-cut", vec![Answer::Stream(long_then_cut)]);
+    let mut response = broker.post(PATH, "long-cut", BODY).send().await.unwrap();
+    assert!(!read_rest(&mut response).await.1, "the client's stream ends with an error");
+    let record = broker.await_record("long-cut", SETTLES, |r| r["state"] == "unknown").await;
+    assert_eq!(record["stream"]["stored"], false, "{record:#}");
+
+    // The operator knows the call executed, and gives the answer to replay from now on.
+    let id = record["id"].as_str().unwrap();
+    let resolution = serde_json::json!({"outcome": "executed", "response": {"status": 200, "body": "settled"}});
+    let resolved =
+        send(broker.http.post(format!("{}/admin/requests/{id}/resolve", broker.admin)).json(&resolution)).await;
+    assert_eq!(resolved.status, 200, "{}", String::from_utf8_lossy(&resolved.body));
+    let replayed = send(broker.post(PATH, "long-cut", BODY)).await;
+    assert_eq!(replayed.status, 200, "{}", String::from_utf8_lossy(&replayed.body));
+    assert_eq!(&replayed.body[..], b"settled");
+    assert_eq!(replayed.header("idempotent-replayed"), Some("true"));
+    assert_eq!(upstream.hits("long-cut"), 1, "never sent again");
+}
+
 /// A client on a kept-alive connection (as SDKs keep them) gets each event as the upstream
 /// sends it. With Nagle's algorithm on the broker's side, an event written while the one before
 /// is still unacknowledged waits for the client's delayed ack, up to 40 ms later. Four answers
@@ -392,4 +414,5 @@ both_stores!(
     a_duplicate_that_waits_during_the_stream_attaches_and_gets_the_same_bytes,
     a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does,
     an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again,
+    a_cut_answer_too_long_to_keep_replays_the_operators_resolution,
 );

@@ -56,6 +56,7 @@ pub(super) async fn resolve(pool: &PgPool, resolve: Resolve) -> Result<Action, S
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+/// A streamed answer's facts go, as in the SQLite store: the record's answer is the resolution's.
 async fn settle(
     pool: &PgPool,
     id: RecordId,
@@ -67,7 +68,8 @@ async fn settle(
     let sql = unknown_update(
         "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
          response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
-         next_probe_at = NULL, probe_count = probe_count + $7, history = history || $8::jsonb",
+         next_probe_at = NULL, probe_count = probe_count + $7, stream = NULL,
+         history = history || $8::jsonb",
     );
     let update = sqlx::query(&sql)
         .bind(id.to_string())

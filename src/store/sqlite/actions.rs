@@ -20,6 +20,8 @@ pub(super) fn resolve(conn: &Connection, resolve: Resolve) -> Result<Action, Sto
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+/// A streamed answer's facts go: the record's answer, if any, is now the resolution's (a stream
+/// too long to keep must not make the operator's answer unreplayable); its attempts keep the cut.
 fn settle(
     conn: &Connection,
     id: RecordId,
@@ -35,7 +37,7 @@ fn settle(
         .prepare_cached(
             "UPDATE records SET state = ?2, queued = 0, response_status = ?3, response_headers = ?4,
                 response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
-                next_probe_at = NULL, probe_count = probe_count + ?7,
+                next_probe_at = NULL, probe_count = probe_count + ?7, stream = NULL,
                 history = json_insert(history, '$[#]', json(?8))
              WHERE id = ?1 AND state = 'unknown'",
         )?
