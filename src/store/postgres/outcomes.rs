@@ -5,13 +5,12 @@
 
 use std::collections::HashMap;
 
-use bytes::Bytes;
 use sqlx::PgPool;
 
 use super::lanes::{Lanes, Reply};
 use super::rows::{one_element, record_id};
 use crate::policy::StopReason;
-use crate::record::{Owner, RecordId, Timestamp};
+use crate::record::RecordId;
 use crate::store::{AttemptEnded, Lease, StoreError, Stored};
 
 /// The most outcomes in one call.
@@ -19,20 +18,9 @@ const MAX_BATCH: usize = 128;
 /// Calls in flight at once.
 const LANES: usize = 4;
 
-/// One attempt's outcome, encoded for the call.
+/// One attempt's outcome, waiting for its batch.
 struct Ending {
-    id: RecordId,
-    owner: Owner,
-    attempt: Option<String>,
-    state: &'static str,
-    stop: Option<&'static str>,
-    status: Option<i32>,
-    headers: Option<String>,
-    body: Option<Bytes>,
-    now: Timestamp,
-    queued: bool,
-    not_before: Option<Timestamp>,
-    stream: Option<String>,
+    ended: AttemptEnded,
     reply: Reply<Lease>,
 }
 
@@ -47,27 +35,9 @@ impl Outcomes {
 
     /// Stores where the record goes after the attempt, if its owner still holds its lease.
     pub(super) async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
-        let AttemptEnded { id, owner, attempt, then, stream, now } = ended;
-        let Stored { state, stop, response, queued, not_before } = then.stored()?;
-        let attempt = attempt.as_ref().map(one_element).transpose()?;
-        let headers = response.map(|r| serde_json::to_string(&r.headers)).transpose()?;
-        let stream = stream.map(|s| serde_json::to_string(&s)).transpose()?;
-        let ending = |reply| Ending {
-            id,
-            owner,
-            attempt,
-            state: state.as_str(),
-            stop: stop.map(StopReason::as_str),
-            status: response.map(|r| i32::from(r.status)),
-            headers,
-            body: response.map(|r| r.body.clone()),
-            now,
-            queued,
-            not_before,
-            stream,
-            reply,
-        };
-        self.lanes.ask(ending).await
+        // Refused here, to its own caller, rather than failing a batch.
+        ended.then.stored()?;
+        self.lanes.ask(|reply| Ending { ended, reply }).await
     }
 }
 
@@ -85,13 +55,13 @@ async fn store(pool: PgPool, batch: Vec<Ending>) {
         ended => ended,
     };
     for ending in batch {
-        let _ = ending.reply.send(lease(&ended, ending.id));
+        let _ = ending.reply.send(lease(&ended, ending.ended.id));
     }
 }
 
 async fn store_alone(pool: PgPool, ending: Ending) {
     let ended = call(&pool, std::slice::from_ref(&ending)).await;
-    let _ = ending.reply.send(lease(&ended, ending.id));
+    let _ = ending.reply.send(lease(&ended, ending.ended.id));
 }
 
 fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> Result<Lease, StoreError> {
@@ -105,25 +75,37 @@ fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> R
 }
 
 /// Calls `idem_end_attempts`: the records whose lease was still held, and whether each was asked
-/// to cancel.
+/// to cancel. The function takes one array per column, each outcome at the same index in all.
 async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>, StoreError> {
+    let ended: Vec<&AttemptEnded> = batch.iter().map(|e| &e.ended).collect();
+    let stored = ended.iter().map(|e| e.then.stored()).collect::<Result<Vec<Stored>, _>>()?;
+    let attempts =
+        ended.iter().map(|e| e.attempt.as_ref().map(one_element).transpose()).collect::<Result<Vec<_>, _>>()?;
+    let headers = stored
+        .iter()
+        .map(|s| s.response.map(|r| serde_json::to_string(&r.headers)).transpose())
+        .collect::<Result<Vec<_>, _>>()?;
+    let streams = ended
+        .iter()
+        .map(|e| e.stream.as_ref().map(serde_json::to_string).transpose())
+        .collect::<Result<Vec<_>, _>>()?;
     let rows: Vec<(String, bool)> = sqlx::query_as(
         "SELECT ended::text, cancel_requested FROM idem_end_attempts(
              $1::text[]::uuid[], $2::text[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
              $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[], $12::text[]::jsonb[])",
     )
-    .bind(batch.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| &*e.owner).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.attempt.as_deref()).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.state).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.stop).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.status).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.headers.as_deref()).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.body.as_deref()).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.now).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.queued).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.not_before).collect::<Vec<_>>())
-    .bind(batch.iter().map(|e| e.stream.as_deref()).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| &*e.owner).collect::<Vec<_>>())
+    .bind(attempts)
+    .bind(stored.iter().map(|s| s.state.as_str()).collect::<Vec<_>>())
+    .bind(stored.iter().map(|s| s.stop.map(StopReason::as_str)).collect::<Vec<_>>())
+    .bind(stored.iter().map(|s| s.response.map(|r| i32::from(r.status))).collect::<Vec<_>>())
+    .bind(headers)
+    .bind(stored.iter().map(|s| s.response.map(|r| &r.body[..])).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| e.now).collect::<Vec<_>>())
+    .bind(stored.iter().map(|s| s.queued).collect::<Vec<_>>())
+    .bind(stored.iter().map(|s| s.not_before).collect::<Vec<_>>())
+    .bind(streams)
     .fetch_all(pool)
     .await?;
     rows.into_iter().map(|(id, cancel)| Ok((RecordId(record_id(&id)?), cancel))).collect()
