@@ -1,8 +1,8 @@
 //! The SQLite store. SQLite allows one writer at a time, so instead of a pool of connections
 //! fighting over the write lock, every write goes through the only writing connection: at once,
-//! on its caller's thread, when the store is idle; else queued, and committed with whatever
-//! else has queued up in one transaction ([`writer`]). Reads run on a
-//! separate pool of read-only connections, which WAL lets proceed while the writer writes.
+//! on its caller's thread, when the store is idle; else queued, and committed with whatever else
+//! has queued up in one transaction ([`writer`]). Reads run on a separate pool of read-only
+//! connections, which WAL lets proceed while the writer writes.
 //!
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 

@@ -1,5 +1,5 @@
 //! The SQLite store's SQL for `/admin/stats`: three aggregate reads on the read pool, and the
-//! per-second answer counters, added by the writer thread.
+//! per-second answer counters, added through the one writing connection.
 
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;

@@ -1,6 +1,6 @@
-//! The SQLite store's SQL for the emergency switches: set and clear run on the writer thread,
-//! inside its transaction, which makes a replacement and its insert one change; the listings
-//! run on the read pool.
+//! The SQLite store's SQL for the emergency switches: set and clear run on the one writing
+//! connection, inside its transaction, which makes a replacement and its insert one change; the
+//! listings run on the read pool.
 
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;

@@ -1,5 +1,6 @@
-//! The SQLite store's writes, one function per kind, each run by the writer thread inside the
-//! transaction of its batch. One writer makes each statement and the reads after it atomic.
+//! The SQLite store's writes, one function per kind, each run on the one writing connection
+//! (by the writer thread, or by a caller committing in place) inside the transaction of its
+//! batch. One writing connection makes each statement and the reads after it atomic.
 
 use rusqlite::{params, Connection, OptionalExtension};
 
