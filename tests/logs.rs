@@ -90,3 +90,12 @@ async fn text_logs_to_a_pipe_carry_no_terminal_colour_codes() {
     assert!(attempt.contains("key=logged-key") && attempt.contains("outcome=\"success\""), "{attempt}");
     assert!(!logs.contains('\u{1b}'), "escape codes in {logs:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_its_first_attempt_answers_is_one_line() {
+    let logs = logs_of_one_request("text").await;
+    let lines: Vec<&str> = logs.lines().filter(|l| l.contains("key=logged-key")).collect();
+    // The attempt's line says how the execution ended; a `settled` line would repeat it.
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert!(lines[0].contains(" attempt ") && lines[0].contains("outcome=\"success\""), "{lines:#?}");
+}

@@ -197,6 +197,9 @@ impl Inner {
         stop: StopReason,
         p: Progress,
     ) -> Outcome {
+        // One attempt answered and that answer ended it: the attempt's own line says so.
+        let told_by_its_attempt =
+            p.run.attempts() == 1 && matches!(stop, StopReason::Success | StopReason::FinalResponse);
         let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response, p.partial) {
             (Settlement::Done, Some(response), _) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
@@ -216,6 +219,10 @@ impl Inner {
         let result = self.store.attempt_ended(ended).await;
         self.settled.settled(record.id);
         match result {
+            Ok(Lease::Held { .. }) if told_by_its_attempt => {
+                tracing::debug!(stop = stop.as_str(), "settled");
+                outcome
+            }
             Ok(Lease::Held { .. }) => {
                 tracing::info!(stop = stop.as_str(), "settled");
                 outcome
