@@ -88,6 +88,7 @@ impl RawRoute {
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_path: upstream.path().trim_end_matches('/').to_string(),
+            upstream_base: upstream,
             methods,
             replay_safe,
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
