@@ -44,7 +44,12 @@ fn segment_may_climb(segment: &str) -> bool {
 /// replaced by `base_path` + `path` and the query set, where `base_path` is `base`'s own path
 /// without its trailing slash. Refused if the URL's path is not then exactly `base_path` +
 /// `path`: the HTTP client would send something other than what was matched and recorded.
-pub fn upstream_url(base: &reqwest::Url, base_path: &str, path: &str, query: &str) -> Result<reqwest::Url, InvalidPath> {
+pub fn upstream_url(
+    base: &reqwest::Url,
+    base_path: &str,
+    path: &str,
+    query: &str,
+) -> Result<reqwest::Url, InvalidPath> {
     let mut url = base.clone();
     url.set_path(&format!("{base_path}{path}"));
     url.set_query((!query.is_empty()).then_some(query));
