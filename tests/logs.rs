@@ -1,6 +1,6 @@
 //! Logs: JSON on request, one span per logical request with its executions and attempts
 //! beneath it, and never a body, a credential or a cookie; plain text without terminal colours
-//! when they go to a file or a pipe.
+//! when they go to a file or a pipe; one line for a request its first attempt answered.
 
 mod common;
 
@@ -92,7 +92,7 @@ async fn text_logs_to_a_pipe_carry_no_terminal_colour_codes() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_request_its_first_attempt_answers_is_one_line() {
+async fn a_request_answered_by_its_first_attempt_logs_one_line() {
     let logs = logs_of_one_request("text").await;
     let lines: Vec<&str> = logs.lines().filter(|l| l.contains("key=logged-key")).collect();
     // The attempt's line says how the execution ended; a `settled` line would repeat it.
