@@ -112,11 +112,9 @@ pub struct Route {
     pub path_prefix: String,
     /// Base URL of the upstream, without a trailing slash; the request path is appended.
     pub upstream: String,
-    /// The upstream URL's own path without its trailing slash (`/orders-api`, or empty): every
-    /// path sent upstream is this followed by the request's path, and nothing else.
-    pub upstream_path: String,
     /// The upstream URL as parsed once: each request's URL is a copy with its path and query
-    /// set, rather than a whole URL parsed again (its host is the costly part).
+    /// set, rather than a whole URL parsed again (its host is the costly part). Every path sent
+    /// upstream is this URL's own path, without its trailing slash, followed by the request's.
     pub upstream_base: reqwest::Url,
     /// Methods that require an `Idempotency-Key`; any other method is proxied unrecorded.
     pub methods: Vec<Method>,
@@ -224,7 +222,7 @@ impl Route {
     /// Where a request with this path and query goes upstream; refused unless the URL sent
     /// has exactly the path matched (see [`crate::path`]).
     pub fn upstream_url(&self, path: &str, query: &str) -> Result<reqwest::Url, crate::path::InvalidPath> {
-        crate::path::upstream_url(&self.upstream_base, &self.upstream_path, path, query)
+        crate::path::upstream_url(&self.upstream_base, path, query)
     }
 }
 

@@ -87,7 +87,6 @@ impl RawRoute {
             name: self.name,
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
-            upstream_path: upstream.path().trim_end_matches('/').to_string(),
             upstream_base: upstream,
             methods,
             replay_safe,
