@@ -1,5 +1,6 @@
 -- Unique idempotency keys per request: `new` (every request a new key) or `replay` (each
--- connection repeats one key, recorded by its first request). The mode comes from the
+-- connection repeats one key, recorded by its first request); or `unrecorded`, no key at all,
+-- to a route that proxies keyless requests without recording them. The mode comes from the
 -- IDEM_WRK_MODE variable.
 local mode = os.getenv("IDEM_WRK_MODE") or "new"
 local body = '{"amount":42}'
@@ -23,6 +24,9 @@ function request()
     key = prefix .. "-" .. n
   end
   n = n + 1
+  if mode == "unrecorded" then
+    return wrk.format("POST", "/unrecorded", { ["Content-Type"] = "application/json" }, body)
+  end
   return wrk.format("POST", "/payments",
     { ["Idempotency-Key"] = key, ["Content-Type"] = "application/json" }, body)
 end
