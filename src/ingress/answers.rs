@@ -64,7 +64,30 @@ pub(super) fn freed(stop: Option<StopReason>) -> Problem {
                 .retry_after(1)
                 .retryable()
         }
-        _ => Problem::upstream_unavailable("it could not be reached").retry_after(1),
+        // Not retryable: the operator holds retries back to spare the upstream, clients' own too.
+        Some(StopReason::RetriesOff) => Problem::upstream_unavailable(
+            "it could not be reached, and an operator's retries_off switch holds back every retry",
+        )
+        .retry_after(1),
+        Some(StopReason::TakeoverCap) => Problem::upstream_unavailable(
+            "the processes executing it stopped more often than worker.max_takeovers allows",
+        )
+        .retry_after(1),
+        // Only the process that received the request held the credential; the client's next
+        // request brings it again.
+        Some(StopReason::CredentialUnavailable) => {
+            Problem::upstream_unavailable("the credential it forwards was held only by the process that received it")
+                .retryable()
+        }
+        Some(
+            StopReason::Success
+            | StopReason::FinalResponse
+            | StopReason::UnsafeReplay
+            | StopReason::AttemptCap
+            | StopReason::StreamCut
+            | StopReason::StreamIdleTimeout,
+        )
+        | None => Problem::upstream_unavailable("it could not be reached").retry_after(1),
     };
     problem.state(State::NotStarted)
 }
@@ -110,5 +133,25 @@ impl super::Ingress {
         let mut response = streamed_response(streamed);
         response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
         Some(response)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_freed_request_is_told_what_stopped_it() {
+        let retries_off = freed(Some(StopReason::RetriesOff));
+        assert!(retries_off.detail.contains("retries_off"), "{}", retries_off.detail);
+        assert!(!retries_off.retryable, "clients are held back with the broker's own retries");
+        let takeovers = freed(Some(StopReason::TakeoverCap));
+        assert!(takeovers.detail.contains("worker.max_takeovers"), "{}", takeovers.detail);
+        let credential = freed(Some(StopReason::CredentialUnavailable));
+        assert!(credential.detail.contains("credential"), "{}", credential.detail);
+        assert!(credential.retryable, "the client's next request brings its credential and executes");
+        for stop in StopReason::ALL {
+            assert_eq!(freed(Some(stop)).idempotency_status, Some(State::NotStarted), "{stop:?}");
+        }
     }
 }
