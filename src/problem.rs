@@ -29,7 +29,9 @@ pub struct Problem {
     /// Members particular to one problem (RFC 9457 extensions).
     pub extensions: Vec<(&'static str, serde_json::Value)>,
     /// The key the answer is for: named in the document with the URL of its record.
-    pub idempotency_key: Option<String>,
+    /// Boxed, not a `String`: this keeps a `Problem` under the size at which a `Result` carrying
+    /// it gets costly to move on every request.
+    pub idempotency_key: Option<Box<str>>,
     /// The record's state, for answers on keyed routes.
     pub idempotency_status: Option<State>,
 }
@@ -60,7 +62,7 @@ impl Problem {
 
     /// Names the key the answer is for, and so the record a client can poll.
     pub fn for_key(mut self, key: &str) -> Problem {
-        self.idempotency_key = Some(key.to_string());
+        self.idempotency_key = Some(key.into());
         self
     }
 
@@ -463,7 +465,7 @@ impl Problem {
             body[*name] = value.clone();
         }
         if let Some(key) = &self.idempotency_key {
-            body["idempotency_key"] = key.as_str().into();
+            body["idempotency_key"] = key.as_ref().into();
             body["record"] = format!("/_idem/requests/{}", crate::key::path_segment(key)).into();
         }
         body.to_string()

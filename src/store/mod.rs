@@ -234,6 +234,8 @@ pub enum Resolution {
 
 /// Decides `event` for `record` as read: the phase it moves to, or the action's answer when the
 /// record is missing or the transition table refuses the event from where it stands.
+// Both sides carry a whole record, so boxing the error would save no move.
+#[allow(clippy::result_large_err)]
 pub(crate) fn decide(record: Option<Record>, event: Event) -> Result<(Record, Phase), Action> {
     match record {
         None => Err(Action::Missing),

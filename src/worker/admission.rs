@@ -32,7 +32,9 @@ pub struct Admit<'a> {
     pub awaits: bool,
 }
 
-/// What became of an [`Admit`].
+/// What became of an [`Admit`]. Its variants differ in size, and it stays unboxed: there is one
+/// per request, moved once, and boxing the record would cost every duplicate an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum Admitted {
     /// This request owns the record, which executes now (or once a worker is free); `outcome`
     /// brings its end to a request that waits for it.

@@ -179,6 +179,9 @@ impl Writer {
     /// into the writer thread's commits as before.
     ///
     /// Only on a multi-threaded runtime: `block_in_place` panics on any other.
+    // The error is the write itself, handed back unboxed: boxing it would cost every write an
+    // allocation to save a move.
+    #[allow(clippy::result_large_err)]
     fn commit_in_place(&self, write: Write) -> Result<(), Write> {
         let multi_threaded = Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
         if !multi_threaded || self.queue.capacity() < self.queue.max_capacity() {
