@@ -135,15 +135,18 @@ impl Drop for Idem {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// Ports on 127.0.0.1 that were free a moment ago, all different: bound together, then released
+/// (one released at once may well be the next one handed out).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: [std::net::TcpListener; N] = std::array::from_fn(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    held.map(|l| l.local_addr().unwrap().port())
 }
 
 /// Starts `idem serve` in `dir` in front of `upstream`, logging to a file there, and returns
 /// once it is ready.
 async fn start_idem(dir: &std::path::Path, upstream: &str, concurrent: usize) -> Idem {
     let bin = std::env::var("IDEM_STREAM_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_idem").to_string());
-    let (listen, admin) = (free_port(), free_port());
+    let [listen, admin] = free_ports();
     let store = format!("sqlite://{}", dir.join("idem.db").display());
     let config = dir.join("idem.toml");
     std::fs::write(&config, idem_config(listen, admin, &store, upstream, concurrent)).unwrap();

@@ -52,10 +52,6 @@ fn attempt_versions(record: &Value) -> Vec<&str> {
     record["attempts"].as_array().unwrap().iter().map(|a| a["policy_version"].as_str().unwrap()).collect()
 }
 
-async fn metrics(http: &reqwest::Client, admin: &str) -> String {
-    http.get(format!("{admin}/metrics")).send().await.unwrap().text().await.unwrap()
-}
-
 /// The value of the series whose line starts with `series` (name and labels, as rendered).
 fn sample(text: &str, series: &str) -> f64 {
     text.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok()).unwrap_or(0.0)
@@ -79,8 +75,7 @@ async fn a_bad_file_is_refused_and_a_good_one_adds_changes_and_removes_routes(b:
     assert_eq!(old.len(), 12);
     assert_eq!(send(broker.post("/payments", "k1", BODY)).await.status, 201);
     assert_eq!(attempt_versions(&broker.record_json("k1").await), [old.as_str()]);
-    let refused_before =
-        sample(&metrics(&broker.http, &broker.admin).await, "idem_config_reloads_total{result=\"refused\"}");
+    let refused_before = sample(&broker.metrics().await, "idem_config_reloads_total{result=\"refused\"}");
 
     // A file the loader refuses: the running configuration stays, and serves as before.
     let bad = route("payments", &up, 0) + &route("ledger", &up, 3);
@@ -89,7 +84,7 @@ async fn a_bad_file_is_refused_and_a_good_one_adds_changes_and_removes_routes(b:
     assert_eq!(versions(&broker.http, &broker.url).await, before);
     assert_eq!(send(broker.post("/payments", "k2", BODY)).await.status, 201);
     assert_eq!(send(broker.post("/ledger", "k3", BODY)).await.status, 201);
-    let text = metrics(&broker.http, &broker.admin).await;
+    let text = broker.metrics().await;
     assert!(sample(&text, "idem_config_reloads_total{result=\"refused\"}") > refused_before, "{text}");
 
     // A good one: payments changes its policy, ledger goes, tickets comes.
@@ -117,7 +112,7 @@ async fn a_bad_file_is_refused_and_a_good_one_adds_changes_and_removes_routes(b:
     assert_eq!(attempt_versions(&broker.record_json("k6").await), [new.as_str(), new.as_str()]);
     // Records of before the reload keep the version they were executed under.
     assert_eq!(attempt_versions(&broker.record_json("k1").await), [old.as_str()]);
-    let text = metrics(&broker.http, &broker.admin).await;
+    let text = broker.metrics().await;
     assert!(text.contains(&format!("policy_version=\"{new}\"")), "{text}");
     broker.stop().await;
 }
@@ -296,7 +291,7 @@ async fn sighup_makes_a_running_idem_serve_read_its_file_again(b: Backend) {
     // Log lines reach the file within moments, not at once: the change is awaited in the log too.
     let added = format!("added tickets ({})", after["tickets"]);
     eventually("the change in the log", Duration::from_secs(10), || async { node.log_tail(20).contains(&added) }).await;
-    let text = metrics(&node.http, &node.admin).await;
+    let text = node.metrics().await;
     assert_eq!(sample(&text, "idem_config_reloads_total{result=\"refused\"}"), 1.0, "{text}");
     assert_eq!(sample(&text, "idem_config_reloads_total{result=\"applied\"}"), 1.0, "{text}");
 }

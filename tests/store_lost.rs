@@ -55,10 +55,12 @@ impl Rig {
 
     /// `idem_store_available` as `/metrics` shows it.
     async fn store_available(&self) -> Option<f64> {
-        let r = self.node.http.get(format!("{}/metrics", self.node.admin)).send().await.unwrap();
-        assert_eq!(r.status(), 200, "/metrics must answer whatever the store's state");
-        let text = r.text().await.unwrap();
-        text.lines().find_map(|l| l.strip_prefix("idem_store_available ")).map(|v| v.trim().parse().unwrap())
+        self.node
+            .metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix("idem_store_available "))
+            .map(|v| v.trim().parse().unwrap())
     }
 
     /// Polls the gauge until it reads `value`; fails after [`NOTICED_WITHIN`].

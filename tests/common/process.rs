@@ -192,6 +192,13 @@ impl Node {
         super::keyed_post(&self.http, &self.url, path, key, body)
     }
 
+    /// `/metrics` as the node's admin listener renders it, whatever its store's state.
+    pub async fn metrics(&self) -> String {
+        let r = self.http.get(format!("{}/metrics", self.admin)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}: /metrics must answer whatever the store's state", self.name);
+        r.text().await.unwrap()
+    }
+
     /// The record of `key` as `GET /_idem/requests/{key}` shows it (history included), or
     /// `None` when there is none.
     pub async fn record(&self, key: &str) -> Option<Value> {
