@@ -4,6 +4,8 @@ mod common;
 
 use common::{both_stores, Backend, Db};
 
+use std::time::{Duration, Instant};
+
 use common::{send, Answer, Broker, Reply, Upstream};
 use serde_json::{json, Value};
 
@@ -304,6 +306,54 @@ async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_histo
     assert!(refused["refused"][0]["reason"].as_str().unwrap().contains("Only an unknown record"), "{refused:#}");
 }
 
+async fn a_bulk_cancel_stops_every_matching_execution_before_its_next_attempt(b: Backend) {
+    let (upstream, broker) = setup(b, "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
+    let keys = ["halt0", "halt1", "halt2"];
+    for key in keys {
+        upstream.script(key, vec![Reply::status(503)]);
+        let r = send(broker.post("/payments", key, BODY).header("prefer", "respond-async")).await;
+        assert_eq!(r.status, 202);
+    }
+    send(broker.post("/payments", "finished", BODY)).await;
+    // Each first attempt failed with 503; the workers now wait 5 s before the next.
+    for key in keys {
+        broker
+            .await_record(key, Duration::from_secs(5), |v| v["attempts"].as_array().is_some_and(|a| a.len() == 1))
+            .await;
+    }
+
+    let started = Instant::now();
+    let filter = json!({"state": "in_progress", "route": "payments"});
+    let applied = admin_post(
+        &broker,
+        "/admin/requests/bulk",
+        json!({"filter": filter, "action": "cancel", "actor": "dana", "note": "provider asked us to stop"}),
+    )
+    .await;
+    assert_eq!(applied.status, 200, "{:?}", applied.body);
+    let applied = applied.json();
+    assert_eq!((applied["matched"].clone(), applied["applied"].clone()), (json!(3), json!(3)), "{applied:#}");
+    for key in keys {
+        let record = broker.await_record(key, Duration::from_secs(3), |v| v["state"] == "not_started").await;
+        assert_eq!(record["stop_reason"], "cancelled", "{record:#}");
+        let id = record["id"].as_str().unwrap();
+        let history = admin_get(&broker, &format!("/admin/requests/{id}")).await.json()["history"].clone();
+        let entries: Vec<&Value> = history.as_array().unwrap().iter().filter(|h| h["actor"] == "dana").collect();
+        assert_eq!(entries.len(), 1, "{history:#}");
+        assert_eq!(
+            (entries[0]["action"].as_str(), entries[0]["note"].as_str()),
+            (Some("cancel"), Some("provider asked us to stop"))
+        );
+        assert_eq!(upstream.hits(key), 1, "{key} was sent again after its cancel");
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "the waits were not cut short");
+    assert_eq!(
+        broker.record_json("finished").await["state"],
+        "done",
+        "a record the filter does not match is left alone"
+    );
+}
+
 async fn bad_bulk_requests_are_refused_naming_the_field(b: Backend) {
     let (upstream, broker) = setup(b, "").await;
     unknown(&upstream, &broker, "stays").await;
@@ -328,6 +378,7 @@ async fn bad_bulk_requests_are_refused_naming_the_field(b: Backend) {
 
 both_stores!(
     a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_history,
+    a_bulk_cancel_stops_every_matching_execution_before_its_next_attempt,
     bad_bulk_requests_are_refused_naming_the_field,
     the_reconciliation_queue_lists_unknown_records_with_cursor_paging,
     resolving_executed_makes_duplicates_replay_the_operators_response,
