@@ -1,7 +1,8 @@
--- Unique idempotency keys per request: `new` (every request a new key) or `replay` (each
--- connection repeats one key, recorded by its first request); or `unrecorded`, no key at all,
--- to a route that proxies keyless requests without recording them. The mode comes from the
--- IDEM_WRK_MODE variable.
+-- Unique idempotency keys per request: `new` (every request a new key) or `replay` (each wrk
+-- thread cycles through 64 keys, each recorded by its first request; a duplicate that comes
+-- while that first request is in progress is answered 409, which wrk counts among errors); or
+-- `unrecorded`, no key at all, to a route that proxies keyless requests without recording them.
+-- The mode comes from the IDEM_WRK_MODE variable.
 local mode = os.getenv("IDEM_WRK_MODE") or "new"
 local body = '{"amount":42}'
 local threads = 0
