@@ -1,10 +1,16 @@
 //! Talking to upstreams: one HTTP attempt, reported as what the broker can know about it, and
 //! the header rules shared by the recorded and the plain proxy paths.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::policy::Observed;
 use crate::record::{header_bytes, header_text, StoredResponse};
@@ -114,12 +120,22 @@ pub fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) -> Option
     text.parse::<u64>().ok().map(Duration::from_millis)
 }
 
-/// The HTTP client for every upstream: no redirects followed (a 3xx is the upstream's answer),
-/// no proxy taken from the environment (only configured upstreams are ever called).
+/// The HTTP client for every upstream: hyper-util's pooled client, HTTP/1.1 over TCP or TLS. It
+/// follows no redirect (a 3xx is the upstream's answer) and takes no proxy from the environment
+/// (only configured upstreams are ever called). reqwest would add nothing an upstream call needs
+/// and cost a third of a proxied request's CPU time: measured on unrecorded requests at c=64,
+/// 133–142 µs through reqwest against 90–97 µs straight through hyper-util.
 #[derive(Clone)]
 pub struct Upstream {
-    client: reqwest::Client,
+    client: Client,
 }
+
+type Client = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// The longest a connection may take to open (TCP and TLS); past it, nothing was sent.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an idle pooled connection to an upstream is kept.
+const POOL_IDLE: Duration = Duration::from_secs(30);
 
 /// A complete upstream answer, as received within the attempt's limit.
 #[derive(Debug, Clone)]
@@ -130,13 +146,26 @@ pub struct Answer {
 
 impl Upstream {
     pub fn new() -> Upstream {
-        let client = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .connect_timeout(Duration::from_secs(5))
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()
-            .expect("the HTTP client's static configuration is valid");
+        let mut tcp = HttpConnector::new();
+        tcp.enforce_http(false);
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        // Certificates are checked against the Mozilla roots built in, as browsers do.
+        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default TLS versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE)
+            .pool_timer(TokioTimer::new())
+            .build(connector);
         Upstream { client }
     }
 
@@ -166,21 +195,28 @@ impl Upstream {
         body: Bytes,
         until: tokio::time::Instant,
     ) -> Result<Head, Observed> {
+        // Neither can fail on what reaches here (a method and a URL that parsed); were it to, the
+        // request was not sent.
         let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
-        let mut headers = to_header_map(headers);
+        let uri: http::Uri = url.as_str().parse().map_err(|_| Observed::ConnectFailed)?;
+        let mut request = http::Request::new(Full::new(body));
+        *request.method_mut() = method;
+        *request.uri_mut() = uri;
+        let headers_sent = request.headers_mut();
+        *headers_sent = to_header_map(headers);
         // Credentials are added at the send, never to what is stored.
-        headers.extend(credentials.clone());
-        let request = self.client.request(method, url).headers(headers).body(body);
-        let response = match tokio::time::timeout_at(until, request.send()).await {
+        headers_sent.extend(credentials.clone());
+        let response = match tokio::time::timeout_at(until, self.client.request(request)).await {
             Ok(sent) => sent.map_err(|e| observed(&e))?,
             Err(_) => return Err(Observed::TimedOut),
         };
-        let status = response.status().as_u16();
-        let retry_after = response.headers().get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
-        let streamed = crate::stream::is_streamed(response.headers());
-        let event_stream = crate::stream::is_event_stream(response.headers());
-        let headers = storable_response_headers(response.headers());
-        Ok(Head { status, headers, retry_after, streamed, event_stream, response })
+        let (parts, body) = response.into_parts();
+        let status = parts.status.as_u16();
+        let retry_after = parts.headers.get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
+        let streamed = crate::stream::is_streamed(&parts.headers);
+        let event_stream = crate::stream::is_event_stream(&parts.headers);
+        let headers = storable_response_headers(&parts.headers);
+        Ok(Head { status, headers, retry_after, streamed, event_stream, body })
     }
 }
 
@@ -195,15 +231,15 @@ pub struct Head {
     /// Its body is passed on as it arrives (SPEC §11): server-sent events, chunked, or long.
     pub streamed: bool,
     pub event_stream: bool,
-    response: reqwest::Response,
+    body: Incoming,
 }
 
 impl Head {
     /// The whole body, if it arrives before `until`.
     pub async fn whole(self, until: tokio::time::Instant) -> Result<Answer, Observed> {
-        let Head { status, headers, retry_after, response, .. } = self;
-        let body = match tokio::time::timeout_at(until, response.bytes()).await {
-            Ok(body) => body.map_err(|e| if e.is_timeout() { Observed::TimedOut } else { Observed::Broken })?,
+        let Head { status, headers, retry_after, body, .. } = self;
+        let body = match tokio::time::timeout_at(until, body.collect()).await {
+            Ok(body) => body.map_err(|_| Observed::Broken)?.to_bytes(),
             Err(_) => return Err(Observed::TimedOut),
         };
         // A small body arrives as a slice of the connection's read buffer, and would keep all of
@@ -215,7 +251,17 @@ impl Head {
 
     /// The next part of the body, as it comes; `None` at its end. An error is a cut.
     pub async fn part(&mut self) -> Result<Option<Bytes>, Observed> {
-        self.response.chunk().await.map_err(|_| Observed::Broken)
+        loop {
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(_)) => return Err(Observed::Broken),
+                // Trailers carry no body; an empty part says nothing.
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => return Ok(Some(data)),
+                    _ => continue,
+                },
+            }
+        }
     }
 }
 
@@ -225,13 +271,11 @@ impl Default for Upstream {
     }
 }
 
-/// What a failed send tells us: only a failure to connect proves nothing was sent.
-fn observed(e: &reqwest::Error) -> Observed {
+/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake) proves
+/// nothing was sent. A request the pool found its connection closed for before writing it is
+/// sent again on a fresh one by the client itself, so what fails after that may have been sent.
+fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
     if e.is_connect() {
-        Observed::ConnectFailed
-    } else if e.is_timeout() {
-        Observed::TimedOut
-    } else if e.is_builder() {
         Observed::ConnectFailed
     } else {
         Observed::Broken
@@ -305,6 +349,35 @@ mod tests {
         let mut sent = HeaderMap::new();
         tell_deadline(&mut sent, Some(&name), Duration::from_micros(1_250_900));
         assert_eq!(sent.get(&name).unwrap(), "1250");
+    }
+
+    #[tokio::test]
+    async fn an_https_upstream_is_spoken_to_in_tls_and_a_failed_handshake_sent_nothing() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // A server that reads what the client opens with, then answers in plain HTTP.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/payments", listener.local_addr().unwrap());
+        let opened = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut first = [0u8; 3];
+            socket.read_exact(&mut first).await.unwrap();
+            let _ = socket.write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n").await;
+            first
+        });
+        let sent = Upstream::new()
+            .send(
+                "POST",
+                url.parse().unwrap(),
+                &[],
+                &HeaderMap::new(),
+                Bytes::from_static(b"{}"),
+                Duration::from_secs(5),
+            )
+            .await;
+        assert_eq!(sent.unwrap_err(), Observed::ConnectFailed, "the request cannot have been sent");
+        // A TLS handshake record (22), version 3.x: a ClientHello, not an HTTP request.
+        let first = opened.await.unwrap();
+        assert_eq!(&first[..2], &[0x16, 0x03], "{first:?}");
     }
 
     #[tokio::test]
