@@ -130,9 +130,10 @@ pub struct Upstream {
     client: Client,
 }
 
-type Client = hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Full<Bytes>>;
 
-/// The longest a connection may take to open (TCP and TLS); past it, nothing was sent.
+/// The longest a connection may take to open, TCP and TLS handshake together; past it, nothing
+/// was sent.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled connection to an upstream is kept.
 const POOL_IDLE: Duration = Duration::from_secs(30);
@@ -146,10 +147,13 @@ pub struct Answer {
 
 impl Upstream {
     pub fn new() -> Upstream {
+        Upstream::connecting_within(CONNECT_TIMEOUT)
+    }
+
+    fn connecting_within(limit: Duration) -> Upstream {
         let mut tcp = HttpConnector::new();
         tcp.enforce_http(false);
         tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(CONNECT_TIMEOUT));
         // Certificates are checked against the Mozilla roots built in, as browsers do.
         let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
         let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
@@ -165,7 +169,7 @@ impl Upstream {
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_timer(TokioTimer::new())
-            .build(connector);
+            .build(TimedConnect { inner: connector, limit });
         Upstream { client }
     }
 
@@ -262,6 +266,42 @@ impl Head {
                 },
             }
         }
+    }
+}
+
+/// A connector that gives up after `limit`: the TCP connector's own timeout would leave a TLS
+/// handshake that stalls to the attempt's limit, and a send that times out there would count as
+/// one that may have executed, where nothing can have been sent. Its failure is a connect error.
+#[derive(Clone)]
+struct TimedConnect<C> {
+    inner: C,
+    limit: Duration,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
+where
+    C: tower_service::Service<http::Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let (connecting, limit) = (self.inner.call(uri), self.limit);
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(format!("no connection within {limit:?}").into()),
+            }
+        })
     }
 }
 
@@ -378,6 +418,21 @@ mod tests {
         // A TLS handshake record (22), version 3.x: a ClientHello, not an HTTP request.
         let first = opened.await.unwrap();
         assert_eq!(&first[..2], &[0x16, 0x03], "{first:?}");
+    }
+
+    #[tokio::test]
+    async fn a_tls_handshake_that_stalls_is_a_failed_connect_not_a_send_that_timed_out() {
+        // Accepts the connection and never answers its ClientHello.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/payments", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move { listener.accept().await.unwrap() });
+        let started = tokio::time::Instant::now();
+        let sent = Upstream::connecting_within(Duration::from_millis(200))
+            .send("POST", url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(10))
+            .await;
+        assert_eq!(sent.unwrap_err(), Observed::ConnectFailed);
+        assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
+        drop(held);
     }
 
     #[tokio::test]
