@@ -11,7 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
-use idem::record::{Attempt, AttemptOutcome, Owner, StoredRequest, StoredResponse, Tenant, Timestamp};
+use idem::record::{Attempt, AttemptOutcome, Holder, Owner, StoredRequest, StoredResponse, Tenant, Timestamp};
 use idem::store::{self, Admission, AfterAttempt, AttemptEnded, Claim, NewRecord, Store};
 use sqlx::Connection;
 use uuid::Uuid;
@@ -97,7 +97,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                 let then = AfterAttempt::Done(StopReason::Success, response());
                 let ended = AttemptEnded {
                     id: r.id.into(),
-                    owner: Owner::from("bench"),
+                    holder: Holder { owner: Owner::from("bench"), token: r.claim },
                     attempt: Some(attempt),
                     then,
                     stream: None,

@@ -152,7 +152,8 @@ pub async fn take_over_once(
                 if lost.is_some() { " while an attempt may have been in flight" } else { "" }
             )),
         };
-        if store.take_over(TakeOver { id: record.id.into(), expired: lease.clone(), to, lost, entry }).await? {
+        let take_over = TakeOver { id: record.id.into(), expired: lease.clone(), claim: record.claim, to, lost, entry };
+        if store.take_over(take_over).await? {
             let phase = to.phase().as_str();
             tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
             if let Some(stop) = to.stop_reason() {
@@ -167,14 +168,25 @@ pub async fn take_over_once(
             }
         }
     }
+    // As many as this node has workers free for right now, each set aside before the claim: a
+    // busy node leaves the rest to nodes that can run them, or to a later pass.
+    let mut free = worker.free_workers(BATCH as usize);
+    if free.is_empty() {
+        return Ok(());
+    }
     let idle_since = now - config.worker.lease;
     let lease_until = now + config.worker.lease;
-    for record in store
-        .claim_unclaimed(ClaimUnclaimed { owner: worker.owner().into(), lease_until, idle_since, now, limit: BATCH })
-        .await?
-    {
+    let limit = free.len() as u32;
+    let owner = worker.owner().into();
+    for record in store.claim_unclaimed(ClaimUnclaimed { owner, lease_until, idle_since, now, limit }).await? {
+        let Some(free) = free.pop() else {
+            // The store claimed more than it was asked for: let the lease expire and a take-over
+            // queue it again, rather than hold it with no worker.
+            tracing::error!(record = %record.id, "claimed a record beyond the workers set aside for it");
+            continue;
+        };
         tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
-        worker.resume(record);
+        worker.resume(record, free);
     }
     Ok(())
 }
@@ -250,8 +262,9 @@ async fn probe_route(
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
         let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
-        if let Action::Applied(settled) =
-            store.probed(Probed { id: record.id.into(), resolution, next_probe_at: next, entry }).await?
+        if let Action::Applied(settled) = store
+            .probed(Probed { id: record.id.into(), claim: record.claim, resolution, next_probe_at: next, entry })
+            .await?
         {
             if settled.phase() != Phase::Unknown {
                 tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");

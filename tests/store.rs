@@ -7,6 +7,8 @@ mod admission;
 mod common;
 #[path = "store/execution.rs"]
 mod execution;
+#[path = "store/fencing.rs"]
+mod fencing;
 #[path = "store/notices.rs"]
 mod notices;
 #[path = "store/reconciliation.rs"]
@@ -24,8 +26,8 @@ use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
 use idem::record::{
-    header_text, Attempt, AttemptOutcome, HistoryEntry, Phase, Record, State, StoredRequest, StoredResponse,
-    StreamFacts, Timestamp,
+    header_text, Attempt, AttemptOutcome, ClaimToken, HistoryEntry, Holder, Phase, Record, State, StoredRequest,
+    StoredResponse, StreamFacts, Timestamp,
 };
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
@@ -37,6 +39,7 @@ use uuid::Uuid;
 
 use admission::*;
 use execution::*;
+use fencing::*;
 use notices::*;
 use reconciliation::*;
 use switches::*;
@@ -56,6 +59,9 @@ common::both_stores!(
     a_done_record_past_retention_is_replaced_with_a_new_id,
     a_queued_record_is_claimed_once,
     a_worker_that_does_not_hold_the_lease_is_told_it_lost_it,
+    a_claim_taken_over_and_given_again_fences_off_every_write_of_the_old_one,
+    a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unknown_record,
+    a_probe_of_an_earlier_claim_does_not_settle_a_later_execution,
     a_streamed_answers_facts_are_stored_with_its_outcome,
     a_done_attempt_stores_the_response_byte_for_byte_and_the_attempts,
     cancelling_a_queued_record_frees_it,
@@ -146,7 +152,7 @@ fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
 fn started(record: &Record, number: u32, at: Timestamp, lease_until: Timestamp) -> AttemptStarted {
     AttemptStarted {
         id: record.id.into(),
-        owner: WORKER.into(),
+        holder: holder(&record, WORKER),
         number,
         started_at: at,
         lease_until,
@@ -229,7 +235,8 @@ async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     assert!(store
         .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     fetch(store, record.id).await
 }
 
@@ -242,7 +249,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(100),
@@ -263,7 +270,7 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Rec
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
             now: done_at,
@@ -283,7 +290,7 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: None,
             then: AfterAttempt::Free(StopReason::Deadline),
             now: T0 + ms(100),
@@ -295,4 +302,14 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = fetch(store, record.id).await;
     assert_eq!(record.phase(), Phase::Free);
     record
+}
+
+/// `owner` writing under `record`'s latest claim, as its worker would.
+fn holder(record: &Record, owner: &str) -> Holder {
+    Holder { owner: owner.into(), token: record.claim }
+}
+
+/// `owner` writing under a claim `record` was never given.
+fn intruder(record: &Record, owner: &str) -> Holder {
+    Holder { owner: owner.into(), token: ClaimToken(record.claim.0 + 1) }
 }

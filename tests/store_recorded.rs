@@ -9,7 +9,7 @@ use common::backend::{postgres_url_for_new_db, skipped};
 use common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
-use idem::record::{Attempt, AttemptOutcome, State, StoredRequest, StoredResponse, Timestamp};
+use idem::record::{Attempt, AttemptOutcome, ClaimToken, Holder, State, StoredRequest, StoredResponse, Timestamp};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 use uuid::Uuid;
@@ -70,7 +70,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     store
         .attempt_ended(AttemptEnded {
             id: id.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(first.clone()),
             then: wait,
             now: at + ms(20),
@@ -81,7 +81,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     store
         .attempt_started(AttemptStarted {
             id: id.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             number: 2,
             started_at: at + ms(120),
             lease_until: at + ms(15_000),
@@ -97,7 +97,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     store
         .attempt_ended(AttemptEnded {
             id: id.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(second.clone()),
             then: done,
             now: at + ms(140),
@@ -133,7 +133,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     store
         .attempt_ended(AttemptEnded {
             id: freed.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(attempt(1, T0 + ms(40), 503, None)),
             then: free,
             now: T0 + ms(60),

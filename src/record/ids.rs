@@ -59,6 +59,33 @@ impl fmt::Display for Owner {
     }
 }
 
+/// The fencing token of one claim of a record: each claim (a claimed admission, a single or bulk
+/// claim) is given the record's previous token plus one, and every write made under the claim
+/// names it. A write whose token is not the record's latest is refused, so an execution whose
+/// claim was taken over cannot write, or send, after a newer claim was made — whoever made it,
+/// this process included. 0: never claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ClaimToken(pub i64);
+
+impl ClaimToken {
+    /// The token of a claim made at insert: a record's first.
+    pub const FIRST: ClaimToken = ClaimToken(1);
+}
+
+impl fmt::Display for ClaimToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Who writes under a claim: the node that holds it, named in the record's lease and history,
+/// and the claim's token, which alone decides whether the write is still the holder's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    pub owner: Owner,
+    pub token: ClaimToken,
+}
+
 /// Whose a record is: the tenant a request's credentials name (SPEC §2 `[auth]`), `default`
 /// without tenants. Keys are unique per tenant. Shared, not copied: the ingress resolves it once
 /// per request and it flows into the record, its lookups and its logs.

@@ -14,7 +14,7 @@ mod ids;
 mod machine;
 mod time;
 
-pub use ids::{Owner, RecordId, Tenant};
+pub use ids::{ClaimToken, Holder, Owner, RecordId, Tenant};
 pub use machine::{admitted, transition, Event, Phase, Refused, State};
 pub use time::Timestamp;
 
@@ -153,6 +153,9 @@ pub struct Record {
     /// End of the end-to-end deadline, counted from the request's arrival.
     pub deadline_at: Timestamp,
     pub lease: Option<Lease>,
+    /// The token of its latest claim, kept after the lease ends: a write under an older claim is
+    /// refused (see [`ClaimToken`]).
+    pub claim: ClaimToken,
     /// The attempt that may be in flight: its number and start. Set before the attempt is sent
     /// and cleared when its outcome is stored, so a take-over knows whether one may have run.
     pub in_flight: Option<(u32, Timestamp)>,

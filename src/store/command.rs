@@ -11,7 +11,8 @@ use uuid::Uuid;
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
 use crate::policy::{PolicyVersion, StopReason};
 use crate::record::{
-    admitted, transition, Attempt, Event, HistoryEntry, Lease, Owner, Phase, RecordId, Refused, Timestamp,
+    admitted, transition, Attempt, AttemptOutcome, ClaimToken, Event, HistoryEntry, Holder, Lease, Owner, Phase,
+    RecordId, Refused, Timestamp,
 };
 use crate::record::{State, StoredResponse, StreamFacts};
 use crate::store::stats::AnswerCount;
@@ -25,7 +26,7 @@ pub struct Admit {
     pub retention_cutoff: Timestamp,
 }
 
-/// Takes a queued record under `owner`'s lease.
+/// Takes a queued record under `owner`'s lease, with a new claim token.
 #[derive(Debug, Clone)]
 pub struct ClaimQueued {
     pub id: RecordId,
@@ -39,7 +40,7 @@ pub struct ClaimQueued {
 #[derive(Debug, Clone)]
 pub struct AttemptStarted {
     pub id: RecordId,
-    pub owner: Owner,
+    pub holder: Holder,
     pub number: u32,
     pub started_at: Timestamp,
     pub lease_until: Timestamp,
@@ -51,7 +52,7 @@ pub struct AttemptStarted {
 #[derive(Debug, Clone)]
 pub struct AttemptEnded {
     pub id: RecordId,
-    pub owner: Owner,
+    pub holder: Holder,
     pub attempt: Option<Attempt>,
     pub then: AfterAttempt,
     /// How the attempt's answer streamed (SPEC §11), when it did. Stored by the same write as
@@ -61,11 +62,11 @@ pub struct AttemptEnded {
     pub now: Timestamp,
 }
 
-/// Extends `owner`'s lease.
+/// Extends the holder's lease.
 #[derive(Debug, Clone)]
 pub struct Renew {
     pub id: RecordId,
-    pub owner: Owner,
+    pub holder: Holder,
     pub lease_until: Timestamp,
     pub now: Timestamp,
 }
@@ -97,8 +98,10 @@ pub struct Retry {
 #[derive(Debug, Clone)]
 pub struct TakeOver {
     pub id: RecordId,
-    /// The expired lease as it was seen: of several nodes sweeping at once, one wins.
+    /// The expired lease as it was seen, and the claim it was held under: of several nodes
+    /// sweeping at once, one wins, and a lease renewed since is not taken.
     pub expired: Lease,
+    pub claim: ClaimToken,
     pub to: TakeOverTo,
     /// The attempt lost in flight, if one may have been.
     pub lost: Option<Attempt>,
@@ -119,6 +122,9 @@ pub struct ClaimUnclaimed {
 #[derive(Debug, Clone)]
 pub struct Probed {
     pub id: RecordId,
+    /// The record's claim as the probe read it: a probe of an execution that an operator's retry
+    /// has since replaced by another does not settle the new one.
+    pub claim: ClaimToken,
     pub resolution: Option<Resolution>,
     pub next_probe_at: Timestamp,
     pub entry: HistoryEntry,
@@ -164,13 +170,17 @@ pub(crate) struct Fresh {
     pub state: State,
     pub queued: bool,
     pub in_flight: Option<(u32, Timestamp)>,
+    /// The first claim's token when it is claimed at insert, else none yet.
+    pub claim: ClaimToken,
 }
 
 impl NewRecord {
     pub(crate) fn fresh(&self) -> Fresh {
         let phase = admitted(self.claim.is_some());
-        let in_flight = (phase == Phase::InProgress).then_some((1, self.now));
-        Fresh { state: phase.state(), queued: phase == Phase::Queued, in_flight }
+        let claimed = phase == Phase::InProgress;
+        let in_flight = claimed.then_some((1, self.now));
+        let claim = if claimed { ClaimToken::FIRST } else { ClaimToken::default() };
+        Fresh { state: phase.state(), queued: phase == Phase::Queued, in_flight, claim }
     }
 }
 
@@ -208,6 +218,48 @@ impl AfterAttempt {
             AfterAttempt::Cut(stop, partial) => (Some(*stop), Some(partial), None),
         };
         Ok(Stored { state: phase.state(), stop, response, queued: phase == Phase::Queued, not_before })
+    }
+}
+
+/// What a late outcome stores: the outcome of the attempt that was in flight when the record's
+/// lease expired and a take-over moved it to `unknown` (its worker paused, or its store writes
+/// stalled, past the lease). The attempt may have executed, which is why the record is
+/// `unknown`; its own answer is the best evidence there is, so it settles the record as a probe
+/// would: a final answer makes it `done`, an answer that says nothing executed frees the key,
+/// and anything else leaves it `unknown` with the attempt's observation in place of "lost".
+pub(crate) struct Late<'a> {
+    /// Stored in place of the `lost` attempt the take-over recorded, which had this number.
+    pub attempt: &'a Attempt,
+    pub state: State,
+    pub response: Option<&'a StoredResponse>,
+    pub entry: HistoryEntry,
+}
+
+impl AttemptEnded {
+    /// The late outcome this write is, should its claim have been taken over to `unknown` while
+    /// its attempt was in flight; `None` when it carries no attempt (a stop before sending, a
+    /// release), which tells nothing about what executed.
+    pub(crate) fn late(&self) -> Option<Late<'_>> {
+        let attempt = self.attempt.as_ref()?;
+        let (event, response) = match (&self.then, attempt.outcome) {
+            (AfterAttempt::Done(_, response), AttemptOutcome::Success | AttemptOutcome::Final) => {
+                (Event::ResolveExecuted, Some(response))
+            }
+            (_, AttemptOutcome::NotExecuted) => (Event::ResolveNotExecuted, None),
+            _ => (Event::ProbeInconclusive, None),
+        };
+        let to = transition(Phase::Unknown, event).ok()?;
+        let entry = HistoryEntry {
+            at: self.now,
+            actor: format!("node:{}", self.holder.owner),
+            action: format!("late outcome → {}", to.as_str()),
+            note: Some(format!(
+                "attempt {} ({}) ended after its lease expired and the record was taken over",
+                attempt.number,
+                attempt.outcome.as_str()
+            )),
+        };
+        Some(Late { attempt, state: to.state(), response, entry })
     }
 }
 

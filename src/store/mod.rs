@@ -9,7 +9,9 @@ use uuid::Uuid;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::policy::{PolicyVersion, StopReason};
-use crate::record::{transition, Event, Owner, Phase, Record, StoredRequest, StoredResponse, Tenant, Timestamp};
+use crate::record::{
+    transition, ClaimToken, Event, Owner, Phase, Record, StoredRequest, StoredResponse, Tenant, Timestamp,
+};
 use crate::switch::Switch;
 
 mod command;
@@ -84,6 +86,7 @@ impl NewRecord {
             deadline_at: self.deadline_at,
             in_flight: fresh.in_flight,
             lease: claim.as_ref().map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.lease_until }),
+            claim: fresh.claim,
             attempts: Vec::new(),
             stop_reason: None,
             response: None,
@@ -266,18 +269,24 @@ pub trait Store: Send + Sync + 'static {
 
     async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
 
-    /// Queued → in_progress under `owner`'s lease. False if it is no longer queued.
-    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError>;
+    /// Queued → in_progress under `owner`'s lease: the new claim's token, or `None` if it is no
+    /// longer queued.
+    async fn claim(&self, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError>;
 
     /// Persists "attempt `number` may have been sent" before it is sent, with the version of
-    /// the policy it is sent under, and extends the lease. If `owner` no longer holds the
-    /// lease, the attempt must not be sent.
+    /// the policy it is sent under, and extends the lease. If the holder's claim is no longer
+    /// the record's latest (its token differs), nothing is written and the attempt must not be
+    /// sent.
     async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError>;
 
-    /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows.
+    /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows,
+    /// under the holder's claim. Under a claim that is no longer the record's, it is refused
+    /// (`Lost`) — except the late outcome of the attempt that was in flight when a take-over
+    /// moved the record to `unknown` under that same claim, which settles the record
+    /// ([`AttemptEnded::late`] decides how) and is still answered `Lost`: the worker is done.
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError>;
 
-    /// Extends `owner`'s lease.
+    /// Extends the holder's lease, under its claim.
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError>;
 
     async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError>;
@@ -300,19 +309,22 @@ pub trait Store: Send + Sync + 'static {
 
     /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
     /// flight, if any, and counting the take-over. Only if the lease is still the `expired` one
-    /// seen: of several nodes sweeping at once, one wins (the others get `false`).
+    /// seen, under the same claim: of several nodes sweeping at once, one wins (the others get
+    /// `false`). The claim's token is kept: only a new claim makes a new one.
     async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError>;
 
     /// Claims, for `owner`, up to `limit` queued records that nobody has claimed since
-    /// `idle_since` (the node that queued them died, or is busy). Safe to call from many nodes
-    /// at once: each record is claimed by one.
+    /// `idle_since` (the node that queued them died, or is busy), each with a new claim token
+    /// (in the records returned). Safe to call from many nodes at once: each record is claimed
+    /// by one. The caller has a worker free for each of `limit`.
     async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError>;
 
     /// `unknown` records of `route` whose next probe is due at `now`; the first probe is due
     /// `settle` after the record became unknown.
     async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError>;
 
-    /// Records a probe: settles the record with `resolution`, or schedules the next probe.
+    /// Records a probe: settles the record with `resolution`, or schedules the next probe — if
+    /// it is still `unknown` under the claim the probe read.
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError>;
 
     /// How many records are in each phase (queued and free `not_started` counted apart).

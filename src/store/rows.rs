@@ -8,7 +8,7 @@ use super::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::policy::StopReason;
-use crate::record::{Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
+use crate::record::{ClaimToken, Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
 
 /// A row read by column name, whichever driver produced it: any sqlx row (both backends), and
 /// the SQLite writer's rusqlite rows (`sqlite::rows`). Integers arrive as 64 bits (PostgreSQL's
@@ -92,6 +92,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         queued: row.flag("queued")?,
         deadline_at: required_time("deadline_at")?,
         lease,
+        claim: ClaimToken(required("claim_token")?),
         in_flight,
         attempts: serde_json::from_str(&text("attempts")?)?,
         stop_reason: row

@@ -58,8 +58,9 @@ pub(super) struct Reservation {
 pub(super) enum Start {
     /// Queued: claim it first.
     Claim,
-    /// Already claimed by this process (a take-over, an orphan).
-    Claimed,
+    /// Already claimed by this process (queued records nobody claimed), with the worker that
+    /// was set aside for it before it was claimed.
+    Claimed(OwnedSemaphorePermit),
     /// Admitted claimed, first attempt marked, capacity in hand.
     Reserved(Reservation),
 }

@@ -17,13 +17,16 @@ use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
 use crate::metrics;
 use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
-use crate::record::{Attempt, Record, StoredResponse, StreamFacts, Timestamp};
+use crate::record::{Attempt, Holder, Record, StoredResponse, StreamFacts, Timestamp};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Head};
 
 /// What an execution runs with, fixed when it starts.
 pub(super) struct Job<'a> {
     pub(super) record: &'a Record,
+    /// The claim it runs under: every write it makes names it, and is refused once the record
+    /// has been claimed again.
+    pub(super) holder: &'a Holder,
     /// The route as the execution read it: a reload meanwhile changes nothing here.
     pub(super) route: &'a Route,
     /// The policy its attempts run under, and are stored with.
@@ -146,8 +149,8 @@ impl Inner {
         let mut p = Progress::new(job.record, job.chosen.retry.deadline);
         let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
         match end {
-            End::Stop(stop, attempt) => self.finish_after(job.record, job.route, attempt, stop, p).await,
-            End::Release => self.release(job.record).await,
+            End::Stop(stop, attempt) => self.finish_after(job.record, job.holder, job.route, attempt, stop, p).await,
+            End::Release => self.release(job.record, job.holder).await,
             End::Lost => Outcome::Lost,
         }
     }
@@ -175,7 +178,7 @@ impl Inner {
         let record = job.record;
         let Some(not_before) = record.not_before else { return Ok(()) };
         if let Some(rest) = Some(not_before - self.clock.now()).filter(|rest| !rest.is_zero()) {
-            self.wait(record.id, rest, job.signal).await.then()?;
+            self.wait(job, rest).await.then()?;
         }
         // The next attempt follows the whole wait, wherever it was spent: it is recorded as
         // such, and feeds decorrelated jitter as it would have.
@@ -203,7 +206,7 @@ impl Inner {
             Some(place) => (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), true),
             None => {
                 // A place among the route's attempts in flight, held for this attempt only.
-                let place = self.renewing(record.id, job.guard.attempts.clone().acquire_owned()).await.ok();
+                let place = self.renewing(record.id, job.holder, job.guard.attempts.clone().acquire_owned()).await.ok();
                 (self.clock.now(), place, false)
             }
         };
@@ -216,6 +219,9 @@ impl Inner {
         if self.drain.is_stopping() && !marked {
             return Err(End::Release);
         }
+        if job.signal.is_superseded() {
+            return Err(End::Lost);
+        }
         let made = p.run.sending();
         p.number += 1;
         if !marked {
@@ -223,7 +229,7 @@ impl Inner {
                 .store
                 .attempt_started(AttemptStarted {
                     id: record.id.into(),
-                    owner: self.owner.clone(),
+                    holder: job.holder.clone(),
                     number: p.number,
                     started_at: started,
                     lease_until: self.lease_until(started),
@@ -285,7 +291,7 @@ impl Inner {
             }
         };
         let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
-        let got = self.renewing(record.id, sent).instrument(span.clone()).await;
+        let got = self.renewing(record.id, job.holder, sent).instrument(span.clone()).await;
         let took = clock.elapsed();
         match got {
             Ok(Got::Flowing(head, first)) => {
@@ -377,7 +383,7 @@ impl Inner {
         let record = job.record;
         let now = self.clock.now();
         let then = store::AfterAttempt::Wait { not_before: now + wait };
-        match self.store.attempt_ended(self.ended(record, Some(attempt), then, now)).await {
+        match self.store.attempt_ended(self.ended(record, job.holder, Some(attempt), then, now)).await {
             Ok(Lease::Held { cancel_requested: false }) => {}
             Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
             Ok(Lease::Lost) => return Err(End::Lost),
@@ -386,14 +392,14 @@ impl Inner {
                 return Err(End::Lost);
             }
         }
-        self.wait(record.id, wait, job.signal).await.then()?;
+        self.wait(job, wait).await.then()?;
         p.run.waited(wait);
         p.wait_before = wait;
         Ok(())
     }
 
-    /// Awaits an attempt while keeping the lease alive.
-    pub(super) async fn renewing<F: Future>(&self, id: Uuid, attempt: F) -> F::Output {
+    /// Awaits an attempt while keeping `holder`'s lease alive.
+    pub(super) async fn renewing<F: Future>(&self, id: Uuid, holder: &Holder, attempt: F) -> F::Output {
         tokio::pin!(attempt);
         let every = self.lease / 3;
         loop {
@@ -401,7 +407,7 @@ impl Inner {
                 out = &mut attempt => return out,
                 _ = tokio::time::sleep(every) => {
                     let now = self.clock.now();
-                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, now)).await {
+                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, holder, now)).await {
                         warn!("lost the lease while an attempt was in flight");
                     }
                 }
@@ -409,8 +415,10 @@ impl Inner {
         }
     }
 
-    /// Sleeps before a retry, renewing the lease, and stops at once on a cancel.
-    async fn wait(&self, id: Uuid, total: Duration, signal: &CancelSignal) -> WaitEnd {
+    /// Sleeps before a retry, renewing the lease, and stops at once on a cancel (or when a newer
+    /// claim of the record runs here).
+    async fn wait(&self, job: &Job<'_>, total: Duration) -> WaitEnd {
+        let (id, signal) = (job.record.id, job.signal);
         let until = tokio::time::Instant::now() + total;
         let slice = self.lease / 3;
         let mut stopping = self.drain.stopping();
@@ -421,6 +429,9 @@ impl Inner {
             let notified = signal.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            if signal.is_superseded() {
+                return WaitEnd::Lost;
+            }
             if signal.raised.load(Ordering::SeqCst) {
                 return WaitEnd::Cancelled;
             }
@@ -430,12 +441,14 @@ impl Inner {
             }
             tokio::select! {
                 _ = tokio::time::sleep((until - now).min(slice)) => {}
-                _ = &mut notified => return WaitEnd::Cancelled,
+                _ = &mut notified => {
+                    return if signal.is_superseded() { WaitEnd::Lost } else { WaitEnd::Cancelled };
+                }
                 _ = stopping.changed() => return WaitEnd::Stopping,
             }
             if tokio::time::Instant::now() < until {
                 let now = self.clock.now();
-                match self.store.renew(self.renewal(id, now)).await {
+                match self.store.renew(self.renewal(id, job.holder, now)).await {
                     Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
                     Ok(Lease::Lost) => return WaitEnd::Lost,
                     _ => {}

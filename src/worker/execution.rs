@@ -2,7 +2,7 @@
 //! credential it forwards, and the record's end (done, unknown or free) stored with its outcome.
 //! The attempts between are in `attempts`.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,48 +16,74 @@ use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
 use crate::metrics;
 use crate::policy::{Class, Settlement, StopReason};
-use crate::record::{Attempt, Record, Timestamp};
+use crate::record::{Attempt, ClaimToken, Holder, Record, Timestamp};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 
-/// Lets a cancel reach an execution running in this process at once, even mid-wait.
+/// Lets a cancel reach an execution running in this process at once, even mid-wait; and tells
+/// an execution that a newer claim of its record runs here now, so it stops before its next
+/// write rather than be refused at it.
 #[derive(Default)]
 pub(super) struct CancelSignal {
     pub(super) raised: AtomicBool,
+    pub(super) superseded: AtomicBool,
     pub(super) notify: Notify,
 }
 
+impl CancelSignal {
+    pub(super) fn is_superseded(&self) -> bool {
+        self.superseded.load(Ordering::SeqCst)
+    }
+}
+
+/// The execution of one claim of a record, as this process knows it: at most one per record,
+/// the newest claim's.
+pub(super) struct Running {
+    token: ClaimToken,
+    signal: Arc<CancelSignal>,
+}
+
 impl Inner {
-    /// The write that stores how an attempt of `record` (or the execution) ended.
+    /// The write that stores how an attempt of `record` (or the execution) ended, under `holder`'s
+    /// claim.
     pub(super) fn ended(
         &self,
         record: &Record,
+        holder: &Holder,
         attempt: Option<Attempt>,
         then: store::AfterAttempt,
         now: Timestamp,
     ) -> AttemptEnded {
-        AttemptEnded { id: record.id.into(), owner: self.owner.clone(), attempt, then, stream: None, now }
+        AttemptEnded { id: record.id.into(), holder: holder.clone(), attempt, then, stream: None, now }
     }
 
-    /// The write that extends this worker's lease on `id` from `now`.
-    pub(super) fn renewal(&self, id: Uuid, now: Timestamp) -> Renew {
-        Renew { id: id.into(), owner: self.owner.clone(), lease_until: self.lease_until(now), now }
+    /// The write that extends `holder`'s lease on `id` from `now`.
+    pub(super) fn renewal(&self, id: Uuid, holder: &Holder, now: Timestamp) -> Renew {
+        Renew { id: id.into(), holder: holder.clone(), lease_until: self.lease_until(now), now }
+    }
+
+    /// This process's claim with `token`.
+    pub(super) fn holder(&self, token: ClaimToken) -> Holder {
+        Holder { owner: self.owner.clone(), token }
     }
 
     /// Runs a spawned execution as `start` says; `None` when the process is past running any.
+    /// A record is claimed only with a worker in hand: one held since admission, one taken
+    /// before a bulk claim (see [`Worker::resume`](super::Worker::resume)), or one waited for
+    /// before claiming a queued record. A lease never runs while its record waits for a worker.
     pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
         let outcome = match start {
             Start::Reserved(Reservation { worker, attempt, config }) => {
                 let _permit = worker;
-                self.run(record, Some((attempt, config)), reply).await
+                self.run(record, &self.holder(record.claim), Some((attempt, config)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
                 self.claim_and_run(record, reply).await
             }
-            Start::Claimed => {
-                let _permit = self.permits.acquire().await.ok()?;
-                self.run(record, None, reply).await
+            Start::Claimed(worker) => {
+                let _permit = worker;
+                self.run(record, &self.holder(record.claim), None, reply).await
             }
         };
         Some(outcome)
@@ -83,8 +109,8 @@ impl Inner {
             .await;
         lock(&self.mine).remove(&record.id);
         match claimed {
-            Ok(true) => self.run(record, None, reply).await,
-            Ok(false) => Outcome::Lost,
+            Ok(Some(token)) => self.run(record, &self.holder(token), None, reply).await,
+            Ok(None) => Outcome::Lost,
             Err(e) => {
                 warn!(error = %e, "could not claim a record; it stays queued");
                 Outcome::Lost
@@ -99,6 +125,7 @@ impl Inner {
     async fn run(
         &self,
         record: &Record,
+        holder: &Holder,
         reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>,
         reply: &Reply,
     ) -> Outcome {
@@ -108,12 +135,12 @@ impl Inner {
         };
         let Some(route) = config.route_named(&record.route) else {
             warn!(route = %record.route, "the record's route is no longer configured");
-            return self.settle_unsent(record, false, StopReason::Cancelled).await;
+            return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };
         // Checked at ingress; only a route changed since then can make it fail here.
         let Ok(url) = route.upstream_url(&record.path, &record.query) else {
             warn!(route = %record.route, "the record's path would not reach the upstream as recorded; not sending it");
-            return self.settle_unsent(record, false, StopReason::Cancelled).await;
+            return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };
         let credential = lock(&self.credentials).take(record.id);
         let mut credentials = route.upstream_headers.clone();
@@ -122,16 +149,16 @@ impl Inner {
                 // Reached here, a record that is not replay-safe has had no attempt that may have
                 // executed (a take-over makes those unknown), so settling frees it.
                 warn!("the client's credential is not held by this process; not sending");
-                return self.settle_unsent(record, route.replay_safe, StopReason::CredentialUnavailable).await;
+                return self.settle_unsent(record, holder, route.replay_safe, StopReason::CredentialUnavailable).await;
             };
             if let Some(credential) = sent {
                 credentials.insert(http::header::AUTHORIZATION, credential);
             }
         }
-        let signal = Arc::new(CancelSignal::default());
-        lock(&self.cancels).insert(record.id, signal.clone());
+        let signal = self.running(record.id, holder.token);
         let job = Job {
             record,
+            holder,
             route,
             chosen: self.policy_of(route, record),
             url,
@@ -141,20 +168,42 @@ impl Inner {
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
-        lock(&self.cancels).remove(&record.id);
+        let mut running = lock(&self.running);
+        if running.get(&record.id).is_some_and(|r| r.token == holder.token) {
+            running.remove(&record.id);
+        }
         outcome
     }
 
+    /// Registers the execution of `id` under claim `token` as the one running here, and tells
+    /// an older claim's execution, if one still runs, that it is superseded.
+    fn running(&self, id: Uuid, token: ClaimToken) -> Arc<CancelSignal> {
+        let signal = Arc::new(CancelSignal::default());
+        let older = lock(&self.running).insert(id, Running { token, signal: signal.clone() });
+        if let Some(older) = older {
+            warn!(record = %id, older = %older.token, newer = %token, "a newer claim of the record supersedes one still running here");
+            older.signal.superseded.store(true, Ordering::SeqCst);
+            older.signal.notify.notify_waiters();
+        }
+        signal
+    }
+
+    /// The cancel signal of the execution of `id` running here, if one is.
+    pub(super) fn signal(&self, id: Uuid) -> Option<Arc<CancelSignal>> {
+        lock(&self.running).get(&id).map(|r| r.signal.clone())
+    }
+
     /// Settles a record that this execution sends nothing for.
-    async fn settle_unsent(&self, record: &Record, replay_safe: bool, stop: StopReason) -> Outcome {
+    async fn settle_unsent(&self, record: &Record, holder: &Holder, replay_safe: bool, stop: StopReason) -> Outcome {
         let progress = Progress::new(record, Duration::ZERO);
-        self.finish(record, replay_safe, None, stop, progress).await
+        self.finish(record, holder, replay_safe, None, stop, progress).await
     }
 
     /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
     /// this node after its restart) to continue within the same deadline.
-    pub(super) async fn release(&self, record: &Record) -> Outcome {
-        match self.store.attempt_ended(self.ended(record, None, store::AfterAttempt::Release, self.clock.now())).await {
+    pub(super) async fn release(&self, record: &Record, holder: &Holder) -> Outcome {
+        let release = self.ended(record, holder, None, store::AfterAttempt::Release, self.clock.now());
+        match self.store.attempt_ended(release).await {
             Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
             Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
         }
@@ -166,6 +215,7 @@ impl Inner {
     pub(super) async fn finish_after(
         &self,
         record: &Record,
+        holder: &Holder,
         route: &Route,
         attempt: Option<Attempt>,
         stop: StopReason,
@@ -185,13 +235,14 @@ impl Inner {
             }
             _ => {}
         }
-        self.finish(record, route.replay_safe, attempt, stop, p).await
+        self.finish(record, holder, route.replay_safe, attempt, stop, p).await
     }
 
     /// Stores the record's end, as the policy settles it, and wakes whoever waits for it.
     async fn finish(
         &self,
         record: &Record,
+        holder: &Holder,
         replay_safe: bool,
         attempt: Option<Attempt>,
         stop: StopReason,
@@ -215,7 +266,7 @@ impl Inner {
             }
         };
         // A streamed answer's facts go with its outcome, in the same write.
-        let ended = AttemptEnded { stream: p.stream, ..self.ended(record, attempt, then, self.clock.now()) };
+        let ended = AttemptEnded { stream: p.stream, ..self.ended(record, holder, attempt, then, self.clock.now()) };
         let result = self.store.attempt_ended(ended).await;
         self.settled.settled(record.id);
         match result {

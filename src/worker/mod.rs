@@ -19,7 +19,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch, Semaphore};
+use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, Instrument};
 use uuid::Uuid;
 
@@ -112,13 +112,16 @@ use admission::Start;
 pub use admission::{Admit, Admitted};
 use credentials::HeldCredentials;
 use drain::Drain;
-use execution::CancelSignal;
+use execution::Running;
 pub use guards::{Guards, Refusal, Slot};
 pub use waiters::Settled;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// One of the worker's executions, free and set aside ([`Worker::free_workers`]).
+pub struct FreeWorker(OwnedSemaphorePermit);
 
 #[derive(Clone)]
 pub struct Worker {
@@ -161,7 +164,8 @@ struct Inner {
     /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
-    cancels: Mutex<HashMap<Uuid, Arc<CancelSignal>>>,
+    /// The execution running here for each record, by the claim it runs under: at most one.
+    running: Mutex<HashMap<Uuid, Running>>,
     /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
     streams: Mutex<HashMap<Uuid, Flow>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
@@ -191,7 +195,7 @@ impl Worker {
                 settled,
                 switches,
                 clock,
-                cancels: Mutex::new(HashMap::new()),
+                running: Mutex::new(HashMap::new()),
                 streams: Mutex::new(HashMap::new()),
             }),
         }
@@ -218,10 +222,18 @@ impl Worker {
         self.spawn(Arc::new(record), slot, None, Start::Claim);
     }
 
-    /// Executes a record this process already claimed (a take-over or an unclaimed record).
-    pub fn resume(&self, record: Record) {
+    /// Sets aside up to `most` of the workers free right now, for records about to be claimed
+    /// in bulk: a record is claimed only with a worker in hand, so no lease runs out while its
+    /// record waits for one. Those not used go back when dropped.
+    pub fn free_workers(&self, most: usize) -> Vec<FreeWorker> {
+        std::iter::from_fn(|| self.inner.permits.clone().try_acquire_owned().ok().map(FreeWorker)).take(most).collect()
+    }
+
+    /// Executes, on the worker set aside for it, a record this process just claimed (a queued
+    /// record nobody claimed).
+    pub fn resume(&self, record: Record, worker: FreeWorker) {
         let slot = self.inner.guards.slot(&record.route);
-        self.spawn(Arc::new(record), slot, None, Start::Claimed);
+        self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0));
     }
 
     fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
@@ -295,8 +307,7 @@ impl Worker {
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
     pub fn cancel(&self, id: Uuid) {
-        let signal = lock(&self.inner.cancels).get(&id).cloned();
-        if let Some(s) = signal {
+        if let Some(s) = self.inner.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();
         }

@@ -14,7 +14,12 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     assert_same(&record, &fetch(&store, record.id).await);
     // The claim holds like any other: its worker may store the outcome, nobody else may.
     assert!(store
-        .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE + ms(1), now: T0 + ms(2) })
+        .renew(Renew {
+            id: record.id.into(),
+            holder: holder(&record, WORKER),
+            lease_until: T0 + LEASE + ms(1),
+            now: T0 + ms(2)
+        })
         .await
         .unwrap()
         .is_held());
@@ -22,7 +27,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
         store
             .renew(Renew {
                 id: record.id.into(),
-                owner: "someone-else".into(),
+                holder: intruder(&record, "someone-else"),
                 lease_until: T0 + LEASE,
                 now: T0 + ms(2)
             })
@@ -41,7 +46,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     store
         .attempt_ended(AttemptEnded {
             id: first.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&first, WORKER),
             attempt: None,
             then: AfterAttempt::Free(StopReason::AttemptCap),
             now: T0 + ms(5),
@@ -188,7 +193,8 @@ pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: B
     assert!(store
         .claim(ClaimQueued { id: acme.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     assert_eq!(fetch(&store, globex.id).await.phase(), Phase::Queued);
 }
 

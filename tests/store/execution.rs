@@ -8,8 +8,9 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
     assert!(store
         .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
-        .unwrap());
-    assert!(!store
+        .unwrap()
+        .is_some());
+    assert!(store
         .claim(ClaimQueued {
             id: record.id.into(),
             owner: "node-b/worker-1".into(),
@@ -17,8 +18,9 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
             now: T0 + ms(2)
         })
         .await
-        .unwrap());
-    assert!(!store
+        .unwrap()
+        .is_none());
+    assert!(store
         .claim(ClaimQueued {
             id: Uuid::new_v4().into(),
             owner: WORKER.into(),
@@ -26,7 +28,8 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
             now: T0 + ms(2)
         })
         .await
-        .unwrap());
+        .unwrap()
+        .is_none());
     let record = fetch(&store, record.id).await;
     assert_eq!(record.phase(), Phase::InProgress);
     let lease = record.lease.expect("a claimed record has a lease");
@@ -42,7 +45,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
         store
             .attempt_started(AttemptStarted {
                 id: record.id.into(),
-                owner: thief.into(),
+                holder: intruder(&record, thief),
                 number: 1,
                 started_at: T0 + ms(10),
                 lease_until: T0 + ms(99_000),
@@ -54,7 +57,12 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     );
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: thief.into(), lease_until: T0 + ms(99_000), now: T0 + ms(10) })
+            .renew(Renew {
+                id: record.id.into(),
+                holder: intruder(&record, thief),
+                lease_until: T0 + ms(99_000),
+                now: T0 + ms(10)
+            })
             .await
             .unwrap(),
         Lease::Lost
@@ -62,7 +70,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     let ended = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: thief.into(),
+            holder: intruder(&record, thief),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
             then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
             now: T0 + ms(20),
@@ -84,7 +92,12 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + ms(20_000)));
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + ms(25_000), now: T0 + ms(11) })
+            .renew(Renew {
+                id: record.id.into(),
+                holder: holder(&record, WORKER),
+                lease_until: T0 + ms(25_000),
+                now: T0 + ms(11)
+            })
             .await
             .unwrap(),
         held
@@ -95,7 +108,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: None,
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(30),
@@ -106,7 +119,12 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert!(lease.is_held());
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + ms(30_000), now: T0 + ms(31) })
+            .renew(Renew {
+                id: record.id.into(),
+                holder: holder(&record, WORKER),
+                lease_until: T0 + ms(30_000),
+                now: T0 + ms(31)
+            })
             .await
             .unwrap(),
         Lease::Lost
@@ -127,7 +145,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: Some(first.clone()),
             then: wait,
             now: T0 + ms(30),
@@ -152,7 +170,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: Some(second.clone()),
             then: AfterAttempt::Done(StopReason::Success, answer.clone()),
             now: T0 + ms(320),
@@ -183,7 +201,7 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     assert_eq!(freed.stop_reason, Some(StopReason::Cancelled));
     assert_eq!(freed.history, vec![note.clone()]);
     assert!(
-        !store
+        store
             .claim(ClaimQueued {
                 id: record.id.into(),
                 owner: WORKER.into(),
@@ -191,7 +209,8 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
                 now: T0 + ms(60)
             })
             .await
-            .unwrap(),
+            .unwrap()
+            .is_none(),
         "nothing is left to run"
     );
 
@@ -215,7 +234,12 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(5) })
+            .renew(Renew {
+                id: record.id.into(),
+                holder: holder(&record, WORKER),
+                lease_until: T0 + LEASE,
+                now: T0 + ms(5)
+            })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: false }
@@ -230,7 +254,12 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     assert_eq!(flagged.history, vec![note]);
     assert_eq!(
         store
-            .renew(Renew { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(60) })
+            .renew(Renew {
+                id: record.id.into(),
+                holder: holder(&record, WORKER),
+                lease_until: T0 + LEASE,
+                now: T0 + ms(60)
+            })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: true }
@@ -326,7 +355,8 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
             now: T0 + ms(2_001)
         })
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
 }
 
 pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(backend: Backend) {
@@ -350,7 +380,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     assert!(store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             attempt: Some(first),
             then,
             now: T0 + ms(50),
@@ -364,7 +394,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     assert!(store
         .attempt_started(AttemptStarted {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&record, WORKER),
             number: 2,
             started_at: T0 + ms(100),
             lease_until: T0 + ms(200),
@@ -383,6 +413,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let taken = store.take_over(TakeOver {
         id: record.id.into(),
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + ms(200) },
+        claim: marked.claim,
         to,
         lost: Some(lost),
         entry: entry("node-b", "take_over", T0 + ms(201)),
@@ -407,10 +438,11 @@ async fn sent(
     status: u16,
     then: AfterAttempt,
 ) {
+    let holder = holder(&fetch(store, id).await, WORKER);
     assert!(store
         .attempt_started(AttemptStarted {
             id: id.into(),
-            owner: WORKER.into(),
+            holder: holder.clone(),
             number,
             started_at: at,
             lease_until: at + LEASE,
@@ -424,7 +456,7 @@ async fn sent(
     assert!(store
         .attempt_ended(AttemptEnded {
             id: id.into(),
-            owner: WORKER.into(),
+            holder: holder.clone(),
             attempt: Some(a),
             then,
             now: at + ms(20),
@@ -459,7 +491,8 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     assert!(store
         .claim(ClaimQueued { id: first.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(501) })
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
     sent(&store, first.id, 2, T0 + ms(510), control, 201, done()).await;
 
     // Not counted: still running, another route, or arrived before the window.
@@ -467,7 +500,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     assert!(store
         .attempt_started(AttemptStarted {
             id: running.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&running, WORKER),
             number: 1,
             started_at: T0 + ms(10),
             lease_until: T0 + LEASE,
@@ -496,9 +529,9 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
     let (store, _db) = store_on(backend).await;
     let facts = StreamFacts { bytes: 431, stored: true, cut_at: Some(431), first_byte_ms: 12, duration_ms: 950 };
     let record = in_progress(&store, request("default", "streamed", BODY)).await;
-    let ended = |owner: &str, then: AfterAttempt, stream: Option<StreamFacts>| AttemptEnded {
+    let ended = |holder: Holder, then: AfterAttempt, stream: Option<StreamFacts>| AttemptEnded {
         id: record.id.into(),
-        owner: owner.into(),
+        holder,
         attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
         then,
         now: T0 + ms(20),
@@ -506,21 +539,21 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
     };
     store.attempt_started(started(&record, 1, T0 + ms(10), T0 + ms(20_000))).await.unwrap();
     let waiting = AfterAttempt::Wait { not_before: T0 + ms(25) };
-    let thief = ended("node-b/worker-9", waiting.clone(), Some(facts.clone()));
+    let thief = ended(intruder(&record, "node-b/worker-9"), waiting.clone(), Some(facts.clone()));
     assert_eq!(store.attempt_ended(thief).await.unwrap(), Lease::Lost);
     assert_eq!(fetch(&store, record.id).await.stream, None, "nothing stored without the lease");
 
-    let mine = ended(WORKER, waiting.clone(), Some(facts.clone()));
+    let mine = ended(holder(&record, WORKER), waiting.clone(), Some(facts.clone()));
     assert!(matches!(store.attempt_ended(mine).await.unwrap(), Lease::Held { .. }));
     assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()));
-    store.attempt_ended(ended(WORKER, waiting, None)).await.unwrap();
+    store.attempt_ended(ended(holder(&record, WORKER), waiting, None)).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()), "an outcome without facts keeps them");
 
     store.attempt_started(started(&record, 2, T0 + ms(30), T0 + ms(20_000))).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.stream, None, "a new attempt clears them");
 
     let done = AfterAttempt::Done(StopReason::Success, response(200, b"data: [DONE]\n\n"));
-    store.attempt_ended(ended(WORKER, done, Some(facts.clone()))).await.unwrap();
+    store.attempt_ended(ended(holder(&record, WORKER), done, Some(facts.clone()))).await.unwrap();
     let record = fetch(&store, record.id).await;
     assert_eq!(record.phase(), Phase::Done);
     assert_eq!(record.stream, Some(facts), "stored with the outcome");

@@ -32,14 +32,15 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
 
     // A request waiting elsewhere asks to hear when it settles: that one is announced.
     other.watch(record.id).await.unwrap();
-    assert!(store
+    let token = store
         .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
-        .unwrap());
+        .unwrap()
+        .expect("claimed");
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token },
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
             now: T0 + ms(20),
@@ -57,7 +58,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     store
         .attempt_ended(AttemptEnded {
             id: quiet.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&quiet, WORKER),
             attempt: None,
             then: done,
             now: T0 + ms(20),
@@ -87,7 +88,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     store
         .attempt_ended(AttemptEnded {
             id: retried.id.into(),
-            owner: WORKER.into(),
+            holder: holder(&retried, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: unsure,
             now: T0 + ms(100),

@@ -17,23 +17,26 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let stale = store.take_over(TakeOver {
         id: record.id.into(),
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+        claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
         lost: Some(lost.clone()),
         entry: note.clone(),
     });
     assert!(!stale.await.unwrap(), "the lease seen must be the current one");
-    let other_owner = store.take_over(TakeOver {
+    let other_claim = store.take_over(TakeOver {
         id: record.id.into(),
-        expired: idem::record::Lease { owner: "node-c".into(), expires_at: until },
+        expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
+        claim: ClaimToken(record.claim.0 - 1),
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
         lost: Some(lost.clone()),
         entry: note.clone(),
     });
-    assert!(!other_owner.await.unwrap());
+    assert!(!other_claim.await.unwrap(), "the claim seen must be the current one");
     assert!(store
         .take_over(TakeOver {
             id: record.id.into(),
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
+            claim: record.claim,
             to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
             lost: Some(lost.clone()),
             entry: note.clone()
@@ -45,6 +48,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
             .take_over(TakeOver {
                 id: record.id.into(),
                 expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
+                claim: record.claim,
                 to: TakeOverTo::Queued,
                 lost: None,
                 entry: note.clone()
@@ -68,6 +72,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
         .take_over(TakeOver {
             id: idle.id.into(),
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            claim: idle.claim,
             to: TakeOverTo::Queued,
             lost: None,
             entry: note.clone()
@@ -84,7 +89,8 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
             now: until + ms(2)
         })
         .await
-        .unwrap());
+        .unwrap()
+        .is_some());
 
     // Past its deadline, it is freed instead.
     let late = in_progress(&store, request("default", "late", BODY)).await;
@@ -92,6 +98,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
         .take_over(TakeOver {
             id: late.id.into(),
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            claim: late.claim,
             to: TakeOverTo::Free(StopReason::Deadline),
             lost: None,
             entry: note
@@ -114,17 +121,16 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     for round in 0..=MAX_TAKEOVERS {
         let (now, worker) = (T0 + ms(1_000 * (round as u64 + 1)), format!("node-{round}"));
         let until = now + ms(500);
-        assert!(
-            store
-                .claim(ClaimQueued { id: record.id.into(), owner: worker.as_str().into(), lease_until: until, now })
-                .await
-                .unwrap(),
-            "round {round}"
-        );
+        let token = store
+            .claim(ClaimQueued { id: record.id.into(), owner: worker.as_str().into(), lease_until: until, now })
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}"));
+        assert_eq!(token, ClaimToken(i64::from(round) + 1), "each claim a new token");
         assert!(store
             .attempt_started(AttemptStarted {
                 id: record.id.into(),
-                owner: worker.as_str().into(),
+                holder: Holder { owner: worker.as_str().into(), token },
                 number: round + 1,
                 started_at: now + ms(1),
                 lease_until: until,
@@ -144,6 +150,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
             .take_over(TakeOver {
                 id: record.id.into(),
                 expired: idem::record::Lease { owner: worker.as_str().into(), expires_at: until },
+                claim: token,
                 to,
                 lost: Some(lost),
                 entry: note.clone()
@@ -165,7 +172,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     assert_eq!(stopped.history, notes);
     assert!(store.expired_leases(T0 + ms(60_000), 10).await.unwrap().is_empty(), "nothing left to take over");
     assert!(
-        !store
+        store
             .claim(ClaimQueued {
                 id: record.id.into(),
                 owner: WORKER.into(),
@@ -173,7 +180,8 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
                 now: T0 + ms(10_000)
             })
             .await
-            .unwrap(),
+            .unwrap()
+            .is_none(),
         "nor to claim"
     );
 }
@@ -186,10 +194,11 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
 ) {
     let (store, _db) = store_on(backend).await;
     let note = entry("node-b", "take-over", T0 + LEASE + ms(1));
-    let take_over = |id: Uuid, to| {
+    let take_over = |record: &Record, to| {
         store.take_over(TakeOver {
-            id: id.into(),
+            id: record.id.into(),
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
+            claim: record.claim,
             to,
             lost: None,
             entry: note.clone(),
@@ -198,7 +207,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
 
     let new = request("default", "freed", BODY);
     let freed = in_progress(&store, new.clone()).await;
-    assert!(take_over(freed.id, TakeOverTo::Free(StopReason::TakeoverCap)).await.unwrap());
+    assert!(take_over(&freed, TakeOverTo::Free(StopReason::TakeoverCap)).await.unwrap());
     let freed = fetch(&store, freed.id).await;
     assert_eq!((freed.phase(), freed.stop_reason, freed.takeovers), (Phase::Free, Some(StopReason::TakeoverCap), 1));
     match store
@@ -211,7 +220,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     }
 
     let stuck = in_progress(&store, request("default", "stuck", BODY)).await;
-    assert!(take_over(stuck.id, TakeOverTo::Unknown(StopReason::TakeoverCap)).await.unwrap());
+    assert!(take_over(&stuck, TakeOverTo::Unknown(StopReason::TakeoverCap)).await.unwrap());
     let retried = applied(
         store
             .retry(Retry {
@@ -226,21 +235,22 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
 
     let new = request("default", "finished", BODY);
     let finished = in_progress(&store, new.clone()).await;
-    assert!(take_over(finished.id, TakeOverTo::Queued).await.unwrap());
-    assert!(store
+    assert!(take_over(&finished, TakeOverTo::Queued).await.unwrap());
+    let token = store
         .claim(ClaimQueued {
             id: finished.id.into(),
             owner: WORKER.into(),
             lease_until: T0 + 2 * LEASE,
-            now: T0 + LEASE + ms(2)
+            now: T0 + LEASE + ms(2),
         })
         .await
-        .unwrap());
+        .unwrap()
+        .expect("queued again, claimed again");
     let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
     assert!(store
         .attempt_ended(AttemptEnded {
             id: finished.id.into(),
-            owner: WORKER.into(),
+            holder: Holder { owner: WORKER.into(), token },
             attempt: None,
             then: done,
             now: T0 + LEASE + ms(3),
@@ -345,7 +355,13 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let asked = entry("probe", "still_unknown", became_unknown + settle);
     let probed = applied(
         store
-            .probed(Probed { id: record.id.into(), resolution: None, next_probe_at: next, entry: asked.clone() })
+            .probed(Probed {
+                id: record.id.into(),
+                claim: record.claim,
+                resolution: None,
+                next_probe_at: next,
+                entry: asked.clone(),
+            })
             .await
             .unwrap(),
     );
@@ -359,6 +375,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
         store
             .probed(Probed {
                 id: record.id.into(),
+                claim: record.claim,
                 resolution: Some(Resolution::Executed(response(200, b"{}"))),
                 next_probe_at: next + ms(1),
                 entry: answered.clone(),
@@ -373,6 +390,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
         store
             .probed(Probed {
                 id: record.id.into(),
+                claim: record.claim,
                 resolution: None,
                 next_probe_at: next + ms(1),
                 entry: answered.clone(),
@@ -382,7 +400,13 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     );
     assert!(matches!(
         store
-            .probed(Probed { id: Uuid::new_v4().into(), resolution: None, next_probe_at: next, entry: answered })
+            .probed(Probed {
+                id: Uuid::new_v4().into(),
+                claim: record.claim,
+                resolution: None,
+                next_probe_at: next,
+                entry: answered,
+            })
             .await
             .unwrap(),
         Action::Missing
@@ -406,7 +430,8 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
                     now: T0 + ms(100)
                 })
                 .await
-                .unwrap());
+                .unwrap()
+                .is_some());
         }
         all.push(fetch(&store, record.id).await);
     }

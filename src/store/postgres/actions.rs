@@ -4,7 +4,7 @@
 use sqlx::PgPool;
 
 use super::rows::{one_element, COLUMNS};
-use crate::record::{transition, Event, HistoryEntry, Phase, Record, RecordId, Refused};
+use crate::record::{transition, ClaimToken, Event, HistoryEntry, Phase, Record, RecordId, Refused};
 use crate::store::{
     decide, decode, retried, Action, Cancel, Cancelled, Probed, Resolution, Resolve, Retry, StoreError,
 };
@@ -52,16 +52,17 @@ pub(super) async fn cancel(pool: &PgPool, cancel: Cancel) -> Result<Cancelled, S
 }
 
 pub(super) async fn resolve(pool: &PgPool, resolve: Resolve) -> Result<Action, StoreError> {
-    settle(pool, resolve.id, resolve.resolution, false, resolve.entry).await
+    settle(pool, resolve.id, resolve.resolution, None, resolve.entry).await
 }
 
-/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+/// Settles an `unknown` record as an operator or a probe decided. A probe names the claim it
+/// read the record under (`probe`), and is counted; an operator's word holds whatever the claim.
 /// A streamed answer's facts go, as in the SQLite store: the record's answer is the resolution's.
 async fn settle(
     pool: &PgPool,
     id: RecordId,
     resolution: Resolution,
-    probe: bool,
+    probe: Option<ClaimToken>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let (state, response) = resolution.stored()?;
@@ -70,6 +71,7 @@ async fn settle(
          response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
          next_probe_at = NULL, probe_count = probe_count + $7, stream = NULL,
          history = history || $8::jsonb",
+        "($9::bigint IS NULL OR claim_token = $9)",
     );
     let update = sqlx::query(&sql)
         .bind(id.to_string())
@@ -78,22 +80,25 @@ async fn settle(
         .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
         .bind(response.map(|r| &r.body[..]))
         .bind(entry.at)
-        .bind(i32::from(probe))
-        .bind(one_element(&entry)?);
+        .bind(i32::from(probe.is_some()))
+        .bind(one_element(&entry)?)
+        .bind(probe.map(|claim| claim.0));
     on_unknown(pool, id, resolution.event(), update).await
 }
 
-/// An update of one `unknown` record (`$1`) that sets `set` and returns the record.
-fn unknown_update(set: &str) -> String {
+/// An update of one `unknown` record (`$1`) that sets `set`, if `guard` holds too, and returns
+/// the record.
+fn unknown_update(set: &str, guard: &str) -> String {
     format!(
         "UPDATE records SET {set}
-         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown'
+         WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown' AND {guard}
          RETURNING {COLUMNS}"
     )
 }
 
 /// Runs `update` (made by [`unknown_update`]) on record `id`, locked first, if the transition
-/// table lets the record as it stands take `event`; otherwise it is refused, as it stands.
+/// table lets the record as it stands take `event`; otherwise, or when the update's own guard
+/// (a probe's claim) does not hold, it is refused, as it stands.
 async fn on_unknown(
     pool: &PgPool,
     id: RecordId,
@@ -101,15 +106,16 @@ async fn on_unknown(
     update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
 ) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    if let Err(answer) = decide(lock(&mut tx, id).await?, event) {
-        return Ok(answer);
-    }
+    let record = match decide(lock(&mut tx, id).await?, event) {
+        Ok((record, _)) => record,
+        Err(answer) => return Ok(answer),
+    };
     let row = update.fetch_optional(&mut *tx).await?;
     tx.commit().await?;
-    match row {
-        Some(row) => Ok(Action::Applied(decode(&row)?)),
-        None => Err(Refused { from: Phase::Unknown, event }.into()),
-    }
+    Ok(match row {
+        Some(row) => Action::Applied(decode(&row)?),
+        None => Action::Refused(record),
+    })
 }
 
 pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreError> {
@@ -119,6 +125,7 @@ pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreEr
         "state = $5, queued = $6, deadline_at = $2, stop_reason = NULL,
          cancel_requested = FALSE, next_probe_at = NULL, updated_at = $3, takeovers = 0,
          history = history || $4::jsonb",
+        "TRUE",
     );
     let update = sqlx::query(&sql)
         .bind(id.to_string())
@@ -131,13 +138,19 @@ pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreEr
 }
 
 pub(super) async fn probed(pool: &PgPool, probed: Probed) -> Result<Action, StoreError> {
-    let Probed { id, resolution, next_probe_at, entry } = probed;
+    let Probed { id, claim, resolution, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
-        return settle(pool, id, resolution, true, entry).await;
+        return settle(pool, id, resolution, Some(claim), entry).await;
     }
     let sql = unknown_update(
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
+        "claim_token = $5",
     );
-    let update = sqlx::query(&sql).bind(id.to_string()).bind(next_probe_at).bind(entry.at).bind(one_element(&entry)?);
+    let update = sqlx::query(&sql)
+        .bind(id.to_string())
+        .bind(next_probe_at)
+        .bind(entry.at)
+        .bind(one_element(&entry)?)
+        .bind(claim.0);
     on_unknown(pool, id, Event::ProbeInconclusive, update).await
 }

@@ -95,6 +95,7 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(fresh.iter().map(|f| f.queued).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.in_flight.map(|(number, _)| i64::from(number))).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.in_flight.map(|(_, at)| at)).collect::<Vec<_>>())
+        .bind(fresh.iter().map(|f| f.claim.0).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
     ids.iter().map(|id| record_id(id)).collect()
@@ -104,16 +105,16 @@ const INSERT_FRESH: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
-                     policy_version)
+                     policy_version, claim_token)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
        state, queued, deadline_at, now, now, owner, lease_until, in_flight_number, in_flight_started_at,
-       policy_version
+       policy_version, claim_token
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
             $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
-            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[])
+            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[], $20::int8[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
                deadline_at, now, owner, lease_until, policy_version, state, queued,
-               in_flight_number, in_flight_started_at)
+               in_flight_number, in_flight_started_at, claim_token)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";
 
@@ -130,9 +131,9 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
                               created_at, updated_at, lease_owner, lease_expires_at,
-                              in_flight_number, in_flight_started_at, policy_version)
+                              in_flight_number, in_flight_started_at, policy_version, claim_token)
          VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
-                 $19, $20, $11, $12, $12, $15::text, $16::bigint, $21::bigint, $22::bigint, $18::text)
+                 $19, $20, $11, $12, $12, $15::text, $16::bigint, $21::bigint, $22::bigint, $18::text, $23)
          ON CONFLICT (tenant, key) DO UPDATE SET
             id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
             attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
@@ -208,6 +209,7 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
             .bind(fresh.queued)
             .bind(fresh.in_flight.map(|(number, _)| i64::from(number)))
             .bind(fresh.in_flight.map(|(_, at)| at))
+            .bind(fresh.claim.0)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

@@ -51,7 +51,7 @@ use super::{
     Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::key::IdempotencyKey;
-use crate::record::{Phase, Record, State, Tenant, Timestamp};
+use crate::record::{ClaimToken, Phase, Record, State, Tenant, Timestamp};
 use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
@@ -113,7 +113,7 @@ impl Store for PostgresStore {
         get(&self.pool, id).await
     }
 
-    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError> {
+    async fn claim(&self, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError> {
         leases::claim(&self.pool, claim).await
     }
 

@@ -2,6 +2,9 @@
 //! PostgreSQL as one call of `idem_end_attempts` (`migrations/postgres`), one round trip and one
 //! commit for all of them, where one statement each made PostgreSQL parse, execute, commit and
 //! answer each alone. The function updates row by row, exactly as one attempt's update would.
+//! An outcome it refuses (its claim is no longer the record's) may be a late one, tried alone
+//! after the batch: the outcome of the attempt that was in flight when a take-over moved its
+//! record to `unknown` (see [`AttemptEnded::late`]).
 
 use std::collections::HashMap;
 
@@ -55,13 +58,56 @@ async fn store(pool: PgPool, batch: Vec<Ending>) {
         ended => ended,
     };
     for ending in batch {
-        let _ = ending.reply.send(lease(&ended, ending.ended.id));
+        answer(&pool, ending, &ended).await;
     }
 }
 
 async fn store_alone(pool: PgPool, ending: Ending) {
     let ended = call(&pool, std::slice::from_ref(&ending)).await;
-    let _ = ending.reply.send(lease(&ended, ending.ended.id));
+    answer(&pool, ending, &ended).await;
+}
+
+/// Answers an outcome as its batch stored it, after trying a refused one as a late outcome.
+async fn answer(pool: &PgPool, ending: Ending, ended: &Result<HashMap<RecordId, bool>, StoreError>) {
+    let lease = lease(ended, ending.ended.id);
+    if let Ok(Lease::Lost) = lease {
+        if let Err(e) = late_outcome(pool, &ending.ended).await {
+            let _ = ending.reply.send(Err(e));
+            return;
+        }
+    }
+    let _ = ending.reply.send(lease);
+}
+
+/// Settles an `unknown` record with a late outcome, if the record is still as its claim's
+/// take-over left it: unknown, under the same claim, its last attempt the one lost.
+pub(super) const LATE_OUTCOME: &str = "
+UPDATE records SET attempts = jsonb_set(attempts, '{-1}', $4::jsonb), state = $5, queued = FALSE,
+                   response_status = $6, response_headers = $7::jsonb, response_body = $8,
+                   done_at = CASE WHEN $5 = 'done' THEN $9 END,
+                   next_probe_at = CASE WHEN $5 = 'unknown' THEN next_probe_at END,
+                   stream = COALESCE($10::jsonb, stream), history = history || $11::jsonb, updated_at = $9
+WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown' AND claim_token = $2
+  AND (attempts -> -1 ->> 'number')::bigint = $3 AND attempts -> -1 ->> 'outcome' = 'lost'";
+
+async fn late_outcome(pool: &PgPool, ended: &AttemptEnded) -> Result<bool, StoreError> {
+    let Some(late) = ended.late() else { return Ok(false) };
+    let response = late.response;
+    let done = sqlx::query(LATE_OUTCOME)
+        .bind(ended.id.to_string())
+        .bind(ended.holder.token.0)
+        .bind(i64::from(late.attempt.number))
+        .bind(serde_json::to_string(late.attempt)?)
+        .bind(late.state.as_str())
+        .bind(response.map(|r| i32::from(r.status)))
+        .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
+        .bind(response.map(|r| &r.body[..]))
+        .bind(ended.now)
+        .bind(ended.stream.as_ref().map(serde_json::to_string).transpose()?)
+        .bind(one_element(&late.entry)?)
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> Result<Lease, StoreError> {
@@ -91,11 +137,11 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>
         .collect::<Result<Vec<_>, _>>()?;
     let rows: Vec<(String, bool)> = sqlx::query_as(
         "SELECT ended::text, cancel_requested FROM idem_end_attempts(
-             $1::text[]::uuid[], $2::text[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
+             $1::text[]::uuid[], $2::int8[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
              $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[], $12::text[]::jsonb[])",
     )
     .bind(ended.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
-    .bind(ended.iter().map(|e| &*e.owner).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| e.holder.token.0).collect::<Vec<_>>())
     .bind(attempts)
     .bind(stored.iter().map(|s| s.state.as_str()).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.stop.map(StopReason::as_str)).collect::<Vec<_>>())

@@ -1,6 +1,7 @@
 //! Plans of the statements about one record, checked against a real PostgreSQL.
 
 use super::leases::{ATTEMPT_STARTED, CLAIM, RENEW};
+use super::outcomes::LATE_OUTCOME;
 use super::upkeep::TAKE_OVER;
 use super::*;
 
@@ -52,9 +53,10 @@ async fn one_record_statements_go_through_the_primary_key() {
     // Each statement with its parameters' types, as the store binds them.
     let statements = [
         (CLAIM, "text, text, int8, int8, text"),
-        (ATTEMPT_STARTED, "text, text, int8, int8, int8, text"),
-        (RENEW, "text, text, int8, int8"),
-        (TAKE_OVER, "text, text, int8, text, bool, text, text, text, int8"),
+        (ATTEMPT_STARTED, "text, int8, int8, int8, int8, text"),
+        (RENEW, "text, int8, int8, int8"),
+        (TAKE_OVER, "text, int8, int8, text, bool, text, text, text, int8"),
+        (LATE_OUTCOME, "text, int8, int8, text, text, int4, text, bytea, int8, text, text"),
     ];
     for (i, (sql, types)) in statements.into_iter().enumerate() {
         sqlx::query(&format!("PREPARE statement_{i} ({types}) AS {sql}")).execute(&mut *conn).await.unwrap();
@@ -69,7 +71,7 @@ async fn one_record_statements_go_through_the_primary_key() {
     // the index scans its update makes within one transaction instead.
     sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
     sqlx::query(
-        "SELECT * FROM idem_end_attempts(ARRAY[gen_random_uuid()], ARRAY['w'], ARRAY[NULL]::jsonb[],
+        "SELECT * FROM idem_end_attempts(ARRAY[gen_random_uuid()], ARRAY[1::int8], ARRAY[NULL]::jsonb[],
              ARRAY['done'], ARRAY[NULL], ARRAY[NULL]::int4[], ARRAY[NULL]::jsonb[], ARRAY[NULL]::bytea[],
              ARRAY[1::int8], ARRAY[FALSE], ARRAY[NULL]::int8[], ARRAY[NULL]::jsonb[])",
     )

@@ -15,15 +15,15 @@ UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL
                    lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
                    attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
                    history = history || $8::jsonb, updated_at = $9, takeovers = takeovers + 1
-WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND lease_owner = $2
+WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND claim_token = $2
   AND lease_expires_at = $3";
 
 pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool, StoreError> {
-    let TakeOver { id, expired, to, lost, entry } = take_over;
+    let TakeOver { id, expired, claim, to, lost, entry } = take_over;
     let phase = to.phase();
     let done = sqlx::query(TAKE_OVER)
         .bind(id.to_string())
-        .bind(expired.owner.as_str())
+        .bind(claim.0)
         .bind(expired.expires_at)
         .bind(phase.state().as_str())
         .bind(phase == Phase::Queued)
@@ -43,7 +43,7 @@ pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Res
     let to = transition(Phase::Queued, Event::Claim)?;
     let rows = sqlx::query(&format!(
         "UPDATE records SET state = $6, queued = FALSE, lease_owner = $1,
-                lease_expires_at = $2, updated_at = $4
+                lease_expires_at = $2, updated_at = $4, claim_token = claim_token + 1
          WHERE id IN (SELECT id FROM records
                       WHERE state = 'not_started' AND queued AND updated_at < $3
                       ORDER BY created_at LIMIT $5

@@ -5,7 +5,7 @@
 use rusqlite::{params, Connection};
 
 use super::writes::get;
-use crate::record::{Event, HistoryEntry, Phase, RecordId};
+use crate::record::{ClaimToken, Event, HistoryEntry, Phase, RecordId};
 use crate::store::{decide, Action, Probed, Resolution, Resolve, Retry, StoreError};
 
 /// The record as `changed` rows (0 or 1) of a guarded update left it: applied, or refused when
@@ -16,17 +16,18 @@ fn answer(conn: &Connection, id: RecordId, changed: usize) -> Result<Action, Sto
 }
 
 pub(super) fn resolve(conn: &Connection, resolve: Resolve) -> Result<Action, StoreError> {
-    settle(conn, resolve.id, resolve.resolution, false, resolve.entry)
+    settle(conn, resolve.id, resolve.resolution, None, resolve.entry)
 }
 
-/// Settles an `unknown` record as an operator or a probe decided. `probe` counts it as a probe.
+/// Settles an `unknown` record as an operator or a probe decided. A probe names the claim it
+/// read the record under (`probe`), and is counted; an operator's word holds whatever the claim.
 /// A streamed answer's facts go: the record's answer, if any, is now the resolution's (a stream
 /// too long to keep must not make the operator's answer unreplayable); its attempts keep the cut.
 fn settle(
     conn: &Connection,
     id: RecordId,
     resolution: Resolution,
-    probe: bool,
+    probe: Option<ClaimToken>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     if let Err(answer) = decide(get(conn, id)?, resolution.event()) {
@@ -39,7 +40,7 @@ fn settle(
                 response_body = ?5, done_at = CASE WHEN ?2 = 'done' THEN ?6 END, updated_at = ?6,
                 next_probe_at = NULL, probe_count = probe_count + ?7, stream = NULL,
                 history = json_insert(history, '$[#]', json(?8))
-             WHERE id = ?1 AND state = 'unknown'",
+             WHERE id = ?1 AND state = 'unknown' AND (?9 IS NULL OR claim_token = ?9)",
         )?
         .execute(params![
             id.to_string(),
@@ -48,8 +49,9 @@ fn settle(
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
             response.map(|r| &r.body[..]),
             entry.at,
-            probe,
+            probe.is_some(),
             serde_json::to_string(&entry)?,
+            probe.map(|claim| claim.0),
         ])?;
     answer(conn, id, changed)
 }
@@ -79,9 +81,9 @@ pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreErro
 }
 
 pub(super) fn probed(conn: &Connection, probed: Probed) -> Result<Action, StoreError> {
-    let Probed { id, resolution, next_probe_at, entry } = probed;
+    let Probed { id, claim, resolution, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
-        return settle(conn, id, resolution, true, entry);
+        return settle(conn, id, resolution, Some(claim), entry);
     }
     if let Err(answer) = decide(get(conn, id)?, Event::ProbeInconclusive) {
         return Ok(answer);
@@ -90,8 +92,8 @@ pub(super) fn probed(conn: &Connection, probed: Probed) -> Result<Action, StoreE
         .prepare_cached(
             "UPDATE records SET probe_count = probe_count + 1, next_probe_at = ?2, updated_at = ?3,
                 history = json_insert(history, '$[#]', json(?4))
-             WHERE id = ?1 AND state = 'unknown'",
+             WHERE id = ?1 AND state = 'unknown' AND claim_token = ?5",
         )?
-        .execute(params![id.to_string(), next_probe_at, entry.at, serde_json::to_string(&entry)?])?;
+        .execute(params![id.to_string(), next_probe_at, entry.at, serde_json::to_string(&entry)?, claim.0])?;
     answer(conn, id, changed)
 }

@@ -33,7 +33,7 @@ use super::{
     StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::key::IdempotencyKey;
-use crate::record::{Phase, Record, State, Tenant, Timestamp};
+use crate::record::{ClaimToken, Phase, Record, State, Tenant, Timestamp};
 use crate::switch::Switch;
 
 pub struct SqliteStore {
@@ -165,7 +165,7 @@ impl Store for SqliteStore {
             .transpose()
     }
 
-    async fn claim(&self, claim: ClaimQueued) -> Result<bool, StoreError> {
+    async fn claim(&self, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError> {
         self.write(|r| Write::Claim(claim, r)).await
     }
 

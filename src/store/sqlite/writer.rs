@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::files::{io_failure, DatabaseFiles};
 use super::{actions, writes};
-use crate::record::{Record, Timestamp};
+use crate::record::{ClaimToken, Record, Timestamp};
 use crate::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
     ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,
@@ -60,7 +60,7 @@ macro_rules! writes {
 
 writes! {
     Admit(Admit) -> Admission = writes::admit;
-    Claim(ClaimQueued) -> bool = writes::claim;
+    Claim(ClaimQueued) -> Option<ClaimToken> = writes::claim;
     AttemptStarted(AttemptStarted) -> Lease = writes::attempt_started;
     AttemptEnded(AttemptEnded) -> Lease = writes::attempt_ended;
     Renew(Renew) -> Lease = writes::renew;

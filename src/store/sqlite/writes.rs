@@ -5,7 +5,7 @@
 use rusqlite::{params, Connection, OptionalExtension};
 
 use crate::policy::StopReason;
-use crate::record::{transition, Event, Phase, Record, RecordId, Timestamp};
+use crate::record::{transition, ClaimToken, Event, Phase, Record, RecordId, Timestamp};
 use crate::store::{
     span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease,
     Renew, StoreError, Stored, Sweep, TakeOver,
@@ -27,8 +27,9 @@ macro_rules! insert_record {
     () => {
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
-                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at, policy_version)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?14, ?20, ?21, ?17)"
+                     lease_owner, lease_expires_at, in_flight_number, in_flight_started_at, policy_version,
+                     claim_token)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?14, ?20, ?21, ?17, ?22)"
     };
 }
 
@@ -98,6 +99,7 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         fresh.queued,
         fresh.in_flight.map(|(number, _)| number),
         fresh.in_flight.map(|(_, at)| at),
+        fresh.claim.0,
     ];
     if conn.prepare_cached(INSERT_NEW)?.execute(params)? == 1 {
         return Ok(Admission::Created(new.inserted()));
@@ -114,22 +116,25 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     })
 }
 
-pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<bool, StoreError> {
+pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError> {
     let ClaimQueued { id, owner, lease_until, now } = claim;
     let to = transition(Phase::Queued, Event::Claim)?;
-    let changed = conn
+    let token = conn
         .prepare_cached(
-            "UPDATE records SET state = ?5, queued = 0, lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
-             WHERE id = ?1 AND state = 'not_started' AND queued = 1",
+            "UPDATE records SET state = ?5, queued = 0, lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4,
+                    claim_token = claim_token + 1
+             WHERE id = ?1 AND state = 'not_started' AND queued = 1
+             RETURNING claim_token",
         )?
-        .execute(params![id.to_string(), &*owner, lease_until, now, to.state().as_str()])?;
-    Ok(changed == 1)
+        .query_row(params![id.to_string(), &*owner, lease_until, now, to.state().as_str()], |row| row.get(0))
+        .optional()?;
+    Ok(token.map(ClaimToken))
 }
 
-/// The lease as an update guarded by it (`?1` the record's id, `?2` its owner) found it: lost if
-/// no row changed, else held, with the record's cancel flag read back. The flag is read by a
-/// statement of its own rather than by `RETURNING`, which SQLite serves through a temporary
-/// table it builds and drops per statement.
+/// The lease as an update guarded by it (`?1` the record's id, `?2` its claim's token, `?3` …
+/// the write's own values) found it: lost if no row changed, else held, with the record's cancel
+/// flag read back. The flag is read by a statement of its own rather than by `RETURNING`, which
+/// SQLite serves through a temporary table it builds and drops per statement.
 fn lease(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &str) -> Result<Lease, StoreError> {
     if conn.prepare_cached(update)?.execute(params)? == 0 {
         return Ok(Lease::Lost);
@@ -140,22 +145,32 @@ fn lease(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &st
 }
 
 pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<Lease, StoreError> {
-    let AttemptStarted { id, owner, number, started_at, lease_until, policy_version } = started;
+    let AttemptStarted { id, holder, number, started_at, lease_until, policy_version } = started;
     let id = id.to_string();
     lease(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
                 policy_version = ?6, stream = NULL, updated_at = ?4
-         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2",
-        params![id, &*owner, number, started_at, lease_until, policy_version.as_str()],
+         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
+        params![id, holder.token.0, number, started_at, lease_until, policy_version.as_str()],
         &id,
     )
 }
 
+/// Stores an outcome under its claim; refused under another, unless it is the late outcome of
+/// the attempt its claim's take-over left `lost` (see [`AttemptEnded::late`]).
 pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Lease, StoreError> {
-    let AttemptEnded { id, owner, attempt, then, stream, now } = ended;
-    let attempt = attempt.map(|a| serde_json::to_string(&a)).transpose()?;
-    let stream = stream.map(|s| serde_json::to_string(&s)).transpose()?;
+    let lease = outcome(conn, &ended)?;
+    if lease == Lease::Lost {
+        late_outcome(conn, &ended)?;
+    }
+    Ok(lease)
+}
+
+fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError> {
+    let AttemptEnded { id, holder, attempt, then, stream, now } = ended;
+    let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
+    let stream = stream.as_ref().map(serde_json::to_string).transpose()?;
     let Stored { state, stop, response, queued, not_before } = then.stored()?;
     let id = id.to_string();
     lease(
@@ -170,10 +185,10 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
             done_at = CASE WHEN ?4 = 'done' THEN ?9 END,
             stream = COALESCE(?12, stream),
             updated_at = ?9
-         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2",
+         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
         params![
             id,
-            &*owner,
+            holder.token.0,
             attempt,
             state.as_str(),
             stop.map(StopReason::as_str),
@@ -189,14 +204,46 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
     )
 }
 
+/// Settles an `unknown` record with the late outcome `ended` is, if the record is still as its
+/// claim's take-over left it: unknown, under the same claim, its last attempt the one lost.
+fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreError> {
+    let Some(late) = ended.late() else { return Ok(false) };
+    let response = late.response;
+    let changed = conn
+        .prepare_cached(
+            "UPDATE records SET attempts = json_replace(attempts, '$[#-1]', json(?4)), state = ?5, queued = 0,
+                response_status = ?6, response_headers = ?7, response_body = ?8,
+                done_at = CASE WHEN ?5 = 'done' THEN ?9 END,
+                next_probe_at = CASE WHEN ?5 = 'unknown' THEN next_probe_at END,
+                stream = COALESCE(?10, stream), history = json_insert(history, '$[#]', json(?11)), updated_at = ?9
+             WHERE id = ?1 AND state = 'unknown' AND claim_token = ?2
+               AND json_extract(attempts, '$[#-1].number') = ?3
+               AND json_extract(attempts, '$[#-1].outcome') = 'lost'",
+        )?
+        .execute(params![
+            ended.id.to_string(),
+            ended.holder.token.0,
+            late.attempt.number,
+            serde_json::to_string(late.attempt)?,
+            late.state.as_str(),
+            response.map(|r| r.status),
+            response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
+            response.map(|r| &r.body[..]),
+            ended.now,
+            ended.stream.as_ref().map(serde_json::to_string).transpose()?,
+            serde_json::to_string(&late.entry)?,
+        ])?;
+    Ok(changed == 1)
+}
+
 pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<Lease, StoreError> {
-    let Renew { id, owner, lease_until, now } = renew;
+    let Renew { id, holder, lease_until, now } = renew;
     let id = id.to_string();
     lease(
         conn,
         "UPDATE records SET lease_expires_at = ?3, updated_at = ?4
-         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2",
-        params![id, &*owner, lease_until, now],
+         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
+        params![id, holder.token.0, lease_until, now],
         &id,
     )
 }
@@ -232,7 +279,7 @@ pub(super) fn cancel(conn: &Connection, cancel: Cancel) -> Result<Cancelled, Sto
 }
 
 pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, StoreError> {
-    let TakeOver { id, expired, to, lost, entry } = take_over;
+    let TakeOver { id, expired, claim, to, lost, entry } = take_over;
     let phase = to.phase();
     let lost = lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let changed = conn
@@ -242,11 +289,11 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
                 attempts = CASE WHEN ?7 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?7)) END,
                 history = json_insert(history, '$[#]', json(?8)), updated_at = ?9,
                 takeovers = takeovers + 1
-         WHERE id = ?1 AND state = 'in_progress' AND lease_owner = ?2 AND lease_expires_at = ?3",
+         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2 AND lease_expires_at = ?3",
         )?
         .execute(params![
             id.to_string(),
-            &*expired.owner,
+            claim.0,
             expired.expires_at,
             phase.state().as_str(),
             phase == Phase::Queued,
@@ -263,7 +310,7 @@ pub(super) fn claim_unclaimed(conn: &Connection, claim: ClaimUnclaimed) -> Resul
     let to = transition(Phase::Queued, Event::Claim)?;
     let mut statement = conn.prepare_cached(
         "UPDATE records SET state = ?6, queued = 0, lease_owner = ?1, lease_expires_at = ?2,
-                updated_at = ?4
+                updated_at = ?4, claim_token = claim_token + 1
          WHERE id IN (SELECT id FROM records WHERE state = 'not_started' AND queued = 1 AND updated_at < ?3
                       ORDER BY created_at LIMIT ?5)
          RETURNING *",
