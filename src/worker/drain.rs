@@ -2,6 +2,7 @@
 //! wait for them, and the flag that tells them the process is stopping.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{watch, Notify};
@@ -10,32 +11,51 @@ use tracing::warn;
 pub(super) struct Drain {
     /// Set at shutdown: executions hand their records back instead of waiting or starting.
     stopping: watch::Sender<bool>,
-    /// Executions running in this process, and a wake-up for when there are none.
-    active: AtomicUsize,
+    /// Executions running in this process, counted from their spawn (one waiting for a worker
+    /// counts), and a wake-up for when there are none.
+    active: Arc<Active>,
+}
+
+#[derive(Default)]
+struct Active {
+    count: AtomicUsize,
     idle: Notify,
 }
 
 impl Default for Drain {
     fn default() -> Drain {
-        Drain { stopping: watch::channel(false).0, active: AtomicUsize::new(0), idle: Notify::new() }
+        Drain { stopping: watch::channel(false).0, active: Arc::default() }
     }
 }
 
 /// Counts a running execution until it is dropped.
-pub(super) struct Running<'a>(&'a Drain);
+pub(super) struct Running(Arc<Active>);
 
-impl Drop for Running<'_> {
+impl Drop for Running {
     fn drop(&mut self) {
-        if self.0.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+        if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.idle.notify_waiters();
         }
     }
 }
 
 impl Drain {
-    pub(super) fn running(&self) -> Running<'_> {
-        self.active.fetch_add(1, Ordering::SeqCst);
-        Running(self)
+    /// Returns once no execution runs.
+    pub(super) async fn until_idle(&self) {
+        loop {
+            let idle = self.active.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.active.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    pub(super) fn running(&self) -> Running {
+        self.active.count.fetch_add(1, Ordering::SeqCst);
+        Running(self.active.clone())
     }
 
     pub(super) fn is_stopping(&self) -> bool {
@@ -49,19 +69,8 @@ impl Drain {
     /// Raises the stopping flag, then waits up to `bound` for the running executions to end.
     pub(super) async fn shutdown(&self, bound: Duration) {
         self.stopping.send_replace(true);
-        let drained = async {
-            loop {
-                let idle = self.idle.notified();
-                tokio::pin!(idle);
-                idle.as_mut().enable();
-                if self.active.load(Ordering::SeqCst) == 0 {
-                    return;
-                }
-                idle.await;
-            }
-        };
-        if tokio::time::timeout(bound, drained).await.is_err() {
-            warn!(running = self.active.load(Ordering::SeqCst), "shutdown bound reached with attempts in flight");
+        if tokio::time::timeout(bound, self.until_idle()).await.is_err() {
+            warn!(running = self.active.count.load(Ordering::SeqCst), "shutdown bound reached with attempts in flight");
         }
     }
 }

@@ -104,6 +104,8 @@ mod attempts;
 mod credentials;
 mod drain;
 mod execution;
+#[cfg(test)]
+mod fencing_tests;
 mod guards;
 mod streaming;
 mod waiters;
@@ -245,10 +247,13 @@ impl Worker {
             key = %record.key,
             route = %record.route
         );
+        // Counted from here, so a shutdown (or anyone waiting for the node to be idle) sees an
+        // execution that has not been polled yet.
+        let running = inner.drain.running();
         tokio::spawn(
             async move {
                 let _slot = slot;
-                let _running = inner.drain.running();
+                let _running = running;
                 let reply = Reply::to(reply);
                 let Some(outcome) = inner.execute(&record, start, &reply).await else { return };
                 reply.send(outcome);
