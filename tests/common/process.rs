@@ -284,7 +284,7 @@ pub enum Ended {
 
 /// Sends one keyed request until it gets an answer that settles it, retrying with the same key
 /// after a short pause on connection errors, 409 (in progress), 503 and 504 (freed: send again).
-async fn send_until_settled(http: reqwest::Client, k: LoopKey, give_up: Instant) -> Ended {
+pub async fn send_until_settled(http: reqwest::Client, k: LoopKey, give_up: Instant) -> Ended {
     let mut rng = StdRng::from_entropy();
     let mut last = String::from("nothing sent");
     let mut tries = 0;

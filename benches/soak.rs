@@ -1,0 +1,411 @@
+//! The fault soak: `idem serve` processes sharing one store (three on PostgreSQL, two on one
+//! SQLite file) in front of an upstream that keeps a ledger of what it executed per key; clients
+//! that retry the way real ones do; and, all along, a schedule of faults. Then every key is
+//! audited against the ledger.
+//!
+//! ```text
+//! cargo bench --bench soak -- [--store sqlite|postgres]… [--secs N]
+//! ```
+//!
+//! `--secs` (60 by default) is how long clients start new operations and faults keep coming;
+//! the run then lets every client settle its key. Both stores by default; PostgreSQL is the
+//! server `IDEM_TEST_POSTGRES_URL` names (a database of its own is made for the run). With
+//! `IDEM_SOAK_PG_RESTART` set to a shell command (`.ci/run` gives one), the PostgreSQL fault
+//! restarts the server with it; without, it ends every connection of the run's database.
+//!
+//! The clients: each operation is a new key on the non-replay-safe route, its upstream call
+//! taking from a few milliseconds to 2.5 s; a client waits 1 s for an answer, then sends the
+//! same request again (to the next node), and so on until it gets the outcome (201, or
+//! `outcome-unknown`); one operation in six is sent by two clients at once. The faults, in turn,
+//! one every few seconds: a node killed (SIGKILL) and started again; a node paused (SIGSTOP)
+//! for two and a half leases and resumed; every worker of every node held by slow calls for
+//! longer than two leases; the store stalled for two leases (an exclusive lock held on it); and
+//! on PostgreSQL a restart of the server.
+//!
+//! It prints operations (keys: the clients' and the slow calls'), executions, duplicate executions (must be 0),
+//! acknowledged answers lost (must be 0: a client got a 201 that the record does not keep byte
+//! for byte), and what is left for reconciliation; it exits 1 if either must-be-0 is not.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::backend::{self, Backend};
+use common::process::{config_body, send_until_settled, Ended, LoopKey, Node, LEASE};
+use common::Upstream;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Mutex;
+
+/// Workers per node: few, so that slow calls can hold every one of them.
+const CONCURRENCY: usize = 4;
+/// How long a client waits for an answer before it sends the request again.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Clients running at once, each one operation at a time.
+const CLIENTS: usize = 10;
+/// How long clients keep retrying their last operations once the faults stopped.
+const SETTLE: Duration = Duration::from_secs(60);
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let mut stores = Vec::new();
+    let mut secs = 60;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--store" => match it.next().map(String::as_str) {
+                Some("sqlite") => stores.push(Backend::Sqlite),
+                Some("postgres") => stores.push(Backend::Postgres),
+                other => fail(&format!("--store takes sqlite or postgres, not {other:?}")),
+            },
+            "--secs" => {
+                secs = it.next().and_then(|s| s.parse().ok()).unwrap_or_else(|| fail("--secs takes a whole number"))
+            }
+            other => fail(&format!("unknown argument {other}; see the top of benches/soak.rs")),
+        }
+    }
+    if stores.is_empty() {
+        stores = vec![Backend::Sqlite, Backend::Postgres];
+    }
+    let mut clean = true;
+    for store in stores {
+        let report = soak(store, Duration::from_secs(secs)).await;
+        println!("{report}");
+        clean &= report.doubles == 0 && report.lost == 0;
+    }
+    if !clean {
+        eprintln!("soak: a non-replay-safe request executed twice, or an acknowledged answer was lost");
+        std::process::exit(1);
+    }
+}
+
+fn fail(why: &str) -> ! {
+    eprintln!("soak: {why}");
+    std::process::exit(2)
+}
+
+/// What one run left behind.
+#[derive(Default)]
+struct Report {
+    store: &'static str,
+    nodes: usize,
+    secs: u64,
+    operations: usize,
+    executions: u32,
+    /// Executions beyond the first, summed over keys (all keys are on a non-replay-safe route).
+    doubles: u32,
+    /// 201s received whose record does not hold that answer byte for byte.
+    lost: usize,
+    done: usize,
+    unknown: usize,
+    free: usize,
+    never_recorded: usize,
+    /// Clients still without an outcome when the settle ran out.
+    unsettled: usize,
+    faults: BTreeMap<&'static str, u32>,
+    problems: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let faults: Vec<String> = self.faults.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
+        writeln!(f, "soak on {} ({} nodes, {} s of faults: {})", self.store, self.nodes, self.secs, faults.join(", "))?;
+        writeln!(f, "| operations | executions | duplicate executions | acknowledged lost | done | unknown | free | never recorded | unsettled |")?;
+        writeln!(f, "|---|---|---|---|---|---|---|---|---|")?;
+        writeln!(
+            f,
+            "| {} | {} | **{}** | **{}** | {} | {} | {} | {} | {} |",
+            self.operations,
+            self.executions,
+            self.doubles,
+            self.lost,
+            self.done,
+            self.unknown,
+            self.free,
+            self.never_recorded,
+            self.unsettled
+        )?;
+        for p in self.problems.iter().take(20) {
+            writeln!(f, "  {p}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The broker's store for the run: its URL, and (SQLite) the folder that holds the file.
+struct Store {
+    url: String,
+    sqlite: Option<tempfile::TempDir>,
+}
+
+async fn store_for(backend: Backend) -> Store {
+    match backend {
+        Backend::Sqlite => {
+            let dir = tempfile::TempDir::new().unwrap();
+            Store { url: format!("sqlite://{}", dir.path().join("idem.db").display()), sqlite: Some(dir) }
+        }
+        Backend::Postgres => match backend::postgres_url_for_new_db().await {
+            Some(url) => Store { url, sqlite: None },
+            None => fail("set IDEM_TEST_POSTGRES_URL to soak PostgreSQL"),
+        },
+    }
+}
+
+async fn soak(backend: Backend, secs: Duration) -> Report {
+    let upstream = Upstream::start().await;
+    let store = store_for(backend).await;
+    let worker = format!("concurrency = {CONCURRENCY}\n");
+    let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n";
+    let body = config_body(&store.url, &upstream.url(), &worker, route, "");
+    let count = if backend == Backend::Postgres { 3 } else { 2 };
+    let mut nodes = Vec::new();
+    for i in 0..count {
+        nodes.push(Node::start(&format!("node{i}"), &body).await);
+    }
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let nodes = Arc::new(Mutex::new(nodes));
+    let name = if backend == Backend::Postgres { "postgres" } else { "sqlite" };
+
+    let start = Instant::now();
+    let stop_at = start + secs;
+    let give_up = stop_at + SETTLE;
+    let http = reqwest::Client::builder().no_proxy().timeout(CLIENT_TIMEOUT).build().unwrap();
+
+    let faults = tokio::spawn(faults(nodes.clone(), backend, store.url.clone(), urls.clone(), stop_at));
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let (http, urls) = (http.clone(), urls.clone());
+        clients.push(tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(c as u64);
+            let mut ended = Vec::new();
+            let mut n = 0;
+            while Instant::now() < stop_at {
+                n += 1;
+                let key = format!("soak-{c}-{n}");
+                let delay = match rng.gen_range(0..10) {
+                    0..=6 => rng.gen_range(0..50),
+                    7 | 8 => rng.gen_range(200..900),
+                    _ => rng.gen_range(1_200..2_500),
+                };
+                let copies = if rng.gen_range(0..6) == 0 { 2 } else { 1 };
+                let sends: Vec<_> = (0..copies)
+                    .map(|copy| {
+                        let mut nodes = urls.clone();
+                        nodes.rotate_left((c + copy) % urls.len());
+                        let k = LoopKey {
+                            key: key.clone(),
+                            path: format!("/payments?delay_ms={delay}"),
+                            body: format!(r#"{{"op":"{key}","amount":42}}"#),
+                            release: Instant::now(),
+                            nodes,
+                        };
+                        tokio::spawn(send_until_settled(http.clone(), k, give_up))
+                    })
+                    .collect();
+                for send in sends {
+                    ended.push((key.clone(), send.await.unwrap()));
+                }
+            }
+            ended
+        }));
+    }
+    let mut ended: BTreeMap<String, Vec<Ended>> = BTreeMap::new();
+    for client in clients {
+        for (key, end) in client.await.unwrap() {
+            ended.entry(key).or_default().push(end);
+        }
+    }
+    let (injected, slow) = faults.await.unwrap();
+    for key in slow {
+        ended.entry(key).or_default();
+    }
+
+    let nodes = nodes.lock().await;
+    let mut report = audit(&nodes[0], &upstream, &ended).await;
+    report.store = name;
+    report.nodes = count;
+    report.secs = secs.as_secs();
+    report.faults = injected;
+    drop(nodes);
+    if backend == Backend::Postgres {
+        backend::drop_postgres_db(&store.url).await;
+    }
+    drop(store.sqlite);
+    report
+}
+
+/// Injects one fault after another until `stop_at`, then leaves every node running; the faults
+/// injected, counted by kind, and the keys of the slow calls that saturated the workers.
+async fn faults(
+    nodes: Arc<Mutex<Vec<Node>>>,
+    backend: Backend,
+    store: String,
+    urls: Vec<String>,
+    stop_at: Instant,
+) -> (BTreeMap<&'static str, u32>, Vec<String>) {
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut injected = BTreeMap::new();
+    let mut slow = Vec::new();
+    let kinds: &[&'static str] = match backend {
+        Backend::Postgres => &["kill", "pause", "saturate", "stall store", "restart store"],
+        Backend::Sqlite => &["kill", "pause", "saturate", "stall store"],
+    };
+    let mut turn = 0;
+    while Instant::now() + 2 * LEASE < stop_at {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(1_000..2_500))).await;
+        let kind = kinds[turn % kinds.len()];
+        turn += 1;
+        let victim = rng.gen_range(0..urls.len());
+        match kind {
+            "kill" => {
+                nodes.lock().await[victim].kill();
+                tokio::time::sleep(LEASE + LEASE / 2).await;
+                nodes.lock().await[victim].restart().await;
+            }
+            "pause" => {
+                let pid = nodes.lock().await[victim].pid().unwrap();
+                signal("-STOP", pid);
+                tokio::time::sleep(LEASE * 5 / 2).await;
+                signal("-CONT", pid);
+            }
+            "saturate" => slow.extend(saturate(&urls, &mut rng).await),
+            "stall store" => stall(backend, &store, 2 * LEASE).await,
+            "restart store" => restart_postgres(&store).await,
+            _ => unreachable!(),
+        }
+        *injected.entry(kind).or_insert(0) += 1;
+    }
+    (injected, slow)
+}
+
+fn signal(which: &str, pid: u32) {
+    let sent = Command::new("kill").arg(which).arg(pid.to_string()).status().unwrap();
+    assert!(sent.success(), "kill {which} {pid} failed");
+}
+
+/// Sends every node more calls than it has workers, each taking two and a half leases, under
+/// keys of their own that nobody retries: every worker stays busy past two leases. The keys.
+async fn saturate(urls: &[String], rng: &mut StdRng) -> Vec<String> {
+    let http = reqwest::Client::builder().no_proxy().timeout(Duration::from_millis(200)).build().unwrap();
+    let batch: u32 = rng.gen();
+    let mut keys = Vec::new();
+    for (n, url) in urls.iter().enumerate() {
+        for i in 0..2 * CONCURRENCY {
+            let key = format!("slow-{batch}-{n}-{i}");
+            let path = format!("/payments?delay_ms={}", (LEASE * 5 / 2).as_millis());
+            let request = common::keyed_post(&http, url, &path, &key, "{}");
+            // Answered or not, the call is recorded and runs on.
+            let _ = request.header("prefer", "respond-async").send().await;
+            keys.push(key);
+        }
+    }
+    keys
+}
+
+/// Holds the store still for `how_long`: SQLite's file under an exclusive lock, PostgreSQL's
+/// `records` table under an access-exclusive one. Every write (and on PostgreSQL, every read)
+/// waits for it.
+async fn stall(backend: Backend, store: &str, how_long: Duration) {
+    match backend {
+        Backend::Sqlite => {
+            let path = store.trim_start_matches("sqlite://").to_string();
+            tokio::task::spawn_blocking(move || {
+                let conn = rusqlite::Connection::open(path).unwrap();
+                conn.busy_timeout(Duration::from_secs(10)).unwrap();
+                conn.execute_batch("BEGIN EXCLUSIVE").unwrap();
+                std::thread::sleep(how_long);
+                conn.execute_batch("COMMIT").unwrap();
+            })
+            .await
+            .unwrap();
+        }
+        Backend::Postgres => {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(store).await.unwrap();
+            sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+            sqlx::query("LOCK TABLE records IN ACCESS EXCLUSIVE MODE").execute(&mut conn).await.unwrap();
+            tokio::time::sleep(how_long).await;
+            sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
+        }
+    }
+}
+
+/// Restarts the PostgreSQL server with `IDEM_SOAK_PG_RESTART`, or, without it, ends every
+/// connection to the run's database (what its nodes see of a restart).
+async fn restart_postgres(store: &str) {
+    if let Ok(command) = std::env::var("IDEM_SOAK_PG_RESTART") {
+        let done = tokio::task::spawn_blocking(move || Command::new("sh").arg("-c").arg(&command).status().unwrap());
+        let status = done.await.unwrap();
+        assert!(status.success(), "IDEM_SOAK_PG_RESTART failed: {status}");
+        return;
+    }
+    use sqlx::Connection;
+    let server = backend::postgres_server_url().unwrap();
+    let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+    let name = store.rsplit('/').next().unwrap().to_string();
+    sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1")
+        .bind(name)
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+/// Every key against the upstream's ledger and its record, once nothing is left in progress.
+async fn audit(node: &Node, upstream: &Upstream, ended: &BTreeMap<String, Vec<Ended>>) -> Report {
+    let mut r = Report { operations: ended.len(), ..Report::default() };
+    for (key, ends) in ended {
+        let hits = upstream.hits(key);
+        r.executions += hits;
+        if hits > 1 {
+            r.doubles += hits - 1;
+            r.problems.push(format!("{key}: executed {hits} times"));
+        }
+        let record = settled(node, key).await;
+        let state = record.as_ref().map(|r| r["state"].as_str().unwrap_or("?").to_string());
+        match state.as_deref() {
+            Some("done") => r.done += 1,
+            Some("unknown") => r.unknown += 1,
+            Some("not_started") => r.free += 1,
+            None => r.never_recorded += 1,
+            Some(other) => r.problems.push(format!("{key}: left {other}")),
+        }
+        for end in ends {
+            match end {
+                Ended::Acknowledged(bytes) => {
+                    let kept = record.as_ref().filter(|r| r["state"] == "done").map(|r| r["response"]["body"].clone());
+                    if kept != Some(serde_json::Value::String(String::from_utf8_lossy(bytes).into_owned())) {
+                        r.lost += 1;
+                        r.problems.push(format!("{key}: a client got 201 {bytes:?}; the record keeps {kept:?}"));
+                    }
+                }
+                Ended::Unknown => {}
+                Ended::GaveUp(last) => {
+                    r.unsettled += 1;
+                    r.problems.push(format!("{key}: no outcome before the settle ran out; last {last}"));
+                }
+                Ended::Unexpected(status, body) => {
+                    r.problems.push(format!("{key}: answered {status} {:?}", String::from_utf8_lossy(body)))
+                }
+            }
+        }
+    }
+    r
+}
+
+/// The record of `key` once it is neither queued nor in progress (or as it stands after 30 s).
+async fn settled(node: &Node, key: &str) -> Option<serde_json::Value> {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let record = node.record(key).await;
+        let busy = record.as_ref().is_some_and(|r| r["state"] == "in_progress" || r["queued"] == true);
+        if !busy || Instant::now() > until {
+            return record;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
