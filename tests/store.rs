@@ -152,7 +152,7 @@ fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
 fn started(record: &Record, number: u32, at: Timestamp, lease_until: Timestamp) -> AttemptStarted {
     AttemptStarted {
         id: record.id.into(),
-        holder: holder(&record, WORKER),
+        holder: holder(record, WORKER),
         number,
         started_at: at,
         lease_until,

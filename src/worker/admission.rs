@@ -130,7 +130,7 @@ impl Inner {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::time::Duration;
 
     use super::super::{Guards, Parts, Settled, Slot};
@@ -139,7 +139,7 @@ mod tests {
     use crate::config::{Config, Live};
     use crate::switchboard::Switches;
 
-    const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
+    pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
     fn config(route_extra: &str) -> Config {
         config_at("sqlite::memory:", route_extra)
@@ -172,7 +172,7 @@ mod tests {
     }
 
     /// A request for `payments` under `key`, arriving at `NOW`.
-    fn request(key: &str) -> NewRecord {
+    pub(in crate::worker) fn request(key: &str) -> NewRecord {
         NewRecord {
             id: uuid::Uuid::now_v7(),
             tenant: "default".into(),

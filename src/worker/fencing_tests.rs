@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, Semaphore};
 
+use super::admission::tests::{request, NOW};
 use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
 use crate::config::{Config, Live};
@@ -19,7 +20,6 @@ use crate::store::{Admission, Admit, NewRecord, Store};
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 
-const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 const LEASE: Duration = Duration::from_secs(60);
 
 /// An upstream that counts what it executed. With its gate closed, a request that arrives waits
@@ -118,21 +118,7 @@ impl Cluster {
 
     /// A new request for `payments`, recorded and queued at `NOW` by a node that then died.
     async fn queued(&self, key: &str) -> uuid::Uuid {
-        let new = NewRecord {
-            id: uuid::Uuid::now_v7(),
-            tenant: "default".into(),
-            key: crate::key::IdempotencyKey::parse(key).unwrap(),
-            route: "payments".into(),
-            method: "POST".into(),
-            path: "/payments".into(),
-            query: String::new(),
-            fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
-            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
-            deadline_at: NOW + Duration::from_secs(600),
-            now: NOW,
-            claim: None,
-            tombstone_cutoff: None,
-        };
+        let new = NewRecord { deadline_at: NOW + Duration::from_secs(600), ..request(key) };
         let Admission::Created(record) =
             self.store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap()
         else {
