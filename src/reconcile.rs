@@ -170,7 +170,7 @@ pub async fn take_over_once(
     }
     // As many as this node has workers free for right now, each set aside before the claim: a
     // busy node leaves the rest to nodes that can run them, or to a later pass.
-    let mut free = worker.free_workers(BATCH as usize);
+    let free = worker.free_workers(BATCH as usize);
     if free.is_empty() {
         return Ok(());
     }
@@ -178,13 +178,9 @@ pub async fn take_over_once(
     let lease_until = now + config.worker.lease;
     let limit = free.len() as u32;
     let owner = worker.owner().into();
-    for record in store.claim_unclaimed(ClaimUnclaimed { owner, lease_until, idle_since, now, limit }).await? {
-        let Some(free) = free.pop() else {
-            // The store claimed more than it was asked for: let the lease expire and a take-over
-            // queue it again, rather than hold it with no worker.
-            tracing::error!(record = %record.id, "claimed a record beyond the workers set aside for it");
-            continue;
-        };
+    let claimed = store.claim_unclaimed(ClaimUnclaimed { owner, lease_until, idle_since, now, limit }).await?;
+    // At most `limit` records: one worker each. Workers not needed go back as they drop.
+    for (record, free) in claimed.into_iter().zip(free) {
         tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
         worker.resume(record, free);
     }

@@ -168,16 +168,13 @@ impl Inner {
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
-        let mut running = lock(&self.running);
-        if running.get(&record.id).is_some_and(|r| r.token == holder.token) {
-            running.remove(&record.id);
-        }
+        self.stopped_running(record.id, holder.token);
         outcome
     }
 
     /// Registers the execution of `id` under claim `token` as the one running here, and tells
     /// an older claim's execution, if one still runs, that it is superseded.
-    fn running(&self, id: Uuid, token: ClaimToken) -> Arc<CancelSignal> {
+    pub(super) fn running(&self, id: Uuid, token: ClaimToken) -> Arc<CancelSignal> {
         let signal = Arc::new(CancelSignal::default());
         let older = lock(&self.running).insert(id, Running { token, signal: signal.clone() });
         if let Some(older) = older {
@@ -186,6 +183,14 @@ impl Inner {
             older.signal.notify.notify_waiters();
         }
         signal
+    }
+
+    /// Forgets the execution of `id` under claim `token`, unless a newer claim's took its place.
+    pub(super) fn stopped_running(&self, id: Uuid, token: ClaimToken) {
+        let mut running = lock(&self.running);
+        if running.get(&id).is_some_and(|r| r.token == token) {
+            running.remove(&id);
+        }
     }
 
     /// The cancel signal of the execution of `id` running here, if one is.

@@ -273,3 +273,23 @@ async fn a_paused_nodes_late_outcome_settles_the_record_its_survivor_made_unknow
     assert_eq!((noted.actor.as_str(), noted.action.as_str()), ("node:node-1", "late outcome → done"));
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1);
 }
+
+/// Within one process, a newer claim's execution of a record takes the older one's place: the
+/// older is told it is superseded (it stops before its next write), a cancel reaches the newer,
+/// and the older's end does not unregister the newer.
+#[tokio::test]
+async fn a_newer_claim_running_here_supersedes_the_older_and_a_cancel_reaches_the_newer() {
+    let cluster = Cluster::new("http://127.0.0.1:9").await;
+    let node = cluster.node("node-1");
+    let id = uuid::Uuid::now_v7();
+    let older = node.inner.running(id, ClaimToken(1));
+    assert!(!older.is_superseded());
+    let newer = node.inner.running(id, ClaimToken(2));
+    assert!(older.is_superseded() && !newer.is_superseded());
+    node.inner.stopped_running(id, ClaimToken(1));
+    node.cancel(id);
+    assert!(newer.raised.load(Ordering::SeqCst), "the cancel reaches the claim that holds the record");
+    assert!(!older.raised.load(Ordering::SeqCst));
+    node.inner.stopped_running(id, ClaimToken(2));
+    assert!(node.inner.signal(id).is_none(), "nothing runs here any more");
+}
