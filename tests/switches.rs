@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use idem::clock::ManualClock;
 
-use common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Reply, Upstream};
+use common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Gate, Reply, Upstream};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
@@ -106,8 +106,13 @@ async fn an_isolated_route_refuses_new_keys_but_replays_done_ones(b: Backend) {
 /// On a route with one place (`max_concurrency = 1`): request `ahead` holds it at the upstream
 /// for 3 s, time enough for a test to set things up, and request `queued` is admitted and waits
 /// behind it.
-async fn one_ahead_and_one_queued(upstream: &Upstream, broker: &Broker) -> (JoinHandle<Answer>, JoinHandle<Answer>) {
-    upstream.script("ahead", vec![Reply::status(201).delay(Duration::from_secs(3))]);
+async fn one_ahead_and_one_queued(
+    upstream: &Upstream,
+    broker: &Broker,
+) -> (Gate, JoinHandle<Answer>, JoinHandle<Answer>) {
+    // The upstream holds the first request until the test opens the gate.
+    let gate = Gate::closed();
+    upstream.script("ahead", vec![Reply::status(201).held_by(&gate)]);
     let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
     // The one place on the route is taken once the upstream holds the first request.
     while upstream.hits("ahead") == 0 {
@@ -117,7 +122,7 @@ async fn one_ahead_and_one_queued(upstream: &Upstream, broker: &Broker) -> (Join
     while broker.record("queued").await.status() != 200 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    (ahead, queued)
+    (gate, ahead, queued)
 }
 
 /// A request admitted before the isolation and still queued when it is set gets the same answer
@@ -125,9 +130,10 @@ async fn one_ahead_and_one_queued(upstream: &Upstream, broker: &Broker) -> (Join
 async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
     let upstream = Upstream::start().await;
     let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
-    let (ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
+    let (gate, ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
 
     set(&broker, json!({"scope": "payments", "action": "isolate", "reason": "upstream is melting"})).await;
+    gate.open();
     assert_eq!(ahead.await.unwrap().status, 201, "the attempt in flight ends normally");
     let queued = queued.await.unwrap();
     queued.assert_problem(503, "circuit-open");
@@ -149,11 +155,12 @@ async fn a_duplicate_waiting_on_a_request_an_isolation_frees_gets_circuit_open_t
     let config = config_text(&db.url, &upstream.url(), "max_concurrency = 1", "")
         .replace("\"payments\"", &format!("\"{route}\""));
     let broker = Broker::start_with(&db, config).await;
-    let (ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
+    let (gate, ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
     let duplicate = tokio::spawn(send(broker.post("/payments", "queued", BODY).header("prefer", "wait=10")));
     broker.await_metric(&format!("idem_waiting_requests{{route=\"{route}\"}} 1")).await;
 
     set(&broker, json!({"scope": route, "action": "isolate", "reason": "upstream is melting"})).await;
+    gate.open();
     assert_eq!(ahead.await.unwrap().status, 201);
     queued.await.unwrap().assert_problem(503, "circuit-open");
     let duplicate = duplicate.await.unwrap();

@@ -35,11 +35,33 @@ pub struct Reply {
     pub headers: Vec<(String, String)>,
     pub body: String,
     pub delay: Duration,
+    /// Held until the test opens this gate (after the delay), so a test decides when the
+    /// upstream answers instead of racing a timer.
+    pub gate: Option<Gate>,
+}
+
+/// A gate a scripted reply waits on until the test opens it.
+#[derive(Clone, Debug)]
+pub struct Gate(Arc<tokio::sync::Semaphore>);
+
+impl Gate {
+    pub fn closed() -> Gate {
+        Gate(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
+
+    /// Lets every reply held on this gate, now and later, answer.
+    pub fn open(&self) {
+        self.0.add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
+    }
+
+    async fn pass(&self) {
+        self.0.acquire().await.expect("the gate is never closed").forget();
+    }
 }
 
 impl Reply {
     pub fn status(status: u16) -> Reply {
-        Reply { status, headers: vec![], body: format!("{{\"status\":{status}}}"), delay: Duration::ZERO }
+        Reply { status, headers: vec![], body: format!("{{\"status\":{status}}}"), delay: Duration::ZERO, gate: None }
     }
 
     pub fn header(mut self, name: &str, value: &str) -> Reply {
@@ -49,6 +71,12 @@ impl Reply {
 
     pub fn delay(mut self, d: Duration) -> Reply {
         self.delay = d;
+        self
+    }
+
+    /// Answers only once `gate` is open.
+    pub fn held_by(mut self, gate: &Gate) -> Reply {
+        self.gate = Some(gate.clone());
         self
     }
 
@@ -121,9 +149,13 @@ async fn answer(
             headers: vec![("content-type".into(), "application/json".into())],
             body: json!({"key": op, "n": n, "echo": String::from_utf8_lossy(&body)}).to_string(),
             delay: Duration::from_millis(knobs.delay_ms.unwrap_or(0)),
+            gate: None,
         }
     });
     tokio::time::sleep(reply.delay).await;
+    if let Some(gate) = &reply.gate {
+        gate.pass().await;
+    }
     let mut response = (StatusCode::from_u16(reply.status).unwrap(), reply.body).into_response();
     response.headers_mut().insert("x-upstream", "fake".parse().unwrap());
     response.headers_mut().insert("connection", "keep-alive".parse().unwrap());

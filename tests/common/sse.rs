@@ -122,7 +122,9 @@ fn gate(seen: &Mutex<Seen>, key: &str) -> Arc<Semaphore> {
     seen.lock().unwrap().gates.entry(key.to_string()).or_insert_with(|| Arc::new(Semaphore::new(0))).clone()
 }
 
-async fn answer(State(seen): State<Arc<Mutex<Seen>>>, headers: HeaderMap) -> Response {
+// The request's body is read whole before answering: closing a socket with unread input makes
+// the kernel send a reset, which can discard the answer's bytes before the broker reads them.
+async fn answer(State(seen): State<Arc<Mutex<Seen>>>, headers: HeaderMap, _body: Bytes) -> Response {
     let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     let scripted = {
         let mut s = seen.lock().unwrap();
