@@ -70,8 +70,9 @@ fn is_json(content_type: Option<&[u8]>) -> bool {
 /// - a byte order mark is not whitespace: a body that starts with one is not JSON;
 /// - a `\u` escape of a lone or unpaired surrogate is refused (the text must be Unicode);
 /// - at most 127 arrays and objects may be open at once ([`MAX_DEPTH`]);
-/// - a number whose magnitude is beyond `f64` (`1e400`) is refused; smaller ones are accepted
-///   with every digit, since the fingerprint compares numbers as written, never as rounded;
+/// - a number is kept as written, every digit, whatever its magnitude: the fingerprint compares
+///   numbers as written, never as rounded, so `1e400` (which serde_json refuses rather than read
+///   as infinity) is JSON like any other number and canonicalises the same in any member order;
 /// - duplicate keys are accepted, and kept: a reader that takes the first and one that takes the
 ///   last would see different requests in `{"a":1,"a":2}`, so it must not share `{"a":2}`'s
 ///   fingerprint. The canonical form is still faithful to serde_json's last-wins value, because
@@ -88,10 +89,6 @@ pub fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
 
 /// The deepest nesting accepted: serde_json's recursion limit refuses the 128th open bracket.
 pub const MAX_DEPTH: usize = 127;
-
-/// Any number with no more than this many digits before its decimal point, exponent included,
-/// is below 10^308 and so within `f64`'s range; only longer ones need a closer look.
-const SURELY_FINITE_DIGITS: i64 = 308;
 
 struct Parser<'a> {
     text: &'a str,
@@ -151,43 +148,26 @@ impl<'a> Parser<'a> {
         Some(())
     }
 
-    /// RFC 8259 §6: `-? (0 | [1-9][0-9]*) (\.[0-9]+)? ([eE][+-]?[0-9]+)?`, and within `f64`'s range.
+    /// RFC 8259 §6: `-? (0 | [1-9][0-9]*) (\.[0-9]+)? ([eE][+-]?[0-9]+)?`, kept as written.
     fn number(&mut self, out: &mut Vec<u8>) -> Option<()> {
         let start = self.i;
         let _ = self.eat(b'-');
-        let int_start = self.i;
         match self.peek()? {
             b'0' => self.i += 1,
             b'1'..=b'9' => self.digits()?,
             _ => return None,
         }
-        let int_digits = (self.i - int_start) as i64;
         if self.eat(b'.').is_some() {
             self.digits()?;
         }
-        let mut exponent: i64 = 0;
         if matches!(self.peek(), Some(b'e' | b'E')) {
             self.i += 1;
-            let negative = self.peek() == Some(b'-');
             if matches!(self.peek(), Some(b'+' | b'-')) {
                 self.i += 1;
             }
-            let from = self.i;
             self.digits()?;
-            // Saturated well past any meaningful exponent, so that no count of digits overflows.
-            for &d in &self.s[from..self.i] {
-                exponent = (exponent * 10 + i64::from(d - b'0')).min(1 << 40);
-            }
-            if negative {
-                exponent = -exponent;
-            }
         }
-        let written = &self.text[start..self.i];
-        if int_digits.saturating_add(exponent) > SURELY_FINITE_DIGITS {
-            // Rare, so the exact verdict is serde_json's own: it decides where `f64` overflows.
-            serde_json::from_str::<serde_json::Number>(written).ok()?;
-        }
-        out.extend_from_slice(written.as_bytes());
+        out.extend_from_slice(&self.s[start..self.i]);
         Some(())
     }
 
