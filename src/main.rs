@@ -302,16 +302,19 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,
         Command::Migrate { config } => {
-            let config = Config::load(&config)?;
+            let (config, _unset) = Config::load_offline(&config)?;
             idem::store::open(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;
             println!("migrations applied to {}", config.store.url);
         }
         Command::Check { config } => {
-            let config = Config::load(&config)?;
+            let (config, unset) = Config::load_offline(&config)?;
             print!("{}", idem::config::describe(&config));
+            for var in unset {
+                eprintln!("warning: the environment variable {var} is not set (or empty); `idem serve` refuses this config until it is");
+            }
         }
         Command::Simulate { config, route, outcomes, history, since, candidate, unobserved, limit, draw, json } => {
-            let config = Config::load(&config)?;
+            let (config, _unset) = Config::load_offline(&config)?;
             match (outcomes, history, since, candidate) {
                 (Some(outcomes), false, _, _) => {
                     print!("{}", idem::simulate::command(&config, &route, &outcomes, draw.as_ref(), json)?);

@@ -290,3 +290,44 @@ fn an_unknown_route_is_refused_naming_the_routes_there_are() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no route named `mail` in the config (routes: payments)"));
 }
+
+/// A shell on the host has the config but not the service's secrets: the commands that do not
+/// serve read the config anyway, `check` names each missing variable, and `serve` still refuses.
+#[test]
+fn commands_that_do_not_serve_run_without_the_services_secrets() {
+    let plain = config(true, &[]);
+    let text = std::fs::read_to_string(plain.path()).unwrap().replace(
+        "[[routes]]\n",
+        "[auth]\nadmin_token_env = \"IDEM_TEST_UNSET_TOKEN\"\n[[routes]]\n\
+         upstream_headers_env = { \"x-api-key\" = \"IDEM_TEST_UNSET_KEY\" }\n",
+    );
+    let mut file = tempfile::NamedTempFile::new().expect("a temp file");
+    file.write_all(text.as_bytes()).expect("the config written");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .arg("--config")
+            .arg(file.path())
+            .env_remove("IDEM_TEST_UNSET_TOKEN")
+            .env_remove("IDEM_TEST_UNSET_KEY")
+            .output()
+            .expect("idem runs")
+    };
+
+    let check = run(&["check"]);
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    assert!(String::from_utf8_lossy(&check.stdout).starts_with("config ok"));
+    let warnings = String::from_utf8_lossy(&check.stderr);
+    for var in ["IDEM_TEST_UNSET_TOKEN", "IDEM_TEST_UNSET_KEY"] {
+        assert!(warnings.lines().any(|l| l.starts_with("warning:") && l.contains(var)), "{warnings}");
+    }
+
+    let simulated = run(&["simulate", "--route", "payments", "--outcomes", "1ms:200", "--json"]);
+    assert!(simulated.status.success(), "{}", String::from_utf8_lossy(&simulated.stderr));
+    let doc: Value = serde_json::from_slice(&simulated.stdout).expect("one JSON document");
+    assert_eq!(doc["final_state"], "done", "{doc:#}");
+
+    let served = run(&["serve"]);
+    assert!(!served.status.success());
+    assert!(String::from_utf8_lossy(&served.stderr).contains("IDEM_TEST_UNSET_TOKEN"));
+}

@@ -181,6 +181,9 @@ pub struct Probe {
     pub settle: Duration,
 }
 
+/// What stands in for a secret a command that does not serve could not read.
+const UNSET_SECRET: &str = "unset";
+
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
@@ -191,6 +194,31 @@ impl Config {
     /// Parses and validates a config, reading secrets from the process environment.
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse_with_env(text, |name| std::env::var(name).ok())
+    }
+
+    /// Reads a config for a command that does not serve (`check`, `simulate`, `migrate`). The
+    /// secrets it names are read from the environment where set; one that is missing is no error
+    /// here, since nothing is served with it: a placeholder stands in, and the variables missing
+    /// are returned so that `idem check` can warn that `idem serve` would refuse the config.
+    pub fn load_offline(path: &Path) -> Result<(Config, Vec<String>), ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        Config::parse_offline(&text, |name| std::env::var(name).ok())
+    }
+
+    /// [`Config::load_offline`] on a text, with `env` as the environment.
+    pub fn parse_offline(
+        text: &str,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<(Config, Vec<String>), ConfigError> {
+        let missing = std::cell::RefCell::new(Vec::new());
+        let config = Config::parse_with_env(text, |name| {
+            env(name).filter(|value| !value.is_empty()).or_else(|| {
+                missing.borrow_mut().push(name.to_string());
+                Some(UNSET_SECRET.into())
+            })
+        })?;
+        Ok((config, missing.into_inner()))
     }
 
     pub fn parse_with_env(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {

@@ -217,6 +217,27 @@ fn secrets_come_from_the_environment() {
 }
 
 #[test]
+fn a_command_that_does_not_serve_reads_the_config_without_its_secrets_and_names_those_missing() {
+    let route = MINIMAL.replace(
+        "[[routes]]",
+        "[[routes]]\nupstream_headers_env = { \"x-api-key\" = \"IDEM_TEST_KEY\", \"x-org\" = \"IDEM_TEST_ORG\" }",
+    );
+    let text = &format!("[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n{route}");
+    let env = |v: &str| match v {
+        "IDEM_TEST_ORG" => Some("org-1".to_string()),
+        "IDEM_TEST_KEY" => Some(String::new()),
+        _ => None,
+    };
+    assert!(Config::parse_with_env(text, env).is_err(), "serving needs every secret");
+    let (c, unset) = Config::parse_offline(text, env).unwrap();
+    assert_eq!(unset, ["IDEM_TEST_TOKEN", "IDEM_TEST_KEY"]);
+    assert_eq!(c.routes[0].upstream_headers["x-org"], "org-1", "a secret that is set is read");
+    // Everything that is not a secret is still checked.
+    let broken = text.replace("[auth]", "[auth]\ntoken_header = \"bad header\"");
+    assert!(Config::parse_offline(&broken, env).unwrap_err().to_string().contains("auth.token_header"));
+}
+
+#[test]
 fn tenant_tokens_are_configured_as_digests() {
     let admin = "[auth]\nadmin_token_env = \"IDEM_TEST_TOKEN\"\n";
     let env = |v: &str| (v == "IDEM_TEST_TOKEN").then(|| "s3cret".to_string());
