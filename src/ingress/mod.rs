@@ -445,10 +445,11 @@ impl Ingress {
                 let pending = Pending {
                     now: self.clock.now(),
                     in_flight_since: record.in_flight.map(|(_, started)| started),
+                    attempt_limit: self.config.current().route_named(&record.route).map(|r| r.retry.per_try_timeout),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };
-                let eta = outcome_eta(pending, self.pace.typical(&record.route));
+                let eta = outcome_eta(pending, self.pace.of(&record.route));
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
