@@ -114,6 +114,15 @@ fn describe() {
     describe_gauge!("idem_canary_amplification", "Attempts per settled request on each side of a canary.");
     describe_gauge!("idem_canary_final_success", "Share of settled requests that succeeded, on each side of a canary.");
     describe_counter!(
+        "idem_outcomes_unrecorded_total",
+        "Executions whose outcome the store could not take when the upstream answered, per route: the \
+         client was told the outcome, and it is written again until the store takes it."
+    );
+    describe_gauge!(
+        "idem_unrecorded_outcomes",
+        "Outcomes the store could not take, still being written again: executed requests whose record does not show it yet."
+    );
+    describe_counter!(
         "idem_switch_held_total",
         "Attempts not started because an operator's emergency switch was on, per route and action: retries \
          stopped by retries_off, and new keys refused or executions stopped by isolate."
@@ -239,6 +248,16 @@ pub fn connection_closed(listener: &'static str) {
 /// A connection past the listener's budget was answered 503 and closed.
 pub fn connection_refused(listener: &'static str) {
     counter!("idem_connections_refused_total", "listener" => listener).increment(1);
+}
+
+/// An execution's outcome the store could not take when it came.
+pub fn outcome_unrecorded(route: &str) {
+    counter!("idem_outcomes_unrecorded_total", "route" => route.to_string()).increment(1);
+}
+
+/// How many outcomes the store could not take are still being written again.
+pub fn unrecorded_outcomes(waiting: usize) {
+    gauge!("idem_unrecorded_outcomes").set(waiting as f64);
 }
 
 /// Whether the store takes requests: 1, or 0 while new keys are refused with 503

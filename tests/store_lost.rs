@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::process::{config_body, Node};
-use common::{backend, send, Backend, Db, Upstream};
+use common::{backend, send, Backend, Db, Gate, Reply, Upstream};
 use sqlx::{Connection, PgConnection};
 
 const BODY: &str = r#"{"amount":42}"#;
@@ -208,7 +208,71 @@ async fn a_postgres_database_that_refuses_connections_is_noticed_and_used_again_
     assert_eq!(rig.upstream.hits("during-1"), 1);
 }
 
+/// The store is lost after the upstream received a request and before it answered: the outcome
+/// cannot be stored when it comes. The client is told what executed (the upstream's answer,
+/// marked `idem-recorded: false`), never `store-unavailable`; the operator sees it (an error line,
+/// the metrics, `/admin/node`); and once the store is back, the outcome is written and replayed.
+async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and_stored_later(
+    backend: Backend,
+    lose: impl AsyncFnOnce(&Rig),
+    restore: impl AsyncFnOnce(&Rig),
+) {
+    let rig = rig(backend).await;
+    let gate = Gate::closed();
+    rig.upstream.script("executed", vec![Reply::status(201).held_by(&gate)]);
+    let client = tokio::spawn(send(rig.node.post("/payments", "executed", BODY)));
+    while rig.upstream.hits("executed") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    lose(&rig).await;
+    rig.await_ready_status(503).await;
+    gate.open();
+
+    let answer = client.await.unwrap();
+    assert_eq!((answer.status, &answer.body[..]), (201, &br#"{"status":201}"#[..]), "{answer:?}");
+    assert_eq!(answer.header("idem-recorded"), Some("false"));
+    assert_eq!(answer.header("idempotency-status"), Some("done"));
+    let metrics = rig.node.metrics().await;
+    assert!(metrics.contains("idem_outcomes_unrecorded_total{route=\"payments\"} 1"), "{metrics}");
+    assert!(metrics.contains("idem_unrecorded_outcomes 1"), "{metrics}");
+    let node: serde_json::Value = rig.node.http.get(format!("{}/admin/node", rig.node.admin)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(node["unrecorded_outcomes"], 1, "{node}");
+    std::thread::sleep(idem::logs::GATHER * 4);
+    let log = rig.node.log_tail(usize::MAX);
+    assert!(
+        log.lines().any(|l| l.contains("ERROR") && l.contains("could not take the outcome") && l.contains("201")),
+        "{log}"
+    );
+
+    restore(&rig).await;
+    rig.await_ready_status(200).await;
+    let until = Instant::now() + Duration::from_secs(10);
+    let record = loop {
+        let record = rig.node.record("executed").await.unwrap();
+        if record["state"] == "done" || Instant::now() > until {
+            break record;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!((&record["state"], &record["response"]["status"]), (&"done".into(), &201.into()), "{record:#}");
+    let replay = send(rig.node.post("/payments", "executed", BODY)).await;
+    assert_eq!((replay.status, &replay.body, replay.header("idempotent-replayed")), (201, &answer.body, Some("true")));
+    assert_eq!(rig.upstream.hits("executed"), 1, "executed once");
+    assert!(rig.node.metrics().await.contains("idem_unrecorded_outcomes 0"));
+}
+
 mod sqlite {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and_stored_later() {
+        let aside = |rig: &super::Rig| rig.sqlite_path().with_extension("aside");
+        super::an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and_stored_later(
+            super::Backend::Sqlite,
+            async |rig| std::fs::rename(rig.sqlite_path(), aside(rig)).unwrap(),
+            async |rig| std::fs::rename(aside(rig), rig.sqlite_path()).unwrap(),
+        )
+        .await
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_deleted_database_file_is_noticed_and_no_new_file_is_ever_adopted() {
         super::a_deleted_database_file_is_noticed_and_no_new_file_is_ever_adopted().await
@@ -232,5 +296,18 @@ mod postgres {
             return super::backend::skipped("postgres::a_database_that_refuses_connections_is_noticed");
         }
         super::a_postgres_database_that_refuses_connections_is_noticed_and_used_again_once_it_accepts_them().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and_stored_later() {
+        if super::backend::postgres_server_url().is_none() {
+            return super::backend::skipped("postgres::an_executed_send_whose_outcome_cannot_be_stored");
+        }
+        super::an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and_stored_later(
+            super::Backend::Postgres,
+            async |rig| super::allow_connections(&rig.db.url, false).await,
+            async |rig| super::allow_connections(&rig.db.url, true).await,
+        )
+        .await
     }
 }

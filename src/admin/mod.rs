@@ -67,6 +67,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
         .route("/admin/requests/{id}/cancel", post(cancel))
         .route("/admin/requests/bulk", post(bulk::bulk))
         .route("/admin/stats", get(stats::stats))
+        .route("/admin/node", get(node))
         .route("/admin/config/reload", post(config::reload))
         .route("/admin/switches", get(switches::list).post(switches::set))
         .route("/admin/switches/{id}/clear", post(switches::clear))
@@ -87,6 +88,15 @@ async fn ready(State(admin): State<Arc<Admin>>) -> Response {
         Ok(()) => "ready\n".into_response(),
         Err(e) => Problem::not_ready(&e).into_response(),
     }
+}
+
+/// This node as it stands, whatever the store's state: what the console's banner shows.
+async fn node(State(admin): State<Arc<Admin>>) -> Response {
+    Json(serde_json::json!({
+        "node": admin.worker.owner(),
+        "unrecorded_outcomes": admin.worker.unrecorded_outcomes(),
+    }))
+    .into_response()
 }
 
 /// Served whatever the store's state: during an outage the metrics are how it is seen.

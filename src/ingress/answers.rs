@@ -25,6 +25,10 @@ pub(super) fn http_date(at: Timestamp) -> HeaderValue {
 }
 
 /// The answer for the request that drove an execution.
+/// On an answer whose outcome the store could not take yet (`false`): it is being written
+/// again, and until it is, a duplicate is told the request is in progress, then unknown.
+pub const RECORDED_HEADER: &str = "idem-recorded";
+
 pub(super) fn outcome_response(outcome: Outcome) -> Answer {
     match outcome {
         Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
@@ -43,6 +47,18 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
         Outcome::Free(stop, None) => Err(freed(Some(stop))),
         Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
         Outcome::Streaming(streamed) => Ok(streamed_response(streamed)),
+        // Told as it is, never as "nothing happened": the upstream's answer, or the problem its
+        // outcome makes, marked as not in the record yet.
+        Outcome::Unrecorded(outcome) => {
+            let mut answer = outcome_response(*outcome);
+            match &mut answer {
+                Ok(response) => {
+                    response.headers_mut().insert(RECORDED_HEADER, HeaderValue::from_static("false"));
+                }
+                Err(problem) => problem.extensions.push(("recorded", serde_json::Value::Bool(false))),
+            }
+            answer
+        }
     }
 }
 

@@ -272,7 +272,7 @@ impl Inner {
         };
         // A streamed answer's facts go with its outcome, in the same write.
         let ended = AttemptEnded { stream: p.stream, ..self.ended(record, holder, attempt, then, self.clock.now()) };
-        let result = self.store.attempt_ended(ended).await;
+        let result = self.store.attempt_ended(ended.clone()).await;
         self.settled.settled(record.id);
         match result {
             Ok(Lease::Held { .. }) if told_by_its_attempt => {
@@ -285,8 +285,9 @@ impl Inner {
             }
             Ok(Lease::Lost) => Outcome::Lost,
             Err(e) => {
-                warn!(error = %e, "could not store an outcome; the lease will expire and be taken over");
-                Outcome::Lost
+                let status = ended.attempt.as_ref().and_then(|a| a.status);
+                self.write_later(ended, &record.route, status, &e);
+                Outcome::Unrecorded(Box::new(outcome))
             }
         }
     }

@@ -15,7 +15,7 @@
 //!   held in memory until their execution starts.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,9 +43,12 @@ pub enum Outcome {
     /// The key is free again: nothing executed (or the route is replay-safe). `last` is the last
     /// upstream answer, if any attempt got one.
     Free(StopReason, Option<StoredResponse>),
-    /// This worker lost the record (claimed elsewhere, cancelled before it started, or the store
-    /// failed): the record in the store is the answer.
+    /// This worker lost the record (claimed elsewhere, or cancelled before it started): the
+    /// record in the store is the answer.
     Lost,
+    /// How the execution ended, which the store could not take yet: it is written again until
+    /// it does. Told to the client as it is, marked as not recorded.
+    Unrecorded(Box<Outcome>),
     /// The upstream's answer streams (SPEC §11): its head, and its body as it arrives. The
     /// execution goes on reading it to its end and settles the record whatever the client does.
     Streaming(Streamed),
@@ -108,6 +111,8 @@ mod execution;
 mod fencing_tests;
 mod guards;
 mod streaming;
+mod unrecorded;
+
 mod waiters;
 
 use admission::Start;
@@ -175,6 +180,8 @@ struct Inner {
     mine: Mutex<HashSet<Uuid>>,
     /// Executions in flight, and the shutdown they drain for.
     drain: Drain,
+    /// Outcomes the store could not take, being written again (see `unrecorded`).
+    unrecorded: Arc<AtomicUsize>,
 }
 
 impl Worker {
@@ -199,6 +206,7 @@ impl Worker {
                 clock,
                 running: Mutex::new(HashMap::new()),
                 streams: Mutex::new(HashMap::new()),
+                unrecorded: Arc::default(),
             }),
         }
     }
@@ -209,6 +217,12 @@ impl Worker {
 
     pub fn guards(&self) -> &Guards {
         &self.inner.guards
+    }
+
+    /// Outcomes the store could not take when they came, still being written again: each is an
+    /// execution whose client was answered but whose record does not show it yet.
+    pub fn unrecorded_outcomes(&self) -> usize {
+        self.inner.unrecorded.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The attempt durations this worker observes, for whoever estimates when an outcome is due.

@@ -1,0 +1,63 @@
+//! Outcomes the store could not take when they came (its file gone or read-only, its database
+//! down). The upstream has answered by then, so the outcome is the best evidence there is of
+//! what executed: the client is told it, as executed, and the write is made again, with growing
+//! waits, until the store takes it — under the claim if it still holds, or as the late outcome
+//! of a claim whose lease ran out meanwhile and was taken over to `unknown` (see
+//! `docs/guarantees.md`). Until then the record shows `in_progress`, then `unknown`, never
+//! free: nothing is sent again. An outcome still waiting when the process stops is lost with it,
+//! and its record stays in reconciliation, with the error line logged for it.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tracing::{error, info, warn};
+
+use super::Inner;
+use crate::metrics;
+use crate::store::{AttemptEnded, Lease, StoreError};
+
+/// The first wait before an outcome is written again, doubled after each refusal up to
+/// [`LONGEST_WAIT`].
+const FIRST_WAIT: Duration = Duration::from_millis(100);
+const LONGEST_WAIT: Duration = Duration::from_secs(5);
+
+impl Inner {
+    /// Writes `ended` again in the background until the store takes it; `error` is why it did
+    /// not the first time.
+    pub(super) fn write_later(&self, ended: AttemptEnded, route: &str, status: Option<u16>, error: &StoreError) {
+        let id = ended.id.0;
+        error!(
+            record = %id, route, upstream_status = status, error = %error,
+            "the upstream answered but the store could not take the outcome: the client was told it; \
+             writing it again until the store takes it (until then the record shows in_progress, then unknown)"
+        );
+        metrics::outcome_unrecorded(route);
+        let waiting = self.unrecorded.clone();
+        metrics::unrecorded_outcomes(waiting.fetch_add(1, Ordering::SeqCst) + 1);
+        let (store, settled) = (self.store.clone(), self.settled.clone());
+        tokio::spawn(async move {
+            let mut wait = FIRST_WAIT;
+            loop {
+                tokio::time::sleep(wait).await;
+                match store.attempt_ended(ended.clone()).await {
+                    Ok(Lease::Held { .. }) => {
+                        info!(record = %id, "the outcome the store could not take is stored now");
+                        break;
+                    }
+                    // Taken over meanwhile: the store wrote it as that claim's late outcome, unless
+                    // the record was settled or claimed again since.
+                    Ok(Lease::Lost) => {
+                        info!(record = %id, "the outcome the store could not take went in as a late outcome, where the record still awaited it");
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(record = %id, error = %e, "the store still cannot take the outcome; trying again");
+                        wait = (wait * 2).min(LONGEST_WAIT);
+                    }
+                }
+            }
+            settled.settled(id);
+            metrics::unrecorded_outcomes(waiting.fetch_sub(1, Ordering::SeqCst) - 1);
+        });
+    }
+}
