@@ -330,3 +330,36 @@ async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
     let row = row.as_str().unwrap();
     assert!(row.contains("upstream is melting") && row.contains("console: upstream recovered"), "{row}");
 }
+
+/// An upstream answer that came while the store was lost shows in the banner, on every view,
+/// until the store has taken it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_banner_shows_outcomes_waiting_for_the_store_until_it_takes_them() {
+    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let upstream = Upstream::start().await;
+    let db = Db::new(Backend::Sqlite).await;
+    let broker = Broker::start(&db, &upstream.url(), "", "").await;
+    let path = std::path::PathBuf::from(db.url.strip_prefix("sqlite://").unwrap());
+    let aside = path.with_extension("aside");
+    let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
+    page.until("document.getElementById('unrecorded-banner').hidden").await;
+
+    let gate = common::Gate::closed();
+    upstream.script("executed", vec![Reply::status(201).held_by(&gate)]);
+    let client = tokio::spawn(send(broker.post("/payments", "executed", r#"{"amount":1}"#)));
+    while upstream.hits("executed") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    std::fs::rename(&path, &aside).unwrap();
+    broker.await_metric("idem_store_available 0").await;
+    gate.open();
+    assert_eq!(client.await.unwrap().header("idem-recorded"), Some("false"));
+
+    page.until("!document.getElementById('unrecorded-banner').hidden").await;
+    let banner = page.eval("document.getElementById('unrecorded-banner').textContent").await;
+    assert!(banner.as_str().is_some_and(|b| b.starts_with("1 executed outcome waiting for the store")), "{banner}");
+    std::fs::rename(&aside, &path).unwrap();
+    // Written again within 5 s of the store's return; the banner follows within its refresh.
+    broker.await_record("executed", Duration::from_secs(15), |r| r["state"] == "done").await;
+    page.until("document.getElementById('unrecorded-banner').hidden").await;
+}
