@@ -104,7 +104,11 @@ fn describe() {
     describe_gauge!("idem_waiting_requests", "Requests waiting for a record to settle (Prefer: wait), per route.");
     describe_counter!(
         "idem_connections_refused_total",
-        "Connections past the listener's max_connections, answered 503 and closed."
+        "Connections past the listener's max_connections while every connection was busy with a request, answered 503 and closed."
+    );
+    describe_counter!(
+        "idem_connections_reclaimed_total",
+        "Idle connections (between keep-alive requests, or still waiting for a first head) closed to make room for new ones, per listener."
     );
     describe_gauge!("idem_canary_running", "1 while a route's canary runs, 0 once a canary_off switch ended it.");
     describe_gauge!(
@@ -246,6 +250,11 @@ pub fn connection_closed(listener: &'static str) {
 }
 
 /// A connection past the listener's budget was answered 503 and closed.
+/// Idle connections closed to make room for new ones in a full table.
+pub fn connections_reclaimed(listener: &'static str, n: usize) {
+    counter!("idem_connections_reclaimed_total", "listener" => listener).increment(n as u64);
+}
+
 pub fn connection_refused(listener: &'static str) {
     counter!("idem_connections_refused_total", "listener" => listener).increment(1);
 }

@@ -1,6 +1,7 @@
 //! The edge: what stands between the network and the handlers (SPEC §7). Each listener holds
-//! at most its budget of open connections — past it a new one is answered 503 and closed at once,
-//! so idle sockets cannot starve `accept` of file descriptors or lock other clients out — gives
+//! at most its budget of open connections, so idle sockets cannot starve `accept` of file
+//! descriptors; a new one past the budget takes the place of idle ones (`table`), and is
+//! answered 503 and closed at once only when every connection is busy with a request. It gives
 //! a client `header_timeout` for each request head (and so for the wait between keep-alive
 //! requests) and `body_timeout` between body parts ([`body`]), and at shutdown stops accepting
 //! and lets each connection finish the answer it is writing.
@@ -25,8 +26,10 @@ use crate::problem::Problem;
 
 pub mod body;
 pub mod process;
+mod table;
 
 use body::TimedBody;
+use table::{Handled, Table};
 
 /// How one listener treats its clients.
 #[derive(Debug, Clone, Copy)]
@@ -48,30 +51,34 @@ const READ_BUFFER_MAX: usize = 64 * 1024;
 /// A condition that can repeat thousands of times a second is logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
+/// A full table closes at most this many idle connections at once (nginx closes 32): the new
+/// connection takes one place, and those that follow find the others free.
+const RECLAIM_AT_ONCE: usize = 32;
+
+/// How long a new connection waits for a place that idle connections were told to give up.
+const RECLAIM_WAIT: Duration = Duration::from_millis(100);
+
 /// Serves `router` on `listener` until `stopped` turns true (or its sender goes), then waits for
 /// the open connections to finish their answers.
 pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits, mut stopped: watch::Receiver<bool>) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let table = Arc::new(Table::new());
     let connections = Arc::new(Connections::new(router, &limits));
     let mut accept_errors = Rarely::default();
     let mut refusals = Rarely::default();
+    let mut reclaims = Rarely::default();
     loop {
         let accepted = tokio::select! {
             _ = stop_requested(&mut stopped) => break,
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, _)) => match slots.clone().try_acquire_owned() {
-                Ok(slot) => {
-                    // A streamed answer is written part by part. With Nagle's algorithm on, a part
-                    // written while the previous one is still unacknowledged waits for that ack,
-                    // which a client on a kept-alive connection delays by up to 40 ms. Answers are
-                    // written whole or part by part as they come, so there is nothing for Nagle to
-                    // gather anyway.
-                    let _ = stream.set_nodelay(true);
-                    tokio::spawn(connections.clone().serve(stream, slot, stopped.clone()));
-                }
-                Err(_) => {
+            Ok((stream, _)) => {
+                let slot = match slots.clone().try_acquire_owned() {
+                    Ok(slot) => Some(slot),
+                    Err(_) => make_room(&table, &slots, &limits, &mut reclaims).await,
+                };
+                let Some(slot) = slot else {
                     refuse(stream);
                     metrics::connection_refused(limits.name);
                     if let Some(more) = refusals.due(Instant::now()) {
@@ -79,11 +86,19 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits
                             listener = limits.name,
                             max_connections = limits.max_connections,
                             refused_since_last_report = more,
-                            "connection refused: the listener holds as many connections as it may"
+                            "connection refused: every connection the listener may hold is busy with a request"
                         );
                     }
-                }
-            },
+                    continue;
+                };
+                // A streamed answer is written part by part. With Nagle's algorithm on, a part
+                // written while the previous one is still unacknowledged waits for that ack,
+                // which a client on a kept-alive connection delays by up to 40 ms. Answers are
+                // written whole or part by part as they come, so there is nothing for Nagle to
+                // gather anyway.
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(connections.clone().serve(stream, slot, table.enter(), stopped.clone()));
+            }
             Err(e) if lost_in_accept(&e) => {}
             Err(e) => {
                 if let Some(more) = accept_errors.due(Instant::now()) {
@@ -100,6 +115,31 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits
     // Each open connection holds a slot: when all are back, every connection has finished.
     let all = u32::try_from(limits.max_connections).unwrap_or(u32::MAX);
     let _ = slots.acquire_many(all).await;
+}
+
+/// A place for a new connection in a full table: idle connections, longest idle first, are told
+/// to close, and the new one takes the first place they give up. `None` when none is idle.
+async fn make_room(
+    table: &Table,
+    slots: &Arc<Semaphore>,
+    limits: &ListenerLimits,
+    reclaims: &mut Rarely,
+) -> Option<OwnedSemaphorePermit> {
+    let reclaimed = table.reclaim(RECLAIM_AT_ONCE);
+    if reclaimed == 0 {
+        return None;
+    }
+    metrics::connections_reclaimed(limits.name, reclaimed);
+    if let Some(more) = reclaims.due(Instant::now()) {
+        tracing::info!(
+            listener = limits.name,
+            max_connections = limits.max_connections,
+            reclaimed,
+            reclaims_since_last_report = more,
+            "the connection table is full: idle connections closed to make room"
+        );
+    }
+    tokio::time::timeout(RECLAIM_WAIT, slots.clone().acquire_owned()).await.ok()?.ok()
 }
 
 /// Resolves once a stop is asked for, or when nobody can ask any more.
@@ -142,7 +182,8 @@ fn refuse(stream: TcpStream) {
 /// What every connection of one listener shares.
 struct Connections {
     http: http1::Builder,
-    handler: Handler,
+    router: Router,
+    body_timeout: Duration,
     name: &'static str,
 }
 
@@ -156,23 +197,33 @@ impl Connections {
         // that size until the connection closes: hyper's default (about 400 KiB) made 150 held
         // uploads cost 57 MB more. It also bounds a request head.
         http.max_buf_size(READ_BUFFER_MAX);
-        Connections { http, handler: Handler { router, body_timeout: limits.body_timeout }, name: limits.name }
+        Connections { http, router, body_timeout: limits.body_timeout, name: limits.name }
     }
 
     async fn serve(
         self: Arc<Self>,
         stream: TcpStream,
         _slot: OwnedSemaphorePermit,
+        entry: table::Entry,
         mut stopped: watch::Receiver<bool>,
     ) {
         metrics::connection_opened(self.name);
-        let connection = self.http.serve_connection(TokioIo::new(stream), self.handler.clone());
+        let handler =
+            Handler { router: self.router.clone(), body_timeout: self.body_timeout, connection: entry.connection.clone() };
+        let connection = self.http.serve_connection(TokioIo::new(stream), handler);
         tokio::pin!(connection);
-        let ended = tokio::select! {
-            ended = connection.as_mut() => ended,
-            _ = stop_requested(&mut stopped) => {
-                connection.as_mut().graceful_shutdown();
-                connection.await
+        let ended = loop {
+            tokio::select! {
+                ended = connection.as_mut() => break ended,
+                _ = stop_requested(&mut stopped) => {
+                    connection.as_mut().graceful_shutdown();
+                    break connection.await;
+                }
+                // Dropped unanswered: it has no request in the handler (one that came since it
+                // was told is served, and the connection stays).
+                _ = entry.connection.reclaimed.notified() => if entry.connection.is_idle() {
+                    break Ok(());
+                },
             }
         };
         // Timeouts and clients that vanish are routine at the edge: not worth more than debug.
@@ -183,22 +234,25 @@ impl Connections {
     }
 }
 
-/// The router, with every request body under `body_timeout`.
+/// The router, with every request body under `body_timeout`, and the connection counted busy
+/// from each request's arrival until its answer is written.
 #[derive(Clone)]
 struct Handler {
     router: Router,
     body_timeout: Duration,
+    connection: Arc<table::Connection>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Handler {
     type Response = axum::response::Response;
     type Error = Infallible;
-    type Future = RouteFuture<Infallible>;
+    type Future = Handled<RouteFuture<Infallible>>;
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
+        let busy = self.connection.busy();
         let request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
         // A Router is always ready (its poll_ready returns at once), so it is called directly.
-        tower_service::Service::call(&mut self.router.clone(), request)
+        Handled::new(tower_service::Service::call(&mut self.router.clone(), request), busy)
     }
 }
 
