@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
-use base64::Engine;
 use axum::response::{IntoResponse, Response};
+use base64::Engine;
 use common::{Backend, Broker, Db};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -40,7 +40,9 @@ struct Api {
 async fn create(State(api): State<Arc<Mutex<Api>>>, uri: Uri, headers: HeaderMap, body: String) -> Response {
     let expected = match uri.path() {
         "/v1/customers" => format!("Bearer {API_KEY}"),
-        "/api/counterparties" => format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("org_idem:mt_key_idem")),
+        "/api/counterparties" => {
+            format!("Basic {}", base64::engine::general_purpose::STANDARD.encode("org_idem:mt_key_idem"))
+        }
         _ => "Bearer orb_key_idem".to_string(),
     };
     if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
@@ -107,8 +109,7 @@ async fn api_behind_idem() -> (Arc<Mutex<Api>>, Broker) {
 fn python() -> Option<String> {
     let python = std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let imports = "import stripe, modern_treasury, orb";
-    let has_sdks =
-        std::process::Command::new(&python).args(["-c", imports]).output().is_ok_and(|o| o.status.success());
+    let has_sdks = std::process::Command::new(&python).args(["-c", imports]).output().is_ok_and(|o| o.status.success());
     match has_sdks {
         true => Some(python),
         false if std::env::var_os("CI").is_some() => panic!("{python} cannot `{imports}`: .ci/run installs them"),
@@ -184,8 +185,7 @@ async fn stainless_sdks_get_every_caller_the_one_object_through_idem() {
 
         let dups = run("concurrent_duplicates").await;
         let results = dups["results"].as_array().unwrap();
-        let ids: std::collections::HashSet<&str> =
-            results.iter().map(|r| r["id"].as_str().unwrap_or("none")).collect();
+        let ids: std::collections::HashSet<&str> = results.iter().map(|r| r["id"].as_str().unwrap_or("none")).collect();
         assert_eq!((results.len(), ids.len()), (20, 1), "{sdk}: every thread got the one object: {dups}");
         assert!(!ids.contains("none"), "{sdk}: {dups}");
         assert_eq!(created(&format!("{sdk}-dup-1")), 1, "{sdk}");

@@ -235,7 +235,8 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
     let metrics = rig.node.metrics().await;
     assert!(metrics.contains("idem_outcomes_unrecorded_total{route=\"payments\"} 1"), "{metrics}");
     assert!(metrics.contains("idem_unrecorded_outcomes 1"), "{metrics}");
-    let node: serde_json::Value = rig.node.http.get(format!("{}/admin/node", rig.node.admin)).send().await.unwrap().json().await.unwrap();
+    let node: serde_json::Value =
+        rig.node.http.get(format!("{}/admin/node", rig.node.admin)).send().await.unwrap().json().await.unwrap();
     assert_eq!(node["unrecorded_outcomes"], 1, "{node}");
     std::thread::sleep(idem::logs::GATHER * 4);
     let log = rig.node.log_tail(usize::MAX);

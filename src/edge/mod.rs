@@ -208,8 +208,11 @@ impl Connections {
         mut stopped: watch::Receiver<bool>,
     ) {
         metrics::connection_opened(self.name);
-        let handler =
-            Handler { router: self.router.clone(), body_timeout: self.body_timeout, connection: entry.connection.clone() };
+        let handler = Handler {
+            router: self.router.clone(),
+            body_timeout: self.body_timeout,
+            connection: entry.connection.clone(),
+        };
         let connection = self.http.serve_connection(TokioIo::new(stream), handler);
         tokio::pin!(connection);
         let ended = loop {

@@ -182,10 +182,10 @@ mod tests {
         assert!(!busy.connection.is_idle());
 
         assert_eq!(table.reclaim(1), 1);
-        assert_eq!(told(&oldest), true, "the longest idle goes first");
-        assert_eq!(told(&newest), false);
+        assert!(told(&oldest), "the longest idle goes first");
+        assert!(!told(&newest));
         assert_eq!(table.reclaim(10), 2, "every idle one, the busy one never");
-        assert_eq!(told(&busy), false);
+        assert!(!told(&busy));
         drop(oldest);
         assert_eq!(table.reclaim(10), 1, "a connection that closed has left the table");
     }
