@@ -26,7 +26,8 @@
 //! acknowledged answers lost (must be 0: a client got a 201 that the record does not keep byte
 //! for byte), and what is left for reconciliation; it exits 1 if either must-be-0 is not.
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common/mod.rs"]
+#[allow(dead_code)] // the soak uses part of the test harness
 mod common;
 
 use std::collections::BTreeMap;

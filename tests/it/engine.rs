@@ -1,14 +1,13 @@
 //! The execution engine through real HTTP: retries, waits, Retry-After, deadlines, budgets,
 //! the circuit breaker and load shedding.
 
-mod common;
 
-use common::{both_stores, Backend, Db};
+use crate::common::{both_stores, Backend, Db};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{send, Broker, Reply, Upstream};
+use crate::common::{send, Broker, Reply, Upstream};
 
 const BODY: &str = r#"{"amount":42}"#;
 

@@ -3,11 +3,10 @@
 //! SDKs send them, an honest 409, `x-should-retry`, the key echoed, keyless calls, and errors
 //! an SDK can read.
 
-mod common;
 
-use common::JsonOf;
+use crate::common::JsonOf;
 
-use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 
 use std::time::{Duration, Instant};
 
@@ -163,7 +162,7 @@ async fn every_keyed_answer_says_whether_retrying_can_help_and_echoes_its_key(b:
     let retry = "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\ndeadline = \"2s\"\n";
     let (upstream, broker) = setup(b, "max_body = \"1KiB\"", &format!("{retry}{tenants}")).await;
     let post = |key: &str, body: &str| broker.post("/payments", key, body).header("x-api-key", "acme-token");
-    let check = |r: &common::Answer, should: &str, what: &str| {
+    let check = |r: &crate::common::Answer, should: &str, what: &str| {
         assert_eq!(r.header("x-should-retry"), Some(should), "{what}: {:?}", r.body);
     };
 

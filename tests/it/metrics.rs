@@ -1,11 +1,11 @@
-//! `/metrics` after a scripted run: the numbers must add up. One test in this binary, so the
-//! process-wide recorder sees this broker alone.
+//! `/metrics` after a scripted run: the numbers must add up. The broker is a process of its own
+//! (`idem serve`), so its recorder sees this run alone, not the other tests' brokers.
 
-mod common;
 
 use std::time::Duration;
 
-use common::{send, Backend, Broker, Db, JsonOf, Reply, Upstream};
+use crate::common::process::{config_body, Node};
+use crate::common::{send, Backend, Db, JsonOf, Reply, Upstream};
 
 /// Sums the samples of `name` whose labels contain every `label="value"` pair given.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -24,13 +24,9 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 #[tokio::test]
 async fn the_metrics_add_up_after_a_scripted_run() {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(
-        &Db::new(Backend::Sqlite).await,
-        &upstream.url(),
-        "",
-        "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n",
-    )
-    .await;
+    let db = Db::new(Backend::Sqlite).await;
+    let config = config_body(&db.url, &upstream.url(), "", "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n");
+    let broker = Node::start("metered", &config).await;
     let body = r#"{"amount":1}"#;
 
     upstream.script("salvaged", vec![Reply::status(503), Reply::status(201)]);
@@ -62,7 +58,7 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     assert_eq!(m("idem_requests_total", &[]), 6.0, "{text}");
     let mut stored_attempts = 0;
     for key in ["first", "salvaged", "unknown", "refused", "exhausted", "slow"] {
-        stored_attempts += broker.record_json(key).await["attempts"].as_array().unwrap().len();
+        stored_attempts += broker.record(key).await.unwrap()["attempts"].as_array().unwrap().len();
     }
     assert_eq!(stored_attempts, 1 + 2 + 1 + 1 + 3 + 1);
     assert_eq!(m("idem_attempts_total", &[]), stored_attempts as f64);
@@ -109,13 +105,13 @@ async fn the_metrics_add_up_after_a_scripted_run() {
 
     // Reloads, counted by result, and the loaded-at time of the configuration in force.
     let reload = || async { broker.http.post(format!("{}/admin/config/reload", broker.admin)).send().await.unwrap() };
-    broker.write_config(&broker.config_text.replace(
+    broker.write_config(&config.replace(
         "[routes.retry]",
         "[routes.retry]
 max_attempts = 0",
     ));
     assert_eq!(reload().await.status(), 422);
-    broker.write_config(&broker.config_text.replace(
+    broker.write_config(&config.replace(
         "[routes.retry]",
         "[routes.retry]
 max_attempts = 4",

@@ -2,11 +2,10 @@
 //! route's `deadline_header`; a client sending that header may shorten its deadline, never
 //! lengthen it.
 
-mod common;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 use serde_json::Value;
 
 const BODY: &str = r#"{"amount":42}"#;

@@ -2,11 +2,10 @@
 //! finishing their requests are cut, the admin listener answers while the data plane is full,
 //! and request bodies held in memory stay within their bound.
 
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{both_stores, send, Backend, Broker, Db, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Upstream};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -20,7 +19,7 @@ async fn start(b: Backend, server: &str, route_extra: &str) -> (Upstream, Broker
     let db = Db::new(b).await;
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{}",
-        common::config_body(&db.url, &upstream.url(), "", route_extra, "")
+        crate::common::config_body(&db.url, &upstream.url(), "", route_extra, "")
     );
     let broker = Broker::start_with(&db, text).await;
     (upstream, broker)
@@ -113,11 +112,11 @@ async fn a_table_full_of_idle_sockets_makes_room_for_a_normal_client_at_once(b: 
 /// connection is answered 503 `overloaded` at once, and nothing of it is recorded.
 async fn a_table_full_of_busy_connections_refuses_a_new_one_at_once(b: Backend) {
     let (upstream, broker) = start(b, "max_connections = 4", "").await;
-    let gate = common::Gate::closed();
+    let gate = crate::common::Gate::closed();
     let mut held = Vec::new();
     for n in 0..4 {
         let key = format!("held-{n}");
-        upstream.script(&key, vec![common::Reply::status(201).held_by(&gate)]);
+        upstream.script(&key, vec![crate::common::Reply::status(201).held_by(&gate)]);
         held.push(tokio::spawn(send(broker.post("/payments", &key, BODY))));
     }
     while (0..4).map(|n| upstream.hits(&format!("held-{n}"))).sum::<u32>() < 4 {

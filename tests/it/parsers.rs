@@ -2,14 +2,12 @@
 //! `Prefer` request headers and an upstream's `Retry-After`. None may panic on any input, and
 //! each refusal must say what is wrong.
 
-mod mutate;
-
 use std::time::{Duration, SystemTime};
 
 use idem::key::{IdempotencyKey, KeyError, MAX_LEN};
 use idem::policy::{parse_retry_after, MAX_RETRY_AFTER};
 use idem::prefer::{Prefer, MAX_WAIT_SECS};
-use mutate::{edits, mutated};
+use crate::mutate::{edits, mutated};
 use proptest::prelude::*;
 
 // ---- Idempotency-Key --------------------------------------------------------------------------

@@ -1,12 +1,11 @@
 //! SPEC §11, through real HTTP: a broker on port 0 in front of an upstream that streams
 //! OpenAI-style server-sent events (`data: {…}` lines ending with `data: [DONE]`).
 
-mod common;
 
 use std::time::Duration;
 
-use common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
-use common::{both_stores, config_text, send, Backend, Broker, Db};
+use crate::common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
+use crate::common::{both_stores, config_text, send, Backend, Broker, Db};
 
 const BODY: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 const PATH: &str = "/payments/v1/chat/completions";

@@ -1,5 +1,4 @@
 //! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
-#![allow(dead_code)]
 pub mod backend;
 pub mod process;
 pub mod sse;
@@ -219,7 +218,6 @@ pub use backend::Backend;
 #[derive(Clone)]
 pub struct Db {
     pub url: String,
-    pub backend: Backend,
     _guard: Arc<DbGuard>,
 }
 
@@ -259,7 +257,7 @@ impl Db {
                 (backend::postgres_url_for_new_db().await.expect("IDEM_TEST_POSTGRES_URL is not set"), None)
             }
         };
-        Db { url: url.clone(), backend, _guard: Arc::new(DbGuard { backend, url, _dir: dir }) }
+        Db { url: url.clone(), _guard: Arc::new(DbGuard { backend, url, _dir: dir }) }
     }
 
     /// The store on this database, opened as a broker opens it (migrations applied).
@@ -279,7 +277,7 @@ macro_rules! both_stores {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    super::$case(super::common::Backend::Sqlite).await
+                    super::$case(crate::common::Backend::Sqlite).await
                 }
             )*
         }
@@ -287,11 +285,11 @@ macro_rules! both_stores {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    if super::common::backend::postgres_server_url().is_none() {
-                        super::common::backend::skipped(concat!("postgres::", stringify!($case)));
+                    if crate::common::backend::postgres_server_url().is_none() {
+                        crate::common::backend::skipped(concat!("postgres::", stringify!($case)));
                         return;
                     }
-                    super::$case(super::common::Backend::Postgres).await
+                    super::$case(crate::common::Backend::Postgres).await
                 }
             )*
         }
@@ -306,7 +304,8 @@ pub struct Broker {
     pub admin: String,
     pub http: reqwest::Client,
     running: Option<Running>,
-    pub db: Db,
+    /// Held so that the database outlives the broker.
+    _db: Db,
     pub config_text: String,
     /// The file the broker was started from, which a reload reads again.
     pub config_file: std::path::PathBuf,
@@ -378,7 +377,7 @@ impl Broker {
             admin: format!("http://{}", running.admin_listen),
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
             running: Some(running),
-            db: db.clone(),
+            _db: db.clone(),
             config_text,
             config_file,
             _config_dir: Arc::new(dir),

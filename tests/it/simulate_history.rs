@@ -2,13 +2,12 @@
 //! scripted upstream, then the CLI replays them from the same store, while the broker still
 //! runs, through the current policy and candidates.
 
-mod common;
 
 use std::io::Write;
 use std::process::Output;
 use std::time::Duration;
 
-use common::{Backend, Broker, Db, Reply, Upstream};
+use crate::common::{Backend, Broker, Db, Reply, Upstream};
 use serde_json::Value;
 
 /// The broker's policy: three attempts, short waits, a deadline no test comes near. Without
@@ -178,7 +177,7 @@ async fn a_recorded_retry_after_holds_in_the_replay(backend: Backend) {
     broker.stop().await;
 }
 
-common::both_stores!(
+crate::common::both_stores!(
     a_recorded_retry_after_holds_in_the_replay,
     the_current_policy_replays_what_was_recorded,
     a_single_attempt_candidate_salvages_nothing,

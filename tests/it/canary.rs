@@ -3,11 +3,10 @@
 //! itself — a `canary_off` switch in the audit trail, obeyed at once — when a stop condition
 //! holds. Every case runs on SQLite and PostgreSQL.
 
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 
 const BODY: &str = r#"{"amount":42}"#;
 

@@ -1,13 +1,12 @@
 //! SPEC §3, row by row, through real HTTP: a broker on port 0 in front of a fake upstream.
 
-mod common;
 
-use common::{both_stores, Backend, Db};
+use crate::common::{both_stores, Backend, Db};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{send, Answer, Broker, Reply, Upstream};
+use crate::common::{send, Answer, Broker, Reply, Upstream};
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
@@ -455,7 +454,7 @@ async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
 async fn done_records_expire_after_retention_and_the_key_executes_afresh(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let text = common::config_text(&db.url, &upstream.url(), "tombstone = \"0s\"", "")
+    let text = crate::common::config_text(&db.url, &upstream.url(), "tombstone = \"0s\"", "")
         .replace("[store]\n", "[store]\nretention = \"1s\"\n");
     let broker = Broker::start_with(&db, text).await;
     let first = send(broker.post("/payments", "brief", BODY)).await;

@@ -2,18 +2,11 @@
 //! (`sqlite::<case>`) and once on PostgreSQL (`postgres::<case>`), each on an empty database.
 //! Times are fixed numbers, not the clock: the store takes every time it uses as an argument.
 
-#[path = "store/admission.rs"]
 mod admission;
-mod common;
-#[path = "store/execution.rs"]
 mod execution;
-#[path = "store/fencing.rs"]
 mod fencing;
-#[path = "store/notices.rs"]
 mod notices;
-#[path = "store/reconciliation.rs"]
 mod reconciliation;
-#[path = "store/switches.rs"]
 mod switches;
 
 use std::collections::{HashMap, HashSet};
@@ -21,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Backend, Db};
+use crate::common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::policy::StopReason;
@@ -50,7 +43,7 @@ async fn store_on(backend: Backend) -> (Arc<dyn Store>, Db) {
     (db.store().await, db)
 }
 
-common::both_stores!(
+crate::common::both_stores!(
     admit_creates_a_record_then_returns_it_for_the_same_key,
     of_64_concurrent_admits_of_one_key_exactly_one_creates_the_record,
     concurrent_admits_of_many_keys_create_each_once_and_answer_what_they_stored,
@@ -89,8 +82,8 @@ common::both_stores!(
 mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn notices_announce_queued_and_settled_records_to_every_process() {
-        if super::common::backend::postgres_server_url().is_none() {
-            return super::common::backend::skipped(
+        if crate::common::backend::postgres_server_url().is_none() {
+            return crate::common::backend::skipped(
                 "postgres_only::notices_announce_queued_and_settled_records_to_every_process",
             );
         }

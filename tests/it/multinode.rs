@@ -2,12 +2,11 @@
 //! takes any request, duplicates across nodes see one record and one execution, and one node's
 //! death loses nothing. PostgreSQL only: skipped without `IDEM_TEST_POSTGRES_URL` (never under CI).
 
-mod common;
 
-use common::process::{
+use crate::common::process::{
     audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
 };
-use common::{backend, Answer, Backend, Db, Reply, Upstream};
+use crate::common::{backend, Answer, Backend, Db, Reply, Upstream};
 
 use std::io::Write;
 use std::sync::Arc;
@@ -56,7 +55,7 @@ async fn duplicates_spread_over_three_nodes_execute_once_and_get_the_same_bytes_
             sent.push(tokio::spawn(async move {
                 let key = format!("dup-{k:02}");
                 let request = nodes[n].post("/payments?delay_ms=200", &key, &body_of(&key)).header("prefer", "wait=5");
-                (k, n, common::send(request).await)
+                (k, n, crate::common::send(request).await)
             }));
         }
     }
@@ -78,7 +77,7 @@ async fn duplicates_spread_over_three_nodes_execute_once_and_get_the_same_bytes_
         assert_eq!(fresh, 1, "{key}: exactly one answer comes from the execution, the rest are replays");
         // Later replays, from every node, are the same bytes.
         for node in nodes.iter() {
-            let replay = common::send(node.post("/payments?delay_ms=200", &key, &body_of(&key))).await;
+            let replay = crate::common::send(node.post("/payments?delay_ms=200", &key, &body_of(&key))).await;
             assert_eq!(replay.header("idempotent-replayed"), Some("true"), "{key} on {}", node.name);
             assert_eq!(essence(&replay), essence(first), "{key}: {} replayed different bytes", node.name);
         }
@@ -96,7 +95,7 @@ async fn duplicates_spread_over_three_nodes_execute_once_and_get_the_same_bytes_
     assert_eq!(r.status(), 202);
     await_until("the upstream to receive far", Duration::from_secs(10), || upstream.hits("far") == 1).await;
     let asked = Instant::now();
-    let waited = common::send(nodes[1].post("/payments", "far", &body_of("far")).header("prefer", "wait=5")).await;
+    let waited = crate::common::send(nodes[1].post("/payments", "far", &body_of("far")).header("prefer", "wait=5")).await;
     let took = asked.elapsed();
     assert_eq!(waited.status, 201, "{:?}", waited.body);
     assert_eq!(waited.header("idempotent-replayed"), Some("true"));
@@ -165,8 +164,8 @@ async fn a_node_killed_with_work_in_flight_and_queued_is_taken_over_by_the_survi
     tokio::time::sleep(3 * LEASE).await;
     for node in &nodes[1..] {
         let lost = &unknown[0];
-        common::send(node.post("/payments", lost, &body_of(lost))).await.assert_problem(502, "outcome-unknown");
-        let replay = common::send(node.post("/payments", "queued-1", &body_of("queued-1"))).await;
+        crate::common::send(node.post("/payments", lost, &body_of(lost))).await.assert_problem(502, "outcome-unknown");
+        let replay = crate::common::send(node.post("/payments", "queued-1", &body_of("queued-1"))).await;
         assert_eq!(replay.status, 201);
         assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     }
@@ -232,7 +231,7 @@ async fn obeys(node: &Node, since: Instant, status: u16, what: &str) {
     loop {
         tries += 1;
         let key = format!("{}-{what}-{tries}", node.name);
-        let answer = common::send(node.post("/payments", &key, &body_of(&key))).await;
+        let answer = crate::common::send(node.post("/payments", &key, &body_of(&key))).await;
         if answer.status == status {
             if status == 503 {
                 answer.assert_problem(503, "circuit-open");
@@ -263,7 +262,7 @@ async fn a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds() {
 
     let http = &nodes[0].http;
     let body = json!({"scope": "payments", "action": "isolate", "reason": "rehearsal", "actor": "alice"});
-    let set = common::send(http.post(format!("{}/admin/switches", nodes[0].admin)).json(&body)).await;
+    let set = crate::common::send(http.post(format!("{}/admin/switches", nodes[0].admin)).json(&body)).await;
     assert_eq!(set.status, 201, "{:?}", set.body);
     let since = Instant::now();
     let id = set.json()["id"].as_str().unwrap().to_string();
@@ -271,12 +270,12 @@ async fn a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds() {
         obeys(node, since, 503, "isolated").await;
     }
     let hits_while_isolated = upstream.received().len();
-    common::send(nodes[2].post("/payments", "still-isolated", &body_of("x"))).await.assert_problem(503, "circuit-open");
+    crate::common::send(nodes[2].post("/payments", "still-isolated", &body_of("x"))).await.assert_problem(503, "circuit-open");
     assert_eq!(upstream.received().len(), hits_while_isolated, "nothing reaches the upstream");
 
     let clear = json!({"actor": "bob", "reason": "rehearsal over"});
     let cleared =
-        common::send(nodes[1].http.post(format!("{}/admin/switches/{id}/clear", nodes[1].admin)).json(&clear)).await;
+        crate::common::send(nodes[1].http.post(format!("{}/admin/switches/{id}/clear", nodes[1].admin)).json(&clear)).await;
     assert_eq!(cleared.status, 200, "{:?}", cleared.body);
     let since = Instant::now();
     for node in &nodes {

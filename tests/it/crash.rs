@@ -2,12 +2,11 @@
 //! attempt, in the middle of a backoff wait, at random moments under load, and SIGTERM's
 //! graceful hand-back. The fake upstream runs in the test process and outlives every broker.
 
-mod common;
 
-use common::process::{
+use crate::common::process::{
     audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
 };
-use common::{both_stores, Backend, Db, Reply, Upstream};
+use crate::common::{both_stores, Backend, Db, Reply, Upstream};
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -70,7 +69,7 @@ async fn a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_send
     let quiet_until = arrived + Duration::from_secs(3) + 4 * LEASE;
     tokio::time::sleep(quiet_until.saturating_duration_since(Instant::now())).await;
     assert_eq!(rig.upstream.hits("held"), 1, "an attempt that may have executed was sent again");
-    let r = common::send(rig.node.post("/payments", "held", BODY)).await;
+    let r = crate::common::send(rig.node.post("/payments", "held", BODY)).await;
     r.assert_problem(502, "outcome-unknown");
     assert_eq!(rig.upstream.hits("held"), 1);
     assert_eq!(rig.node.record("held").await.unwrap()["state"], "unknown");
@@ -124,7 +123,7 @@ async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b:
     let gap = arrivals[1] - arrivals[0];
     assert!(gap >= Duration::from_secs(2), "the Retry-After wait was cut short by the take-over: {gap:?}");
     assert!(arrivals[1] > killed, "the second attempt came from the restarted process");
-    let replay = common::send(rig.node.post("/payments", "waiting", BODY)).await;
+    let replay = crate::common::send(rig.node.post("/payments", "waiting", BODY)).await;
     assert_eq!(replay.status, 201);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(rig.upstream.hits("waiting"), 2);
@@ -163,7 +162,7 @@ async fn a_record_whose_broker_keeps_dying_on_it_stops_after_max_takeovers_inste
     assert!(take_overs[1]["note"].as_str().unwrap().contains("max_takeovers"), "{record:#}");
 
     // Not sent again, by a take-over or by the client's retry.
-    let r = common::send(node.post("/payments", "poison", BODY)).await;
+    let r = crate::common::send(node.post("/payments", "poison", BODY)).await;
     r.assert_problem(502, "outcome-unknown");
     let quiet_until = Instant::now() + 3 * LEASE;
     while Instant::now() < quiet_until {

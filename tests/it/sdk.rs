@@ -9,7 +9,6 @@
 //! interpreter in `IDEM_TEST_PYTHON`. Elsewhere the tests run where `python3` has them, and say
 //! they were skipped where it has not (under `CI` they fail instead).
 
-mod common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,7 +18,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use common::{Backend, Broker, Db};
+use crate::common::{Backend, Broker, Db};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 

@@ -2,13 +2,12 @@
 //! beneath it, and never a body, a credential or a cookie; plain text without terminal colours
 //! when they go to a file or a pipe; one line for a request its first attempt answered.
 
-mod common;
 
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Upstream;
+use crate::common::Upstream;
 
 /// What a broker logs in `format` while it answers one keyed request, read from a pipe.
 async fn logs_of_one_request(format: &str) -> String {

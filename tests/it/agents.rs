@@ -2,11 +2,10 @@
 //! fingerprints that ignore what changes on every retry, key lifetimes a client can see, answers
 //! it can act on, waiting without polling, and results that outlive retention as tombstones.
 
-mod common;
 
-use common::JsonOf;
+use crate::common::JsonOf;
 
-use common::{both_stores, send, Backend, Broker, Db, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Upstream};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -125,7 +124,7 @@ async fn the_routes_say_how_keys_work(b: Backend) {
 
 async fn a_problem_names_its_key_its_record_and_whether_to_retry(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
-    upstream.script("unsure", vec![common::Reply::status(504)]);
+    upstream.script("unsure", vec![crate::common::Reply::status(504)]);
     let r = send(broker.post("/payments", "unsure", "{}")).await;
     r.assert_problem(502, "outcome-unknown");
     let p = r.json();

@@ -2,11 +2,10 @@
 //! one route, a healthy second route beside it. The curves must say what was driven, on both
 //! stores, and say it again from a broker started afresh on the same database.
 
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
 use idem::record::Timestamp;
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
 use idem::store::AddAnswerCounts;
@@ -191,12 +190,12 @@ async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Back
         ("?window=1h&step=1s", "invalid-step"),
         ("?window=1h&step=ten", "invalid-step"),
     ] {
-        let answer = common::Answer::of(stats(&broker, query).await).await;
+        let answer = crate::common::Answer::of(stats(&broker, query).await).await;
         answer.assert_problem(400, problem);
         let name = problem.trim_start_matches("invalid-");
         assert!(answer.json()["detail"].as_str().unwrap().contains(&format!("`{name}`")), "{query}");
     }
-    common::Answer::of(stats(&broker, "?route=nope").await).await.assert_problem(404, "route-not-found");
+    crate::common::Answer::of(stats(&broker, "?route=nope").await).await.assert_problem(404, "route-not-found");
     // Nothing happened yet: zeros and gaps, never an error.
     let quiet = stats_json(&broker, "?window=5m&step=1m").await;
     let payments = route(&quiet, "payments");

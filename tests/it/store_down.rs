@@ -1,9 +1,8 @@
 //! A database that goes away: requests are refused with a clear problem, nothing is sent
 //! upstream, readiness says so — and nothing panics.
 
-mod common;
 
-use common::{backend, send, Backend, Broker, Db, Upstream};
+use crate::common::{backend, send, Backend, Broker, Db, Upstream};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_requests_without_sending_anything() {

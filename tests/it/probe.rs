@@ -2,11 +2,10 @@
 //! by asking the upstream — 2xx → `done` with the probe's answer, 404 → the key is freed,
 //! anything else → still `unknown`, asked again later with backoff — and never sent again.
 
-mod common;
 
-use common::JsonOf;
+use crate::common::JsonOf;
 
-use common::{both_stores, Backend, Broker, Db, Reply};
+use crate::common::{both_stores, Backend, Broker, Db, Reply};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -138,7 +137,7 @@ async fn setup_with(b: Backend, settle: Duration, clock: Option<Arc<ManualClock>
 /// Sends `key` once; the upstream's 504 leaves it `unknown`.
 async fn make_unknown(upstream: &Payments, broker: &Broker, key: &str, then: Vec<Reply>) {
     upstream.script(&format!("POST {key}"), [vec![Reply::status(504)], then].concat());
-    common::send(broker.post("/payments", key, BODY)).await.assert_problem(502, "outcome-unknown");
+    crate::common::send(broker.post("/payments", key, BODY)).await.assert_problem(502, "outcome-unknown");
 }
 
 fn probe_entries(record: &Value) -> Vec<&Value> {
@@ -171,7 +170,7 @@ async fn a_probe_answering_2xx_settles_the_record_done_with_the_probes_answer(b:
     assert_eq!(asked.len(), 1);
     assert!(asked[0] >= unknown_since + SETTLE, "probed before the outcome had settled");
 
-    let replay = common::send(broker.post("/payments", "found", BODY)).await;
+    let replay = crate::common::send(broker.post("/payments", "found", BODY)).await;
     assert_eq!(replay.status, 200);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
     assert_eq!(replay.header("idempotency-status"), Some("done"));
@@ -195,7 +194,7 @@ async fn a_probe_answering_404_frees_the_key_and_the_next_request_executes(b: Ba
     assert!(probes[0]["note"].as_str().unwrap().contains("→ 404"), "{record:#}");
     assert_eq!(upstream.posts().len(), 1, "a freed key is not sent before the client asks again");
 
-    let again = common::send(broker.post("/payments", "absent", BODY)).await;
+    let again = crate::common::send(broker.post("/payments", "absent", BODY)).await;
     assert_eq!(again.status, 201);
     assert_eq!(again.header("idempotent-replayed"), None, "executed afresh, not a replay");
     assert_eq!(upstream.posts().len(), 2);
@@ -245,7 +244,7 @@ async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_bac
     let offsets: Vec<Duration> = probes.iter().map(|e| since(e)).collect();
     assert_eq!(offsets, [60, 180, 420].map(Duration::from_secs), "probes at the settle, then backing off: {record:#}");
 
-    common::send(broker.post("/payments", "unsure", BODY)).await.assert_problem(502, "outcome-unknown");
+    crate::common::send(broker.post("/payments", "unsure", BODY)).await.assert_problem(502, "outcome-unknown");
     assert_eq!(upstream.posts().len(), 1, "an unknown record was sent upstream again");
     assert!(upstream.log.lock().unwrap().seen.iter().all(|s| s.method == Method::POST || s.path.contains("by-key")));
 }

@@ -2,14 +2,13 @@
 //! `idem switch`, obeyed by the data plane, ended by a clear or an expiry, audited, kept across a
 //! restart. Every case runs on SQLite and PostgreSQL.
 
-mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem::clock::ManualClock;
 
-use common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Gate, Reply, Upstream};
+use crate::common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Gate, Reply, Upstream};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 

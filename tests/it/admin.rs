@@ -1,12 +1,11 @@
 //! The operator's side (SPEC §5): the admin API and the `idem requests` CLI over it.
 
-mod common;
 
-use common::{both_stores, Backend, Db};
+use crate::common::{both_stores, Backend, Db};
 
 use std::time::{Duration, Instant};
 
-use common::{send, Answer, Broker, Reply, Upstream};
+use crate::common::{send, Answer, Broker, Reply, Upstream};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;

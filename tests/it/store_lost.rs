@@ -4,13 +4,12 @@
 //! `/readyz` answers 503, `idem_store_available` is 0 — and it recovers by itself where the
 //! store's own data comes back.
 
-mod common;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::process::{config_body, Node};
-use common::{backend, send, Backend, Db, Gate, Reply, Upstream};
+use crate::common::process::{config_body, Node};
+use crate::common::{backend, send, Backend, Db, Gate, Reply, Upstream};
 use sqlx::{Connection, PgConnection};
 
 const BODY: &str = r#"{"amount":42}"#;

@@ -2,11 +2,10 @@
 //! route's requests since a time, oldest first, with their attempts, read through a read-only
 //! connection opened beside a live store.
 
-mod common;
 
 use bytes::Bytes;
-use common::backend::{postgres_url_for_new_db, skipped};
-use common::{Backend, Db};
+use crate::common::backend::{postgres_url_for_new_db, skipped};
+use crate::common::{Backend, Db};
 use idem::fingerprint::Fingerprint;
 use idem::policy::StopReason;
 use idem::record::{Attempt, AttemptOutcome, ClaimToken, Holder, State, StoredRequest, StoredResponse, Timestamp};
@@ -202,7 +201,7 @@ async fn a_database_that_is_not_a_store_is_refused_plainly(backend: Backend) {
     let error = Reader::open(&url).await.err().expect("no Idem tables there").to_string();
     assert!(error.contains("holds no Idem records"), "{error}");
     if backend == Backend::Postgres {
-        common::backend::drop_postgres_db(&url).await;
+        crate::common::backend::drop_postgres_db(&url).await;
     }
 }
 
@@ -215,7 +214,7 @@ async fn a_missing_sqlite_file_is_not_created() {
     assert!(!path.exists());
 }
 
-common::both_stores!(
+crate::common::both_stores!(
     a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempts,
     the_reader_cannot_write,
     a_database_that_is_not_a_store_is_refused_plainly,
