@@ -1,4 +1,4 @@
-//! Streaming benchmark (SPEC §11): what passing a streamed answer through Idem adds to its time
+//! Streaming benchmark (docs/concepts.md): what passing a streamed answer through Idem adds to its time
 //! to first byte, and what streams in flight cost in memory.
 //!
 //! Idem runs as operators run it: the `idem` binary in a process of its own, on its default

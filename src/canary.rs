@@ -1,4 +1,4 @@
-//! Canary policies at run time (SPEC §10 `[routes.canary]`): every node watches each running
+//! Canary policies at run time (docs/configuration.md `[routes.canary]`): every node watches each running
 //! canary's two sides in the store — the canary's policy version and the route's own — and ends
 //! the canary when a stop condition holds, by setting a `canary_off` switch that every node then
 //! obeys, kept and listed like any operator's switch. Which side a request is on is decided in

@@ -1,4 +1,4 @@
-//! Who is calling (SPEC §2 `[auth]`, §8): the tenant a request's token names, read the ways
+//! Who is calling (docs/configuration.md `[auth]`, docs/agents.md): the tenant a request's token names, read the ways
 //! SDKs send one — `Authorization: Bearer`, Basic with the token as user name or password, or a
 //! header of the operator's choosing — and the scope of keys when the client's own credential
 //! goes upstream.

@@ -1,5 +1,5 @@
 //! Keys for clients that send none, and fingerprints that ignore what changes on every retry
-//! (SPEC §9). A tool-calling agent mints a new call id each turn and stamps its arguments with
+//! (docs/agents.md). A tool-calling agent mints a new call id each turn and stamps its arguments with
 //! the time: its true retries share neither a key nor a body. The route says which parts of the
 //! request name the operation (`key_from`) and which parts do not count (`fingerprint_ignore`).
 

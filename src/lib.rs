@@ -11,7 +11,7 @@
 //!   in memory, so that slow or idle clients cannot starve the others.
 //! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
 //!   [`key`] (sent, or [`derived`]) and [`fingerprint`], load shedding, and
-//!   the answers of SPEC §3 (fresh execution, replay, 409, 422, 502, 202, as the client's
+//!   the answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory.
 //! - [`store`] — the durable [`record`]s, named by their [`record::Tenant`] and
@@ -30,7 +30,7 @@
 //!   An execution keeps the route and policy it was claimed with, whatever a reload does, and
 //!   stores every attempt with its policy's version. An answer that arrives in parts is passed
 //!   through a [`stream`] tap to its client (and to duplicates that attach) as it arrives, and
-//!   read to its end and stored whatever the client does (SPEC §11).
+//!   read to its end and stored whatever the client does (docs/concepts.md).
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
 //!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
 //!   requests while the store cannot record them.
@@ -41,7 +41,7 @@
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
 //!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
 //!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
-//! - [`switch`] — an operator's emergency switch (SPEC §10): `retries_off`, `isolate` or
+//! - [`switch`] — an operator's emergency switch (docs/operations.md): `retries_off`, `isolate` or
 //!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
 //!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store
 //!   twice a second, so that the worker and the ingress obey it without a store round trip.

@@ -192,7 +192,7 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
     }
 }
 
-/// A streamed answer ended (SPEC §11): its time to first byte, its duration and its bytes.
+/// A streamed answer ended (docs/concepts.md): its time to first byte, its duration and its bytes.
 pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
     let route = route.to_string();
     histogram!("idem_stream_first_byte_seconds", "route" => route.clone()).record(first_byte.as_secs_f64());
@@ -200,7 +200,7 @@ pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
     counter!("idem_stream_bytes_total", "route" => route).increment(bytes);
 }
 
-/// A take-over stopped a record whose worker died (SPEC §4): `unsafe_replay`, `deadline` or
+/// A take-over stopped a record whose worker died (docs/concepts.md): `unsafe_replay`, `deadline` or
 /// `takeover_cap`. Counted with the stops of executions, which it ended.
 pub fn stopped_by_take_over(route: &str, stop: StopReason) {
     counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);

@@ -1,4 +1,4 @@
-//! Request paths at the edge (SPEC §7): the path a route matches is the path stored and the
+//! Request paths at the edge (docs/security.md): the path a route matches is the path stored and the
 //! path sent upstream, byte for byte.
 //!
 //! A URL parser between the broker and the upstream's handler — the HTTP client's, a framework's,

@@ -206,7 +206,7 @@ impl Problem {
         )
     }
 
-    /// A streamed answer that ended short after its first byte reached the client (SPEC §11):
+    /// A streamed answer that ended short after its first byte reached the client (docs/concepts.md):
     /// `why` says what ended it; `replay_safe` decides what became of the key.
     pub fn stream_cut(why: &str, replay_safe: bool) -> Problem {
         let then = if replay_safe {
@@ -347,7 +347,7 @@ impl Problem {
     }
 }
 
-/// The admin API's own answers (SPEC §5, §10): the operator is told what to do, like a client.
+/// The admin API's own answers (docs/operations.md): the operator is told what to do, like a client.
 impl Problem {
     pub fn admin_unauthorized() -> Problem {
         Problem::new(

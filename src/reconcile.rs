@@ -1,6 +1,6 @@
 //! Background upkeep of the store, on every node:
 //! - take-over: records whose worker died (lease expired) are continued, freed or moved to
-//!   `unknown` by SPEC §4's rule; queued records nobody claimed are claimed here;
+//!   `unknown` by the take-over rule of docs/concepts.md; queued records nobody claimed are claimed here;
 //! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
 //! - retention: `done` records past retention are deleted in batches;
 //! - health: the store is asked a few times a second whether it can be trusted with a request,
@@ -69,7 +69,7 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: Sh
     }
 }
 
-/// Where a record whose lease expired goes (SPEC §4): `unknown` if an attempt may have been sent
+/// Where a record whose lease expired goes (docs/concepts.md): `unknown` if an attempt may have been sent
 /// and the route is not replay-safe; otherwise queued again, or freed if its deadline passed.
 ///
 /// A record that would be queued again after `max_takeovers` take-overs is stopped instead

@@ -1,4 +1,4 @@
-//! Reloading the configuration without a restart (SPEC §10): on `SIGHUP` or `POST
+//! Reloading the configuration without a restart (docs/configuration.md): on `SIGHUP` or `POST
 //! /admin/config/reload` the file the broker was started with is read again and validated
 //! completely, by the same loader as `idem check`; then it is applied whole, or refused whole and
 //! the running configuration kept.

@@ -1,4 +1,4 @@
-//! An operator's emergency switch (SPEC §10): what a team flips, without a release, when retries
+//! An operator's emergency switch (docs/operations.md): what a team flips, without a release, when retries
 //! make an incident worse. A switch has a scope (one route, or all of them), an action, a reason,
 //! an optional expiry, and who set it and when; clearing it keeps who cleared it, when and why.
 //! This module is the switch as a value, parsed from what an operator sends and checked there;

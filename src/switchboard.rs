@@ -14,7 +14,7 @@ use crate::record::Timestamp;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 
-/// How often every node reads the switches: twice within SPEC §10's two seconds.
+/// How often every node reads the switches: twice within the two seconds docs/operations.md promises.
 pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
 
 /// The switches in force, shared by the ingress, the worker and the admin API.

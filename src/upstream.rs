@@ -232,7 +232,7 @@ pub struct Head {
     /// The end-to-end headers, as stored and returned.
     pub headers: Vec<(String, String)>,
     pub retry_after: Option<String>,
-    /// Its body is passed on as it arrives (SPEC §11): server-sent events, chunked, or long.
+    /// Its body is passed on as it arrives (docs/concepts.md): server-sent events, chunked, or long.
     pub streamed: bool,
     pub event_stream: bool,
     body: Incoming,

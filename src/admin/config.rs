@@ -1,4 +1,4 @@
-//! `POST /admin/config/reload`: the configuration file read again, applied or refused (SPEC §10).
+//! `POST /admin/config/reload`: the configuration file read again, applied or refused (docs/configuration.md).
 
 use std::sync::Arc;
 

@@ -1,4 +1,4 @@
-//! The admin listener (SPEC §5): the operator API over records — listing, inspection, and the
+//! The admin listener (docs/operations.md): the operator API over records — listing, inspection, and the
 //! actions that settle the reconciliation queue, one record at a time or in bulk — the per-route series of a retry storm
 //! (`/admin/stats`), the emergency switches (`/admin/switches`), the console page that draws and
 //! drives them, metrics, and health and readiness probes.

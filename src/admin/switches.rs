@@ -1,4 +1,4 @@
-//! `/admin/switches` (SPEC §10): the emergency switches an operator sets, lists and clears.
+//! `/admin/switches` (docs/operations.md): the emergency switches an operator sets, lists and clears.
 //!
 //! - `POST /admin/switches` `{"scope","action","reason","expires_in"?,"actor"?}` → 201, the switch
 //!   (and the one it replaced, if one of the same scope and action was on);

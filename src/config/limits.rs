@@ -1,4 +1,4 @@
-//! The `[server]` limits that keep misbehaving clients from starving the others (SPEC §7): how
+//! The `[server]` limits that keep misbehaving clients from starving the others (docs/security.md): how
 //! long a client may take to send its request, how many connections it may hold open, and how
 //! many request bytes the broker holds in memory at once.
 

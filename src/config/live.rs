@@ -1,4 +1,4 @@
-//! The running configuration, replaceable while the broker serves (SPEC §10 reload). Every
+//! The running configuration, replaceable while the broker serves (docs/configuration.md reload). Every
 //! request and every background pass reads the configuration current when it starts and keeps
 //! that snapshot to its end; an execution keeps the one it was claimed with, so a reload never
 //! changes the policy of an attempt sequence half-way.

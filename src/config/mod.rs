@@ -1,4 +1,4 @@
-//! The broker's configuration (SPEC §2): a TOML file parsed into raw serde structs, then
+//! The broker's configuration (docs/configuration.md): a TOML file parsed into raw serde structs, then
 //! validated into typed values. Anything wrong is refused at start with an error that names the
 //! key and the problem, so a bad deploy fails before it serves a single request.
 
@@ -139,7 +139,7 @@ pub struct Route {
     pub fingerprint_ignore: Vec<String>,
     pub max_body: usize,
     /// Answers longer than this are passed to the client but not stored: their duplicates get
-    /// 409 `response-not-stored` (SPEC §11).
+    /// 409 `response-not-stored` (docs/concepts.md).
     pub max_stored_body: usize,
     pub max_concurrency: usize,
     pub retry: RetryPolicy,
@@ -155,7 +155,7 @@ pub struct Route {
     pub canary: Option<Canary>,
 }
 
-/// One source of a derived key (SPEC §9 `key_from`).
+/// One source of a derived key (docs/agents.md `key_from`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeySource {
     Header(http::HeaderName),

@@ -1,4 +1,4 @@
-//! The edge: what stands between the network and the handlers (SPEC §7). Each listener holds
+//! The edge: what stands between the network and the handlers (docs/security.md). Each listener holds
 //! at most its budget of open connections, so idle sockets cannot starve `accept` of file
 //! descriptors; a new one past the budget takes the place of idle ones (`table`), and is
 //! answered 503 and closed at once only when every connection is busy with a request. It gives

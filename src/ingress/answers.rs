@@ -108,7 +108,7 @@ pub(super) fn freed(stop: Option<StopReason>) -> Problem {
     problem.state(State::NotStarted)
 }
 
-/// A streamed answer as it arrives (SPEC §11): the upstream's status and headers, and its body
+/// A streamed answer as it arrives (docs/concepts.md): the upstream's status and headers, and its body
 /// part by part. Its record is still `in_progress` while it flows; a cut ends the body visibly.
 pub(super) fn streamed_response(streamed: Streamed) -> Response {
     let Streamed { status, headers, event_stream, reader } = streamed;
@@ -142,7 +142,7 @@ pub(super) fn response_of(stored: &StoredResponse) -> Response {
 
 impl super::Ingress {
     /// A duplicate that waits, attached to its record's answer streaming through this process:
-    /// it gets what was already sent, then follows live (SPEC §11).
+    /// it gets what was already sent, then follows live (docs/concepts.md).
     pub(super) fn attached(&self, record: &crate::record::Record) -> Option<Response> {
         let streamed = self.worker.attach(record.id)?;
         metrics::answered(&record.route, "attached");

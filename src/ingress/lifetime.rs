@@ -1,4 +1,4 @@
-//! How long a key's answer lives (SPEC §9): replayed until its route's retention ends, then
+//! How long a key's answer lives (docs/agents.md): replayed until its route's retention ends, then
 //! remembered by a tombstone that refuses the same request instead of executing it again.
 
 use std::time::Duration;
@@ -20,7 +20,7 @@ impl Ingress {
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
-    /// yet swept. The same request is refused, never executed again (SPEC §9).
+    /// yet swept. The same request is refused, never executed again (docs/agents.md).
     pub(super) fn spent(&self, record: &Record) -> Option<Problem> {
         let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
         let status = record.response.as_ref().map(|r| r.status);

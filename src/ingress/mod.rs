@@ -1,4 +1,4 @@
-//! The data plane (SPEC §3): a request comes in, is matched to a route, authenticated, keyed and
+//! The data plane (docs/concepts.md): a request comes in, is matched to a route, authenticated, keyed and
 //! fingerprinted, recorded, and answered — by a fresh execution, a replay, or a problem.
 
 use std::sync::Arc;

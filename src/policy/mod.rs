@@ -19,7 +19,7 @@ pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending, RoutePace};
 pub use version::{Effective, PolicyVersion};
 
-/// A route's retry settings (SPEC §2 `[routes.retry]`), already validated.
+/// A route's retry settings (docs/configuration.md `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RetryPolicy {
     /// Total attempts, the first included.
@@ -39,7 +39,7 @@ pub struct RetryPolicy {
     pub budget_ratio: f64,
     pub budget_min_per_sec: f64,
     /// After a streamed answer's first byte reached the client: the longest silence between two
-    /// parts before the stream counts as cut (SPEC §11).
+    /// parts before the stream counts as cut (docs/concepts.md).
     pub stream_idle_timeout: Duration,
 }
 
@@ -195,7 +195,7 @@ pub struct AfterAttempt {
 }
 
 /// The operator's emergency switches over a route as they stand when a decision is made
-/// (SPEC §10). The policy is told, never looks: the worker reads them, `idem simulate` has none.
+/// (docs/operations.md). The policy is told, never looks: the worker reads them, `idem simulate` has none.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Switched {
     /// No retry starts: first attempts only.

@@ -86,7 +86,7 @@ pub struct Holder {
     pub token: ClaimToken,
 }
 
-/// Whose a record is: the tenant a request's credentials name (SPEC §2 `[auth]`), `default`
+/// Whose a record is: the tenant a request's credentials name (docs/configuration.md `[auth]`), `default`
 /// without tenants. Keys are unique per tenant. Shared, not copied: the ingress resolves it once
 /// per request and it flows into the record, its lookups and its logs.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -1,5 +1,6 @@
-//! SPEC §4's state machine, pure: where a record goes on each event. The stores persist what
-//! [`transition`] decides, guarded by the phase it was decided from.
+//! The state machine of a record (its states: docs/concepts.md), pure: where a record goes on
+//! each event. The stores persist what [`transition`] decides, guarded by the phase it was
+//! decided from.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum State {
@@ -71,7 +72,7 @@ impl Phase {
     }
 }
 
-/// The events of SPEC §4's transition table, and the store's commands that move a record.
+/// The events that move a record between its states, and the store's commands that do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Event {
     /// A request with the same key and fingerprint arrives for a free record.
@@ -111,7 +112,7 @@ pub struct Refused {
     pub event: Event,
 }
 
-/// SPEC §4's transition table as a function: anything not listed is refused.
+/// The transition table as a function: anything not listed is refused.
 pub fn transition(from: Phase, event: Event) -> Result<Phase, Refused> {
     use Event::*;
     use Phase::*;
@@ -146,7 +147,7 @@ pub fn transition(from: Phase, event: Event) -> Result<Phase, Refused> {
 }
 
 /// The phase a fresh insert stores: queued, or claimed in the same commit by a worker that sends
-/// it at once (SPEC §4: a new record is queued, and the claim is the table's `Claim`).
+/// it at once (a new record is queued, and the claim is the table's `Claim`).
 pub fn admitted(claimed: bool) -> Phase {
     match transition(Phase::Queued, Event::Claim) {
         Ok(claimed_phase) if claimed => claimed_phase,
@@ -246,7 +247,7 @@ mod tests {
         events
     }
 
-    /// SPEC §4's table, row by row: every allowed (from, event, to). Any pair not listed must be
+    /// The transition table, row by row: every allowed (from, event, to). Any pair not listed must be
     /// refused.
     fn table() -> Vec<(Phase, Event, Phase)> {
         let mut rows = vec![

@@ -1,4 +1,4 @@
-//! A request's durable record and the state machine it moves through (SPEC §4).
+//! A request's durable record and the state machine it moves through (docs/concepts.md).
 
 use base64::Engine;
 use bytes::Bytes;
@@ -108,7 +108,7 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
-/// How a streamed answer went (SPEC §11), stored with its record.
+/// How a streamed answer went (docs/concepts.md), stored with its record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamFacts {
     /// Body bytes received from the upstream.
@@ -198,7 +198,7 @@ impl Record {
         }
     }
 
-    /// The record as SPEC §3 shows it to clients and operators. The request body and headers
+    /// The record as docs/http-api.md shows it to clients and operators. The request body and headers
     /// are not shown: they may carry secrets meant only for the upstream.
     pub fn to_json(&self, with_history: bool) -> Value {
         let attempts: Vec<Value> = self

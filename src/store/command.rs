@@ -55,7 +55,7 @@ pub struct AttemptEnded {
     pub holder: Holder,
     pub attempt: Option<Attempt>,
     pub then: AfterAttempt,
-    /// How the attempt's answer streamed (SPEC §11), when it did. Stored by the same write as
+    /// How the attempt's answer streamed (docs/concepts.md), when it did. Stored by the same write as
     /// the outcome: a done record is never seen without knowing whether it kept its body.
     /// `None` leaves what the record holds as it is.
     pub stream: Option<StreamFacts>,

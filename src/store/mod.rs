@@ -61,7 +61,7 @@ pub struct NewRecord {
     /// taken over from a free or expired one is queued as usual.
     pub claim: Option<Claim>,
     /// Done records of the key that finished at or after this are still remembered (tombstones,
-    /// SPEC §9): past their retention, the same request is refused with the record rather than
+    /// docs/agents.md): past their retention, the same request is refused with the record rather than
     /// executed again. `None`: the route keeps no tombstones.
     pub tombstone_cutoff: Option<Timestamp>,
 }
@@ -155,7 +155,7 @@ pub enum AfterAttempt {
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed and must not be sent again automatically.
     Unknown(StopReason),
-    /// `unknown`, as a streamed answer cut after its first byte reached the client (SPEC §11):
+    /// `unknown`, as a streamed answer cut after its first byte reached the client (docs/concepts.md):
     /// what arrived of it is kept in the record's response for the operator, never replayed.
     Cut(StopReason, StoredResponse),
     /// `not_started`, free: nothing executed (or the route is replay-safe); the key is released.
@@ -165,7 +165,7 @@ pub enum AfterAttempt {
     Release,
 }
 
-/// Where a take-over moves a record whose lease expired (SPEC §4), and why it stopped there.
+/// Where a take-over moves a record whose lease expired (docs/concepts.md), and why it stopped there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TakeOverTo {
     /// Queued again, for any worker to continue within the same deadline.
@@ -354,7 +354,7 @@ pub trait Store: Send + Sync + 'static {
     /// their attempts ran under: the two sides of a canary, for its stop conditions.
     async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError>;
 
-    // ---- emergency switches (SPEC §10) ---------------------------------------------------------
+    // ---- emergency switches (docs/operations.md) ---------------------------------------------------------
 
     /// Stores `switch`, set at its `set_at`. A switch of the same scope and action that is active
     /// then is cleared in the same transaction, as replaced by this one (by its actor, for its

@@ -1,4 +1,4 @@
-//! Streamed answers (SPEC §11): which upstream answers are passed through as they arrive, the
+//! Streamed answers (docs/concepts.md): which upstream answers are passed through as they arrive, the
 //! [`Tap`] that holds one in flight for the client, attached duplicates and the record, and the
 //! body a client is sent from it, which ends visibly when the stream is cut.
 

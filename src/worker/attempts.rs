@@ -254,7 +254,7 @@ impl Inner {
     }
 
     /// Sends the attempt, keeping the lease alive while it is in flight. An answer that streams
-    /// (SPEC §11) and whose status ends the execution is read up to its first body byte only,
+    /// (docs/concepts.md) and whose status ends the execution is read up to its first body byte only,
     /// within the attempt's limit: until then the policy holds; after it, the stream is read
     /// through. Any other answer is read whole, as before.
     async fn send(&self, job: &Job<'_>, p: &Progress, begun: Begun) -> Sent {

@@ -49,7 +49,7 @@ pub enum Outcome {
     /// How the execution ended, which the store could not take yet: it is written again until
     /// it does. Told to the client as it is, marked as not recorded.
     Unrecorded(Box<Outcome>),
-    /// The upstream's answer streams (SPEC §11): its head, and its body as it arrives. The
+    /// The upstream's answer streams (docs/concepts.md): its head, and its body as it arrives. The
     /// execution goes on reading it to its end and settles the record whatever the client does.
     Streaming(Streamed),
 }
@@ -313,7 +313,7 @@ impl Worker {
     }
 
     /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
-    /// what a duplicate that waits gets instead of a 409 (SPEC §11).
+    /// what a duplicate that waits gets instead of a 409 (docs/concepts.md).
     pub fn attach(&self, id: Uuid) -> Option<Streamed> {
         let flow = lock(&self.inner.streams).get(&id).cloned();
         flow?.attach()

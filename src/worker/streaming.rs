@@ -1,4 +1,4 @@
-//! A streamed answer past its first body byte (SPEC §11): the client is answered at once with a
+//! A streamed answer past its first body byte (docs/concepts.md): the client is answered at once with a
 //! reader of the [`Tap`], and the execution reads the upstream to its end whatever the client
 //! does — a client that leaves stops nothing. How the stream ends settles the record: whole, it
 //! is `done`; cut, stalled past `stream_idle_timeout` or out of deadline, it is `unknown` (or

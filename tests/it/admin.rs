@@ -1,4 +1,4 @@
-//! The operator's side (SPEC §5): the admin API and the `idem requests` CLI over it.
+//! The operator's side (docs/operations.md): the admin API and the `idem requests` CLI over it.
 
 
 use crate::common::{both_stores, Backend, Db};

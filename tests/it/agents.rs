@@ -1,4 +1,4 @@
-//! SPEC §9: agents retry late and without keys. Keys derived from what names the operation,
+//! docs/agents.md: agents retry late and without keys. Keys derived from what names the operation,
 //! fingerprints that ignore what changes on every retry, key lifetimes a client can see, answers
 //! it can act on, waiting without polling, and results that outlive retention as tombstones.
 

@@ -1,4 +1,4 @@
-//! Canary policies (SPEC §10 `[routes.canary]`): a stable slice of a route's keys runs under a
+//! Canary policies (docs/configuration.md `[routes.canary]`): a stable slice of a route's keys runs under a
 //! candidate policy, its attempts carry the candidate's `policy_version`, and the canary ends
 //! itself — a `canary_off` switch in the audit trail, obeyed at once — when a stop condition
 //! holds. Every case runs on SQLite and PostgreSQL.

@@ -1,4 +1,4 @@
-//! SPEC §8: what it takes to stand in front of a real, authenticated API and speak the
+//! docs/agents.md: what it takes to stand in front of a real, authenticated API and speak the
 //! conventions its SDKs already follow — credentials for the upstream, tenant tokens the way
 //! SDKs send them, an honest 409, `x-should-retry`, the key echoed, keyless calls, and errors
 //! an SDK can read.

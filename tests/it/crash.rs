@@ -1,4 +1,4 @@
-//! Crashes of a real `idem serve` process (SPEC §4, take-over): SIGKILL in the middle of an
+//! Crashes of a real `idem serve` process (docs/concepts.md, take-over): SIGKILL in the middle of an
 //! attempt, in the middle of a backoff wait, at random moments under load, and SIGTERM's
 //! graceful hand-back. The fake upstream runs in the test process and outlives every broker.
 

@@ -1,4 +1,4 @@
-//! SPEC §3, row by row, through real HTTP: a broker on port 0 in front of a fake upstream.
+//! The answer table of docs/concepts.md, row by row, through real HTTP: a broker on port 0 in front of a fake upstream.
 
 
 use crate::common::{both_stores, Backend, Db};

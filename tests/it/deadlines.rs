@@ -1,4 +1,4 @@
-//! Deadlines passed down (SPEC §10): each attempt tells the upstream its milliseconds in the
+//! Deadlines passed down (docs/concepts.md): each attempt tells the upstream its milliseconds in the
 //! route's `deadline_header`; a client sending that header may shorten its deadline, never
 //! lengthen it.
 

@@ -1,4 +1,4 @@
-//! SPEC §7's limits at the edge, through raw sockets: clients that hold connections without
+//! The limits of docs/security.md at the edge, through raw sockets: clients that hold connections without
 //! finishing their requests are cut, the admin listener answers while the data plane is full,
 //! and request bodies held in memory stay within their bound.
 

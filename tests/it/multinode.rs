@@ -1,4 +1,4 @@
-//! Several `idem serve` processes on one PostgreSQL database form one broker (SPEC §6): any node
+//! Several `idem serve` processes on one PostgreSQL database form one broker (docs/operations.md): any node
 //! takes any request, duplicates across nodes see one record and one execution, and one node's
 //! death loses nothing. PostgreSQL only: skipped without `IDEM_TEST_POSTGRES_URL` (never under CI).
 
@@ -221,7 +221,7 @@ async fn nodes_killed_in_turn_under_load_lose_no_acknowledged_request_and_execut
     audit.assert_clean(KEYS);
 }
 
-/// How long a switch set (or cleared) on one node may take to be obeyed by every node (SPEC §10).
+/// How long a switch set (or cleared) on one node may take to be obeyed by every node (docs/operations.md).
 const SWITCH_REACH: Duration = Duration::from_secs(2);
 
 /// Sends a new key to `node` until its answer is `status` (each try a fresh key, so each is a new

@@ -1,4 +1,4 @@
-//! SPEC §7: the path a route matches is the path stored and the path sent. A path that a URL
+//! docs/security.md: the path a route matches is the path stored and the path sent. A path that a URL
 //! parser on the way could rewrite — a `.` or `..` segment, literal or percent-encoded in any
 //! case — is refused with 400 `invalid-path`, nothing recorded and nothing sent.
 //!

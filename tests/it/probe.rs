@@ -1,4 +1,4 @@
-//! Automatic reconciliation (SPEC §5): an `unknown` record on a route with a `probe` is settled
+//! Automatic reconciliation (docs/operations.md): an `unknown` record on a route with a `probe` is settled
 //! by asking the upstream — 2xx → `done` with the probe's answer, 404 → the key is freed,
 //! anything else → still `unknown`, asked again later with backoff — and never sent again.
 

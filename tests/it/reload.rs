@@ -1,4 +1,4 @@
-//! Reloading the configuration without a restart (SPEC §10), on both stores: a bad file is
+//! Reloading the configuration without a restart (docs/configuration.md), on both stores: a bad file is
 //! refused and the running configuration kept; a good one adds, changes and removes routes, and
 //! new attempts carry the new `policy_version`; records in flight finish under the policy they
 //! started with; a restart-only key is refused whole; `SIGHUP` does it for a real `idem serve`.

@@ -154,7 +154,7 @@ async fn stripe_python_gets_exactly_once_through_idem() {
     let reused = run("key_reused").await;
     assert!(reused["first"]["id"].as_str().is_some(), "{reused}");
     // Read as an error of the API's, with its code and message, not "Invalid response object".
-    // (stripe-python names it IdempotencyError only for a 400 or 404; SPEC's status is 422.)
+    // (stripe-python names it IdempotencyError only for a 400 or 404; Idem's status is 422.)
     assert_eq!(reused["second"]["error"], "APIError", "{reused}");
     assert_eq!(reused["second"]["status"], 422, "{reused}");
     assert_eq!(reused["second"]["code"], "idempotency-key-reused", "{reused}");

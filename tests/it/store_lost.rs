@@ -1,4 +1,4 @@
-//! A store lost under a running broker process (SPEC §7): its SQLite file deleted, replaced or
+//! A store lost under a running broker process (docs/security.md): its SQLite file deleted, replaced or
 //! moved away, its PostgreSQL database closed to connections. Within about a second the broker
 //! fails closed — new keys get 503 `store-unavailable` and nothing reaches the upstream,
 //! `/readyz` answers 503, `idem_store_available` is 0 — and it recovers by itself where the

@@ -1,4 +1,4 @@
-//! SPEC §11, through real HTTP: a broker on port 0 in front of an upstream that streams
+//! Streamed answers (docs/concepts.md), through real HTTP: a broker on port 0 in front of an upstream that streams
 //! OpenAI-style server-sent events (`data: {…}` lines ending with `data: [DONE]`).
 
 

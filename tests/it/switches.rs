@@ -1,4 +1,4 @@
-//! Emergency switches (SPEC §10): `retries_off` and `isolate` set through `/admin/switches` and
+//! Emergency switches (docs/operations.md): `retries_off` and `isolate` set through `/admin/switches` and
 //! `idem switch`, obeyed by the data plane, ended by a clear or an expiry, audited, kept across a
 //! restart. Every case runs on SQLite and PostgreSQL.
 
