@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
+use idem::domain::StopReason;
+use idem::domain::{AttemptOutcome, Holder, Owner, Tenant, Timestamp};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
-use idem::policy::StopReason;
-use idem::record::{Attempt, AttemptOutcome, Holder, Owner, StoredRequest, StoredResponse, Tenant, Timestamp};
+use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::{self, Admission, AfterAttempt, AttemptEnded, Claim, NewRecord, Store};
 use sqlx::Connection;
 use uuid::Uuid;

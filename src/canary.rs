@@ -12,8 +12,9 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::{Live, Route};
-use crate::policy::{canary_stop_reason, Cohort, PolicyVersion};
-use crate::record::Timestamp;
+use crate::domain::PolicyVersion;
+use crate::domain::Timestamp;
+use crate::policy::{canary_stop_reason, Cohort};
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 use crate::switchboard::Switches;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 
 /// What time it is, in milliseconds since the Unix epoch.
 pub trait Clock: Send + Sync {

@@ -9,8 +9,8 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::config::Config;
+use crate::domain::Tenant;
 use crate::problem::Problem;
-use crate::record::Tenant;
 
 /// The tenant of a request: "default" without tenants (or, when keys are scoped by credential,
 /// the digest of the client's `Authorization`); else the tenant whose token digest matches.

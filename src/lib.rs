@@ -66,6 +66,7 @@ pub mod config;
 pub mod credentials;
 pub mod demo;
 pub mod derived;
+pub mod domain;
 pub mod edge;
 pub mod fingerprint;
 pub mod ingress;

@@ -320,7 +320,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                     print!("{}", idem::simulate::command(&config, &route, &outcomes, draw.as_ref(), json)?);
                 }
                 (None, true, Some(since), Some(candidate)) => {
-                    let since = history::Since::parse(&since, idem::record::Timestamp::now())
+                    let since = history::Since::parse(&since, idem::domain::Timestamp::now())
                         .map_err(|problem| anyhow::anyhow!("--since {problem}"))?;
                     let draws = draw.unwrap_or_else(|| "0.5".parse().expect("0.5 is a draw"));
                     let request = history::Request {

@@ -9,8 +9,9 @@ use std::time::Duration;
 use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::policy::{BreakerState, Class, Cohort, PolicyVersion, StopReason};
-use crate::record::Phase;
+use crate::domain::Phase;
+use crate::domain::{Class, PolicyVersion, StopReason};
+use crate::policy::{BreakerState, Cohort};
 use crate::switch::SwitchAction;
 
 /// How often histogram samples are folded into their buckets when nobody scrapes.

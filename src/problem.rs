@@ -5,7 +5,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::record::State;
+use crate::domain::State;
 use crate::store::StoreError;
 
 pub const STATUS_HEADER: &str = "idempotency-status";

@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use crate::clock::{Clock, SharedClock};
 use crate::config::{Config, Live, Probe, Route};
-use crate::policy::StopReason;
-use crate::record::{transition, Attempt, AttemptOutcome, Event, HistoryEntry, Phase, Record, Timestamp};
+use crate::domain::StopReason;
+use crate::domain::{AttemptOutcome, Phase, Timestamp};
+use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
 use crate::store::{
     Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
     TakeOver, TakeOverTo,

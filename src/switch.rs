@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 
 /// What a switch applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use crate::clock::{self, SharedClock};
 use crate::config::{Policy, Route};
+use crate::domain::Timestamp;
 use crate::policy::Switched;
-use crate::record::Timestamp;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use crate::clock::SharedClock;
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::stats::AnswerCount;
 use crate::store::{AddAnswerCounts, Store, StoreError};
 

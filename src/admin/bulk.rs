@@ -14,8 +14,9 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::{apply_cancel, apply_resolve, apply_retry, json_body, store_problem, Admin, Attribution};
+use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::problem::Problem;
-use crate::record::{Record, State as RecordState, Tenant, Timestamp};
+use crate::record::Record;
 use crate::store::{Cursor, ListFilter, Resolution};
 
 /// How many records one bulk call acts on unless it says otherwise; and at most.

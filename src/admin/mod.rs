@@ -20,10 +20,11 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
+use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::reconcile;
-use crate::record::{header_text, HistoryEntry, Record, State as RecordState, StoredResponse, Tenant, Timestamp};
+use crate::record::{header_text, HistoryEntry, Record, StoredResponse};
 use crate::reload::Reloader;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;

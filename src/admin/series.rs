@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Map, Value};
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::stats::{StatsRows, StatsSpan, UnknownSpell};
 
 /// One route's series, a value per step.

@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 
 use super::series::assemble;
 use super::Admin;
+use crate::domain::Timestamp;
 use crate::problem::Problem;
-use crate::record::Timestamp;
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.

@@ -57,7 +57,7 @@ pub(super) async fn set(State(admin): State<Arc<Admin>>, body: Bytes) -> Result<
         action = switch.action.as_str(),
         actor = %switch.actor,
         reason = %switch.reason,
-        expires_at = switch.expires_at.map(crate::record::Timestamp::as_millis),
+        expires_at = switch.expires_at.map(crate::domain::Timestamp::as_millis),
         replaced = ?replaced.as_ref().map(|r| r.id),
         "emergency switch set"
     );

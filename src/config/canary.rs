@@ -6,7 +6,8 @@ use serde::Deserialize;
 use super::raw::{positive, RawRetry};
 use super::Route;
 use super::{invalid, ConfigError};
-use crate::policy::{in_canary, CanaryStop, PolicyVersion, RetryPolicy};
+use crate::domain::PolicyVersion;
+use crate::policy::{in_canary, CanaryStop, RetryPolicy};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -5,7 +5,7 @@
 use serde_json::{json, Value};
 
 use super::{invalid, Config, ConfigError, Route};
-use crate::policy::PolicyVersion;
+use crate::domain::PolicyVersion;
 
 /// Settings the running process was built around: its listeners and their connection budgets
 /// and timeouts, the request-body budget, the store it opened, its worker pool, and the lease

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use http::Method;
 
-use crate::policy::{BreakerSettings, Jitter, PolicyVersion, RetryPolicy};
+use crate::domain::PolicyVersion;
+use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
 mod canary;
 mod candidate;
@@ -90,7 +91,7 @@ impl PartialEq for AuthConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tenant {
     /// Held as the records name it, so that a request's tenant is this one, shared.
-    pub name: crate::record::Tenant,
+    pub name: crate::domain::Tenant,
     /// SHA-256 of the tenant's bearer token; the token itself is never stored.
     pub token_sha256: [u8; 32],
 }

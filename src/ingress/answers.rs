@@ -8,10 +8,11 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::REPLAYED_HEADER;
+use crate::domain::StopReason;
+use crate::domain::{State, Timestamp};
 use crate::metrics;
-use crate::policy::StopReason;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
-use crate::record::{State, StoredResponse, Timestamp};
+use crate::record::StoredResponse;
 use crate::stream;
 use crate::upstream;
 use crate::worker::{Outcome, Streamed};

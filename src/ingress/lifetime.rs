@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use super::Ingress;
+use crate::domain::{State, Timestamp};
 use crate::problem::Problem;
-use crate::record::{Record, State, Timestamp};
+use crate::record::Record;
 
 impl Ingress {
     /// How long a route's done records are replayed, as configured now; a route no longer

@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 
+use crate::domain::Timestamp;
 use crate::fingerprint::Fingerprint;
-use crate::record::{StoredResponse, Timestamp};
+use crate::record::StoredResponse;
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
 /// deletes it — on every node alike — so its answer can be replayed without reading the

@@ -11,10 +11,11 @@ use axum::Json;
 
 use super::Ingress;
 use crate::credentials;
+use crate::domain::Phase;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
-use crate::record::{HistoryEntry, Phase, Record};
+use crate::record::{HistoryEntry, Record};
 use crate::store::{Cancel, Cancelled};
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {

@@ -17,7 +17,9 @@ pub use budget::RetryBudget;
 pub use canary::{in_canary, stop_reason as canary_stop_reason, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending, RoutePace};
-pub use version::{Effective, PolicyVersion};
+pub use version::Effective;
+
+use crate::domain::{Class, StopReason};
 
 /// A route's retry settings (docs/configuration.md `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,99 +69,6 @@ pub enum Observed {
     TimedOut,
     /// An I/O error after the request may have been written, or a body cut after the status.
     Broken,
-}
-
-/// What an attempt means for the operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Class {
-    /// 2xx: executed, and it worked.
-    Success,
-    /// Any other status not listed as retryable: executed, final, stored and replayed.
-    Final,
-    /// Connect failure or a `not_processed` status: the upstream did not execute it.
-    NotExecuted,
-    /// Timeout, broken connection or an `ambiguous` status: it may have executed.
-    Ambiguous,
-}
-
-impl Class {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Class::Success => "success",
-            Class::Final => "final",
-            Class::NotExecuted => "not_executed",
-            Class::Ambiguous => "ambiguous",
-        }
-    }
-}
-
-/// Why a record's execution stopped. Recorded with the record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum StopReason {
-    Success,
-    FinalResponse,
-    /// The attempt may have executed and the route is not replay-safe: the outcome is unknown.
-    UnsafeReplay,
-    AttemptCap,
-    Deadline,
-    RetryBudget,
-    RetryAfterBeyondDeadline,
-    CircuitOpen,
-    Cancelled,
-    /// The route forwards the client's own credential, which only the process that received the
-    /// request holds; this one does not (a take-over, a restart), so nothing is sent.
-    CredentialUnavailable,
-    /// Its lease expired more often than `worker.max_takeovers`: a record whose worker keeps
-    /// dying on it is stopped rather than continued again.
-    TakeoverCap,
-    /// An operator's `retries_off` switch was on when a retry would have started.
-    RetriesOff,
-    /// A streamed answer's upstream cut it after its first byte reached the client.
-    StreamCut,
-    /// A streamed answer's upstream sent nothing for `stream_idle_timeout` after its first byte.
-    StreamIdleTimeout,
-}
-
-impl StopReason {
-    pub const ALL: [StopReason; 14] = [
-        StopReason::Success,
-        StopReason::FinalResponse,
-        StopReason::UnsafeReplay,
-        StopReason::AttemptCap,
-        StopReason::Deadline,
-        StopReason::RetryBudget,
-        StopReason::RetryAfterBeyondDeadline,
-        StopReason::CircuitOpen,
-        StopReason::Cancelled,
-        StopReason::CredentialUnavailable,
-        StopReason::TakeoverCap,
-        StopReason::RetriesOff,
-        StopReason::StreamCut,
-        StopReason::StreamIdleTimeout,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StopReason::Success => "success",
-            StopReason::FinalResponse => "final_response",
-            StopReason::UnsafeReplay => "unsafe_replay",
-            StopReason::AttemptCap => "attempt_cap",
-            StopReason::Deadline => "deadline",
-            StopReason::RetryBudget => "retry_budget",
-            StopReason::RetryAfterBeyondDeadline => "retry_after_beyond_deadline",
-            StopReason::CircuitOpen => "circuit_open",
-            StopReason::Cancelled => "cancelled",
-            StopReason::CredentialUnavailable => "credential_unavailable",
-            StopReason::TakeoverCap => "takeover_cap",
-            StopReason::RetriesOff => "retries_off",
-            StopReason::StreamCut => "stream_cut",
-            StopReason::StreamIdleTimeout => "stream_idle_timeout",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<StopReason> {
-        StopReason::ALL.into_iter().find(|r| r.as_str() == text)
-    }
 }
 
 /// What to do after an attempt.

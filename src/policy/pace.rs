@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 
 /// Each route's attempt durations, learnt from the attempts this process made: the typical one
 /// (an exponentially weighted mean, so that it follows an upstream that slows down or recovers

@@ -10,13 +10,12 @@
 //! (upstream, credentials, forwarded headers) and how a request is keyed or admitted — changing
 //! those changes no decision of the policy.
 
-use std::fmt;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
 use super::{BreakerSettings, Jitter, RetryPolicy};
+use crate::domain::PolicyVersion;
 
 /// Hex digits kept of the digest: 48 bits, enough that two policies a team ever runs side by
 /// side do not collide, short enough for a metric label and a log line.
@@ -24,30 +23,6 @@ const DIGITS: usize = 12;
 
 /// `[routes.retry] stream_idle_timeout` when it is not set.
 pub const STREAM_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
-
-/// The digest of an effective policy: 12 lower-case hex digits. Shared, not copied: every
-/// attempt is stored with its version.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PolicyVersion(Arc<str>);
-
-impl PolicyVersion {
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-/// A version as stored with a record: the name of a policy that may no longer be configured.
-impl From<&str> for PolicyVersion {
-    fn from(version: &str) -> PolicyVersion {
-        PolicyVersion(version.into())
-    }
-}
-
-impl fmt::Display for PolicyVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// The values that decide a record's attempts, borrowed from wherever they are configured.
 #[derive(Debug, Clone, Copy)]
@@ -62,7 +37,7 @@ pub struct Effective<'a> {
 impl Effective<'_> {
     pub fn version(&self) -> PolicyVersion {
         let digest = Sha256::digest(self.canonical().as_bytes());
-        PolicyVersion(hex::encode(digest)[..DIGITS].into())
+        PolicyVersion::from(&hex::encode(digest)[..DIGITS])
     }
 
     /// One `name=value` line per setting, in a fixed order, durations in whole microseconds and

@@ -6,17 +6,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
+use crate::domain::{AttemptOutcome, Owner, Phase};
+use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::policy::{Class, StopReason};
 
-mod ids;
 mod machine;
-mod time;
 
-pub use ids::{ClaimToken, Holder, Owner, RecordId, Tenant};
-pub use machine::{admitted, transition, Event, Phase, Refused, State};
-pub use time::Timestamp;
+pub use machine::{admitted, transition, Event, Refused};
 
 /// One physical attempt, as stored with its record.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,7 +29,7 @@ pub struct Attempt {
     pub error: Option<String>,
     /// The wait before this attempt.
     pub wait_ms: u64,
-    /// The version of the policy the attempt was sent under (see [`crate::policy::PolicyVersion`]);
+    /// The version of the policy the attempt was sent under (see [`crate::domain::PolicyVersion`]);
     /// absent from attempts stored before versions were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_version: Option<String>,
@@ -40,53 +37,6 @@ pub struct Attempt {
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
-}
-
-/// How an attempt ended, as stored and shown: its [`Class`], or `lost` (its worker died
-/// mid-attempt). Serialized as the class's name, as before the type existed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttemptOutcome {
-    Success,
-    Final,
-    NotExecuted,
-    Ambiguous,
-    Lost,
-}
-
-impl AttemptOutcome {
-    pub const ALL: [AttemptOutcome; 5] = [
-        AttemptOutcome::Success,
-        AttemptOutcome::Final,
-        AttemptOutcome::NotExecuted,
-        AttemptOutcome::Ambiguous,
-        AttemptOutcome::Lost,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptOutcome::Success => Class::Success.as_str(),
-            AttemptOutcome::Final => Class::Final.as_str(),
-            AttemptOutcome::NotExecuted => Class::NotExecuted.as_str(),
-            AttemptOutcome::Ambiguous => Class::Ambiguous.as_str(),
-            AttemptOutcome::Lost => "lost",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<AttemptOutcome> {
-        AttemptOutcome::ALL.into_iter().find(|o| o.as_str() == text)
-    }
-}
-
-impl From<Class> for AttemptOutcome {
-    fn from(class: Class) -> AttemptOutcome {
-        match class {
-            Class::Success => AttemptOutcome::Success,
-            Class::Final => AttemptOutcome::Final,
-            Class::NotExecuted => AttemptOutcome::NotExecuted,
-            Class::Ambiguous => AttemptOutcome::Ambiguous,
-        }
-    }
 }
 
 /// An entry of the record's history: who did what, when.

@@ -6,7 +6,8 @@
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::policy::{Class, Observed, RetryBudget, RetryPolicy, Settlement, StopReason};
+use crate::domain::{Class, StopReason};
+use crate::policy::{Observed, RetryBudget, RetryPolicy, Settlement};
 
 pub mod history;
 mod report;

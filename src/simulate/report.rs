@@ -7,7 +7,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::{state_name, AttemptStep, End, Scripted, Step, Trace, Verdict, WaitStep};
-use crate::policy::{Class, Jitter, Observed, RetryPolicy, StopReason};
+use crate::domain::{Class, StopReason};
+use crate::policy::{Jitter, Observed, RetryPolicy};
 
 fn ms(d: Duration) -> u64 {
     d.as_millis() as u64

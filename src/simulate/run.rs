@@ -87,7 +87,7 @@ impl<'p> Replay<'p> {
         Trace { steps: self.steps, end, elapsed: self.now, attempts: self.run.attempts(), draws: self.draws, unused }
     }
 
-    fn stop(&mut self, reason: crate::policy::StopReason) {
+    fn stop(&mut self, reason: crate::domain::StopReason) {
         self.end = Some(End::Stopped { reason, state: self.run.settle(reason, self.replay_safe) });
     }
 

@@ -9,12 +9,11 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
-use crate::policy::{PolicyVersion, StopReason};
-use crate::record::{
-    admitted, transition, Attempt, AttemptOutcome, ClaimToken, Event, HistoryEntry, Holder, Lease, Owner, Phase,
-    RecordId, Refused, Timestamp,
-};
-use crate::record::{State, StoredResponse, StreamFacts};
+use crate::domain::State;
+use crate::domain::{AttemptOutcome, ClaimToken, Holder, Owner, Phase, RecordId, Timestamp};
+use crate::domain::{PolicyVersion, StopReason};
+use crate::record::{admitted, transition, Attempt, Event, HistoryEntry, Lease, Refused};
+use crate::record::{StoredResponse, StreamFacts};
 use crate::store::stats::AnswerCount;
 use crate::switch::Clearing;
 
@@ -306,7 +305,7 @@ pub(crate) fn retried() -> Result<Phase, Refused> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Phase::*;
+    use crate::domain::Phase::*;
 
     fn phase(stored: &Stored<'_>) -> Phase {
         Phase::of(stored.state, stored.queued)

@@ -3,7 +3,8 @@
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::record::{Record, State, Tenant, Timestamp};
+use crate::domain::{State, Tenant, Timestamp};
+use crate::record::Record;
 
 /// Which records an operator listing shows, oldest first (a queue is worked from its head);
 /// `cursor` continues a listing after the last record shown.

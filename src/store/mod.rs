@@ -6,12 +6,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use uuid::Uuid;
 
+use crate::domain::{ClaimToken, Owner, Phase, Tenant, Timestamp};
+use crate::domain::{PolicyVersion, StopReason};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::policy::{PolicyVersion, StopReason};
-use crate::record::{
-    transition, ClaimToken, Event, Owner, Phase, Record, StoredRequest, StoredResponse, Tenant, Timestamp,
-};
+use crate::record::{transition, Event, Record, StoredRequest, StoredResponse};
 use crate::switch::Switch;
 
 mod command;

@@ -6,8 +6,9 @@
 use uuid::Uuid;
 
 use super::{postgres, sqlite, Columns, StoreError};
-use crate::policy::StopReason;
-use crate::record::{Attempt, HistoryEntry, State, Timestamp};
+use crate::domain::StopReason;
+use crate::domain::{State, Timestamp};
+use crate::record::{Attempt, HistoryEntry};
 
 /// Most requests one read returns: enough for a day of a busy route, few enough to hold and
 /// replay in memory. More are reported as cut, never silently dropped.

@@ -5,10 +5,11 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::StoreError;
+use crate::domain::StopReason;
+use crate::domain::{ClaimToken, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::policy::StopReason;
-use crate::record::{ClaimToken, Record, State, StoredRequest, StoredResponse, Tenant, Timestamp};
+use crate::record::{Record, StoredRequest, StoredResponse};
 
 /// A row read by column name, whichever driver produced it: any sqlx row (both backends), and
 /// the SQLite writer's rusqlite rows (`sqlite::rows`). Integers arrive as 64 bits (PostgreSQL's

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::{Columns, StoreError};
 
 /// Replays and 409s counted in memory by one node over one second, added to the store's

@@ -8,7 +8,7 @@ use sqlx::error::BoxDynError;
 use sqlx::postgres::{PgHasArrayType, PgTypeInfo};
 use sqlx::{Database, Decode, Encode, Type};
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 
 impl<DB: Database> Type<DB> for Timestamp
 where

@@ -10,7 +10,8 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
 use crate::config::{Config, Policy, Route};
-use crate::record::{Record, State, Timestamp};
+use crate::domain::{State, Timestamp};
+use crate::record::Record;
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.

@@ -15,9 +15,11 @@ use super::execution::CancelSignal;
 use super::guards::RouteGuard;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
+use crate::domain::{Class, StopReason};
+use crate::domain::{Holder, Timestamp};
 use crate::metrics;
-use crate::policy::{self, Class, Decision, Ended, Execution, Observed, StopReason};
-use crate::record::{Attempt, Holder, Record, StoredResponse, StreamFacts, Timestamp};
+use crate::policy::{self, Decision, Ended, Execution, Observed};
+use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Head};
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use uuid::Uuid;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 
 /// Client credentials waiting for their execution to start. One whose record another node ran
 /// is never taken: it is dropped once its deadline has passed.

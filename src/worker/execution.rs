@@ -14,9 +14,11 @@ use super::admission::{Reservation, Start};
 use super::attempts::{since, Job, Progress};
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
+use crate::domain::{ClaimToken, Holder, Timestamp};
+use crate::domain::{Class, StopReason};
 use crate::metrics;
-use crate::policy::{Class, Settlement, StopReason};
-use crate::record::{Attempt, ClaimToken, Holder, Record, Timestamp};
+use crate::policy::Settlement;
+use crate::record::{Attempt, Record};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 

@@ -25,9 +25,11 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
-use crate::policy::{Pace, StopReason};
-use crate::record::Owner;
-use crate::record::{Phase, Record, StoredResponse};
+use crate::domain::Owner;
+use crate::domain::Phase;
+use crate::domain::StopReason;
+use crate::policy::Pace;
+use crate::record::{Record, StoredResponse};
 use crate::store::Store;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;

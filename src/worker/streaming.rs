@@ -10,8 +10,9 @@ use tracing::Instrument;
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
 use super::{lock, Flow, Inner, Outcome};
+use crate::domain::StopReason;
 use crate::metrics;
-use crate::policy::{Decision, Ended, Observed, StopReason};
+use crate::policy::{Decision, Ended, Observed};
 use crate::problem::Problem;
 use crate::record::{StoredResponse, StreamFacts};
 use crate::stream::{self, Tap};

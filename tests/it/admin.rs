@@ -1,6 +1,5 @@
 //! The operator's side (docs/operations.md): the admin API and the `idem requests` CLI over it.
 
-
 use crate::common::{both_stores, Backend, Db};
 
 use std::time::{Duration, Instant};

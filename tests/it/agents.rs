@@ -2,7 +2,6 @@
 //! fingerprints that ignore what changes on every retry, key lifetimes a client can see, answers
 //! it can act on, waiting without polling, and results that outlive retention as tombstones.
 
-
 use crate::common::JsonOf;
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Upstream};

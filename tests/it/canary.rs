@@ -3,7 +3,6 @@
 //! itself — a `canary_off` switch in the audit trail, obeyed at once — when a stop condition
 //! holds. Every case runs on SQLite and PostgreSQL.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};

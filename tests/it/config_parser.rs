@@ -2,8 +2,8 @@
 //! accepts it or refuses it with a message that names the key and the problem (or, for a file
 //! that is not TOML of the right shape, says where it goes wrong), and never panics.
 
-use idem::config::{Config, ConfigError};
 use crate::mutate::{edits, mutated};
+use idem::config::{Config, ConfigError};
 use proptest::prelude::*;
 
 /// A config that sets every key, each line a place for the generator to put another value.

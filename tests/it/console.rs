@@ -3,7 +3,6 @@
 //! "Resolve: executed" with real mouse events; then the record must be `done` and replay what
 //! was typed. In the Health view, the default one, it reads the charts of a retry storm.
 
-
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

@@ -3,7 +3,6 @@
 //! SDKs send them, an honest 409, `x-should-retry`, the key echoed, keyless calls, and errors
 //! an SDK can read.
 
-
 use crate::common::JsonOf;
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};

@@ -2,7 +2,6 @@
 //! attempt, in the middle of a backoff wait, at random moments under load, and SIGTERM's
 //! graceful hand-back. The fake upstream runs in the test process and outlives every broker.
 
-
 use crate::common::process::{
     audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
 };
@@ -235,7 +234,7 @@ async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(
         let store = idem::store::open(&rig.db.url).await.unwrap();
         let key = idem::key::IdempotencyKey::parse("graceful").unwrap();
         let record = store.lookup(&Default::default(), &key).await.unwrap().expect("the record is kept");
-        assert_eq!(record.phase(), idem::record::Phase::Queued, "{record:?}");
+        assert_eq!(record.phase(), idem::domain::Phase::Queued, "{record:?}");
         assert!(record.lease.is_none(), "{record:?}");
         assert!(record.in_flight.is_none(), "{record:?}");
         assert_eq!(record.attempts.len(), 1);

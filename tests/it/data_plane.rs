@@ -1,6 +1,5 @@
 //! The answer table of docs/concepts.md, row by row, through real HTTP: a broker on port 0 in front of a fake upstream.
 
-
 use crate::common::{both_stores, Backend, Db};
 
 use std::sync::Arc;

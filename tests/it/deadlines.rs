@@ -2,7 +2,6 @@
 //! route's `deadline_header`; a client sending that header may shorten its deadline, never
 //! lengthen it.
 
-
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};

@@ -2,7 +2,6 @@
 //! finishing their requests are cut, the admin listener answers while the data plane is full,
 //! and request bodies held in memory stay within their bound.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Upstream};

@@ -1,7 +1,6 @@
 //! The execution engine through real HTTP: retries, waits, Retry-After, deadlines, budgets,
 //! the circuit breaker and load shedding.
 
-
 use crate::common::{both_stores, Backend, Db};
 
 use std::sync::Arc;

@@ -2,7 +2,6 @@
 //! beneath it, and never a body, a credential or a cookie; plain text without terminal colours
 //! when they go to a file or a pipe; one line for a request its first attempt answered.
 
-
 use std::io::Read;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

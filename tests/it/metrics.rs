@@ -1,7 +1,6 @@
 //! `/metrics` after a scripted run: the numbers must add up. The broker is a process of its own
 //! (`idem serve`), so its recorder sees this run alone, not the other tests' brokers.
 
-
 use std::time::Duration;
 
 use crate::common::process::{config_body, Node};

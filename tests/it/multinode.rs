@@ -2,7 +2,6 @@
 //! takes any request, duplicates across nodes see one record and one execution, and one node's
 //! death loses nothing. PostgreSQL only: skipped without `IDEM_TEST_POSTGRES_URL` (never under CI).
 
-
 use crate::common::process::{
     audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
 };
@@ -95,7 +94,8 @@ async fn duplicates_spread_over_three_nodes_execute_once_and_get_the_same_bytes_
     assert_eq!(r.status(), 202);
     await_until("the upstream to receive far", Duration::from_secs(10), || upstream.hits("far") == 1).await;
     let asked = Instant::now();
-    let waited = crate::common::send(nodes[1].post("/payments", "far", &body_of("far")).header("prefer", "wait=5")).await;
+    let waited =
+        crate::common::send(nodes[1].post("/payments", "far", &body_of("far")).header("prefer", "wait=5")).await;
     let took = asked.elapsed();
     assert_eq!(waited.status, 201, "{:?}", waited.body);
     assert_eq!(waited.header("idempotent-replayed"), Some("true"));
@@ -270,12 +270,15 @@ async fn a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds() {
         obeys(node, since, 503, "isolated").await;
     }
     let hits_while_isolated = upstream.received().len();
-    crate::common::send(nodes[2].post("/payments", "still-isolated", &body_of("x"))).await.assert_problem(503, "circuit-open");
+    crate::common::send(nodes[2].post("/payments", "still-isolated", &body_of("x")))
+        .await
+        .assert_problem(503, "circuit-open");
     assert_eq!(upstream.received().len(), hits_while_isolated, "nothing reaches the upstream");
 
     let clear = json!({"actor": "bob", "reason": "rehearsal over"});
     let cleared =
-        crate::common::send(nodes[1].http.post(format!("{}/admin/switches/{id}/clear", nodes[1].admin)).json(&clear)).await;
+        crate::common::send(nodes[1].http.post(format!("{}/admin/switches/{id}/clear", nodes[1].admin)).json(&clear))
+            .await;
     assert_eq!(cleared.status, 200, "{:?}", cleared.body);
     let since = Instant::now();
     for node in &nodes {

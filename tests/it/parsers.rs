@@ -4,10 +4,10 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::mutate::{edits, mutated};
 use idem::key::{IdempotencyKey, KeyError, MAX_LEN};
 use idem::policy::{parse_retry_after, MAX_RETRY_AFTER};
 use idem::prefer::{Prefer, MAX_WAIT_SECS};
-use crate::mutate::{edits, mutated};
 use proptest::prelude::*;
 
 // ---- Idempotency-Key --------------------------------------------------------------------------

@@ -5,7 +5,6 @@
 //! Requests go out over a raw socket: an HTTP client library would resolve the dot-segments
 //! itself before sending, and so never show what the broker does with them.
 
-
 use crate::common::{both_stores, Backend, Broker, Db, Upstream};
 
 use serde_json::Value;

@@ -2,7 +2,6 @@
 //! by asking the upstream — 2xx → `done` with the probe's answer, 404 → the key is freed,
 //! anything else → still `unknown`, asked again later with backoff — and never sent again.
 
-
 use crate::common::JsonOf;
 
 use crate::common::{both_stores, Backend, Broker, Db, Reply};
@@ -240,7 +239,7 @@ async fn a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_bac
     for entry in &probes {
         assert!(entry["note"].as_str().unwrap().contains("→ 500"), "{record:#}");
     }
-    let since = |entry: &Value| idem::record::Timestamp::from(at(entry)) - unknown_at;
+    let since = |entry: &Value| idem::domain::Timestamp::from(at(entry)) - unknown_at;
     let offsets: Vec<Duration> = probes.iter().map(|e| since(e)).collect();
     assert_eq!(offsets, [60, 180, 420].map(Duration::from_secs), "probes at the settle, then backing off: {record:#}");
 

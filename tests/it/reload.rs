@@ -3,15 +3,14 @@
 //! new attempts carry the new `policy_version`; records in flight finish under the policy they
 //! started with; a restart-only key is refused whole; `SIGHUP` does it for a real `idem serve`.
 
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::IntoResponse;
 use crate::common::process::{config_body, Node};
 use crate::common::{both_stores, send, Answer, Backend, Broker, Db, JsonOf, Reply, Upstream};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
@@ -240,7 +239,8 @@ async fn a_broker_started_without_a_file_says_it_has_nothing_to_reload(b: Backen
     let answer = send(http.post(format!("http://{}/admin/config/reload", running.admin_listen))).await;
     answer.assert_problem(409, "reload-unavailable");
     assert!(answer.json()["detail"].as_str().unwrap().contains("running configuration is kept"));
-    let served = send(crate::common::keyed_post(&http, &format!("http://{}", running.listen), "/payments", "k", BODY)).await;
+    let served =
+        send(crate::common::keyed_post(&http, &format!("http://{}", running.listen), "/payments", "k", BODY)).await;
     assert_eq!(served.status, 201);
     running.shutdown().await;
 }

@@ -9,16 +9,15 @@
 //! interpreter in `IDEM_TEST_PYTHON`. Elsewhere the tests run where `python3` has them, and say
 //! they were skipped where it has not (under `CI` they fail instead).
 
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::common::{Backend, Broker, Db};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use crate::common::{Backend, Broker, Db};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 

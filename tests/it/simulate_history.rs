@@ -2,7 +2,6 @@
 //! scripted upstream, then the CLI replays them from the same store, while the broker still
 //! runs, through the current policy and candidates.
 
-
 use std::io::Write;
 use std::process::Output;
 use std::time::Duration;

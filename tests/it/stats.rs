@@ -2,11 +2,10 @@
 //! one route, a healthy second route beside it. The curves must say what was driven, on both
 //! stores, and say it again from a broker started afresh on the same database.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
-use idem::record::Timestamp;
+use idem::domain::Timestamp;
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
 use idem::store::AddAnswerCounts;
 use serde_json::Value;

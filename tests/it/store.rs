@@ -13,15 +13,13 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use crate::common::{Backend, Db};
+use bytes::Bytes;
+use idem::domain::StopReason;
+use idem::domain::{AttemptOutcome, ClaimToken, Holder, Phase, State, Timestamp};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
-use idem::policy::StopReason;
-use idem::record::{
-    header_text, Attempt, AttemptOutcome, ClaimToken, HistoryEntry, Holder, Phase, Record, State, StoredRequest,
-    StoredResponse, StreamFacts, Timestamp,
-};
+use idem::record::{header_text, Attempt, HistoryEntry, Record, StoredRequest, StoredResponse, StreamFacts};
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
     ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve, Retry,

@@ -1,7 +1,6 @@
 //! A database that goes away: requests are refused with a clear problem, nothing is sent
 //! upstream, readiness says so — and nothing panics.
 
-
 use crate::common::{backend, send, Backend, Broker, Db, Upstream};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

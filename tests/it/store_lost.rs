@@ -4,7 +4,6 @@
 //! `/readyz` answers 503, `idem_store_available` is 0 — and it recovers by itself where the
 //! store's own data comes back.
 
-
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

@@ -2,13 +2,13 @@
 //! route's requests since a time, oldest first, with their attempts, read through a read-only
 //! connection opened beside a live store.
 
-
-use bytes::Bytes;
 use crate::common::backend::{postgres_url_for_new_db, skipped};
 use crate::common::{Backend, Db};
+use bytes::Bytes;
+use idem::domain::StopReason;
+use idem::domain::{AttemptOutcome, ClaimToken, Holder, State, Timestamp};
 use idem::fingerprint::Fingerprint;
-use idem::policy::StopReason;
-use idem::record::{Attempt, AttemptOutcome, ClaimToken, Holder, State, StoredRequest, StoredResponse, Timestamp};
+use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 use uuid::Uuid;

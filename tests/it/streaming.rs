@@ -1,7 +1,6 @@
 //! Streamed answers (docs/concepts.md), through real HTTP: a broker on port 0 in front of an upstream that streams
 //! OpenAI-style server-sent events (`data: {…}` lines ending with `data: [DONE]`).
 
-
 use std::time::Duration;
 
 use crate::common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};

@@ -2,7 +2,6 @@
 //! `idem switch`, obeyed by the data plane, ended by a clear or an expiry, audited, kept across a
 //! restart. Every case runs on SQLite and PostgreSQL.
 
-
 use std::sync::Arc;
 use std::time::Duration;
 

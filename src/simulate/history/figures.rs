@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::policy::StopReason;
+use crate::domain::StopReason;
 use crate::simulate::{End, Trace};
 
 /// How one request ended, as the figures count it.

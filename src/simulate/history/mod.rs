@@ -17,8 +17,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::config::{Candidate, Config, ConfigError, Route};
-use crate::policy::{RetryBudget, RetryPolicy, StopReason};
-use crate::record::{Attempt, State, Timestamp};
+use crate::domain::StopReason;
+use crate::domain::{State, Timestamp};
+use crate::policy::{RetryBudget, RetryPolicy};
+use crate::record::Attempt;
 use crate::simulate::{Draws, Replay};
 use crate::store::recorded::{Reader, Recorded};
 use crate::store::StoreError;

@@ -189,7 +189,7 @@ pub fn json(c: &Comparison) -> Value {
         "route": c.route,
         "since": c.source.since.at.rfc3339(),
         "since_given": c.source.since.text,
-        "first_arrival": c.first_arrival.map(crate::record::Timestamp::rfc3339),
+        "first_arrival": c.first_arrival.map(crate::domain::Timestamp::rfc3339),
         "replayed": c.recorded.requests,
         "left_out": {
             "running": c.left_out.running,

@@ -6,7 +6,8 @@ use std::fmt::Write;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::record::{Attempt, Timestamp};
+use crate::domain::Timestamp;
+use crate::record::Attempt;
 use crate::simulate::{Outcome, Scripted, Upstream};
 
 /// One recorded attempt: when it started after the request's arrival, and what it met.
@@ -172,7 +173,7 @@ mod tests {
             number,
             started_at: at(started_at),
             duration_ms: took,
-            outcome: crate::record::AttemptOutcome::Success,
+            outcome: crate::domain::AttemptOutcome::Success,
             status,
             error: error.map(str::to_string),
             wait_ms: 0,

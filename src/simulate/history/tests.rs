@@ -21,7 +21,7 @@ fn attempt(number: u32, started_at: i64, status: u16) -> Attempt {
         number,
         started_at: at(started_at),
         duration_ms: 10,
-        outcome: crate::record::AttemptOutcome::Success,
+        outcome: crate::domain::AttemptOutcome::Success,
         status: Some(status),
         error: None,
         wait_ms: 0,

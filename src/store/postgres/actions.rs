@@ -4,7 +4,8 @@
 use sqlx::PgPool;
 
 use super::rows::{one_element, COLUMNS};
-use crate::record::{transition, ClaimToken, Event, HistoryEntry, Phase, Record, RecordId, Refused};
+use crate::domain::{ClaimToken, Phase, RecordId};
+use crate::record::{transition, Event, HistoryEntry, Record, Refused};
 use crate::store::{
     decide, decode, retried, Action, Cancel, Cancelled, Probed, Resolution, Resolve, Retry, StoreError,
 };

@@ -5,7 +5,8 @@
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::Row;
 
-use crate::record::{transition, ClaimToken, Event, Phase};
+use crate::domain::{ClaimToken, Phase};
+use crate::record::{transition, Event};
 use crate::store::{AttemptStarted, ClaimQueued, Lease, Renew, StoreError};
 
 /// Takes a queued record.

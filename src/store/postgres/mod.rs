@@ -50,8 +50,9 @@ use super::{
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
     Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::key::IdempotencyKey;
-use crate::record::{ClaimToken, Phase, Record, State, Tenant, Timestamp};
+use crate::record::Record;
 use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen

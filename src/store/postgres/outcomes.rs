@@ -12,8 +12,8 @@ use sqlx::PgPool;
 
 use super::lanes::{Lanes, Reply};
 use super::rows::{one_element, record_id};
-use crate::policy::StopReason;
-use crate::record::RecordId;
+use crate::domain::RecordId;
+use crate::domain::StopReason;
 use crate::store::{AttemptEnded, Lease, StoreError, Stored};
 
 /// The most outcomes in one call.

@@ -4,7 +4,7 @@
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Executor;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::recorded::{decode, Recorded};
 use crate::store::StoreError;
 

@@ -3,7 +3,7 @@
 
 use sqlx::postgres::PgPool;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
 

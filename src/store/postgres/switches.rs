@@ -6,7 +6,7 @@
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::{decode_switch, StoreError, SwitchCleared};
 use crate::switch::{Clearing, Switch};
 

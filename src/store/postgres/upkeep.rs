@@ -5,8 +5,9 @@
 use sqlx::{PgPool, Row};
 
 use super::rows::{one_element, COLUMNS};
-use crate::policy::StopReason;
-use crate::record::{transition, Event, Phase, Record, State};
+use crate::domain::StopReason;
+use crate::domain::{Phase, State};
+use crate::record::{transition, Event, Record};
 use crate::store::{decode, span_ms, ClaimUnclaimed, StoreError, Sweep, TakeOver};
 
 /// Takes over a record whose lease expired.

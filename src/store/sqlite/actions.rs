@@ -5,7 +5,8 @@
 use rusqlite::{params, Connection};
 
 use super::writes::get;
-use crate::record::{ClaimToken, Event, HistoryEntry, Phase, RecordId};
+use crate::domain::{ClaimToken, Phase, RecordId};
+use crate::record::{Event, HistoryEntry};
 use crate::store::{decide, Action, Probed, Resolution, Resolve, Retry, StoreError};
 
 /// The record as `changed` rows (0 or 1) of a guarded update left it: applied, or refused when

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 use super::split_synchronous;
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::recorded::{decode, Recorded};
 use crate::store::StoreError;
 

@@ -4,7 +4,7 @@
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, Side, StatsRows, StatsSpan};
 use crate::store::{AddAnswerCounts, StoreError};
 

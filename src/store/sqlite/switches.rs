@@ -6,7 +6,7 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use super::rows::WriterRow;
-use crate::record::Timestamp;
+use crate::domain::Timestamp;
 use crate::store::{decode_switch, ClearSwitch, StoreError, SwitchCleared};
 use crate::switch::Switch;
 

@@ -23,7 +23,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::files::{io_failure, DatabaseFiles};
 use super::{actions, writes};
-use crate::record::{ClaimToken, Record, Timestamp};
+use crate::domain::{ClaimToken, Timestamp};
+use crate::record::Record;
 use crate::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
     ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,

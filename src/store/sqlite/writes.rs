@@ -4,8 +4,9 @@
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::policy::StopReason;
-use crate::record::{transition, ClaimToken, Event, Phase, Record, RecordId, Timestamp};
+use crate::domain::StopReason;
+use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
+use crate::record::{transition, Event, Record};
 use crate::store::{
     span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease,
     Renew, StoreError, Stored, Sweep, TakeOver,

@@ -1,10 +1,11 @@
-//! Names the store's commands carry instead of bare strings and UUIDs.
+//! Names: of records, claims, tenants, routes and policies, each its own type rather than a
+//! bare string or UUID.
 
 use std::fmt;
 use std::ops::Deref;
 use std::sync::{Arc, OnceLock};
 
-use serde::{Serialize, Serializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use uuid::Uuid;
 
 /// A record's id.
@@ -146,5 +147,113 @@ impl fmt::Display for Tenant {
 impl Serialize for Tenant {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.serialize_str(&self.0)
+    }
+}
+
+/// The digest of an effective policy: 12 lower-case hex digits. Shared, not copied: every
+/// attempt is stored with its version.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyVersion(Arc<str>);
+
+impl PolicyVersion {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A version as stored with a record: the name of a policy that may no longer be configured.
+impl From<&str> for PolicyVersion {
+    fn from(version: &str) -> PolicyVersion {
+        PolicyVersion(version.into())
+    }
+}
+
+impl fmt::Display for PolicyVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<String> for PolicyVersion {
+    fn from(version: String) -> PolicyVersion {
+        PolicyVersion(version.into())
+    }
+}
+
+impl Serialize for PolicyVersion {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for PolicyVersion {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<PolicyVersion, D::Error> {
+        String::deserialize(deserializer).map(PolicyVersion::from)
+    }
+}
+
+/// A route's name, as configured and as its records, metrics and logs carry it. Shared, not
+/// copied: every request on the route names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RouteName(Arc<str>);
+
+impl RouteName {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for RouteName {
+    fn from(name: &str) -> RouteName {
+        RouteName(name.into())
+    }
+}
+
+impl From<String> for RouteName {
+    fn from(name: String) -> RouteName {
+        RouteName(name.into())
+    }
+}
+
+impl Deref for RouteName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::borrow::Borrow<str> for RouteName {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl PartialEq<str> for RouteName {
+    fn eq(&self, other: &str) -> bool {
+        &*self.0 == other
+    }
+}
+
+impl PartialEq<&str> for RouteName {
+    fn eq(&self, other: &&str) -> bool {
+        &*self.0 == *other
+    }
+}
+
+impl fmt::Display for RouteName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for RouteName {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for RouteName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<RouteName, D::Error> {
+        String::deserialize(deserializer).map(RouteName::from)
     }
 }

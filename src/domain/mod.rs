@@ -1,0 +1,19 @@
+//! The ground floor: the words every layer shares, each one type with one spelling. A record's
+//! id, tenant, route and claim, its state and phase, why its execution stopped, what an attempt
+//! meant, what its history says, which answer a request got, a policy's version and the time.
+//! The metric label, the problem, the history entry and the SQL bind all come from these values.
+//! It depends on nothing else in the crate.
+
+mod answer;
+mod history;
+mod ids;
+mod outcome;
+mod state;
+mod time;
+
+pub use answer::AnswerKind;
+pub use history::HistoryAction;
+pub use ids::{ClaimToken, Holder, Owner, PolicyVersion, RecordId, RouteName, Tenant};
+pub use outcome::{AttemptError, AttemptOutcome, Class, StopReason};
+pub use state::{Phase, State};
+pub use time::Timestamp;

@@ -1,0 +1,196 @@
+//! What an attempt meant and why an execution stopped: the words the policy decides with, the
+//! store records and the metrics count, each spelt once.
+
+use serde::{Deserialize, Serialize};
+
+/// What an attempt means for the operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// 2xx: executed, and it worked.
+    Success,
+    /// Any other status not listed as retryable: executed, final, stored and replayed.
+    Final,
+    /// Connect failure or a `not_processed` status: the upstream did not execute it.
+    NotExecuted,
+    /// Timeout, broken connection or an `ambiguous` status: it may have executed.
+    Ambiguous,
+}
+
+impl Class {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Success => "success",
+            Class::Final => "final",
+            Class::NotExecuted => "not_executed",
+            Class::Ambiguous => "ambiguous",
+        }
+    }
+}
+
+/// Why a record's execution stopped. Recorded with the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StopReason {
+    Success,
+    FinalResponse,
+    /// The attempt may have executed and the route is not replay-safe: the outcome is unknown.
+    UnsafeReplay,
+    AttemptCap,
+    Deadline,
+    RetryBudget,
+    RetryAfterBeyondDeadline,
+    CircuitOpen,
+    Cancelled,
+    /// The route forwards the client's own credential, which only the process that received the
+    /// request holds; this one does not (a take-over, a restart), so nothing is sent.
+    CredentialUnavailable,
+    /// Its lease expired more often than `worker.max_takeovers`: a record whose worker keeps
+    /// dying on it is stopped rather than continued again.
+    TakeoverCap,
+    /// An operator's `retries_off` switch was on when a retry would have started.
+    RetriesOff,
+    /// A streamed answer's upstream cut it after its first byte reached the client.
+    StreamCut,
+    /// A streamed answer's upstream sent nothing for `stream_idle_timeout` after its first byte.
+    StreamIdleTimeout,
+}
+
+impl StopReason {
+    pub const ALL: [StopReason; 14] = [
+        StopReason::Success,
+        StopReason::FinalResponse,
+        StopReason::UnsafeReplay,
+        StopReason::AttemptCap,
+        StopReason::Deadline,
+        StopReason::RetryBudget,
+        StopReason::RetryAfterBeyondDeadline,
+        StopReason::CircuitOpen,
+        StopReason::Cancelled,
+        StopReason::CredentialUnavailable,
+        StopReason::TakeoverCap,
+        StopReason::RetriesOff,
+        StopReason::StreamCut,
+        StopReason::StreamIdleTimeout,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Success => "success",
+            StopReason::FinalResponse => "final_response",
+            StopReason::UnsafeReplay => "unsafe_replay",
+            StopReason::AttemptCap => "attempt_cap",
+            StopReason::Deadline => "deadline",
+            StopReason::RetryBudget => "retry_budget",
+            StopReason::RetryAfterBeyondDeadline => "retry_after_beyond_deadline",
+            StopReason::CircuitOpen => "circuit_open",
+            StopReason::Cancelled => "cancelled",
+            StopReason::CredentialUnavailable => "credential_unavailable",
+            StopReason::TakeoverCap => "takeover_cap",
+            StopReason::RetriesOff => "retries_off",
+            StopReason::StreamCut => "stream_cut",
+            StopReason::StreamIdleTimeout => "stream_idle_timeout",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<StopReason> {
+        StopReason::ALL.into_iter().find(|r| r.as_str() == text)
+    }
+}
+
+/// How an attempt ended, as stored and shown: its [`Class`], or `lost` (its worker died
+/// mid-attempt). Serialized as the class's name, as before the type existed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    Success,
+    Final,
+    NotExecuted,
+    Ambiguous,
+    Lost,
+}
+
+impl AttemptOutcome {
+    pub const ALL: [AttemptOutcome; 5] = [
+        AttemptOutcome::Success,
+        AttemptOutcome::Final,
+        AttemptOutcome::NotExecuted,
+        AttemptOutcome::Ambiguous,
+        AttemptOutcome::Lost,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Success => Class::Success.as_str(),
+            AttemptOutcome::Final => Class::Final.as_str(),
+            AttemptOutcome::NotExecuted => Class::NotExecuted.as_str(),
+            AttemptOutcome::Ambiguous => Class::Ambiguous.as_str(),
+            AttemptOutcome::Lost => "lost",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AttemptOutcome> {
+        AttemptOutcome::ALL.into_iter().find(|o| o.as_str() == text)
+    }
+}
+
+impl From<Class> for AttemptOutcome {
+    fn from(class: Class) -> AttemptOutcome {
+        match class {
+            Class::Success => AttemptOutcome::Success,
+            Class::Final => AttemptOutcome::Final,
+            Class::NotExecuted => AttemptOutcome::NotExecuted,
+            Class::Ambiguous => AttemptOutcome::Ambiguous,
+        }
+    }
+}
+
+/// How an attempt ended when no status arrived. Stored with the attempt by its name; `idem
+/// simulate` scripts and reports spell it as a script word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttemptError {
+    /// The connection could not be made: nothing was sent.
+    ConnectFailed,
+    /// No complete response within the attempt's limit, after the request may have been written.
+    TimedOut,
+    /// An I/O error after the request may have been written, or a body cut after the status.
+    Broken,
+}
+
+impl AttemptError {
+    pub const ALL: [AttemptError; 3] = [AttemptError::ConnectFailed, AttemptError::TimedOut, AttemptError::Broken];
+
+    /// The name stored with the attempt and shown in its record.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptError::ConnectFailed => "connect_failed",
+            AttemptError::TimedOut => "timed_out",
+            AttemptError::Broken => "broken",
+        }
+    }
+
+    /// The word an `idem simulate` script writes for it, and its report shows.
+    pub fn script_word(self) -> &'static str {
+        match self {
+            AttemptError::ConnectFailed => "connect-failed",
+            AttemptError::TimedOut => "timeout",
+            AttemptError::Broken => "broken",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<AttemptError> {
+        AttemptError::ALL.into_iter().find(|e| e.as_str() == text)
+    }
+}
+
+impl Serialize for AttemptError {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for AttemptError {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<AttemptError, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        AttemptError::parse(&text)
+            .ok_or_else(|| serde::de::Error::custom(format!("no attempt error is named `{text}`")))
+    }
+}
