@@ -22,7 +22,7 @@ const BODY: &[u8] = br#"{"amount":4200,"currency":"eur","customer":"cus_123","de
 fn new_record(key: &str) -> NewRecord {
     let now = Timestamp::now();
     NewRecord {
-        id: Uuid::new_v4(),
+        id: idem::domain::RecordId::new(),
         tenant: "default".into(),
         key: IdempotencyKey::from_stored(key.to_string()),
         route: "payments".into(),
@@ -97,7 +97,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());
                 let ended = AttemptEnded {
-                    id: r.id.into(),
+                    id: r.id,
                     holder: Holder { owner: Owner::from("bench"), token: r.claim },
                     attempt: Some(attempt),
                     then,

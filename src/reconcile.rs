@@ -153,7 +153,7 @@ pub async fn take_over_once(
                 if lost.is_some() { " while an attempt may have been in flight" } else { "" }
             )),
         };
-        let take_over = TakeOver { id: record.id.into(), expired: lease.clone(), claim: record.claim, to, lost, entry };
+        let take_over = TakeOver { id: record.id, expired: lease.clone(), claim: record.claim, to, lost, entry };
         if store.take_over(take_over).await? {
             let phase = to.phase().as_str();
             tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
@@ -259,9 +259,8 @@ async fn probe_route(
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
         let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
-        if let Action::Applied(settled) = store
-            .probed(Probed { id: record.id.into(), claim: record.claim, resolution, next_probe_at: next, entry })
-            .await?
+        if let Action::Applied(settled) =
+            store.probed(Probed { id: record.id, claim: record.claim, resolution, next_probe_at: next, entry }).await?
         {
             if settled.phase() != Phase::Unknown {
                 tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
@@ -311,6 +310,7 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
 mod tests {
     use super::*;
     use crate::config::Config;
+    use crate::domain::RecordId;
     use crate::store::NewRecord;
 
     const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
@@ -350,7 +350,7 @@ mod tests {
     /// A request to route `p`, arriving at `NOW`.
     fn new_record() -> NewRecord {
         NewRecord {
-            id: uuid::Uuid::new_v4(),
+            id: RecordId::new(),
             tenant: "default".into(),
             key: crate::key::IdempotencyKey::parse("k").unwrap(),
             route: "p".into(),

@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
+use crate::domain::RecordId;
 use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
@@ -132,8 +133,10 @@ async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: 
     next.run(request).await
 }
 
-fn record_id(id: &str) -> Result<Uuid, Problem> {
-    Uuid::parse_str(id).map_err(|_| Problem::bad_request("invalid-id", format!("`{id}` is not a record id (a UUID).")))
+fn record_id(id: &str) -> Result<RecordId, Problem> {
+    Uuid::parse_str(id)
+        .map(RecordId)
+        .map_err(|_| Problem::bad_request("invalid-id", format!("`{id}` is not a record id (a UUID).")))
 }
 
 /// No record has the id an operator named.
@@ -325,7 +328,12 @@ async fn resolve(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: 
 
 /// Settles one `unknown` record as the operator says, and wakes whoever waits for it. The bulk
 /// action calls this too, so each record it settles is audited as a single resolve would be.
-async fn apply_resolve(admin: &Admin, id: Uuid, resolution: Resolution, who: &Attribution) -> Result<Record, Problem> {
+async fn apply_resolve(
+    admin: &Admin,
+    id: RecordId,
+    resolution: Resolution,
+    who: &Attribution,
+) -> Result<Record, Problem> {
     let action = match &resolution {
         Resolution::Executed(_) => "resolve executed",
         Resolution::NotExecuted => "resolve not_executed",
@@ -333,7 +341,7 @@ async fn apply_resolve(admin: &Admin, id: Uuid, resolution: Resolution, who: &At
     let who = who.at(admin.clock.now());
     match admin
         .store
-        .resolve(crate::store::Resolve { id: id.into(), resolution, entry: who.entry(action) })
+        .resolve(crate::store::Resolve { id, resolution, entry: who.entry(action) })
         .await
         .map_err(store_problem)?
     {
@@ -354,7 +362,7 @@ async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: By
 }
 
 /// Queues one `unknown` record again with a fresh deadline and hands it to a worker.
-async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Record, Problem> {
+async fn apply_retry(admin: &Admin, id: RecordId, who: &Attribution) -> Result<Record, Problem> {
     let Some(record) = admin.store.get(id).await.map_err(store_problem)? else {
         return Err(not_found());
     };
@@ -366,7 +374,7 @@ async fn apply_retry(admin: &Admin, id: Uuid, who: &Attribution) -> Result<Recor
     let deadline_at = who.now + route.retry.deadline;
     match admin
         .store
-        .retry(crate::store::Retry { id: id.into(), deadline_at, entry: who.entry("retry") })
+        .retry(crate::store::Retry { id, deadline_at, entry: who.entry("retry") })
         .await
         .map_err(store_problem)?
     {
@@ -390,14 +398,9 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
 
 /// Cancels one record: a queued one at once, a running one when its worker next looks (the
 /// flag is `true` then).
-async fn apply_cancel(admin: &Admin, id: Uuid, who: &Attribution) -> Result<(Record, bool), Problem> {
+async fn apply_cancel(admin: &Admin, id: RecordId, who: &Attribution) -> Result<(Record, bool), Problem> {
     let who = who.at(admin.clock.now());
-    match admin
-        .store
-        .cancel(crate::store::Cancel { id: id.into(), entry: who.entry("cancel") })
-        .await
-        .map_err(store_problem)?
-    {
+    match admin.store.cancel(crate::store::Cancel { id, entry: who.entry("cancel") }).await.map_err(store_problem)? {
         Cancelled::Dequeued(record) => {
             admin.settled.settled(record.id);
             Ok((record, false))

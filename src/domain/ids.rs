@@ -9,8 +9,22 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use uuid::Uuid;
 
 /// A record's id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
 pub struct RecordId(pub Uuid);
+
+impl RecordId {
+    /// A new record's id: a UUIDv7, so that ids sort by creation time.
+    pub fn new() -> RecordId {
+        RecordId(Uuid::now_v7())
+    }
+}
+
+impl Default for RecordId {
+    fn default() -> RecordId {
+        RecordId::new()
+    }
+}
 
 impl From<Uuid> for RecordId {
     fn from(id: Uuid) -> RecordId {

@@ -12,12 +12,12 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
-use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
+use crate::domain::RecordId;
 use crate::domain::{Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
@@ -257,7 +257,7 @@ impl Ingress {
         let policy = self.switches.policy(route, &tenant, key.as_str());
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
-            id: Uuid::now_v7(),
+            id: RecordId::new(),
             tenant,
             key: key.clone(),
             route: route.name.clone(),

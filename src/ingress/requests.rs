@@ -107,7 +107,7 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
         action: "cancel".into(),
         note: None,
     };
-    match app.store.cancel(Cancel { id: record.id.into(), entry }).await.map_err(|e| Problem::store(&e))? {
+    match app.store.cancel(Cancel { id: record.id, entry }).await.map_err(|e| Problem::store(&e))? {
         Cancelled::Dequeued(record) => {
             app.settled.settled(record.id);
             Ok(record_response(StatusCode::OK, &record))

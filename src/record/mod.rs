@@ -4,9 +4,8 @@ use base64::Engine;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use uuid::Uuid;
 
-use crate::domain::{AttemptOutcome, Owner, Phase};
+use crate::domain::{AttemptOutcome, Owner, Phase, RecordId};
 use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
@@ -89,7 +88,7 @@ pub struct Lease {
 
 #[derive(Debug, Clone)]
 pub struct Record {
-    pub id: Uuid,
+    pub id: RecordId,
     pub tenant: Tenant,
     pub key: IdempotencyKey,
     pub route: String,

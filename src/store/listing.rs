@@ -26,7 +26,7 @@ pub struct Cursor {
 
 impl Cursor {
     pub fn of(record: &Record) -> Cursor {
-        Cursor { created_at: record.created_at, id: record.id }
+        Cursor { created_at: record.created_at, id: record.id.0 }
     }
 
     /// An opaque token for clients: `<created_at>.<id>`.

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use uuid::Uuid;
 
+use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Owner, Phase, Tenant, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
 use crate::fingerprint::Fingerprint;
@@ -44,7 +44,7 @@ pub use switches::{SwitchCleared, MAX_HISTORY};
 /// A request about to be recorded.
 #[derive(Debug, Clone)]
 pub struct NewRecord {
-    pub id: Uuid,
+    pub id: RecordId,
     pub tenant: Tenant,
     pub key: IdempotencyKey,
     pub route: String,
@@ -266,7 +266,7 @@ pub trait Store: Send + Sync + 'static {
 
     async fn lookup(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError>;
 
-    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError>;
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError>;
 
     /// Queued → in_progress under `owner`'s lease: the new claim's token, or `None` if it is no
     /// longer queued.
@@ -372,7 +372,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Asks for a [`Notice::Settled`] when this record settles, whichever process settles it.
     /// Call before re-reading the record, so a settlement in between is not missed.
-    async fn watch(&self, _id: Uuid) -> Result<(), StoreError> {
+    async fn watch(&self, _id: RecordId) -> Result<(), StoreError> {
         Ok(())
     }
 
@@ -387,9 +387,9 @@ pub trait Store: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Notice {
     /// A watched record left `in_progress`/queued: waiting requests can answer.
-    Settled(Uuid),
+    Settled(RecordId),
     /// It was queued: an idle worker may claim it.
-    Queued(Uuid),
+    Queued(RecordId),
 }
 
 /// Opens the store named by a `store.url`, applying migrations.

@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use super::StoreError;
 use crate::domain::StopReason;
-use crate::domain::{ClaimToken, State, Tenant, Timestamp};
+use crate::domain::{ClaimToken, RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{Record, StoredRequest, StoredResponse};
@@ -76,7 +76,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         .zip(time("lease_expires_at")?)
         .map(|(owner, expires_at)| crate::record::Lease { owner: owner.into(), expires_at });
     Ok(Record {
-        id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
+        id: RecordId(Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?),
         tenant: Tenant::from(text("tenant")?),
         key: IdempotencyKey::from_stored(text("key")?),
         route: text("route")?,

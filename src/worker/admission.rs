@@ -138,6 +138,7 @@ pub(super) mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::config::{Config, Live};
+    use crate::domain::RecordId;
     use crate::switchboard::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
@@ -175,7 +176,7 @@ pub(super) mod tests {
     /// A request for `payments` under `key`, arriving at `NOW`.
     pub(in crate::worker) fn request(key: &str) -> NewRecord {
         NewRecord {
-            id: uuid::Uuid::now_v7(),
+            id: RecordId::new(),
             tenant: "default".into(),
             key: crate::key::IdempotencyKey::parse(key).unwrap(),
             route: "payments".into(),

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
-use uuid::Uuid;
 
 use super::execution::CancelSignal;
 use super::guards::RouteGuard;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
+use crate::domain::RecordId;
 use crate::domain::{Class, StopReason};
 use crate::domain::{Holder, Timestamp};
 use crate::metrics;
@@ -230,7 +230,7 @@ impl Inner {
             match self
                 .store
                 .attempt_started(AttemptStarted {
-                    id: record.id.into(),
+                    id: record.id,
                     holder: job.holder.clone(),
                     number: p.number,
                     started_at: started,
@@ -401,7 +401,7 @@ impl Inner {
     }
 
     /// Awaits an attempt while keeping `holder`'s lease alive.
-    pub(super) async fn renewing<F: Future>(&self, id: Uuid, holder: &Holder, attempt: F) -> F::Output {
+    pub(super) async fn renewing<F: Future>(&self, id: RecordId, holder: &Holder, attempt: F) -> F::Output {
         tokio::pin!(attempt);
         let every = self.lease / 3;
         loop {

@@ -2,15 +2,14 @@
 
 use std::collections::HashMap;
 
-use uuid::Uuid;
-
+use crate::domain::RecordId;
 use crate::domain::Timestamp;
 
 /// Client credentials waiting for their execution to start. One whose record another node ran
 /// is never taken: it is dropped once its deadline has passed.
 #[derive(Default)]
 pub(super) struct HeldCredentials {
-    by_record: HashMap<Uuid, (Option<http::HeaderValue>, Timestamp)>,
+    by_record: HashMap<RecordId, (Option<http::HeaderValue>, Timestamp)>,
     /// Expired entries are swept when the map grows past this, which then doubles: amortised,
     /// a hold costs O(1).
     sweep_at: usize,
@@ -19,7 +18,7 @@ pub(super) struct HeldCredentials {
 impl HeldCredentials {
     pub(super) fn hold(
         &mut self,
-        id: Uuid,
+        id: RecordId,
         credential: Option<http::HeaderValue>,
         deadline_at: Timestamp,
         now: Timestamp,
@@ -32,7 +31,7 @@ impl HeldCredentials {
     }
 
     /// `None` when nothing is held: the request was received by another process.
-    pub(super) fn take(&mut self, id: Uuid) -> Option<Option<http::HeaderValue>> {
+    pub(super) fn take(&mut self, id: RecordId) -> Option<Option<http::HeaderValue>> {
         self.by_record.remove(&id).map(|(credential, _)| credential)
     }
 }

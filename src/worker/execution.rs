@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 use tracing::warn;
-use uuid::Uuid;
 
 use super::admission::{Reservation, Start};
 use super::attempts::{since, Job, Progress};
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
+use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Holder, Timestamp};
 use crate::domain::{Class, StopReason};
 use crate::metrics;
@@ -56,12 +56,12 @@ impl Inner {
         then: store::AfterAttempt,
         now: Timestamp,
     ) -> AttemptEnded {
-        AttemptEnded { id: record.id.into(), holder: holder.clone(), attempt, then, stream: None, now }
+        AttemptEnded { id: record.id, holder: holder.clone(), attempt, then, stream: None, now }
     }
 
     /// The write that extends `holder`'s lease on `id` from `now`.
-    pub(super) fn renewal(&self, id: Uuid, holder: &Holder, now: Timestamp) -> Renew {
-        Renew { id: id.into(), holder: holder.clone(), lease_until: self.lease_until(now), now }
+    pub(super) fn renewal(&self, id: RecordId, holder: &Holder, now: Timestamp) -> Renew {
+        Renew { id, holder: holder.clone(), lease_until: self.lease_until(now), now }
     }
 
     /// This process's claim with `token`.
@@ -102,12 +102,7 @@ impl Inner {
         let now = self.clock.now();
         let claimed = self
             .store
-            .claim(ClaimQueued {
-                id: record.id.into(),
-                owner: self.owner.clone(),
-                lease_until: self.lease_until(now),
-                now,
-            })
+            .claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease_until: self.lease_until(now), now })
             .await;
         lock(&self.mine).remove(&record.id);
         match claimed {
@@ -176,7 +171,7 @@ impl Inner {
 
     /// Registers the execution of `id` under claim `token` as the one running here, and tells
     /// an older claim's execution, if one still runs, that it is superseded.
-    pub(super) fn running(&self, id: Uuid, token: ClaimToken) -> Arc<CancelSignal> {
+    pub(super) fn running(&self, id: RecordId, token: ClaimToken) -> Arc<CancelSignal> {
         let signal = Arc::new(CancelSignal::default());
         let older = lock(&self.running).insert(id, Running { token, signal: signal.clone() });
         if let Some(older) = older {
@@ -188,7 +183,7 @@ impl Inner {
     }
 
     /// Forgets the execution of `id` under claim `token`, unless a newer claim's took its place.
-    pub(super) fn stopped_running(&self, id: Uuid, token: ClaimToken) {
+    pub(super) fn stopped_running(&self, id: RecordId, token: ClaimToken) {
         let mut running = lock(&self.running);
         if running.get(&id).is_some_and(|r| r.token == token) {
             running.remove(&id);
@@ -196,7 +191,7 @@ impl Inner {
     }
 
     /// The cancel signal of the execution of `id` running here, if one is.
-    pub(super) fn signal(&self, id: Uuid) -> Option<Arc<CancelSignal>> {
+    pub(super) fn signal(&self, id: RecordId) -> Option<Arc<CancelSignal>> {
         lock(&self.running).get(&id).map(|r| r.signal.clone())
     }
 

@@ -14,7 +14,7 @@ use super::admission::tests::{request, NOW};
 use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
 use crate::config::{Config, Live};
-use crate::domain::{ClaimToken, Phase, Timestamp};
+use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
 use crate::reconcile::take_over_once;
 use crate::record::Record;
 use crate::store::{Admission, Admit, NewRecord, Store};
@@ -118,7 +118,7 @@ impl Cluster {
     }
 
     /// A new request for `payments`, recorded and queued at `NOW` by a node that then died.
-    async fn queued(&self, key: &str) -> uuid::Uuid {
+    async fn queued(&self, key: &str) -> RecordId {
         let new = NewRecord { deadline_at: NOW + Duration::from_secs(600), ..request(key) };
         let Admission::Created(record) =
             self.store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap()
@@ -128,7 +128,7 @@ impl Cluster {
         record.id
     }
 
-    async fn record(&self, id: uuid::Uuid) -> Record {
+    async fn record(&self, id: RecordId) -> Record {
         self.store.get(id).await.unwrap().unwrap()
     }
 
@@ -140,7 +140,7 @@ impl Cluster {
 
     /// Waits until `id` is claimed with `token`: a claim made by a spawned execution lands when
     /// that execution runs.
-    async fn claimed(&self, id: uuid::Uuid, token: ClaimToken) -> Record {
+    async fn claimed(&self, id: RecordId, token: ClaimToken) -> Record {
         let wait = async {
             loop {
                 let record = self.record(id).await;
@@ -282,7 +282,7 @@ async fn a_paused_nodes_late_outcome_settles_the_record_its_survivor_made_unknow
 async fn a_newer_claim_running_here_supersedes_the_older_and_a_cancel_reaches_the_newer() {
     let cluster = Cluster::new("http://127.0.0.1:9").await;
     let node = cluster.node("node-1");
-    let id = uuid::Uuid::now_v7();
+    let id = RecordId::new();
     let older = node.inner.running(id, ClaimToken(1));
     assert!(!older.is_superseded());
     let newer = node.inner.running(id, ClaimToken(2));

@@ -21,12 +21,12 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, Instrument};
-use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
 use crate::domain::Owner;
 use crate::domain::Phase;
+use crate::domain::RecordId;
 use crate::domain::StopReason;
 use crate::policy::Pace;
 use crate::record::{Record, StoredResponse};
@@ -174,12 +174,12 @@ struct Inner {
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
     /// The execution running here for each record, by the claim it runs under: at most one.
-    running: Mutex<HashMap<Uuid, Running>>,
+    running: Mutex<HashMap<RecordId, Running>>,
     /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
-    streams: Mutex<HashMap<Uuid, Flow>>,
+    streams: Mutex<HashMap<RecordId, Flow>>,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
-    mine: Mutex<HashSet<Uuid>>,
+    mine: Mutex<HashSet<RecordId>>,
     /// Executions in flight, and the shutdown they drain for.
     drain: Drain,
     /// Outcomes the store could not take, being written again (see `unrecorded`).
@@ -286,7 +286,7 @@ impl Worker {
 
     /// Another process queued a record: with a worker free here, try to claim and run it. Of
     /// every node offered it, one claims it; the others find it claimed and let it go.
-    pub fn offer(&self, id: Uuid) {
+    pub fn offer(&self, id: RecordId) {
         if lock(&self.inner.mine).contains(&id) {
             return;
         }
@@ -310,24 +310,24 @@ impl Worker {
     }
 
     /// Wakes requests waiting for a record that was settled outside a worker.
-    pub fn settled(&self, id: Uuid) {
+    pub fn settled(&self, id: RecordId) {
         self.inner.settled.settled(id);
     }
 
     /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
     /// what a duplicate that waits gets instead of a 409 (docs/concepts.md).
-    pub fn attach(&self, id: Uuid) -> Option<Streamed> {
+    pub fn attach(&self, id: RecordId) -> Option<Streamed> {
         let flow = lock(&self.inner.streams).get(&id).cloned();
         flow?.attach()
     }
 
     /// Whether `id`'s answer is streaming through this process.
-    pub fn streaming(&self, id: Uuid) -> bool {
+    pub fn streaming(&self, id: RecordId) -> bool {
         lock(&self.inner.streams).contains_key(&id)
     }
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
-    pub fn cancel(&self, id: Uuid) {
+    pub fn cancel(&self, id: RecordId) {
         if let Some(s) = self.inner.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();

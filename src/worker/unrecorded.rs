@@ -25,7 +25,7 @@ impl Inner {
     /// Writes `ended` again in the background until the store takes it; `error` is why it did
     /// not the first time.
     pub(super) fn write_later(&self, ended: AttemptEnded, route: &str, status: Option<u16>, error: &StoreError) {
-        let id = ended.id.0;
+        let id = ended.id;
         error!(
             record = %id, route, upstream_status = status, error = %error,
             "the upstream answered but the store could not take the outcome: the client was told it; \

@@ -4,17 +4,17 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::domain::RecordId;
 use tokio::sync::Notify;
-use uuid::Uuid;
 
 /// Wakes the requests that wait for a record to settle (`Prefer: wait`).
 #[derive(Default)]
 pub struct Settled {
-    watchers: Mutex<HashMap<Uuid, Weak<Notify>>>,
+    watchers: Mutex<HashMap<RecordId, Weak<Notify>>>,
 }
 
 impl Settled {
-    pub fn watch(&self, id: Uuid) -> Arc<Notify> {
+    pub fn watch(&self, id: RecordId) -> Arc<Notify> {
         let mut map = self.watchers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(existing) = map.get(&id).and_then(Weak::upgrade) {
             return existing;
@@ -27,7 +27,7 @@ impl Settled {
         notify
     }
 
-    pub fn settled(&self, id: Uuid) {
+    pub fn settled(&self, id: RecordId) {
         let watcher = self.watchers.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
         if let Some(n) = watcher.and_then(|w| w.upgrade()) {
             n.notify_waiters();
@@ -42,7 +42,7 @@ mod tests {
     #[tokio::test]
     async fn a_settlement_wakes_every_request_waiting_for_that_record_and_no_other() {
         let waiters = Settled::default();
-        let (id, other) = (Uuid::new_v4(), Uuid::new_v4());
+        let (id, other) = (RecordId(uuid::Uuid::new_v4()), RecordId(uuid::Uuid::new_v4()));
         let first = waiters.watch(id);
         let second = waiters.watch(id);
         assert!(Arc::ptr_eq(&first, &second), "requests waiting for one record share its wake-up");
@@ -61,7 +61,7 @@ mod tests {
     #[test]
     fn a_record_settled_with_nobody_waiting_leaves_nothing_behind() {
         let waiters = Settled::default();
-        let id = Uuid::new_v4();
+        let id = RecordId(uuid::Uuid::new_v4());
         waiters.settled(id);
         let watch = waiters.watch(id);
         waiters.settled(id);
@@ -73,7 +73,7 @@ mod tests {
     fn entries_of_requests_that_stopped_waiting_are_swept_as_the_registry_grows() {
         let waiters = Settled::default();
         for _ in 0..2_000 {
-            drop(waiters.watch(Uuid::new_v4()));
+            drop(waiters.watch(RecordId(uuid::Uuid::new_v4())));
         }
         let held = waiters.watchers.lock().unwrap().len();
         assert!(held <= 1_025, "{held} entries kept for requests no longer waiting");

@@ -16,7 +16,7 @@ use std::time::Duration;
 use crate::common::{Backend, Db};
 use bytes::Bytes;
 use idem::domain::StopReason;
-use idem::domain::{AttemptOutcome, ClaimToken, Holder, Phase, State, Timestamp};
+use idem::domain::{AttemptOutcome, ClaimToken, Holder, Phase, RecordId, State, Timestamp};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::record::{header_text, Attempt, HistoryEntry, Record, StoredRequest, StoredResponse, StreamFacts};
@@ -116,7 +116,7 @@ fn request(tenant: &str, key: &str, body: &[u8]) -> NewRecord {
 fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp) -> NewRecord {
     let path = format!("/{route}");
     NewRecord {
-        id: Uuid::new_v4(),
+        id: RecordId::new(),
         tenant: tenant.into(),
         key: self::key(key),
         route: route.into(),
@@ -142,7 +142,7 @@ fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
 /// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker.
 fn started(record: &Record, number: u32, at: Timestamp, lease_until: Timestamp) -> AttemptStarted {
     AttemptStarted {
-        id: record.id.into(),
+        id: record.id,
         holder: holder(record, WORKER),
         number,
         started_at: at,
@@ -212,7 +212,7 @@ fn refused(action: Action) -> Record {
     }
 }
 
-async fn fetch(store: &Arc<dyn Store>, id: Uuid) -> Record {
+async fn fetch(store: &Arc<dyn Store>, id: RecordId) -> Record {
     store.get(id).await.unwrap().unwrap_or_else(|| panic!("record {id} is missing"))
 }
 
@@ -224,7 +224,7 @@ async fn queued(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = queued(store, new).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());
@@ -239,7 +239,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     assert!(lease.is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
@@ -260,7 +260,7 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Rec
     assert!(store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap().is_held());
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
@@ -280,7 +280,7 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = in_progress(store, new).await;
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: None,
             then: AfterAttempt::Free(StopReason::Deadline),

@@ -6,12 +6,11 @@ use crate::common::backend::{postgres_url_for_new_db, skipped};
 use crate::common::{Backend, Db};
 use bytes::Bytes;
 use idem::domain::StopReason;
-use idem::domain::{AttemptOutcome, ClaimToken, Holder, State, Timestamp};
+use idem::domain::{AttemptOutcome, ClaimToken, Holder, RecordId, State, Timestamp};
 use idem::fingerprint::Fingerprint;
 use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
-use uuid::Uuid;
 
 const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -24,7 +23,7 @@ const WORKER: &str = "node-a/worker-1";
 fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
     let path = format!("/{route}");
     NewRecord {
-        id: Uuid::new_v4(),
+        id: RecordId::new(),
         tenant: "default".into(),
         key: idem::key::IdempotencyKey::parse(key).unwrap(),
         route: route.into(),
@@ -68,7 +67,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     let wait = AfterAttempt::Wait { not_before: at + ms(120) };
     store
         .attempt_ended(AttemptEnded {
-            id: id.into(),
+            id,
             holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(first.clone()),
             then: wait,
@@ -79,7 +78,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
         .unwrap();
     store
         .attempt_started(AttemptStarted {
-            id: id.into(),
+            id,
             holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             number: 2,
             started_at: at + ms(120),
@@ -95,7 +94,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     );
     store
         .attempt_ended(AttemptEnded {
-            id: id.into(),
+            id,
             holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(second.clone()),
             then: done,
@@ -107,7 +106,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     vec![first, second]
 }
 
-async fn admitted(store: &dyn Store, route: &str, key: &str, at: Timestamp, claimed: bool) -> Uuid {
+async fn admitted(store: &dyn Store, route: &str, key: &str, at: Timestamp, claimed: bool) -> RecordId {
     match store
         .admit(Admit { new: request(route, key, at, claimed), retention_cutoff: Timestamp::EPOCH })
         .await
@@ -131,7 +130,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     let free = AfterAttempt::Free(StopReason::AttemptCap);
     store
         .attempt_ended(AttemptEnded {
-            id: freed.into(),
+            id: freed,
             holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             attempt: Some(attempt(1, T0 + ms(40), 503, None)),
             then: free,
@@ -140,7 +139,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
         })
         .await
         .unwrap();
-    let again = NewRecord { id: Uuid::new_v4(), ..request("payments", "d-freed", T0 + ms(900), false) };
+    let again = NewRecord { id: RecordId::new(), ..request("payments", "d-freed", T0 + ms(900), false) };
     assert!(matches!(
         store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap(),
         idem::store::Admission::Requeued(_)

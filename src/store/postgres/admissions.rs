@@ -50,7 +50,7 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
     let inserted = insert_fresh(&pool, &mut batch).await;
     for pending in batch {
         match &inserted {
-            Ok(ids) if ids.contains(&pending.admit.new.id) => {
+            Ok(ids) if ids.contains(&pending.admit.new.id.0) => {
                 let _ = pending.reply.send(Ok(Admission::Created(pending.admit.new.inserted())));
             }
             // Not inserted, or the batch failed: the one-row way decides, with its own error if

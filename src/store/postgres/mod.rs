@@ -39,7 +39,6 @@ use async_trait::async_trait;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::{broadcast, oneshot};
-use uuid::Uuid;
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
@@ -50,6 +49,7 @@ use super::{
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
     Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::key::IdempotencyKey;
 use crate::record::Record;
@@ -110,7 +110,7 @@ impl Store for PostgresStore {
             .transpose()
     }
 
-    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         get(&self.pool, id).await
     }
 
@@ -235,7 +235,7 @@ impl Store for PostgresStore {
         stats::sides(&self.pool, route, since).await
     }
 
-    async fn watch(&self, id: Uuid) -> Result<(), StoreError> {
+    async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
         sqlx::query("UPDATE records SET watched = TRUE WHERE id = $1::uuid AND NOT watched")
             .bind(id.to_string())
             .execute(&self.pool)

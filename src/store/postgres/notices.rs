@@ -8,6 +8,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
+use crate::domain::RecordId;
 use crate::store::{Notice, StoreError};
 
 /// The channel the trigger of `migrations/postgres` notifies on.
@@ -71,7 +72,7 @@ async fn forward(listener: &mut PgListener, notices: &broadcast::Sender<Notice>)
 
 fn parse_notice(payload: &str) -> Option<Notice> {
     let (kind, id) = payload.split_once(':')?;
-    let id = Uuid::parse_str(id).ok()?;
+    let id = RecordId(Uuid::parse_str(id).ok()?);
     match kind {
         "settled" => Some(Notice::Settled(id)),
         "queued" => Some(Notice::Queued(id)),
@@ -85,7 +86,7 @@ mod tests {
 
     #[test]
     fn notifications_are_read_as_notices_and_anything_else_is_ignored() {
-        let id = Uuid::new_v4();
+        let id = RecordId(Uuid::new_v4());
         assert_eq!(parse_notice(&format!("settled:{id}")), Some(Notice::Settled(id)));
         assert_eq!(parse_notice(&format!("queued:{id}")), Some(Notice::Queued(id)));
         assert_eq!(parse_notice(&format!("deleted:{id}")), None);

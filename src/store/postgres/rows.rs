@@ -4,6 +4,7 @@
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::domain::RecordId;
 use crate::record::Record;
 use crate::store::{decode, StoreError};
 
@@ -17,7 +18,7 @@ pub(super) const COLUMNS: &str = "id::text AS id, tenant, key, route, method, pa
     cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
     takeovers::bigint AS takeovers, tombstone_until, policy_version, stream::text AS stream, claim_token";
 
-pub(super) async fn get(pool: &PgPool, id: Uuid) -> Result<Option<Record>, StoreError> {
+pub(super) async fn get(pool: &PgPool, id: RecordId) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
         .bind(id.to_string())
         .fetch_optional(pool)

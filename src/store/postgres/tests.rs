@@ -31,7 +31,7 @@ pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
             return None;
         }
     };
-    let name = format!("{prefix}_{}", Uuid::new_v4().simple());
+    let name = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
     let admin = PgPool::connect(&server).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let mut url = reqwest::Url::parse(&server).unwrap();

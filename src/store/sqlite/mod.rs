@@ -22,7 +22,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{Connection, Row};
-use uuid::Uuid;
 
 use self::files::DatabaseFiles;
 use self::writer::{Write, Writer};
@@ -32,6 +31,7 @@ use super::{
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
     StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::key::IdempotencyKey;
 use crate::record::Record;
@@ -157,7 +157,7 @@ impl Store for SqliteStore {
             .transpose()
     }
 
-    async fn get(&self, id: Uuid) -> Result<Option<Record>, StoreError> {
+    async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         sqlx::query("SELECT * FROM records WHERE id = ?1")
             .bind(id.to_string())
             .fetch_optional(self.reads()?)

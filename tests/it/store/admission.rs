@@ -15,7 +15,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     // The claim holds like any other: its worker may store the outcome, nobody else may.
     assert!(store
         .renew(Renew {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             lease_until: T0 + LEASE + ms(1),
             now: T0 + ms(2)
@@ -26,7 +26,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     assert_eq!(
         store
             .renew(Renew {
-                id: record.id.into(),
+                id: record.id,
                 holder: intruder(&record, "someone-else"),
                 lease_until: T0 + LEASE,
                 now: T0 + ms(2)
@@ -45,7 +45,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     let first = in_progress(&store, freed.clone()).await;
     store
         .attempt_ended(AttemptEnded {
-            id: first.id.into(),
+            id: first.id,
             holder: holder(&first, WORKER),
             attempt: None,
             then: AfterAttempt::Free(StopReason::AttemptCap),
@@ -54,7 +54,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
         })
         .await
         .unwrap();
-    let again = NewRecord { id: Uuid::new_v4(), claim: Some(claim), ..freed };
+    let again = NewRecord { id: RecordId::new(), claim: Some(claim), ..freed };
     match store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap() {
         Admission::Requeued(r) => {
             assert_eq!(r.phase(), Phase::Queued);
@@ -95,7 +95,7 @@ pub(super) async fn admit_creates_a_record_then_returns_it_for_the_same_key(back
     assert_eq!(store.lookup(&"default".into(), &key("order-1")).await.unwrap().map(|r| r.id), Some(new.id));
     assert_eq!(fetch(&store, new.id).await.key, "order-1");
     assert!(store.lookup(&"default".into(), &key("order-2")).await.unwrap().is_none());
-    assert!(store.get(Uuid::new_v4()).await.unwrap().is_none());
+    assert!(store.get(RecordId::new()).await.unwrap().is_none());
     store.ping().await.unwrap();
 }
 
@@ -149,7 +149,7 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
         })
         .collect();
     let mut made: HashMap<String, Vec<Record>> = HashMap::new();
-    let mut seen: HashMap<String, HashSet<Uuid>> = HashMap::new();
+    let mut seen: HashMap<String, HashSet<RecordId>> = HashMap::new();
     for admit in admits {
         let (key, admission) = admit.await.unwrap();
         let record = match admission {
@@ -191,7 +191,7 @@ pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: B
 
     // Settling one tenant's record leaves the other's alone.
     assert!(store
-        .claim(ClaimQueued { id: acme.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: acme.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());

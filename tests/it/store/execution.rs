@@ -6,27 +6,17 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "claim", BODY)).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());
     assert!(store
-        .claim(ClaimQueued {
-            id: record.id.into(),
-            owner: "node-b/worker-1".into(),
-            lease_until: T0 + LEASE,
-            now: T0 + ms(2)
-        })
+        .claim(ClaimQueued { id: record.id, owner: "node-b/worker-1".into(), lease_until: T0 + LEASE, now: T0 + ms(2) })
         .await
         .unwrap()
         .is_none());
     assert!(store
-        .claim(ClaimQueued {
-            id: Uuid::new_v4().into(),
-            owner: WORKER.into(),
-            lease_until: T0 + LEASE,
-            now: T0 + ms(2)
-        })
+        .claim(ClaimQueued { id: RecordId::new(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(2) })
         .await
         .unwrap()
         .is_none());
@@ -44,7 +34,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(
         store
             .attempt_started(AttemptStarted {
-                id: record.id.into(),
+                id: record.id,
                 holder: intruder(&record, thief),
                 number: 1,
                 started_at: T0 + ms(10),
@@ -58,7 +48,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(
         store
             .renew(Renew {
-                id: record.id.into(),
+                id: record.id,
                 holder: intruder(&record, thief),
                 lease_until: T0 + ms(99_000),
                 now: T0 + ms(10)
@@ -69,7 +59,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     );
     let ended = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: intruder(&record, thief),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
             then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
@@ -93,7 +83,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(
         store
             .renew(Renew {
-                id: record.id.into(),
+                id: record.id,
                 holder: holder(&record, WORKER),
                 lease_until: T0 + ms(25_000),
                 now: T0 + ms(11)
@@ -107,7 +97,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     // Once settled, nobody holds it.
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: None,
             then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
@@ -120,7 +110,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(
         store
             .renew(Renew {
-                id: record.id.into(),
+                id: record.id,
                 holder: holder(&record, WORKER),
                 lease_until: T0 + ms(30_000),
                 now: T0 + ms(31)
@@ -144,7 +134,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     let wait = AfterAttempt::Wait { not_before: T0 + ms(250) };
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(first.clone()),
             then: wait,
@@ -169,7 +159,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
     assert_eq!(fetch(&store, record.id).await.in_flight, Some((2, T0 + ms(300))));
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(second.clone()),
             then: AfterAttempt::Done(StopReason::Success, answer.clone()),
@@ -193,7 +183,7 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "cancel-queued", BODY)).await;
     let note = entry("client", "cancel", T0 + ms(50));
-    let freed = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
+    let freed = match store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap() {
         Cancelled::Dequeued(record) => record,
         other => panic!("expected Dequeued, got {other:?}"),
     };
@@ -202,12 +192,7 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     assert_eq!(freed.history, vec![note.clone()]);
     assert!(
         store
-            .claim(ClaimQueued {
-                id: record.id.into(),
-                owner: WORKER.into(),
-                lease_until: T0 + LEASE,
-                now: T0 + ms(60)
-            })
+            .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(60) })
             .await
             .unwrap()
             .is_none(),
@@ -216,17 +201,14 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
 
     // Free, it has nothing left to cancel; neither has a done record or a missing one.
     assert!(
-        matches!(store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap(), Cancelled::Refused(r) if r.id == record.id)
+        matches!(store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap(), Cancelled::Refused(r) if r.id == record.id)
     );
     let finished = done(&store, request("default", "cancel-done", BODY), T0 + ms(100)).await;
-    match store.cancel(Cancel { id: finished.id.into(), entry: note.clone() }).await.unwrap() {
+    match store.cancel(Cancel { id: finished.id, entry: note.clone() }).await.unwrap() {
         Cancelled::Refused(r) => assert_eq!((r.phase(), r.history.len()), (Phase::Done, 0)),
         other => panic!("expected Refused, got {other:?}"),
     }
-    assert!(matches!(
-        store.cancel(Cancel { id: Uuid::new_v4().into(), entry: note }).await.unwrap(),
-        Cancelled::Missing
-    ));
+    assert!(matches!(store.cancel(Cancel { id: RecordId::new(), entry: note }).await.unwrap(), Cancelled::Missing));
 }
 
 pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(backend: Backend) {
@@ -234,18 +216,13 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
         store
-            .renew(Renew {
-                id: record.id.into(),
-                holder: holder(&record, WORKER),
-                lease_until: T0 + LEASE,
-                now: T0 + ms(5)
-            })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease_until: T0 + LEASE, now: T0 + ms(5) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: false }
     );
     let note = entry("operator", "cancel", T0 + ms(50));
-    let flagged = match store.cancel(Cancel { id: record.id.into(), entry: note.clone() }).await.unwrap() {
+    let flagged = match store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap() {
         Cancelled::Flagged(record) => record,
         other => panic!("expected Flagged, got {other:?}"),
     };
@@ -254,12 +231,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     assert_eq!(flagged.history, vec![note]);
     assert_eq!(
         store
-            .renew(Renew {
-                id: record.id.into(),
-                holder: holder(&record, WORKER),
-                lease_until: T0 + LEASE,
-                now: T0 + ms(60)
-            })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease_until: T0 + LEASE, now: T0 + ms(60) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: true }
@@ -275,24 +247,24 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     let note = entry("alice", "resolve", T0 + ms(1_000));
     let untouched = refused(
         store
-            .resolve(Resolve { id: waiting.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .resolve(Resolve { id: waiting.id, resolution: Resolution::NotExecuted, entry: note.clone() })
             .await
             .unwrap(),
     );
     assert_eq!((untouched.phase(), untouched.history.len()), (Phase::Queued, 0));
     let untouched = refused(
-        store.retry(Retry { id: waiting.id.into(), deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap(),
+        store.retry(Retry { id: waiting.id, deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap(),
     );
     assert_eq!((untouched.phase(), untouched.deadline_at), (Phase::Queued, T0 + ms(30_000)));
     assert!(matches!(
         store
-            .resolve(Resolve { id: Uuid::new_v4().into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .resolve(Resolve { id: RecordId::new(), resolution: Resolution::NotExecuted, entry: note.clone() })
             .await
             .unwrap(),
         Action::Missing
     ));
     assert!(matches!(
-        store.retry(Retry { id: Uuid::new_v4().into(), deadline_at: T0, entry: note.clone() }).await.unwrap(),
+        store.retry(Retry { id: RecordId::new(), deadline_at: T0, entry: note.clone() }).await.unwrap(),
         Action::Missing
     ));
 
@@ -301,11 +273,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     let answer = response(200, b"{\"confirmed\":true}");
     let resolved = applied(
         store
-            .resolve(Resolve {
-                id: executed.id.into(),
-                resolution: Resolution::Executed(answer.clone()),
-                entry: note.clone(),
-            })
+            .resolve(Resolve { id: executed.id, resolution: Resolution::Executed(answer.clone()), entry: note.clone() })
             .await
             .unwrap(),
     );
@@ -316,19 +284,17 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     assert_eq!(resolved.attempts.len(), 1, "the attempts are kept");
     refused(
         store
-            .resolve(Resolve { id: executed.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .resolve(Resolve { id: executed.id, resolution: Resolution::NotExecuted, entry: note.clone() })
             .await
             .unwrap(),
     );
-    refused(
-        store.retry(Retry { id: executed.id.into(), deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap(),
-    );
+    refused(store.retry(Retry { id: executed.id, deadline_at: T0 + ms(99_000), entry: note.clone() }).await.unwrap());
 
     // Not executed: the key is free.
     let not_executed = unknown(&store, request("default", "not-executed", BODY)).await;
     let freed = applied(
         store
-            .resolve(Resolve { id: not_executed.id.into(), resolution: Resolution::NotExecuted, entry: note.clone() })
+            .resolve(Resolve { id: not_executed.id, resolution: Resolution::NotExecuted, entry: note.clone() })
             .await
             .unwrap(),
     );
@@ -339,7 +305,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     let retried = unknown(&store, request("default", "retried", BODY)).await;
     let again = entry("bob", "retry", T0 + ms(2_000));
     let requeued = applied(
-        store.retry(Retry { id: retried.id.into(), deadline_at: T0 + ms(99_000), entry: again.clone() }).await.unwrap(),
+        store.retry(Retry { id: retried.id, deadline_at: T0 + ms(99_000), entry: again.clone() }).await.unwrap(),
     );
     assert_eq!(requeued.phase(), Phase::Queued);
     assert_eq!(
@@ -349,7 +315,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     assert_eq!(requeued.history, vec![again]);
     assert!(store
         .claim(ClaimQueued {
-            id: retried.id.into(),
+            id: retried.id,
             owner: WORKER.into(),
             lease_until: T0 + ms(2_000) + LEASE,
             now: T0 + ms(2_001)
@@ -379,7 +345,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let then = AfterAttempt::Wait { not_before: T0 + ms(100) };
     assert!(store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(first),
             then,
@@ -393,7 +359,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     // Attempt 2 is marked under another policy, and its worker dies before storing its outcome.
     assert!(store
         .attempt_started(AttemptStarted {
-            id: record.id.into(),
+            id: record.id,
             holder: holder(&record, WORKER),
             number: 2,
             started_at: T0 + ms(100),
@@ -411,7 +377,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let lost = Attempt { policy_version: marked.policy_version.clone(), ..attempt(2, T0 + ms(100), "lost", None) };
     let to = TakeOverTo::Unknown(StopReason::UnsafeReplay);
     let taken = store.take_over(TakeOver {
-        id: record.id.into(),
+        id: record.id,
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + ms(200) },
         claim: marked.claim,
         to,
@@ -431,7 +397,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
 /// Sends attempt `number` of a record held by [`WORKER`] under `version`, answered `status` at `at`.
 async fn sent(
     store: &Arc<dyn Store>,
-    id: Uuid,
+    id: RecordId,
     number: u32,
     at: Timestamp,
     version: &str,
@@ -441,7 +407,7 @@ async fn sent(
     let holder = holder(&fetch(store, id).await, WORKER);
     assert!(store
         .attempt_started(AttemptStarted {
-            id: id.into(),
+            id,
             holder: holder.clone(),
             number,
             started_at: at,
@@ -455,7 +421,7 @@ async fn sent(
     let a = Attempt { policy_version: Some(version.into()), ..attempt(number, at, outcome, Some(status)) };
     assert!(store
         .attempt_ended(AttemptEnded {
-            id: id.into(),
+            id,
             holder: holder.clone(),
             attempt: Some(a),
             then,
@@ -483,13 +449,13 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     let freed = request("default", "freed", BODY);
     let first = in_progress(&store, freed.clone()).await;
     sent(&store, first.id, 1, T0 + ms(10), control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
-    let again = NewRecord { id: Uuid::new_v4(), now: T0 + ms(500), ..freed };
+    let again = NewRecord { id: RecordId::new(), now: T0 + ms(500), ..freed };
     assert!(matches!(
         store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap(),
         Admission::Requeued(_)
     ));
     assert!(store
-        .claim(ClaimQueued { id: first.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(501) })
+        .claim(ClaimQueued { id: first.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(501) })
         .await
         .unwrap()
         .is_some());
@@ -499,7 +465,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     let running = in_progress(&store, request("default", "running", BODY)).await;
     assert!(store
         .attempt_started(AttemptStarted {
-            id: running.id.into(),
+            id: running.id,
             holder: holder(&running, WORKER),
             number: 1,
             started_at: T0 + ms(10),
@@ -530,7 +496,7 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
     let facts = StreamFacts { bytes: 431, stored: true, cut_at: Some(431), first_byte_ms: 12, duration_ms: 950 };
     let record = in_progress(&store, request("default", "streamed", BODY)).await;
     let ended = |holder: Holder, then: AfterAttempt, stream: Option<StreamFacts>| AttemptEnded {
-        id: record.id.into(),
+        id: record.id,
         holder,
         attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
         then,

@@ -11,7 +11,7 @@ use super::*;
 async fn taken_back_to_the_queue(store: &Arc<dyn Store>, record: &Record, at: Timestamp) {
     let lease = record.lease.clone().expect("a claimed record has a lease");
     let take_over = TakeOver {
-        id: record.id.into(),
+        id: record.id,
         expired: lease,
         claim: record.claim,
         to: TakeOverTo::Queued,
@@ -26,7 +26,7 @@ async fn taken_back_to_the_queue(store: &Arc<dyn Store>, record: &Record, at: Ti
 async fn assert_every_write_refused(store: &Arc<dyn Store>, record: &Record, holder: &Holder, at: Timestamp) {
     let before = fetch(store, record.id).await;
     let started = AttemptStarted {
-        id: record.id.into(),
+        id: record.id,
         holder: holder.clone(),
         number: 1,
         started_at: at,
@@ -34,7 +34,7 @@ async fn assert_every_write_refused(store: &Arc<dyn Store>, record: &Record, hol
         policy_version: VERSION.into(),
     };
     assert_eq!(store.attempt_started(started).await.unwrap(), Lease::Lost, "a stale claim marks no attempt");
-    let renew = Renew { id: record.id.into(), holder: holder.clone(), lease_until: at + LEASE, now: at };
+    let renew = Renew { id: record.id, holder: holder.clone(), lease_until: at + LEASE, now: at };
     assert_eq!(store.renew(renew).await.unwrap(), Lease::Lost, "nor renews");
     let outcomes = [
         (Some(attempt(1, at, "success", Some(201))), AfterAttempt::Done(StopReason::Success, response(201, b"twice"))),
@@ -43,7 +43,7 @@ async fn assert_every_write_refused(store: &Arc<dyn Store>, record: &Record, hol
         (None, AfterAttempt::Release),
     ];
     for (attempt, then) in outcomes {
-        let ended = AttemptEnded { id: record.id.into(), holder: holder.clone(), attempt, then, stream: None, now: at };
+        let ended = AttemptEnded { id: record.id, holder: holder.clone(), attempt, then, stream: None, now: at };
         assert_eq!(store.attempt_ended(ended).await.unwrap(), Lease::Lost, "nor stores an outcome");
     }
     let after = fetch(store, record.id).await;
@@ -59,8 +59,7 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     // A single claim.
     let record = queued(&store, request("default", "single", BODY)).await;
     assert_eq!(record.claim, ClaimToken(0), "a queued record was never claimed");
-    let claim =
-        |now: Timestamp| ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: now + LEASE, now };
+    let claim = |now: Timestamp| ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: now + LEASE, now };
     let t1 = store.claim(claim(T0 + ms(1))).await.unwrap().expect("queued: claimed");
     let first = fetch(&store, record.id).await;
     assert_eq!((t1, first.claim), (ClaimToken(1), t1));
@@ -72,10 +71,10 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     let current = Holder { owner: WORKER.into(), token: t2 };
     let started = AttemptStarted { holder: current.clone(), ..started(&record, 1, T0 + LEASE + ms(5), T0 + 3 * LEASE) };
     assert!(store.attempt_started(started).await.unwrap().is_held(), "the new claim marks its attempt");
-    let renew = Renew { id: record.id.into(), holder: current.clone(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let renew = Renew { id: record.id, holder: current.clone(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     assert!(store.renew(renew).await.unwrap().is_held());
     let done = AttemptEnded {
-        id: record.id.into(),
+        id: record.id,
         holder: current,
         attempt: Some(attempt(1, T0 + LEASE + ms(5), "success", Some(201))),
         then: AfterAttempt::Done(StopReason::Success, response(201, b"once")),
@@ -111,14 +110,13 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     assert_eq!(admitted.claim, ClaimToken::FIRST, "claimed at insert: its first claim");
     assert_eq!(fetch(&store, admitted.id).await.claim, ClaimToken::FIRST);
     taken_back_to_the_queue(&store, &admitted, T0 + LEASE + ms(1)).await;
-    let again =
-        ClaimQueued { id: admitted.id.into(), owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let again = ClaimQueued { id: admitted.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     assert_eq!(store.claim(again).await.unwrap(), Some(ClaimToken(2)));
     assert_every_write_refused(&store, &admitted, &holder(&admitted, WORKER), T0 + LEASE + ms(2)).await;
 }
 
 fn renewal(record: &Record) -> Renew {
-    Renew { id: record.id.into(), holder: holder(record, WORKER), lease_until: T0 + LEASE, now: T0 }
+    Renew { id: record.id, holder: holder(record, WORKER), lease_until: T0 + LEASE, now: T0 }
 }
 
 /// Claimed, attempt 1 marked as about to be sent, and the lease expired with it in flight: a
@@ -127,7 +125,7 @@ async fn lost_in_flight(store: &Arc<dyn Store>, key: &str) -> Record {
     let record = in_progress(store, request("default", key, BODY)).await;
     assert!(store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap().is_held());
     let take_over = TakeOver {
-        id: record.id.into(),
+        id: record.id,
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
         claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
@@ -143,7 +141,7 @@ async fn lost_in_flight(store: &Arc<dyn Store>, key: &str) -> Record {
 /// The outcome of attempt `number` under `record`'s claim, arriving at `now`.
 fn late(record: &Record, number: u32, outcome: &str, status: Option<u16>, then: AfterAttempt) -> AttemptEnded {
     AttemptEnded {
-        id: record.id.into(),
+        id: record.id,
         holder: holder(record, "node-a"),
         attempt: Some(attempt(number, T0 + ms(10), outcome, status)),
         then,
@@ -201,10 +199,9 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // Not once an operator re-drove it and it was claimed again: the old claim is fenced off.
     let record = lost_in_flight(&store, "redriven").await;
-    let retry = Retry { id: record.id.into(), deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
+    let retry = Retry { id: record.id, deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
-    let claim =
-        ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let claim = ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
     store.attempt_ended(late(&record, 1, "success", Some(201), answered.clone())).await.unwrap();
     let redriven = fetch(&store, record.id).await;
@@ -212,8 +209,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // Not once an operator settled it.
     let record = lost_in_flight(&store, "resolved").await;
-    let resolve =
-        Resolve { id: record.id.into(), resolution: Resolution::NotExecuted, entry: entry("ops", "resolve", T0) };
+    let resolve = Resolve { id: record.id, resolution: Resolution::NotExecuted, entry: entry("ops", "resolve", T0) };
     applied(store.resolve(resolve).await.unwrap());
     store.attempt_ended(late(&record, 1, "success", Some(201), answered)).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.phase(), Phase::Free);
@@ -224,15 +220,15 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_execution(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let read = lost_in_flight(&store, "probed").await;
-    let retry = Retry { id: read.id.into(), deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
+    let retry = Retry { id: read.id, deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
-    let claim = ClaimQueued { id: read.id.into(), owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let claim = ClaimQueued { id: read.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
     let current = Holder { owner: WORKER.into(), token: t2 };
     let started = AttemptStarted { holder: current.clone(), ..started(&read, 2, T0 + LEASE, T0 + 3 * LEASE) };
     assert!(store.attempt_started(started).await.unwrap().is_held());
     let unsure = AttemptEnded {
-        id: read.id.into(),
+        id: read.id,
         holder: current,
         attempt: Some(attempt(2, T0 + LEASE, "ambiguous", None)),
         then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
@@ -242,7 +238,7 @@ pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_executio
     assert!(store.attempt_ended(unsure).await.unwrap().is_held());
 
     let probed = |claim, resolution| Probed {
-        id: read.id.into(),
+        id: read.id,
         claim,
         resolution,
         next_probe_at: T0 + ms(99_000),

@@ -33,13 +33,13 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     // A request waiting elsewhere asks to hear when it settles: that one is announced.
     other.watch(record.id).await.unwrap();
     let token = store
-        .claim(ClaimQueued { id: record.id.into(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
         .await
         .unwrap()
         .expect("claimed");
     let lease = store
         .attempt_ended(AttemptEnded {
-            id: record.id.into(),
+            id: record.id,
             holder: Holder { owner: WORKER.into(), token },
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
             then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
@@ -57,7 +57,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
     store
         .attempt_ended(AttemptEnded {
-            id: quiet.id.into(),
+            id: quiet.id,
             holder: holder(&quiet, WORKER),
             attempt: None,
             then: done,
@@ -71,7 +71,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     let cancelled = queued(&store, request("default", "cancelled", BODY)).await;
     other.watch(cancelled.id).await.unwrap();
     assert!(matches!(
-        store.cancel(Cancel { id: cancelled.id.into(), entry: entry("client", "cancel", T0) }).await.unwrap(),
+        store.cancel(Cancel { id: cancelled.id, entry: entry("client", "cancel", T0) }).await.unwrap(),
         Cancelled::Dequeued(_)
     ));
     expect_notice(&mut there, Notice::Settled(cancelled.id)).await;
@@ -87,7 +87,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     let unsure = AfterAttempt::Unknown(StopReason::UnsafeReplay);
     store
         .attempt_ended(AttemptEnded {
-            id: retried.id.into(),
+            id: retried.id,
             holder: holder(&retried, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
             then: unsure,
@@ -100,7 +100,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     applied(
         store
             .retry(Retry {
-                id: retried.id.into(),
+                id: retried.id,
                 deadline_at: T0 + ms(60_000),
                 entry: entry("operator", "retry", T0 + ms(200)),
             })

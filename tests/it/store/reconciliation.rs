@@ -15,7 +15,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let lost = attempt(1, T0 + ms(10), "lost", None);
     let note = entry("node-b", "take_over", until + ms(1));
     let stale = store.take_over(TakeOver {
-        id: record.id.into(),
+        id: record.id,
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
         claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
@@ -24,7 +24,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     });
     assert!(!stale.await.unwrap(), "the lease seen must be the current one");
     let other_claim = store.take_over(TakeOver {
-        id: record.id.into(),
+        id: record.id,
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
         claim: ClaimToken(record.claim.0 - 1),
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
@@ -34,7 +34,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     assert!(!other_claim.await.unwrap(), "the claim seen must be the current one");
     assert!(store
         .take_over(TakeOver {
-            id: record.id.into(),
+            id: record.id,
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
             claim: record.claim,
             to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
@@ -46,7 +46,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     assert!(
         !store
             .take_over(TakeOver {
-                id: record.id.into(),
+                id: record.id,
                 expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
                 claim: record.claim,
                 to: TakeOverTo::Queued,
@@ -70,7 +70,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let idle = in_progress(&store, request("default", "idle", BODY)).await;
     assert!(store
         .take_over(TakeOver {
-            id: idle.id.into(),
+            id: idle.id,
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: idle.claim,
             to: TakeOverTo::Queued,
@@ -82,12 +82,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let requeued = fetch(&store, idle.id).await;
     assert_eq!((requeued.phase(), requeued.attempts.len(), requeued.stop_reason), (Phase::Queued, 0, None));
     assert!(store
-        .claim(ClaimQueued {
-            id: idle.id.into(),
-            owner: "node-b".into(),
-            lease_until: until + LEASE,
-            now: until + ms(2)
-        })
+        .claim(ClaimQueued { id: idle.id, owner: "node-b".into(), lease_until: until + LEASE, now: until + ms(2) })
         .await
         .unwrap()
         .is_some());
@@ -96,7 +91,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let late = in_progress(&store, request("default", "late", BODY)).await;
     assert!(store
         .take_over(TakeOver {
-            id: late.id.into(),
+            id: late.id,
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: late.claim,
             to: TakeOverTo::Free(StopReason::Deadline),
@@ -122,14 +117,14 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let (now, worker) = (T0 + ms(1_000 * (round as u64 + 1)), format!("node-{round}"));
         let until = now + ms(500);
         let token = store
-            .claim(ClaimQueued { id: record.id.into(), owner: worker.as_str().into(), lease_until: until, now })
+            .claim(ClaimQueued { id: record.id, owner: worker.as_str().into(), lease_until: until, now })
             .await
             .unwrap()
             .unwrap_or_else(|| panic!("round {round}"));
         assert_eq!(token, ClaimToken(i64::from(round) + 1), "each claim a new token");
         assert!(store
             .attempt_started(AttemptStarted {
-                id: record.id.into(),
+                id: record.id,
                 holder: Holder { owner: worker.as_str().into(), token },
                 number: round + 1,
                 started_at: now + ms(1),
@@ -148,7 +143,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let lost = attempt(round + 1, now + ms(1), "lost", None);
         assert!(store
             .take_over(TakeOver {
-                id: record.id.into(),
+                id: record.id,
                 expired: idem::record::Lease { owner: worker.as_str().into(), expires_at: until },
                 claim: token,
                 to,
@@ -174,7 +169,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     assert!(
         store
             .claim(ClaimQueued {
-                id: record.id.into(),
+                id: record.id,
                 owner: WORKER.into(),
                 lease_until: T0 + ms(60_000),
                 now: T0 + ms(10_000)
@@ -196,7 +191,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     let note = entry("node-b", "take-over", T0 + LEASE + ms(1));
     let take_over = |record: &Record, to| {
         store.take_over(TakeOver {
-            id: record.id.into(),
+            id: record.id,
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: record.claim,
             to,
@@ -211,7 +206,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     let freed = fetch(&store, freed.id).await;
     assert_eq!((freed.phase(), freed.stop_reason, freed.takeovers), (Phase::Free, Some(StopReason::TakeoverCap), 1));
     match store
-        .admit(Admit { new: NewRecord { id: Uuid::new_v4(), ..new }, retention_cutoff: Timestamp::EPOCH })
+        .admit(Admit { new: NewRecord { id: RecordId::new(), ..new }, retention_cutoff: Timestamp::EPOCH })
         .await
         .unwrap()
     {
@@ -224,7 +219,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     let retried = applied(
         store
             .retry(Retry {
-                id: stuck.id.into(),
+                id: stuck.id,
                 deadline_at: T0 + ms(90_000),
                 entry: entry("ops", "retry", T0 + LEASE + ms(2)),
             })
@@ -238,7 +233,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     assert!(take_over(&finished, TakeOverTo::Queued).await.unwrap());
     let token = store
         .claim(ClaimQueued {
-            id: finished.id.into(),
+            id: finished.id,
             owner: WORKER.into(),
             lease_until: T0 + 2 * LEASE,
             now: T0 + LEASE + ms(2),
@@ -249,7 +244,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
     assert!(store
         .attempt_ended(AttemptEnded {
-            id: finished.id.into(),
+            id: finished.id,
             holder: Holder { owner: WORKER.into(), token },
             attempt: None,
             then: done,
@@ -260,7 +255,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
         .unwrap()
         .is_held());
     assert_eq!(fetch(&store, finished.id).await.takeovers, 1);
-    let again = NewRecord { id: Uuid::new_v4(), now: T0 + ms(100_000), ..new };
+    let again = NewRecord { id: RecordId::new(), now: T0 + ms(100_000), ..new };
     let replaced = created(store.admit(Admit { new: again, retention_cutoff: T0 + ms(50_000) }).await.unwrap());
     assert_eq!(fetch(&store, replaced.id).await.takeovers, 0, "past retention, a new operation");
 }
@@ -356,7 +351,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let probed = applied(
         store
             .probed(Probed {
-                id: record.id.into(),
+                id: record.id,
                 claim: record.claim,
                 resolution: None,
                 next_probe_at: next,
@@ -374,7 +369,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     let settled = applied(
         store
             .probed(Probed {
-                id: record.id.into(),
+                id: record.id,
                 claim: record.claim,
                 resolution: Some(Resolution::Executed(response(200, b"{}"))),
                 next_probe_at: next + ms(1),
@@ -389,7 +384,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     refused(
         store
             .probed(Probed {
-                id: record.id.into(),
+                id: record.id,
                 claim: record.claim,
                 resolution: None,
                 next_probe_at: next + ms(1),
@@ -401,7 +396,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     assert!(matches!(
         store
             .probed(Probed {
-                id: Uuid::new_v4().into(),
+                id: RecordId::new(),
                 claim: record.claim,
                 resolution: None,
                 next_probe_at: next,
@@ -423,12 +418,7 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
         let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + ms(i as u64 / 3))).await;
         if i % 4 == 0 {
             assert!(store
-                .claim(ClaimQueued {
-                    id: record.id.into(),
-                    owner: WORKER.into(),
-                    lease_until: T0 + LEASE,
-                    now: T0 + ms(100)
-                })
+                .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(100) })
                 .await
                 .unwrap()
                 .is_some());
@@ -562,7 +552,7 @@ pub(super) async fn past_retention_a_done_record_becomes_a_tombstone_that_refuse
     // The same request within the tombstone: refused with the tombstone, never admitted.
     let within = T0 + ms(5_000);
     let again = NewRecord {
-        id: Uuid::new_v4(),
+        id: RecordId::new(),
         now: within,
         tombstone_cutoff: Some(within - ms(11_000)),
         ..request("default", "spent", BODY)
@@ -594,7 +584,7 @@ pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(bac
 
     let within = T0 + ms(5_000);
     let other_body = NewRecord {
-        id: Uuid::new_v4(),
+        id: RecordId::new(),
         now: within,
         tombstone_cutoff: Some(within - ms(11_000)),
         ..request("default", "reused", b"{\"amount\":7}")
@@ -606,7 +596,7 @@ pub(super) async fn another_request_under_a_spent_key_and_a_late_one_execute(bac
     // Past the tombstone: the same request executes afresh, before the sweep deletes it and after.
     let after = T0 + ms(13_000);
     let late = NewRecord {
-        id: Uuid::new_v4(),
+        id: RecordId::new(),
         now: after,
         tombstone_cutoff: Some(after - ms(11_000)),
         ..request("default", "late", BODY)
