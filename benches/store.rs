@@ -26,7 +26,7 @@ fn new_record(key: &str) -> NewRecord {
         tenant: "default".into(),
         key: IdempotencyKey::from_stored(key.to_string()),
         route: "payments".into(),
-        method: "POST".into(),
+        method: http::Method::POST,
         path: "/payments".into(),
         query: String::new(),
         fingerprint: Fingerprint::of("payments", "POST", "/payments", "", None, BODY),

@@ -13,6 +13,7 @@ use uuid::Uuid;
 use crate::clock::SharedClock;
 use crate::config::{Live, Route};
 use crate::domain::PolicyVersion;
+use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::policy::{canary_stop_reason, Cohort};
 use crate::store::{Store, StoreError};
@@ -34,11 +35,11 @@ pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switche
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The canaries watched at the last look: one a reload removed or replaced is shown as ended.
-    let mut watched: Vec<(String, PolicyVersion)> = Vec::new();
+    let mut watched: Vec<(RouteName, PolicyVersion)> = Vec::new();
     loop {
         tick.tick().await;
         let config = live.current();
-        let now_watched: Vec<(String, PolicyVersion)> = config
+        let now_watched: Vec<(RouteName, PolicyVersion)> = config
             .routes
             .iter()
             .filter_map(|r| r.canary.as_ref().map(|c| (r.name.clone(), c.policy_version.clone())))
@@ -88,7 +89,7 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
     let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
     let switch = Switch {
         id: Uuid::now_v7(),
-        scope: Scope::Route(route.name.clone()),
+        scope: Scope::Route(route.name.to_string()),
         action: SwitchAction::CanaryOff,
         reason: format!("canary {} stopped itself: {reason}", canary.policy_version),
         actor: ACTOR.to_string(),

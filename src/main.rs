@@ -3,7 +3,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use clap::builder::PossibleValuesParser;
 use clap::{Parser, Subcommand, ValueEnum};
+use idem::admin::bulk::BulkAction;
 use idem::admin::cli;
 use idem::config::Config;
 use idem::simulate::history;
@@ -122,7 +124,7 @@ enum SwitchAction {
         /// A route's name, or `all`.
         #[arg(long)]
         scope: String,
-        #[arg(long, value_parser = ["retries_off", "isolate", "canary_off"])]
+        #[arg(long, value_parser = switch_actions())]
         action: String,
         /// Why: required, for whoever finds it on.
         #[arg(long)]
@@ -137,7 +139,7 @@ enum SwitchAction {
         id: Option<String>,
         #[arg(long, requires = "action")]
         scope: Option<String>,
-        #[arg(long, requires = "scope", value_parser = ["retries_off", "isolate", "canary_off"])]
+        #[arg(long, requires = "scope", value_parser = switch_actions())]
         action: Option<String>,
         /// Why it can go off now.
         #[arg(long)]
@@ -216,7 +218,7 @@ enum RequestsAction {
         /// Only records created before this RFC 3339 UTC time.
         #[arg(long)]
         created_before: Option<String>,
-        #[arg(long, value_parser = ["resolve-not-executed", "retry", "cancel"])]
+        #[arg(long, value_parser = bulk_actions())]
         action: String,
         #[arg(long)]
         dry_run: bool,
@@ -374,6 +376,16 @@ impl AdminArgs {
     }
 }
 
+/// The actions a switch takes, as `--action` values.
+fn switch_actions() -> PossibleValuesParser {
+    PossibleValuesParser::new(idem::switch::SwitchAction::ALL.map(|a| a.as_str()))
+}
+
+/// The actions a bulk call takes, as `--action` values.
+fn bulk_actions() -> PossibleValuesParser {
+    PossibleValuesParser::new(BulkAction::ALL.map(|a| a.flag()))
+}
+
 fn switch_command(action: SwitchAction) -> cli::Command {
     let command = match action {
         SwitchAction::Set { scope, action, reason, expires_in } => {
@@ -425,7 +437,7 @@ fn requests_command(action: RequestsAction) -> Result<cli::Command, cli::CliErro
                 tenant,
                 created_after,
                 created_before,
-                action: action.replace('-', "_"),
+                action: BulkAction::ALL.into_iter().find(|a| a.flag() == action).map_or(action, |a| a.as_str().into()),
                 dry_run,
                 limit,
                 note,

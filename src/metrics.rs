@@ -9,6 +9,7 @@ use std::time::Duration;
 use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::domain::AnswerKind;
 use crate::domain::Phase;
 use crate::domain::{Class, PolicyVersion, StopReason};
 use crate::policy::{BreakerState, Cohort};
@@ -226,8 +227,8 @@ impl Drop for Waiting {
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
 /// `circuit_open` (503, shed before recording).
-pub fn answered(route: &str, kind: &'static str) {
-    counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind).increment(1);
+pub fn answered(route: &str, kind: AnswerKind) {
+    counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind.as_str()).increment(1);
 }
 
 /// An attempt was not started because the emergency switch `action` was on for `route`.

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use crate::clock::{Clock, SharedClock};
 use crate::config::{Config, Live, Probe, Route};
+use crate::domain::AttemptError;
+use crate::domain::HistoryAction;
 use crate::domain::StopReason;
 use crate::domain::{AttemptOutcome, Phase, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
@@ -129,7 +131,7 @@ pub async fn take_over_once(
             duration_ms: (lease.expires_at - started_at).as_millis() as u64,
             outcome: AttemptOutcome::Lost,
             status: None,
-            error: Some("worker_lost".into()),
+            error: Some(AttemptError::WorkerLost),
             wait_ms: 0,
             // Marked with the attempt before it was sent, so the lost attempt keeps its policy.
             policy_version: record.policy_version.clone(),
@@ -146,7 +148,7 @@ pub async fn take_over_once(
         let entry = HistoryEntry {
             at: now,
             actor: format!("node:{}", worker.owner()),
-            action: format!("take-over → {}", to.phase().as_str()),
+            action: HistoryAction::TakeOver(to.phase()),
             note: Some(format!(
                 "the lease of {} expired{}{capped}",
                 lease.owner,
@@ -258,7 +260,8 @@ async fn probe_route(
     {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
-        let entry = HistoryEntry { at: clock.now(), actor: "probe".into(), action: "probe".into(), note: Some(note) };
+        let entry =
+            HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note: Some(note) };
         if let Action::Applied(settled) =
             store.probed(Probed { id: record.id, claim: record.claim, resolution, next_probe_at: next, entry }).await?
         {
@@ -283,14 +286,7 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
         Err(why) => return (None, format!("{asked} not sent: {why}")),
     };
     match upstream
-        .send(
-            probe.method.as_str(),
-            url,
-            &[],
-            &route.upstream_headers,
-            bytes::Bytes::new(),
-            route.retry.per_try_timeout,
-        )
+        .send(&probe.method, url, &[], &route.upstream_headers, bytes::Bytes::new(), route.retry.per_try_timeout)
         .await
     {
         Ok(answer) => {
@@ -354,7 +350,7 @@ mod tests {
             tenant: "default".into(),
             key: crate::key::IdempotencyKey::parse("k").unwrap(),
             route: "p".into(),
-            method: "POST".into(),
+            method: http::Method::POST,
             path: "/p".into(),
             query: String::new(),
             fingerprint: crate::fingerprint::Fingerprint::of("p", "POST", "/p", "", None, b"{}"),

@@ -177,7 +177,7 @@ impl Upstream {
     /// response that would arrive later is dropped with the connection: it is never used.
     pub async fn send(
         &self,
-        method: &str,
+        method: &Method,
         url: reqwest::Url,
         headers: &[(String, String)],
         credentials: &HeaderMap,
@@ -192,19 +192,18 @@ impl Upstream {
     /// to read, whole or part by part.
     pub async fn send_head(
         &self,
-        method: &str,
+        method: &Method,
         url: reqwest::Url,
         headers: &[(String, String)],
         credentials: &HeaderMap,
         body: Bytes,
         until: tokio::time::Instant,
     ) -> Result<Head, Observed> {
-        // Neither can fail on what reaches here (a method and a URL that parsed); were it to, the
-        // request was not sent.
-        let method = Method::from_bytes(method.as_bytes()).map_err(|_| Observed::ConnectFailed)?;
+        // It cannot fail on what reaches here (a URL that parsed); were it to, the request was
+        // not sent.
         let uri: http::Uri = url.as_str().parse().map_err(|_| Observed::ConnectFailed)?;
         let mut request = http::Request::new(Full::new(body));
-        *request.method_mut() = method;
+        *request.method_mut() = method.clone();
         *request.uri_mut() = uri;
         let headers_sent = request.headers_mut();
         *headers_sent = to_header_map(headers);
@@ -406,7 +405,7 @@ mod tests {
         });
         let sent = Upstream::new()
             .send(
-                "POST",
+                &Method::POST,
                 url.parse().unwrap(),
                 &[],
                 &HeaderMap::new(),
@@ -428,7 +427,7 @@ mod tests {
         let held = tokio::spawn(async move { listener.accept().await.unwrap() });
         let started = tokio::time::Instant::now();
         let sent = Upstream::connecting_within(Duration::from_millis(200))
-            .send("POST", url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(10))
+            .send(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(10))
             .await;
         assert_eq!(sent.unwrap_err(), Observed::ConnectFailed);
         assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
@@ -445,7 +444,7 @@ mod tests {
         let upstream = Upstream::new();
         for _ in 0..3 {
             let answer = upstream
-                .send("POST", url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(5))
+                .send(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(5))
                 .await
                 .unwrap();
             let body = answer.response.body;

@@ -49,11 +49,38 @@ struct RawFilter {
     created_before: Option<String>,
 }
 
+/// What a bulk call does to each record it matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BulkAction {
+pub enum BulkAction {
     ResolveNotExecuted,
     Retry,
     Cancel,
+}
+
+impl BulkAction {
+    pub const ALL: [BulkAction; 3] = [BulkAction::ResolveNotExecuted, BulkAction::Retry, BulkAction::Cancel];
+
+    /// Its name in the API's `action`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BulkAction::ResolveNotExecuted => "resolve_not_executed",
+            BulkAction::Retry => "retry",
+            BulkAction::Cancel => "cancel",
+        }
+    }
+
+    /// Its name as a command-line value: the API's, with dashes.
+    pub fn flag(self) -> &'static str {
+        match self {
+            BulkAction::ResolveNotExecuted => "resolve-not-executed",
+            BulkAction::Retry => "retry",
+            BulkAction::Cancel => "cancel",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<BulkAction> {
+        BulkAction::ALL.into_iter().find(|a| a.as_str() == text)
+    }
 }
 
 /// Which records a bulk call is about: the listing's filter, plus a window of creation times
@@ -113,18 +140,18 @@ impl Plan {
                 return Err(bad_filter("created_before", "must be later than created_after"));
             }
         }
-        let action = match body.action.as_deref() {
-            Some("resolve_not_executed") => BulkAction::ResolveNotExecuted,
-            Some("retry") => BulkAction::Retry,
-            Some("cancel") => BulkAction::Cancel,
-            other => {
+        let action = match body.action.as_deref().and_then(BulkAction::parse) {
+            Some(action) => action,
+            None => {
+                let names: Vec<String> = BulkAction::ALL.iter().map(|a| format!("\"{}\"", a.as_str())).collect();
                 return Err(Problem::bad_request(
                     "invalid-action",
                     format!(
-                        "action: {} is not one of \"resolve_not_executed\", \"retry\", \"cancel\".",
-                        other.map_or("a missing action".to_string(), |a| format!("`{a}`"))
+                        "action: {} is not one of {}.",
+                        body.action.as_deref().map_or("a missing action".to_string(), |a| format!("`{a}`")),
+                        names.join(", ")
                     ),
-                ))
+                ));
             }
         };
         let limit = match body.limit {
@@ -215,6 +242,15 @@ pub(super) async fn bulk(State(admin): State<Arc<Admin>>, body: Bytes) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bulk_action_is_named_one_way_in_the_api_and_with_dashes_on_the_command_line() {
+        for action in BulkAction::ALL {
+            assert_eq!(BulkAction::parse(action.as_str()), Some(action));
+            assert_eq!(action.flag().replace('-', "_"), action.as_str());
+        }
+        assert_eq!(BulkAction::parse("resolve-not-executed"), None, "the API takes its own spelling only");
+    }
 
     fn plan(body: Value) -> Result<Plan, Problem> {
         let body: BulkBody =

@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
+use crate::domain::HistoryAction;
 use crate::domain::RecordId;
 use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
@@ -31,7 +32,7 @@ use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;
 use crate::worker::{Settled, Worker};
 
-mod bulk;
+pub mod bulk;
 pub mod cli;
 mod config;
 mod series;
@@ -223,11 +224,11 @@ struct Stamped<'a> {
 
 impl Stamped<'_> {
     /// The history entry the action leaves on the record.
-    fn entry(&self, action: &str) -> HistoryEntry {
+    fn entry(&self, action: HistoryAction) -> HistoryEntry {
         HistoryEntry {
             at: self.now,
             actor: self.who.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
-            action: action.into(),
+            action,
             note: self.who.note.clone().filter(|n| !n.trim().is_empty()),
         }
     }
@@ -335,8 +336,8 @@ async fn apply_resolve(
     who: &Attribution,
 ) -> Result<Record, Problem> {
     let action = match &resolution {
-        Resolution::Executed(_) => "resolve executed",
-        Resolution::NotExecuted => "resolve not_executed",
+        Resolution::Executed(_) => HistoryAction::ResolveExecuted,
+        Resolution::NotExecuted => HistoryAction::ResolveNotExecuted,
     };
     let who = who.at(admin.clock.now());
     match admin
@@ -374,7 +375,7 @@ async fn apply_retry(admin: &Admin, id: RecordId, who: &Attribution) -> Result<R
     let deadline_at = who.now + route.retry.deadline;
     match admin
         .store
-        .retry(crate::store::Retry { id, deadline_at, entry: who.entry("retry") })
+        .retry(crate::store::Retry { id, deadline_at, entry: who.entry(HistoryAction::Retry) })
         .await
         .map_err(store_problem)?
     {
@@ -400,7 +401,12 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
 /// flag is `true` then).
 async fn apply_cancel(admin: &Admin, id: RecordId, who: &Attribution) -> Result<(Record, bool), Problem> {
     let who = who.at(admin.clock.now());
-    match admin.store.cancel(crate::store::Cancel { id, entry: who.entry("cancel") }).await.map_err(store_problem)? {
+    match admin
+        .store
+        .cancel(crate::store::Cancel { id, entry: who.entry(HistoryAction::Cancel) })
+        .await
+        .map_err(store_problem)?
+    {
         Cancelled::Dequeued(record) => {
             admin.settled.settled(record.id);
             Ok((record, false))

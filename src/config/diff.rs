@@ -6,6 +6,7 @@ use serde_json::{json, Value};
 
 use super::{invalid, Config, ConfigError, Route};
 use crate::domain::PolicyVersion;
+use crate::domain::RouteName;
 
 /// Settings the running process was built around: its listeners and their connection budgets
 /// and timeouts, the request-body budget, the store it opened, its worker pool, and the lease
@@ -27,7 +28,7 @@ pub const RESTART_ONLY: [&str; 10] = [
 /// A route and the version of its policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteVersion {
-    pub name: String,
+    pub name: RouteName,
     pub policy_version: PolicyVersion,
 }
 
@@ -133,7 +134,7 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
         match a.route_named(&route.name) {
             None => changes.added.push(version_of(route)),
             Some(old) if old != route => changes.changed.push(RouteChange {
-                name: route.name.clone(),
+                name: route.name.to_string(),
                 old_version: old.policy_version.clone(),
                 new_version: route.policy_version.clone(),
                 keys: differing_keys(old, route),

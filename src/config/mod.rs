@@ -9,6 +9,7 @@ use std::time::Duration;
 use http::Method;
 
 use crate::domain::PolicyVersion;
+use crate::domain::RouteName;
 use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
 
 mod canary;
@@ -109,7 +110,7 @@ pub struct WorkerConfig {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Route {
-    pub name: String,
+    pub name: RouteName,
     pub path_prefix: String,
     /// Base URL of the upstream, without a trailing slash; the request path is appended.
     pub upstream: String,

@@ -84,7 +84,7 @@ impl RawRoute {
         let canary =
             self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version)).transpose()?;
         Ok(Route {
-            name: self.name,
+            name: self.name.into(),
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_base: upstream,

@@ -32,7 +32,11 @@ const PHASES: [Phase; 5] = [Phase::Queued, Phase::Free, Phase::InProgress, Phase
 
 impl HistoryAction {
     pub fn parse(text: &str) -> Option<HistoryAction> {
-        let phase = |name: &str| PHASES.into_iter().find(|p| p.as_str() == name);
+        // Entries written before phases were named there say `not_started` for the queue.
+        let phase = |name: &str| match name {
+            "not_started" => Some(Phase::Queued),
+            _ => PHASES.into_iter().find(|p| p.as_str() == name),
+        };
         Some(match text {
             "requeued" => HistoryAction::Requeued,
             "cancel" => HistoryAction::Cancel,
@@ -99,6 +103,7 @@ mod tests {
             assert_eq!(serde_json::from_str::<HistoryAction>(&json).unwrap(), action, "{json}");
         }
         assert_eq!(HistoryAction::LateOutcome(Phase::Done).to_string(), "late outcome → done");
+        assert_eq!(HistoryAction::parse("take-over → not_started"), Some(HistoryAction::TakeOver(Phase::Queued)));
         assert_eq!(HistoryAction::parse("take-over → nowhere"), None);
         assert_eq!(HistoryAction::parse("deleted"), None);
     }

@@ -188,6 +188,13 @@ impl fmt::Display for PolicyVersion {
     }
 }
 
+impl Deref for PolicyVersion {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl From<String> for PolicyVersion {
     fn from(version: String) -> PolicyVersion {
         PolicyVersion(version.into())

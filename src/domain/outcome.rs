@@ -153,10 +153,26 @@ pub enum AttemptError {
     TimedOut,
     /// An I/O error after the request may have been written, or a body cut after the status.
     Broken,
+    /// Its worker stopped (died, or lost its lease) mid-attempt: a take-over recorded it.
+    WorkerLost,
+    /// A streamed answer's upstream cut it after its first byte reached the client.
+    StreamCut,
+    /// A streamed answer's upstream fell silent for `stream_idle_timeout` after its first byte.
+    StreamIdleTimeout,
+    /// The deadline ended while a streamed answer was still arriving.
+    Deadline,
 }
 
 impl AttemptError {
-    pub const ALL: [AttemptError; 3] = [AttemptError::ConnectFailed, AttemptError::TimedOut, AttemptError::Broken];
+    pub const ALL: [AttemptError; 7] = [
+        AttemptError::ConnectFailed,
+        AttemptError::TimedOut,
+        AttemptError::Broken,
+        AttemptError::WorkerLost,
+        AttemptError::StreamCut,
+        AttemptError::StreamIdleTimeout,
+        AttemptError::Deadline,
+    ];
 
     /// The name stored with the attempt and shown in its record.
     pub fn as_str(self) -> &'static str {
@@ -164,15 +180,20 @@ impl AttemptError {
             AttemptError::ConnectFailed => "connect_failed",
             AttemptError::TimedOut => "timed_out",
             AttemptError::Broken => "broken",
+            AttemptError::WorkerLost => "worker_lost",
+            AttemptError::StreamCut => "stream_cut",
+            AttemptError::StreamIdleTimeout => "stream_idle_timeout",
+            AttemptError::Deadline => "deadline",
         }
     }
 
-    /// The word an `idem simulate` script writes for it, and its report shows.
+    /// The word an `idem simulate` script writes for it, and its report shows: a script knows
+    /// a failed connect, a timeout and a broken exchange; anything else reads as broken.
     pub fn script_word(self) -> &'static str {
         match self {
             AttemptError::ConnectFailed => "connect-failed",
             AttemptError::TimedOut => "timeout",
-            AttemptError::Broken => "broken",
+            _ => "broken",
         }
     }
 

@@ -8,6 +8,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::REPLAYED_HEADER;
+use crate::domain::AnswerKind;
 use crate::domain::StopReason;
 use crate::domain::{State, Timestamp};
 use crate::metrics;
@@ -146,7 +147,7 @@ impl super::Ingress {
     /// it gets what was already sent, then follows live (docs/concepts.md).
     pub(super) fn attached(&self, record: &crate::record::Record) -> Option<Response> {
         let streamed = self.worker.attach(record.id)?;
-        metrics::answered(&record.route, "attached");
+        metrics::answered(&record.route, AnswerKind::Attached);
         let mut response = streamed_response(streamed);
         response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
         Some(response)

@@ -17,6 +17,7 @@ use crate::clock::SharedClock;
 use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
+use crate::domain::AnswerKind;
 use crate::domain::RecordId;
 use crate::domain::{Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
@@ -243,10 +244,10 @@ impl Ingress {
         // A replay known to this node needs no database at all, nor anything a new record does.
         if let Some(replay) = self.replays.get(&tenant, key.as_str(), arrival) {
             if replay.fingerprint != fingerprint {
-                metrics::answered(&route.name, "key_reused");
+                metrics::answered(&route.name, AnswerKind::KeyReused);
                 return Err(Problem::key_reused().state(State::Done));
             }
-            metrics::answered(&replay.route, "replay");
+            metrics::answered(&replay.route, AnswerKind::Replay);
             self.tally.replay(&replay.route);
             let mut response = stored_response(&replay.response, true);
             response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
@@ -261,7 +262,7 @@ impl Ingress {
             tenant,
             key: key.clone(),
             route: route.name.clone(),
-            method: parts.method.as_str().to_string(),
+            method: parts.method.clone(),
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
@@ -323,11 +324,11 @@ impl Ingress {
         prefer: Prefer,
     ) -> Result<Response, Problem> {
         if record.fingerprint != fingerprint {
-            metrics::answered(&route.name, "key_reused");
+            metrics::answered(&route.name, AnswerKind::KeyReused);
             return Err(Problem::key_reused().state(record.state));
         }
         if let Some(spent) = self.spent(&record) {
-            metrics::answered(&route.name, "result_expired");
+            metrics::answered(&route.name, AnswerKind::ResultExpired);
             return Err(spent);
         }
         self.answer_existing(record, prefer.wait).await
@@ -341,11 +342,11 @@ impl Ingress {
     fn refused(&self, route: &Route, refusal: Refusal) -> Problem {
         match refusal {
             Refusal::Overloaded => {
-                metrics::answered(&route.name, "overloaded");
+                metrics::answered(&route.name, AnswerKind::Overloaded);
                 Problem::overloaded()
             }
             Refusal::CircuitOpen(wait) => {
-                metrics::answered(&route.name, "circuit_open");
+                metrics::answered(&route.name, AnswerKind::CircuitOpen);
                 Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
             }
         }
@@ -411,10 +412,10 @@ impl Ingress {
             }
         }
         let kind = match record.phase() {
-            Phase::Done => "replay",
-            Phase::Unknown => "unknown",
-            Phase::Queued | Phase::InProgress => "in_progress",
-            Phase::Free => "freed",
+            Phase::Done => AnswerKind::Replay,
+            Phase::Unknown => AnswerKind::Unknown,
+            Phase::Queued | Phase::InProgress => AnswerKind::InProgress,
+            Phase::Free => AnswerKind::Freed,
         };
         if replay {
             metrics::answered(&record.route, kind);

@@ -31,7 +31,7 @@ impl Ingress {
         }
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        match self.upstream.send(parts.method.as_str(), url, &headers, &credentials, body, limit).await {
+        match self.upstream.send(&parts.method, url, &headers, &credentials, body, limit).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),

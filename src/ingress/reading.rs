@@ -7,6 +7,7 @@ use axum::body::Body;
 use bytes::Bytes;
 
 use crate::config::Route;
+use crate::domain::AnswerKind;
 use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::metrics;
 use crate::policy::RetryPolicy;
@@ -46,7 +47,7 @@ pub(super) async fn read_body<'a>(
         ReadError::TooLarge(limit) => Problem::too_large(limit),
         ReadError::TimedOut => Problem::request_timeout(),
         ReadError::Overloaded => {
-            metrics::answered(&route.name, "buffers_full");
+            metrics::answered(&route.name, AnswerKind::BuffersFull);
             Problem::buffers_full()
         }
         ReadError::Unreadable(_) => {

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::fingerprint::Fingerprint;
 use crate::record::StoredResponse;
@@ -15,7 +16,7 @@ pub struct Replays {
 
 pub struct Replay {
     pub(super) fingerprint: Fingerprint,
-    pub(super) route: String,
+    pub(super) route: RouteName,
     pub(super) response: StoredResponse,
     /// No later than the record's own end of retention.
     pub(super) expires_at: Timestamp,

@@ -11,6 +11,7 @@ use axum::Json;
 
 use super::Ingress;
 use crate::credentials;
+use crate::domain::HistoryAction;
 use crate::domain::Phase;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
@@ -104,7 +105,7 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
     let entry = HistoryEntry {
         at: app.clock.now(),
         actor: format!("client:{}", record.tenant),
-        action: "cancel".into(),
+        action: HistoryAction::Cancel,
         note: None,
     };
     match app.store.cancel(Cancel { id: record.id, entry }).await.map_err(|e| Problem::store(&e))? {

@@ -19,7 +19,7 @@ pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pace, Pending, RoutePace};
 pub use version::Effective;
 
-use crate::domain::{Class, StopReason};
+use crate::domain::{AttemptError, Class, StopReason};
 
 /// A route's retry settings (docs/configuration.md `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,6 +69,18 @@ pub enum Observed {
     TimedOut,
     /// An I/O error after the request may have been written, or a body cut after the status.
     Broken,
+}
+
+impl Observed {
+    /// How the attempt ended when no status arrived, as stored with it.
+    pub fn error(&self) -> Option<AttemptError> {
+        match self {
+            Observed::Response(_) => None,
+            Observed::ConnectFailed => Some(AttemptError::ConnectFailed),
+            Observed::TimedOut => Some(AttemptError::TimedOut),
+            Observed::Broken => Some(AttemptError::Broken),
+        }
+    }
 }
 
 /// What to do after an attempt.

@@ -5,7 +5,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::domain::{AttemptOutcome, Owner, Phase, RecordId};
+use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, PolicyVersion, RecordId, RouteName};
 use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
@@ -23,15 +23,15 @@ pub struct Attempt {
     pub outcome: AttemptOutcome,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<u16>,
-    /// How the attempt ended when no status arrived: `connect_failed`, `timed_out`, `broken`.
+    /// How the attempt ended when no status arrived.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+    pub error: Option<AttemptError>,
     /// The wait before this attempt.
     pub wait_ms: u64,
-    /// The version of the policy the attempt was sent under (see [`crate::domain::PolicyVersion`]);
-    /// absent from attempts stored before versions were.
+    /// The version of the policy the attempt was sent under; absent from attempts stored
+    /// before versions were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy_version: Option<String>,
+    pub policy_version: Option<PolicyVersion>,
     /// The upstream's `Retry-After` as the policy read it, when a response within the limit
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -43,7 +43,7 @@ pub struct Attempt {
 pub struct HistoryEntry {
     pub at: Timestamp,
     pub actor: String,
-    pub action: String,
+    pub action: HistoryAction,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
@@ -91,8 +91,8 @@ pub struct Record {
     pub id: RecordId,
     pub tenant: Tenant,
     pub key: IdempotencyKey,
-    pub route: String,
-    pub method: String,
+    pub route: RouteName,
+    pub method: http::Method,
     pub path: String,
     pub query: String,
     pub fingerprint: Fingerprint,
@@ -126,7 +126,7 @@ pub struct Record {
     pub tombstone_until: Option<Timestamp>,
     /// The policy version of the latest attempt, written with its "may have been sent" mark:
     /// an attempt whose worker died before storing its outcome is still known by its policy.
-    pub policy_version: Option<String>,
+    pub policy_version: Option<PolicyVersion>,
     /// Set when its answer streamed: how that went, written by the same write as the outcome,
     /// and cleared when a later attempt starts.
     pub stream: Option<StreamFacts>,
@@ -181,7 +181,7 @@ impl Record {
             "tenant": self.tenant,
             "key": self.key,
             "route": self.route,
-            "method": self.method,
+            "method": self.method.as_str(),
             "path": self.path_and_query(),
             "state": self.state.as_str(),
             "queued": self.queued,

@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use crate::config::Config;
-use crate::domain::{Class, StopReason};
+use crate::domain::{Class, State, StopReason};
 use crate::policy::{Observed, RetryBudget, RetryPolicy, Settlement};
 
 pub mod history;
@@ -146,13 +146,13 @@ pub fn command(
     })
 }
 
-/// The name of the state a record would end in.
-pub fn state_name(end: End) -> &'static str {
+/// The state a record would end in.
+pub fn final_state(end: End) -> State {
     match end {
-        End::Stopped { state: Settlement::Done, .. } => "done",
-        End::Stopped { state: Settlement::Unknown, .. } => "unknown",
-        End::Stopped { state: Settlement::Free, .. } => "not_started",
-        End::ScriptExhausted { .. } => "in_progress",
+        End::Stopped { state: Settlement::Done, .. } => State::Done,
+        End::Stopped { state: Settlement::Unknown, .. } => State::Unknown,
+        End::Stopped { state: Settlement::Free, .. } => State::NotStarted,
+        End::ScriptExhausted { .. } => State::InProgress,
     }
 }
 
@@ -216,6 +216,6 @@ mod tests {
         let t = run(&seed(), false, "400ms:503");
         assert_eq!(t.end, End::ScriptExhausted { next: 2 });
         assert_eq!(t.elapsed, ms(500), "the 100 ms wait was taken before attempt 2 found no outcome");
-        assert_eq!(state_name(t.end), "in_progress");
+        assert_eq!(final_state(t.end), State::InProgress);
     }
 }

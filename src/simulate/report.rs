@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{state_name, AttemptStep, End, Scripted, Step, Trace, Verdict, WaitStep};
-use crate::domain::{Class, StopReason};
+use super::{final_state, AttemptStep, End, Scripted, Step, Trace, Verdict, WaitStep};
+use crate::domain::{AttemptError, Class, State, StopReason};
 use crate::policy::{Jitter, Observed, RetryPolicy};
 
 fn ms(d: Duration) -> u64 {
@@ -19,11 +19,9 @@ fn show(d: Duration) -> String {
 }
 
 fn observed_name(o: Observed) -> String {
-    match o {
-        Observed::Response(status) => status.to_string(),
-        Observed::TimedOut => "timeout".into(),
-        Observed::ConnectFailed => "connect-failed".into(),
-        Observed::Broken => "broken".into(),
+    match (&o, o.error()) {
+        (Observed::Response(status), _) => status.to_string(),
+        (_, error) => error.map_or("broken", AttemptError::script_word).into(),
     }
 }
 
@@ -211,11 +209,11 @@ fn end_lines(t: &Trace) -> Vec<String> {
             show(t.elapsed)
         )),
     }
-    let meaning = match state_name(t.end) {
-        "done" => "done (the last response is stored and replayed to duplicates)",
-        "unknown" => "unknown (it may have executed: reconciliation, never sent again automatically)",
-        "not_started" => "not_started, free (the key's next request executes afresh)",
-        _ => "in_progress (the execution has not ended)",
+    let meaning = match final_state(t.end) {
+        State::Done => "done (the last response is stored and replayed to duplicates)",
+        State::Unknown => "unknown (it may have executed: reconciliation, never sent again automatically)",
+        State::NotStarted => "not_started, free (the key's next request executes afresh)",
+        State::InProgress => "in_progress (the execution has not ended)",
     };
     lines.push(format!("state: {meaning}"));
     if !t.unused.is_empty() {
@@ -328,7 +326,7 @@ pub fn json(t: &Trace, route: &str, policy: &RetryPolicy, replay_safe: bool, ran
         "steps": steps,
         "stop_reason": stop,
         "script_exhausted": exhausted,
-        "final_state": state_name(t.end),
+        "final_state": final_state(t.end).as_str(),
         "elapsed_ms": ms(t.elapsed),
         "attempts": t.attempts,
         "draws": t.draws,

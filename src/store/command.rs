@@ -9,6 +9,8 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
+use crate::domain::HistoryAction;
+use crate::domain::RouteName;
 use crate::domain::State;
 use crate::domain::{AttemptOutcome, ClaimToken, Holder, Owner, Phase, RecordId, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
@@ -155,7 +157,7 @@ pub struct AddAnswerCounts {
 /// the record became unknown, the next when the last probe scheduled it.
 #[derive(Debug, Clone)]
 pub struct ProbesDue {
-    pub route: String,
+    pub route: RouteName,
     pub settle: Duration,
     pub now: Timestamp,
     pub limit: u32,
@@ -251,7 +253,7 @@ impl AttemptEnded {
         let entry = HistoryEntry {
             at: self.now,
             actor: format!("node:{}", self.holder.owner),
-            action: format!("late outcome → {}", to.as_str()),
+            action: HistoryAction::LateOutcome(to),
             note: Some(format!(
                 "attempt {} ({}) ended after its lease expired and the record was taken over",
                 attempt.number,

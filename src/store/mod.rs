@@ -6,6 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::domain::RecordId;
+use crate::domain::RouteName;
 use crate::domain::{ClaimToken, Owner, Phase, Tenant, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
 use crate::fingerprint::Fingerprint;
@@ -47,8 +48,8 @@ pub struct NewRecord {
     pub id: RecordId,
     pub tenant: Tenant,
     pub key: IdempotencyKey,
-    pub route: String,
-    pub method: String,
+    pub route: RouteName,
+    pub method: http::Method,
     pub path: String,
     pub query: String,
     pub fingerprint: Fingerprint,
@@ -96,7 +97,7 @@ impl NewRecord {
             takeovers: 0,
             not_before: None,
             tombstone_until: None,
-            policy_version: claim.as_ref().map(|c| c.policy_version.to_string()),
+            policy_version: claim.as_ref().map(|c| c.policy_version.clone()),
             stream: None,
             created_at: self.now,
             updated_at: self.now,
@@ -116,7 +117,7 @@ pub struct SweepPlan {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteSweep {
-    pub route: String,
+    pub route: RouteName,
     /// Done records finished before this are past their retention.
     pub cutoff: Timestamp,
     /// How long a tombstone outlives its record's completion (retention + tombstone), or `None`

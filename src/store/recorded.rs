@@ -6,6 +6,7 @@
 use uuid::Uuid;
 
 use super::{postgres, sqlite, Columns, StoreError};
+use crate::domain::HistoryAction;
 use crate::domain::StopReason;
 use crate::domain::{State, Timestamp};
 use crate::record::{Attempt, HistoryEntry};
@@ -86,7 +87,7 @@ impl Reader {
 /// The times of a stored history's `requeued` entries, oldest first.
 fn requeued_at(history: &str) -> Result<Vec<Timestamp>, StoreError> {
     let entries: Vec<HistoryEntry> = serde_json::from_str(history)?;
-    let mut at: Vec<Timestamp> = entries.iter().filter(|e| e.action == "requeued").map(|e| e.at).collect();
+    let mut at: Vec<Timestamp> = entries.iter().filter(|e| e.action == HistoryAction::Requeued).map(|e| e.at).collect();
     at.sort_unstable();
     Ok(at)
 }

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::StoreError;
+use crate::domain::PolicyVersion;
 use crate::domain::StopReason;
 use crate::domain::{ClaimToken, RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
@@ -79,8 +80,8 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         id: RecordId(Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?),
         tenant: Tenant::from(text("tenant")?),
         key: IdempotencyKey::from_stored(text("key")?),
-        route: text("route")?,
-        method: text("method")?,
+        route: text("route")?.into(),
+        method: http::Method::from_bytes(text("method")?.as_bytes()).map_err(|_| corrupt("method"))?,
         path: text("path")?,
         query: text("query")?,
         fingerprint: Fingerprint::from_bytes(&row.blob("fingerprint")?.unwrap_or_default())
@@ -108,7 +109,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         takeovers: u32::try_from(required("takeovers")?).map_err(|_| corrupt("takeovers"))?,
         not_before: time("not_before")?,
         tombstone_until: time("tombstone_until")?,
-        policy_version: row.text("policy_version")?,
+        policy_version: row.text("policy_version")?.map(PolicyVersion::from),
         stream: row.text("stream")?.map(|s| serde_json::from_str(&s)).transpose()?,
         created_at: required_time("created_at")?,
         updated_at: required_time("updated_at")?,

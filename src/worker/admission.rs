@@ -180,7 +180,7 @@ pub(super) mod tests {
             tenant: "default".into(),
             key: crate::key::IdempotencyKey::parse(key).unwrap(),
             route: "payments".into(),
-            method: "POST".into(),
+            method: http::Method::POST,
             path: "/payments".into(),
             query: String::new(),
             fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),

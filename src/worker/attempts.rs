@@ -478,14 +478,9 @@ pub(super) fn stored_attempt(
         duration_ms: took.as_millis() as u64,
         outcome: class.into(),
         status: answer.map(|a| a.response.status),
-        error: match observed {
-            Observed::Response(_) => None,
-            Observed::ConnectFailed => Some("connect_failed".into()),
-            Observed::TimedOut => Some("timed_out".into()),
-            Observed::Broken => Some("broken".into()),
-        },
+        error: observed.error(),
         wait_ms: p.wait_before.as_millis() as u64,
-        policy_version: Some(chosen.version.to_string()),
+        policy_version: Some(chosen.version.clone()),
         retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
     }
 }

@@ -94,7 +94,7 @@ impl Inner {
     /// The policy a record executes under: the one its attempts were marked with when it has
     /// any (so a canary switched off or on meanwhile moves no record across), else a fresh choice.
     pub(super) fn policy_of<'r>(&self, route: &'r Route, record: &Record) -> Policy<'r> {
-        let marked = record.policy_version.as_deref().and_then(|v| route.policy_named(v));
+        let marked = record.policy_version.as_ref().and_then(|v| route.policy_named(v.as_str()));
         marked.unwrap_or_else(|| self.switches.policy(route, &record.tenant, &record.key))
     }
 

@@ -14,7 +14,7 @@ use super::admission::tests::{request, NOW};
 use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
 use crate::config::{Config, Live};
-use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
+use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
 use crate::reconcile::take_over_once;
 use crate::record::Record;
 use crate::store::{Admission, Admit, NewRecord, Store};
@@ -271,7 +271,7 @@ async fn a_paused_nodes_late_outcome_settles_the_record_its_survivor_made_unknow
     assert_eq!((response.status, &response.body[..]), (201, &b"charge 1"[..]));
     assert_eq!(settled.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["success"]);
     let noted = settled.history.last().unwrap();
-    assert_eq!((noted.actor.as_str(), noted.action.as_str()), ("node:node-1", "late outcome → done"));
+    assert_eq!((noted.actor.as_str(), noted.action), ("node:node-1", HistoryAction::LateOutcome(Phase::Done)));
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1);
 }
 

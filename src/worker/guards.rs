@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 use crate::config::{Config, Route};
+use crate::domain::RouteName;
 use crate::policy::{Breaker, BreakerState, RetryBudget};
 
 use super::lock;
@@ -20,7 +21,7 @@ use super::lock;
 /// went; an execution holds the guard it started with to its end, so its attempts keep counting
 /// against the limits they started under (see [`Guards::reconfigure`]).
 pub struct Guards {
-    routes: RwLock<HashMap<String, Arc<RouteGuard>>>,
+    routes: RwLock<HashMap<RouteName, Arc<RouteGuard>>>,
     breakers: RwLock<HashMap<String, Arc<Mutex<Breaker>>>>,
 }
 
@@ -98,7 +99,7 @@ impl Guards {
     pub fn reconfigure(&self, config: &Config) {
         let now = Instant::now();
         let mut routes = write(&self.routes);
-        let kept: HashMap<String, Arc<RouteGuard>> = config
+        let kept: HashMap<RouteName, Arc<RouteGuard>> = config
             .routes
             .iter()
             .map(|r| {

@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
 use super::{lock, Flow, Inner, Outcome};
-use crate::domain::StopReason;
+use crate::domain::{AttemptError, StopReason};
 use crate::metrics;
 use crate::policy::{Decision, Ended, Observed};
 use crate::problem::Problem;
@@ -34,6 +34,15 @@ impl Short {
             Short::Cut => StopReason::StreamCut,
             Short::Idle => StopReason::StreamIdleTimeout,
             Short::Deadline => StopReason::Deadline,
+        }
+    }
+
+    /// How the attempt ended, as stored with it.
+    fn error(self) -> AttemptError {
+        match self {
+            Short::Cut => AttemptError::StreamCut,
+            Short::Idle => AttemptError::StreamIdleTimeout,
+            Short::Deadline => AttemptError::Deadline,
         }
     }
 
@@ -129,7 +138,7 @@ impl Inner {
                 tap.finish(stream::cut(problem.document()));
                 // Kept for the operator when the record becomes `unknown`; within the bound only.
                 p.partial = tap.body().map(|body| StoredResponse { status, headers: head.headers.clone(), body });
-                attempt.error = Some(short.stop().as_str().to_string());
+                attempt.error = Some(short.error());
                 short.stop()
             }
         };

@@ -29,6 +29,15 @@ amplification_over = 1.5
 min_requests = 4
 "#;
 
+/// A broker whose one route (at `/payments`) is named `route`: the canary gauges are the
+/// process's, shared with the other tests, so each test's canary runs on a route of its own.
+async fn start(b: Backend, upstream: &Upstream, route: &str, extra: &str) -> Broker {
+    let db = Db::new(b).await;
+    let text = crate::common::config_text(&db.url, &upstream.url(), "", extra)
+        .replace("name = \"payments\"", &format!("name = \"{route}\""));
+    Broker::start_with(&db, text).await
+}
+
 /// The route's own policy version, as `/_idem/routes` gives it.
 async fn control_version(broker: &Broker) -> String {
     let routes = send(broker.http.get(format!("{}/_idem/routes", broker.url))).await.json();
@@ -44,7 +53,8 @@ async fn ran(broker: &Broker, key: &str) -> (String, usize) {
 
 async fn a_canary_runs_its_slice_under_its_own_policy_and_stops_itself(b: Backend) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", CANARY).await;
+    let route = format!("canary-runs-{b:?}");
+    let broker = start(b, &upstream, &route, CANARY).await;
     let control = control_version(&broker).await;
 
     let mut canary_keys = Vec::new();
@@ -76,7 +86,7 @@ async fn a_canary_runs_its_slice_under_its_own_policy_and_stops_itself(b: Backen
         assert!(Instant::now() < deadline, "the canary never stopped: {listed:#}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(switch["scope"], "payments");
+    assert_eq!(switch["scope"], route.as_str());
     assert_eq!(switch["actor"], "idem canary");
     let reason = switch["reason"].as_str().unwrap();
     assert!(reason.contains(&canary) && reason.contains("amplification 3.00 is over 1.5"), "{reason}");
@@ -90,7 +100,7 @@ async fn a_canary_runs_its_slice_under_its_own_policy_and_stops_itself(b: Backen
     }
     let metrics = broker.metrics().await;
     assert!(
-        metrics.contains(&format!("idem_canary_running{{route=\"payments\",policy_version=\"{canary}\"}} 0")),
+        metrics.contains(&format!("idem_canary_running{{route=\"{route}\",policy_version=\"{canary}\"}} 0")),
         "{metrics}"
     );
     assert!(metrics.contains(&format!("policy_version=\"{canary}\"")) && metrics.contains("idem_canary_amplification"));
@@ -100,7 +110,8 @@ async fn an_operator_can_end_a_canary_by_hand_and_resume_it(b: Backend) {
     let upstream = Upstream::start().await;
     // Stop conditions that cannot trip here: only the operator ends this canary.
     let config = CANARY.replace("min_requests = 4", "min_requests = 1000");
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", &config).await;
+    let route = format!("canary-by-hand-{b:?}");
+    let broker = start(b, &upstream, &route, &config).await;
     let control = control_version(&broker).await;
     /// Sends sixteen new keys; how many ran under the canary's policy.
     async fn in_canary(broker: &Broker, control: &str, prefix: &str) -> usize {
@@ -115,7 +126,7 @@ async fn an_operator_can_end_a_canary_by_hand_and_resume_it(b: Backend) {
     assert!(in_canary(&broker, &control, "running").await > 0, "half the keys run the canary");
 
     let set = send(broker.http.post(format!("{}/admin/switches", broker.admin)).json(&serde_json::json!({
-        "scope": "payments", "action": "canary_off", "reason": "pausing the trial", "actor": "alice"
+        "scope": route, "action": "canary_off", "reason": "pausing the trial", "actor": "alice"
     })))
     .await;
     assert_eq!(set.status, 201, "{:?}", set.body);
@@ -131,14 +142,15 @@ async fn an_operator_can_end_a_canary_by_hand_and_resume_it(b: Backend) {
 async fn a_canary_removed_by_a_reload_is_shown_as_ended(b: Backend) {
     let upstream = Upstream::start().await;
     let config = CANARY.replace("min_requests = 4", "min_requests = 1000");
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", &config).await;
+    let route = format!("canary-reloaded-{b:?}");
+    let broker = start(b, &upstream, &route, &config).await;
     let checked = std::process::Command::new(env!("CARGO_BIN_EXE_idem"))
         .args(["check", "--config", broker.config_file.to_str().unwrap()])
         .output()
         .unwrap();
     let described = String::from_utf8_lossy(&checked.stdout).into_owned();
     let version = described.split("canary 50% by key, policy_version ").nth(1).expect(&described)[..12].to_string();
-    let running = |on: u8| format!("idem_canary_running{{route=\"payments\",policy_version=\"{version}\"}} {on}");
+    let running = |on: u8| format!("idem_canary_running{{route=\"{route}\",policy_version=\"{version}\"}} {on}");
     broker.await_metric(&running(1)).await;
 
     let without = broker.config_text.split("[routes.canary]").next().unwrap().to_string();

@@ -16,7 +16,9 @@ use std::time::Duration;
 use crate::common::{Backend, Db};
 use bytes::Bytes;
 use idem::domain::StopReason;
-use idem::domain::{AttemptOutcome, ClaimToken, Holder, Phase, RecordId, State, Timestamp};
+use idem::domain::{
+    AttemptError, AttemptOutcome, ClaimToken, HistoryAction, Holder, Phase, RecordId, State, Timestamp,
+};
 use idem::fingerprint::Fingerprint;
 use idem::key::IdempotencyKey;
 use idem::record::{header_text, Attempt, HistoryEntry, Record, StoredRequest, StoredResponse, StreamFacts};
@@ -120,7 +122,7 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp)
         tenant: tenant.into(),
         key: self::key(key),
         route: route.into(),
-        method: "POST".into(),
+        method: http::Method::POST,
         path: path.clone(),
         query: "currency=eur".into(),
         fingerprint: Fingerprint::of(route, "POST", &path, "currency=eur", Some(b"application/json"), body),
@@ -135,8 +137,8 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp)
     }
 }
 
-fn entry(actor: &str, action: &str, at: Timestamp) -> HistoryEntry {
-    HistoryEntry { at, actor: actor.into(), action: action.into(), note: Some(format!("{actor} {action}")) }
+fn entry(actor: &str, action: HistoryAction, at: Timestamp) -> HistoryEntry {
+    HistoryEntry { at, actor: actor.into(), action, note: Some(format!("{actor} {action}")) }
 }
 
 /// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker.
@@ -158,7 +160,7 @@ fn attempt(number: u32, started_at: Timestamp, outcome: &str, status: Option<u16
         duration_ms: 12,
         outcome: AttemptOutcome::parse(outcome).expect("an attempt outcome"),
         status,
-        error: status.is_none().then(|| "timed_out".to_string()),
+        error: status.is_none().then_some(AttemptError::TimedOut),
         wait_ms: if number == 1 { 0 } else { 250 },
         policy_version: Some(VERSION.into()),
         retry_after_ms: None,

@@ -27,7 +27,7 @@ fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
         tenant: "default".into(),
         key: idem::key::IdempotencyKey::parse(key).unwrap(),
         route: route.into(),
-        method: "POST".into(),
+        method: http::Method::POST,
         path: path.clone(),
         query: String::new(),
         fingerprint: Fingerprint::of(route, "POST", &path, "", None, b"{}"),

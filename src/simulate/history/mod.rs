@@ -184,7 +184,7 @@ pub fn compare(
     let current = replay(&requests, &route.retry, route.retry.deadline, route.replay_safe, draws, assume);
     let candidate_run = replay(&requests, &candidate.retry, route.retry.deadline, candidate.replay_safe, draws, assume);
     Comparison {
-        route: route.name.clone(),
+        route: route.name.to_string(),
         source,
         first_arrival,
         left_out,

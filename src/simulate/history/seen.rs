@@ -6,6 +6,7 @@ use std::fmt::Write;
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::domain::AttemptError;
 use crate::domain::Timestamp;
 use crate::record::Attempt;
 use crate::simulate::{Outcome, Scripted, Upstream};
@@ -88,10 +89,10 @@ pub fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: bool) -> V
         .iter()
         .enumerate()
         .map(|(i, a)| {
-            let result = match (a.status, a.error.as_deref()) {
+            let result = match (a.status, a.error) {
                 (Some(status), _) => Scripted::Status(status),
-                (None, Some("connect_failed")) => Scripted::ConnectFailed,
-                (None, Some("timed_out")) => Scripted::Timeout,
+                (None, Some(AttemptError::ConnectFailed)) => Scripted::ConnectFailed,
+                (None, Some(AttemptError::TimedOut)) => Scripted::Timeout,
                 // Broken, or lost with its worker: it may have executed.
                 _ => Scripted::Broken,
             };
@@ -108,9 +109,9 @@ fn outcome(after: Duration, result: Scripted, retry_after: Option<Duration>, can
     let mut text = format!("{}ms:", after.as_millis());
     match result {
         Scripted::Status(status) => text.push_str(&status.to_string()),
-        Scripted::Timeout => text.push_str("timeout"),
-        Scripted::ConnectFailed => text.push_str("connect-failed"),
-        Scripted::Broken => text.push_str("broken"),
+        Scripted::Timeout => text.push_str(AttemptError::TimedOut.script_word()),
+        Scripted::ConnectFailed => text.push_str(AttemptError::ConnectFailed.script_word()),
+        Scripted::Broken => text.push_str(AttemptError::Broken.script_word()),
     }
     if let Some(ra) = retry_after {
         let _ = write!(text, " retry-after={}ms", ra.as_millis());
@@ -175,7 +176,7 @@ mod tests {
             duration_ms: took,
             outcome: crate::domain::AttemptOutcome::Success,
             status,
-            error: error.map(str::to_string),
+            error: error.map(|e| AttemptError::parse(e).expect("an attempt error")),
             wait_ms: 0,
             retry_after_ms: None,
             policy_version: None,

@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
 use super::rows::{record_id, COLUMNS};
+use crate::domain::HistoryAction;
 use crate::record::HistoryEntry;
 use crate::store::{decode, Admission, Admit, Fresh, NewRecord, StoreError};
 
@@ -181,7 +182,7 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
     let requeued = serde_json::to_string(&[HistoryEntry {
         at: new.now,
         actor: "client".into(),
-        action: "requeued".into(),
+        action: HistoryAction::Requeued,
         note: Some("the same request was sent again for a free key".into()),
     }])?;
     let request_headers = serde_json::to_string(&new.request.headers)?;
@@ -190,8 +191,8 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
             .bind(new.id.to_string())
             .bind(new.tenant.as_str())
             .bind(new.key.as_str())
-            .bind(&new.route)
-            .bind(&new.method)
+            .bind(new.route.as_str())
+            .bind(new.method.as_str())
             .bind(&new.path)
             .bind(&new.query)
             .bind(&new.fingerprint.as_bytes()[..])

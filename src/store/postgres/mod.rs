@@ -189,7 +189,7 @@ impl Store for PostgresStore {
                AND COALESCE(next_probe_at, updated_at + $2) <= $3
              ORDER BY created_at LIMIT $4"
         ))
-        .bind(route)
+        .bind(route.as_str())
         .bind(span_ms(settle))
         .bind(now)
         .bind(i64::from(limit))

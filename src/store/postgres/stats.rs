@@ -3,6 +3,7 @@
 
 use sqlx::postgres::PgPool;
 
+use crate::domain::HistoryAction;
 use crate::domain::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
@@ -60,7 +61,7 @@ ON CONFLICT (second_start, route) DO UPDATE SET
 /// counts as one more request.
 const SIDES: &str = "
 SELECT policy_version,
-       SUM(1 + (SELECT COUNT(*) FROM jsonb_array_elements(history) AS h WHERE h ->> 'action' = 'requeued'))::bigint
+       SUM(1 + (SELECT COUNT(*) FROM jsonb_array_elements(history) AS h WHERE h ->> 'action' = $3))::bigint
            AS requests,
        SUM(jsonb_array_length(attempts))::bigint AS attempts,
        COUNT(*) FILTER (WHERE stop_reason = 'success') AS succeeded
@@ -69,7 +70,8 @@ WHERE created_at >= $2 AND route = $1 AND stop_reason IS NOT NULL AND policy_ver
 GROUP BY policy_version";
 
 pub(super) async fn sides(pool: &PgPool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
-    let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(pool).await?;
+    let requeued = HistoryAction::Requeued.to_string();
+    let rows = sqlx::query(SIDES).bind(route).bind(since).bind(requeued).fetch_all(pool).await?;
     rows.iter().map(side).collect()
 }
 

@@ -77,7 +77,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
                                   AND done_at < $1 AND route = $2 LIMIT $4 FOR UPDATE SKIP LOCKED)",
                 )
                 .bind(route.cutoff)
-                .bind(&route.route)
+                .bind(route.route.as_str())
                 .bind(span_ms(after))
                 .bind(limit)
                 .execute(pool)
@@ -90,7 +90,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
                         LIMIT $3 FOR UPDATE SKIP LOCKED)",
                 )
                 .bind(route.cutoff)
-                .bind(&route.route)
+                .bind(route.route.as_str())
                 .bind(limit)
                 .execute(pool)
                 .await?

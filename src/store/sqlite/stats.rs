@@ -4,6 +4,7 @@
 use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
+use crate::domain::HistoryAction;
 use crate::domain::Timestamp;
 use crate::store::stats::{answer, cohort, side, spell, Side, StatsRows, StatsSpan};
 use crate::store::{AddAnswerCounts, StoreError};
@@ -54,7 +55,7 @@ GROUP BY route, step";
 /// two executions: each `requeued` entry of its history counts as one more request.
 const SIDES: &str = "
 SELECT policy_version,
-       SUM(1 + (SELECT COUNT(*) FROM json_each(history) WHERE json_extract(value, '$.action') = 'requeued'))
+       SUM(1 + (SELECT COUNT(*) FROM json_each(history) WHERE json_extract(value, '$.action') = ?3))
            AS requests,
        SUM(json_array_length(attempts)) AS attempts,
        SUM(stop_reason = 'success') AS succeeded
@@ -63,7 +64,8 @@ WHERE created_at >= ?2 AND route = ?1 AND stop_reason IS NOT NULL AND policy_ver
 GROUP BY policy_version";
 
 pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
-    let rows = sqlx::query(SIDES).bind(route).bind(since).fetch_all(reads).await?;
+    let requeued = HistoryAction::Requeued.to_string();
+    let rows = sqlx::query(SIDES).bind(route).bind(since).bind(requeued).fetch_all(reads).await?;
     rows.iter().map(side).collect()
 }
 

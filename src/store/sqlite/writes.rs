@@ -2,8 +2,11 @@
 //! (by the writer thread, or by a caller committing in place) inside the transaction of its
 //! batch. One writing connection makes each statement and the reads after it atomic.
 
+use std::sync::LazyLock;
+
 use rusqlite::{params, Connection, OptionalExtension};
 
+use crate::domain::HistoryAction;
 use crate::domain::StopReason;
 use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
 use crate::record::{transition, Event, Record};
@@ -41,15 +44,16 @@ const INSERT_NEW: &str = concat!(insert_record!(), " ON CONFLICT DO NOTHING");
 
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
 /// same fingerprint. One writer makes the statement and the read after it atomic.
-const ADMIT: &str = concat!(
-    insert_record!(),
-    "
+static ADMIT: LazyLock<String> = LazyLock::new(|| {
+    concat!(
+        insert_record!(),
+        "
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
     history = CASE WHEN records.state = 'done' THEN '[]'
                    ELSE json_insert(records.history, '$[#]', json_object('at', excluded.updated_at,
-                        'actor', 'client', 'action', 'requeued',
+                        'actor', 'client', 'action', '{requeued}',
                         'note', 'the same request was sent again for a free key')) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
@@ -67,7 +71,9 @@ WHERE (records.state = 'done' AND records.done_at < ?15
        AND NOT (?16 IS NOT NULL AND records.done_at >= ?16 AND records.fingerprint = excluded.fingerprint))
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
 RETURNING id, state"
-);
+    )
+    .replace("{requeued}", &HistoryAction::Requeued.to_string())
+});
 
 /// `Created` (a fresh insert, or an expired record taken over with the new id), `Requeued` (a
 /// free record for the key was queued again), or `Existing` (nothing changed: the key's record
@@ -82,8 +88,8 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         id,
         &*new.tenant,
         &*new.key,
-        new.route,
-        new.method,
+        new.route.as_str(),
+        new.method.as_str(),
         new.path,
         new.query,
         &new.fingerprint.as_bytes()[..],
@@ -106,7 +112,7 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         return Ok(Admission::Created(new.inserted()));
     }
     let written: Option<(String, String)> =
-        conn.prepare_cached(ADMIT)?.query_row(params, |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
+        conn.prepare_cached(&ADMIT)?.query_row(params, |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
     let record =
         record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![&*new.tenant, &*new.key])?
             .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
@@ -337,13 +343,13 @@ pub(super) fn sweep_done(conn: &Connection, sweep: Sweep) -> Result<u64, StoreEr
                      WHERE id IN (SELECT id FROM records WHERE state = 'done' AND tombstone_until IS NULL
                                   AND done_at < ?1 AND route = ?2 LIMIT ?4)",
                 )?
-                .execute(params![route.cutoff, route.route, span_ms(after), limit])?,
+                .execute(params![route.cutoff, route.route.as_str(), span_ms(after), limit])?,
             None => conn
                 .prepare_cached(
                     "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
                         AND tombstone_until IS NULL AND done_at < ?1 AND route = ?2 LIMIT ?3)",
                 )?
-                .execute(params![route.cutoff, route.route, limit])?,
+                .execute(params![route.cutoff, route.route.as_str(), limit])?,
         };
     }
     let configured = serde_json::to_string(&plan.routes.iter().map(|r| &r.route).collect::<Vec<_>>())?;

@@ -182,7 +182,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
 pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "cancel-queued", BODY)).await;
-    let note = entry("client", "cancel", T0 + ms(50));
+    let note = entry("client", HistoryAction::Cancel, T0 + ms(50));
     let freed = match store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap() {
         Cancelled::Dequeued(record) => record,
         other => panic!("expected Dequeued, got {other:?}"),
@@ -221,7 +221,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
             .unwrap(),
         Lease::Held { cancel_requested: false }
     );
-    let note = entry("operator", "cancel", T0 + ms(50));
+    let note = entry("operator", HistoryAction::Cancel, T0 + ms(50));
     let flagged = match store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap() {
         Cancelled::Flagged(record) => record,
         other => panic!("expected Flagged, got {other:?}"),
@@ -244,7 +244,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
 pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_history(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let waiting = queued(&store, request("default", "queued", BODY)).await;
-    let note = entry("alice", "resolve", T0 + ms(1_000));
+    let note = entry("alice", HistoryAction::ResolveExecuted, T0 + ms(1_000));
     let untouched = refused(
         store
             .resolve(Resolve { id: waiting.id, resolution: Resolution::NotExecuted, entry: note.clone() })
@@ -303,7 +303,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
 
     // Retried: queued again with a fresh deadline, for a worker to claim.
     let retried = unknown(&store, request("default", "retried", BODY)).await;
-    let again = entry("bob", "retry", T0 + ms(2_000));
+    let again = entry("bob", HistoryAction::Retry, T0 + ms(2_000));
     let requeued = applied(
         store.retry(Retry { id: retried.id, deadline_at: T0 + ms(99_000), entry: again.clone() }).await.unwrap(),
     );
@@ -382,7 +382,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
         claim: marked.claim,
         to,
         lost: Some(lost),
-        entry: entry("node-b", "take_over", T0 + ms(201)),
+        entry: entry("node-b", HistoryAction::TakeOver(Phase::Unknown), T0 + ms(201)),
     });
     assert!(taken.await.unwrap());
     let settled = fetch(&store, record.id).await;

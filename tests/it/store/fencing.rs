@@ -16,7 +16,7 @@ async fn taken_back_to_the_queue(store: &Arc<dyn Store>, record: &Record, at: Ti
         claim: record.claim,
         to: TakeOverTo::Queued,
         lost: None,
-        entry: entry("node:node-b", "take-over → queued", at),
+        entry: entry("node:node-b", HistoryAction::TakeOver(Phase::Queued), at),
     };
     assert!(store.take_over(take_over).await.unwrap(), "the expired lease is taken over");
 }
@@ -130,7 +130,7 @@ async fn lost_in_flight(store: &Arc<dyn Store>, key: &str) -> Record {
         claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
         lost: Some(attempt(1, T0 + ms(10), "lost", None)),
-        entry: entry("node:node-b", "take-over → unknown", T0 + LEASE + ms(1)),
+        entry: entry("node:node-b", HistoryAction::TakeOver(Phase::Unknown), T0 + LEASE + ms(1)),
     };
     assert!(store.take_over(take_over).await.unwrap());
     let unknown = fetch(store, record.id).await;
@@ -166,7 +166,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
     assert_eq!(settled.response.as_ref().map(|r| (r.status, r.body.clone())), Some((201, "{\"id\":\"ch_1\"}".into())));
     assert_eq!(settled.attempts, vec![attempt(1, T0 + ms(10), "success", Some(201))]);
     let noted = settled.history.last().expect("the late outcome is in the history");
-    assert_eq!((noted.actor.as_str(), noted.action.as_str()), ("node:node-a", "late outcome → done"));
+    assert_eq!((noted.actor.as_str(), noted.action), ("node:node-a", HistoryAction::LateOutcome(Phase::Done)));
     // Once settled, nothing of the old claim applies again.
     let again = late(&record, 1, "success", Some(201), answered.clone());
     store.attempt_ended(again).await.unwrap();
@@ -199,7 +199,8 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // Not once an operator re-drove it and it was claimed again: the old claim is fenced off.
     let record = lost_in_flight(&store, "redriven").await;
-    let retry = Retry { id: record.id, deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
+    let retry =
+        Retry { id: record.id, deadline_at: T0 + ms(90_000), entry: entry("ops", HistoryAction::Retry, T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
     let claim = ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
@@ -209,7 +210,11 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // Not once an operator settled it.
     let record = lost_in_flight(&store, "resolved").await;
-    let resolve = Resolve { id: record.id, resolution: Resolution::NotExecuted, entry: entry("ops", "resolve", T0) };
+    let resolve = Resolve {
+        id: record.id,
+        resolution: Resolution::NotExecuted,
+        entry: entry("ops", HistoryAction::ResolveExecuted, T0),
+    };
     applied(store.resolve(resolve).await.unwrap());
     store.attempt_ended(late(&record, 1, "success", Some(201), answered)).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.phase(), Phase::Free);
@@ -220,7 +225,8 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_execution(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let read = lost_in_flight(&store, "probed").await;
-    let retry = Retry { id: read.id, deadline_at: T0 + ms(90_000), entry: entry("ops", "retry", T0 + LEASE) };
+    let retry =
+        Retry { id: read.id, deadline_at: T0 + ms(90_000), entry: entry("ops", HistoryAction::Retry, T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
     let claim = ClaimQueued { id: read.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
@@ -242,7 +248,7 @@ pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_executio
         claim,
         resolution,
         next_probe_at: T0 + ms(99_000),
-        entry: entry("probe", "probe", T0 + LEASE + ms(200)),
+        entry: entry("probe", HistoryAction::Probe, T0 + LEASE + ms(200)),
     };
     let executed = || Some(Resolution::Executed(response(200, b"{}")));
     let stale = refused(store.probed(probed(read.claim, executed())).await.unwrap());

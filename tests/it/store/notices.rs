@@ -71,7 +71,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     let cancelled = queued(&store, request("default", "cancelled", BODY)).await;
     other.watch(cancelled.id).await.unwrap();
     assert!(matches!(
-        store.cancel(Cancel { id: cancelled.id, entry: entry("client", "cancel", T0) }).await.unwrap(),
+        store.cancel(Cancel { id: cancelled.id, entry: entry("client", HistoryAction::Cancel, T0) }).await.unwrap(),
         Cancelled::Dequeued(_)
     ));
     expect_notice(&mut there, Notice::Settled(cancelled.id)).await;
@@ -102,7 +102,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             .retry(Retry {
                 id: retried.id,
                 deadline_at: T0 + ms(60_000),
-                entry: entry("operator", "retry", T0 + ms(200)),
+                entry: entry("operator", HistoryAction::Retry, T0 + ms(200)),
             })
             .await
             .unwrap(),

@@ -13,7 +13,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     assert_eq!(expired.iter().map(|r| r.id).collect::<Vec<_>>(), vec![record.id]);
 
     let lost = attempt(1, T0 + ms(10), "lost", None);
-    let note = entry("node-b", "take_over", until + ms(1));
+    let note = entry("node-b", HistoryAction::TakeOver(Phase::Unknown), until + ms(1));
     let stale = store.take_over(TakeOver {
         id: record.id,
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
@@ -139,7 +139,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");
         assert_eq!(seen.takeovers, round);
         let to = idem::reconcile::after_lease_expiry(seen, Some(&route), until + ms(1), MAX_TAKEOVERS);
-        let note = entry(&format!("node-{}", round + 1), "take-over", until + ms(1));
+        let note = entry(&format!("node-{}", round + 1), HistoryAction::TakeOver(Phase::Unknown), until + ms(1));
         let lost = attempt(round + 1, now + ms(1), "lost", None);
         assert!(store
             .take_over(TakeOver {
@@ -188,7 +188,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     backend: Backend,
 ) {
     let (store, _db) = store_on(backend).await;
-    let note = entry("node-b", "take-over", T0 + LEASE + ms(1));
+    let note = entry("node-b", HistoryAction::TakeOver(Phase::Unknown), T0 + LEASE + ms(1));
     let take_over = |record: &Record, to| {
         store.take_over(TakeOver {
             id: record.id,
@@ -221,7 +221,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
             .retry(Retry {
                 id: stuck.id,
                 deadline_at: T0 + ms(90_000),
-                entry: entry("ops", "retry", T0 + LEASE + ms(2)),
+                entry: entry("ops", HistoryAction::Retry, T0 + LEASE + ms(2)),
             })
             .await
             .unwrap(),
@@ -347,7 +347,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
         .is_empty());
 
     let next = became_unknown + ms(20_000);
-    let asked = entry("probe", "still_unknown", became_unknown + settle);
+    let asked = entry("probe", HistoryAction::Probe, became_unknown + settle);
     let probed = applied(
         store
             .probed(Probed {
@@ -365,7 +365,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
     assert!(due(next - ms(1)).await.is_empty(), "the next probe waits for its time");
     assert_eq!(due(next).await, vec![record.id]);
 
-    let answered = entry("probe", "executed", next);
+    let answered = entry("probe", HistoryAction::Probe, next);
     let settled = applied(
         store
             .probed(Probed {
