@@ -1,10 +1,11 @@
 //! Background upkeep of the store, on every node:
 //! - take-over: records whose worker died (lease expired) are continued, freed or moved to
-//!   `unknown` by the take-over rule of docs/concepts.md; queued records nobody claimed are claimed here;
+//!   `unknown` by the take-over rule (docs/operations.md#surviving-crashes); queued records nobody
+//!   claimed are claimed here;
 //! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
-//! - retention: `done` records past retention are deleted in batches;
-//! - health: the store is asked a few times a second whether it can be trusted with a request,
-//!   so a lost store is noticed within about a second, and its recovery too.
+//! - retention: `done` records past retention are deleted in batches.
+//!
+//! The store's own health check lives with the store (`store::watch_store`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,8 +18,7 @@ use crate::domain::StopReason;
 use crate::domain::{AttemptOutcome, Phase, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
 use crate::store::{
-    Action, ClaimUnclaimed, Health, Probed, ProbesDue, Resolution, RouteSweep, Store, StoreError, Sweep, SweepPlan,
-    TakeOver, TakeOverTo,
+    Action, ClaimUnclaimed, Probed, ProbesDue, Resolution, RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
 };
 use crate::upstream::Upstream;
 use crate::worker::Worker;
@@ -188,40 +188,6 @@ pub async fn take_over_once(
         worker.resume(record, free);
     }
     Ok(())
-}
-
-/// How often every node checks its store.
-const HEALTH_EVERY: Duration = Duration::from_millis(250);
-/// A health check that takes longer fails: a store that cannot answer within it cannot record a
-/// request in time either.
-pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Asks the store whether it can be trusted with a request ([`Store::ping`]), within
-/// [`HEALTH_TIMEOUT`].
-pub async fn store_health(store: &dyn Store) -> Result<(), StoreError> {
-    match tokio::time::timeout(HEALTH_TIMEOUT, store.ping()).await {
-        Ok(answer) => answer,
-        Err(_) => Err(StoreError::Unavailable(format!("the store did not answer within {HEALTH_TIMEOUT:?}"))),
-    }
-}
-
-/// Checks the store every [`HEALTH_EVERY`] and records the verdict in `health`: a lost store is
-/// noticed within about a second even when no request comes (and a SQLite store that may resume
-/// finds out here), the log says so at most once a second, and `idem_store_available` follows.
-pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>) {
-    let mut tick = tokio::time::interval(HEALTH_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let answer = store_health(&*store).await;
-        let changed = health.record(&answer);
-        match &answer {
-            Ok(()) if changed => tracing::info!("the store is available again: new requests are taken"),
-            Ok(()) => {}
-            Err(e) => e.log("the store is unavailable: new requests are refused with 503 store-unavailable"),
-        }
-        crate::metrics::store_available(answer.is_ok());
-    }
 }
 
 /// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.

@@ -157,7 +157,7 @@ pub async fn start_with_clock(
         tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone(), clock.clone())),
         tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone())),
         tokio::spawn(reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone())),
-        tokio::spawn(reconcile::watch_store(store.clone(), health)),
+        tokio::spawn(store::watch_store(store.clone(), health)),
         tokio::spawn(tally::flush_every_second(tally.clone(), store.clone(), clock.clone())),
         tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone())),
         tokio::spawn(switchboard::keep_fresh(switches, store.clone())),

@@ -25,9 +25,9 @@ use crate::domain::RecordId;
 use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
-use crate::reconcile;
 use crate::record::{header_text, HistoryEntry, Record, StoredResponse};
 use crate::reload::Reloader;
+use crate::store;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;
 use crate::worker::{Settled, Worker};
@@ -87,7 +87,7 @@ pub fn router(admin: Arc<Admin>) -> Router {
 /// Ready when the store can be trusted with a request: without it no request can be recorded
 /// safely. Bounded in time, like the health check every node runs.
 async fn ready(State(admin): State<Arc<Admin>>) -> Response {
-    match reconcile::store_health(&*admin.store).await {
+    match store::store_health(&*admin.store).await {
         Ok(()) => "ready\n".into_response(),
         Err(e) => Problem::not_ready(&e).into_response(),
     }
@@ -104,7 +104,7 @@ async fn node(State(admin): State<Arc<Admin>>) -> Response {
 
 /// Served whatever the store's state: during an outage the metrics are how it is seen.
 async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
-    let counted = tokio::time::timeout(reconcile::HEALTH_TIMEOUT, admin.store.count_by_phase()).await;
+    let counted = tokio::time::timeout(store::HEALTH_TIMEOUT, admin.store.count_by_phase()).await;
     let phases = match counted {
         Ok(Ok(phases)) => Some(phases),
         Ok(Err(e)) => {

@@ -1,33 +1,11 @@
 //! `[routes.canary]`: a candidate retry policy tried on a stable slice of a route's traffic, with
 //! the conditions under which it ends itself.
 
-use serde::Deserialize;
-
-use super::raw::{positive, RawRetry};
+use super::raw::{positive, RawCanary, RawRetry};
 use super::Route;
 use super::{invalid, ConfigError};
 use crate::domain::PolicyVersion;
 use crate::policy::{in_canary, CanaryStop, RetryPolicy};
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawCanary {
-    percent: Option<f64>,
-    by: Option<String>,
-    /// Only the fields that differ from the route's `[retry]`; the rest are inherited.
-    #[serde(default)]
-    retry: RawRetry,
-    #[serde(default)]
-    stop: RawCanaryStop,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawCanaryStop {
-    amplification_over: Option<f64>,
-    final_success_drop: Option<f64>,
-    min_requests: Option<i64>,
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canary {

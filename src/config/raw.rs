@@ -91,7 +91,7 @@ pub(super) struct RawRoute {
     pub(super) circuit: Option<RawCircuit>,
     pub(super) probe: Option<RawProbe>,
     pub(super) deadline_header: Option<String>,
-    pub(super) canary: Option<super::canary::RawCanary>,
+    pub(super) canary: Option<RawCanary>,
 }
 
 #[derive(Deserialize, Default)]
@@ -118,6 +118,27 @@ pub(super) struct RawRetry {
     pub(super) budget_ratio: Option<f64>,
     pub(super) budget_min_per_sec: Option<f64>,
     pub(super) stream_idle_timeout: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+/// `[routes.canary]` as written; validated in `canary`.
+pub(super) struct RawCanary {
+    pub(super) percent: Option<f64>,
+    pub(super) by: Option<String>,
+    /// Only the fields that differ from the route's `[retry]`; the rest are inherited.
+    #[serde(default)]
+    pub(super) retry: RawRetry,
+    #[serde(default)]
+    pub(super) stop: RawCanaryStop,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCanaryStop {
+    pub(super) amplification_over: Option<f64>,
+    pub(super) final_success_drop: Option<f64>,
+    pub(super) min_requests: Option<i64>,
 }
 
 #[derive(Deserialize)]

@@ -3,10 +3,10 @@
 //! request and every background sweep.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::StoreError;
+use super::{Store, StoreError};
 
 /// The least time between two log lines about an unavailable store, process-wide.
 const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(1);
@@ -58,6 +58,40 @@ impl Health {
         *failure = answer.as_ref().err().cloned();
         let down = failure.is_some();
         self.down.swap(down, Ordering::AcqRel) != down
+    }
+}
+
+/// How often every node checks its store.
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
+/// A health check that takes longer fails: a store that cannot answer within it cannot record a
+/// request in time either.
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Asks the store whether it can be trusted with a request ([`Store::ping`]), within
+/// [`HEALTH_TIMEOUT`].
+pub async fn store_health(store: &dyn Store) -> Result<(), StoreError> {
+    match tokio::time::timeout(HEALTH_TIMEOUT, store.ping()).await {
+        Ok(answer) => answer,
+        Err(_) => Err(StoreError::Unavailable(format!("the store did not answer within {HEALTH_TIMEOUT:?}"))),
+    }
+}
+
+/// Checks the store every [`HEALTH_EVERY`] and records the verdict in `health`: a lost store is
+/// noticed within about a second even when no request comes (and a SQLite store that may resume
+/// finds out here), the log says so at most once a second, and `idem_store_available` follows.
+pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>) {
+    let mut tick = tokio::time::interval(HEALTH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let answer = store_health(&*store).await;
+        let changed = health.record(&answer);
+        match &answer {
+            Ok(()) if changed => tracing::info!("the store is available again: new requests are taken"),
+            Ok(()) => {}
+            Err(e) => e.log("the store is unavailable: new requests are refused with 503 store-unavailable"),
+        }
+        crate::metrics::store_available(answer.is_ok());
     }
 }
 

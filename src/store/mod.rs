@@ -36,7 +36,7 @@ pub use command::{
     ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
 };
 pub use error::StoreError;
-pub use health::Health;
+pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};
 pub(crate) use rows::{decode, Columns};
 pub(crate) use switches::decode_switch;

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
 
-use super::execution::CancelSignal;
 use super::guards::RouteGuard;
+use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
 use crate::domain::RecordId;

@@ -2,11 +2,10 @@
 //! credential it forwards, and the record's end (done, unknown or free) stored with its outcome.
 //! The attempts between are in `attempts`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, OwnedSemaphorePermit};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::warn;
 
 use super::admission::{Reservation, Start};
@@ -21,29 +20,6 @@ use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
-
-/// Lets a cancel reach an execution running in this process at once, even mid-wait; and tells
-/// an execution that a newer claim of its record runs here now, so it stops before its next
-/// write rather than be refused at it.
-#[derive(Default)]
-pub(super) struct CancelSignal {
-    pub(super) raised: AtomicBool,
-    pub(super) superseded: AtomicBool,
-    pub(super) notify: Notify,
-}
-
-impl CancelSignal {
-    pub(super) fn is_superseded(&self) -> bool {
-        self.superseded.load(Ordering::SeqCst)
-    }
-}
-
-/// The execution of one claim of a record, as this process knows it: at most one per record,
-/// the newest claim's.
-pub(super) struct Running {
-    token: ClaimToken,
-    signal: Arc<CancelSignal>,
-}
 
 impl Inner {
     /// The write that stores how an attempt of `record` (or the execution) ended, under `holder`'s
@@ -167,32 +143,6 @@ impl Inner {
         let outcome = self.attempts(&job, reserved).await;
         self.stopped_running(record.id, holder.token);
         outcome
-    }
-
-    /// Registers the execution of `id` under claim `token` as the one running here, and tells
-    /// an older claim's execution, if one still runs, that it is superseded.
-    pub(super) fn running(&self, id: RecordId, token: ClaimToken) -> Arc<CancelSignal> {
-        let signal = Arc::new(CancelSignal::default());
-        let older = lock(&self.running).insert(id, Running { token, signal: signal.clone() });
-        if let Some(older) = older {
-            warn!(record = %id, older = %older.token, newer = %token, "a newer claim of the record supersedes one still running here");
-            older.signal.superseded.store(true, Ordering::SeqCst);
-            older.signal.notify.notify_waiters();
-        }
-        signal
-    }
-
-    /// Forgets the execution of `id` under claim `token`, unless a newer claim's took its place.
-    pub(super) fn stopped_running(&self, id: RecordId, token: ClaimToken) {
-        let mut running = lock(&self.running);
-        if running.get(&id).is_some_and(|r| r.token == token) {
-            running.remove(&id);
-        }
-    }
-
-    /// The cancel signal of the execution of `id` running here, if one is.
-    pub(super) fn signal(&self, id: RecordId) -> Option<Arc<CancelSignal>> {
-        lock(&self.running).get(&id).map(|r| r.signal.clone())
     }
 
     /// Settles a record that this execution sends nothing for.

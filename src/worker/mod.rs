@@ -112,6 +112,7 @@ mod execution;
 #[cfg(test)]
 mod fencing_tests;
 mod guards;
+mod running;
 mod streaming;
 mod unrecorded;
 
@@ -121,8 +122,8 @@ use admission::Start;
 pub use admission::{Admit, Admitted};
 use credentials::HeldCredentials;
 use drain::Drain;
-use execution::Running;
 pub use guards::{Guards, Refusal, Slot};
+use running::Running;
 pub use waiters::Settled;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

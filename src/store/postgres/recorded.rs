@@ -5,11 +5,11 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::Executor;
 
 use crate::domain::Timestamp;
-use crate::store::recorded::{decode, Recorded};
+use crate::store::rows::{decode_recorded, Recorded};
 use crate::store::StoreError;
 
 /// Served by `records_listing` (created_at, id); the route is filtered on the way. Ids and JSON
-/// come back as text, as [`decode`] reads them.
+/// come back as text, as [`decode_recorded`] reads them.
 const RECORDED: &str = "
 SELECT id::text AS id, created_at, deadline_at, state, stop_reason, attempts::text AS attempts,
        in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone,
@@ -44,5 +44,5 @@ pub(in crate::store) async fn read(
     limit: u32,
 ) -> Result<Vec<Recorded>, StoreError> {
     let rows = sqlx::query(RECORDED).bind(route).bind(since).bind(i64::from(limit)).fetch_all(pool).await?;
-    rows.iter().map(decode).collect()
+    rows.iter().map(decode_recorded).collect()
 }

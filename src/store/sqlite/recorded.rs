@@ -8,7 +8,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 use super::split_synchronous;
 use crate::domain::Timestamp;
-use crate::store::recorded::{decode, Recorded};
+use crate::store::rows::{decode_recorded, Recorded};
 use crate::store::StoreError;
 
 /// Served by `records_listing` (created_at, id); the route is filtered on the way.
@@ -52,5 +52,5 @@ pub(in crate::store) async fn read(
     limit: u32,
 ) -> Result<Vec<Recorded>, StoreError> {
     let rows = sqlx::query(RECORDED).bind(route).bind(since).bind(i64::from(limit)).fetch_all(pool).await?;
-    rows.iter().map(decode).collect()
+    rows.iter().map(decode_recorded).collect()
 }
