@@ -44,7 +44,7 @@ fn segment_may_climb(segment: &str) -> bool {
 /// replaced by its own path (without its trailing slash) followed by `path`, and the query set.
 /// Refused if the URL's path is not then exactly that: the HTTP client would send something
 /// other than what was matched and recorded.
-pub fn upstream_url(base: &reqwest::Url, path: &str, query: &str) -> Result<reqwest::Url, InvalidPath> {
+pub fn upstream_url(base: &url::Url, path: &str, query: &str) -> Result<url::Url, InvalidPath> {
     let base_path = base.path().trim_end_matches('/');
     let mut url = base.clone();
     url.set_path(&format!("{base_path}{path}"));
@@ -95,7 +95,7 @@ mod tests {
         }
     }
 
-    fn base(text: &str) -> reqwest::Url {
+    fn base(text: &str) -> url::Url {
         text.parse().unwrap()
     }
 
@@ -133,7 +133,7 @@ mod tests {
             proptest::prop_assume!(uri.parse::<http::Uri>().is_ok_and(|u| u.path() == path));
             let text = format!("http://up:9000{base_path}");
             let whole = if query.is_empty() { format!("{text}{path}") } else { format!("{text}{path}?{query}") };
-            let expected = reqwest::Url::parse(&whole).ok().filter(|url| url.path() == format!("{base_path}{path}"));
+            let expected = url::Url::parse(&whole).ok().filter(|url| url.path() == format!("{base_path}{path}"));
             let got = upstream_url(&base(&text), &path, &query).ok();
             proptest::prop_assert_eq!(got, expected);
         }

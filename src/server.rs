@@ -16,7 +16,7 @@ use crate::clock::{self, SharedClock};
 use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
 use crate::edge::{self, process, ListenerLimits};
-use crate::ingress::{self, Ingress, Replays};
+use crate::ingress::{self, Ingress};
 use crate::reconcile;
 use crate::reload::Reloader;
 use crate::store::{self, StoreError};
@@ -55,7 +55,30 @@ pub struct Running {
     clock: SharedClock,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
-    upkeep: Vec<JoinHandle<()>>,
+    upkeep: Upkeep,
+}
+
+/// The background loops every node runs, each under its name: one that ends before shutdown
+/// (none should) is logged by name, and shutdown stops them all.
+#[derive(Default)]
+struct Upkeep {
+    loops: Vec<(&'static str, JoinHandle<()>)>,
+}
+
+impl Upkeep {
+    fn start(&mut self, name: &'static str, work: impl std::future::Future<Output = ()> + Send + 'static) {
+        let task = tokio::spawn(async move {
+            work.await;
+            tracing::error!(task = name, "a background task ended before shutdown");
+        });
+        self.loops.push((name, task));
+    }
+
+    fn stop(&self) {
+        for (_, task) in &self.loops {
+            task.abort();
+        }
+    }
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
@@ -119,21 +142,18 @@ pub async fn start_with_clock(
 
     let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), tally.clone()));
 
-    let ingress = Arc::new(Ingress {
+    let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
         store: store.clone(),
         worker: worker.clone(),
-        settled: settled.clone(),
         upstream: upstream.clone(),
-        replays: Replays::new(REPLAY_CACHE_BYTES),
         bodies: bodies.clone(),
         health: health.clone(),
         tally: tally.clone(),
         switches: switches.clone(),
         clock: clock.clone(),
-        pace: worker.pace(),
-        stopping: worker.stopping(),
-    });
+        replay_cache_bytes: REPLAY_CACHE_BYTES,
+    }));
     let admin = Arc::new(Admin {
         config: live.clone(),
         reloader: reloader.clone(),
@@ -153,19 +173,18 @@ pub async fn start_with_clock(
         tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
     ];
-    let mut upkeep = vec![
-        tokio::spawn(reconcile::retention_sweep(store.clone(), live.clone(), clock.clone())),
-        tokio::spawn(reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone())),
-        tokio::spawn(reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone())),
-        tokio::spawn(store::watch_store(store.clone(), health)),
-        tokio::spawn(tally::flush_every_second(tally.clone(), store.clone(), clock.clone())),
-        tokio::spawn(canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone())),
-        tokio::spawn(switchboard::keep_fresh(switches, store.clone())),
-    ];
+    let mut upkeep = Upkeep::default();
+    upkeep.start("retention sweep", reconcile::retention_sweep(store.clone(), live.clone(), clock.clone()));
+    upkeep.start("take-over sweep", reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone()));
+    upkeep.start("probes", reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone()));
+    upkeep.start("store health", store::watch_store(store.clone(), health));
+    upkeep.start("answer counts", tally::flush_every_second(tally.clone(), store.clone(), clock.clone()));
+    upkeep.start("canary watch", canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone()));
+    upkeep.start("switch refresh", switchboard::keep_fresh(switches, store.clone()));
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
         let worker = worker.clone();
-        upkeep.push(tokio::spawn(async move {
+        upkeep.start("store notices", async move {
             loop {
                 match notices.recv().await {
                     Ok(store::Notice::Settled(id)) => worker.settled(id),
@@ -174,7 +193,7 @@ pub async fn start_with_clock(
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                 }
             }
-        }));
+        });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
     Ok(Running { listen, admin_listen, worker, reloader, tally, store, clock, stop, servers, upkeep })
@@ -224,9 +243,7 @@ impl Running {
     /// their answers go out, and stops background upkeep.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
-        for task in &self.upkeep {
-            task.abort();
-        }
+        self.upkeep.stop();
         // One bound for the whole shutdown, not one per step.
         let deadline = tokio::time::Instant::now() + SHUTDOWN_BOUND;
         self.worker.shutdown(SHUTDOWN_BOUND).await;

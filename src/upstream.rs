@@ -178,7 +178,7 @@ impl Upstream {
     pub async fn send(
         &self,
         method: &Method,
-        url: reqwest::Url,
+        url: url::Url,
         headers: &[(String, String)],
         credentials: &HeaderMap,
         body: Bytes,
@@ -193,7 +193,7 @@ impl Upstream {
     pub async fn send_head(
         &self,
         method: &Method,
-        url: reqwest::Url,
+        url: url::Url,
         headers: &[(String, String)],
         credentials: &HeaderMap,
         body: Bytes,

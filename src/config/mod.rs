@@ -117,7 +117,7 @@ pub struct Route {
     /// The upstream URL as parsed once: each request's URL is a copy with its path and query
     /// set, rather than a whole URL parsed again (its host is the costly part). Every path sent
     /// upstream is this URL's own path, without its trailing slash, followed by the request's.
-    pub upstream_base: reqwest::Url,
+    pub upstream_base: url::Url,
     /// Methods that require an `Idempotency-Key`; any other method is proxied unrecorded.
     pub methods: Vec<Method>,
     /// May an attempt that possibly executed be sent again?
@@ -251,7 +251,7 @@ impl Config {
 impl Route {
     /// Where a request with this path and query goes upstream; refused unless the URL sent
     /// has exactly the path matched (see [`crate::path`]).
-    pub fn upstream_url(&self, path: &str, query: &str) -> Result<reqwest::Url, crate::path::InvalidPath> {
+    pub fn upstream_url(&self, path: &str, query: &str) -> Result<url::Url, crate::path::InvalidPath> {
         crate::path::upstream_url(&self.upstream_base, path, query)
     }
 }

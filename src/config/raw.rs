@@ -253,7 +253,7 @@ impl RawConfig {
         if !(url.starts_with("sqlite:") || url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(invalid("store.url", format!("`{url}` must start with sqlite: or postgres://")));
         }
-        if reqwest::Url::parse(&url).is_ok_and(|u| u.password().is_some()) {
+        if url::Url::parse(&url).is_ok_and(|u| u.password().is_some()) {
             return Err(invalid(
                 "store.url",
                 "must not carry a password: secrets come from the environment (PGPASSWORD) or a .pgpass file",

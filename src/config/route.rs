@@ -172,8 +172,8 @@ fn upstream_headers(
 
 /// An upstream base URL: http(s) with a host, nothing after its path, and no credentials —
 /// those come from the environment. The text is never echoed, since it may hold a password.
-fn upstream_url(key: &str, text: &str) -> Result<reqwest::Url, ConfigError> {
-    let url = reqwest::Url::parse(text)
+fn upstream_url(key: &str, text: &str) -> Result<url::Url, ConfigError> {
+    let url = url::Url::parse(text)
         .ok()
         .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())
         .ok_or_else(|| invalid(key, "is not an http(s) URL with a host, like \"http://127.0.0.1:9000\""))?;

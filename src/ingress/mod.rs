@@ -33,7 +33,7 @@ use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::tally::Tally;
 use crate::upstream::Upstream;
-use crate::worker::{Admit, Admitted, Outcome, Refusal, Settled, Worker};
+use crate::worker::{Admit, Admitted, Outcome, Refusal, Worker};
 
 /// What a keyed request was read with: the configuration in force when it arrived, its route
 /// there, its head, and when it arrived.
@@ -55,26 +55,63 @@ const WAIT_POLL: Duration = Duration::from_secs(1);
 pub struct Ingress {
     /// The configuration in force: each request reads it once, when it arrives, and is served
     /// by that snapshot to its end.
+    config: Arc<Live>,
+    store: Arc<dyn Store>,
+    worker: Worker,
+    upstream: Upstream,
+    /// Done answers kept in memory, replayed without the store.
+    replays: Replays,
+    /// Request bodies held in memory at once, over all requests (`server.max_buffered_bodies`).
+    bodies: Arc<BodyBudget>,
+    /// The store's health as the checks last found it.
+    health: Arc<Health>,
+    /// Replays and 409s, counted for `/admin/stats`.
+    tally: Arc<Tally>,
+    /// The operator's emergency switches: an isolated route takes no new key.
+    switches: Arc<Switches>,
+    /// What time it is: a request's arrival, its deadline, its key's retention.
+    clock: SharedClock,
+    /// How long the worker's attempts typically take on each route, for a 409's estimate.
+    pace: Arc<Pace>,
+    /// Becomes true when the process begins to shut down: waiting requests are answered then.
+    stopping: watch::Receiver<bool>,
+}
+
+/// What an [`Ingress`] is built on: the parts of the broker it shares with the others.
+pub struct Parts {
     pub config: Arc<Live>,
     pub store: Arc<dyn Store>,
+    /// The worker it hands executions to; its attempt pace and its shutdown come with it.
     pub worker: Worker,
-    pub settled: Arc<Settled>,
     pub upstream: Upstream,
-    pub replays: Replays,
-    /// Request bodies held in memory at once, over all requests (`server.max_buffered_bodies`).
     pub bodies: Arc<BodyBudget>,
-    /// The store's health as the checks last found it.
     pub health: Arc<Health>,
-    /// Replays and 409s, counted for `/admin/stats`.
     pub tally: Arc<Tally>,
-    /// The operator's emergency switches: an isolated route takes no new key.
     pub switches: Arc<Switches>,
-    /// What time it is: a request's arrival, its deadline, its key's retention.
     pub clock: SharedClock,
-    /// How long the worker's attempts typically take on each route, for a 409's estimate.
-    pub pace: Arc<Pace>,
-    /// Becomes true when the process begins to shut down: waiting requests are answered then.
-    pub stopping: watch::Receiver<bool>,
+    /// Bytes of done answers kept in memory for replays.
+    pub replay_cache_bytes: u64,
+}
+
+impl Ingress {
+    pub fn new(parts: Parts) -> Ingress {
+        let Parts { config, store, worker, upstream, bodies, health, tally, switches, clock, replay_cache_bytes } =
+            parts;
+        Ingress {
+            pace: worker.pace(),
+            stopping: worker.stopping(),
+            replays: Replays::new(replay_cache_bytes),
+            config,
+            store,
+            worker,
+            upstream,
+            bodies,
+            health,
+            tally,
+            switches,
+            clock,
+        }
+    }
 }
 
 mod answers;
@@ -475,7 +512,7 @@ impl Ingress {
         // At shutdown, waiting ends: the client is answered with where its request stands.
         let mut stopping = self.stopping.clone();
         loop {
-            let watch = self.settled.watch(id);
+            let watch = self.worker.watch(id);
             let notified = watch.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();

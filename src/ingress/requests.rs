@@ -110,7 +110,7 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
     };
     match app.store.cancel(Cancel { id: record.id, entry }).await.map_err(|e| Problem::store(&e))? {
         Cancelled::Dequeued(record) => {
-            app.settled.settled(record.id);
+            app.worker.settled(record.id);
             Ok(record_response(StatusCode::OK, &record))
         }
         Cancelled::Flagged(record) => {

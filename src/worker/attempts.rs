@@ -33,7 +33,7 @@ pub(super) struct Job<'a> {
     pub(super) route: &'a Route,
     /// The policy its attempts run under, and are stored with.
     pub(super) chosen: Policy<'a>,
-    pub(super) url: reqwest::Url,
+    pub(super) url: url::Url,
     /// The headers every attempt adds: the route's own, and the client's credential if forwarded.
     pub(super) credentials: &'a http::HeaderMap,
     pub(super) signal: &'a CancelSignal,

@@ -315,6 +315,11 @@ impl Worker {
         self.inner.settled.settled(id);
     }
 
+    /// Tells when `id` is settled, by this process or, through the store's notices, another.
+    pub fn watch(&self, id: RecordId) -> Arc<tokio::sync::Notify> {
+        self.inner.settled.watch(id)
+    }
+
     /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
     /// what a duplicate that waits gets instead of a 409 (docs/concepts.md).
     pub fn attach(&self, id: RecordId) -> Option<Streamed> {

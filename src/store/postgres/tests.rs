@@ -34,7 +34,7 @@ pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
     let name = format!("{prefix}_{}", uuid::Uuid::new_v4().simple());
     let admin = PgPool::connect(&server).await.unwrap();
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
-    let mut url = reqwest::Url::parse(&server).unwrap();
+    let mut url = url::Url::parse(&server).unwrap();
     url.set_path(&format!("/{name}"));
     let store = PostgresStore::open(url.as_str()).await.unwrap();
     Some(Scratch { store, admin, name })
