@@ -18,7 +18,6 @@ use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
 use crate::domain::AnswerKind;
-use crate::domain::RecordId;
 use crate::domain::{Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
@@ -33,7 +32,7 @@ use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::tally::Tally;
 use crate::upstream::Upstream;
-use crate::worker::{Admit, Admitted, Outcome, Refusal, Worker};
+use crate::worker::{self, Admit, Admitted, Outcome, Refusal, Worker};
 
 /// What a keyed request was read with: the configuration in force when it arrived, its route
 /// there, its head, and when it arrived.
@@ -293,21 +292,16 @@ impl Ingress {
         let query = parts.uri.query().unwrap_or("");
         let prefer = Prefer::from_headers(&parts.headers);
         let policy = self.switches.policy(route, &tenant, key.as_str());
-        let new = NewRecord {
-            // Time-ordered: ids of new records land at the end of the id index, not all over it.
-            id: RecordId::new(),
+        let request = worker::Request {
             tenant,
             key: key.clone(),
-            route: route.name.clone(),
             method: parts.method.clone(),
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
-            request: StoredRequest { headers: stored_headers(route, &parts.headers), body },
+            stored: StoredRequest { headers: stored_headers(route, &parts.headers), body },
             deadline_at: arrival + deadline(policy.retry, route, &parts.headers),
-            now: arrival,
-            claim: None,
-            tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
+            arrival,
         };
 
         // A store found down cannot record it: refused at once rather than after the store fails.
@@ -315,15 +309,7 @@ impl Ingress {
         // A new execution is shed before anything is recorded if the route is saturated, its
         // upstream's circuit is open or an operator isolated it — unless the key exists: its
         // record answers then.
-        let admit = Admit {
-            config,
-            route,
-            policy,
-            new,
-            retention_cutoff: self.retention_cutoff(&route.name),
-            headers: &parts.headers,
-            awaits: !prefer.respond_async,
-        };
+        let admit = Admit { config, route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);

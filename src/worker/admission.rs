@@ -10,8 +10,10 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
 use crate::config::{Config, Policy, Route};
-use crate::domain::{State, Timestamp};
-use crate::record::Record;
+use crate::domain::{RecordId, State, Tenant, Timestamp};
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::record::{Record, StoredRequest};
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.
@@ -22,15 +24,52 @@ pub struct Admit<'a> {
     /// The policy chosen for it (see [`crate::switchboard::Switches::policy`]); a record claimed
     /// at insert has its first attempt marked with this policy's version.
     pub policy: Policy<'a>,
-    /// The record to insert, unclaimed: whether it is claimed at insert is decided here.
-    pub new: NewRecord,
-    /// Done records of the key older than this are past their retention: the key is free.
-    pub retention_cutoff: Timestamp,
+    /// What its record is made of; whether it is claimed at insert is decided here.
+    pub request: Request,
     /// The request's headers: its `Authorization` is held for the execution when the route
     /// forwards it.
     pub headers: &'a http::HeaderMap,
     /// Whether the request waits for the outcome; a `respond-async` one is answered at once.
     pub awaits: bool,
+}
+
+/// A keyed request as the ingress read it: what its record is made of.
+pub struct Request {
+    pub tenant: Tenant,
+    pub key: IdempotencyKey,
+    pub method: http::Method,
+    pub path: String,
+    pub query: String,
+    pub fingerprint: Fingerprint,
+    pub stored: StoredRequest,
+    /// The end of its deadline: the route's, or earlier if the client asked.
+    pub deadline_at: Timestamp,
+    pub arrival: Timestamp,
+}
+
+impl Request {
+    /// The record to insert for it on `route`, unclaimed, and the retention cut-off its key's
+    /// done records are judged by.
+    fn record(self, route: &Route) -> (NewRecord, Timestamp) {
+        let Request { tenant, key, method, path, query, fingerprint, stored, deadline_at, arrival } = self;
+        let new = NewRecord {
+            // Time-ordered: ids of new records land at the end of the id index, not all over it.
+            id: RecordId::new(),
+            tenant,
+            key,
+            route: route.name.clone(),
+            method,
+            path,
+            query,
+            fingerprint,
+            request: stored,
+            deadline_at,
+            now: arrival,
+            claim: None,
+            tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
+        };
+        (new, arrival - route.retention)
+    }
 }
 
 /// What became of an [`Admit`]. Its variants differ in size, and it stays unboxed: there is one
@@ -70,7 +109,8 @@ impl Worker {
     /// Admits a new request: sheds it, or records it and starts its execution. Per request this
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
-        let Admit { config, route, policy, new, retention_cutoff, headers, awaits } = admit;
+        let Admit { config, route, policy, request, headers, awaits } = admit;
+        let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
             Some(wait) => Err(Refusal::CircuitOpen(wait)),
@@ -138,7 +178,6 @@ pub(super) mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::config::{Config, Live};
-    use crate::domain::RecordId;
     use crate::switchboard::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
@@ -173,23 +212,24 @@ pub(super) mod tests {
         (worker, config)
     }
 
-    /// A request for `payments` under `key`, arriving at `NOW`.
-    pub(in crate::worker) fn request(key: &str) -> NewRecord {
-        NewRecord {
-            id: RecordId::new(),
+    /// A request for `payments` under `key`, arriving at `NOW`, as the ingress reads it.
+    fn keyed(key: &str) -> Request {
+        Request {
             tenant: "default".into(),
             key: crate::key::IdempotencyKey::parse(key).unwrap(),
-            route: "payments".into(),
             method: http::Method::POST,
             path: "/payments".into(),
             query: String::new(),
             fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
-            request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
+            stored: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
-            now: NOW,
-            claim: None,
-            tombstone_cutoff: None,
+            arrival: NOW,
         }
+    }
+
+    /// Its record, as the worker makes it.
+    pub(in crate::worker) fn request(key: &str) -> NewRecord {
+        keyed(key).record(&config_at("sqlite://unused", "").routes[0]).0
     }
 
     async fn admit(worker: &Worker, config: &Arc<Config>, key: &str, awaits: bool) -> Admitted {
@@ -198,8 +238,7 @@ pub(super) mod tests {
             config,
             route,
             policy: route.policy_for("default", key, true),
-            new: request(key),
-            retention_cutoff: Timestamp::EPOCH,
+            request: keyed(key),
             headers: &http::HeaderMap::new(),
             awaits,
         };

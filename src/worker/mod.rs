@@ -119,7 +119,7 @@ mod unrecorded;
 mod waiters;
 
 use admission::Start;
-pub use admission::{Admit, Admitted};
+pub use admission::{Admit, Admitted, Request};
 use credentials::HeldCredentials;
 use drain::Drain;
 pub use guards::{Guards, Refusal, Slot};
