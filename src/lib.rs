@@ -80,6 +80,7 @@ pub mod problem;
 pub mod reconcile;
 pub mod record;
 pub mod reload;
+pub mod runtime;
 pub mod server;
 pub mod simulate;
 pub mod store;

@@ -14,7 +14,6 @@ use std::time::SystemTime;
 
 use crate::config::{self, Changes, Config, ConfigError, Live};
 use crate::metrics;
-use crate::tally::Tally;
 use crate::worker::Worker;
 
 #[derive(Debug, thiserror::Error)]
@@ -63,18 +62,17 @@ pub struct Reloader {
     /// The file read again; `None` for a broker started from a configuration in memory.
     file: Option<PathBuf>,
     config: Arc<Live>,
-    /// Its route guards follow the configuration.
+    /// Its routes' runtimes follow the configuration.
     worker: Worker,
-    tally: Arc<Tally>,
     /// One reload at a time: two at once would each compare the file with a configuration the
     /// other is replacing.
     busy: tokio::sync::Mutex<()>,
 }
 
 impl Reloader {
-    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker, tally: Arc<Tally>) -> Reloader {
+    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker) -> Reloader {
         metrics::config_loaded(config.loaded_at());
-        Reloader { file, config, worker, tally, busy: tokio::sync::Mutex::new(()) }
+        Reloader { file, config, worker, busy: tokio::sync::Mutex::new(()) }
     }
 
     /// Reads the file again and applies it, or keeps the running configuration and says why.
@@ -107,9 +105,8 @@ impl Reloader {
             .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
         let new = Config::parse(&text)?;
         let changes = config::changes(&self.config.current(), &new)?;
-        // The guards first: a request that reads the new configuration finds its route guarded.
-        self.worker.guards().reconfigure(&new);
-        self.tally.reconfigure(new.routes.iter().map(|r| r.name.as_str()));
+        // The runtimes first: a request that reads the new configuration finds its route's.
+        self.worker.runtimes().reconfigure(&new);
         let new = Arc::new(new);
         self.config.replace(new.clone());
         let loaded_at = self.config.loaded_at();

@@ -19,9 +19,10 @@ use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress};
 use crate::reconcile;
 use crate::reload::Reloader;
+use crate::runtime::Runtimes;
 use crate::store::{self, StoreError};
 use crate::switchboard::{self, Switches};
-use crate::tally::{self, Tally};
+use crate::tally;
 use crate::upstream::Upstream;
 use crate::worker::{self, Settled, Worker};
 
@@ -47,8 +48,8 @@ pub struct Running {
     pub worker: Worker,
     /// Reads the config file again and applies it (`SIGHUP`, `POST /admin/config/reload`).
     pub reloader: Arc<Reloader>,
-    /// Flushed once more at shutdown, so the last second's replays and 409s are not lost.
-    tally: Arc<Tally>,
+    /// Their replays and 409s are flushed once more at shutdown, so the last second's are not lost.
+    runtimes: Arc<Runtimes>,
     /// Where those last counts go.
     store: Arc<dyn store::Store>,
     /// The time they are counted at.
@@ -138,9 +139,8 @@ pub async fn start_with_clock(
         clock: clock.clone(),
     });
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
-    let tally = Arc::new(Tally::new(config.routes.iter().map(|r| r.name.as_str())));
-
-    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), tally.clone()));
+    let runtimes = worker.runtimes();
+    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone()));
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
@@ -149,7 +149,6 @@ pub async fn start_with_clock(
         upstream: upstream.clone(),
         bodies: bodies.clone(),
         health: health.clone(),
-        tally: tally.clone(),
         switches: switches.clone(),
         clock: clock.clone(),
         replay_cache_bytes: REPLAY_CACHE_BYTES,
@@ -178,7 +177,7 @@ pub async fn start_with_clock(
     upkeep.start("take-over sweep", reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone()));
     upkeep.start("probes", reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone()));
     upkeep.start("store health", store::watch_store(store.clone(), health));
-    upkeep.start("answer counts", tally::flush_every_second(tally.clone(), store.clone(), clock.clone()));
+    upkeep.start("answer counts", tally::flush_every_second(runtimes.clone(), store.clone(), clock.clone()));
     upkeep.start("canary watch", canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone()));
     upkeep.start("switch refresh", switchboard::keep_fresh(switches, store.clone()));
     // Other nodes sharing the store announce the records they settle: wake our waiters.
@@ -196,7 +195,7 @@ pub async fn start_with_clock(
         });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, tally, store, clock, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, runtimes, store, clock, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -252,7 +251,7 @@ impl Running {
                 tracing::warn!("a listener did not finish its answers in time");
             }
         }
-        if let Err(e) = self.tally.flush(&*self.store, self.clock.now()).await {
+        if let Err(e) = tally::flush(&self.runtimes, &*self.store, self.clock.now()).await {
             tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
     }

@@ -116,7 +116,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
     let config = admin.config.current();
     let routes: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
     let switches = admin.switches.render_metric(&routes, admin.clock.now());
-    let circuits = admin.worker.guards().breaker_states();
+    let circuits = admin.worker.runtimes().breaker_states();
     let body = crate::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -23,14 +23,14 @@ use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
-use crate::policy::{outcome_eta, Pace, Pending};
+use crate::policy::{outcome_eta, Pending};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
+use crate::runtime::Runtimes;
 use crate::store::{Health, NewRecord, Store};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
-use crate::tally::Tally;
 use crate::upstream::Upstream;
 use crate::worker::{self, Admit, Admitted, Outcome, Refusal, Worker};
 
@@ -64,14 +64,12 @@ pub struct Ingress {
     bodies: Arc<BodyBudget>,
     /// The store's health as the checks last found it.
     health: Arc<Health>,
-    /// Replays and 409s, counted for `/admin/stats`.
-    tally: Arc<Tally>,
+    /// Each route's runtime: its replays and 409s counted, the pace of its attempts.
+    runtimes: Arc<Runtimes>,
     /// The operator's emergency switches: an isolated route takes no new key.
     switches: Arc<Switches>,
     /// What time it is: a request's arrival, its deadline, its key's retention.
     clock: SharedClock,
-    /// How long the worker's attempts typically take on each route, for a 409's estimate.
-    pace: Arc<Pace>,
     /// Becomes true when the process begins to shut down: waiting requests are answered then.
     stopping: watch::Receiver<bool>,
 }
@@ -80,12 +78,11 @@ pub struct Ingress {
 pub struct Parts {
     pub config: Arc<Live>,
     pub store: Arc<dyn Store>,
-    /// The worker it hands executions to; its attempt pace and its shutdown come with it.
+    /// The worker it hands executions to; the routes' runtimes and its shutdown come with it.
     pub worker: Worker,
     pub upstream: Upstream,
     pub bodies: Arc<BodyBudget>,
     pub health: Arc<Health>,
-    pub tally: Arc<Tally>,
     pub switches: Arc<Switches>,
     pub clock: SharedClock,
     /// Bytes of done answers kept in memory for replays.
@@ -94,10 +91,9 @@ pub struct Parts {
 
 impl Ingress {
     pub fn new(parts: Parts) -> Ingress {
-        let Parts { config, store, worker, upstream, bodies, health, tally, switches, clock, replay_cache_bytes } =
-            parts;
+        let Parts { config, store, worker, upstream, bodies, health, switches, clock, replay_cache_bytes } = parts;
         Ingress {
-            pace: worker.pace(),
+            runtimes: worker.runtimes(),
             stopping: worker.stopping(),
             replays: Replays::new(replay_cache_bytes),
             config,
@@ -106,7 +102,6 @@ impl Ingress {
             upstream,
             bodies,
             health,
-            tally,
             switches,
             clock,
         }
@@ -284,7 +279,7 @@ impl Ingress {
                 return Err(Problem::key_reused().state(State::Done));
             }
             metrics::answered(&replay.route, AnswerKind::Replay);
-            self.tally.replay(&replay.route);
+            self.runtimes.count_replay(&replay.route);
             let mut response = stored_response(&replay.response, true);
             response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
             return Ok(response);
@@ -443,8 +438,8 @@ impl Ingress {
         if replay {
             metrics::answered(&record.route, kind);
             match record.phase() {
-                Phase::Done => self.tally.replay(&record.route),
-                Phase::Queued | Phase::InProgress => self.tally.conflict(&record.route),
+                Phase::Done => self.runtimes.count_replay(&record.route),
+                Phase::Queued | Phase::InProgress => self.runtimes.count_conflict(&record.route),
                 Phase::Unknown | Phase::Free => {}
             }
         }
@@ -474,7 +469,7 @@ impl Ingress {
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };
-                let eta = outcome_eta(pending, self.pace.of(&record.route));
+                let eta = outcome_eta(pending, self.runtimes.pace(&record.route));
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.

@@ -16,7 +16,7 @@ pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::RetryBudget;
 pub use canary::{in_canary, stop_reason as canary_stop_reason, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
-pub use pace::{outcome_eta, Pace, Pending, RoutePace};
+pub use pace::{outcome_eta, Pending, RoutePace};
 pub use version::Effective;
 
 use crate::domain::{AttemptError, Class, StopReason};

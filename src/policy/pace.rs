@@ -1,22 +1,14 @@
 //! When an outcome is likely: what a 409 tells a concurrent duplicate, so that a client that
 //! honours `Retry-After` comes back when the answer is there rather than at a fixed guess.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::domain::Timestamp;
 
-/// Each route's attempt durations, learnt from the attempts this process made: the typical one
-/// (an exponentially weighted mean, so that it follows an upstream that slows down or recovers
-/// within a few dozen attempts) and the slowest of late (a high-water mark that fades by a
-/// twentieth with each attempt, so one slow call is remembered for a few dozen).
-#[derive(Default)]
-pub struct Pace {
-    routes: Mutex<HashMap<String, RoutePace>>,
-}
-
-/// What one route's attempts have taken.
+/// What one route's attempts have taken, learnt from the attempts this process made: the
+/// typical one (an exponentially weighted mean, so that it follows an upstream that slows down or
+/// recovers within a few dozen attempts) and the slowest of late (a high-water mark that fades
+/// by a twentieth with each attempt, so one slow call is remembered for a few dozen).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RoutePace {
     pub typical: Duration,
@@ -28,23 +20,15 @@ const WEIGHT: f64 = 0.2;
 /// What the slowest attempt of late keeps of itself with each newer attempt.
 const FADE: f64 = 0.95;
 
-impl Pace {
-    pub fn observe(&self, route: &str, took: Duration) {
-        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
-        match routes.get_mut(route) {
-            Some(pace) => {
-                pace.typical = pace.typical.mul_f64(1.0 - WEIGHT) + took.mul_f64(WEIGHT);
-                pace.slowest = pace.slowest.mul_f64(FADE).max(took);
-            }
-            None => {
-                routes.insert(route.to_string(), RoutePace { typical: took, slowest: took });
-            }
-        }
+impl RoutePace {
+    /// The pace after the first attempt seen.
+    pub fn first(took: Duration) -> RoutePace {
+        RoutePace { typical: took, slowest: took }
     }
 
-    /// `None` until the route has had an attempt here.
-    pub fn of(&self, route: &str) -> Option<RoutePace> {
-        self.routes.lock().unwrap_or_else(|e| e.into_inner()).get(route).copied()
+    pub fn observe(&mut self, took: Duration) {
+        self.typical = self.typical.mul_f64(1.0 - WEIGHT) + took.mul_f64(WEIGHT);
+        self.slowest = self.slowest.mul_f64(FADE).max(took);
     }
 }
 
@@ -118,18 +102,15 @@ mod tests {
 
     #[test]
     fn the_pace_follows_recent_attempts_and_remembers_a_slow_one_for_a_while() {
-        let p = Pace::default();
-        assert_eq!(p.of("payments"), None);
-        p.observe("payments", Duration::from_millis(2_000));
-        assert_eq!(p.of("payments"), pace(2_000, 2_000));
+        let mut p = RoutePace::first(Duration::from_millis(2_000));
+        assert_eq!(Some(p), pace(2_000, 2_000));
         for _ in 0..20 {
-            p.observe("payments", Duration::from_millis(10));
+            p.observe(Duration::from_millis(10));
         }
-        let RoutePace { typical, slowest } = p.of("payments").unwrap();
+        let RoutePace { typical, slowest } = p;
         assert!(typical < Duration::from_millis(35), "the mean follows: {typical:?}");
         // 2 s × 0.95^20: the slow call fades, and is still remembered.
         assert!((700..=720).contains(&slowest.as_millis()), "{slowest:?}");
-        assert_eq!(p.of("orders"), None);
     }
 
     #[test]

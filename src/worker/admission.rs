@@ -8,12 +8,13 @@ use std::sync::Arc;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::{guards::RouteGuard, lock, Inner, Outcome, Refusal, Worker};
+use super::{lock, Inner, Outcome, Refusal, Worker};
 use crate::config::{Config, Policy, Route};
 use crate::domain::{RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{Record, StoredRequest};
+use crate::runtime::RouteGuard;
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.
@@ -114,13 +115,13 @@ impl Worker {
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
             Some(wait) => Err(Refusal::CircuitOpen(wait)),
-            None => inner.guards.enter(route),
+            None => inner.runtimes.enter(route),
         };
         let slot = match entered {
             Ok(slot) => slot,
             Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
         };
-        let reservation = reserve(&inner.permits, &inner.guards.route(route), config);
+        let reservation = reserve(&inner.permits, &inner.runtimes.route(route), config);
         let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
         let record = match inner.store.admit(store::Admit { new, retention_cutoff }).await? {
             Admission::Created(record) | Admission::Requeued(record) => record,
@@ -174,10 +175,11 @@ impl Inner {
 pub(super) mod tests {
     use std::time::Duration;
 
-    use super::super::{Guards, Parts, Settled, Slot};
+    use super::super::{Parts, Settled, Slot};
     use super::*;
     use crate::clock::ManualClock;
     use crate::config::{Config, Live};
+    use crate::runtime::Runtimes;
     use crate::switchboard::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
@@ -296,7 +298,7 @@ pub(super) mod tests {
     #[test]
     fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
         let config = config("max_concurrency = 4");
-        let guards = Guards::new(&config);
+        let guards = Runtimes::new(&config);
         let route = &config.routes[0];
         // Four in flight and, at that size, four queued behind them (the queue is at least 4).
         let slots: Vec<Slot> = (0..8).map(|_| guards.enter(route).expect("within the bound")).collect();
@@ -309,7 +311,7 @@ pub(super) mod tests {
     #[test]
     fn places_taken_outside_the_ingress_count_but_are_never_refused() {
         let config = config("max_concurrency = 1");
-        let guards = Guards::new(&config);
+        let guards = Runtimes::new(&config);
         let route = &config.routes[0];
         let taken: Vec<_> = (0..5).map(|_| guards.enter(route).unwrap()).collect();
         assert!(guards.slot("payments").is_some(), "a take-over is never refused");
@@ -321,10 +323,10 @@ pub(super) mod tests {
     #[test]
     fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
         let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
-        let guards = Guards::new(&config);
+        let guards = Runtimes::new(&config);
         let route = &config.routes[0];
         for _ in 0..2 {
-            guards.record_outcome(&route.upstream, false);
+            guards.record_outcome(route, false);
         }
         match guards.enter(route) {
             Err(Refusal::CircuitOpen(wait)) => assert!(wait <= Duration::from_secs(30) && !wait.is_zero(), "{wait:?}"),
@@ -336,7 +338,7 @@ pub(super) mod tests {
     fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
         let config = Arc::new(config("max_concurrency = 1"));
         let route = &config.routes[0];
-        let guards = Guards::new(&config);
+        let guards = Runtimes::new(&config);
         let permits = Arc::new(Semaphore::new(2));
         let guard = guards.route(route);
         let reserve = || reserve(&permits, &guard, &config);

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
 
-use super::guards::RouteGuard;
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
@@ -20,6 +19,7 @@ use crate::domain::{Holder, Timestamp};
 use crate::metrics;
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
+use crate::runtime::RouteGuard;
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Head};
 
@@ -339,7 +339,7 @@ impl Inner {
                 elapsed: since(p.arrival, self.clock.now()),
                 cancelled: job.signal.raised.load(Ordering::SeqCst),
                 // An isolated route's upstream is as good as behind an open circuit.
-                circuit_open: switched.isolated || self.guards.circuit_open(&route.upstream),
+                circuit_open: switched.isolated || self.runtimes.circuit_open(route),
                 retries_off: switched.retries_off,
             },
             rand::random::<f64>,
@@ -357,7 +357,7 @@ impl Inner {
             )
         });
         metrics::attempt(&route.name, chosen.version, class, took);
-        self.pace.observe(&route.name, took);
+        self.runtimes.observe(&route.name, took);
         p.last_response = answer.map(|a| a.response);
         match decision {
             Decision::Stop(stop) => Err(End::Stop(stop, Some(attempt))),

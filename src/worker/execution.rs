@@ -137,7 +137,7 @@ impl Inner {
             url,
             credentials: &credentials,
             signal: &signal,
-            guard: self.guards.route(route),
+            guard: self.runtimes.route(route),
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
@@ -177,7 +177,7 @@ impl Inner {
         if let (true, Some(class)) = (stop != StopReason::Cancelled, p.run.last()) {
             let served = matches!(class, Class::Success | Class::Final)
                 && p.last_response.as_ref().is_some_and(|r| r.status < 500);
-            self.guards.record_outcome(&route.upstream, served);
+            self.runtimes.record_outcome(route, served);
         }
         metrics::stopped(&route.name, stop, p.run.attempts(), since(p.arrival, self.clock.now()));
         match stop {

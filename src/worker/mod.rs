@@ -6,8 +6,8 @@
 //! Its parts, by job:
 //! - `admission` — the one call the ingress makes ([`Worker::admit`]): shed or record a new
 //!   request, and start its execution (claimed in the same commit when a worker is free).
-//! - `guards` — what a route and its upstream can take: slots, attempts in flight, the retry
-//!   budget and the breaker.
+//! - each route's runtime (`crate::runtime`) — what a route and its upstream can take: slots,
+//!   attempts in flight, the retry budget and the breaker; and the pace of its attempts.
 //! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
 //!   attempts and waits between them, with its lease kept alive.
 //! - `drain` — executions in flight, counted for a graceful shutdown.
@@ -28,8 +28,8 @@ use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
 use crate::domain::StopReason;
-use crate::policy::Pace;
 use crate::record::{Record, StoredResponse};
+use crate::runtime::Runtimes;
 use crate::store::Store;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
@@ -111,18 +111,17 @@ mod drain;
 mod execution;
 #[cfg(test)]
 mod fencing_tests;
-mod guards;
 mod running;
 mod streaming;
 mod unrecorded;
 
 mod waiters;
 
+pub use crate::runtime::{Refusal, Slot};
 use admission::Start;
 pub use admission::{Admit, Admitted, Request};
 use credentials::HeldCredentials;
 use drain::Drain;
-pub use guards::{Guards, Refusal, Slot};
 use running::Running;
 pub use waiters::Settled;
 
@@ -164,13 +163,10 @@ struct Inner {
     /// At most `worker.concurrency` records execute at once.
     permits: Arc<Semaphore>,
     settled: Arc<Settled>,
-    guards: Arc<Guards>,
+    runtimes: Arc<Runtimes>,
     /// The operator's emergency switches: asked before every attempt and after it ends.
     switches: Arc<Switches>,
     clock: SharedClock,
-    /// Each route's typical attempt duration, for the 409's estimate of when an outcome is due;
-    /// shared with the ingress, which makes that estimate.
-    pace: Arc<Pace>,
     /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
@@ -194,9 +190,8 @@ impl Worker {
         Worker {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(current.worker.concurrency)),
-                guards: Arc::new(Guards::new(&current)),
+                runtimes: Arc::new(Runtimes::new(&current)),
                 lease: current.worker.lease,
-                pace: Arc::new(Pace::default()),
                 credentials: Mutex::new(HeldCredentials::default()),
                 mine: Mutex::new(HashSet::new()),
                 drain: Drain::default(),
@@ -218,8 +213,10 @@ impl Worker {
         &self.inner.owner
     }
 
-    pub fn guards(&self) -> &Guards {
-        &self.inner.guards
+    /// The routes' runtimes, shared with the ingress: admission control, breakers, the pace
+    /// of attempts and the answers counted.
+    pub fn runtimes(&self) -> Arc<Runtimes> {
+        self.inner.runtimes.clone()
     }
 
     /// Outcomes the store could not take when they came, still being written again: each is an
@@ -228,15 +225,10 @@ impl Worker {
         self.inner.unrecorded.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// The attempt durations this worker observes, for whoever estimates when an outcome is due.
-    pub fn pace(&self) -> Arc<Pace> {
-        self.inner.pace.clone()
-    }
-
     /// Executes a queued record in the background (an operator's retry, a queued record found
     /// unclaimed). It takes a place on its route, counted but never refused.
     pub fn submit(&self, record: Record) {
-        let slot = self.inner.guards.slot(&record.route);
+        let slot = self.inner.runtimes.slot(&record.route);
         lock(&self.inner.mine).insert(record.id);
         self.spawn(Arc::new(record), slot, None, Start::Claim);
     }
@@ -251,7 +243,7 @@ impl Worker {
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
     /// record nobody claimed).
     pub fn resume(&self, record: Record, worker: FreeWorker) {
-        let slot = self.inner.guards.slot(&record.route);
+        let slot = self.inner.runtimes.slot(&record.route);
         self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0));
     }
 
@@ -299,7 +291,7 @@ impl Worker {
             if record.phase() != Phase::Queued {
                 return;
             }
-            let _slot = inner.guards.slot(&record.route);
+            let _slot = inner.runtimes.slot(&record.route);
             let _running = inner.drain.running();
             inner.claim_and_run(&record, &Reply::default()).await;
         });

@@ -227,8 +227,9 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
     gate.open();
 
     let answer = client.await.unwrap();
-    assert_eq!((answer.status, &answer.body[..]), (201, &br#"{"status":201}"#[..]), "{answer:?}");
-    assert_eq!(answer.header("idem-recorded"), Some("false"));
+    let log = || rig.node.log_tail(80);
+    assert_eq!((answer.status, &answer.body[..]), (201, &br#"{"status":201}"#[..]), "{answer:?}\n{}", log());
+    assert_eq!(answer.header("idem-recorded"), Some("false"), "{}", log());
     assert_eq!(answer.header("idempotency-status"), Some("done"));
     let metrics = rig.node.metrics().await;
     assert!(metrics.contains("idem_outcomes_unrecorded_total{route=\"payments\"} 1"), "{metrics}");

@@ -1,0 +1,340 @@
+//! Each configured route's runtime state, in one place: what it can take (attempts in flight,
+//! executions waiting for one, its retry budget), its upstream's circuit breaker, the pace of its
+//! attempts (for a 409's estimate) and its replays and 409s counted for `/admin/stats`. Built
+//! with each configuration snapshot and swapped whole on reload; a route that went away is
+//! dropped with it. Admission control is checked here before anything is recorded.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Semaphore;
+
+use crate::config::{Config, Route};
+use crate::domain::{RouteName, Timestamp};
+use crate::policy::{Breaker, BreakerState, RetryBudget, RoutePace};
+use crate::store::stats::AnswerCount;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The runtimes of the routes configured now, shared by the ingress and the workers.
+///
+/// A reload builds a new set and swaps it in whole. What a route keeps across it: its guard while
+/// its limits (`max_concurrency`, the retry budget) are unchanged, its breaker while its upstream
+/// and circuit settings are, and always its pace and its counts. An execution holds the guard it
+/// started with to its end, so its attempts keep counting against the limits they started under.
+pub struct Runtimes {
+    current: RwLock<Arc<Snapshot>>,
+}
+
+#[derive(Default)]
+struct Snapshot {
+    routes: HashMap<RouteName, Arc<RouteRuntime>>,
+    /// By upstream: routes that call the same upstream share its breaker.
+    breakers: HashMap<String, Arc<Mutex<Breaker>>>,
+}
+
+/// One route's runtime state.
+struct RouteRuntime {
+    guard: Arc<RouteGuard>,
+    breaker: Arc<Mutex<Breaker>>,
+    /// What its attempts took here; `None` until it has had one.
+    pace: Arc<Mutex<Option<RoutePace>>>,
+    answers: Arc<AnswerCounts>,
+}
+
+/// Replays and 409s answered on a route since the counts were last taken.
+#[derive(Default)]
+struct AnswerCounts {
+    replays: AtomicU64,
+    conflicts: AtomicU64,
+}
+
+pub(crate) struct RouteGuard {
+    pub(crate) budget: Mutex<RetryBudget>,
+    /// Attempts in flight on the route (`max_concurrency`).
+    pub(crate) attempts: Arc<Semaphore>,
+    /// Executions admitted and not finished: those in flight plus those queued behind them.
+    pub(crate) pending: AtomicUsize,
+    pub(crate) max_pending: usize,
+    /// What the guard was built from: a reload keeps the guard (its counts, its budget's
+    /// window) while these stay the same.
+    limits: (usize, f64, f64),
+}
+
+impl RouteGuard {
+    fn new(route: &Route, now: Instant) -> RouteGuard {
+        let r = route;
+        RouteGuard {
+            budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
+            attempts: Arc::new(Semaphore::new(r.max_concurrency)),
+            pending: AtomicUsize::new(0),
+            max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
+            limits: RouteGuard::limits_of(r),
+        }
+    }
+
+    fn limits_of(route: &Route) -> (usize, f64, f64) {
+        (route.max_concurrency, route.retry.budget_ratio, route.retry.budget_min_per_sec)
+    }
+
+    pub(crate) fn first_attempt(&self) {
+        lock(&self.budget).deposit(Instant::now());
+    }
+
+    pub(crate) fn take_retry(&self) -> bool {
+        lock(&self.budget).try_withdraw(Instant::now())
+    }
+}
+
+/// An execution's place on its route; the route counts it until this is dropped.
+pub struct Slot(Arc<RouteGuard>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Why the ingress refuses to start an execution.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The route's attempts and its queue are full.
+    Overloaded,
+    /// The upstream's circuit is open; ask again after this long.
+    CircuitOpen(Duration),
+}
+
+/// Executions may queue behind a full route up to a quarter of `max_concurrency` (at least 4).
+fn queue_bound(max_concurrency: usize) -> usize {
+    (max_concurrency / 4).max(4)
+}
+
+impl Runtimes {
+    pub fn new(config: &Config) -> Runtimes {
+        let runtimes = Runtimes { current: RwLock::new(Arc::default()) };
+        runtimes.reconfigure(config);
+        runtimes
+    }
+
+    /// Builds the runtimes of `config`'s routes, keeping what each route may keep of its
+    /// current one, and swaps them in.
+    pub fn reconfigure(&self, config: &Config) {
+        let now = Instant::now();
+        let mut current = write(&self.current);
+        let mut breakers: HashMap<String, Arc<Mutex<Breaker>>> = HashMap::new();
+        // Routes that share an upstream share its breaker, with the settings of the first.
+        for r in &config.routes {
+            if breakers.contains_key(&r.upstream) {
+                continue;
+            }
+            let breaker = match current.breakers.get(&r.upstream) {
+                Some(b) if lock(b).settings() == r.circuit => b.clone(),
+                _ => Arc::new(Mutex::new(Breaker::new(r.circuit))),
+            };
+            breakers.insert(r.upstream.clone(), breaker);
+        }
+        let routes = config
+            .routes
+            .iter()
+            .map(|r| {
+                let before = current.routes.get(&r.name);
+                let guard = match before {
+                    Some(b) if b.guard.limits == RouteGuard::limits_of(r) => b.guard.clone(),
+                    _ => Arc::new(RouteGuard::new(r, now)),
+                };
+                let runtime = RouteRuntime {
+                    guard,
+                    breaker: breakers[&r.upstream].clone(),
+                    pace: before.map(|b| b.pace.clone()).unwrap_or_default(),
+                    answers: before.map(|b| b.answers.clone()).unwrap_or_default(),
+                };
+                (r.name.clone(), Arc::new(runtime))
+            })
+            .collect();
+        *current = Arc::new(Snapshot { routes, breakers });
+    }
+
+    fn snapshot(&self) -> Arc<Snapshot> {
+        read(&self.current).clone()
+    }
+
+    fn runtime(&self, route: &str) -> Option<Arc<RouteRuntime>> {
+        read(&self.current).routes.get(route).cloned()
+    }
+
+    /// The guard of `route` as configured now; for a route a reload removed since its request
+    /// was read, one of its own, so that its execution is still bounded.
+    pub(crate) fn route(&self, route: &Route) -> Arc<RouteGuard> {
+        match self.runtime(&route.name) {
+            Some(r) => r.guard.clone(),
+            None => Arc::new(RouteGuard::new(route, Instant::now())),
+        }
+    }
+
+    pub(crate) fn named(&self, route: &str) -> Option<Arc<RouteGuard>> {
+        self.runtime(route).map(|r| r.guard.clone())
+    }
+
+    /// The breaker of `route`'s upstream: its runtime's, or for a route a reload removed, the
+    /// one its upstream still has.
+    fn breaker(&self, route: &Route) -> Option<Arc<Mutex<Breaker>>> {
+        let current = read(&self.current);
+        match current.routes.get(&route.name) {
+            Some(r) => Some(r.breaker.clone()),
+            None => current.breakers.get(&route.upstream).cloned(),
+        }
+    }
+
+    /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
+    pub fn enter(&self, route: &Route) -> Result<Slot, Refusal> {
+        if let Some(breaker) = self.breaker(route) {
+            lock(&breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
+        }
+        let guard = self.route(route);
+        let before = guard.pending.fetch_add(1, Ordering::SeqCst);
+        let slot = Slot(guard.clone());
+        if before >= guard.max_pending {
+            return Err(Refusal::Overloaded);
+        }
+        Ok(slot)
+    }
+
+    /// A place for an execution that did not come through the ingress (take-over, operator
+    /// retry): counted, never refused.
+    pub fn slot(&self, route: &str) -> Option<Slot> {
+        let guard = self.named(route)?;
+        guard.pending.fetch_add(1, Ordering::SeqCst);
+        Some(Slot(guard))
+    }
+
+    pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
+        let now = Instant::now();
+        self.snapshot().breakers.iter().map(|(u, b)| (u.clone(), lock(b).state(now))).collect()
+    }
+
+    pub(crate) fn circuit_open(&self, route: &Route) -> bool {
+        self.breaker(route).is_some_and(|b| lock(&b).is_open(Instant::now()))
+    }
+
+    pub(crate) fn record_outcome(&self, route: &Route, success: bool) {
+        if let Some(b) = self.breaker(route) {
+            lock(&b).record(success, Instant::now());
+        }
+    }
+
+    /// An attempt (or a streamed answer's first byte) on `route` took this long.
+    pub(crate) fn observe(&self, route: &str, took: Duration) {
+        if let Some(r) = self.runtime(route) {
+            let mut pace = lock(&r.pace);
+            match pace.as_mut() {
+                Some(pace) => pace.observe(took),
+                None => *pace = Some(RoutePace::first(took)),
+            }
+        }
+    }
+
+    /// What `route`'s attempts have taken here; `None` until it has had one.
+    pub fn pace(&self, route: &str) -> Option<RoutePace> {
+        self.runtime(route).and_then(|r| *lock(&r.pace))
+    }
+
+    /// A done answer replayed. A route no longer configured (a record's, from before a config
+    /// change) is not counted.
+    pub fn count_replay(&self, route: &str) {
+        if let Some(r) = self.runtime(route) {
+            r.answers.replays.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A 409 `request-in-progress`: a duplicate arrived while its key was being executed.
+    pub fn count_conflict(&self, route: &str) {
+        if let Some(r) = self.runtime(route) {
+            r.answers.conflicts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes the replays and 409s counted so far, as the counts of the second `now` falls in;
+    /// nothing for routes with nothing counted.
+    pub fn take_answer_counts(&self, now: Timestamp) -> Vec<AnswerCount> {
+        let second = Timestamp::from_millis(now.as_millis() - now.as_millis().rem_euclid(1000));
+        self.snapshot()
+            .routes
+            .iter()
+            .filter_map(|(route, r)| {
+                let replays = r.answers.replays.swap(0, Ordering::Relaxed);
+                let conflicts = r.answers.conflicts.swap(0, Ordering::Relaxed);
+                (replays + conflicts > 0).then(|| AnswerCount { route: route.to_string(), second, replays, conflicts })
+            })
+            .collect()
+    }
+
+    /// Hands back counts the store did not take, to go with the next flush.
+    pub fn restore_answer_counts(&self, counts: &[AnswerCount]) {
+        for c in counts {
+            if let Some(r) = self.runtime(&c.route) {
+                r.answers.replays.fetch_add(c.replays, Ordering::Relaxed);
+                r.answers.conflicts.fetch_add(c.conflicts, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(routes: &[(&str, &str, &str)]) -> Config {
+        let text: String = routes
+            .iter()
+            .map(|(name, upstream, extra)| {
+                format!(
+                    "[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"{upstream}\"\n{extra}\n"
+                )
+            })
+            .collect();
+        Config::parse_with_env(&text, |_| None).unwrap()
+    }
+
+    #[test]
+    fn a_reload_swaps_every_route_runtime_at_once_keeping_what_each_may_keep() {
+        let before = config(&[("payments", "http://127.0.0.1:9", ""), ("ledger", "http://127.0.0.1:9", "")]);
+        let runtimes = Runtimes::new(&before);
+        runtimes.observe("payments", Duration::from_millis(40));
+        runtimes.observe("ledger", Duration::from_millis(70));
+        let guard = runtimes.named("payments").unwrap();
+
+        // payments changes its limits, ledger goes, tickets comes.
+        runtimes.reconfigure(&config(&[
+            ("payments", "http://127.0.0.1:9", "max_concurrency = 3"),
+            ("tickets", "http://127.0.0.1:9", ""),
+        ]));
+        assert!(!Arc::ptr_eq(&guard, &runtimes.named("payments").unwrap()), "new limits, a new guard");
+        assert_eq!(runtimes.pace("payments").map(|p| p.typical), Some(Duration::from_millis(40)), "the pace stays");
+        assert_eq!(runtimes.pace("ledger"), None, "a route that went is dropped whole");
+        assert!(runtimes.named("ledger").is_none());
+        assert_eq!(runtimes.pace("tickets"), None, "a new route starts afresh");
+    }
+
+    #[test]
+    fn routes_that_call_one_upstream_share_its_breaker() {
+        let circuit = "[routes.circuit]\nfailures = 2\nopen_for = \"30s\"";
+        let c = config(&[("payments", "http://127.0.0.1:9", circuit), ("refunds", "http://127.0.0.1:9", circuit)]);
+        let runtimes = Runtimes::new(&c);
+        runtimes.record_outcome(&c.routes[0], false);
+        runtimes.record_outcome(&c.routes[0], false);
+        assert!(runtimes.circuit_open(&c.routes[1]), "the upstream is down for every route that calls it");
+        assert_eq!(runtimes.breaker_states().len(), 1);
+    }
+}
