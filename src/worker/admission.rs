@@ -123,7 +123,17 @@ impl Worker {
         };
         let reservation = reserve(&inner.permits, &inner.runtimes.route(route), config);
         let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
-        let record = match inner.store.admit(store::Admit { new, retention_cutoff }).await? {
+        // Queued rather than claimed: this process claims it itself, and the insert's notice,
+        // which may come back before the insert does, must not be offered to its workers too.
+        let id = new.id;
+        if reservation.is_none() {
+            lock(&inner.mine).insert(id);
+        }
+        let admitted = inner.store.admit(store::Admit { new, retention_cutoff }).await;
+        if !matches!(&admitted, Ok(Admission::Created(_))) {
+            lock(&inner.mine).remove(&id);
+        }
+        let record = match admitted? {
             Admission::Created(record) | Admission::Requeued(record) => record,
             Admission::Existing(record) => return Ok(Admitted::Existing(record)),
         };

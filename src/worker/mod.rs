@@ -240,6 +240,11 @@ impl Worker {
         std::iter::from_fn(|| self.inner.permits.clone().try_acquire_owned().ok().map(FreeWorker)).take(most).collect()
     }
 
+    /// Workers free right now.
+    pub fn idle_workers(&self) -> usize {
+        self.inner.permits.available_permits()
+    }
+
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
     /// record nobody claimed).
     pub fn resume(&self, record: Record, worker: FreeWorker) {

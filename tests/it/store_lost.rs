@@ -227,7 +227,10 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
     gate.open();
 
     let answer = client.await.unwrap();
-    let log = || rig.node.log_tail(80);
+    let log = || {
+        std::thread::sleep(idem::logs::GATHER * 4);
+        rig.node.log_tail(80)
+    };
     assert_eq!((answer.status, &answer.body[..]), (201, &br#"{"status":201}"#[..]), "{answer:?}\n{}", log());
     assert_eq!(answer.header("idem-recorded"), Some("false"), "{}", log());
     assert_eq!(answer.header("idempotency-status"), Some("done"));
@@ -246,6 +249,7 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
 
     restore(&rig).await;
     rig.await_ready_status(200).await;
+    rig.await_store_available(1.0).await;
     let until = Instant::now() + Duration::from_secs(10);
     let record = loop {
         let record = rig.node.record("executed").await.unwrap();
