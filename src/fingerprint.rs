@@ -64,9 +64,10 @@ fn is_json(content_type: Option<&[u8]>) -> bool {
 /// written), no insignificant whitespace, strings re-escaped one way, numbers kept exactly as
 /// written. `None` when the body is not JSON; it is then hashed as bytes.
 ///
-/// A body is canonicalised exactly when `serde_json` would accept it as a value, so that nothing
-/// outside RFC 8259 (a `\u+041`, a `.5`, a lone surrogate) can be read as some valid text and
-/// share its fingerprint. Where RFC 8259 leaves a choice, serde_json's is followed:
+/// A body is canonicalised exactly when `serde_json` would accept it as a value (but for
+/// numbers beyond `f64`, below), so that nothing outside RFC 8259 (a `\u+041`, a `.5`, a lone
+/// surrogate) can be read as some valid text and share its fingerprint. Where RFC 8259 leaves a
+/// choice, serde_json's is followed:
 /// - a byte order mark is not whitespace: a body that starts with one is not JSON;
 /// - a `\u` escape of a lone or unpaired surrogate is refused (the text must be Unicode);
 /// - at most 127 arrays and objects may be open at once ([`MAX_DEPTH`]);

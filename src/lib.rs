@@ -2,6 +2,9 @@
 //!
 //! A request's path through the crate:
 //!
+//! - [`domain`] — the ground floor: the words every layer shares (record id, tenant, route name,
+//!   claim token, state and phase, stop reason, attempt outcome and error, history action, answer
+//!   kind, policy version, timestamp), each one type with one spelling.
 //! - [`config`] — the TOML file, validated into routes and policies, each policy named by its
 //!   `policy_version` (a digest of its values, see [`policy`]); the configuration in force is
 //!   held replaceable ([`config::Live`]): a request, an execution, a background pass each read
@@ -14,14 +17,17 @@
 //!   the answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory.
-//! - [`store`] — the durable [`record`]s, named by their [`record::Tenant`] and
-//!   [`key::IdempotencyKey`], every time in them a [`record::Timestamp`]: one trait, a SQLite
+//! - [`store`] — the durable [`record`]s, named by their [`domain::Tenant`] and
+//!   [`key::IdempotencyKey`], every time in them a [`domain::Timestamp`]: one trait, a SQLite
 //!   implementation (group commit through a single writer thread) and a PostgreSQL one
 //!   (`SKIP LOCKED`, `LISTEN/NOTIFY`). Each write is one named command carrying those types,
 //!   the same value for both backends; the phase it leaves a record in is what the record's
 //!   pure state machine ([`record::transition`]) decides, which each backend persists guarded by
 //!   the phase it was decided from. A record is committed before anything goes upstream; its
 //!   deadline is the route's, or shorter when the client asks in the route's `deadline_header`.
+//! - [`runtime`] — each configured route's state while it serves: its places and retry budget,
+//!   its upstream's breaker, the pace of its attempts and its replays and 409s counted; built
+//!   with each configuration and swapped whole on reload.
 //! - [`worker`] — admits a new request in one call from the ingress ([`worker::Worker::admit`]:
 //!   shed by the route's limits, or recorded and started, claimed in the same commit when a
 //!   worker is free); claims a record under a lease, sends attempts through [`upstream`], stores each
@@ -32,15 +38,15 @@
 //!   through a [`stream`] tap to its client (and to duplicates that attach) as it arrives, and
 //!   read to its end and stored whatever the client does (docs/concepts.md).
 //! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
-//!   `unknown` records, the retention sweep, and the store's health checks, which refuse new
-//!   requests while the store cannot record them.
+//!   `unknown` records, the retention sweep. The store's own health checks, which refuse new
+//!   requests while the store cannot record them, live in [`store`].
 //! - [`reload`] — `SIGHUP` and `POST /admin/config/reload`: the file read again, validated like
-//!   `idem check`, then applied whole (routes added, changed, removed; guards and counters
+//!   `idem check`, then applied whole (routes added, changed, removed; the routes' runtimes
 //!   following) or refused whole, naming the key — restart-only keys included.
 //! - [`admin`] — the operator listener: the admin API (one record's actions, and the same
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
-//!   `/admin/stats` series, computed from the store (with the replays and 409s that [`tally`]
-//!   counts in memory and adds to it every second); [`metrics`] for `/metrics`.
+//!   `/admin/stats` series, computed from the store (with the replays and 409s counted in memory,
+//!   which [`tally`] adds to it every second); [`metrics`] for `/metrics`.
 //! - [`switch`] — an operator's emergency switch (docs/operations.md): `retries_off`, `isolate` or
 //!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
 //!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store

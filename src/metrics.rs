@@ -266,9 +266,12 @@ pub fn outcome_unrecorded(route: &str) {
     counter!("idem_outcomes_unrecorded_total", "route" => route.to_string()).increment(1);
 }
 
-/// How many outcomes the store could not take are still being written again.
-pub fn unrecorded_outcomes(waiting: usize) {
-    gauge!("idem_unrecorded_outcomes").set(waiting as f64);
+/// One more outcome the store could not take is being written again (`true`), or one less.
+pub fn unrecorded_outcome_waits(more: bool) {
+    match more {
+        true => gauge!("idem_unrecorded_outcomes").increment(1.0),
+        false => gauge!("idem_unrecorded_outcomes").decrement(1.0),
+    }
 }
 
 /// Whether the store takes requests: 1, or 0 while new keys are refused with 503

@@ -172,9 +172,10 @@ pub async fn take_over_once(
         }
     }
     // As many as this node has workers free for right now, each set aside before the claim: a
-    // busy node leaves the rest to nodes that can run them, or to a later pass. Half of them at
-    // most, so that new requests arriving meanwhile still find a worker free and are claimed
-    // as they are recorded: the claim below may wait on the store.
+    // busy node leaves the rest to nodes that can run them, or to a later pass. About half of
+    // them (rounded up, so a node with one free worker still takes over), so that new requests
+    // arriving meanwhile still find a worker free and are claimed as they are recorded: the
+    // claim below may wait on the store.
     let free = worker.free_workers((BATCH as usize).min(worker.idle_workers().div_ceil(2)));
     if free.is_empty() {
         return Ok(());

@@ -53,6 +53,8 @@ struct AnswerCounts {
     conflicts: AtomicU64,
 }
 
+/// What a route can take: its attempts in flight, its executions waiting for one, its retry
+/// budget.
 pub(crate) struct RouteGuard {
     pub(crate) budget: Mutex<RetryBudget>,
     /// Attempts in flight on the route (`max_concurrency`).
@@ -168,14 +170,14 @@ impl Runtimes {
 
     /// The guard of `route` as configured now; for a route a reload removed since its request
     /// was read, one of its own, so that its execution is still bounded.
-    pub(crate) fn route(&self, route: &Route) -> Arc<RouteGuard> {
+    pub(crate) fn guard_for(&self, route: &Route) -> Arc<RouteGuard> {
         match self.runtime(&route.name) {
             Some(r) => r.guard.clone(),
             None => Arc::new(RouteGuard::new(route, Instant::now())),
         }
     }
 
-    pub(crate) fn named(&self, route: &str) -> Option<Arc<RouteGuard>> {
+    pub(crate) fn guard_named(&self, route: &str) -> Option<Arc<RouteGuard>> {
         self.runtime(route).map(|r| r.guard.clone())
     }
 
@@ -194,7 +196,7 @@ impl Runtimes {
         if let Some(breaker) = self.breaker(route) {
             lock(&breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
         }
-        let guard = self.route(route);
+        let guard = self.guard_for(route);
         let before = guard.pending.fetch_add(1, Ordering::SeqCst);
         let slot = Slot(guard.clone());
         if before >= guard.max_pending {
@@ -206,7 +208,7 @@ impl Runtimes {
     /// A place for an execution that did not come through the ingress (take-over, operator
     /// retry): counted, never refused.
     pub fn slot(&self, route: &str) -> Option<Slot> {
-        let guard = self.named(route)?;
+        let guard = self.guard_named(route)?;
         guard.pending.fetch_add(1, Ordering::SeqCst);
         Some(Slot(guard))
     }
@@ -313,17 +315,17 @@ mod tests {
         let runtimes = Runtimes::new(&before);
         runtimes.observe("payments", Duration::from_millis(40));
         runtimes.observe("ledger", Duration::from_millis(70));
-        let guard = runtimes.named("payments").unwrap();
+        let guard = runtimes.guard_named("payments").unwrap();
 
         // payments changes its limits, ledger goes, tickets comes.
         runtimes.reconfigure(&config(&[
             ("payments", "http://127.0.0.1:9", "max_concurrency = 3"),
             ("tickets", "http://127.0.0.1:9", ""),
         ]));
-        assert!(!Arc::ptr_eq(&guard, &runtimes.named("payments").unwrap()), "new limits, a new guard");
+        assert!(!Arc::ptr_eq(&guard, &runtimes.guard_named("payments").unwrap()), "new limits, a new guard");
         assert_eq!(runtimes.pace("payments").map(|p| p.typical), Some(Duration::from_millis(40)), "the pace stays");
         assert_eq!(runtimes.pace("ledger"), None, "a route that went is dropped whole");
-        assert!(runtimes.named("ledger").is_none());
+        assert!(runtimes.guard_named("ledger").is_none());
         assert_eq!(runtimes.pace("tickets"), None, "a new route starts afresh");
     }
 

@@ -1,8 +1,8 @@
 //! Replays and 409s, counted for `/admin/stats`. Replays are answered from memory at rates no
 //! database write could follow, so each answer is an atomic increment in its route's runtime
-//! (`runtime`), and every second the counts are taken and added to the store's per-second counters in one write. A node that dies
-//! loses at most the last second's counts; every node adds its own, so the store holds the
-//! cluster's.
+//! (`runtime`), and every second the counts are taken and added to the store's per-second
+//! counters in one write. A node that dies loses at most the last second's counts; every node
+//! adds its own, so the store holds the cluster's.
 
 use std::sync::Arc;
 use std::time::Duration;

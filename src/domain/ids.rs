@@ -85,15 +85,11 @@ macro_rules! name {
 pub struct RecordId(pub Uuid);
 
 impl RecordId {
-    /// A new record's id: a UUIDv7, so that ids sort by creation time.
+    /// A new record's id: a UUIDv7, so that ids sort by creation time. Not `Default`: a default
+    /// value that is a fresh id each time would hide where ids are made.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> RecordId {
         RecordId(Uuid::now_v7())
-    }
-}
-
-impl Default for RecordId {
-    fn default() -> RecordId {
-        RecordId::new()
     }
 }
 

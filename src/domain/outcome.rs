@@ -215,3 +215,27 @@ impl<'de> Deserialize<'de> for AttemptError {
             .ok_or_else(|| serde::de::Error::custom(format!("no attempt error is named `{text}`")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_stop_reason_outcome_and_error_is_read_back_by_its_name() {
+        for stop in StopReason::ALL {
+            assert_eq!(StopReason::parse(stop.as_str()), Some(stop));
+        }
+        for outcome in AttemptOutcome::ALL {
+            assert_eq!(AttemptOutcome::parse(outcome.as_str()), Some(outcome));
+        }
+        for error in AttemptError::ALL {
+            assert_eq!(AttemptError::parse(error.as_str()), Some(error));
+            let json = serde_json::to_string(&error).unwrap();
+            assert_eq!(serde_json::from_str::<AttemptError>(&json).unwrap(), error);
+        }
+        // The script words of `idem simulate`: three, each spelt once.
+        let words: Vec<&str> = AttemptError::ALL.iter().map(|e| e.script_word()).collect();
+        assert!(["connect-failed", "timeout", "broken"].iter().all(|w| words.contains(w)));
+        assert_eq!(StopReason::parse("sucess"), None);
+    }
+}

@@ -222,10 +222,12 @@ impl Connections {
                     connection.as_mut().graceful_shutdown();
                     break connection.await;
                 }
-                // Dropped unanswered: it has no request in the handler (one that came since it
-                // was told is served, and the connection stays).
+                // Closed as a shutdown would close it: it has no request in the handler, so it
+                // ends at once, once any answer still in its write buffer is out (one that came
+                // since it was told is served, and the connection stays).
                 _ = entry.connection.reclaimed.notified() => if entry.connection.is_idle() {
-                    break Ok(());
+                    connection.as_mut().graceful_shutdown();
+                    break connection.await;
                 },
             }
         };

@@ -26,11 +26,11 @@ pub(super) fn http_date(at: Timestamp) -> HeaderValue {
     HeaderValue::from_str(&httpdate::fmt_http_date(at.system_time())).expect("an HTTP-date is a valid header value")
 }
 
-/// The answer for the request that drove an execution.
 /// On an answer whose outcome the store could not take yet (`false`): it is being written
 /// again, and until it is, a duplicate is told the request is in progress, then unknown.
-pub const RECORDED_HEADER: &str = "idem-recorded";
+pub(super) const RECORDED_HEADER: &str = "idem-recorded";
 
+/// The answer for the request that drove an execution.
 pub(super) fn outcome_response(outcome: Outcome) -> Answer {
     match outcome {
         Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),

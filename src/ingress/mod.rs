@@ -465,7 +465,11 @@ impl Ingress {
                 let pending = Pending {
                     now: self.clock.now(),
                     in_flight_since: record.in_flight.map(|(_, started)| started),
-                    attempt_limit: self.config.current().route_named(&record.route).map(|r| r.retry.per_try_timeout),
+                    // The limit of the policy the record runs under: a canary's, maybe.
+                    attempt_limit: self.config.current().route_named(&record.route).map(|route| {
+                        let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v));
+                        policy.map_or(route.retry.per_try_timeout, |p| p.retry.per_try_timeout)
+                    }),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };

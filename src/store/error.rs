@@ -36,6 +36,12 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the store could not be reached (and may be, later), rather than refusing what
+    /// was asked of it.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Failed { .. })
+    }
+
     /// `Failed`, its text the cause's own.
     pub(crate) fn failed(cause: impl Error + Send + Sync + 'static) -> StoreError {
         StoreError::Failed { what: cause.to_string(), cause: Arc::new(cause) }

@@ -121,7 +121,7 @@ impl Worker {
             Ok(slot) => slot,
             Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
         };
-        let reservation = reserve(&inner.permits, &inner.runtimes.route(route), config);
+        let reservation = reserve(&inner.permits, &inner.runtimes.guard_for(route), config);
         let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
         // Queued rather than claimed: this process claims it itself, and the insert's notice,
         // which may come back before the insert does, must not be offered to its workers too.
@@ -308,37 +308,37 @@ pub(super) mod tests {
     #[test]
     fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
         let config = config("max_concurrency = 4");
-        let guards = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config);
         let route = &config.routes[0];
         // Four in flight and, at that size, four queued behind them (the queue is at least 4).
-        let slots: Vec<Slot> = (0..8).map(|_| guards.enter(route).expect("within the bound")).collect();
-        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        let slots: Vec<Slot> = (0..8).map(|_| runtimes.enter(route).expect("within the bound")).collect();
+        assert_eq!(runtimes.enter(route).err(), Some(Refusal::Overloaded));
         // A refused entry holds no place: one leaving makes room for exactly one more.
         drop(slots.into_iter().next());
-        assert!(guards.enter(route).is_ok());
+        assert!(runtimes.enter(route).is_ok());
     }
 
     #[test]
     fn places_taken_outside_the_ingress_count_but_are_never_refused() {
         let config = config("max_concurrency = 1");
-        let guards = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config);
         let route = &config.routes[0];
-        let taken: Vec<_> = (0..5).map(|_| guards.enter(route).unwrap()).collect();
-        assert!(guards.slot("payments").is_some(), "a take-over is never refused");
-        assert_eq!(guards.enter(route).err(), Some(Refusal::Overloaded));
+        let taken: Vec<_> = (0..5).map(|_| runtimes.enter(route).unwrap()).collect();
+        assert!(runtimes.slot("payments").is_some(), "a take-over is never refused");
+        assert_eq!(runtimes.enter(route).err(), Some(Refusal::Overloaded));
         drop(taken);
-        assert!(guards.slot("gone").is_none(), "a route no longer configured has no guard to count on");
+        assert!(runtimes.slot("gone").is_none(), "a route no longer configured has no guard to count on");
     }
 
     #[test]
     fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
         let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
-        let guards = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config);
         let route = &config.routes[0];
         for _ in 0..2 {
-            guards.record_outcome(route, false);
+            runtimes.record_outcome(route, false);
         }
-        match guards.enter(route) {
+        match runtimes.enter(route) {
             Err(Refusal::CircuitOpen(wait)) => assert!(wait <= Duration::from_secs(30) && !wait.is_zero(), "{wait:?}"),
             other => panic!("expected an open circuit, got {:?}", other.map(|_| "a slot")),
         }
@@ -348,9 +348,9 @@ pub(super) mod tests {
     fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
         let config = Arc::new(config("max_concurrency = 1"));
         let route = &config.routes[0];
-        let guards = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config);
         let permits = Arc::new(Semaphore::new(2));
-        let guard = guards.route(route);
+        let guard = runtimes.guard_for(route);
         let reserve = || reserve(&permits, &guard, &config);
         let first = reserve().expect("a worker and a place are free");
         assert!(reserve().is_none(), "the route's one place is taken");

@@ -137,7 +137,7 @@ impl Inner {
             url,
             credentials: &credentials,
             signal: &signal,
-            guard: self.runtimes.route(route),
+            guard: self.runtimes.guard_for(route),
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;

@@ -158,7 +158,7 @@ impl Worker {
     /// Holds both of the route's places for attempts in flight until the permit is dropped:
     /// every execution of this node then waits before marking an attempt.
     fn hold_places(&self, config: &Config) -> tokio::sync::OwnedSemaphorePermit {
-        let guard = self.inner.runtimes.route(&config.routes[0]);
+        let guard = self.inner.runtimes.guard_for(&config.routes[0]);
         guard.attempts.clone().try_acquire_many_owned(2).expect("both places are free")
     }
 

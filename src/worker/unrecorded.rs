@@ -33,7 +33,8 @@ impl Inner {
         );
         metrics::outcome_unrecorded(route);
         let waiting = self.unrecorded.clone();
-        metrics::unrecorded_outcomes(waiting.fetch_add(1, Ordering::SeqCst) + 1);
+        waiting.fetch_add(1, Ordering::SeqCst);
+        metrics::unrecorded_outcome_waits(true);
         let (store, settled) = (self.store.clone(), self.settled.clone());
         tokio::spawn(async move {
             let mut wait = FIRST_WAIT;
@@ -45,9 +46,14 @@ impl Inner {
                         break;
                     }
                     // Taken over meanwhile: the store wrote it as that claim's late outcome, unless
-                    // the record was settled or claimed again since.
+                    // the record was settled or claimed again since, which stands.
                     Ok(Lease::Lost) => {
-                        info!(record = %id, "the outcome the store could not take went in as a late outcome, where the record still awaited it");
+                        info!(record = %id, "the outcome the store could not take was offered as a late outcome: the record takes it if it still awaits it");
+                        break;
+                    }
+                    // Not the store's absence: writing it again would fail the same way.
+                    Err(e) if !e.is_outage() => {
+                        error!(record = %id, error = %e, "the outcome the store could not take is refused by it; the record is left for reconciliation");
                         break;
                     }
                     Err(e) => {
@@ -57,7 +63,8 @@ impl Inner {
                 }
             }
             settled.settled(id);
-            metrics::unrecorded_outcomes(waiting.fetch_sub(1, Ordering::SeqCst) - 1);
+            waiting.fetch_sub(1, Ordering::SeqCst);
+            metrics::unrecorded_outcome_waits(false);
         });
     }
 }
