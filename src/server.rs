@@ -153,16 +153,15 @@ pub async fn start_with_clock(
         clock: clock.clone(),
         replay_cache_bytes: REPLAY_CACHE_BYTES,
     }));
-    let admin = Arc::new(Admin {
+    let admin = Arc::new(Admin::new(admin::Parts {
         config: live.clone(),
         reloader: reloader.clone(),
         store: store.clone(),
         worker: worker.clone(),
-        settled,
         bodies,
         switches: switches.clone(),
         clock: clock.clone(),
-    });
+    }));
 
     let (stop, stopped) = watch::channel(false);
     let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;

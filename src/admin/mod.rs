@@ -30,7 +30,7 @@ use crate::reload::Reloader;
 use crate::store;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
 use crate::switchboard::Switches;
-use crate::worker::{Settled, Worker};
+use crate::worker::Worker;
 
 pub mod bulk;
 pub mod cli;
@@ -46,19 +46,37 @@ const CONSOLE: &str = include_str!("console.html");
 
 pub struct Admin {
     /// The configuration in force; each call reads it once.
-    pub config: Arc<Live>,
+    config: Arc<Live>,
     /// `POST /admin/config/reload`.
+    reloader: Arc<Reloader>,
+    store: Arc<dyn Store>,
+    /// Runs an operator's retry, and wakes whoever waits for a record an operator settled.
+    worker: Worker,
+    /// The data plane's request bodies in memory, for `/metrics`.
+    bodies: Arc<BodyBudget>,
+    /// This node's view of the emergency switches: refreshed at once after a set or a clear
+    /// here, and exported as `idem_switch_active`.
+    switches: Arc<Switches>,
+    /// What time it is: for the audit trail, a retry's fresh deadline, the series and switches.
+    clock: SharedClock,
+}
+
+/// What an [`Admin`] is built on: the parts of the broker it shares with the others.
+pub struct Parts {
+    pub config: Arc<Live>,
     pub reloader: Arc<Reloader>,
     pub store: Arc<dyn Store>,
     pub worker: Worker,
-    pub settled: Arc<Settled>,
-    /// The data plane's request bodies in memory, for `/metrics`.
     pub bodies: Arc<BodyBudget>,
-    /// This node's view of the emergency switches: refreshed at once after a set or a clear
-    /// here, and exported as `idem_switch_active`.
     pub switches: Arc<Switches>,
-    /// What time it is: for the audit trail, a retry's fresh deadline, the series and switches.
     pub clock: SharedClock,
+}
+
+impl Admin {
+    pub fn new(parts: Parts) -> Admin {
+        let Parts { config, reloader, store, worker, bodies, switches, clock } = parts;
+        Admin { config, reloader, store, worker, bodies, switches, clock }
+    }
 }
 
 pub fn router(admin: Arc<Admin>) -> Router {
@@ -347,7 +365,7 @@ async fn apply_resolve(
         .map_err(store_problem)?
     {
         Action::Applied(record) => {
-            admin.settled.settled(record.id);
+            admin.worker.settled(record.id);
             Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "resolved")),
@@ -408,7 +426,7 @@ async fn apply_cancel(admin: &Admin, id: RecordId, who: &Attribution) -> Result<
         .map_err(store_problem)?
     {
         Cancelled::Dequeued(record) => {
-            admin.settled.settled(record.id);
+            admin.worker.settled(record.id);
             Ok((record, false))
         }
         Cancelled::Flagged(record) => {
