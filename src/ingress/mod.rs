@@ -273,7 +273,7 @@ impl Ingress {
     ) -> Answer {
         let Read { config, route, parts, arrival } = read;
         // A replay known to this node needs no database at all, nor anything a new record does.
-        if let Some(replay) = self.replays.get(&tenant, key.as_str(), arrival) {
+        if let Some(replay) = self.replays.get(&tenant, key, arrival) {
             if replay.fingerprint != fingerprint {
                 metrics::answered(&route.name, AnswerKind::KeyReused);
                 return Err(Problem::key_reused().state(State::Done));
