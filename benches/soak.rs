@@ -36,8 +36,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::backend::{self, Backend};
-use common::process::{config_body, send_until_settled, Ended, LoopKey, Node, LEASE};
-use common::Upstream;
+use common::process::{node_config, send_until_settled, Ended, LoopKey, Node, LEASE};
+use common::{TestConfig, Upstream};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
@@ -162,7 +162,7 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
     let store = store_for(backend).await;
     let worker = format!("concurrency = {CONCURRENCY}\n");
     let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n";
-    let body = config_body(&store.url, &upstream.url(), &worker, route, "");
+    let body = node_config(&store.url, TestConfig::new(&upstream.url()).worker(&worker).route(route)).body();
     let count = if backend == Backend::Postgres { 3 } else { 2 };
     let mut nodes = Vec::new();
     for i in 0..count {

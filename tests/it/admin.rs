@@ -1,6 +1,6 @@
 //! The operator's side (docs/operations.md): the admin API and the `idem requests` CLI over it.
 
-use crate::common::{both_stores, Backend, Db};
+use crate::common::{both_stores, Backend, Db, TestConfig};
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,7 @@ const BODY: &str = r#"{"amount":42}"#;
 
 async fn setup(b: Backend, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", extra).await;
+    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).tables(extra)).await;
     (upstream, broker)
 }
 

@@ -4,7 +4,7 @@
 
 use crate::common::JsonOf;
 
-use crate::common::{both_stores, send, Backend, Broker, Db, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, TestConfig, Upstream};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -18,7 +18,8 @@ fingerprint_ignore = ["/call_id", "/arguments/requested_at", "/metadata/nonce"]"
 
 async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    let broker =
+        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
     (upstream, broker)
 }
 
@@ -153,7 +154,9 @@ async fn a_record_can_be_awaited_instead_of_polled(b: Backend) {
 async fn setup_on_clock(b: Backend, route_extra: &str) -> (Upstream, Broker, Arc<ManualClock>) {
     let upstream = Upstream::start().await;
     let clock = Arc::new(ManualClock::starting_now());
-    let broker = Broker::start_with_clock(&Db::new(b).await, &upstream.url(), route_extra, "", clock.clone()).await;
+    let broker =
+        Broker::start_with_clock(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra), clock.clone())
+            .await;
     (upstream, broker, clock)
 }
 

@@ -33,7 +33,10 @@ min_requests = 4
 /// process's, shared with the other tests, so each test's canary runs on a route of its own.
 async fn start(b: Backend, upstream: &Upstream, route: &str, extra: &str) -> Broker {
     let db = Db::new(b).await;
-    let text = crate::common::config_text(&db.url, &upstream.url(), "", extra)
+    let text = crate::common::TestConfig::new(&upstream.url())
+        .store(&db.url)
+        .tables(extra)
+        .text()
         .replace("name = \"payments\"", &format!("name = \"{route}\""));
     Broker::start_with(&db, text).await
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{send, Backend, Broker, Db, Reply, TestConfig, Upstream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::Message;
@@ -171,9 +171,7 @@ async fn an_operator_resolves_an_unknown_record_from_the_console() {
     let upstream = Upstream::start().await;
     let broker = Broker::start(
         &Db::new(Backend::Sqlite).await,
-        &upstream.url(),
-        "",
-        "[auth]\nadmin_token_env = \"IDEM_TEST_CONSOLE_TOKEN\"\n",
+        TestConfig::new(&upstream.url()).tables("[auth]\nadmin_token_env = \"IDEM_TEST_CONSOLE_TOKEN\"\n"),
     )
     .await;
     upstream.script("charge-7", vec![Reply::status(504)]);
@@ -238,7 +236,7 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
          [auth]\nadmin_token_env = \"IDEM_TEST_HEALTH_TOKEN\"\n",
         upstream.url()
     );
-    let broker = Broker::start(&Db::new(Backend::Sqlite).await, &upstream.url(), "", &extra).await;
+    let broker = Broker::start(&Db::new(Backend::Sqlite).await, TestConfig::new(&upstream.url()).tables(&extra)).await;
     let body = r#"{"amount":1}"#;
     // The storm: every payment is refused with a 503 at first and succeeds on its retry; one
     // may have executed and waits in the reconciliation queue. Every ledger call succeeds.
@@ -286,7 +284,7 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
 async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
     let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(Backend::Sqlite).await, &upstream.url(), "", "").await;
+    let broker = Broker::start(&Db::new(Backend::Sqlite).await, TestConfig::new(&upstream.url())).await;
     let body = r#"{"amount":1}"#;
 
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;
@@ -336,7 +334,7 @@ async fn the_banner_shows_outcomes_waiting_for_the_store_until_it_takes_them() {
     let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
     let upstream = Upstream::start().await;
     let db = Db::new(Backend::Sqlite).await;
-    let broker = Broker::start(&db, &upstream.url(), "", "").await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url())).await;
     let path = std::path::PathBuf::from(db.url.strip_prefix("sqlite://").unwrap());
     let aside = path.with_extension("aside");
     let mut page = Page::open(&browser, &format!("{}/", broker.admin)).await;

@@ -5,7 +5,7 @@
 
 use crate::common::JsonOf;
 
-use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, TestConfig, Upstream};
 
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,8 @@ const BODY: &str = r#"{"amount":42}"#;
 
 async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    let broker =
+        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
     (upstream, broker)
 }
 
@@ -78,7 +79,7 @@ async fn a_forwarded_credential_is_not_sent_by_a_process_that_never_held_it(b: B
     let retry = "[routes.retry]\nbase = \"10ms\"\ncap = \"50ms\"\n[worker]\nlease = \"1s\"\n";
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let first = Broker::start(&db, &upstream.url(), route, retry).await;
+    let first = Broker::start(&db, TestConfig::new(&upstream.url()).route(route).tables(retry)).await;
     upstream.script("handed", vec![Reply::status(503).header("retry-after", "2"), Reply::status(201)]);
     let r = send(first.post("/payments", "handed", BODY).bearer_auth("sk_a").header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
@@ -87,7 +88,7 @@ async fn a_forwarded_credential_is_not_sent_by_a_process_that_never_held_it(b: B
     }
     // A graceful stop hands the waiting record back; the credential goes with the process.
     first.stop().await;
-    let second = Broker::start(&db, &upstream.url(), route, retry).await;
+    let second = Broker::start(&db, TestConfig::new(&upstream.url()).route(route).tables(retry)).await;
     let scope = |r: reqwest::RequestBuilder| r.bearer_auth("sk_a");
     let until = Instant::now() + Duration::from_secs(10);
     let record = loop {

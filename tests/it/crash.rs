@@ -3,9 +3,9 @@
 //! graceful hand-back. The fake upstream runs in the test process and outlives every broker.
 
 use crate::common::process::{
-    audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
+    audit, await_until, history_entries, join_clients, node_config, start_clients, LoopKey, Node, LEASE,
 };
-use crate::common::{both_stores, Backend, Db, Reply, Upstream};
+use crate::common::{both_stores, Backend, Db, Reply, TestConfig, Upstream};
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -26,7 +26,11 @@ struct Rig {
 async fn rig(b: Backend, route_extra: &str, extra: &str) -> Rig {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let node = Node::start("broker", &config_body(&db.url, &upstream.url(), "", route_extra, extra)).await;
+    let node = Node::start(
+        "broker",
+        &node_config(&db.url, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).body(),
+    )
+    .await;
     Rig { upstream, node, db }
 }
 
@@ -134,7 +138,11 @@ async fn a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait(b:
 async fn a_record_whose_broker_keeps_dying_on_it_stops_after_max_takeovers_instead_of_looping(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let config = config_body(&db.url, &upstream.url(), "max_takeovers = 1\n", "replay_safe = true", "");
+    let config = node_config(
+        &db.url,
+        TestConfig::new(&upstream.url()).worker("max_takeovers = 1\n").route("replay_safe = true"),
+    )
+    .body();
     let mut node = Node::start("broker", &config).await;
     // Every attempt is still in flight when the process dies: on a replay-safe route, each
     // take-over sends it again.

@@ -5,14 +5,15 @@ use crate::common::{both_stores, Backend, Db};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{send, Answer, Broker, Reply, Upstream};
+use crate::common::{send, Answer, Broker, Reply, TestConfig, Upstream};
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
 
 async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    let broker =
+        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
     (upstream, broker)
 }
 
@@ -377,10 +378,10 @@ async fn sixty_four_concurrent_duplicates_execute_once_and_agree(b: Backend) {
 async fn a_replay_survives_a_broker_restart(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let broker = Broker::start(&db, &upstream.url(), "", "").await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url())).await;
     let first = send(broker.post("/payments", "durable", BODY)).await;
     broker.stop().await;
-    let broker = Broker::start(&db, &upstream.url(), "", "").await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url())).await;
     let replay = send(broker.post("/payments", "durable", BODY)).await;
     assert_eq!(replay.status, 201);
     assert_eq!(replay.body, first.body);
@@ -393,8 +394,11 @@ async fn an_unreachable_upstream_frees_the_key_and_the_next_request_executes(b: 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     drop(listener);
-    let broker =
-        Broker::start(&Db::new(b).await, &format!("http://{addr}"), "", "[routes.retry]\nmax_attempts = 1\n").await;
+    let broker = Broker::start(
+        &Db::new(b).await,
+        TestConfig::new(&format!("http://{addr}")).tables("[routes.retry]\nmax_attempts = 1\n"),
+    )
+    .await;
     let r = send(broker.post("/payments", "down", BODY)).await;
     r.assert_problem(503, "upstream-unavailable");
     assert_eq!(r.header("idempotency-status"), Some("not_started"));
@@ -453,7 +457,10 @@ async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
 async fn done_records_expire_after_retention_and_the_key_executes_afresh(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let text = crate::common::config_text(&db.url, &upstream.url(), "tombstone = \"0s\"", "")
+    let text = crate::common::TestConfig::new(&upstream.url())
+        .store(&db.url)
+        .route("tombstone = \"0s\"")
+        .text()
         .replace("[store]\n", "[store]\nretention = \"1s\"\n");
     let broker = Broker::start_with(&db, text).await;
     let first = send(broker.post("/payments", "brief", BODY)).await;

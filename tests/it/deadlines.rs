@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, TestConfig, Upstream};
 use serde_json::Value;
 
 const BODY: &str = r#"{"amount":42}"#;
@@ -16,7 +16,7 @@ async fn setup(b: Backend) -> (Upstream, Broker) {
     let route = "deadline_header = \"Request-Timeout-Ms\"\nreplay_safe = true\n\
                  [routes.retry]\ndeadline = \"2s\"\nper_try_timeout = \"1s\"\nbase = \"50ms\"\ncap = \"100ms\"\n\
                  [routes.circuit]\nfailures = 100\n";
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route, "").await;
+    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route)).await;
     (upstream, broker)
 }
 

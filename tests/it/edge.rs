@@ -18,7 +18,7 @@ async fn start(b: Backend, server: &str, route_extra: &str) -> (Upstream, Broker
     let db = Db::new(b).await;
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\n{}",
-        crate::common::config_body(&db.url, &upstream.url(), "", route_extra, "")
+        crate::common::TestConfig::new(&upstream.url()).store(&db.url).route(route_extra).body()
     );
     let broker = Broker::start_with(&db, text).await;
     (upstream, broker)

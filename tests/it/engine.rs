@@ -1,7 +1,7 @@
 //! The execution engine through real HTTP: retries, waits, Retry-After, deadlines, budgets,
 //! the circuit breaker and load shedding.
 
-use crate::common::{both_stores, Backend, Db};
+use crate::common::{both_stores, Backend, Db, TestConfig};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +12,8 @@ const BODY: &str = r#"{"amount":42}"#;
 
 async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    let broker =
+        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
     (upstream, broker)
 }
 

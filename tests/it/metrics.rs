@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use crate::common::process::{config_body, Node};
-use crate::common::{send, Backend, Db, JsonOf, Reply, Upstream};
+use crate::common::process::{node_config, Node};
+use crate::common::{send, Backend, Db, JsonOf, Reply, TestConfig, Upstream};
 
 /// Sums the samples of `name` whose labels contain every `label="value"` pair given.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -24,7 +24,11 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 async fn the_metrics_add_up_after_a_scripted_run() {
     let upstream = Upstream::start().await;
     let db = Db::new(Backend::Sqlite).await;
-    let config = config_body(&db.url, &upstream.url(), "", "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n");
+    let config = node_config(
+        &db.url,
+        TestConfig::new(&upstream.url()).tables("[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n"),
+    )
+    .body();
     let broker = Node::start("metered", &config).await;
     let body = r#"{"amount":1}"#;
 

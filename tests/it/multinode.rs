@@ -3,9 +3,9 @@
 //! death loses nothing. PostgreSQL only: skipped without `IDEM_TEST_POSTGRES_URL` (never under CI).
 
 use crate::common::process::{
-    audit, await_until, config_body, history_entries, join_clients, start_clients, LoopKey, Node, LEASE,
+    audit, await_until, history_entries, join_clients, node_config, start_clients, LoopKey, Node, LEASE,
 };
-use crate::common::{backend, Answer, Backend, Db, Reply, Upstream};
+use crate::common::{backend, Answer, Backend, Db, Reply, TestConfig, Upstream};
 
 use std::io::Write;
 use std::sync::Arc;
@@ -23,7 +23,8 @@ async fn cluster(route_extra: &str, worker_extra: &str) -> Option<(Upstream, Db,
     let db = Db::new(Backend::Postgres).await;
     let mut nodes = Vec::new();
     for i in 0..3 {
-        let body = config_body(&db.url, &upstream.url(), worker_extra, route_extra, "");
+        let body =
+            node_config(&db.url, TestConfig::new(&upstream.url()).worker(worker_extra).route(route_extra)).body();
         nodes.push(Node::start(&format!("node{i}"), &body).await);
     }
     Some((upstream, db, nodes))

@@ -5,7 +5,7 @@
 //! Requests go out over a raw socket: an HTTP client library would resolve the dot-segments
 //! itself before sending, and so never show what the broker does with them.
 
-use crate::common::{both_stores, Backend, Broker, Db, Upstream};
+use crate::common::{both_stores, Backend, Broker, Db, TestConfig, Upstream};
 
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,7 +21,7 @@ async fn setup(b: Backend) -> (Upstream, Broker) {
         "[[routes]]\nname = \"orders\"\npath_prefix = \"/orders\"\nupstream = \"{}/orders-api\"\n",
         upstream.url()
     );
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", &orders).await;
+    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).tables(&orders)).await;
     (upstream, broker)
 }
 

@@ -4,7 +4,7 @@
 
 use crate::common::JsonOf;
 
-use crate::common::{both_stores, Backend, Broker, Db, Reply};
+use crate::common::{both_stores, Backend, Broker, Db, Reply, TestConfig};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -127,8 +127,15 @@ async fn setup_with(b: Backend, settle: Duration, clock: Option<Arc<ManualClock>
     );
     let db = Db::new(b).await;
     let broker = match clock {
-        Some(clock) => Broker::start_with_clock(&db, &upstream.url(), "replay_safe = false", &extra, clock).await,
-        None => Broker::start(&db, &upstream.url(), "replay_safe = false", &extra).await,
+        Some(clock) => {
+            Broker::start_with_clock(
+                &db,
+                TestConfig::new(&upstream.url()).route("replay_safe = false").tables(&extra),
+                clock,
+            )
+            .await
+        }
+        None => Broker::start(&db, TestConfig::new(&upstream.url()).route("replay_safe = false").tables(&extra)).await,
     };
     (upstream, broker)
 }

@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common::process::{config_body, Node};
-use crate::common::{both_stores, send, Answer, Backend, Broker, Db, JsonOf, Reply, Upstream};
+use crate::common::process::{node_config, Node};
+use crate::common::{both_stores, send, Answer, Backend, Broker, Db, JsonOf, Reply, TestConfig, Upstream};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use serde_json::Value;
@@ -262,11 +262,11 @@ async fn sighup_makes_a_running_idem_serve_read_its_file_again(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
     let up = upstream.url();
-    let node = Node::start("broker", &config_body(&db.url, &up, "", "", "")).await;
+    let node = Node::start("broker", &node_config(&db.url, TestConfig::new(&up)).body()).await;
     let before = versions(&node.http, &node.url).await;
 
     // A bad file: logged with its key, counted, and the process serves on as before.
-    node.write_config(&config_body(&db.url, &up, "", "max_body = \"none\"", ""));
+    node.write_config(&node_config(&db.url, TestConfig::new(&up).route("max_body = \"none\"")).body());
     node.hangup();
     eventually("the refusal in the log", Duration::from_secs(10), || async {
         node.log_tail(20).contains("configuration reload refused")
@@ -278,7 +278,7 @@ async fn sighup_makes_a_running_idem_serve_read_its_file_again(b: Backend) {
 
     // A good one: the new route is served, the change is logged with the versions.
     let tickets = format!("[[routes]]\nname = \"tickets\"\npath_prefix = \"/tickets\"\nupstream = \"{up}\"\n");
-    node.write_config(&config_body(&db.url, &up, "", "", &tickets));
+    node.write_config(&node_config(&db.url, TestConfig::new(&up).tables(&tickets)).body());
     node.hangup();
     eventually("the new route", Duration::from_secs(10), || async {
         versions(&node.http, &node.url).await.contains_key("tickets")

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::process::Output;
 use std::time::Duration;
 
-use crate::common::{Backend, Broker, Db, Reply, Upstream};
+use crate::common::{Backend, Broker, Db, Reply, TestConfig, Upstream};
 use serde_json::Value;
 
 /// The broker's policy: three attempts, short waits, a deadline no test comes near. Without
@@ -61,7 +61,7 @@ fn figure(doc: &Value, column: &str, name: &str) -> Value {
 async fn recorded_history(backend: Backend) -> (Broker, Upstream, tempfile::NamedTempFile) {
     let db = Db::new(backend).await;
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&db, &upstream.url(), "", RETRY).await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).tables(RETRY)).await;
     for key in ["salvaged-1", "salvaged-2", "salvaged-3"] {
         upstream.script(key, vec![Reply::status(503)]);
     }
@@ -161,7 +161,7 @@ async fn the_table_shows_current_beside_candidate(backend: Backend) {
 async fn a_recorded_retry_after_holds_in_the_replay(backend: Backend) {
     let db = Db::new(backend).await;
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&db, &upstream.url(), "", RETRY).await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).tables(RETRY)).await;
     upstream.script("later", vec![Reply::status(503).header("retry-after", "1")]);
     broker.post("/payments", "later", "{}").send().await.unwrap();
     let record = broker.await_record("later", Duration::from_secs(10), |r| !r["stop_reason"].is_null()).await;

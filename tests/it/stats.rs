@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{both_stores, send, Backend, Broker, Db, Reply, Upstream};
+use crate::common::{both_stores, send, Backend, Broker, Db, Reply, TestConfig, Upstream};
 use idem::domain::Timestamp;
 use idem::store::stats::{AnswerCount, Answers, StatsSpan};
 use idem::store::AddAnswerCounts;
@@ -64,7 +64,7 @@ fn close(value: &Value, expected: f64) -> bool {
 async fn the_stats_draw_the_storm_on_one_route_and_calm_on_the_other(backend: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(backend).await;
-    let broker = Broker::start(&db, &upstream.url(), "", &routes(&upstream.url())).await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).tables(&routes(&upstream.url()))).await;
     let body = r#"{"amount":1}"#;
 
     // payments, one request at a time: one answer arrives too late to leave room for a retry,
@@ -171,7 +171,7 @@ async fn the_stats_draw_the_storm_on_one_route_and_calm_on_the_other(backend: Ba
 
     // The figures live in the store: a broker started afresh on it answers the same.
     broker.stop().await;
-    let again = Broker::start(&db, &upstream.url(), "", &routes(&upstream.url())).await;
+    let again = Broker::start(&db, TestConfig::new(&upstream.url()).tables(&routes(&upstream.url()))).await;
     let restarted = stats_json(&again, "?window=1h&step=10s").await;
     for name in ["payments", "ledger"] {
         assert_eq!(route(&restarted, name)["totals"], route(&stats, name)["totals"], "{name}");
@@ -181,7 +181,7 @@ async fn the_stats_draw_the_storm_on_one_route_and_calm_on_the_other(backend: Ba
 
 async fn windows_steps_and_routes_that_cannot_be_drawn_are_refused(backend: Backend) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(backend).await, &upstream.url(), "", "").await;
+    let broker = Broker::start(&Db::new(backend).await, TestConfig::new(&upstream.url())).await;
     for (query, problem) in [
         ("?window=8d", "invalid-window"),
         ("?window=soon", "invalid-window"),

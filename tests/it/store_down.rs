@@ -1,7 +1,7 @@
 //! A database that goes away: requests are refused with a clear problem, nothing is sent
 //! upstream, readiness says so — and nothing panics.
 
-use crate::common::{backend, send, Backend, Broker, Db, Upstream};
+use crate::common::{backend, send, Backend, Broker, Db, TestConfig, Upstream};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_database_refuses_requests_without_sending_anything() {
@@ -11,7 +11,7 @@ async fn a_lost_database_refuses_requests_without_sending_anything() {
     }
     let upstream = Upstream::start().await;
     let db = Db::new(Backend::Postgres).await;
-    let broker = Broker::start(&db, &upstream.url(), "", "").await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url())).await;
     assert_eq!(send(broker.post("/payments", "before", "{}")).await.status, 201);
 
     // The database disappears under the running broker (its connections are terminated).

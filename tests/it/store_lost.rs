@@ -7,8 +7,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::common::process::{config_body, Node};
-use crate::common::{backend, send, Backend, Db, Gate, Reply, Upstream};
+use crate::common::process::{node_config, Node};
+use crate::common::{backend, send, Backend, Db, Gate, Reply, TestConfig, Upstream};
 use sqlx::{Connection, PgConnection};
 
 const BODY: &str = r#"{"amount":42}"#;
@@ -24,7 +24,7 @@ struct Rig {
 async fn rig(backend: Backend) -> Rig {
     let upstream = Upstream::start().await;
     let db = Db::new(backend).await;
-    let node = Node::start("broker", &config_body(&db.url, &upstream.url(), "", "", "")).await;
+    let node = Node::start("broker", &node_config(&db.url, TestConfig::new(&upstream.url())).body()).await;
     Rig { upstream, node, db }
 }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::common::sse::{event_bytes, events, Answer, SseUpstream, Step, DONE};
-use crate::common::{both_stores, config_text, send, Backend, Broker, Db};
+use crate::common::{both_stores, send, Backend, Broker, Db, TestConfig};
 
 const BODY: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 const PATH: &str = "/payments/v1/chat/completions";
@@ -14,7 +14,8 @@ const SETTLES: Duration = Duration::from_secs(10);
 
 async fn setup(b: Backend, route_extra: &str, extra: &str) -> (SseUpstream, Broker) {
     let upstream = SseUpstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), route_extra, extra).await;
+    let broker =
+        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
     (upstream, broker)
 }
 
@@ -280,7 +281,8 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     let route = format!("early-{b:?}");
     let upstream = SseUpstream::start().await;
     let db = Db::new(b).await;
-    let config = config_text(&db.url, &upstream.url(), "", "").replace("\"payments\"", &format!("\"{route}\""));
+    let config =
+        TestConfig::new(&upstream.url()).store(&db.url).text().replace("\"payments\"", &format!("\"{route}\""));
     let broker = Broker::start_with(&db, config).await;
     upstream
         .script("early", vec![Answer::Stream(vec![Step::Gate, Step::Event("part 1".into()), Step::Gate, Step::Done])]);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use idem::clock::ManualClock;
 
-use crate::common::{both_stores, config_text, send, Answer, Backend, Broker, Db, Gate, Reply, Upstream};
+use crate::common::{both_stores, send, Answer, Backend, Broker, Db, Gate, Reply, TestConfig, Upstream};
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
@@ -17,7 +17,7 @@ const QUICK_RETRIES: &str = "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\n";
 
 async fn setup(b: Backend, extra: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "", extra).await;
+    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).tables(extra)).await;
     (upstream, broker)
 }
 
@@ -127,7 +127,7 @@ async fn one_ahead_and_one_queued(
 /// as one refused at admission: nothing is sent, the key is free.
 async fn a_request_queued_before_an_isolation_gets_circuit_open_and_its_key_stays_free(b: Backend) {
     let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, &upstream.url(), "max_concurrency = 1", "").await;
+    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route("max_concurrency = 1")).await;
     let (gate, ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
 
     set(&broker, json!({"scope": "payments", "action": "isolate", "reason": "upstream is melting"})).await;
@@ -150,7 +150,10 @@ async fn a_duplicate_waiting_on_a_request_an_isolation_frees_gets_circuit_open_t
     let route = format!("isolated-{b:?}");
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let config = config_text(&db.url, &upstream.url(), "max_concurrency = 1", "")
+    let config = TestConfig::new(&upstream.url())
+        .store(&db.url)
+        .route("max_concurrency = 1")
+        .text()
         .replace("\"payments\"", &format!("\"{route}\""));
     let broker = Broker::start_with(&db, config).await;
     let (gate, ahead, queued) = one_ahead_and_one_queued(&upstream, &broker).await;
@@ -171,7 +174,12 @@ async fn a_switch_ends_by_itself_when_it_expires(b: Backend) {
     // Half an hour passes on the broker's clock, which the test moves, not on the wall's.
     let upstream = Upstream::start().await;
     let clock = Arc::new(ManualClock::starting_now());
-    let broker = Broker::start_with_clock(&Db::new(b).await, &upstream.url(), "", QUICK_RETRIES, clock.clone()).await;
+    let broker = Broker::start_with_clock(
+        &Db::new(b).await,
+        TestConfig::new(&upstream.url()).tables(QUICK_RETRIES),
+        clock.clone(),
+    )
+    .await;
     let switch =
         set(&broker, json!({"scope": "payments", "action": "retries_off", "reason": "brief", "expires_in": "30m"}))
             .await;
@@ -234,11 +242,11 @@ async fn bad_switch_requests_are_refused_naming_the_field(b: Backend) {
 async fn a_switch_survives_a_restart(b: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let broker = Broker::start(&db, &upstream.url(), "", QUICK_RETRIES).await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).tables(QUICK_RETRIES)).await;
     set(&broker, json!({"scope": "payments", "action": "retries_off", "reason": "over the weekend"})).await;
     broker.stop().await;
 
-    let broker = Broker::start(&db, &upstream.url(), "", QUICK_RETRIES).await;
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).tables(QUICK_RETRIES)).await;
     let on = active(&broker).await;
     assert_eq!(on.len(), 1);
     assert_eq!(on[0]["reason"], "over the weekend");

@@ -312,40 +312,71 @@ pub struct Broker {
     _config_dir: Arc<TempDir>,
 }
 
-/// The config for a test broker. `route_extra` is added to the `payments` route table and
-/// `extra` after it (e.g. `[routes.retry]` or `[auth]` sections).
-pub fn config_text(db_url: &str, upstream: &str, route_extra: &str, extra: &str) -> String {
-    let server = "\n[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n";
-    format!("{server}{}", config_body(db_url, upstream, "", route_extra, extra))
+/// A test's config, said by name rather than by position: the upstream the one route
+/// (`payments` at `/payments`) calls, the lines of that route's table, the tables after it (its
+/// `[routes.retry]`, more routes, `[auth]`), and the `[worker]` lines. The store is the test's
+/// database, set by whoever starts the broker on it.
+#[derive(Debug, Clone, Default)]
+pub struct TestConfig {
+    store: String,
+    upstream: String,
+    worker: String,
+    route: String,
+    tables: String,
 }
 
-/// Everything of a test config but `[server]`: the store, `worker` lines (a `[worker]` table, or
-/// nothing), and one route, `payments` at `/payments`, in front of `upstream`, with `route_extra`
-/// in its table and `extra` after it.
-pub fn config_body(db_url: &str, upstream: &str, worker: &str, route_extra: &str, extra: &str) -> String {
-    format!(
-        r#"
-[store]
-url = "{db_url}"
+impl TestConfig {
+    pub fn new(upstream: &str) -> TestConfig {
+        TestConfig { upstream: upstream.to_string(), ..TestConfig::default() }
+    }
 
-{worker}
+    /// The store's URL (a broker started on a [`Db`] sets it).
+    pub fn store(mut self, url: &str) -> TestConfig {
+        self.store = url.to_string();
+        self
+    }
 
-[[routes]]
-name = "payments"
-path_prefix = "/payments"
-upstream = "{upstream}"
-{route_extra}
+    /// Lines of the `[worker]` table.
+    pub fn worker(mut self, lines: &str) -> TestConfig {
+        self.worker.push_str(lines);
+        self.worker.push('\n');
+        self
+    }
 
-{extra}
-"#
-    )
+    /// Lines of the route's own table (`max_concurrency = 1`, `replay_safe = true`).
+    pub fn route(mut self, lines: &str) -> TestConfig {
+        self.route.push_str(lines);
+        self.route.push('\n');
+        self
+    }
+
+    /// Tables after the route: its `[routes.retry]`, more routes, `[auth]`.
+    pub fn tables(mut self, text: &str) -> TestConfig {
+        self.tables.push_str(text);
+        self.tables.push('\n');
+        self
+    }
+
+    /// Everything but `[server]`.
+    pub fn body(&self) -> String {
+        let TestConfig { store, upstream, worker, route, tables } = self;
+        let worker = if worker.is_empty() { String::new() } else { format!("[worker]\n{worker}") };
+        format!(
+            "\n[store]\nurl = \"{store}\"\n\n{worker}\n\n[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
+             upstream = \"{upstream}\"\n{route}\n{tables}\n"
+        )
+    }
+
+    /// The whole file, its listeners on port 0.
+    pub fn text(&self) -> String {
+        format!("\n[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}", self.body())
+    }
 }
 
 impl Broker {
     /// Starts a broker on `db` (a restart when one ran there before).
-    pub async fn start(db: &Db, upstream: &str, route_extra: &str, extra: &str) -> Broker {
-        let text = config_text(&db.url, upstream, route_extra, extra);
-        Broker::start_with(db, text).await
+    pub async fn start(db: &Db, config: TestConfig) -> Broker {
+        Broker::start_with(db, config.store(&db.url).text()).await
     }
 
     pub async fn start_with(db: &Db, config_text: String) -> Broker {
@@ -355,15 +386,8 @@ impl Broker {
     /// Starts a broker on `db` that reads the time from `clock`: a test holding a
     /// [`ManualClock`] moves the broker's time on by hand (a retention, a lease, a probe's settle
     /// passed at once), where it would otherwise sleep for it.
-    pub async fn start_with_clock(
-        db: &Db,
-        upstream: &str,
-        route_extra: &str,
-        extra: &str,
-        clock: Arc<ManualClock>,
-    ) -> Broker {
-        let text = config_text(&db.url, upstream, route_extra, extra);
-        Broker::start_on_clock(db, text, clock).await
+    pub async fn start_with_clock(db: &Db, config: TestConfig, clock: Arc<ManualClock>) -> Broker {
+        Broker::start_on_clock(db, config.store(&db.url).text(), clock).await
     }
 
     async fn start_on_clock(db: &Db, config_text: String, clock: SharedClock) -> Broker {

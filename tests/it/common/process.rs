@@ -35,11 +35,9 @@ pub fn free_ports<const N: usize>() -> [u16; N] {
     held.map(|l| l.local_addr().unwrap().port())
 }
 
-/// Everything of a node's config but `[server]`: the worker with the short [`LEASE`] (plus
-/// `worker_extra` lines) and the rest as `common::config_body` writes it.
-pub fn config_body(db_url: &str, upstream: &str, worker_extra: &str, route_extra: &str, extra: &str) -> String {
-    let worker = format!("[worker]\nlease = \"{}ms\"\n{worker_extra}", LEASE.as_millis());
-    super::config_body(db_url, upstream, &worker, route_extra, extra)
+/// A node's config on the store at `db_url`: `config`, its worker on the short [`LEASE`].
+pub fn node_config(db_url: &str, config: super::TestConfig) -> super::TestConfig {
+    config.store(db_url).worker(&format!("lease = \"{}ms\"", LEASE.as_millis()))
 }
 
 /// One `idem serve` process, on two fixed ports that survive its restarts.
