@@ -1,0 +1,176 @@
+//! Answers from a record: the outcome of the execution this request drove, or, for a request
+//! that did not drive one (a duplicate, or one whose execution another worker took), the record
+//! as it stands once it settles or the wait runs out — replayed, 409 with when to come back,
+//! 502 unknown, or freed.
+
+use std::time::Duration;
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::IntoResponse;
+use axum::Json;
+use tokio::sync::oneshot;
+
+use super::answers::{freed, http_date, outcome_response, stored_response, Answer};
+use super::{Ingress, EXPIRES_HEADER};
+use crate::domain::{AnswerKind, Phase, State};
+use crate::metrics;
+use crate::policy::{outcome_eta, Pending};
+use crate::problem::{Problem, STATUS_HEADER};
+use crate::record::Record;
+use crate::worker::Outcome;
+
+/// How often a waiting request re-reads its record anyway, should an announcement of its
+/// settlement by another node be lost.
+const WAIT_POLL: Duration = Duration::from_secs(1);
+
+impl Ingress {
+    /// This request owns the record, which a worker executes: answer with the outcome, or at
+    /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
+    pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Outcome>>) -> Answer {
+        let Some(outcome) = outcome else {
+            let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
+            let mut response = (StatusCode::ACCEPTED, Json(record.to_json(false))).into_response();
+            let headers = response.headers_mut();
+            headers.insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
+            headers.insert("preference-applied", HeaderValue::from_static("respond-async"));
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                headers.insert(header::LOCATION, v);
+            }
+            return Ok(response);
+        };
+        let id = record.id;
+        // The record becomes done after it arrived, so its retention ends later than this entry's.
+        let expires_at = record.created_at + self.retention(&record.route);
+        let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
+        match tokio::time::timeout(patience, outcome).await {
+            Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
+                if let Outcome::Done(_, response) = &outcome {
+                    self.keep_for_replays(record, response, expires_at);
+                }
+                outcome_response(outcome)
+            }
+            // Another worker (of this node or another) runs it: wait for it like a duplicate.
+            _ => match self.store.get(id).await {
+                Ok(Some(record)) => {
+                    let left = record.deadline_at - self.clock.now();
+                    // Its outcome answers this request first-hand: it is not a replay.
+                    self.answer(record, Some(left + Duration::from_secs(1)), false).await
+                }
+                Ok(None) => Err(Problem::not_found()),
+                Err(e) => Err(Problem::store(&e)),
+            },
+        }
+    }
+
+    /// A request for a key this request does not own (same fingerprint): replay, wait, refuse.
+    pub(super) async fn answer_existing(&self, record: Record, wait: Option<Duration>) -> Answer {
+        self.answer(record, wait, true).await
+    }
+
+    /// Answers from the record, after waiting up to `wait` for it to settle. A `done` answer is
+    /// marked as a replay unless this request is the one whose execution produced it.
+    async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
+        if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
+            if let Some(attached) = self.attached(&record) {
+                return Ok(attached);
+            }
+            match self.wait_for(&record, wait, true).await {
+                Ok(Some(settled)) => record = settled,
+                Ok(None) => return Err(Problem::not_found()),
+                Err(problem) => return Err(problem),
+            }
+            if let Some(attached) = self.attached(&record) {
+                return Ok(attached);
+            }
+        }
+        let kind = match record.phase() {
+            Phase::Done => AnswerKind::Replay,
+            Phase::Unknown => AnswerKind::Unknown,
+            Phase::Queued | Phase::InProgress => AnswerKind::InProgress,
+            Phase::Free => AnswerKind::Freed,
+        };
+        if replay {
+            metrics::answered(&record.route, kind);
+            match record.phase() {
+                Phase::Done => self.runtimes.count_replay(&record.route),
+                Phase::Queued | Phase::InProgress => self.runtimes.count_conflict(&record.route),
+                Phase::Unknown | Phase::Free => {}
+            }
+        }
+        if let Some(spent) = self.spent(&record) {
+            return Err(spent);
+        }
+        match record.phase() {
+            Phase::Done => match &record.response {
+                // Streamed past `max_stored_body`: done, but there is nothing to replay.
+                Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
+                Some(response) => {
+                    // A done record is not updated again: this is when it became done.
+                    let expires_at = record.updated_at + self.retention(&record.route);
+                    self.keep_for_replays(&record, response, expires_at);
+                    let mut answer = stored_response(response, replay);
+                    answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));
+                    Ok(answer)
+                }
+                None => Err(Problem::outcome_unknown().state(State::Done)),
+            },
+            Phase::Unknown => Err(Problem::outcome_unknown().state(State::Unknown)),
+            Phase::Queued | Phase::InProgress => {
+                let pending = Pending {
+                    now: self.clock.now(),
+                    in_flight_since: record.in_flight.map(|(_, started)| started),
+                    // The limit of the policy the record runs under: a canary's, maybe.
+                    attempt_limit: self.config.current().route_named(&record.route).map(|route| {
+                        let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v));
+                        policy.map_or(route.retry.per_try_timeout, |p| p.retry.per_try_timeout)
+                    }),
+                    next_attempt_at: record.not_before,
+                    deadline_at: record.deadline_at,
+                };
+                let eta = outcome_eta(pending, self.runtimes.pace(&record.route));
+                Err(Problem::in_progress(eta).state(record.state))
+            }
+            // Freed while we waited: the client may send it again, and it will execute afresh.
+            Phase::Free => Err(freed(record.stop_reason)),
+        }
+    }
+
+    /// Waits up to `max` for a record to leave `in_progress`/queued, or, when the request can
+    /// `attach`, for its answer to start streaming here; `None` if it disappeared.
+    pub(super) async fn wait_for(
+        &self,
+        record: &Record,
+        max: Duration,
+        attach: bool,
+    ) -> Result<Option<Record>, Problem> {
+        let id = record.id;
+        let until = tokio::time::Instant::now() + max;
+        let _counted = metrics::waiting(&record.route);
+        // Another node may settle it: have it announced.
+        self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
+        // At shutdown, waiting ends: the client is answered with where its request stands.
+        let mut stopping = self.stopping.clone();
+        loop {
+            let watch = self.worker.watch(id);
+            let notified = watch.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let record = self.store.get(id).await.map_err(|e| Problem::store(&e))?;
+            let Some(record) = record else {
+                return Ok(None);
+            };
+            let now = tokio::time::Instant::now();
+            let pending = matches!(record.phase(), Phase::Queued | Phase::InProgress);
+            // Its answer streaming here: the request attaches to it rather than wait for the end.
+            let streaming = attach && pending && self.worker.streaming(id);
+            if !pending || streaming || now >= until || *stopping.borrow_and_update() {
+                return Ok(Some(record));
+            }
+            tokio::select! {
+                _ = &mut notified => {}
+                _ = tokio::time::sleep((until - now).min(WAIT_POLL)) => {}
+                _ = stopping.changed() => {}
+            }
+        }
+    }
+}
