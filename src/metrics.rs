@@ -178,7 +178,7 @@ pub fn config_loaded(at: std::time::SystemTime) {
 }
 
 /// An execution stopped. `attempts` it took; `took` from the request's arrival.
-pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
+pub fn stopped(route: &str, tenant: &str, stop: StopReason, attempts: u32, took: Duration) {
     let route = route.to_string();
     counter!("idem_stops_total", "route" => route.clone(), "reason" => stop.as_str()).increment(1);
     histogram!("idem_request_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
@@ -189,8 +189,9 @@ pub fn stopped(route: &str, stop: StopReason, attempts: u32, took: Duration) {
         } else {
             counter!("idem_retry_salvaged_total", "route" => route).increment(1);
         }
-    } else if stop == StopReason::RetryBudget {
-        counter!("idem_retry_budget_exhausted_total", "route" => route).increment(1);
+    } else if let Some(scope) = stop.budget() {
+        let labels = [("route", route), ("tenant", tenant.to_string()), ("scope", scope.as_str().to_string())];
+        counter!("idem_retry_budget_exhausted_total", &labels).increment(1);
     }
 }
 

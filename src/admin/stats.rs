@@ -143,6 +143,8 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
         "points": span.points(),
         "now": now.rfc3339(),
         "routes": routes,
+        // Each retry budget's last 10 s on this node: whose retries a storm is spending.
+        "budgets": admin.worker.runtimes().budget_views(),
     }))
     .into_response())
 }

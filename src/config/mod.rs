@@ -17,6 +17,7 @@ mod candidate;
 mod diff;
 mod limits;
 mod live;
+mod quotas;
 mod raw;
 use raw::RawConfig;
 mod route;
@@ -27,6 +28,7 @@ pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;
+pub use quotas::{BudgetLimits, Upstream};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,8 @@ pub struct Config {
     pub store: StoreConfig,
     pub auth: AuthConfig,
     pub routes: Vec<Route>,
+    /// `[[upstreams]]`: providers that routes name, sharing their retry budget and breaker.
+    pub upstreams: Vec<Upstream>,
     pub worker: WorkerConfig,
 }
 
@@ -78,6 +82,8 @@ pub struct AuthConfig {
     pub tenants: Vec<Tenant>,
     /// A header that carries the tenant token (e.g. `x-api-key`), read before `Authorization`.
     pub token_header: Option<http::HeaderName>,
+    /// Every tenant's retry quota unless its entry sets its own; `None`: tenants have none.
+    pub tenant_retry_budget: Option<BudgetLimits>,
 }
 
 /// Whether a reload changes the auth settings (see [`changes`]).
@@ -85,7 +91,10 @@ impl PartialEq for AuthConfig {
     fn eq(&self, other: &AuthConfig) -> bool {
         use secrecy::ExposeSecret;
         let token = |a: &AuthConfig| a.admin_token.as_ref().map(|t| t.expose_secret().to_string());
-        token(self) == token(other) && self.tenants == other.tenants && self.token_header == other.token_header
+        token(self) == token(other)
+            && self.tenants == other.tenants
+            && self.token_header == other.token_header
+            && self.tenant_retry_budget == other.tenant_retry_budget
     }
 }
 
@@ -95,6 +104,8 @@ pub struct Tenant {
     pub name: crate::domain::Tenant,
     /// SHA-256 of the tenant's bearer token; the token itself is never stored.
     pub token_sha256: [u8; 32],
+    /// Its retry quota (or the default every tenant has); `None`: none.
+    pub retry_budget: Option<BudgetLimits>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -114,6 +125,8 @@ pub struct Route {
     pub path_prefix: String,
     /// Base URL of the upstream, without a trailing slash; the request path is appended.
     pub upstream: String,
+    /// The `[[upstreams]]` entry the route calls through, when it names one instead of a URL.
+    pub upstream_name: Option<String>,
     /// The upstream URL as parsed once: each request's URL is a copy with its path and query
     /// set, rather than a whole URL parsed again (its host is the costly part). Every path sent
     /// upstream is this URL's own path, without its trailing slash, followed by the request's.
@@ -283,6 +296,17 @@ pub fn describe(c: &Config) -> String {
         c.auth.tenants.len(),
         if c.auth.admin_token.is_some() { "set" } else { "not required" }
     );
+    let quota = |b: Option<BudgetLimits>| match b {
+        Some(b) => format!("{}% of first attempts + {}/s", b.ratio * 100.0, b.min_per_sec),
+        None => "none".to_string(),
+    };
+    let _ = writeln!(out, "tenant quota  {} (retries per tenant, over all routes)", quota(c.auth.tenant_retry_budget));
+    for t in c.auth.tenants.iter().filter(|t| t.retry_budget != c.auth.tenant_retry_budget) {
+        let _ = writeln!(out, "  tenant {}: {}", t.name, quota(t.retry_budget));
+    }
+    for u in &c.upstreams {
+        let _ = writeln!(out, "upstream {}  {} (budget {}, shared by its routes, with their breaker)", u.name, u.url, quota(Some(u.budget)));
+    }
     let _ = writeln!(
         out,
         "worker        concurrency {}, lease {}, max_takeovers {}",
@@ -293,7 +317,8 @@ pub fn describe(c: &Config) -> String {
     for r in &c.routes {
         let p = &r.retry;
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
-        let _ = writeln!(out, "\nroute {}  {} -> {}", r.name, r.path_prefix, r.upstream);
+        let via = r.upstream_name.as_ref().map(|n| format!(" (upstream {n})")).unwrap_or_default();
+        let _ = writeln!(out, "\nroute {}  {} -> {}{via}", r.name, r.path_prefix, r.upstream);
         let _ = writeln!(out, "  policy_version {}", r.policy_version);
         let _ = writeln!(
             out,

@@ -19,6 +19,8 @@ pub(super) struct RawConfig {
     pub(super) auth: Option<RawAuth>,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
+    #[serde(default)]
+    pub(super) upstreams: Vec<quotas::RawUpstream>,
     pub(super) worker: Option<RawWorker>,
 }
 
@@ -48,6 +50,8 @@ pub(super) struct RawAuth {
     pub(super) token_header: Option<String>,
     #[serde(default)]
     pub(super) tenants: Vec<RawTenant>,
+    pub(super) tenant_retry_budget_ratio: Option<f64>,
+    pub(super) tenant_retry_budget_min_per_sec: Option<f64>,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +59,8 @@ pub(super) struct RawAuth {
 pub(super) struct RawTenant {
     pub(super) name: String,
     token_sha256: String,
+    retry_budget_ratio: Option<f64>,
+    retry_budget_min_per_sec: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -273,11 +279,12 @@ impl RawConfig {
             },
         };
 
+        let upstreams = quotas::validate_upstreams(self.upstreams)?;
         let mut names = HashSet::new();
         let mut prefixes = HashSet::new();
         let mut routes = Vec::with_capacity(self.routes.len());
         for (i, raw) in self.routes.into_iter().enumerate() {
-            let route = raw.validate(&format!("routes[{i}]"), store.retention, env)?;
+            let route = raw.validate(&format!("routes[{i}]"), store.retention, &upstreams, env)?;
             if !names.insert(route.name.clone()) {
                 return Err(invalid(format!("routes[{i}].name"), format!("`{}` is used by two routes", route.name)));
             }
@@ -307,7 +314,7 @@ impl RawConfig {
         }
         server.limits.check_routes(&routes)?;
 
-        Ok(Config { server, store, auth, routes, worker })
+        Ok(Config { server, store, auth, routes, upstreams, worker })
     }
 }
 
@@ -324,6 +331,8 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
             }
         },
     };
+    let tenant_retry_budget =
+        quotas::default_tenant_budget(raw.tenant_retry_budget_ratio, raw.tenant_retry_budget_min_per_sec)?;
     let mut seen = HashSet::new();
     let mut tenants = Vec::new();
     for (i, t) in raw.tenants.into_iter().enumerate() {
@@ -341,7 +350,9 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
                 "must be the 64 hex digits of the token's SHA-256 (the token itself is never configured)",
             )
         })?;
-        tenants.push(Tenant { name: t.name.into(), token_sha256: digest });
+        let retry_budget =
+            quotas::tenant_budget(&key, t.retry_budget_ratio, t.retry_budget_min_per_sec, tenant_retry_budget)?;
+        tenants.push(Tenant { name: t.name.into(), token_sha256: digest, retry_budget });
     }
     let token_header = raw
         .token_header
@@ -356,5 +367,5 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
             "must be set when tenants are configured: without it the admin API would show every tenant's records to anyone",
         ));
     }
-    Ok(AuthConfig { admin_token, tenants, token_header })
+    Ok(AuthConfig { admin_token, tenants, token_header, tenant_retry_budget })
 }

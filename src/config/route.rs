@@ -14,6 +14,7 @@ impl RawRoute {
         self,
         key: &str,
         store_retention: Duration,
+        upstreams: &[Upstream],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Route, ConfigError> {
         if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
@@ -32,7 +33,23 @@ impl RawRoute {
             return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
         }
         crate::path::check(&self.path_prefix).map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
-        let upstream = upstream_url(&format!("{key}.upstream"), &self.upstream)?;
+        // A URL, or the name of an `[[upstreams]]` entry whose URL it calls.
+        let upstream_name = match self.upstream.contains("://") {
+            true => None,
+            false => match upstreams.iter().find(|u| u.name == self.upstream) {
+                Some(named) => Some(named),
+                None => {
+                    return Err(invalid(
+                        format!("{key}.upstream"),
+                        format!("is neither an http(s) URL nor the name of an [[upstreams]] entry (`{}`)", self.upstream),
+                    ))
+                }
+            },
+        };
+        let upstream = match upstream_name {
+            Some(named) => upstream_url(&format!("{key}.upstream"), &named.url)?,
+            None => upstream_url(&format!("{key}.upstream"), &self.upstream)?,
+        };
         let methods = match self.methods {
             None => vec![Method::POST, Method::PATCH],
             Some(list) if list.is_empty() => {
@@ -88,6 +105,7 @@ impl RawRoute {
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_base: upstream,
+            upstream_name: upstream_name.map(|u| u.name.clone()),
             methods,
             replay_safe,
             forward_idempotency_key: self.forward_idempotency_key.unwrap_or(true),
@@ -172,7 +190,7 @@ fn upstream_headers(
 
 /// An upstream base URL: http(s) with a host, nothing after its path, and no credentials —
 /// those come from the environment. The text is never echoed, since it may hold a password.
-fn upstream_url(key: &str, text: &str) -> Result<url::Url, ConfigError> {
+pub(super) fn upstream_url(key: &str, text: &str) -> Result<url::Url, ConfigError> {
     let url = url::Url::parse(text)
         .ok()
         .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some())

@@ -14,6 +14,6 @@ mod time;
 pub use answer::AnswerKind;
 pub use history::HistoryAction;
 pub use ids::{ClaimToken, Holder, Owner, PolicyVersion, RecordId, RouteName, Tenant};
-pub use outcome::{AttemptError, AttemptOutcome, Class, StopReason};
+pub use outcome::{AttemptError, AttemptOutcome, BudgetScope, Class, StopReason};
 pub use state::{Phase, State};
 pub use time::Timestamp;

@@ -36,7 +36,12 @@ pub enum StopReason {
     UnsafeReplay,
     AttemptCap,
     Deadline,
+    /// The route's retry budget was spent.
     RetryBudget,
+    /// The retry quota of the record's tenant was spent (docs/concepts.md, retry budgets).
+    TenantBudget,
+    /// The retry budget of the named upstream the route calls was spent.
+    UpstreamBudget,
     RetryAfterBeyondDeadline,
     CircuitOpen,
     Cancelled,
@@ -55,13 +60,15 @@ pub enum StopReason {
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 14] = [
+    pub const ALL: [StopReason; 16] = [
         StopReason::Success,
         StopReason::FinalResponse,
         StopReason::UnsafeReplay,
         StopReason::AttemptCap,
         StopReason::Deadline,
         StopReason::RetryBudget,
+        StopReason::TenantBudget,
+        StopReason::UpstreamBudget,
         StopReason::RetryAfterBeyondDeadline,
         StopReason::CircuitOpen,
         StopReason::Cancelled,
@@ -80,6 +87,8 @@ impl StopReason {
             StopReason::AttemptCap => "attempt_cap",
             StopReason::Deadline => "deadline",
             StopReason::RetryBudget => "retry_budget",
+            StopReason::TenantBudget => "tenant_budget",
+            StopReason::UpstreamBudget => "upstream_budget",
             StopReason::RetryAfterBeyondDeadline => "retry_after_beyond_deadline",
             StopReason::CircuitOpen => "circuit_open",
             StopReason::Cancelled => "cancelled",
@@ -93,6 +102,42 @@ impl StopReason {
 
     pub fn parse(text: &str) -> Option<StopReason> {
         StopReason::ALL.into_iter().find(|r| r.as_str() == text)
+    }
+
+    /// The budget whose lack stopped it, when one did.
+    pub fn budget(self) -> Option<BudgetScope> {
+        BudgetScope::ALL.into_iter().find(|scope| scope.stop_reason() == self)
+    }
+}
+
+/// Whose retry budget a retry is charged to: every retry is charged to its route's, its tenant's
+/// and its named upstream's at once, and must fit all three (docs/concepts.md, retry budgets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BudgetScope {
+    Route,
+    Tenant,
+    Upstream,
+}
+
+impl BudgetScope {
+    pub const ALL: [BudgetScope; 3] = [BudgetScope::Route, BudgetScope::Tenant, BudgetScope::Upstream];
+
+    /// The metric label and the name `/admin/stats` groups budgets by.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BudgetScope::Route => "route",
+            BudgetScope::Tenant => "tenant",
+            BudgetScope::Upstream => "upstream",
+        }
+    }
+
+    /// Why an execution stops when this budget has no retry left for it.
+    pub fn stop_reason(self) -> StopReason {
+        match self {
+            BudgetScope::Route => StopReason::RetryBudget,
+            BudgetScope::Tenant => StopReason::TenantBudget,
+            BudgetScope::Upstream => StopReason::UpstreamBudget,
+        }
     }
 }
 
@@ -237,5 +282,9 @@ mod tests {
         let words: Vec<&str> = AttemptError::ALL.iter().map(|e| e.script_word()).collect();
         assert!(["connect-failed", "timeout", "broken"].iter().all(|w| words.contains(w)));
         assert_eq!(StopReason::parse("sucess"), None);
+        for scope in BudgetScope::ALL {
+            assert_eq!(scope.stop_reason().budget(), Some(scope));
+        }
+        assert_eq!(StopReason::Deadline.budget(), None);
     }
 }

@@ -77,6 +77,13 @@ pub(super) fn freed(stop: Option<StopReason>) -> Problem {
         Some(StopReason::RetryBudget) => {
             Problem::upstream_unavailable("the route's retry budget is spent").retry_after(1)
         }
+        Some(StopReason::TenantBudget) => {
+            Problem::upstream_unavailable("your retry quota (the tenant's) is spent").retry_after(1)
+        }
+        Some(StopReason::UpstreamBudget) => {
+            Problem::upstream_unavailable("the retry budget of its upstream, shared with other routes, is spent")
+                .retry_after(1)
+        }
         Some(StopReason::RetryAfterBeyondDeadline) => {
             Problem::upstream_unavailable("it asked to be called again later than the deadline allowed")
                 .retry_after(1)

@@ -5,6 +5,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::domain::BudgetScope;
+
 /// The window is kept as one-second buckets.
 const BUCKETS: usize = 10;
 const BUCKET: Duration = Duration::from_secs(1);
@@ -46,16 +48,84 @@ impl RetryBudget {
 
     /// Takes one retry from the budget if it allows one.
     pub fn try_withdraw(&mut self, now: Instant) -> bool {
+        let allowed = self.allows(now);
+        if allowed {
+            self.withdraw(now);
+        }
+        allowed
+    }
+
+    /// Whether one more retry fits in the window that ends at `now`.
+    pub fn allows(&mut self, now: Instant) -> bool {
+        self.advance(now);
+        let window = self.window();
+        (window.retries + 1) as f64 <= window.allowed
+    }
+
+    fn withdraw(&mut self, now: Instant) {
         let i = self.advance(now);
+        self.buckets[i].1 += 1;
+    }
+
+    /// The window as of the last deposit or withdrawal: first attempts, retries and what the
+    /// retries may reach.
+    pub fn window(&self) -> Window {
         let (firsts, retries) = self.buckets.iter().fold((0u64, 0u64), |(f, r), (bf, br)| (f + bf, r + br));
-        let allowed = self.min_per_sec * BUCKETS as f64 + self.ratio * firsts as f64;
-        if (retries + 1) as f64 <= allowed {
-            self.buckets[i].1 += 1;
-            true
-        } else {
-            false
+        Window { firsts, retries, allowed: self.min_per_sec * BUCKETS as f64 + self.ratio * firsts as f64 }
+    }
+
+    /// The window as of `now`.
+    pub fn window_at(&mut self, now: Instant) -> Window {
+        self.advance(now);
+        self.window()
+    }
+
+    /// The budget's settings: its ratio and its floor per second.
+    pub fn limits(&self) -> (f64, f64) {
+        (self.ratio, self.min_per_sec)
+    }
+}
+
+/// What an execution's first attempt earns and its retries are charged to: one budget, or
+/// several at once (a simulation's route and tenant).
+pub trait Charge {
+    fn first_attempt(&mut self, now: Instant);
+    /// One retry, taken if every budget has one; otherwise the budget that has none.
+    fn retry(&mut self, now: Instant) -> Result<(), BudgetScope>;
+}
+
+/// A route's budget alone.
+impl Charge for RetryBudget {
+    fn first_attempt(&mut self, now: Instant) {
+        self.deposit(now);
+    }
+
+    fn retry(&mut self, now: Instant) -> Result<(), BudgetScope> {
+        self.try_withdraw(now).then_some(()).ok_or(BudgetScope::Route)
+    }
+}
+
+/// A budget's sliding window: what its first attempts earned and its retries spent.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub firsts: u64,
+    pub retries: u64,
+    /// Retries the window allows: the floor plus the ratio's share of the first attempts.
+    pub allowed: f64,
+}
+
+/// Charges one retry to every budget it must fit, or to none: the first budget (in the order
+/// given) with no retry left is named, and nothing is taken from the others.
+pub fn withdraw_from_all(budgets: &mut [(BudgetScope, &mut RetryBudget)], now: Instant) -> Result<(), BudgetScope> {
+    for (scope, budget) in budgets.iter_mut() {
+        if !budget.allows(now) {
+            return Err(*scope);
         }
     }
+    for (_, budget) in budgets.iter_mut() {
+        budget.withdraw(now);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -99,6 +169,23 @@ mod tests {
             b.deposit(later);
         }
         assert_eq!((0..10).filter(|_| b.try_withdraw(later)).count(), 2);
+    }
+
+    #[test]
+    fn a_retry_charged_to_several_budgets_is_taken_from_all_or_from_none() {
+        let t0 = Instant::now();
+        let mut route = RetryBudget::new(0.0, 1.0, t0); // 10 retries a window
+        let mut tenant = RetryBudget::new(0.0, 0.3, t0); // 3
+        let mut granted = 0;
+        let refused = loop {
+            match withdraw_from_all(&mut [(BudgetScope::Route, &mut route), (BudgetScope::Tenant, &mut tenant)], t0) {
+                Ok(()) => granted += 1,
+                Err(scope) => break scope,
+            }
+        };
+        assert_eq!((granted, refused), (3, BudgetScope::Tenant), "the smaller budget runs dry first");
+        assert_eq!(route.window().retries, 3, "the refused retry took nothing from the route");
+        assert_eq!(tenant.window().retries, 3);
     }
 
     #[test]

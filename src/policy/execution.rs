@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use super::{AfterAttempt, Class, Decision, Observed, RetryPolicy, Settlement, StopReason, Switched};
+use crate::domain::BudgetScope;
 
 /// What an execution has learned so far that the policy's next decisions depend on.
 #[derive(Debug, Clone, Default)]
@@ -92,7 +93,7 @@ impl Execution {
         replay_safe: bool,
         ended: Ended,
         draw: impl FnOnce() -> f64,
-        take_budget: impl FnOnce() -> bool,
+        take_budget: impl FnOnce() -> Result<(), BudgetScope>,
     ) -> (Class, Decision) {
         let class = policy.classify(ended.observed);
         self.any_ambiguous |= class == Class::Ambiguous;

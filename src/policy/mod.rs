@@ -13,13 +13,13 @@ mod pace;
 mod version;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
-pub use budget::RetryBudget;
+pub use budget::{withdraw_from_all, Charge, RetryBudget, Window as BudgetWindow};
 pub use canary::{in_canary, stop_reason as canary_stop_reason, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pending, RoutePace};
 pub use version::Effective;
 
-use crate::domain::{AttemptError, Class, StopReason};
+use crate::domain::{AttemptError, BudgetScope, Class, StopReason};
 
 /// A route's retry settings (docs/configuration.md `[routes.retry]`), already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -186,13 +186,13 @@ impl RetryPolicy {
     /// attempt is never repeated on a route that is not replay-safe; a `Retry-After` is a floor
     /// that is never shortened, so when it does not fit in what remains, nothing more is sent.
     /// `draw` is called only when a wait is actually computed; `take_budget` only when a retry
-    /// would otherwise happen.
+    /// would otherwise happen, and names the budget that refused it, if one did.
     pub fn after_attempt(
         &self,
         replay_safe: bool,
         a: AfterAttempt,
         draw: impl FnOnce() -> f64,
-        take_budget: impl FnOnce() -> bool,
+        take_budget: impl FnOnce() -> Result<(), BudgetScope>,
     ) -> Decision {
         if a.cancelled {
             return Decision::Stop(StopReason::Cancelled);
@@ -227,8 +227,8 @@ impl RetryPolicy {
                 StopReason::Deadline
             });
         }
-        if !take_budget() {
-            return Decision::Stop(StopReason::RetryBudget);
+        if let Err(scope) = take_budget() {
+            return Decision::Stop(scope.stop_reason());
         }
         Decision::RetryAfter(wait)
     }

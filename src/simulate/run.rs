@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::{AttemptStep, End, Outcome, Step, Trace, Verdict, WaitStep};
-use crate::policy::{Decision, Ended, Execution, Observed, RetryBudget, RetryPolicy, Switched};
+use crate::policy::{Charge, Decision, Ended, Execution, Observed, RetryPolicy, Switched};
 
 /// Where the outcomes of attempts come from: a script, or recorded history.
 pub trait Upstream {
@@ -72,7 +72,7 @@ impl<'p> Replay<'p> {
 
     /// Takes the next step: starts an attempt, or ends the one in flight and asks the policy
     /// what follows.
-    pub fn step(&mut self, upstream: &mut impl Upstream, budget: &mut RetryBudget, draw: &mut impl FnMut() -> f64) {
+    pub fn step(&mut self, upstream: &mut impl Upstream, budget: &mut impl Charge, draw: &mut impl FnMut() -> f64) {
         if self.end.is_some() {
             return;
         }
@@ -91,7 +91,7 @@ impl<'p> Replay<'p> {
         self.end = Some(End::Stopped { reason, state: self.run.settle(reason, self.replay_safe) });
     }
 
-    fn start(&mut self, upstream: &mut impl Upstream, budget: &mut RetryBudget) {
+    fn start(&mut self, upstream: &mut impl Upstream, budget: &mut impl Charge) {
         let number = self.run.attempts() + 1;
         let limit = match self.run.next_attempt(self.policy, self.now, false, Switched::default()) {
             Ok(limit) => limit,
@@ -105,12 +105,12 @@ impl<'p> Replay<'p> {
             return;
         };
         if self.run.sending() == 1 {
-            budget.deposit(self.arrival + self.now);
+            budget.first_attempt(self.arrival + self.now);
         }
         self.in_flight = Some(InFlight { number, limit, outcome });
     }
 
-    fn finish(&mut self, attempt: InFlight, budget: &mut RetryBudget, draw: &mut impl FnMut() -> f64) {
+    fn finish(&mut self, attempt: InFlight, budget: &mut impl Charge, draw: &mut impl FnMut() -> f64) {
         let InFlight { number, limit, outcome } = attempt;
         let (policy, replay_safe) = (self.policy, self.replay_safe);
         let late = outcome.after > limit;
@@ -135,7 +135,7 @@ impl<'p> Replay<'p> {
                 retries_off: false,
             },
             || *drawn.insert(draw()),
-            || budget.try_withdraw(at),
+            || budget.retry(at),
         );
         // The policy draws exactly when it computes a wait: without a draw it stopped first.
         let verdict = match (decision, drawn) {

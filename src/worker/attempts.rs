@@ -19,7 +19,7 @@ use crate::domain::{Holder, Timestamp};
 use crate::metrics;
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
-use crate::runtime::RouteGuard;
+use crate::runtime::{Charges, RouteGuard};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Head};
 
@@ -40,6 +40,8 @@ pub(super) struct Job<'a> {
     /// The route's limits as they stood when the execution started: its attempts count
     /// against them to the end, whatever a reload does to the route meanwhile.
     pub(super) guard: Arc<RouteGuard>,
+    /// The retry budgets its attempts are charged to: its route's, its upstream's, its tenant's.
+    pub(super) charges: Charges,
     /// The request waiting for the outcome, if any: told early when the answer streams.
     pub(super) reply: &'a Reply,
 }
@@ -250,7 +252,7 @@ impl Inner {
             }
         }
         if made == 1 {
-            job.guard.first_attempt();
+            job.charges.first_attempt();
         }
         Ok(Begun { started, in_flight, limit })
     }
@@ -343,7 +345,7 @@ impl Inner {
                 retries_off: switched.retries_off,
             },
             rand::random::<f64>,
-            || job.guard.take_retry(),
+            || job.charges.take_retry(),
         );
         let attempt = stored_attempt(p, started, took, class, answer.as_ref(), observed, retry_after, chosen);
         span.in_scope(|| {

@@ -138,6 +138,7 @@ impl Inner {
             credentials: &credentials,
             signal: &signal,
             guard: self.runtimes.guard_for(route),
+            charges: self.runtimes.charges_for(route, &record.tenant),
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
@@ -175,11 +176,12 @@ impl Inner {
     ) -> Outcome {
         // The breaker hears the request's logical outcome, once: did the upstream serve it?
         if let (true, Some(class)) = (stop != StopReason::Cancelled, p.run.last()) {
-            let served = matches!(class, Class::Success | Class::Final)
-                && p.last_response.as_ref().is_some_and(|r| r.status < 500);
+            let status = p.last_response.as_ref().map(|r| r.status);
+            let served = (matches!(class, Class::Success | Class::Final) && status.is_some_and(|s| s < 500))
+                || status.is_some_and(|s| route.refuses_the_tenant(s));
             self.runtimes.record_outcome(route, served);
         }
-        metrics::stopped(&route.name, stop, p.run.attempts(), since(p.arrival, self.clock.now()));
+        metrics::stopped(&route.name, &record.tenant, stop, p.run.attempts(), since(p.arrival, self.clock.now()));
         match stop {
             StopReason::RetriesOff => metrics::held_by_switch(&route.name, SwitchAction::RetriesOff),
             StopReason::CircuitOpen if self.switches.isolated(&route.name) => {

@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
 use super::{lock, Flow, Inner, Outcome};
-use crate::domain::{AttemptError, StopReason};
+use crate::domain::{AttemptError, BudgetScope, StopReason};
 use crate::metrics;
 use crate::policy::{Decision, Ended, Observed};
 use crate::problem::Problem;
@@ -116,7 +116,7 @@ impl Inner {
             },
             // Nothing is retried within a streamed answer: no wait is drawn, no budget taken.
             || 0.0,
-            || false,
+            || Err(BudgetScope::Route),
         );
         let mut attempt = stored_attempt(p, started, took, class, None, observed, None, chosen);
         attempt.status = Some(status);

@@ -19,7 +19,7 @@ SELECT route, step,
        COUNT(*) FILTER (WHERE stop_reason IS NOT NULL) AS settled,
        COUNT(*) FILTER (WHERE stop_reason = 'success') AS succeeded,
        COUNT(*) FILTER (WHERE stop_reason = 'success' AND attempts = 1) AS first_try,
-       COUNT(*) FILTER (WHERE stop_reason = 'retry_budget') AS budget_stopped,
+       COUNT(*) FILTER (WHERE stop_reason IN ('retry_budget', 'tenant_budget', 'upstream_budget')) AS budget_stopped,
        COUNT(*) FILTER (WHERE stop_reason = 'deadline') AS deadline_stopped
 FROM (
     SELECT route, stop_reason, stop_reason IS NOT NULL AS stop_reason_set, (created_at - $1) / $3 AS step,

@@ -20,7 +20,7 @@ SELECT route, step,
        SUM(stop_reason IS NOT NULL) AS settled,
        SUM(stop_reason = 'success') AS succeeded,
        SUM(stop_reason = 'success' AND attempts = 1) AS first_try,
-       SUM(stop_reason = 'retry_budget') AS budget_stopped,
+       SUM(stop_reason IN ('retry_budget', 'tenant_budget', 'upstream_budget')) AS budget_stopped,
        SUM(stop_reason = 'deadline') AS deadline_stopped
 FROM (
     SELECT route, stop_reason, (created_at - ?1) / ?3 AS step,

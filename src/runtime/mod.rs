@@ -1,8 +1,14 @@
 //! Each configured route's runtime state, in one place: what it can take (attempts in flight,
 //! executions waiting for one, its retry budget), its upstream's circuit breaker, the pace of its
-//! attempts (for a 409's estimate) and its replays and 409s counted for `/admin/stats`. Built
-//! with each configuration snapshot and swapped whole on reload; a route that went away is
-//! dropped with it. Admission control is checked here before anything is recorded.
+//! attempts (for a 409's estimate) and its replays and 409s counted for `/admin/stats`; beside
+//! them, the retry budgets of tenants and named upstreams ([`budgets`]). Built with each
+//! configuration snapshot and swapped whole on reload; a route that went away is dropped with
+//! it. Admission control is checked here before anything is recorded.
+
+mod budgets;
+pub use budgets::BudgetView;
+pub(crate) use budgets::Charges;
+use budgets::{SharedBudget, TenantBudgets};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -11,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
-use crate::config::{Config, Route};
-use crate::domain::{RouteName, Timestamp};
-use crate::policy::{Breaker, BreakerState, RetryBudget, RoutePace};
+use crate::config::{BudgetLimits, Config, Route};
+use crate::domain::{BudgetScope, RouteName, Tenant, Timestamp};
+use crate::policy::{Breaker, BreakerState, RoutePace};
 use crate::store::stats::AnswerCount;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -24,7 +30,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 ///
 /// A reload builds a new set and swaps it in whole. What a route keeps across it: its guard while
 /// its limits (`max_concurrency`, the retry budget) are unchanged, its breaker while its upstream
-/// and circuit settings are, and always its pace and its counts. An execution holds the guard it
+/// and circuit settings are, and always its pace and its counts; a tenant's or an upstream's
+/// budget is kept while its limits are unchanged. An execution holds the guard it
 /// started with to its end, so its attempts keep counting against the limits they started under.
 pub struct Runtimes {
     current: RwLock<Arc<Snapshot>>,
@@ -33,14 +40,23 @@ pub struct Runtimes {
 #[derive(Default)]
 struct Snapshot {
     routes: HashMap<RouteName, Arc<RouteRuntime>>,
-    /// By upstream: routes that call the same upstream share its breaker.
-    breakers: HashMap<String, Arc<Mutex<Breaker>>>,
+    /// By upstream ([`Route::upstream_key`]): routes that call the same upstream share its
+    /// breaker, and a named upstream's retry budget.
+    upstreams: HashMap<String, UpstreamRuntime>,
+    tenants: TenantBudgets,
+}
+
+#[derive(Clone)]
+struct UpstreamRuntime {
+    breaker: Arc<Mutex<Breaker>>,
+    /// A named upstream's (`[[upstreams]]`); a route's URL has none of its own.
+    budget: Option<Arc<SharedBudget>>,
 }
 
 /// One route's runtime state.
 struct RouteRuntime {
     guard: Arc<RouteGuard>,
-    breaker: Arc<Mutex<Breaker>>,
+    upstream: UpstreamRuntime,
     /// What its attempts took here; `None` until it has had one.
     pace: Arc<Mutex<Option<RoutePace>>>,
     answers: Arc<AnswerCounts>,
@@ -56,7 +72,7 @@ struct AnswerCounts {
 /// What a route can take: its attempts in flight, its executions waiting for one, its retry
 /// budget.
 pub(crate) struct RouteGuard {
-    pub(crate) budget: Mutex<RetryBudget>,
+    budget: Arc<SharedBudget>,
     /// Attempts in flight on the route (`max_concurrency`).
     pub(crate) attempts: Arc<Semaphore>,
     /// Executions admitted and not finished: those in flight plus those queued behind them.
@@ -71,7 +87,10 @@ impl RouteGuard {
     fn new(route: &Route, now: Instant) -> RouteGuard {
         let r = route;
         RouteGuard {
-            budget: Mutex::new(RetryBudget::new(r.retry.budget_ratio, r.retry.budget_min_per_sec, now)),
+            budget: Arc::new(SharedBudget::new(
+                BudgetLimits { ratio: r.retry.budget_ratio, min_per_sec: r.retry.budget_min_per_sec },
+                now,
+            )),
             attempts: Arc::new(Semaphore::new(r.max_concurrency)),
             pending: AtomicUsize::new(0),
             max_pending: r.max_concurrency + queue_bound(r.max_concurrency),
@@ -83,13 +102,6 @@ impl RouteGuard {
         (route.max_concurrency, route.retry.budget_ratio, route.retry.budget_min_per_sec)
     }
 
-    pub(crate) fn first_attempt(&self) {
-        lock(&self.budget).deposit(Instant::now());
-    }
-
-    pub(crate) fn take_retry(&self) -> bool {
-        lock(&self.budget).try_withdraw(Instant::now())
-    }
 }
 
 /// An execution's place on its route; the route counts it until this is dropped.
@@ -127,17 +139,24 @@ impl Runtimes {
     pub fn reconfigure(&self, config: &Config) {
         let now = Instant::now();
         let mut current = write(&self.current);
-        let mut breakers: HashMap<String, Arc<Mutex<Breaker>>> = HashMap::new();
+        let mut upstreams: HashMap<String, UpstreamRuntime> = HashMap::new();
         // Routes that share an upstream share its breaker, with the settings of the first.
         for r in &config.routes {
-            if breakers.contains_key(&r.upstream) {
+            let key = r.upstream_key();
+            if upstreams.contains_key(key) {
                 continue;
             }
-            let breaker = match current.breakers.get(&r.upstream) {
-                Some(b) if lock(b).settings() == r.circuit => b.clone(),
+            let before = current.upstreams.get(key);
+            let breaker = match before {
+                Some(u) if lock(&u.breaker).settings() == r.circuit => u.breaker.clone(),
                 _ => Arc::new(Mutex::new(Breaker::new(r.circuit))),
             };
-            breakers.insert(r.upstream.clone(), breaker);
+            let limits = r.upstream_name.as_deref().and_then(|name| config.upstream_named(name)).map(|u| u.budget);
+            let budget = limits.map(|limits| match before.and_then(|u| u.budget.clone()) {
+                Some(kept) if kept.limits() == limits => kept,
+                _ => Arc::new(SharedBudget::new(limits, now)),
+            });
+            upstreams.insert(key.to_string(), UpstreamRuntime { breaker, budget });
         }
         let routes = config
             .routes
@@ -150,14 +169,15 @@ impl Runtimes {
                 };
                 let runtime = RouteRuntime {
                     guard,
-                    breaker: breakers[&r.upstream].clone(),
+                    upstream: upstreams[r.upstream_key()].clone(),
                     pace: before.map(|b| b.pace.clone()).unwrap_or_default(),
                     answers: before.map(|b| b.answers.clone()).unwrap_or_default(),
                 };
                 (r.name.clone(), Arc::new(runtime))
             })
             .collect();
-        *current = Arc::new(Snapshot { routes, breakers });
+        let tenants = current.tenants.reconfigured(config);
+        *current = Arc::new(Snapshot { routes, upstreams, tenants });
     }
 
     fn snapshot(&self) -> Arc<Snapshot> {
@@ -186,9 +206,37 @@ impl Runtimes {
     fn breaker(&self, route: &Route) -> Option<Arc<Mutex<Breaker>>> {
         let current = read(&self.current);
         match current.routes.get(&route.name) {
-            Some(r) => Some(r.breaker.clone()),
-            None => current.breakers.get(&route.upstream).cloned(),
+            Some(r) => Some(r.upstream.breaker.clone()),
+            None => current.upstreams.get(route.upstream_key()).map(|u| u.breaker.clone()),
         }
+    }
+
+    /// The budgets a new execution of `tenant` on `route` is charged to: its route's (the
+    /// guard's), its named upstream's and its tenant's, as configured now.
+    pub(crate) fn charges_for(&self, route: &Route, tenant: &Tenant) -> Charges {
+        let guard = self.guard_for(route);
+        let current = read(&self.current);
+        let upstream = current.upstreams.get(route.upstream_key()).and_then(|u| u.budget.clone());
+        Charges { route: guard.budget.clone(), upstream, tenant: current.tenants.of(tenant) }
+    }
+
+    /// Every retry budget on this node as it stands now: the routes', the named upstreams',
+    /// and those of the tenants that have made a request since it started.
+    pub fn budget_views(&self) -> Vec<BudgetView> {
+        let now = Instant::now();
+        let snapshot = self.snapshot();
+        let mut views: Vec<BudgetView> =
+            snapshot.routes.iter().map(|(name, r)| r.guard.budget.view(BudgetScope::Route, name, now)).collect();
+        views.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut upstreams: Vec<BudgetView> = snapshot
+            .upstreams
+            .iter()
+            .filter_map(|(name, u)| u.budget.as_ref().map(|b| b.view(BudgetScope::Upstream, name, now)))
+            .collect();
+        upstreams.sort_by(|a, b| a.name.cmp(&b.name));
+        views.extend(upstreams);
+        views.extend(snapshot.tenants.views(now));
+        views
     }
 
     /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
@@ -215,7 +263,7 @@ impl Runtimes {
 
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
         let now = Instant::now();
-        self.snapshot().breakers.iter().map(|(u, b)| (u.clone(), lock(b).state(now))).collect()
+        self.snapshot().upstreams.iter().map(|(u, r)| (u.clone(), lock(&r.breaker).state(now))).collect()
     }
 
     pub(crate) fn circuit_open(&self, route: &Route) -> bool {
