@@ -2,14 +2,18 @@
 //!
 //! - a whole config (it has `[[routes]]`): the route of the same name, exactly as a broker
 //!   would read that file, defaults included;
-//! - a change to the route (`[retry]` with any keys of `[routes.retry]`, and optionally a
-//!   top-level `replay_safe`): the keys given replace the route's, and every key left out keeps
-//!   the route's current value.
+//! - a change to the route (`[retry]` with any keys of `[routes.retry]`, optionally a
+//!   top-level `replay_safe`, and `[tenants.<name>]` or `[tenants.default]` with
+//!   `retry_budget_ratio` / `retry_budget_min_per_sec` to change tenants' retry quotas): the keys
+//!   given replace the current ones, and every key left out keeps its current value.
 //!
 //! Either is validated as a config is, and its errors name the key.
 
 use serde::Deserialize;
 
+use std::collections::BTreeMap;
+
+use super::quotas::RawQuota;
 use super::raw::RawRetry;
 use super::*;
 
@@ -21,6 +25,7 @@ const WHOLE: [&str; 5] = ["routes", "server", "store", "auth", "worker"];
 struct RawChange {
     retry: Option<RawRetry>,
     replay_safe: Option<bool>,
+    tenants: Option<BTreeMap<String, RawQuota>>,
 }
 
 /// The candidate's policy for the route `current`, and its replay safety.
@@ -28,12 +33,15 @@ struct RawChange {
 pub struct Candidate {
     pub retry: RetryPolicy,
     pub replay_safe: bool,
+    /// The tenants' retry quotas it runs under.
+    pub tenants: TenantQuotas,
     /// How the file was read, in words, for the report.
     pub form: &'static str,
 }
 
 impl Candidate {
-    pub fn parse(text: &str, current: &Route) -> Result<Candidate, ConfigError> {
+    /// A candidate for the route `current`, whose tenants have the quotas `quotas` now.
+    pub fn parse(text: &str, current: &Route, quotas: &TenantQuotas) -> Result<Candidate, ConfigError> {
         let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
         if WHOLE.iter().any(|key| table.contains_key(*key)) {
             // Only the route's policy is read: the secrets the file names are not needed.
@@ -48,19 +56,20 @@ impl Candidate {
             return Ok(Candidate {
                 retry: route.retry.clone(),
                 replay_safe: route.replay_safe,
+                tenants: config.tenant_quotas(),
                 form: "a whole config: the route as a broker would read it",
             });
         }
         let change: RawChange = toml::from_str(text).map_err(|e| {
             ConfigError::Syntax(format!(
                 "{e}\na candidate is a whole config (with [[routes]]) or a change: [retry] with keys of \
-                 [routes.retry], and optionally replay_safe"
+                 [routes.retry], optionally replay_safe, and [tenants.<name>] quotas"
             ))
         })?;
-        if change.retry.is_none() && change.replay_safe.is_none() {
+        if change.retry.is_none() && change.replay_safe.is_none() && change.tenants.is_none() {
             return Err(invalid(
                 "retry",
-                "is missing: the candidate changes nothing (give [retry] keys or replay_safe)",
+                "is missing: the candidate changes nothing (give [retry] keys, replay_safe or [tenants.<name>] quotas)",
             ));
         }
         let retry = match change.retry {
@@ -70,6 +79,10 @@ impl Candidate {
         Ok(Candidate {
             retry,
             replay_safe: change.replay_safe.unwrap_or(current.replay_safe),
+            tenants: match change.tenants {
+                Some(changes) => quotas.changed(changes)?,
+                None => quotas.clone(),
+            },
             form: "a change to the route: the keys given replace the current ones",
         })
     }
@@ -118,10 +131,10 @@ mod tests {
     #[test]
     fn a_change_replaces_only_the_keys_it_gives() {
         let current = route();
-        let c = Candidate::parse("[retry]\nmax_attempts = 1\n", &current).unwrap();
+        let c = Candidate::parse("[retry]\nmax_attempts = 1\n", &current, &TenantQuotas::default()).unwrap();
         assert_eq!(c.retry, RetryPolicy { max_attempts: 1, ..current.retry.clone() });
         assert!(c.replay_safe);
-        let c = Candidate::parse("replay_safe = false\n", &current).unwrap();
+        let c = Candidate::parse("replay_safe = false\n", &current, &TenantQuotas::default()).unwrap();
         assert_eq!((c.retry, c.replay_safe), (current.retry, false));
     }
 
@@ -129,7 +142,7 @@ mod tests {
     fn a_whole_config_gives_the_route_as_written_with_defaults() {
         let text = "[[routes]]\nname = \"payments\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\n\
                     [routes.retry]\nmax_attempts = 2\n";
-        let c = Candidate::parse(text, &route()).unwrap();
+        let c = Candidate::parse(text, &route(), &TenantQuotas::default()).unwrap();
         assert_eq!(
             (c.retry.max_attempts, c.retry.deadline, c.retry.jitter),
             (2, Duration::from_secs(30), Jitter::Full)
@@ -153,7 +166,7 @@ mod tests {
             ),
         ];
         for (text, expected) in cases {
-            let got = Candidate::parse(text, &current).unwrap_err().to_string();
+            let got = Candidate::parse(text, &current, &TenantQuotas::default()).unwrap_err().to_string();
             assert!(got.contains(expected), "{text:?}: {got}");
         }
     }

@@ -28,7 +28,7 @@ pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;
-pub use quotas::{BudgetLimits, Upstream};
+pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,8 @@
 //! Retry budgets beyond the route's (docs/configuration.md, `[[upstreams]]` and tenant quotas):
 //! the named upstreams that routes share, and each tenant's retry quota.
 
+use std::collections::BTreeMap;
+
 use serde::Deserialize;
 
 use super::*;
@@ -115,12 +117,54 @@ pub(super) fn tenant_budget(
     )
 }
 
+/// Every tenant's retry quota: the listed tenants' own, and the default of every other.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TenantQuotas {
+    pub default: Option<BudgetLimits>,
+    pub listed: BTreeMap<String, Option<BudgetLimits>>,
+}
+
+impl TenantQuotas {
+    /// The quota of `tenant`; `None`: it has none.
+    pub fn of(&self, tenant: &str) -> Option<BudgetLimits> {
+        self.listed.get(tenant).copied().unwrap_or(self.default)
+    }
+
+    /// These quotas with `changes` applied: a tenant's keys left out keep its current value.
+    pub(super) fn changed(&self, changes: BTreeMap<String, RawQuota>) -> Result<TenantQuotas, ConfigError> {
+        let mut quotas = self.clone();
+        for (name, change) in changes {
+            let current = if name == "default" { self.default } else { self.of(&name) };
+            let quota = budget_limits(
+                &format!("tenants.{name}."),
+                ("retry_budget_ratio", "retry_budget_min_per_sec"),
+                (change.retry_budget_ratio, change.retry_budget_min_per_sec),
+                current,
+                TENANT_DEFAULT,
+            )?;
+            match name.as_str() {
+                "default" => quotas.default = quota,
+                _ => _ = quotas.listed.insert(name, quota),
+            }
+        }
+        Ok(quotas)
+    }
+}
+
+/// A candidate's change to one tenant's quota (`idem simulate --history`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawQuota {
+    retry_budget_ratio: Option<f64>,
+    retry_budget_min_per_sec: Option<f64>,
+}
+
 impl Config {
-    /// The retry quota of `tenant`: its own, or every tenant's default; `None`: no quota.
-    pub fn tenant_budget(&self, tenant: &str) -> Option<BudgetLimits> {
-        match self.auth.tenants.iter().find(|t| t.name.as_str() == tenant) {
-            Some(listed) => listed.retry_budget,
-            None => self.auth.tenant_retry_budget,
+    /// Every tenant's retry quota.
+    pub fn tenant_quotas(&self) -> TenantQuotas {
+        TenantQuotas {
+            default: self.auth.tenant_retry_budget,
+            listed: self.auth.tenants.iter().map(|t| (t.name.to_string(), t.retry_budget)).collect(),
         }
     }
 

@@ -156,7 +156,7 @@ mod tests {
         let mut run = Execution::resumed(2);
         assert_eq!(run.next_attempt(&p, ms(100), false, Switched::default()), Ok(ms(600)));
         assert_eq!(run.sending(), 3);
-        let (_, d) = run.ended(&p, true, ended(Observed::Response(503), 200), || 0.5, || true);
+        let (_, d) = run.ended(&p, true, ended(Observed::Response(503), 200), || 0.5, || Ok(()));
         assert_eq!(d, Decision::Stop(StopReason::AttemptCap));
     }
 
@@ -190,7 +190,7 @@ mod tests {
         // A final answer is still final: the switch only takes away retries.
         let mut success = ended(Observed::Response(200), 200);
         success.retries_off = true;
-        assert_eq!(run.ended(&p, true, success, || 0.5, || true).1, Decision::Stop(StopReason::Success));
+        assert_eq!(run.ended(&p, true, success, || 0.5, || Ok(())).1, Decision::Stop(StopReason::Success));
     }
 
     #[test]
@@ -198,13 +198,13 @@ mod tests {
         let p = seed();
         let mut run = Execution::default();
         run.sending();
-        let (class, d) = run.ended(&p, true, ended(Observed::TimedOut, 600), || 0.0, || true);
+        let (class, d) = run.ended(&p, true, ended(Observed::TimedOut, 600), || 0.0, || Ok(()));
         assert_eq!(class, Class::Ambiguous);
         let Decision::RetryAfter(wait) = d else { panic!("expected a retry, got {d:?}") };
         run.waited(wait);
         assert_eq!(run.previous_wait(), Some(ms(0)));
         run.sending();
-        let (_, d) = run.ended(&p, false, ended(Observed::ConnectFailed, 700), || 0.0, || false);
+        let (_, d) = run.ended(&p, false, ended(Observed::ConnectFailed, 700), || 0.0, || Err(BudgetScope::Route));
         assert_eq!(d, Decision::Stop(StopReason::RetryBudget));
         assert_eq!(run.last(), Some(Class::NotExecuted));
         assert_eq!(run.settle(StopReason::RetryBudget, false), Settlement::Unknown);

@@ -31,8 +31,8 @@ fn half() -> f64 {
     0.5
 }
 
-fn budget() -> bool {
-    true
+fn budget() -> Result<(), BudgetScope> {
+    Ok(())
 }
 
 #[test]
@@ -114,8 +114,13 @@ fn a_single_attempt_policy_never_draws_or_waits() {
 #[test]
 fn an_exhausted_budget_or_an_open_circuit_stops_retries() {
     let p = seed();
-    let d = p.after_attempt(false, after(1, Class::NotExecuted, 10), half, || false);
+    let d = p.after_attempt(false, after(1, Class::NotExecuted, 10), half, || Err(BudgetScope::Route));
     assert_eq!(d, Decision::Stop(StopReason::RetryBudget));
+    // A tenant's quota or an upstream's budget stops it with a reason of its own.
+    let d = p.after_attempt(false, after(1, Class::NotExecuted, 10), half, || Err(BudgetScope::Tenant));
+    assert_eq!(d, Decision::Stop(StopReason::TenantBudget));
+    let d = p.after_attempt(false, after(1, Class::NotExecuted, 10), half, || Err(BudgetScope::Upstream));
+    assert_eq!(d, Decision::Stop(StopReason::UpstreamBudget));
     let a = AfterAttempt { circuit_open: true, ..after(1, Class::NotExecuted, 10) };
     assert_eq!(p.after_attempt(false, a, no_draw, budget), Decision::Stop(StopReason::CircuitOpen));
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::lock;
-use crate::config::{BudgetLimits, Config};
+use crate::config::{BudgetLimits, Config, TenantQuotas};
 use crate::domain::{BudgetScope, Tenant};
 use crate::policy::{withdraw_from_all, RetryBudget};
 
@@ -110,8 +110,7 @@ impl Charges {
 /// when it first retries.
 #[derive(Default)]
 pub(super) struct TenantBudgets {
-    listed: HashMap<Tenant, Option<BudgetLimits>>,
-    default: Option<BudgetLimits>,
+    quotas: TenantQuotas,
     budgets: Mutex<HashMap<Tenant, Arc<SharedBudget>>>,
 }
 
@@ -122,21 +121,18 @@ const UNLISTED_KEPT: usize = 10_000;
 impl TenantBudgets {
     /// The quotas of `config`, keeping every budget whose limits stay the same.
     pub(super) fn reconfigured(&self, config: &Config) -> TenantBudgets {
-        let listed: HashMap<Tenant, Option<BudgetLimits>> =
-            config.auth.tenants.iter().map(|t| (t.name.clone(), t.retry_budget)).collect();
-        let default = config.auth.tenant_retry_budget;
-        let limits_of = |tenant: &Tenant| listed.get(tenant).copied().unwrap_or(default);
+        let quotas = config.tenant_quotas();
         let kept = lock(&self.budgets)
             .iter()
-            .filter(|(tenant, shared)| limits_of(tenant) == Some(shared.limits()))
+            .filter(|(tenant, shared)| quotas.of(tenant) == Some(shared.limits()))
             .map(|(tenant, shared)| (tenant.clone(), shared.clone()))
             .collect();
-        TenantBudgets { listed, default, budgets: Mutex::new(kept) }
+        TenantBudgets { quotas, budgets: Mutex::new(kept) }
     }
 
     /// The budget of `tenant`'s quota; `None` when it has none.
     pub(super) fn of(&self, tenant: &Tenant) -> Option<Arc<SharedBudget>> {
-        let limits = self.listed.get(tenant).copied().unwrap_or(self.default)?;
+        let limits = self.quotas.of(tenant)?;
         let mut budgets = lock(&self.budgets);
         if let Some(shared) = budgets.get(tenant) {
             return Some(shared.clone());
@@ -144,7 +140,7 @@ impl TenantBudgets {
         let now = Instant::now();
         if budgets.len() >= UNLISTED_KEPT {
             budgets.retain(|t, shared| {
-                self.listed.contains_key(t) || lock(&shared.budget).window_at(now).firsts > 0
+                self.quotas.listed.contains_key(t.as_str()) || lock(&shared.budget).window_at(now).firsts > 0
             });
         }
         let shared = Arc::new(SharedBudget::new(limits, now));

@@ -120,6 +120,8 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
     pub id: Uuid,
+    /// Whose request it was: a replay charges its retries to its tenant's quota too.
+    pub tenant: Tenant,
     pub created_at: Timestamp,
     /// The end of its deadline: the route's, or earlier if the client shortened it.
     pub deadline_at: Timestamp,
@@ -154,6 +156,7 @@ pub(crate) fn decode_recorded(row: &impl Columns) -> Result<Recorded, StoreError
     attempts.sort_by_key(|a| a.number);
     Ok(Recorded {
         id: Uuid::parse_str(&text("id")?).map_err(|_| corrupt("id"))?,
+        tenant: text("tenant")?.into(),
         created_at: row.time("created_at")?.ok_or_else(|| corrupt("created_at"))?,
         deadline_at: row.time("deadline_at")?.ok_or_else(|| corrupt("deadline_at"))?,
         state: State::parse(&text("state")?).ok_or_else(|| corrupt("state"))?,

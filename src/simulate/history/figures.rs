@@ -55,7 +55,7 @@ impl Figures {
             f.succeeded += u64::from(succeeded);
             f.first_try += u64::from(succeeded && e.attempts == 1);
             f.salvaged += u64::from(succeeded && e.attempts > 1);
-            f.budget_stopped += u64::from(e.stop == Some(StopReason::RetryBudget));
+            f.budget_stopped += u64::from(e.stop.is_some_and(|s| s.budget().is_some()));
             f.deadline_stopped += u64::from(e.stop == Some(StopReason::Deadline));
             *f.stops.entry(e.stop.map_or("none", StopReason::as_str)).or_default() += 1;
             elapsed.push(e.elapsed);

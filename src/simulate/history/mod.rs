@@ -2,7 +2,7 @@
 //! and a candidate one, side by side. Each request's recorded attempts become a script of what
 //! the upstream did ([`seen`]); both policies run through the same simulator as `--outcomes`,
 //! with all the route's requests interleaved in time order so that they share one retry budget
-//! per policy, as they did in the broker. Where a policy sends an attempt the history does not
+//! per policy, as they did in the broker, and each tenant's requests its quota. Where a policy sends an attempt the history does not
 //! show, an [`Assume`] stands in for the upstream, and the report says how often.
 //!
 //! Only requests whose execution has ended are replayed; those still running, those never
@@ -12,14 +12,14 @@
 //! under either policy.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::config::{Candidate, Config, ConfigError, Route};
-use crate::domain::StopReason;
-use crate::domain::{State, Timestamp};
-use crate::policy::{RetryBudget, RetryPolicy};
+use crate::config::{Candidate, Config, ConfigError, Route, TenantQuotas};
+use crate::domain::{BudgetScope, StopReason};
+use crate::domain::{State, Tenant, Timestamp};
+use crate::policy::{withdraw_from_all, Charge, RetryBudget, RetryPolicy};
 use crate::record::Attempt;
 use crate::simulate::{Draws, Replay};
 use crate::store::recorded::{Reader, Recorded};
@@ -90,6 +90,7 @@ pub struct Request<'a> {
 
 /// A recorded request ready to replay.
 struct Replayable {
+    tenant: Tenant,
     /// From the first request's arrival.
     offset: Duration,
     seen: Vec<Seen>,
@@ -114,6 +115,7 @@ pub struct LeftOut {
 pub struct Replayed {
     pub policy: RetryPolicy,
     pub replay_safe: bool,
+    pub tenants: TenantQuotas,
     pub figures: Figures,
     pub unobserved: Unobserved,
     /// Jitter draws taken.
@@ -144,14 +146,15 @@ pub async fn command(request: Request<'_>) -> Result<String, HistoryError> {
     let path = request.candidate.display().to_string();
     let text = std::fs::read_to_string(request.candidate)
         .map_err(|source| HistoryError::CandidateUnreadable { path: path.clone(), source })?;
+    let quotas = request.config.tenant_quotas();
     let candidate =
-        Candidate::parse(&text, route).map_err(|source| HistoryError::Candidate { path: path.clone(), source })?;
+        Candidate::parse(&text, route, &quotas).map_err(|source| HistoryError::Candidate { path: path.clone(), source })?;
     let reader = Reader::open(&request.config.store.url).await?;
     let page = reader.recorded(&route.name, request.since.at, request.limit).await;
     reader.close().await;
     let page = page?;
     let source = Source { since: request.since.clone(), cut: page.cut, candidate_file: path };
-    let comparison = compare(route, &candidate, page.requests, source, request.draws, request.assume);
+    let comparison = compare(route, &quotas, &candidate, page.requests, source, request.draws, request.assume);
     Ok(if request.as_json {
         let mut text = serde_json::to_string_pretty(&report::json(&comparison)).unwrap_or_default();
         text.push('\n');
@@ -169,9 +172,10 @@ pub struct Source {
     pub candidate_file: String,
 }
 
-/// Replays `history` through the route's policy and the candidate's.
+/// Replays `history` through the route's policy (its tenants under `quotas`) and the candidate's.
 pub fn compare(
     route: &Route,
+    quotas: &TenantQuotas,
     candidate: &Candidate,
     history: Vec<Recorded>,
     source: Source,
@@ -181,8 +185,10 @@ pub fn compare(
     let first_arrival = history.first().map(|r| r.created_at);
     let (requests, left_out) = prepare(history);
     let recorded = Figures::of(requests.iter().map(|r| r.recorded));
-    let current = replay(&requests, &route.retry, route.retry.deadline, route.replay_safe, draws, assume);
-    let candidate_run = replay(&requests, &candidate.retry, route.retry.deadline, candidate.replay_safe, draws, assume);
+    let deadline = route.retry.deadline;
+    let current = replay(&requests, (&route.retry, route.replay_safe, quotas), deadline, draws, assume);
+    let candidate_run =
+        replay(&requests, (&candidate.retry, candidate.replay_safe, &candidate.tenants), deadline, draws, assume);
     Comparison {
         route: route.name.to_string(),
         source,
@@ -227,6 +233,7 @@ fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
                 let recorded = Ending { attempts: attempts.len() as u32, stop, elapsed: last - arrival };
                 let cancelled = stop == Some(StopReason::Cancelled);
                 requests.push(Replayable {
+                    tenant: r.tenant.clone(),
                     offset: arrival - first,
                     seen: seen::script(arrival, &attempts, cancelled),
                     deadline,
@@ -245,9 +252,8 @@ fn prepare(history: Vec<Recorded>) -> (Vec<Replayable>, LeftOut) {
 /// withdrawals in the order they would happen. Ties go to the earlier request.
 fn replay(
     requests: &[Replayable],
-    policy: &RetryPolicy,
+    (policy, replay_safe, quotas): (&RetryPolicy, bool, &TenantQuotas),
     route_deadline: Duration,
-    replay_safe: bool,
     draws: &Draws,
     assume: Assume,
 ) -> Replayed {
@@ -261,6 +267,7 @@ fn replay(
         .collect();
     let origin = Instant::now();
     let mut budget = RetryBudget::new(policy.budget_ratio, policy.budget_min_per_sec, origin);
+    let mut tenants: HashMap<&Tenant, RetryBudget> = HashMap::new();
     let mut draw = draws.source();
     let mut unobserved = Unobserved::default();
     let mut replays: Vec<Replay> = requests
@@ -277,7 +284,11 @@ fn replay(
         .collect();
     while let Some(Reverse((_, i))) = due.pop() {
         let mut upstream = History { seen: &requests[i].seen, assume, unobserved: &mut unobserved };
-        replays[i].step(&mut upstream, &mut budget, &mut draw);
+        let tenant = &requests[i].tenant;
+        let quota = quotas.of(tenant).map(|q| {
+            tenants.entry(tenant).or_insert_with(|| RetryBudget::new(q.ratio, q.min_per_sec, origin))
+        });
+        replays[i].step(&mut upstream, &mut Charged { route: &mut budget, tenant: quota }, &mut draw);
         if let Some(at) = replays[i].next_at() {
             due.push(Reverse((requests[i].offset + at, i)));
         }
@@ -286,9 +297,34 @@ fn replay(
     Replayed {
         policy: policy.clone(),
         replay_safe,
+        tenants: quotas.clone(),
         figures: Figures::of(traces.iter().map(Ending::of)),
         unobserved,
         draws: traces.iter().map(|t| t.draws.len()).sum(),
+    }
+}
+
+/// One request's retries, charged to its route's budget and its tenant's quota, as the broker
+/// charges them.
+struct Charged<'a> {
+    route: &'a mut RetryBudget,
+    tenant: Option<&'a mut RetryBudget>,
+}
+
+impl Charge for Charged<'_> {
+    fn first_attempt(&mut self, now: Instant) {
+        self.route.deposit(now);
+        if let Some(tenant) = self.tenant.as_deref_mut() {
+            tenant.deposit(now);
+        }
+    }
+
+    fn retry(&mut self, now: Instant) -> Result<(), BudgetScope> {
+        let mut budgets = vec![(BudgetScope::Route, &mut *self.route)];
+        if let Some(tenant) = self.tenant.as_deref_mut() {
+            budgets.push((BudgetScope::Tenant, tenant));
+        }
+        withdraw_from_all(&mut budgets, now)
     }
 }
 

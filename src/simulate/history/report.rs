@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::{Comparison, Figures, Replayed, Unobserved};
+use crate::config::{BudgetLimits, TenantQuotas};
 use crate::policy::RetryPolicy;
 use crate::simulate::report::jitter_name;
 
@@ -98,6 +99,10 @@ pub fn human(c: &Comparison) -> String {
     let _ = writeln!(out, "current:   {}", policy_line(&c.current.policy, c.current.replay_safe));
     let _ = writeln!(out, "candidate: {}", policy_line(&c.candidate.policy, c.candidate.replay_safe));
     let _ = writeln!(out, "           from {}, read as {}", c.source.candidate_file, c.candidate_form);
+    if c.current.tenants != c.candidate.tenants {
+        let _ = writeln!(out, "tenant quotas, current:   {}", quotas_line(&c.current.tenants));
+        let _ = writeln!(out, "tenant quotas, candidate: {}", quotas_line(&c.candidate.tenants));
+    }
     out.push('\n');
     let table = rows(c);
     let widths: Vec<usize> =
@@ -151,6 +156,20 @@ fn figures(f: &Figures) -> Value {
     })
 }
 
+fn quota_text(q: Option<BudgetLimits>) -> String {
+    q.map_or("none".into(), |q| format!("{}% of first attempts + {}/s", q.ratio * 100.0, q.min_per_sec))
+}
+
+fn quotas_line(t: &TenantQuotas) -> String {
+    let mut parts = vec![format!("every tenant {}", quota_text(t.default))];
+    parts.extend(t.listed.iter().filter(|(_, q)| **q != t.default).map(|(name, q)| format!("{name} {}", quota_text(*q))));
+    parts.join("; ")
+}
+
+fn quota_json(q: Option<BudgetLimits>) -> Value {
+    q.map_or(Value::Null, |q| json!({"retry_budget_ratio": q.ratio, "retry_budget_min_per_sec": q.min_per_sec}))
+}
+
 fn replayed(r: &Replayed) -> Value {
     let p = &r.policy;
     json!({
@@ -168,6 +187,10 @@ fn replayed(r: &Replayed) -> Value {
             "budget_min_per_sec": p.budget_min_per_sec,
         },
         "replay_safe": r.replay_safe,
+        "tenant_quotas": {
+            "default": quota_json(r.tenants.default),
+            "tenants": r.tenants.listed.iter().map(|(name, q)| (name.clone(), quota_json(*q))).collect::<serde_json::Map<_, _>>(),
+        },
         "figures": figures(&r.figures),
         "unobserved_attempts": {
             "total": r.unobserved.total(),

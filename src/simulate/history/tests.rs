@@ -34,6 +34,7 @@ fn attempt(number: u32, started_at: i64, status: u16) -> Attempt {
 fn recorded(arrival: i64, statuses: &[u16], stop: StopReason) -> Recorded {
     Recorded {
         id: Uuid::new_v4(),
+        tenant: "default".into(),
         created_at: at(arrival),
         deadline_at: at(arrival + 10_000),
         state: State::Done,
@@ -54,8 +55,9 @@ fn source() -> Source {
 }
 
 fn run(route: &Route, candidate: &str, history: Vec<Recorded>, assume: Assume) -> Comparison {
-    let candidate = Candidate::parse(candidate, route).unwrap();
-    compare(route, &candidate, history, source(), &"0.5".parse().unwrap(), assume)
+    let quotas = TenantQuotas::default();
+    let candidate = Candidate::parse(candidate, route, &quotas).unwrap();
+    compare(route, &quotas, &candidate, history, source(), &"0.5".parse().unwrap(), assume)
 }
 
 fn mixed() -> Vec<Recorded> {

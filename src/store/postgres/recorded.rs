@@ -11,7 +11,7 @@ use crate::store::StoreError;
 /// Served by `records_listing` (created_at, id); the route is filtered on the way. Ids and JSON
 /// come back as text, as [`decode_recorded`] reads them.
 const RECORDED: &str = "
-SELECT id::text AS id, created_at, deadline_at, state, stop_reason, attempts::text AS attempts,
+SELECT id::text AS id, tenant, created_at, deadline_at, state, stop_reason, attempts::text AS attempts,
        in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone,
        history::text AS history
 FROM records

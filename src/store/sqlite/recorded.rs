@@ -13,7 +13,7 @@ use crate::store::StoreError;
 
 /// Served by `records_listing` (created_at, id); the route is filtered on the way.
 const RECORDED: &str = "
-SELECT id, created_at, deadline_at, state, stop_reason, attempts,
+SELECT id, tenant, created_at, deadline_at, state, stop_reason, attempts,
        in_flight_number IS NOT NULL AS in_flight, tombstone_until IS NOT NULL AS tombstone,
        history
 FROM records
