@@ -56,7 +56,7 @@ mod tests {
             format!("[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"http://127.0.0.1:9\"\n")
         };
         let config = Config::parse_with_env(&(route("payments") + &route("ledger")), |_| None).unwrap();
-        let runtimes = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config, crate::clock::system());
         runtimes.count_replay("payments");
         runtimes.count_replay("payments");
         runtimes.count_conflict("payments");

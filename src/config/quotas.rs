@@ -188,3 +188,83 @@ impl Route {
         self.forward_authorization && matches!(status, 401 | 403 | 429)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ROUTE: &str = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
+
+    fn parse(text: &str) -> Result<Config, String> {
+        std::env::set_var("IDEM_QUOTA_TEST_TOKEN", "secret");
+        Config::parse_with_env(text, |name| std::env::var(name).ok()).map_err(|e| e.to_string())
+    }
+
+    fn tenants(extra: &str) -> String {
+        let digest = "0".repeat(64);
+        format!(
+            "[auth]\nadmin_token_env = \"IDEM_QUOTA_TEST_TOKEN\"\n{extra}\n\
+             [[auth.tenants]]\nname = \"acme\"\ntoken_sha256 = \"{digest}\"\nretry_budget_min_per_sec = 0.5\n\
+             [[auth.tenants]]\nname = \"globex\"\ntoken_sha256 = \"{digest}\"\n{ROUTE}"
+        )
+    }
+
+    #[test]
+    fn tenants_have_no_quota_unless_one_is_set_and_a_tenants_keys_fall_back_to_the_default() {
+        let none = parse(&format!("{ROUTE}")).unwrap();
+        assert_eq!(none.tenant_quotas().of("anyone"), None);
+
+        let c = parse(&tenants("tenant_retry_budget_ratio = 0.05\ntenant_retry_budget_min_per_sec = 2")).unwrap();
+        let quotas = c.tenant_quotas();
+        assert_eq!(quotas.of("acme"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 0.5 }), "its own floor");
+        assert_eq!(quotas.of("globex"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }), "the default");
+        assert_eq!(quotas.of("unlisted"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }));
+        assert!(describe(&c).contains("tenant quota  5% of first attempts + 2/s"), "{}", describe(&c));
+
+        // One key of its own and no default: the other key is a tenant's documented default.
+        let c = parse(&tenants("")).unwrap();
+        assert_eq!(c.tenant_quotas().of("acme"), Some(BudgetLimits { ratio: TENANT_DEFAULT.ratio, min_per_sec: 0.5 }));
+        assert_eq!(c.tenant_quotas().of("globex"), None);
+    }
+
+    #[test]
+    fn a_quota_out_of_range_is_refused_naming_its_key() {
+        let e = parse(&tenants("tenant_retry_budget_ratio = 1.5")).unwrap_err();
+        assert!(e.contains("auth.tenant_retry_budget_ratio"), "{e}");
+        let e = parse(&tenants("tenant_retry_budget_min_per_sec = -1")).unwrap_err();
+        assert!(e.contains("auth.tenant_retry_budget_min_per_sec"), "{e}");
+        let e = parse(&tenants("").replace("retry_budget_min_per_sec = 0.5", "retry_budget_ratio = nan")).unwrap_err();
+        assert!(e.contains("auth.tenants[0].retry_budget_ratio"), "{e}");
+    }
+
+    #[test]
+    fn a_route_names_an_upstream_and_calls_its_url() {
+        let text = "[[upstreams]]\nname = \"provider\"\nurl = \"http://127.0.0.1:9000/v1\"\nbudget_ratio = 0.2\n\
+                    [[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"provider\"\n\
+                    [[routes]]\nname = \"refunds\"\npath_prefix = \"/refunds\"\nupstream = \"http://127.0.0.1:9000/v1\"\n";
+        let c = parse(text).unwrap();
+        let (named, by_url) = (&c.routes[0], &c.routes[1]);
+        assert_eq!(named.upstream, "http://127.0.0.1:9000/v1");
+        assert_eq!(named.upstream_key(), "provider");
+        assert_eq!(by_url.upstream_key(), "http://127.0.0.1:9000/v1", "a URL is not the named upstream");
+        assert_eq!(c.upstreams[0].budget, BudgetLimits { ratio: 0.2, min_per_sec: UPSTREAM_DEFAULT.min_per_sec });
+        assert!(describe(&c).contains("(upstream provider)"), "{}", describe(&c));
+    }
+
+    #[test]
+    fn upstreams_that_cannot_be_used_are_refused_naming_the_key() {
+        let upstream = |name: &str, url: &str| format!("[[upstreams]]\nname = \"{name}\"\nurl = \"{url}\"\n");
+        let route = |to: &str| ROUTE.replace("http://127.0.0.1:9000", to);
+        let cases = [
+            (route("nowhere"), "routes[0].upstream"),
+            (format!("{}{}", upstream("p", "ftp://x"), ROUTE), "upstreams[0].url"),
+            (format!("{}{}{}", upstream("p", "http://a"), upstream("p", "http://b"), ROUTE), "upstreams[1].name"),
+            (format!("{}{}", upstream("a b", "http://a"), ROUTE), "upstreams[0].name"),
+            (format!("{}budget_ratio = 2\n{}", upstream("p", "http://a"), ROUTE), "upstreams[0].budget_ratio"),
+        ];
+        for (text, key) in cases {
+            let e = parse(&text).unwrap_err();
+            assert!(e.contains(key), "{key}: {e}");
+        }
+    }
+}

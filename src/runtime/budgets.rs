@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::lock;
+use super::{lock, Ticks};
 use crate::config::{BudgetLimits, Config, TenantQuotas};
 use crate::domain::{BudgetScope, Tenant};
 use crate::policy::{withdraw_from_all, RetryBudget};
@@ -68,12 +68,13 @@ pub(crate) struct Charges {
     pub(crate) route: Arc<SharedBudget>,
     pub(crate) upstream: Option<Arc<SharedBudget>>,
     pub(crate) tenant: Option<Arc<SharedBudget>>,
+    pub(crate) ticks: Ticks,
 }
 
 impl Charges {
     /// A first attempt: earns its share of a retry in every budget.
     pub(crate) fn first_attempt(&self) {
-        let now = Instant::now();
+        let now = self.ticks.now();
         for shared in std::iter::once(&self.route).chain(&self.upstream).chain(&self.tenant) {
             lock(&shared.budget).deposit(now);
         }
@@ -82,7 +83,7 @@ impl Charges {
     /// One retry, taken from every budget or from none. The locks are taken route, upstream,
     /// tenant, always in that order, so that two executions never wait for each other's.
     pub(crate) fn take_retry(&self) -> Result<(), BudgetScope> {
-        let now = Instant::now();
+        let now = self.ticks.now();
         let mut route = lock(&self.route.budget);
         let mut upstream = self.upstream.as_ref().map(|s| lock(&s.budget));
         let mut tenant = self.tenant.as_ref().map(|s| lock(&s.budget));
@@ -131,13 +132,12 @@ impl TenantBudgets {
     }
 
     /// The budget of `tenant`'s quota; `None` when it has none.
-    pub(super) fn of(&self, tenant: &Tenant) -> Option<Arc<SharedBudget>> {
+    pub(super) fn of(&self, tenant: &Tenant, now: Instant) -> Option<Arc<SharedBudget>> {
         let limits = self.quotas.of(tenant)?;
         let mut budgets = lock(&self.budgets);
         if let Some(shared) = budgets.get(tenant) {
             return Some(shared.clone());
         }
-        let now = Instant::now();
         if budgets.len() >= UNLISTED_KEPT {
             budgets.retain(|t, shared| {
                 self.quotas.listed.contains_key(t.as_str()) || lock(&shared.budget).window_at(now).firsts > 0

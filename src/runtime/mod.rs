@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
+use crate::clock::SharedClock;
 use crate::config::{BudgetLimits, Config, Route};
 use crate::domain::{BudgetScope, RouteName, Tenant, Timestamp};
 use crate::policy::{Breaker, BreakerState, RoutePace};
@@ -35,6 +36,26 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// started with to its end, so its attempts keep counting against the limits they started under.
 pub struct Runtimes {
     current: RwLock<Arc<Snapshot>>,
+    ticks: Ticks,
+}
+
+/// The runtime's time: the broker's clock, read as an [`Instant`] for the budgets and breakers
+/// that count in them, so that they move with a test's manual clock as with the system's.
+#[derive(Clone)]
+pub(crate) struct Ticks {
+    clock: SharedClock,
+    origin: (Instant, Timestamp),
+}
+
+impl Ticks {
+    fn new(clock: SharedClock) -> Ticks {
+        let origin = (Instant::now(), clock.now());
+        Ticks { clock, origin }
+    }
+
+    pub(crate) fn now(&self) -> Instant {
+        self.origin.0 + (self.clock.now() - self.origin.1)
+    }
 }
 
 #[derive(Default)]
@@ -128,8 +149,8 @@ fn queue_bound(max_concurrency: usize) -> usize {
 }
 
 impl Runtimes {
-    pub fn new(config: &Config) -> Runtimes {
-        let runtimes = Runtimes { current: RwLock::new(Arc::default()) };
+    pub fn new(config: &Config, clock: SharedClock) -> Runtimes {
+        let runtimes = Runtimes { current: RwLock::new(Arc::default()), ticks: Ticks::new(clock) };
         runtimes.reconfigure(config);
         runtimes
     }
@@ -137,7 +158,7 @@ impl Runtimes {
     /// Builds the runtimes of `config`'s routes, keeping what each route may keep of its
     /// current one, and swaps them in.
     pub fn reconfigure(&self, config: &Config) {
-        let now = Instant::now();
+        let now = self.ticks.now();
         let mut current = write(&self.current);
         let mut upstreams: HashMap<String, UpstreamRuntime> = HashMap::new();
         // Routes that share an upstream share its breaker, with the settings of the first.
@@ -193,7 +214,7 @@ impl Runtimes {
     pub(crate) fn guard_for(&self, route: &Route) -> Arc<RouteGuard> {
         match self.runtime(&route.name) {
             Some(r) => r.guard.clone(),
-            None => Arc::new(RouteGuard::new(route, Instant::now())),
+            None => Arc::new(RouteGuard::new(route, self.ticks.now())),
         }
     }
 
@@ -217,13 +238,14 @@ impl Runtimes {
         let guard = self.guard_for(route);
         let current = read(&self.current);
         let upstream = current.upstreams.get(route.upstream_key()).and_then(|u| u.budget.clone());
-        Charges { route: guard.budget.clone(), upstream, tenant: current.tenants.of(tenant) }
+        let tenant = current.tenants.of(tenant, self.ticks.now());
+        Charges { route: guard.budget.clone(), upstream, tenant, ticks: self.ticks.clone() }
     }
 
     /// Every retry budget on this node as it stands now: the routes', the named upstreams',
     /// and those of the tenants that have made a request since it started.
     pub fn budget_views(&self) -> Vec<BudgetView> {
-        let now = Instant::now();
+        let now = self.ticks.now();
         let snapshot = self.snapshot();
         let mut views: Vec<BudgetView> =
             snapshot.routes.iter().map(|(name, r)| r.guard.budget.view(BudgetScope::Route, name, now)).collect();
@@ -242,7 +264,7 @@ impl Runtimes {
     /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
     pub fn enter(&self, route: &Route) -> Result<Slot, Refusal> {
         if let Some(breaker) = self.breaker(route) {
-            lock(&breaker).admit(Instant::now()).map_err(Refusal::CircuitOpen)?;
+            lock(&breaker).admit(self.ticks.now()).map_err(Refusal::CircuitOpen)?;
         }
         let guard = self.guard_for(route);
         let before = guard.pending.fetch_add(1, Ordering::SeqCst);
@@ -262,17 +284,17 @@ impl Runtimes {
     }
 
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
-        let now = Instant::now();
+        let now = self.ticks.now();
         self.snapshot().upstreams.iter().map(|(u, r)| (u.clone(), lock(&r.breaker).state(now))).collect()
     }
 
     pub(crate) fn circuit_open(&self, route: &Route) -> bool {
-        self.breaker(route).is_some_and(|b| lock(&b).is_open(Instant::now()))
+        self.breaker(route).is_some_and(|b| lock(&b).is_open(self.ticks.now()))
     }
 
     pub(crate) fn record_outcome(&self, route: &Route, success: bool) {
         if let Some(b) = self.breaker(route) {
-            lock(&b).record(success, Instant::now());
+            lock(&b).record(success, self.ticks.now());
         }
     }
 
@@ -346,21 +368,24 @@ mod tests {
     use super::*;
 
     fn config(routes: &[(&str, &str, &str)]) -> Config {
-        let text: String = routes
+        Config::parse_with_env(&routes_text(routes), |_| None).unwrap()
+    }
+
+    fn routes_text(routes: &[(&str, &str, &str)]) -> String {
+        routes
             .iter()
             .map(|(name, upstream, extra)| {
                 format!(
                     "[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"{upstream}\"\n{extra}\n"
                 )
             })
-            .collect();
-        Config::parse_with_env(&text, |_| None).unwrap()
+            .collect()
     }
 
     #[test]
     fn a_reload_swaps_every_route_runtime_at_once_keeping_what_each_may_keep() {
         let before = config(&[("payments", "http://127.0.0.1:9", ""), ("ledger", "http://127.0.0.1:9", "")]);
-        let runtimes = Runtimes::new(&before);
+        let runtimes = Runtimes::new(&before, crate::clock::system());
         runtimes.observe("payments", Duration::from_millis(40));
         runtimes.observe("ledger", Duration::from_millis(70));
         let guard = runtimes.guard_named("payments").unwrap();
@@ -378,10 +403,38 @@ mod tests {
     }
 
     #[test]
+    fn a_retry_is_charged_to_its_route_its_named_upstream_and_its_tenant() {
+        let text = "[auth]\ntenant_retry_budget_ratio = 0.0\ntenant_retry_budget_min_per_sec = 0.3\n\
+                    [[upstreams]]\nname = \"provider\"\nurl = \"http://127.0.0.1:9\"\nbudget_ratio = 0.0\nbudget_min_per_sec = 0.5\n";
+        let routes = routes_text(&[("payments", "provider", ""), ("refunds", "provider", "")]);
+        let c = Config::parse_with_env(&format!("{text}{routes}"), |_| None).unwrap();
+        let runtimes = Runtimes::new(&c, crate::clock::system());
+        let (acme, globex) = (Tenant::from("acme"), Tenant::from("globex"));
+        let take = |route: usize, tenant: &Tenant| runtimes.charges_for(&c.routes[route], tenant).take_retry();
+        // acme's quota is 3 retries a window; globex's is its own.
+        assert_eq!((0..4).map(|_| take(0, &acme)).collect::<Vec<_>>(), [Ok(()), Ok(()), Ok(()), Err(BudgetScope::Tenant)]);
+        // The upstream allows 5 over both routes: globex's retries on refunds find 2 of them left.
+        assert_eq!((0..3).map(|_| take(1, &globex)).collect::<Vec<_>>(), [Ok(()), Ok(()), Err(BudgetScope::Upstream)]);
+        let views = runtimes.budget_views();
+        let view = |scope: &str, name: &str| views.iter().find(|v| v.scope == scope && v.name == name).unwrap();
+        assert_eq!((view("upstream", "provider").retries, view("upstream", "provider").refused_total), (5, 1));
+        assert_eq!((view("tenant", "acme").retries, view("tenant", "acme").refused_total), (3, 1));
+        assert_eq!(view("route", "refunds").retries, 2, "a refused retry took nothing from the route");
+
+        // A reload that changes acme's quota gives it a fresh one; the upstream's, unchanged, is kept.
+        let reloaded = text.replace("0.3", "0.6");
+        runtimes.reconfigure(&Config::parse_with_env(&format!("{reloaded}{routes}"), |_| None).unwrap());
+        assert_eq!(take(0, &acme), Err(BudgetScope::Upstream), "the upstream's budget is still spent");
+        let views = runtimes.budget_views();
+        let acme_view = views.iter().find(|v| v.scope == "tenant" && v.name == "acme").unwrap();
+        assert_eq!((acme_view.min_per_sec, acme_view.retries), (0.6, 0));
+    }
+
+    #[test]
     fn routes_that_call_one_upstream_share_its_breaker() {
         let circuit = "[routes.circuit]\nfailures = 2\nopen_for = \"30s\"";
         let c = config(&[("payments", "http://127.0.0.1:9", circuit), ("refunds", "http://127.0.0.1:9", circuit)]);
-        let runtimes = Runtimes::new(&c);
+        let runtimes = Runtimes::new(&c, crate::clock::system());
         runtimes.record_outcome(&c.routes[0], false);
         runtimes.record_outcome(&c.routes[0], false);
         assert!(runtimes.circuit_open(&c.routes[1]), "the upstream is down for every route that calls it");

@@ -308,7 +308,7 @@ pub(super) mod tests {
     #[test]
     fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
         let config = config("max_concurrency = 4");
-        let runtimes = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config, crate::clock::system());
         let route = &config.routes[0];
         // Four in flight and, at that size, four queued behind them (the queue is at least 4).
         let slots: Vec<Slot> = (0..8).map(|_| runtimes.enter(route).expect("within the bound")).collect();
@@ -321,7 +321,7 @@ pub(super) mod tests {
     #[test]
     fn places_taken_outside_the_ingress_count_but_are_never_refused() {
         let config = config("max_concurrency = 1");
-        let runtimes = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config, crate::clock::system());
         let route = &config.routes[0];
         let taken: Vec<_> = (0..5).map(|_| runtimes.enter(route).unwrap()).collect();
         assert!(runtimes.slot("payments").is_some(), "a take-over is never refused");
@@ -333,7 +333,7 @@ pub(super) mod tests {
     #[test]
     fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
         let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
-        let runtimes = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config, crate::clock::system());
         let route = &config.routes[0];
         for _ in 0..2 {
             runtimes.record_outcome(route, false);
@@ -348,7 +348,7 @@ pub(super) mod tests {
     fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
         let config = Arc::new(config("max_concurrency = 1"));
         let route = &config.routes[0];
-        let runtimes = Runtimes::new(&config);
+        let runtimes = Runtimes::new(&config, crate::clock::system());
         let permits = Arc::new(Semaphore::new(2));
         let guard = runtimes.guard_for(route);
         let reserve = || reserve(&permits, &guard, &config);

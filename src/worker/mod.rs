@@ -190,7 +190,7 @@ impl Worker {
         Worker {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(current.worker.concurrency)),
-                runtimes: Arc::new(Runtimes::new(&current)),
+                runtimes: Arc::new(Runtimes::new(&current, clock.clone())),
                 lease: current.worker.lease,
                 credentials: Mutex::new(HeldCredentials::default()),
                 mine: Mutex::new(HashSet::new()),

@@ -26,6 +26,7 @@ mod multinode;
 mod parsers;
 mod paths;
 mod probe;
+mod quotas;
 mod reload;
 mod sdk;
 mod simulate;

@@ -176,7 +176,23 @@ async fn a_recorded_retry_after_holds_in_the_replay(backend: Backend) {
     broker.stop().await;
 }
 
+/// A candidate that gives the tenant a quota of one retry a window: the first request that
+/// needed a retry gets it, every later one stops on the tenant's quota.
+async fn a_candidate_tenant_quota_stops_retries_the_route_would_allow(backend: Backend) {
+    let (broker, _upstream, config) = recorded_history(backend).await;
+    let candidate = "[tenants.default]\nretry_budget_ratio = 0.0\nretry_budget_min_per_sec = 0.1\n";
+    let doc = history(&config, candidate, &[]).await;
+    assert_eq!(figure(&doc, "current", "final_success"), 6, "{doc:#}");
+    assert_eq!(figure(&doc, "candidate", "final_success"), 4, "ok-1..3 and salvaged-1: {doc:#}");
+    assert_eq!(figure(&doc, "candidate", "budget_stopped"), 4, "{doc:#}");
+    assert_eq!(figure(&doc, "candidate", "stop_reasons")["tenant_budget"], 4, "{doc:#}");
+    assert_eq!(doc["current"]["tenant_quotas"]["default"], Value::Null, "no quota today: {doc:#}");
+    assert_eq!(doc["candidate"]["tenant_quotas"]["default"]["retry_budget_min_per_sec"], 0.1, "{doc:#}");
+    broker.stop().await;
+}
+
 crate::common::both_stores!(
+    a_candidate_tenant_quota_stops_retries_the_route_would_allow,
     a_recorded_retry_after_holds_in_the_replay,
     the_current_policy_replays_what_was_recorded,
     a_single_attempt_candidate_salvages_nothing,
