@@ -16,7 +16,8 @@
 //!   [`key`] (sent, or [`derived`]) and [`fingerprint`], load shedding, and
 //!   the answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
-//!   are replayed from memory.
+//!   are replayed from memory. It hands new requests (and a client's cancel) to the [`worker`],
+//!   and reads records through [`records`], which applies how long an answer lives.
 //! - [`store`] — the durable [`record`]s, named by their [`domain::Tenant`] and
 //!   [`key::IdempotencyKey`], every time in them a [`domain::Timestamp`]: one trait, a SQLite
 //!   implementation (group commit through a single writer thread) and a PostgreSQL one
@@ -26,8 +27,9 @@
 //!   the phase it was decided from. A record is committed before anything goes upstream; its
 //!   deadline is the route's, or shorter when the client asks in the route's `deadline_header`.
 //! - [`runtime`] — each configured route's state while it serves: its places and retry budget,
-//!   its upstream's breaker, the pace of its attempts and its replays and 409s counted; built
-//!   with each configuration and swapped whole on reload.
+//!   its upstream's breaker, the pace of its attempts and its replays and 409s counted; beside
+//!   them the retry quotas of tenants and the budgets of named upstreams; built with each
+//!   configuration and swapped whole on reload, counting in the broker's [`clock`].
 //! - [`worker`] — admits a new request in one call from the ingress ([`worker::Worker::admit`]:
 //!   shed by the route's limits, or recorded and started, claimed in the same commit when a
 //!   worker is free); claims a record under a lease, sends attempts through [`upstream`], stores each
@@ -85,6 +87,7 @@ pub mod prefer;
 pub mod problem;
 pub mod reconcile;
 pub mod record;
+pub mod records;
 pub mod reload;
 pub mod runtime;
 pub mod server;

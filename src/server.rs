@@ -18,6 +18,7 @@ use crate::edge::body::BodyBudget;
 use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress};
 use crate::reconcile;
+use crate::records::Records;
 use crate::reload::Reloader;
 use crate::runtime::Runtimes;
 use crate::store::{self, StoreError};
@@ -144,7 +145,7 @@ pub async fn start_with_clock(
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
-        store: store.clone(),
+        records: Records::new(store.clone(), live.clone(), clock.clone()),
         worker: worker.clone(),
         upstream: upstream.clone(),
         bodies: bodies.clone(),

@@ -419,20 +419,9 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
 /// flag is `true` then).
 async fn apply_cancel(admin: &Admin, id: RecordId, who: &Attribution) -> Result<(Record, bool), Problem> {
     let who = who.at(admin.clock.now());
-    match admin
-        .store
-        .cancel(crate::store::Cancel { id, entry: who.entry(HistoryAction::Cancel) })
-        .await
-        .map_err(store_problem)?
-    {
-        Cancelled::Dequeued(record) => {
-            admin.worker.settled(record.id);
-            Ok((record, false))
-        }
-        Cancelled::Flagged(record) => {
-            admin.worker.cancel(record.id);
-            Ok((record, true))
-        }
+    match admin.worker.cancel_record(id, who.entry(HistoryAction::Cancel)).await.map_err(store_problem)? {
+        Cancelled::Dequeued(record) => Ok((record, false)),
+        Cancelled::Flagged(record) => Ok((record, true)),
         Cancelled::Refused(record) => Err(Problem::not_cancellable(record.state)),
         Cancelled::Missing => Err(not_found()),
     }

@@ -26,7 +26,8 @@ use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
 use crate::runtime::Runtimes;
-use crate::store::{Health, NewRecord, Store};
+use crate::records::Records;
+use crate::store::{Health, NewRecord};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
@@ -49,7 +50,8 @@ pub struct Ingress {
     /// The configuration in force: each request reads it once, when it arrives, and is served
     /// by that snapshot to its end.
     config: Arc<Live>,
-    store: Arc<dyn Store>,
+    /// Where it reads records, with how long each answer lives.
+    records: Records,
     worker: Worker,
     upstream: Upstream,
     /// Done answers kept in memory, replayed without the store.
@@ -71,7 +73,7 @@ pub struct Ingress {
 /// What an [`Ingress`] is built on: the parts of the broker it shares with the others.
 pub struct Parts {
     pub config: Arc<Live>,
-    pub store: Arc<dyn Store>,
+    pub records: Records,
     /// The worker it hands executions to; the routes' runtimes and its shutdown come with it.
     pub worker: Worker,
     pub upstream: Upstream,
@@ -85,13 +87,13 @@ pub struct Parts {
 
 impl Ingress {
     pub fn new(parts: Parts) -> Ingress {
-        let Parts { config, store, worker, upstream, bodies, health, switches, clock, replay_cache_bytes } = parts;
+        let Parts { config, records, worker, upstream, bodies, health, switches, clock, replay_cache_bytes } = parts;
         Ingress {
             runtimes: worker.runtimes(),
             stopping: worker.stopping(),
             replays: Replays::new(replay_cache_bytes),
             config,
-            store,
+            records,
             worker,
             upstream,
             bodies,
@@ -103,7 +105,6 @@ impl Ingress {
 }
 
 mod answers;
-mod lifetime;
 mod outcomes;
 mod plain;
 mod reading;
@@ -313,9 +314,9 @@ impl Ingress {
     /// A request the worker shed before recording it: refused, unless its key has a live record,
     /// which answers it.
     async fn shed(&self, route: &Route, refusal: Refusal, new: NewRecord, prefer: Prefer) -> Answer {
-        let existing = self.store.lookup(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
+        let existing = self.records.live(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
         match existing {
-            Some(record) if !self.expired(&record) && record.phase() != Phase::Free => {
+            Some(record) if record.phase() != Phase::Free => {
                 self.answer_record(route, record, new.fingerprint, prefer).await
             }
             _ => {
@@ -340,7 +341,7 @@ impl Ingress {
             metrics::answered(&route.name, AnswerKind::KeyReused);
             return Err(Problem::key_reused().state(record.state));
         }
-        if let Some(spent) = self.spent(&record) {
+        if let Some(spent) = self.records.spent(&record) {
             metrics::answered(&route.name, AnswerKind::ResultExpired);
             return Err(spent);
         }

@@ -40,7 +40,7 @@ impl Ingress {
         };
         let id = record.id;
         // The record becomes done after it arrived, so its retention ends later than this entry's.
-        let expires_at = record.created_at + self.retention(&record.route);
+        let expires_at = record.created_at + self.records.retention(&record.route);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
@@ -50,7 +50,7 @@ impl Ingress {
                 outcome_response(outcome)
             }
             // Another worker (of this node or another) runs it: wait for it like a duplicate.
-            _ => match self.store.get(id).await {
+            _ => match self.records.get(id).await {
                 Ok(Some(record)) => {
                     let left = record.deadline_at - self.clock.now();
                     // Its outcome answers this request first-hand: it is not a replay.
@@ -97,7 +97,7 @@ impl Ingress {
                 Phase::Unknown | Phase::Free => {}
             }
         }
-        if let Some(spent) = self.spent(&record) {
+        if let Some(spent) = self.records.spent(&record) {
             return Err(spent);
         }
         match record.phase() {
@@ -106,7 +106,7 @@ impl Ingress {
                 Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
                 Some(response) => {
                     // A done record is not updated again: this is when it became done.
-                    let expires_at = record.updated_at + self.retention(&record.route);
+                    let expires_at = record.updated_at + self.records.retention(&record.route);
                     self.keep_for_replays(&record, response, expires_at);
                     let mut answer = stored_response(response, replay);
                     answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));
@@ -147,7 +147,7 @@ impl Ingress {
         let until = tokio::time::Instant::now() + max;
         let _counted = metrics::waiting(&record.route);
         // Another node may settle it: have it announced.
-        self.store.watch(id).await.map_err(|e| Problem::store(&e))?;
+        self.records.watch(id).await.map_err(|e| Problem::store(&e))?;
         // At shutdown, waiting ends: the client is answered with where its request stands.
         let mut stopping = self.stopping.clone();
         loop {
@@ -155,7 +155,7 @@ impl Ingress {
             let notified = watch.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let record = self.store.get(id).await.map_err(|e| Problem::store(&e))?;
+            let record = self.records.get(id).await.map_err(|e| Problem::store(&e))?;
             let Some(record) = record else {
                 return Ok(None);
             };

@@ -17,7 +17,7 @@ use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{HistoryEntry, Record};
-use crate::store::{Cancel, Cancelled};
+use crate::store::Cancelled;
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
     let tenant = credentials::tenant(&app.config.current(), headers)?;
@@ -25,11 +25,7 @@ async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, P
         KeyError::Missing => Problem::missing_key(),
         KeyError::Invalid(why) => Problem::invalid_key(why),
     })?;
-    match app.store.lookup(&tenant, &key).await {
-        Ok(Some(record)) if !app.expired(&record) => Ok(record),
-        Ok(_) => Err(Problem::not_found()),
-        Err(e) => Err(Problem::store(&e)),
-    }
+    app.records.live(&tenant, &key).await.map_err(|e| Problem::store(&e))?.ok_or_else(Problem::not_found)
 }
 
 fn record_response(status: StatusCode, record: &Record) -> Response {
@@ -108,15 +104,9 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
         action: HistoryAction::Cancel,
         note: None,
     };
-    match app.store.cancel(Cancel { id: record.id, entry }).await.map_err(|e| Problem::store(&e))? {
-        Cancelled::Dequeued(record) => {
-            app.worker.settled(record.id);
-            Ok(record_response(StatusCode::OK, &record))
-        }
-        Cancelled::Flagged(record) => {
-            app.worker.cancel(record.id);
-            Ok(record_response(StatusCode::ACCEPTED, &record))
-        }
+    match app.worker.cancel_record(record.id, entry).await.map_err(|e| Problem::store(&e))? {
+        Cancelled::Dequeued(record) => Ok(record_response(StatusCode::OK, &record)),
+        Cancelled::Flagged(record) => Ok(record_response(StatusCode::ACCEPTED, &record)),
         Cancelled::Refused(record) => Err(Problem::not_cancellable(record.state)),
         Cancelled::Missing => Err(Problem::not_found()),
     }

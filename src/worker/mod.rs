@@ -28,9 +28,9 @@ use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
 use crate::domain::StopReason;
-use crate::record::{Record, StoredResponse};
+use crate::record::{HistoryEntry, Record, StoredResponse};
 use crate::runtime::Runtimes;
-use crate::store::Store;
+use crate::store::{Cancel, Cancelled, Store, StoreError};
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 
@@ -330,7 +330,19 @@ impl Worker {
     }
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
-    pub fn cancel(&self, id: RecordId) {
+    /// Cancels `id` for whoever `entry` names (a client, an operator): a queued record at once,
+    /// its waiters woken; a running one when its worker next looks (docs/concepts.md).
+    pub async fn cancel_record(&self, id: RecordId, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
+        let cancelled = self.inner.store.cancel(Cancel { id, entry }).await?;
+        match &cancelled {
+            Cancelled::Dequeued(record) => self.settled(record.id),
+            Cancelled::Flagged(record) => self.cancel(record.id),
+            Cancelled::Refused(_) | Cancelled::Missing => {}
+        }
+        Ok(cancelled)
+    }
+
+    fn cancel(&self, id: RecordId) {
         if let Some(s) = self.inner.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();

@@ -1,0 +1,67 @@
+//! The record reader: what the data plane reads of records — a key's live record, a record by
+//! id, a watch on its settlement elsewhere — with the rules of how long an answer lives
+//! (docs/agents.md, key lifetime) applied here, so that no reader computes a cut-off of its own:
+//! a done record is replayed until its route's retention ends, then remembered by a tombstone
+//! that refuses the same request instead of executing it again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::SharedClock;
+use crate::config::Live;
+use crate::domain::{RecordId, State, Tenant, Timestamp};
+use crate::key::IdempotencyKey;
+use crate::problem::Problem;
+use crate::record::Record;
+use crate::store::{Store, StoreError};
+
+pub struct Records {
+    store: Arc<dyn Store>,
+    /// The configuration in force: each route's retention, as configured now.
+    config: Arc<Live>,
+    clock: SharedClock,
+}
+
+impl Records {
+    pub fn new(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) -> Records {
+        Records { store, config, clock }
+    }
+
+    /// The record of `tenant`'s `key`, unless it is a done record past its retention that the
+    /// sweep has not removed yet: that one is read as gone.
+    pub async fn live(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        Ok(self.store.lookup(tenant, key).await?.filter(|record| !self.expired(record)))
+    }
+
+    pub async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+        self.store.get(id).await
+    }
+
+    /// Asks the store to announce `id`'s settlement, should another node settle it.
+    pub async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
+        self.store.watch(id).await
+    }
+
+    /// How long a route's done records are replayed, as configured now; a route no longer
+    /// configured keeps the store's.
+    pub fn retention(&self, route: &str) -> Duration {
+        let config = self.config.current();
+        config.route_named(route).map_or(config.store.retention, |r| r.retention)
+    }
+
+    /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
+    /// yet swept. The same request is refused, never executed again (docs/agents.md).
+    pub fn spent(&self, record: &Record) -> Option<Problem> {
+        let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
+        let status = record.response.as_ref().map(|r| r.status);
+        spent.then(|| Problem::result_expired(status, &record.updated_at.rfc3339()).state(State::Done))
+    }
+
+    fn expired(&self, record: &Record) -> bool {
+        record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
+    }
+
+    fn retention_cutoff(&self, route: &str) -> Timestamp {
+        self.clock.now() - self.retention(route)
+    }
+}
