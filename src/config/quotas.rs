@@ -67,9 +67,7 @@ pub(super) fn validate_upstreams(raw: Vec<RawUpstream>) -> Result<Vec<Upstream>,
     let mut upstreams: Vec<Upstream> = Vec::with_capacity(raw.len());
     for (i, u) in raw.into_iter().enumerate() {
         let key = format!("upstreams[{i}]");
-        if u.name.is_empty() || !u.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-            return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
-        }
+        RouteName::parse(&u.name).map_err(|why| invalid(format!("{key}.name"), why))?;
         if upstreams.iter().any(|other| other.name == u.name) {
             return Err(invalid(format!("{key}.name"), format!("upstream `{}` is listed twice", u.name)));
         }

@@ -337,9 +337,7 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
     let mut tenants = Vec::new();
     for (i, t) in raw.tenants.into_iter().enumerate() {
         let key = format!("auth.tenants[{i}]");
-        if t.name.is_empty() || !t.name.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(invalid(format!("{key}.name"), "must be non-empty visible ASCII"));
-        }
+        let name = crate::domain::Tenant::parse(&t.name).map_err(|why| invalid(format!("{key}.name"), why))?;
         if !seen.insert(t.name.clone()) {
             return Err(invalid(format!("{key}.name"), format!("tenant `{}` is listed twice", t.name)));
         }
@@ -352,7 +350,7 @@ pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) 
         })?;
         let retry_budget =
             quotas::tenant_budget(&key, t.retry_budget_ratio, t.retry_budget_min_per_sec, tenant_retry_budget)?;
-        tenants.push(Tenant { name: t.name.into(), token_sha256: digest, retry_budget });
+        tenants.push(Tenant { name, token_sha256: digest, retry_budget });
     }
     let token_header = raw
         .token_header

@@ -17,9 +17,7 @@ impl RawRoute {
         upstreams: &[Upstream],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Route, ConfigError> {
-        if self.name.is_empty() || !self.name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
-            return Err(invalid(format!("{key}.name"), "must be non-empty and use only letters, digits, - _ ."));
-        }
+        let name = RouteName::parse(&self.name).map_err(|why| invalid(format!("{key}.name"), why))?;
         if self.name == crate::switch::Scope::ALL {
             return Err(invalid(
                 format!("{key}.name"),
@@ -101,7 +99,7 @@ impl RawRoute {
         let canary =
             self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version)).transpose()?;
         Ok(Route {
-            name: self.name.into(),
+            name,
             path_prefix: self.path_prefix,
             upstream: upstream.as_str().trim_end_matches('/').to_string(),
             upstream_base: upstream,

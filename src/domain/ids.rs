@@ -145,6 +145,17 @@ name!(
     Tenant
 );
 
+impl Tenant {
+    /// A tenant's name as a config may write it: non-empty visible ASCII, so that a log line,
+    /// a metric label and the admin API show it as written.
+    pub fn parse(text: &str) -> Result<Tenant, &'static str> {
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("must be non-empty visible ASCII");
+        }
+        Ok(Tenant::from(text))
+    }
+}
+
 /// The tenant of a broker that configures none: one allocation for the process, shared.
 impl Default for Tenant {
     fn default() -> Tenant {
@@ -164,3 +175,14 @@ name!(
     /// copied: every request on the route names it.
     RouteName
 );
+
+impl RouteName {
+    /// A route's name as a config may write it: letters, digits, `-`, `_` and `.` (the same rule
+    /// names an `[[upstreams]]` entry), so that it reads the same in a URL, a label and a log.
+    pub fn parse(text: &str) -> Result<RouteName, &'static str> {
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)) {
+            return Err("must be non-empty and use only letters, digits, - _ .");
+        }
+        Ok(RouteName::from(text))
+    }
+}

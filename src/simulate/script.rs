@@ -11,6 +11,7 @@
 use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
+use crate::domain::AttemptError;
 use crate::policy::{self, Observed};
 
 /// The logical clock ticks in milliseconds, so finer durations are refused rather than rounded.
@@ -43,6 +44,19 @@ pub enum Scripted {
     ConnectFailed,
     /// The connection was cut after the request may have been written.
     Broken,
+}
+
+impl Scripted {
+    /// The results a script writes as a word, each spelt by the attempt error it stands for.
+    const WORDS: [(Scripted, AttemptError); 3] = [
+        (Scripted::Timeout, AttemptError::TimedOut),
+        (Scripted::ConnectFailed, AttemptError::ConnectFailed),
+        (Scripted::Broken, AttemptError::Broken),
+    ];
+
+    fn from_word(word: &str) -> Option<Scripted> {
+        Scripted::WORDS.into_iter().find(|(_, error)| error.script_word() == word).map(|(scripted, _)| scripted)
+    }
 }
 
 impl Outcome {
@@ -109,10 +123,9 @@ fn outcome(item: &str) -> Result<Outcome, String> {
     let Some(first) = words.next() else {
         return Err("the result is missing after `:`".into());
     };
-    let (result, mut cancel) = match first.to_ascii_lowercase().as_str() {
-        "timeout" => (Scripted::Timeout, false),
-        "connect-failed" => (Scripted::ConnectFailed, false),
-        "broken" => (Scripted::Broken, false),
+    let word = first.to_ascii_lowercase();
+    let (result, mut cancel) = match word.as_str() {
+        _ if let Some(scripted) = Scripted::from_word(&word) => (scripted, false),
         // The script does not say what the cancelled attempt returned; the safe reading of an
         // answer nobody saw is that it may have executed.
         "cancel" => (Scripted::Broken, true),
