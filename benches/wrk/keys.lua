@@ -4,6 +4,8 @@
 -- `unrecorded`, no key at all, to a route that proxies keyless requests without recording them.
 -- The mode comes from the IDEM_WRK_MODE variable.
 local mode = os.getenv("IDEM_WRK_MODE") or "new"
+-- The path keyed requests go to: a proxy that names its upstream in the path has its own.
+local path = os.getenv("IDEM_WRK_PATH") or "/payments"
 local body = '{"amount":42}'
 local threads = 0
 local prefix, n = "", 0
@@ -28,8 +30,7 @@ function request()
   if mode == "unrecorded" then
     return wrk.format("POST", "/unrecorded", { ["Content-Type"] = "application/json" }, body)
   end
-  return wrk.format("POST", "/payments",
-    { ["Idempotency-Key"] = key, ["Content-Type"] = "application/json" }, body)
+  return wrk.format("POST", path, { ["Idempotency-Key"] = key, ["Content-Type"] = "application/json" }, body)
 end
 
 function done(summary, latency, requests)

@@ -84,24 +84,22 @@ impl Charges {
     /// tenant, always in that order, so that two executions never wait for each other's.
     pub(crate) fn take_retry(&self) -> Result<(), BudgetScope> {
         let now = self.ticks.now();
-        let mut route = lock(&self.route.budget);
-        let mut upstream = self.upstream.as_ref().map(|s| lock(&s.budget));
-        let mut tenant = self.tenant.as_ref().map(|s| lock(&s.budget));
-        let mut budgets = vec![(BudgetScope::Route, &mut *route)];
-        if let Some(u) = upstream.as_deref_mut() {
-            budgets.push((BudgetScope::Upstream, u));
-        }
-        if let Some(t) = tenant.as_deref_mut() {
-            budgets.push((BudgetScope::Tenant, t));
-        }
+        let charged: Vec<(BudgetScope, &SharedBudget)> = [
+            (BudgetScope::Route, Some(&self.route)),
+            (BudgetScope::Upstream, self.upstream.as_ref()),
+            (BudgetScope::Tenant, self.tenant.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(scope, shared)| shared.map(|shared| (scope, &**shared)))
+        .collect();
+        let mut held: Vec<_> = charged.iter().map(|(_, shared)| lock(&shared.budget)).collect();
+        let mut budgets: Vec<(BudgetScope, &mut RetryBudget)> =
+            charged.iter().zip(held.iter_mut()).map(|((scope, _), budget)| (*scope, &mut **budget)).collect();
         let taken = withdraw_from_all(&mut budgets, now);
-        if let Err(scope) = taken {
-            let refused = match scope {
-                BudgetScope::Route => &self.route.refused,
-                BudgetScope::Upstream => &self.upstream.as_ref().expect("refused by it").refused,
-                BudgetScope::Tenant => &self.tenant.as_ref().expect("refused by it").refused,
-            };
-            refused.fetch_add(1, Ordering::Relaxed);
+        if let Err(refused) = taken {
+            if let Some((_, shared)) = charged.iter().find(|(scope, _)| *scope == refused) {
+                shared.refused.fetch_add(1, Ordering::Relaxed);
+            }
         }
         taken
     }

@@ -267,6 +267,11 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
     let series = page.eval(&format!("JSON.parse({amplification}.dataset.series).length")).await;
     assert_eq!(series, 90, "15 minutes in steps of 10 s");
     assert_eq!(page.eval(&format!("{amplification}.querySelectorAll('svg path, svg circle').length > 0")).await, true);
+    // This node's retry budgets, a row each: the storm's 8 retries were payments', none ledger's.
+    let row = |name: &str| format!(r#"document.querySelector('#budgets tr[data-scope="route"][data-name="{name}"]')"#);
+    page.until(&format!("{} !== null", row("payments"))).await;
+    assert_eq!(page.eval(&format!("{}.cells[3].textContent", row("payments"))).await, "8");
+    assert_eq!(page.eval(&format!("{}.cells[3].textContent", row("ledger"))).await, "0");
     // Everything on the page came from the broker itself.
     let foreign = "performance.getEntriesByType('resource').filter(e => !e.name.startsWith(location.origin)).length";
     assert_eq!(page.eval(foreign).await, 0);
