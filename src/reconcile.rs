@@ -84,7 +84,11 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp
     let expiry = Event::LeaseExpired {
         attempt_unrecorded: record.in_flight.is_some(),
         // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
-        replay_safe: route.is_some_and(|r| r.replay_safe),
+        // The policy the record ran under says: an MCP route's replay-safe tools have their own.
+        replay_safe: route.is_some_and(|r| {
+            let policy = record.policy_version.as_ref().and_then(|v| r.policy_named(v.as_str()));
+            policy.map_or(r.replay_safe, |p| p.replay_safe)
+        }),
         deadline_passed: now >= record.deadline_at,
     };
     let event = match transition(Phase::InProgress, expiry) {

@@ -6,6 +6,7 @@ use http::Method;
 
 use crate::policy::Effective;
 
+use super::mcp::{check_mcp_route, RouteKind};
 use super::raw::*;
 use super::*;
 
@@ -32,8 +33,18 @@ impl RawRoute {
             return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
         }
         crate::path::check(&self.path_prefix).map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
+        let kind = RouteKind::parse(&format!("{key}.kind"), self.kind.as_deref())?;
+        match kind {
+            RouteKind::Mcp => check_mcp_route(key, &self)?,
+            RouteKind::Http if self.mcp.is_some() => {
+                return Err(invalid(format!("{key}.mcp"), "is only for a route with kind = \"mcp\""))
+            }
+            RouteKind::Http => {}
+        }
         let upstream = upstream_url(&format!("{key}.upstream"), &self.upstream)?;
         let methods = match self.methods {
+            // An MCP client POSTs every request; only its `tools/call` is ever recorded.
+            None if kind == RouteKind::Mcp => vec![Method::POST],
             None => vec![Method::POST, Method::PATCH],
             Some(list) if list.is_empty() => {
                 return Err(invalid(format!("{key}.methods"), "must name at least one method"))
@@ -83,6 +94,19 @@ impl RawRoute {
         let policy_version = version(&retry);
         let canary =
             self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version)).transpose()?;
+        let mcp = match kind {
+            RouteKind::Mcp => {
+                let replay_safe_version = Effective {
+                    retry: &retry,
+                    replay_safe: true,
+                    deadline_header: deadline_header.as_ref().map(|h| h.as_str()),
+                    circuit: &circuit,
+                }
+                .version();
+                Some(self.mcp.unwrap_or_default().validate(&format!("{key}.mcp"), replay_safe_version)?)
+            }
+            RouteKind::Http => None,
+        };
         Ok(Route {
             name: self.name.into(),
             path_prefix: self.path_prefix,
@@ -107,6 +131,7 @@ impl RawRoute {
             deadline_header,
             policy_version,
             canary,
+            mcp,
         })
     }
 }
