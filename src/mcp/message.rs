@@ -100,6 +100,18 @@ fn single(mut members: Map<String, Value>) -> Result<Incoming, Refused> {
     Ok(Incoming::ToolCall(ToolCall { id, tool, arguments, key }))
 }
 
+/// The tool a stored request body calls, if it is a `tools/call`: what a record shows of it.
+pub fn tool_called(body: &[u8]) -> Option<String> {
+    // Most bodies are not tool calls: they are not parsed at all.
+    if !body.starts_with(b"{") || !body.windows(TOOLS_CALL.len()).any(|w| w == TOOLS_CALL.as_bytes()) {
+        return None;
+    }
+    match read(body) {
+        Ok(Incoming::ToolCall(call)) => Some(call.tool),
+        _ => None,
+    }
+}
+
 fn key_error(error: &crate::key::KeyError) -> String {
     match error {
         crate::key::KeyError::Missing => "the idempotency key is missing".into(),

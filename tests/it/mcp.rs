@@ -1,0 +1,247 @@
+//! The MCP front (docs/mcp.md), end to end with real parts: the official MCP Python SDK's
+//! FastMCP server (`tests/mcp/server.py`, counting its side effects in a ledger file) behind a
+//! route of `kind = "mcp"`, and the SDK's own Streamable HTTP client (`tests/mcp/client.py`),
+//! unmodified, in front. A lost answer, twenty concurrent duplicates, a reused key, a server
+//! that dies mid-call, read-only tools, sessions and `tools/list_changed`: each on both stores.
+//!
+//! The SDK comes from PyPI: `.ci/run` installs it in a virtual environment and names its
+//! interpreter in `IDEM_TEST_PYTHON`. Elsewhere the tests run where `python3` has it, and say
+//! they were skipped where it has not (under `CI` they fail instead).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout, Command};
+
+use crate::common::{both_stores, send, Backend, Broker, Db};
+
+/// The interpreter that has the MCP SDK, or `None` (skip) outside CI.
+fn python() -> Option<String> {
+    let python = std::env::var("IDEM_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_sdk =
+        std::process::Command::new(&python).args(["-c", "import mcp"]).output().is_ok_and(|o| o.status.success());
+    match has_sdk {
+        true => Some(python),
+        false if std::env::var_os("CI").is_some() => panic!("{python} cannot `import mcp`: .ci/run installs it"),
+        false => {
+            eprintln!("skipped the MCP test: {python} cannot `import mcp` (pip install \"mcp>=1.20,<2\", or set IDEM_TEST_PYTHON)");
+            None
+        }
+    }
+}
+
+fn script(name: &str) -> String {
+    format!("{}/tests/mcp/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The FastMCP server on a port of its own, and its ledger of side effects.
+struct Server {
+    url: String,
+    ledger: PathBuf,
+    _process: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(python: &str) -> Server {
+        let dir = tempfile::TempDir::new().unwrap();
+        let ledger = dir.path().join("ledger.txt");
+        std::fs::write(&ledger, "").unwrap();
+        let mut process = Command::new(python)
+            .arg(script("server.py"))
+            .arg(&ledger)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(process.stdout.take().unwrap()).lines();
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line()).await.expect("the server started");
+        let port = line.unwrap().and_then(|l| l.strip_prefix("PORT ").map(str::to_string)).expect("PORT <n>");
+        Server { url: format!("http://127.0.0.1:{port}"), ledger, _process: process, _dir: dir }
+    }
+
+    /// The side effects of `tool` so far.
+    fn effects(&self, tool: &str) -> usize {
+        let ledger = std::fs::read_to_string(&self.ledger).unwrap();
+        ledger.lines().filter(|line| line.split(' ').next() == Some(tool)).count()
+    }
+}
+
+/// The route in front of the server: `tools` at `/mcp`.
+const ROUTE: &str = "[[routes]]\nname = \"tools\"\nkind = \"mcp\"\npath_prefix = \"/mcp\"\n";
+
+async fn mcp_behind_idem(b: Backend, python: &str) -> (Server, Broker) {
+    let server = Server::start(python).await;
+    let db = Db::new(b).await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[store]\nurl = \"{}\"\n\
+         {ROUTE}upstream = \"{}\"\n[routes.mcp]\nin_flight_wait = \"10s\"\n[routes.retry]\nper_try_timeout = \"10s\"\n",
+        db.url, server.url
+    );
+    let broker = Broker::start_with(&db, config).await;
+    (server, broker)
+}
+
+/// Starts a client scenario; its findings come line by line.
+fn client(python: &str, broker: &Broker, scenario: &str, extra: &[&str]) -> (Child, Lines<BufReader<ChildStdout>>) {
+    let mut process = Command::new(python)
+        .arg(script("client.py"))
+        .arg(format!("{}/mcp", broker.url))
+        .arg(scenario)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(process.stdout.take().unwrap()).lines();
+    (process, lines)
+}
+
+async fn next_finding(lines: &mut Lines<BufReader<ChildStdout>>, scenario: &str) -> Value {
+    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await;
+    let line = line.unwrap_or_else(|_| panic!("{scenario}: no finding within a minute")).unwrap();
+    let line = line.unwrap_or_else(|| panic!("{scenario}: the client ended without a finding (its stderr is above)"));
+    serde_json::from_str(&line).unwrap_or_else(|_| panic!("{scenario}: not JSON: {line}"))
+}
+
+async fn run(python: &str, broker: &Broker, scenario: &str) -> Value {
+    let (mut process, mut lines) = client(python, broker, scenario, &[]);
+    let finding = next_finding(&mut lines, scenario).await;
+    let _ = tokio::time::timeout(Duration::from_secs(20), process.wait()).await;
+    finding
+}
+
+async fn records(broker: &Broker) -> Vec<Value> {
+    let list = send(broker.http.get(format!("{}/admin/requests?route=tools&limit=100", broker.admin))).await;
+    assert_eq!(list.status, 200, "{:?}", list.body);
+    list.json()["items"].as_array().unwrap().clone()
+}
+
+fn structured(finding: &Value) -> &Value {
+    &finding["result"]["structuredContent"]
+}
+
+async fn a_lost_answer_retried_with_its_key_gets_the_one_result(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let found = run(&python, &broker, "lost_answer").await;
+    assert!(found["first"]["error"].is_object(), "the first read timed out: {found}");
+    let retry = &found["retry"];
+    assert_eq!(structured(retry)["amount"], json!(10), "{found}");
+    assert_eq!(retry["result"]["_meta"]["io.idem/replayed"], json!(true), "{found}");
+    assert_eq!(structured(&found["by_param"]), structured(retry), "params.idempotencyKey names the same call");
+    assert_eq!(server.effects("create_payment"), 1, "{found}");
+    let records = records(&broker).await;
+    assert_eq!(records.len(), 1);
+    let record = &records[0];
+    assert_eq!((record["key"].as_str(), record["state"].as_str()), (Some("lost-1"), Some("done")));
+    // The record names the tool called, for an operator.
+    assert_eq!(record["tool"], json!("create_payment"), "{record:#}");
+}
+
+async fn twenty_concurrent_calls_with_one_key_execute_once(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let found = run(&python, &broker, "concurrent").await;
+    let results = found["results"].as_array().unwrap();
+    assert_eq!(results.len(), 20);
+    let payments: std::collections::HashSet<String> =
+        results.iter().map(|r| structured(r)["payment"].to_string()).collect();
+    assert_eq!(payments.len(), 1, "every caller got the one payment: {found}");
+    assert!(!payments.contains("null"), "{found}");
+    assert_eq!(server.effects("create_payment"), 1);
+}
+
+async fn the_same_key_with_other_arguments_is_refused_and_runs_nothing(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let found = run(&python, &broker, "mismatch").await;
+    assert_eq!(structured(&found["first"])["amount"], json!(30), "{found}");
+    for refused in [&found["other"], &found["other_tool"]] {
+        let error = &refused["error"];
+        assert_eq!(error["code"], json!(-32009), "{found}");
+        assert_eq!(error["data"]["type"], json!("urn:idem:problem:idempotency-key-reused"));
+        assert_eq!(error["data"]["idempotencyKey"], json!("mm-1"));
+        assert_eq!(error["data"]["state"], json!("done"));
+    }
+    assert_eq!(server.effects("create_payment"), 1);
+    assert_eq!(server.effects("set_flag"), 0);
+}
+
+async fn a_server_that_dies_mid_call_leaves_an_unknown_outcome_an_operator_settles(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let dir = tempfile::TempDir::new().unwrap();
+    let flag = dir.path().join("settled");
+    let (mut process, mut lines) = client(&python, &broker, "unknown", &[flag.to_str().unwrap()]);
+    let found = next_finding(&mut lines, "unknown").await;
+    let retry = &found["retry"]["result"];
+    assert_eq!(retry["isError"], json!(true), "{found}");
+    let text = retry["content"][0]["text"].as_str().unwrap_or("");
+    assert!(text.contains("may have taken effect"), "{found}");
+    let named = &retry["structuredContent"];
+    assert_eq!((named["idempotencyKey"].as_str(), named["state"].as_str()), (Some("crash-1"), Some("unknown")));
+    assert_eq!(server.effects("crash_midway"), 1);
+
+    let id = named["recordId"].as_str().expect("the record is named").to_string();
+    let settled = json!({"jsonrpc": "2.0", "id": 0, "result": {
+        "content": [{"type": "text", "text": "settled by hand"}], "structuredContent": {"refund": "none"}}});
+    let resolve = json!({"outcome": "executed", "note": "found in the ledger",
+        "response": {"status": 200, "headers": {"content-type": "application/json"}, "body": settled.to_string()}});
+    let r = send(broker.http.post(format!("{}/admin/requests/{id}/resolve", broker.admin)).json(&resolve)).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    std::fs::write(&flag, "").unwrap();
+    let after = next_finding(&mut lines, "unknown").await;
+    let result = &after["settled"]["result"];
+    assert_eq!(result["structuredContent"], json!({"refund": "none"}), "{after}");
+    assert_eq!(result["_meta"]["io.idem/replayed"], json!(true));
+    assert_eq!(server.effects("crash_midway"), 1);
+    let _ = tokio::time::timeout(Duration::from_secs(20), process.wait()).await;
+}
+
+async fn read_only_tools_are_never_recorded_and_idempotent_ones_are_replay_safe(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let found = run(&python, &broker, "read_only").await;
+    assert_eq!(structured(&found["keyed"])["balance"], json!(100), "{found}");
+    assert_eq!(server.effects("get_balance"), 3, "each read reached the server");
+    assert_eq!(found["flag_again"]["result"]["_meta"]["io.idem/replayed"], json!(true), "{found}");
+    assert_eq!(server.effects("set_flag"), 1);
+    let records = records(&broker).await;
+    assert_eq!(records.len(), 1, "only set_flag is recorded: {records:#?}");
+    // Its attempts ran under the route's replay-safe policy, not the route's own.
+    let config = idem::config::Config::parse_with_env(&broker.config_text, |_| None).unwrap();
+    let route = &config.routes[0];
+    let replay_safe = route.mcp.as_ref().unwrap().replay_safe_version.to_string();
+    let shown =
+        send(broker.http.get(format!("{}/admin/requests/{}", broker.admin, records[0]["id"].as_str().unwrap()))).await;
+    assert_eq!(shown.json()["attempts"][0]["policy_version"], json!(replay_safe), "{:#}", shown.json());
+}
+
+async fn sessions_and_tool_list_changes_pass_through_and_initialize_says_idempotency(b: Backend) {
+    let Some(python) = python() else { return };
+    let (server, broker) = mcp_behind_idem(b, &python).await;
+    let found = run(&python, &broker, "session_and_list_changed").await;
+    assert_eq!(found["capabilities"]["tools"]["idempotency"], json!({"supported": true}), "{found}");
+    let session = found["client_session"].as_str().expect("the server's session id reached the client");
+    assert_eq!(found["server_saw"]["result"]["content"][0]["text"], json!(session), "{found}");
+    assert_eq!(found["notified"], json!(true), "tools/list_changed reached the client: {found}");
+    assert!(found["tools"].as_array().unwrap().contains(&json!("late_report")), "{found}");
+    assert_eq!(found["report"]["result"]["content"][0]["text"], json!("report"), "{found}");
+    assert_eq!(server.effects("late_report"), 1);
+    let records = records(&broker).await;
+    let keys: Vec<&str> = records.iter().filter_map(|r| r["key"].as_str()).collect();
+    assert_eq!(keys, vec!["add-1"], "only add_report_tool is recorded; whoami and late_report are read-only");
+}
+
+both_stores!(
+    a_lost_answer_retried_with_its_key_gets_the_one_result,
+    twenty_concurrent_calls_with_one_key_execute_once,
+    the_same_key_with_other_arguments_is_refused_and_runs_nothing,
+    a_server_that_dies_mid_call_leaves_an_unknown_outcome_an_operator_settles,
+    read_only_tools_are_never_recorded_and_idempotent_ones_are_replay_safe,
+    sessions_and_tool_list_changes_pass_through_and_initialize_says_idempotency,
+);
