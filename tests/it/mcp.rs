@@ -10,6 +10,8 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -54,6 +56,8 @@ impl Server {
             .arg(script("server.py"))
             .arg(&ledger)
             .stdout(Stdio::piped())
+            // Its teardown logs the streams the test's clients left open: noise.
+            .stderr(Stdio::null())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
@@ -187,8 +191,9 @@ async fn a_server_that_dies_mid_call_leaves_an_unknown_outcome_an_operator_settl
     assert_eq!(server.effects("crash_midway"), 1);
 
     let id = named["recordId"].as_str().expect("the record is named").to_string();
+    // What the tool would have answered: the SDK checks a result against the tool's output schema.
     let settled = json!({"jsonrpc": "2.0", "id": 0, "result": {
-        "content": [{"type": "text", "text": "settled by hand"}], "structuredContent": {"refund": "none"}}});
+        "content": [{"type": "text", "text": "settled by hand"}], "structuredContent": {"result": "settled by hand"}}});
     let resolve = json!({"outcome": "executed", "note": "found in the ledger",
         "response": {"status": 200, "headers": {"content-type": "application/json"}, "body": settled.to_string()}});
     let r = send(broker.http.post(format!("{}/admin/requests/{id}/resolve", broker.admin)).json(&resolve)).await;
@@ -196,7 +201,7 @@ async fn a_server_that_dies_mid_call_leaves_an_unknown_outcome_an_operator_settl
     std::fs::write(&flag, "").unwrap();
     let after = next_finding(&mut lines, "unknown").await;
     let result = &after["settled"]["result"];
-    assert_eq!(result["structuredContent"], json!({"refund": "none"}), "{after}");
+    assert_eq!(result["structuredContent"], json!({"result": "settled by hand"}), "{after}");
     assert_eq!(result["_meta"]["io.idem/replayed"], json!(true));
     assert_eq!(server.effects("crash_midway"), 1);
     let _ = tokio::time::timeout(Duration::from_secs(20), process.wait()).await;
@@ -237,7 +242,81 @@ async fn sessions_and_tool_list_changes_pass_through_and_initialize_says_idempot
     assert_eq!(keys, vec!["add-1"], "only add_report_tool is recorded; whoami and late_report are read-only");
 }
 
+/// A bare MCP upstream for what the SDK never sends: it answers every request with an empty
+/// result, the tool `slow` after a second, and counts the calls that reach it.
+async fn bare_upstream() -> (String, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let answer = move |body: axum::Json<Value>| {
+        let counted = counted.clone();
+        async move {
+            if body["method"] == "tools/call" {
+                counted.fetch_add(1, Ordering::SeqCst);
+                if body["params"]["name"] == "slow" {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+            let result = json!({"content": [{"type": "text", "text": "done"}]});
+            axum::Json(json!({"jsonrpc": "2.0", "id": body["id"], "result": result}))
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().route("/mcp", axum::routing::post(answer));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, calls)
+}
+
+fn tools_call(id: u32, tool: &str, key: Option<&str>) -> String {
+    let mut params = json!({"name": tool, "arguments": {"n": 1}});
+    if let Some(key) = key {
+        params["idempotencyKey"] = json!(key);
+    }
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}).to_string()
+}
+
+async fn a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc(b: Backend) {
+    let (upstream, calls) = bare_upstream().await;
+    let db = Db::new(b).await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[store]\nurl = \"{}\"\n\
+         {ROUTE}upstream = \"{upstream}\"\n[routes.mcp]\nin_flight_wait = \"100ms\"\n",
+        db.url
+    );
+    let broker = Broker::start_with(&db, config).await;
+    let post = |body: String| {
+        let request = broker.http.post(format!("{}/mcp", broker.url)).header("content-type", "application/json");
+        send(request.header("accept", "application/json, text/event-stream").body(body))
+    };
+
+    let garbage = post("{\"jsonrpc\": \"2.0\", \"id\": 1, \"method\":".into()).await;
+    assert_eq!((garbage.status, garbage.json()["error"]["code"].clone()), (400, json!(-32700)));
+    assert_eq!(garbage.json()["id"], Value::Null);
+    let batch = post(format!("[{}]", tools_call(1, "pay", Some("b-1")))).await;
+    assert_eq!((batch.status, batch.json()["error"]["code"].clone()), (400, json!(-32600)));
+    let keyless = post(tools_call(2, "pay", None)).await.json();
+    assert_eq!(keyless["error"]["code"], json!(-32602), "{keyless}");
+    assert_eq!(keyless["id"], json!(2));
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "nothing reached the server");
+
+    let first = tokio::spawn(post(tools_call(3, "slow", Some("slow-1"))));
+    broker.await_record("slow-1", Duration::from_secs(5), |r| r["state"] == "in_progress").await;
+    let busy = post(tools_call(4, "slow", Some("slow-1"))).await.json();
+    assert_eq!(busy["id"], json!(4));
+    assert_eq!(busy["error"]["code"], json!(-32010), "{busy}");
+    assert_eq!(busy["error"]["data"]["retryable"], json!(true));
+    assert!(busy["error"]["data"]["retryAfterMs"].as_u64().is_some_and(|ms| ms > 0), "{busy}");
+    let first = first.await.unwrap().json();
+    assert_eq!((first["id"].clone(), first["result"]["_meta"].clone()), (json!(3), Value::Null));
+    let replay = post(tools_call(5, "slow", Some("slow-1"))).await.json();
+    assert_eq!(replay["id"], json!(5));
+    assert_eq!(replay["result"]["_meta"]["io.idem/replayed"], json!(true));
+    assert_eq!(replay["result"]["content"], first["result"]["content"]);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
 both_stores!(
+    a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc,
     a_lost_answer_retried_with_its_key_gets_the_one_result,
     twenty_concurrent_calls_with_one_key_execute_once,
     the_same_key_with_other_arguments_is_refused_and_runs_nothing,
