@@ -56,6 +56,11 @@ pub struct ToolRule {
     pub replay_safe: Option<bool>,
 }
 
+/// `[routes.retry] not_processed` on an MCP route when it is not set: the statuses of a
+/// transport that refused the request (a bad request, a session the server does not know), then
+/// the usual two.
+pub(super) const MCP_NOT_PROCESSED: [i64; 4] = [400, 404, 429, 503];
+
 /// How long a duplicate waits by default: long enough for most tools to finish, short enough
 /// for an agent's own timeout.
 const IN_FLIGHT_WAIT_DEFAULT: &str = "10s";

@@ -6,7 +6,7 @@ use http::Method;
 
 use crate::policy::Effective;
 
-use super::mcp::{check_mcp_route, RouteKind};
+use super::mcp::{check_mcp_route, RouteKind, MCP_NOT_PROCESSED};
 use super::raw::*;
 use super::*;
 
@@ -78,7 +78,12 @@ impl RawRoute {
             .as_deref()
             .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
             .transpose()?;
-        let raw_retry = self.retry.unwrap_or_default();
+        let mut raw_retry = self.retry.unwrap_or_default();
+        if kind == RouteKind::Mcp && raw_retry.not_processed.is_none() {
+            // An MCP server answers a tool call in JSON-RPC, errors included, with 200: a 400 or
+            // 404 (a session it does not know) is the transport's refusal, before any tool ran.
+            raw_retry.not_processed = Some(MCP_NOT_PROCESSED.to_vec());
+        }
         let retry = raw_retry.clone().validate(&format!("{key}.retry"))?;
         let circuit = self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?;
         let replay_safe = self.replay_safe.unwrap_or(false);

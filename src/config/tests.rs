@@ -339,8 +339,11 @@ fn an_mcp_route_records_posted_tool_calls_with_rules_per_tool() {
     assert!(describe(&c).contains("kind mcp"), "{}", describe(&c));
     let plain = Config::parse_with_env(MINIMAL, no_env).unwrap();
     assert_eq!(plain.routes[0].kind(), RouteKind::Http);
-    let wait = Config::parse_with_env(MCP_ROUTE, no_env).unwrap().routes[0].mcp.as_ref().unwrap().in_flight_wait;
-    assert_eq!(wait, Duration::from_secs(10));
+    let defaults = Config::parse_with_env(MCP_ROUTE, no_env).unwrap();
+    assert_eq!(defaults.routes[0].mcp.as_ref().unwrap().in_flight_wait, Duration::from_secs(10));
+    assert_eq!(defaults.routes[0].retry.not_processed, vec![400, 404, 429, 503], "refused by the transport");
+    let own = Config::parse_with_env(&format!("{MCP_ROUTE}[routes.retry]\nnot_processed = [503]\n"), no_env).unwrap();
+    assert_eq!(own.routes[0].retry.not_processed, vec![503]);
 }
 
 #[test]

@@ -138,9 +138,15 @@ async fn a_lost_answer_retried_with_its_key_gets_the_one_result(b: Backend) {
     assert_eq!(retry["result"]["_meta"]["io.idem/replayed"], json!(true), "{found}");
     assert_eq!(structured(&found["by_param"]), structured(retry), "params.idempotencyKey names the same call");
     assert_eq!(server.effects("create_payment"), 1, "{found}");
+    // Progress streams through live to the caller that executes; its replay is the final result.
+    assert_eq!(found["progress"], json!([1.0, 2.0, 3.0]), "{found}");
+    let (export, again) = (&found["export"]["result"], &found["export_again"]["result"]);
+    assert_eq!(again["content"], export["content"], "{found}");
+    assert_eq!(again["_meta"]["io.idem/replayed"], json!(true));
+    assert_eq!(server.effects("export_report"), 1);
     let records = records(&broker).await;
-    assert_eq!(records.len(), 1);
-    let record = &records[0];
+    let record = records.iter().find(|r| r["key"] == "lost-1").expect("lost-1 is recorded");
+    assert_eq!(records.len(), 2, "lost-1 and export-1");
     assert_eq!((record["key"].as_str(), record["state"].as_str()), (Some("lost-1"), Some("done")));
     // The record names the tool called, for an operator.
     assert_eq!(record["tool"], json!("create_payment"), "{record:#}");

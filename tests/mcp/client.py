@@ -35,10 +35,14 @@ def failed(error: McpError) -> dict:
     return {"code": error.error.code, "message": error.error.message, "data": error.error.data}
 
 
-async def call(session, tool, arguments, key, timeout=10.0):
+async def call(session, tool, arguments, key, timeout=10.0, progress=None):
     try:
         result = await session.call_tool(
-            tool, arguments, read_timeout_seconds=timedelta(seconds=timeout), meta={META: key} if key else None
+            tool,
+            arguments,
+            read_timeout_seconds=timedelta(seconds=timeout),
+            meta={META: key} if key else None,
+            progress_callback=progress,
         )
         return {"result": shown(result)}
     except McpError as error:
@@ -60,7 +64,15 @@ async def lost_answer(session, _):
     first = await call(session, "create_payment", arguments, "lost-1", timeout=0.3)
     retry = await call(session, "create_payment", arguments, "lost-1")
     by_param = await call_with_param_key(session, "create_payment", arguments, "lost-1")
-    out({"first": first, "retry": retry, "by_param": by_param})
+    steps = []
+
+    async def progressed(progress, total, message):
+        steps.append(progress)
+
+    export = await call(session, "export_report", {"steps": 3}, "export-1", progress=progressed)
+    export_again = await call(session, "export_report", {"steps": 3}, "export-1")
+    out({"first": first, "retry": retry, "by_param": by_param, "export": export, "export_again": export_again,
+         "progress": steps})
 
 
 async def concurrent(session, _):

@@ -6,6 +6,7 @@ Tools:
 - create_payment  a side effect, not annotated (recorded, never re-sent); `delay` makes it slow
 - get_balance     readOnlyHint: passed through unrecorded
 - set_flag        idempotentHint: recorded, replay-safe
+- export_report   a side effect that reports progress on its answer's event stream
 - crash_midway    the server process dies in the middle of the call
 - add_report_tool registers `late_report` (read-only) and announces tools/list_changed
 - whoami          read-only: the Mcp-Session-Id the server saw
@@ -50,6 +51,16 @@ async def create_payment(amount: int, currency: str = "EUR", delay: float = 0.0)
     with open(LEDGER) as ledger:
         number = sum(1 for _ in ledger)
     return {"payment": f"pay_{number}", "amount": amount, "currency": currency}
+
+
+@server.tool()
+async def export_report(steps: int, ctx: Context) -> str:
+    """A slow side effect that reports its progress as it goes."""
+    for step in range(steps):
+        await ctx.report_progress(step + 1, steps)
+        await asyncio.sleep(0.05)
+    effect(f"export_report {steps}")
+    return f"exported in {steps} steps"
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
