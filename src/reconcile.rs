@@ -427,6 +427,21 @@ mod tests {
     }
 
     #[test]
+    fn a_call_to_a_replay_safe_mcp_tool_is_continued_after_a_take_over_and_others_are_not() {
+        let text =
+            "[[routes]]\nname = \"p\"\nkind = \"mcp\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\n";
+        let mcp = Config::parse_with_env(text, |_| None).unwrap().routes.remove(0);
+        let mut safe_call = leased(0, &[], true);
+        safe_call.policy_version = Some(mcp.mcp.as_ref().unwrap().replay_safe_version.clone());
+        assert_eq!(after_lease_expiry(&safe_call, Some(&mcp), NOW, 3), TakeOverTo::Queued);
+        let mut other_call = leased(0, &[], true);
+        other_call.policy_version = Some(mcp.policy_version.clone());
+        let unknown = TakeOverTo::Unknown(StopReason::UnsafeReplay);
+        assert_eq!(after_lease_expiry(&other_call, Some(&mcp), NOW, 3), unknown);
+        assert_eq!(after_lease_expiry(&leased(0, &[], true), Some(&mcp), NOW, 3), unknown, "no policy: the safe side");
+    }
+
+    #[test]
     fn the_sweep_runs_often_enough_for_short_and_long_retentions() {
         assert_eq!(sweep_interval(Duration::from_secs(2)), Duration::from_secs(1));
         assert_eq!(sweep_interval(Duration::from_secs(100)), Duration::from_secs(10));
