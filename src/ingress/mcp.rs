@@ -8,6 +8,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http::{Method, StatusCode};
 use serde_json::Value;
 
@@ -21,6 +22,7 @@ use crate::domain::{Tenant, Timestamp};
 use crate::key::IdempotencyKey;
 use crate::mcp::answers::{self, RecordRef};
 use crate::mcp::proxy::{self, json_answer, Watch};
+use crate::mcp::sse::{self, Events, Piece};
 use crate::mcp::{codes, message, Incoming, ToolCall, ToolClass};
 use crate::metrics;
 use crate::prefer::Prefer;
@@ -151,7 +153,9 @@ impl Ingress {
         let prefer = Prefer { respond_async: false, wait };
         let read = Read { config, route, parts: &parts, arrival, prefer, replay_safe };
         let answer = self.execute_keyed(read, tenant.clone(), body, &key, fingerprint).await;
-        self.mcp_answer(route, &tenant, &key, &call.id, answer).await
+        let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
+        let cut = Cut { id: call.id, tenant, key, replay_safe, store: self.store.clone() };
+        cut.told_in_json_rpc(answer)
     }
 
     /// A recorded call's answer in JSON-RPC. The request that executed it gets the upstream's
@@ -212,5 +216,65 @@ impl Ingress {
             }
         }
         reference
+    }
+}
+
+/// What a call's event stream, cut after its first byte, ends with for an MCP client: not the
+/// broker's `idem-error` event, which no MCP client reads, but a message under the call's `id`
+/// (see [`answers::cut`]), after which the stream ends as a whole one would.
+struct Cut {
+    id: Value,
+    tenant: Tenant,
+    key: IdempotencyKey,
+    replay_safe: bool,
+    store: Arc<dyn crate::store::Store>,
+}
+
+impl Cut {
+    fn told_in_json_rpc(self, response: Response) -> Response {
+        if !crate::stream::is_event_stream(response.headers()) {
+            return response;
+        }
+        let (head, body) = response.into_parts();
+        let flow = (body.into_data_stream(), Events::default(), self);
+        let parts = futures_util::stream::unfold(Some(flow), |flow| async move {
+            let (mut body, mut events, cut) = flow?;
+            loop {
+                let part = match body.next().await {
+                    Some(Ok(part)) => part,
+                    Some(Err(e)) => return Some((Err(e), None)),
+                    None => return events.rest().map(|rest| (Ok(Bytes::from(rest)), None)),
+                };
+                let mut out = Vec::with_capacity(part.len());
+                for piece in events.push(&part) {
+                    match piece {
+                        Piece::Event(event) if sse::is_broker_error(&event) => {
+                            out.extend(sse::event(&cut.message(&event).await));
+                            return Some((Ok(Bytes::from(out)), None));
+                        }
+                        Piece::Event(bytes) | Piece::Raw(bytes) => out.extend(bytes),
+                    }
+                }
+                if !out.is_empty() {
+                    return Some((Ok(Bytes::from(out)), Some((body, events, cut))));
+                }
+            }
+        });
+        Response::from_parts(head, Body::from_stream(parts))
+    }
+
+    /// The message in place of the `idem-error` event `event`.
+    async fn message(&self, event: &[u8]) -> Value {
+        let problem = sse::message(event).unwrap_or(Value::Null);
+        let mut record = RecordRef { key: self.key.as_str().to_string(), id: None, state: None };
+        if let Ok(Some(found)) = self.store.lookup(&self.tenant, &self.key).await {
+            record.id = Some(found.id.to_string());
+            record.state = Some(found.state.as_str().to_string());
+        }
+        if !self.replay_safe {
+            // What the record becomes as this event is sent, whatever the store said a moment before.
+            record.state = Some("unknown".into());
+        }
+        answers::cut(&self.id, &problem, &record, self.replay_safe)
     }
 }

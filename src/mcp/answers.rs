@@ -126,6 +126,26 @@ pub fn problem(id: &Value, problem: &Problem, record: Option<&RecordRef>) -> Val
     error(id, code, &message, Some(data))
 }
 
+/// The message that ends a call's event stream cut after its first byte, in place of the
+/// broker's `idem-error` event (whose problem document is `problem`): the call's outcome is
+/// `unknown` when its tool is not replay-safe; else its key is free again, a retryable error.
+pub fn cut(id: &Value, problem: &Value, record: &RecordRef, replay_safe: bool) -> Value {
+    if !replay_safe {
+        return unknown(id, record);
+    }
+    let data = json!({
+        "type": problem["type"],
+        "title": problem["title"],
+        "detail": problem["detail"],
+        "retryable": true,
+        "state": "not_started",
+        "idempotencyKey": record.key,
+    });
+    let message =
+        format!("{}: {}", problem["title"].as_str().unwrap_or("Stream cut"), problem["detail"].as_str().unwrap_or(""));
+    error(id, codes::BROKER_PROBLEM, &message, Some(data))
+}
+
 /// A JSON-RPC error response.
 pub fn error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Value {
     let mut error = json!({"code": code, "message": message});
@@ -210,6 +230,16 @@ mod tests {
         assert!(busy["error"]["data"]["retryAfterMs"].as_u64().is_some_and(|ms| ms >= 1000), "{busy}");
         let other = problem(&json!(3), &Problem::overloaded(), None);
         assert_eq!(other["error"]["code"], json!(codes::BROKER_PROBLEM));
+    }
+
+    #[test]
+    fn a_cut_stream_ends_with_the_outcome_the_tool_leaves() {
+        let record = RecordRef { key: "k".into(), id: Some("r1".into()), state: Some("unknown".into()) };
+        let problem = json!({"type": "urn:idem:problem:stream-cut", "title": "Stream cut", "detail": "cut"});
+        assert_eq!(cut(&json!(1), &problem, &record, false)["result"]["isError"], json!(true));
+        let freed = cut(&json!(1), &problem, &record, true);
+        assert_eq!(freed["error"]["code"], json!(codes::BROKER_PROBLEM));
+        assert_eq!(freed["error"]["data"]["retryable"], json!(true));
     }
 
     #[test]

@@ -107,6 +107,16 @@ pub fn with_message(event: &[u8], message: &Value) -> Vec<u8> {
     out
 }
 
+/// An event of the broker's own: `event: idem-error`, which ends a cut stream (docs/concepts.md).
+pub fn is_broker_error(event: &[u8]) -> bool {
+    lines(event).any(|line| line == b"event: idem-error" || line == b"event:idem-error")
+}
+
+/// A message as an event of its own.
+pub fn event(message: &Value) -> Vec<u8> {
+    format!("event: message\ndata: {message}\n\n").into_bytes()
+}
+
 /// Every message of a whole stream, in order.
 pub fn messages(stream: &[u8]) -> Vec<Value> {
     let mut events = Events::default();

@@ -188,6 +188,12 @@ async fn a_server_that_dies_mid_call_leaves_an_unknown_outcome_an_operator_settl
     let flag = dir.path().join("settled");
     let (mut process, mut lines) = client(&python, &broker, "unknown", &[flag.to_str().unwrap()]);
     let found = next_finding(&mut lines, "unknown").await;
+    // The caller whose answer was streaming when the server died is told at once, in the stream.
+    let first = &found["first"]["result"];
+    assert_eq!(
+        (first["isError"].clone(), first["structuredContent"]["state"].clone()),
+        (json!(true), json!("unknown"))
+    );
     let retry = &found["retry"]["result"];
     assert_eq!(retry["isError"], json!(true), "{found}");
     let text = retry["content"][0]["text"].as_str().unwrap_or("");

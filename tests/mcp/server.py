@@ -78,9 +78,10 @@ async def set_flag(name: str, value: bool) -> str:
 
 
 @server.tool()
-async def crash_midway(amount: int) -> str:
-    """Takes effect, then the server dies before it can answer."""
+async def crash_midway(amount: int, ctx: Context) -> str:
+    """Takes effect, logs to the client (its answer's stream has begun), then the server dies."""
     effect(f"crash_midway {amount}")
+    await ctx.info("debited; confirming")
     await asyncio.sleep(0.2)
     os._exit(1)
 
