@@ -274,7 +274,7 @@ async fn bare_upstream() -> (String, Arc<AtomicUsize>) {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().route("/mcp", axum::routing::post(answer));
+    let app = axum::Router::new().fallback(axum::routing::post(answer));
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, calls)
 }
@@ -287,15 +287,23 @@ fn tools_call(id: u32, tool: &str, key: Option<&str>) -> String {
     json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": params}).to_string()
 }
 
-async fn a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc(b: Backend) {
+/// A broker in front of [`bare_upstream`]: `tools` at `/mcp`, whose duplicates wait 100 ms, and
+/// `runs` at `/runs/mcp`, whose keys may come from the `x-agent-run` header.
+async fn bare_broker(b: Backend) -> (Broker, Arc<AtomicUsize>) {
     let (upstream, calls) = bare_upstream().await;
     let db = Db::new(b).await;
     let config = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[store]\nurl = \"{}\"\n\
-         {ROUTE}upstream = \"{upstream}\"\n[routes.mcp]\nin_flight_wait = \"100ms\"\n",
+         {ROUTE}upstream = \"{upstream}\"\n[routes.mcp]\nin_flight_wait = \"100ms\"\n\
+         [[routes]]\nname = \"runs\"\nkind = \"mcp\"\npath_prefix = \"/runs\"\nupstream = \"{upstream}\"\n\
+         key_from = [\"header:x-agent-run\"]\n",
         db.url
     );
-    let broker = Broker::start_with(&db, config).await;
+    (Broker::start_with(&db, config).await, calls)
+}
+
+async fn a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc(b: Backend) {
+    let (broker, calls) = bare_broker(b).await;
     let post = |body: String| {
         let request = broker.http.post(format!("{}/mcp", broker.url)).header("content-type", "application/json");
         send(request.header("accept", "application/json, text/event-stream").body(body))
@@ -327,8 +335,31 @@ async fn a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc(b
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
+async fn a_run_id_and_the_call_make_the_key_of_a_call_that_sends_none(b: Backend) {
+    let (broker, calls) = bare_broker(b).await;
+    // Without a key, a run's id (the route's key_from) and the call make one: the same call in
+    // the run executes once, other arguments are another operation.
+    let in_run = |run: &str, body: String| {
+        let request = broker.http.post(format!("{}/runs/mcp", broker.url)).header("content-type", "application/json");
+        send(request.header("x-agent-run", run).body(body))
+    };
+    let pay = |n: u32| json!({"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "pay", "arguments": {"n": n}}});
+    assert_eq!(in_run("run-1", pay(1).to_string()).await.json()["result"]["_meta"], Value::Null);
+    let again = in_run("run-1", pay(1).to_string()).await.json();
+    assert_eq!(again["result"]["_meta"]["io.idem/replayed"], json!(true), "{again}");
+    in_run("run-1", pay(2).to_string()).await;
+    in_run("run-2", pay(1).to_string()).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "three operations");
+    let runs = send(broker.http.get(format!("{}/admin/requests?route=runs", broker.admin))).await.json();
+    let keys: Vec<&str> = runs["items"].as_array().unwrap().iter().filter_map(|r| r["key"].as_str()).collect();
+    assert!(keys.len() == 3 && keys.iter().all(|k| k.starts_with("derived:")), "{keys:?}");
+    let missing = send(broker.http.post(format!("{}/runs/mcp", broker.url)).body(pay(3).to_string())).await.json();
+    assert_eq!(missing["error"]["code"], json!(-32602), "{missing}");
+}
+
 both_stores!(
     a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc,
+    a_run_id_and_the_call_make_the_key_of_a_call_that_sends_none,
     a_lost_answer_retried_with_its_key_gets_the_one_result,
     twenty_concurrent_calls_with_one_key_execute_once,
     the_same_key_with_other_arguments_is_refused_and_runs_nothing,
