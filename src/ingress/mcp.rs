@@ -39,6 +39,9 @@ struct Recorded<'a> {
     call: ToolCall,
     replay_safe: bool,
     arrival: Timestamp,
+    /// What its answer is read for, should it pass through after all (a keyless call on a route
+    /// that does not require keys).
+    watch: Watch,
 }
 
 impl Ingress {
@@ -86,8 +89,9 @@ impl Ingress {
             Ok(Incoming::ToolCall(call)) => match self.mcp_tools.class(route, &watch.session, &call.tool) {
                 ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
                 ToolClass::Recorded { replay_safe } => {
-                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival };
-                    let span = tracing::info_span!("request", tenant = %recorded.tenant, route = %route.name, tool = %recorded.call.tool);
+                    // One span per logical request, as on any keyed route, naming the tool.
+                    let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
+                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
                     tracing::Instrument::instrument(self.mcp_recorded(recorded), span).await
                 }
             },
@@ -106,7 +110,7 @@ impl Ingress {
     /// A `tools/call` to a recorded tool: keyed (sent, or derived from the route's `key_from`),
     /// fingerprinted by tool and arguments, executed or answered from its record.
     async fn mcp_recorded(&self, recorded: Recorded<'_>) -> Response {
-        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival } = recorded;
+        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch } = recorded;
         // Fields that change on every retry (a timestamp, a nonce) count neither in the
         // fingerprint nor in a derived key.
         let kept = derived::without_ignored(&body, &route.fingerprint_ignore);
@@ -127,12 +131,6 @@ impl Ingress {
             }
             None if !route.require_key => {
                 metrics::unkeyed(&route.name);
-                let watch = Watch {
-                    route: route.name.to_string(),
-                    session: crate::mcp::session_of(&parts.headers).to_string(),
-                    catalog: self.mcp_tools.clone(),
-                    answering: None,
-                };
                 return self.mcp_pass(route, &parts, body, watch).await;
             }
             None => {
