@@ -254,8 +254,9 @@ async fn sessions_and_tool_list_changes_pass_through_and_initialize_says_idempot
     assert_eq!(keys, vec!["add-1"], "only add_report_tool is recorded; whoami and late_report are read-only");
 }
 
-/// A bare MCP upstream for what the SDK never sends: it answers every request with an empty
-/// result, the tool `slow` after a second, and counts the calls that reach it.
+/// A bare MCP upstream, answering in JSON rather than events, for what the SDK never sends: it
+/// offers tools, lists one (`peek`, read-only), answers every call (`slow` after a second) and
+/// counts the calls that reach it.
 async fn bare_upstream() -> (String, Arc<AtomicUsize>) {
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
@@ -268,7 +269,11 @@ async fn bare_upstream() -> (String, Arc<AtomicUsize>) {
                     tokio::time::sleep(Duration::from_secs(1)).await;
                 }
             }
-            let result = json!({"content": [{"type": "text", "text": "done"}]});
+            let result = match body["method"].as_str() {
+                Some("initialize") => json!({"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}),
+                Some("tools/list") => json!({"tools": [{"name": "peek", "annotations": {"readOnlyHint": true}}]}),
+                _ => json!({"content": [{"type": "text", "text": "done"}]}),
+            };
             axum::Json(json!({"jsonrpc": "2.0", "id": body["id"], "result": result}))
         }
     };
@@ -318,6 +323,16 @@ async fn a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc(b
     assert_eq!(keyless["error"]["code"], json!(-32602), "{keyless}");
     assert_eq!(keyless["id"], json!(2));
     assert_eq!(calls.load(Ordering::SeqCst), 0, "nothing reached the server");
+
+    // Answers in JSON are read too: the capability added, the tools learned for the session.
+    let initialize = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}});
+    let init = post(initialize.to_string()).await.json();
+    assert_eq!(init["result"]["capabilities"]["tools"]["idempotency"], json!({"supported": true}), "{init}");
+    post(json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).to_string()).await;
+    let peek = post(tools_call(2, "peek", None)).await.json();
+    assert_eq!(peek["result"]["content"][0]["text"], json!("done"), "read-only: no key needed {peek}");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    calls.store(0, Ordering::SeqCst);
 
     let first = tokio::spawn(post(tools_call(3, "slow", Some("slow-1"))));
     broker.await_record("slow-1", Duration::from_secs(5), |r| r["state"] == "in_progress").await;
