@@ -80,8 +80,8 @@ pub async fn pass(
     let until = tokio::time::Instant::now() + route.retry.deadline;
     let head = match upstream.send_head(&parts.method, url, &headers, &credentials, body, until).await {
         Ok(head) => head,
-        Err(crate::policy::Observed::TimedOut) => return Problem::deadline_exceeded().into_response(),
-        Err(_) => return Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
+        Err(crate::policy::Observed::TimedOut) => return unreachable("did not answer within the route's deadline"),
+        Err(_) => return unreachable("could not be reached"),
     };
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let response_headers = upstream::to_header_map(&head.headers);
@@ -90,7 +90,7 @@ pub async fn pass(
     } else if watch.reads_answers() {
         match head.whole(until).await {
             Ok(answer) => Body::from(looked_at(answer.response.body, &watch)),
-            Err(_) => return Problem::upstream_unavailable("its answer was cut").into_response(),
+            Err(_) => return unreachable("cut its answer short"),
         }
     } else {
         raw_body(head)
@@ -99,6 +99,16 @@ pub async fn pass(
     *response.status_mut() = status;
     *response.headers_mut() = response_headers;
     response
+}
+
+/// The answer when a message that passes through got no answer: nothing of it was recorded, so
+/// unlike a recorded call's problem this names no key.
+fn unreachable(what: &str) -> Response {
+    let detail = format!("The MCP server {what}. Nothing was recorded; send the message again.");
+    Problem::new(StatusCode::BAD_GATEWAY, "upstream-unavailable", "Upstream unavailable", detail)
+        .retry_after(1)
+        .retryable()
+        .into_response()
 }
 
 /// A whole JSON answer, changed if the broker changes its message.
