@@ -18,6 +18,10 @@
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory. It hands new requests (and a client's cancel) to the [`worker`],
 //!   and reads records through [`records`], which applies how long an answer lives.
+//! - [`mcp`] — a route of `kind = "mcp"` (docs/mcp.md): JSON-RPC over MCP's Streamable HTTP read
+//!   just far enough to pass every message through but `tools/call`, which the ingress records
+//!   like any keyed request, tool by tool as their annotations (or the operator) say; its
+//!   answers reshaped into JSON-RPC (replay, in flight, key reused, unknown).
 //! - [`store`] — the durable [`record`]s, named by their [`domain::Tenant`] and
 //!   [`key::IdempotencyKey`], every time in them a [`domain::Timestamp`]: one trait, a SQLite
 //!   implementation (group commit through a single writer thread) and a PostgreSQL one
@@ -80,6 +84,7 @@ pub mod fingerprint;
 pub mod ingress;
 pub mod key;
 pub mod logs;
+pub mod mcp;
 pub mod metrics;
 pub mod path;
 pub mod policy;

@@ -84,7 +84,11 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp
     let expiry = Event::LeaseExpired {
         attempt_unrecorded: record.in_flight.is_some(),
         // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
-        replay_safe: route.is_some_and(|r| r.replay_safe),
+        // The policy the record ran under says: an MCP route's replay-safe tools have their own.
+        replay_safe: route.is_some_and(|r| {
+            let policy = record.policy_version.as_ref().and_then(|v| r.policy_named(v.as_str()));
+            policy.map_or(r.replay_safe, |p| p.replay_safe)
+        }),
         deadline_passed: now >= record.deadline_at,
     };
     let event = match transition(Phase::InProgress, expiry) {
@@ -420,6 +424,21 @@ mod tests {
             TakeOverTo::Free(StopReason::Deadline)
         );
         assert_eq!(after_lease_expiry(&late, None, NOW, 9), TakeOverTo::Queued, "a gone route has nothing in flight");
+    }
+
+    #[test]
+    fn a_call_to_a_replay_safe_mcp_tool_is_continued_after_a_take_over_and_others_are_not() {
+        let text =
+            "[[routes]]\nname = \"p\"\nkind = \"mcp\"\npath_prefix = \"/p\"\nupstream = \"http://127.0.0.1:9\"\n";
+        let mcp = Config::parse_with_env(text, |_| None).unwrap().routes.remove(0);
+        let mut safe_call = leased(0, &[], true);
+        safe_call.policy_version = Some(mcp.mcp.as_ref().unwrap().replay_safe_version.clone());
+        assert_eq!(after_lease_expiry(&safe_call, Some(&mcp), NOW, 3), TakeOverTo::Queued);
+        let mut other_call = leased(0, &[], true);
+        other_call.policy_version = Some(mcp.policy_version.clone());
+        let unknown = TakeOverTo::Unknown(StopReason::UnsafeReplay);
+        assert_eq!(after_lease_expiry(&other_call, Some(&mcp), NOW, 3), unknown);
+        assert_eq!(after_lease_expiry(&leased(0, &[], true), Some(&mcp), NOW, 3), unknown, "no policy: the safe side");
     }
 
     #[test]

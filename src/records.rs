@@ -15,6 +15,7 @@ use crate::problem::Problem;
 use crate::record::Record;
 use crate::store::{Store, StoreError};
 
+#[derive(Clone)]
 pub struct Records {
     store: Arc<dyn Store>,
     /// The configuration in force: each route's retention, as configured now.

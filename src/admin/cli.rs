@@ -371,6 +371,9 @@ fn render_record(r: &Value) -> String {
         text(&r["route"]),
         text(&r["tenant"])
     );
+    if let Some(tool) = r["tool"].as_str() {
+        let _ = writeln!(out, "tool      {tool} (an MCP tools/call)");
+    }
     let _ = writeln!(out, "key       {}", text(&r["key"]));
     let _ = writeln!(out, "stop      {}", text(&r["stop_reason"]));
     let _ = writeln!(out, "created   {}   updated {}", text(&r["created_at"]), text(&r["updated_at"]));

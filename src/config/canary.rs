@@ -32,6 +32,9 @@ pub enum CanaryBy {
 pub struct Policy<'a> {
     pub retry: &'a RetryPolicy,
     pub version: &'a PolicyVersion,
+    /// May an attempt that possibly executed be sent again? The route's, but for a replay-safe
+    /// tool on an MCP route (see [`Route::policy_with_replay_safety`]).
+    pub replay_safe: bool,
 }
 
 impl Route {
@@ -41,9 +44,9 @@ impl Route {
     pub fn policy_for(&self, tenant: &str, key: &str, running: bool) -> Policy<'_> {
         match &self.canary {
             Some(canary) if running && canary.includes(&self.name, tenant, key) => {
-                Policy { retry: &canary.retry, version: &canary.policy_version }
+                Policy { retry: &canary.retry, version: &canary.policy_version, replay_safe: self.replay_safe }
             }
-            _ => Policy { retry: &self.retry, version: &self.policy_version },
+            _ => Policy { retry: &self.retry, version: &self.policy_version, replay_safe: self.replay_safe },
         }
     }
 }
@@ -51,9 +54,19 @@ impl Route {
 impl Route {
     /// The route's policy (its own, or its canary's) whose version is `version`, if either is.
     pub fn policy_named(&self, version: &str) -> Option<Policy<'_>> {
-        let own = Policy { retry: &self.retry, version: &self.policy_version };
-        let canary = self.canary.as_ref().map(|c| Policy { retry: &c.retry, version: &c.policy_version });
-        [Some(own), canary].into_iter().flatten().find(|p| p.version.as_str() == version)
+        let own = Policy { retry: &self.retry, version: &self.policy_version, replay_safe: self.replay_safe };
+        let canary = self.canary.as_ref().map(|c| Policy {
+            retry: &c.retry,
+            version: &c.policy_version,
+            replay_safe: self.replay_safe,
+        });
+        // An MCP route's calls to replay-safe tools run its own retry table, replay-safe.
+        let replay_safe = self.mcp.as_ref().map(|m| Policy {
+            retry: &self.retry,
+            version: &m.replay_safe_version,
+            replay_safe: true,
+        });
+        [Some(own), canary, replay_safe].into_iter().flatten().find(|p| p.version.as_str() == version)
     }
 }
 

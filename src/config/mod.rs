@@ -17,6 +17,7 @@ mod candidate;
 mod diff;
 mod limits;
 mod live;
+mod mcp;
 mod quotas;
 mod raw;
 use raw::RawConfig;
@@ -28,6 +29,7 @@ pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use live::Live;
+pub use mcp::{McpSettings, RouteKind, ToolRule};
 pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
@@ -168,6 +170,8 @@ pub struct Route {
     pub policy_version: PolicyVersion,
     /// A candidate retry policy tried on a stable slice of the route's traffic.
     pub canary: Option<Canary>,
+    /// Set on a route of `kind = "mcp"` (docs/mcp.md): only its `tools/call` requests are recorded.
+    pub mcp: Option<McpSettings>,
 }
 
 /// One source of a derived key (docs/agents.md `key_from`).
@@ -262,6 +266,14 @@ impl Config {
 }
 
 impl Route {
+    pub fn kind(&self) -> RouteKind {
+        if self.mcp.is_some() {
+            RouteKind::Mcp
+        } else {
+            RouteKind::Http
+        }
+    }
+
     /// Where a request with this path and query goes upstream; refused unless the URL sent
     /// has exactly the path matched (see [`crate::path`]).
     pub fn upstream_url(&self, path: &str, query: &str) -> Result<url::Url, crate::path::InvalidPath> {
@@ -319,6 +331,23 @@ pub fn describe(c: &Config) -> String {
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
         let via = r.upstream_name.as_ref().map(|n| format!(" (upstream {n})")).unwrap_or_default();
         let _ = writeln!(out, "\nroute {}  {} -> {}{via}", r.name, r.path_prefix, r.upstream);
+        if let Some(mcp) = &r.mcp {
+            let _ = writeln!(
+                out,
+                "  kind mcp: tools/call recorded by annotations; in-flight wait {}; replay-safe policy_version {}",
+                h(mcp.in_flight_wait),
+                mcp.replay_safe_version
+            );
+            for (tool, rule) in &mcp.tools {
+                let said = |v: Option<bool>| v.map_or("by annotation".to_string(), |v| v.to_string());
+                let _ = writeln!(
+                    out,
+                    "    tool {tool:?}: recorded {}, replay_safe {}",
+                    said(rule.recorded),
+                    said(rule.replay_safe)
+                );
+            }
+        }
         let _ = writeln!(out, "  policy_version {}", r.policy_version);
         let _ = writeln!(
             out,

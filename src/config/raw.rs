@@ -75,6 +75,8 @@ pub(super) struct RawWorker {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRoute {
     pub(super) name: String,
+    /// `http` (the default) or `mcp` (docs/mcp.md).
+    pub(super) kind: Option<String>,
     pub(super) path_prefix: String,
     pub(super) upstream: String,
     pub(super) methods: Option<Vec<String>>,
@@ -98,6 +100,24 @@ pub(super) struct RawRoute {
     pub(super) probe: Option<RawProbe>,
     pub(super) deadline_header: Option<String>,
     pub(super) canary: Option<RawCanary>,
+    pub(super) mcp: Option<RawMcp>,
+}
+
+/// `[routes.mcp]` as written; validated in `mcp`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMcp {
+    pub(super) in_flight_wait: Option<String>,
+    #[serde(default)]
+    pub(super) tools: std::collections::BTreeMap<String, RawMcpTool>,
+}
+
+/// `[routes.mcp.tools."name"]`: what the operator says of one tool, over its annotations.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMcpTool {
+    pub(super) recorded: Option<bool>,
+    pub(super) replay_safe: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]

@@ -6,6 +6,7 @@ use http::Method;
 
 use crate::policy::Effective;
 
+use super::mcp::{check_mcp_route, RouteKind, MCP_NOT_PROCESSED};
 use super::raw::*;
 use super::*;
 
@@ -31,6 +32,14 @@ impl RawRoute {
             return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
         }
         crate::path::check(&self.path_prefix).map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
+        let kind = RouteKind::parse(&format!("{key}.kind"), self.kind.as_deref())?;
+        match kind {
+            RouteKind::Mcp => check_mcp_route(key, &self)?,
+            RouteKind::Http if self.mcp.is_some() => {
+                return Err(invalid(format!("{key}.mcp"), "is only for a route with kind = \"mcp\""))
+            }
+            RouteKind::Http => {}
+        }
         // A URL, or the name of an `[[upstreams]]` entry whose URL it calls.
         let upstream_name = match self.upstream.contains("://") {
             true => None,
@@ -49,6 +58,8 @@ impl RawRoute {
             None => upstream_url(&format!("{key}.upstream"), &self.upstream)?,
         };
         let methods = match self.methods {
+            // An MCP client POSTs every request; only its `tools/call` is ever recorded.
+            None if kind == RouteKind::Mcp => vec![Method::POST],
             None => vec![Method::POST, Method::PATCH],
             Some(list) if list.is_empty() => {
                 return Err(invalid(format!("{key}.methods"), "must name at least one method"))
@@ -82,7 +93,12 @@ impl RawRoute {
             .as_deref()
             .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
             .transpose()?;
-        let raw_retry = self.retry.unwrap_or_default();
+        let mut raw_retry = self.retry.unwrap_or_default();
+        if kind == RouteKind::Mcp && raw_retry.not_processed.is_none() {
+            // An MCP server answers a tool call in JSON-RPC, errors included, with 200: a 400 or
+            // 404 (a session it does not know) is the transport's refusal, before any tool ran.
+            raw_retry.not_processed = Some(MCP_NOT_PROCESSED.to_vec());
+        }
         let retry = raw_retry.clone().validate(&format!("{key}.retry"))?;
         let circuit = self.circuit.unwrap_or_default().validate(&format!("{key}.circuit"))?;
         let replay_safe = self.replay_safe.unwrap_or(false);
@@ -98,6 +114,19 @@ impl RawRoute {
         let policy_version = version(&retry);
         let canary =
             self.canary.map(|c| c.validate(&format!("{key}.canary"), raw_retry, &retry, version)).transpose()?;
+        let mcp = match kind {
+            RouteKind::Mcp => {
+                let replay_safe_version = Effective {
+                    retry: &retry,
+                    replay_safe: true,
+                    deadline_header: deadline_header.as_ref().map(|h| h.as_str()),
+                    circuit: &circuit,
+                }
+                .version();
+                Some(self.mcp.unwrap_or_default().validate(&format!("{key}.mcp"), replay_safe_version)?)
+            }
+            RouteKind::Http => None,
+        };
         Ok(Route {
             name,
             path_prefix: self.path_prefix,
@@ -123,6 +152,7 @@ impl RawRoute {
             deadline_header,
             policy_version,
             canary,
+            mcp,
         })
     }
 }

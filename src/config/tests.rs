@@ -310,3 +310,58 @@ fn the_longest_prefix_wins_on_segment_boundaries() {
     let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
     assert!(c.route_for("/other").is_none());
 }
+
+const MCP_ROUTE: &str = r#"
+    [[routes]]
+    name = "tools"
+    kind = "mcp"
+    path_prefix = "/mcp"
+    upstream = "http://127.0.0.1:9000"
+"#;
+
+#[test]
+fn an_mcp_route_records_posted_tool_calls_with_rules_per_tool() {
+    let text = format!(
+        "{MCP_ROUTE}[routes.mcp]\nin_flight_wait = \"3s\"\n[routes.mcp.tools.\"get_report\"]\nrecorded = true\n\
+         [routes.mcp.tools.\"send_email\"]\nreplay_safe = false\n"
+    );
+    let c = Config::parse_with_env(&text, no_env).unwrap();
+    let r = &c.routes[0];
+    assert_eq!(r.kind(), RouteKind::Mcp);
+    assert_eq!(r.methods, vec![Method::POST]);
+    let mcp = r.mcp.as_ref().unwrap();
+    assert_eq!(mcp.in_flight_wait, Duration::from_secs(3));
+    assert_eq!(mcp.tools["get_report"], ToolRule { recorded: Some(true), replay_safe: None });
+    assert_eq!(mcp.tools["send_email"], ToolRule { recorded: None, replay_safe: Some(false) });
+    assert_ne!(mcp.replay_safe_version, r.policy_version, "replay-safe calls run a policy of their own");
+    let safe = r.policy_named(mcp.replay_safe_version.as_str()).unwrap();
+    assert!(safe.replay_safe && !r.policy_named(r.policy_version.as_str()).unwrap().replay_safe);
+    assert!(describe(&c).contains("kind mcp"), "{}", describe(&c));
+    let plain = Config::parse_with_env(MINIMAL, no_env).unwrap();
+    assert_eq!(plain.routes[0].kind(), RouteKind::Http);
+    let defaults = Config::parse_with_env(MCP_ROUTE, no_env).unwrap();
+    assert_eq!(defaults.routes[0].mcp.as_ref().unwrap().in_flight_wait, Duration::from_secs(10));
+    assert_eq!(defaults.routes[0].retry.not_processed, vec![400, 404, 429, 503], "refused by the transport");
+    let own = Config::parse_with_env(&format!("{MCP_ROUTE}[routes.retry]\nnot_processed = [503]\n"), no_env).unwrap();
+    assert_eq!(own.routes[0].retry.not_processed, vec![503]);
+}
+
+#[test]
+fn mcp_settings_that_cannot_be_right_name_their_key() {
+    let e = error_of(&with_route_line("kind = \"grpc\""));
+    assert!(e.contains("routes[0].kind") && e.contains("grpc"), "{e}");
+    let e = error_of(&format!("{MINIMAL}[routes.mcp]\nin_flight_wait = \"1s\"\n"));
+    assert!(e.contains("routes[0].mcp") && e.contains("kind = \"mcp\""), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}replay_safe = true\n"));
+    assert!(e.contains("routes[0].replay_safe") && e.contains("per tool"), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}methods = [\"POST\", \"PATCH\"]\n"));
+    assert!(e.contains("routes[0].methods"), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}[routes.mcp.tools.\"x\"]\nrecorded = false\nreplay_safe = true\n"));
+    assert!(e.contains("routes[0].mcp.tools.\"x\".replay_safe"), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}[routes.mcp.tools.\"x\"]\nrecordd = true\n"));
+    assert!(e.contains("recordd"), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}[routes.mcp]\nin_flight_wait = \"0s\"\n"));
+    assert!(e.contains("routes[0].mcp.in_flight_wait"), "{e}");
+    let e = error_of(&format!("{MCP_ROUTE}[routes.canary]\npercent = 10\n"));
+    assert!(e.contains("routes[0].canary"), "{e}");
+}

@@ -40,6 +40,11 @@ struct Read<'a> {
     route: &'a Route,
     parts: &'a http::request::Parts,
     arrival: Timestamp,
+    /// What the client asked for: its `Prefer` header, or an MCP route's own wait.
+    prefer: Prefer,
+    /// May an attempt that possibly executed be sent again: the route's, or on an MCP route its
+    /// tool's.
+    replay_safe: bool,
 }
 
 pub const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -62,6 +67,8 @@ pub struct Ingress {
     health: Arc<Health>,
     /// Each route's runtime: its replays and 409s counted, the pace of its attempts.
     runtimes: Arc<Runtimes>,
+    /// The tools MCP sessions listed through the broker: which of their calls are recorded.
+    mcp_tools: Arc<crate::mcp::Catalog>,
     /// The operator's emergency switches: an isolated route takes no new key.
     switches: Arc<Switches>,
     /// What time it is: a request's arrival, its deadline, its key's retention.
@@ -92,6 +99,7 @@ impl Ingress {
             runtimes: worker.runtimes(),
             stopping: worker.stopping(),
             replays: Replays::new(replay_cache_bytes),
+            mcp_tools: Arc::default(),
             config,
             records,
             worker,
@@ -105,6 +113,7 @@ impl Ingress {
 }
 
 mod answers;
+mod mcp;
 mod outcomes;
 mod plain;
 mod reading;
@@ -134,6 +143,9 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let Some(route) = config.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
+    if route.mcp.is_some() {
+        return app.mcp(&config, route, request, arrival).await;
+    }
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
     let keyed = keyed_method && (sent_key.is_some() || route.require_key || !route.key_from.is_empty());
@@ -216,7 +228,8 @@ impl Ingress {
             parts.headers.get(header::CONTENT_TYPE).map(|v| v.as_bytes()),
             essential,
         );
-        let read = Read { config, route, parts: &parts, arrival };
+        let prefer = Prefer::from_headers(&parts.headers);
+        let read = Read { config, route, parts: &parts, arrival, prefer, replay_safe: route.replay_safe };
         let answer = self.execute_keyed(read, tenant, body, &key, fingerprint).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
@@ -267,7 +280,7 @@ impl Ingress {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
     ) -> Answer {
-        let Read { config, route, parts, arrival } = read;
+        let Read { config, route, parts, arrival, prefer, replay_safe } = read;
         // A replay known to this node needs no database at all, nor anything a new record does.
         if let Some(replay) = self.replays.get(&tenant, key, arrival) {
             if replay.fingerprint != fingerprint {
@@ -281,8 +294,7 @@ impl Ingress {
             return Ok(response);
         }
         let query = parts.uri.query().unwrap_or("");
-        let prefer = Prefer::from_headers(&parts.headers);
-        let policy = self.switches.policy(route, &tenant, key.as_str());
+        let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
             tenant,
             key: key.clone(),

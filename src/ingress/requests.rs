@@ -70,6 +70,7 @@ pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers
         .map(|r| {
             serde_json::json!({
                 "name": r.name,
+                "kind": r.kind().as_str(),
                 "path_prefix": r.path_prefix,
                 "keyed_methods": r.methods.iter().map(|m| m.as_str()).collect::<Vec<_>>(),
                 "require_key": r.require_key,

@@ -196,6 +196,10 @@ impl Record {
         if let Some(version) = &self.policy_version {
             v["policy_version"] = json!(version);
         }
+        // An MCP tool call's tool is named, its arguments kept back like any request body.
+        if let Some(tool) = crate::mcp::message::tool_called(&self.request.body) {
+            v["tool"] = json!(tool);
+        }
         if let Some(stream) = &self.stream {
             v["stream"] = json!(stream);
         }

@@ -334,7 +334,7 @@ impl Inner {
         let switched = self.switches.switched(&route.name);
         let (class, decision) = p.run.ended(
             chosen.retry,
-            route.replay_safe,
+            chosen.replay_safe,
             Ended {
                 observed,
                 retry_after,

@@ -122,7 +122,8 @@ impl Inner {
                 // Reached here, a record that is not replay-safe has had no attempt that may have
                 // executed (a take-over makes those unknown), so settling frees it.
                 warn!("the client's credential is not held by this process; not sending");
-                return self.settle_unsent(record, holder, route.replay_safe, StopReason::CredentialUnavailable).await;
+                let replay_safe = self.policy_of(route, record).replay_safe;
+                return self.settle_unsent(record, holder, replay_safe, StopReason::CredentialUnavailable).await;
             };
             if let Some(credential) = sent {
                 credentials.insert(http::header::AUTHORIZATION, credential);
@@ -189,7 +190,7 @@ impl Inner {
             }
             _ => {}
         }
-        self.finish(record, holder, route.replay_safe, attempt, stop, p).await
+        self.finish(record, holder, self.policy_of(route, record).replay_safe, attempt, stop, p).await
     }
 
     /// Stores the record's end, as the policy settles it, and wakes whoever waits for it.

@@ -105,7 +105,7 @@ impl Inner {
         };
         let (class, decision) = p.run.ended(
             chosen.retry,
-            route.replay_safe,
+            chosen.replay_safe,
             Ended {
                 observed,
                 retry_after: None,
@@ -134,7 +134,7 @@ impl Inner {
                 }
             }
             Err(short) => {
-                let problem = Problem::stream_cut(short.why(), route.replay_safe).for_key(&record.key);
+                let problem = Problem::stream_cut(short.why(), chosen.replay_safe).for_key(&record.key);
                 tap.finish(stream::cut(problem.document()));
                 // Kept for the operator when the record becomes `unknown`; within the bound only.
                 p.partial = tap.body().map(|body| StoredResponse { status, headers: head.headers.clone(), body });

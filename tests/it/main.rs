@@ -21,6 +21,7 @@ mod demo;
 mod edge;
 mod engine;
 mod logs;
+mod mcp;
 mod metrics;
 mod multinode;
 mod parsers;

@@ -255,3 +255,53 @@ proptest! {
         prop_assert_eq!(parse_retry_after(&asctime(&imf), now()), Some(expected), "{}", asctime(&imf));
     }
 }
+
+// ---- MCP: a POSTed JSON-RPC body ---------------------------------------------------------------
+
+/// A `tools/call` as an agent sends it: an id, a tool, arguments, maybe a key in either place.
+fn tool_call() -> impl Strategy<Value = String> {
+    let id = prop_oneof![any::<u32>().prop_map(|n| n.to_string()), "\"[a-z0-9-]{1,12}\""];
+    let key = prop_oneof![
+        Just(String::new()),
+        "[!-~&&[^\"\\\\]]{1,20}".prop_map(|k| format!(",\"idempotencyKey\":\"{k}\"")),
+        "[!-~&&[^\"\\\\]]{1,20}".prop_map(|k| format!(",\"_meta\":{{\"io.idem/idempotencyKey\":\"{k}\"}}")),
+    ];
+    (id, "[a-z_]{1,12}", any::<i64>(), key).prop_map(|(id, tool, amount, key)| {
+        format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"tools/call\",\"params\":{{\"name\":\"{tool}\",\
+             \"arguments\":{{\"amount\":{amount}}}{key}}}}}"
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    /// No body panics the reader; a refusal is one of the three codes documented.
+    #[test]
+    fn the_json_rpc_reader_never_panics_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+        if let Err(refused) = idem::mcp::message::read(&bytes) {
+            prop_assert!([-32700, -32600, -32602].contains(&refused.code), "{refused:?}");
+        }
+        let _ = idem::mcp::message::tool_called(&bytes);
+    }
+
+    /// A tool call read as written, and any edit of it read without a panic: a refusal answers
+    /// with the request's id whenever it reads one, so that the client can match it.
+    #[test]
+    fn a_tool_call_is_read_as_sent_and_its_mutations_never_panic(call in tool_call(), edits in edits()) {
+        match idem::mcp::message::read(call.as_bytes()) {
+            Ok(idem::mcp::Incoming::ToolCall(read)) => {
+                let sent: serde_json::Value = serde_json::from_str(&call).unwrap();
+                prop_assert_eq!(&read.tool, &sent["params"]["name"]);
+                prop_assert_eq!(&read.id, &sent["id"]);
+                prop_assert_eq!(idem::mcp::message::tool_called(call.as_bytes()), Some(read.tool.clone()));
+            }
+            other => prop_assert!(false, "{call}: {other:?}"),
+        }
+        let mutated = mutated(call.as_bytes(), &edits);
+        if let Err(refused) = idem::mcp::message::read(&mutated) {
+            prop_assert!([-32700, -32600, -32602].contains(&refused.code), "{refused:?}");
+        }
+    }
+}
