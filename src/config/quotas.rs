@@ -209,7 +209,7 @@ mod tests {
 
     #[test]
     fn tenants_have_no_quota_unless_one_is_set_and_a_tenants_keys_fall_back_to_the_default() {
-        let none = parse(&format!("{ROUTE}")).unwrap();
+        let none = parse(ROUTE).unwrap();
         assert_eq!(none.tenant_quotas().of("anyone"), None);
 
         let c = parse(&tenants("tenant_retry_budget_ratio = 0.05\ntenant_retry_budget_min_per_sec = 2")).unwrap();
