@@ -17,3 +17,7 @@ pub use ids::{ClaimToken, Holder, Owner, PolicyVersion, RecordId, RouteName, Ten
 pub use outcome::{AttemptError, AttemptOutcome, BudgetScope, Class, StopReason};
 pub use state::{Phase, State};
 pub use time::Timestamp;
+
+/// The JSON-RPC method of an MCP tool call (docs/mcp.md): the one MCP message a route records,
+/// and what names a record's tool.
+pub const MCP_TOOLS_CALL: &str = "tools/call";

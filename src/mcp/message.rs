@@ -70,7 +70,7 @@ pub fn read(body: &[u8]) -> Result<Incoming, Refused> {
     }
 }
 
-pub const TOOLS_CALL: &str = "tools/call";
+pub const TOOLS_CALL: &str = crate::domain::MCP_TOOLS_CALL;
 
 fn single(mut members: Map<String, Value>) -> Result<Incoming, Refused> {
     let method = members.get("method").and_then(Value::as_str).map(str::to_string);
@@ -98,18 +98,6 @@ fn single(mut members: Map<String, Value>) -> Result<Incoming, Refused> {
         Some(_) => return Err(invalid("the idempotency key must be a string")),
     };
     Ok(Incoming::ToolCall(ToolCall { id, tool, arguments, key }))
-}
-
-/// The tool a stored request body calls, if it is a `tools/call`: what a record shows of it.
-pub fn tool_called(body: &[u8]) -> Option<String> {
-    // Most bodies are not tool calls: they are not parsed at all.
-    if !body.starts_with(b"{") || !body.windows(TOOLS_CALL.len()).any(|w| w == TOOLS_CALL.as_bytes()) {
-        return None;
-    }
-    match read(body) {
-        Ok(Incoming::ToolCall(call)) => Some(call.tool),
-        _ => None,
-    }
 }
 
 fn key_error(error: &crate::key::KeyError) -> String {

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, PolicyVersion, RecordId, RouteName};
-use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp};
+use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp, MCP_TOOLS_CALL};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 
@@ -197,7 +197,7 @@ impl Record {
             v["policy_version"] = json!(version);
         }
         // An MCP tool call's tool is named, its arguments kept back like any request body.
-        if let Some(tool) = crate::mcp::message::tool_called(&self.request.body) {
+        if let Some(tool) = tool_called(&self.request.body) {
             v["tool"] = json!(tool);
         }
         if let Some(stream) = &self.stream {
@@ -293,4 +293,24 @@ mod tests {
         assert_eq!(v["body_base64"], json!("/wA="));
         assert!(v.get("body").is_none());
     }
+}
+
+/// The tool an MCP `tools/call` body calls (docs/mcp.md), shown with its record; `None` for any
+/// other body. Most bodies are not tool calls: they are not parsed at all.
+pub fn tool_called(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Call {
+        method: String,
+        params: Params,
+    }
+    #[derive(Deserialize)]
+    struct Params {
+        name: String,
+    }
+    let mentioned = body.windows(MCP_TOOLS_CALL.len()).any(|w| w == MCP_TOOLS_CALL.as_bytes());
+    if !body.starts_with(b"{") || !mentioned {
+        return None;
+    }
+    let call: Call = serde_json::from_slice(body).ok()?;
+    (call.method == MCP_TOOLS_CALL).then_some(call.params.name)
 }

@@ -283,7 +283,7 @@ proptest! {
         if let Err(refused) = idem::mcp::message::read(&bytes) {
             prop_assert!([-32700, -32600, -32602].contains(&refused.code), "{refused:?}");
         }
-        let _ = idem::mcp::message::tool_called(&bytes);
+        let _ = idem::record::tool_called(&bytes);
     }
 
     /// A tool call read as written, and any edit of it read without a panic: a refusal answers
@@ -295,7 +295,7 @@ proptest! {
                 let sent: serde_json::Value = serde_json::from_str(&call).unwrap();
                 prop_assert_eq!(&read.tool, &sent["params"]["name"]);
                 prop_assert_eq!(&read.id, &sent["id"]);
-                prop_assert_eq!(idem::mcp::message::tool_called(call.as_bytes()), Some(read.tool.clone()));
+                prop_assert_eq!(idem::record::tool_called(call.as_bytes()), Some(read.tool.clone()));
             }
             other => prop_assert!(false, "{call}: {other:?}"),
         }
