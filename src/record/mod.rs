@@ -256,6 +256,26 @@ pub fn header_bytes(text: &str) -> Vec<u8> {
     text.chars().map(|c| c as u32 as u8).collect()
 }
 
+/// The tool an MCP `tools/call` body calls (docs/mcp.md), shown with its record; `None` for any
+/// other body. Most bodies are not tool calls: they are not parsed at all.
+pub fn tool_called(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Call {
+        method: String,
+        params: Params,
+    }
+    #[derive(Deserialize)]
+    struct Params {
+        name: String,
+    }
+    let mentioned = body.windows(MCP_TOOLS_CALL.len()).any(|w| w == MCP_TOOLS_CALL.as_bytes());
+    if !body.starts_with(b"{") || !mentioned {
+        return None;
+    }
+    let call: Call = serde_json::from_slice(body).ok()?;
+    (call.method == MCP_TOOLS_CALL).then_some(call.params.name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,24 +313,4 @@ mod tests {
         assert_eq!(v["body_base64"], json!("/wA="));
         assert!(v.get("body").is_none());
     }
-}
-
-/// The tool an MCP `tools/call` body calls (docs/mcp.md), shown with its record; `None` for any
-/// other body. Most bodies are not tool calls: they are not parsed at all.
-pub fn tool_called(body: &[u8]) -> Option<String> {
-    #[derive(Deserialize)]
-    struct Call {
-        method: String,
-        params: Params,
-    }
-    #[derive(Deserialize)]
-    struct Params {
-        name: String,
-    }
-    let mentioned = body.windows(MCP_TOOLS_CALL.len()).any(|w| w == MCP_TOOLS_CALL.as_bytes());
-    if !body.starts_with(b"{") || !mentioned {
-        return None;
-    }
-    let call: Call = serde_json::from_slice(body).ok()?;
-    (call.method == MCP_TOOLS_CALL).then_some(call.params.name)
 }
