@@ -74,13 +74,16 @@ impl Ingress {
             if let Some(attached) = self.attached(&record) {
                 return Ok(attached);
             }
-            match self.wait_for(&record, wait, true).await {
-                Ok(Some(settled)) => record = settled,
-                Ok(None) => return Err(Problem::not_found()),
-                Err(problem) => return Err(problem),
-            }
+            let until = tokio::time::Instant::now() + wait;
+            record = self.wait_for(&record, wait, true).await?.ok_or_else(Problem::not_found)?;
             if let Some(attached) = self.attached(&record) {
                 return Ok(attached);
+            }
+            // Its answer was streaming here and could not be joined: it ended as we looked, or
+            // no longer holds its beginning. The record settles soon: wait for that instead.
+            if matches!(record.phase(), Phase::Queued | Phase::InProgress) {
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                record = self.wait_for(&record, left, false).await?.ok_or_else(Problem::not_found)?;
             }
         }
         let kind = match record.phase() {

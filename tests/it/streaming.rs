@@ -308,6 +308,40 @@ async fn a_duplicate_waiting_before_the_stream_starts_attaches_when_it_does(b: B
     broker.await_metric(&waiting(0)).await;
 }
 
+/// A duplicate that waits finds the answer streaming but cannot join it: past `max_stored_body`
+/// the stream no longer holds its beginning. It waits for the record to settle, and is told
+/// what became of it, instead of hearing at once that the request is still in progress.
+async fn a_duplicate_that_cannot_join_a_stream_waits_for_its_record_instead(b: Backend) {
+    // A route of this test's own: the metrics are the process's, and no other test waits on it.
+    let route = format!("unjoinable-{b:?}");
+    let upstream = SseUpstream::start().await;
+    let db = Db::new(b).await;
+    let config = TestConfig::new(&upstream.url())
+        .route("max_stored_body = \"200B\"")
+        .store(&db.url)
+        .text()
+        .replace("\"payments\"", &format!("\"{route}\""));
+    let broker = Broker::start_with(&db, config).await;
+    let mut steps: Vec<Step> = (1..=5).map(|i| Step::Event(format!("part {i}"))).collect();
+    steps.extend([Step::Gate, Step::Done]);
+    upstream.script("unjoinable", vec![Answer::Stream(steps)]);
+    let mut first = broker.post(PATH, "unjoinable", BODY).send().await.unwrap();
+    let head = read_until(&mut first, &event_bytes("part 5")).await;
+    assert!(head.len() > 200, "the stream is past what is kept");
+
+    let second = tokio::spawn(send(broker.post(PATH, "unjoinable", BODY).header("prefer", "wait=10")));
+    let waiting = |n: u32| format!("idem_waiting_requests{{route=\"{route}\"}} {n}");
+    broker.await_metric(&waiting(1)).await;
+    assert!(!second.is_finished(), "it waits for the record, not for a stream it cannot join");
+    upstream.open("unjoinable");
+    let (_, clean) = read_rest(&mut first).await;
+    assert!(clean);
+    let waited = second.await.unwrap();
+    waited.assert_problem(409, "response-not-stored");
+    assert_eq!(waited.header("idempotency-status"), Some("done"));
+    assert_eq!(upstream.hits("unjoinable"), 1, "never a second execution");
+}
+
 async fn an_answer_longer_than_max_stored_body_streams_through_but_is_never_replayed_nor_sent_again(b: Backend) {
     let (upstream, broker) = setup(b, "max_stored_body = \"200B\"", "").await;
     upstream.script("long", vec![Answer::Stream(events(5))]);
@@ -402,6 +436,7 @@ async fn events_are_not_held_back_on_a_kept_alive_connection() {
 }
 
 both_stores!(
+    a_duplicate_that_cannot_join_a_stream_waits_for_its_record_instead,
     the_first_event_reaches_the_client_before_the_upstream_has_finished,
     a_503_before_the_first_byte_is_retried,
     a_client_that_disconnects_still_leaves_a_replayable_record,
