@@ -317,7 +317,13 @@ pub fn describe(c: &Config) -> String {
         let _ = writeln!(out, "  tenant {}: {}", t.name, quota(t.retry_budget));
     }
     for u in &c.upstreams {
-        let _ = writeln!(out, "upstream {}  {} (budget {}, shared by its routes, with their breaker)", u.name, u.url, quota(Some(u.budget)));
+        let _ = writeln!(
+            out,
+            "upstream {}  {} (budget {}, shared by its routes, with their breaker)",
+            u.name,
+            u.url,
+            quota(Some(u.budget))
+        );
     }
     let _ = writeln!(
         out,

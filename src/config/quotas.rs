@@ -191,7 +191,8 @@ impl Route {
 mod tests {
     use super::*;
 
-    const ROUTE: &str = "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
+    const ROUTE: &str =
+        "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";
 
     fn parse(text: &str) -> Result<Config, String> {
         std::env::set_var("IDEM_QUOTA_TEST_TOKEN", "secret");

@@ -48,7 +48,10 @@ impl RawRoute {
                 None => {
                     return Err(invalid(
                         format!("{key}.upstream"),
-                        format!("is neither an http(s) URL nor the name of an [[upstreams]] entry (`{}`)", self.upstream),
+                        format!(
+                            "is neither an http(s) URL nor the name of an [[upstreams]] entry (`{}`)",
+                            self.upstream
+                        ),
                     ))
                 }
             },

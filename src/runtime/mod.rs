@@ -122,7 +122,6 @@ impl RouteGuard {
     fn limits_of(route: &Route) -> (usize, f64, f64) {
         (route.max_concurrency, route.retry.budget_ratio, route.retry.budget_min_per_sec)
     }
-
 }
 
 /// An execution's place on its route; the route counts it until this is dropped.
@@ -412,7 +411,10 @@ mod tests {
         let (acme, globex) = (Tenant::from("acme"), Tenant::from("globex"));
         let take = |route: usize, tenant: &Tenant| runtimes.charges_for(&c.routes[route], tenant).take_retry();
         // acme's quota is 3 retries a window; globex's is its own.
-        assert_eq!((0..4).map(|_| take(0, &acme)).collect::<Vec<_>>(), [Ok(()), Ok(()), Ok(()), Err(BudgetScope::Tenant)]);
+        assert_eq!(
+            (0..4).map(|_| take(0, &acme)).collect::<Vec<_>>(),
+            [Ok(()), Ok(()), Ok(()), Err(BudgetScope::Tenant)]
+        );
         // The upstream allows 5 over both routes: globex's retries on refunds find 2 of them left.
         assert_eq!((0..3).map(|_| take(1, &globex)).collect::<Vec<_>>(), [Ok(()), Ok(()), Err(BudgetScope::Upstream)]);
         let views = runtimes.budget_views();

@@ -89,7 +89,8 @@ async fn one_tenants_storm_leaves_the_other_tenants_retries_to_them(backend: Bac
     let upstream = Upstream::start().await;
     let db = Db::new(backend).await;
     // Each tenant may retry 10 times a window: half of what the route allows.
-    let (auth, storm, calm) = tenants("quota", backend, "tenant_retry_budget_ratio = 0.0\ntenant_retry_budget_min_per_sec = 1.0");
+    let (auth, storm, calm) =
+        tenants("quota", backend, "tenant_retry_budget_ratio = 0.0\ntenant_retry_budget_min_per_sec = 1.0");
     let broker = start(&db, TestConfig::new(&upstream.url()).tables(RETRY).tables(&auth)).await;
 
     let salvaged = storm_then_calm(&broker, &upstream, &storm, &calm).await;
@@ -169,7 +170,8 @@ async fn routes_that_name_one_upstream_share_its_budget_and_its_breaker(backend:
 async fn a_reload_changes_a_tenants_quota(backend: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(backend).await;
-    let (auth, storm, _) = tenants("reload", backend, "tenant_retry_budget_ratio = 0.0\ntenant_retry_budget_min_per_sec = 0.3");
+    let (auth, storm, _) =
+        tenants("reload", backend, "tenant_retry_budget_ratio = 0.0\ntenant_retry_budget_min_per_sec = 0.3");
     let config = TestConfig::new(&upstream.url()).tables(RETRY).tables(&auth);
     let broker = start(&db, config).await;
     let failing_once = |round: &str, i: usize| {
@@ -184,7 +186,9 @@ async fn a_reload_changes_a_tenants_quota(backend: Backend) {
     }
     assert_eq!(salvaged, 3, "a quota of 3 retries a window");
 
-    broker.write_config(&broker.config_text.replace("tenant_retry_budget_min_per_sec = 0.3", "tenant_retry_budget_min_per_sec = 1.5"));
+    broker.write_config(
+        &broker.config_text.replace("tenant_retry_budget_min_per_sec = 0.3", "tenant_retry_budget_min_per_sec = 1.5"),
+    );
     assert_eq!(broker.reload(Some(ADMIN_TOKEN)).await.status, 200);
     let mut salvaged = 0;
     for i in 0..5 {

@@ -147,8 +147,8 @@ pub async fn command(request: Request<'_>) -> Result<String, HistoryError> {
     let text = std::fs::read_to_string(request.candidate)
         .map_err(|source| HistoryError::CandidateUnreadable { path: path.clone(), source })?;
     let quotas = request.config.tenant_quotas();
-    let candidate =
-        Candidate::parse(&text, route, &quotas).map_err(|source| HistoryError::Candidate { path: path.clone(), source })?;
+    let candidate = Candidate::parse(&text, route, &quotas)
+        .map_err(|source| HistoryError::Candidate { path: path.clone(), source })?;
     let reader = Reader::open(&request.config.store.url).await?;
     let page = reader.recorded(&route.name, request.since.at, request.limit).await;
     reader.close().await;
@@ -285,9 +285,9 @@ fn replay(
     while let Some(Reverse((_, i))) = due.pop() {
         let mut upstream = History { seen: &requests[i].seen, assume, unobserved: &mut unobserved };
         let tenant = &requests[i].tenant;
-        let quota = quotas.of(tenant).map(|q| {
-            tenants.entry(tenant).or_insert_with(|| RetryBudget::new(q.ratio, q.min_per_sec, origin))
-        });
+        let quota = quotas
+            .of(tenant)
+            .map(|q| tenants.entry(tenant).or_insert_with(|| RetryBudget::new(q.ratio, q.min_per_sec, origin)));
         replays[i].step(&mut upstream, &mut Charged { route: &mut budget, tenant: quota }, &mut draw);
         if let Some(at) = replays[i].next_at() {
             due.push(Reverse((requests[i].offset + at, i)));

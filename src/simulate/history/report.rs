@@ -162,7 +162,9 @@ fn quota_text(q: Option<BudgetLimits>) -> String {
 
 fn quotas_line(t: &TenantQuotas) -> String {
     let mut parts = vec![format!("every tenant {}", quota_text(t.default))];
-    parts.extend(t.listed.iter().filter(|(_, q)| **q != t.default).map(|(name, q)| format!("{name} {}", quota_text(*q))));
+    parts.extend(
+        t.listed.iter().filter(|(_, q)| **q != t.default).map(|(name, q)| format!("{name} {}", quota_text(*q))),
+    );
     parts.join("; ")
 }
 
