@@ -4,7 +4,7 @@
 //! before users see failures.
 
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -29,6 +29,7 @@ pub fn handle() -> &'static PrometheusHandle {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_store_commit_seconds".into()), &commit))
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &commit))
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_store_commit_writes".into()), &writes))
             .expect("the bucket lists are not empty")
             .build_recorder();
@@ -304,6 +305,79 @@ pub fn store_commit(took: Duration, writes: usize) {
     });
     histogram!("idem_store_commit_seconds").record(took.as_secs_f64());
     histogram!("idem_store_commit_writes").record(writes as f64);
+}
+
+/// The histogram of [`Stage`]s.
+const STAGE_SECONDS: &str = "idem_new_key_stage_seconds";
+
+/// A stage of a new key's way through the broker, from its arrival to its answer, for an
+/// execution that went out at once and answered on its first attempt. Their means add up to
+/// `answered`, which is the whole way: what `answered` has over their sum is the hand-back of
+/// the outcome to the request and the answer built from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// From the request's arrival to its record handed to the store: head, body, key, fingerprint.
+    Read,
+    /// Until the record is durable: the writer's queue and the commit.
+    AdmissionCommit,
+    /// From the durable record to the attempt handed to the upstream client.
+    ToSend,
+    /// Until the upstream's answer is read (for a streamed answer, its first body byte).
+    Upstream,
+    /// From the upstream's answer to the outcome handed to the store.
+    ToOutcome,
+    /// Until the outcome is durable: the writer's queue and the commit.
+    OutcomeCommit,
+    /// The whole way, from the arrival to the answer handed to the connection.
+    Answered,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Read => "read",
+            Stage::AdmissionCommit => "admission_commit",
+            Stage::ToSend => "to_send",
+            Stage::Upstream => "upstream",
+            Stage::ToOutcome => "to_outcome",
+            Stage::OutcomeCommit => "outcome_commit",
+            Stage::Answered => "answered",
+        }
+    }
+}
+
+/// A new key spent `took` in `stage`.
+pub fn stage(stage: Stage, took: Duration) {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(|| {
+        describe_histogram!(
+            STAGE_SECONDS,
+            Unit::Seconds,
+            "A new key executed at once, stage by stage from its arrival to its answer (answered is the whole way)."
+        )
+    });
+    histogram!(STAGE_SECONDS, "stage" => stage.as_str()).record(took.as_secs_f64());
+}
+
+/// A stopwatch over consecutive [`Stage`]s: each lap ends one where the last one ended.
+#[derive(Debug, Clone, Copy)]
+pub struct Laps(Instant);
+
+impl Laps {
+    pub fn from(start: Instant) -> Laps {
+        Laps(start)
+    }
+
+    /// Ends `stage` now.
+    pub fn lap(&mut self, stage: Stage) {
+        self.lap_at(stage, Instant::now());
+    }
+
+    /// Ends `stage` at `at`.
+    pub fn lap_at(&mut self, stage: Stage, at: Instant) {
+        self::stage(stage, at.saturating_duration_since(self.0));
+        self.0 = at;
+    }
 }
 
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is

@@ -3,6 +3,7 @@
 //! same admission, and answered in JSON-RPC.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -40,6 +41,7 @@ struct Recorded<'a> {
     call: ToolCall,
     replay_safe: bool,
     arrival: Timestamp,
+    arrived: Instant,
     /// What its answer is read for, should it pass through after all (a keyless call on a route
     /// that does not require keys).
     watch: Watch,
@@ -52,7 +54,7 @@ impl Ingress {
         config: &Arc<Config>,
         route: &Route,
         request: Request,
-        arrival: Timestamp,
+        (arrival, arrived): (Timestamp, Instant),
     ) -> Response {
         let tenant = match credentials::tenant(config, request.headers()) {
             Ok(tenant) => tenant,
@@ -92,7 +94,7 @@ impl Ingress {
                 ToolClass::Recorded { replay_safe } => {
                     // One span per logical request, as on any keyed route, naming the tool.
                     let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
-                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
+                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch };
                     tracing::Instrument::instrument(self.mcp_recorded(recorded), span).await
                 }
             },
@@ -111,7 +113,7 @@ impl Ingress {
     /// A `tools/call` to a recorded tool: keyed (sent, or derived from the route's `key_from`),
     /// fingerprinted by tool and arguments, executed or answered from its record.
     async fn mcp_recorded(&self, recorded: Recorded<'_>) -> Response {
-        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch } = recorded;
+        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch } = recorded;
         // Fields that change on every retry (a timestamp, a nonce) count neither in the
         // fingerprint nor in a derived key.
         let kept = derived::without_ignored(&body, &route.fingerprint_ignore);
@@ -150,7 +152,7 @@ impl Ingress {
         let fingerprint = judged.fingerprint(&route.name);
         let wait = route.mcp.as_ref().map(|mcp| mcp.in_flight_wait);
         let prefer = Prefer { respond_async: false, wait };
-        let read = Read { config, route, parts: &parts, arrival, prefer, replay_safe };
+        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
         let answer = self.execute_keyed(read, tenant.clone(), body, &key, fingerprint).await;
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
         let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };

@@ -2,6 +2,7 @@
 //! fingerprinted, recorded, and answered — by a fresh execution, a replay, or a problem.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::extract::{Request, State as AxumState};
 use axum::http::{header, HeaderValue};
@@ -21,7 +22,7 @@ use crate::domain::{Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
-use crate::metrics;
+use crate::metrics::{self, Stage};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
@@ -40,6 +41,8 @@ struct Read<'a> {
     route: &'a Route,
     parts: &'a http::request::Parts,
     arrival: Timestamp,
+    /// The same on the process's monotonic clock, for the stages of a new key (`metrics::Stage`).
+    arrived: Instant,
     /// What the client asked for: its `Prefer` header, or an MCP route's own wait.
     prefer: Prefer,
     /// May an attempt that possibly executed be sent again: the route's, or on an MCP route its
@@ -134,7 +137,7 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let arrival = app.clock.now();
+    let (arrival, arrived) = (app.clock.now(), Instant::now());
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
@@ -144,7 +147,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         return Problem::no_route(&path).into_response();
     };
     if route.mcp.is_some() {
-        return app.mcp(&config, route, request, arrival).await;
+        return app.mcp(&config, route, request, (arrival, arrived)).await;
     }
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
@@ -158,7 +161,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         Ok(tenant) if keyed => {
             // One span per logical request; its executions and attempts are logged beneath it.
             let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
-            app.keyed(&config, route, tenant, request, arrival).instrument(span).await
+            app.keyed(&config, route, tenant, request, (arrival, arrived)).instrument(span).await
         }
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
@@ -190,7 +193,7 @@ impl Ingress {
         route: &Route,
         tenant: Tenant,
         request: Request,
-        arrival: Timestamp,
+        (arrival, arrived): (Timestamp, Instant),
     ) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
@@ -229,7 +232,8 @@ impl Ingress {
             essential,
         );
         let prefer = Prefer::from_headers(&parts.headers);
-        let read = Read { config, route, parts: &parts, arrival, prefer, replay_safe: route.replay_safe };
+        let replay_safe = route.replay_safe;
+        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
         let answer = self.execute_keyed(read, tenant, body, &key, fingerprint).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
@@ -280,7 +284,7 @@ impl Ingress {
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
     ) -> Answer {
-        let Read { config, route, parts, arrival, prefer, replay_safe } = read;
+        let Read { config, route, parts, arrival, arrived, prefer, replay_safe } = read;
         // A replay known to this node needs no database at all, nor anything a new record does.
         if let Some(replay) = self.replays.get(&tenant, key, arrival) {
             if replay.fingerprint != fingerprint {
@@ -305,6 +309,7 @@ impl Ingress {
             stored: StoredRequest { headers: stored_headers(route, &parts.headers), body },
             deadline_at: arrival + deadline(policy.retry, route, &parts.headers),
             arrival,
+            arrived,
         };
 
         // A store found down cannot record it: refused at once rather than after the store fails.
@@ -314,9 +319,14 @@ impl Ingress {
         // record answers then.
         let admit = Admit { config, route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
-            Admitted::Executing { record, outcome } => {
+            Admitted::Executing { record, outcome, at_once } => {
                 metrics::request(&route.name);
-                self.executing(&record, outcome).await
+                let timed = at_once && outcome.is_some();
+                let answer = self.executing(&record, outcome).await;
+                if timed {
+                    metrics::stage(Stage::Answered, arrived.elapsed());
+                }
+                answer
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
             Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,

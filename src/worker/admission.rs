@@ -5,6 +5,7 @@
 //! process, its first attempt marked as about to be sent: one commit before the send, not three.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
@@ -13,6 +14,7 @@ use crate::config::{Config, Policy, Route};
 use crate::domain::{RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
+use crate::metrics::{Laps, Stage};
 use crate::record::{Record, StoredRequest};
 use crate::runtime::RouteGuard;
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
@@ -46,13 +48,15 @@ pub struct Request {
     /// The end of its deadline: the route's, or earlier if the client asked.
     pub deadline_at: Timestamp,
     pub arrival: Timestamp,
+    /// Its arrival on the process's monotonic clock, where the stages of a new key start.
+    pub arrived: Instant,
 }
 
 impl Request {
     /// The record to insert for it on `route`, unclaimed, and the retention cut-off its key's
     /// done records are judged by.
     fn record(self, route: &Route) -> (NewRecord, Timestamp) {
-        let Request { tenant, key, method, path, query, fingerprint, stored, deadline_at, arrival } = self;
+        let Request { tenant, key, method, path, query, fingerprint, stored, deadline_at, arrival, arrived: _ } = self;
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
             id: RecordId::new(),
@@ -79,7 +83,8 @@ impl Request {
 pub enum Admitted {
     /// This request owns the record, which executes now (or once a worker is free); `outcome`
     /// brings its end to a request that waits for it.
-    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Outcome>> },
+    /// `at_once`: admitted claimed, it went out without waiting for a worker.
+    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Outcome>>, at_once: bool },
     /// The key already has a record this request does not own: it decides the answer.
     Existing(Record),
     /// Shed before anything was recorded; the record to insert is handed back, for the answer
@@ -102,8 +107,9 @@ pub(super) enum Start {
     /// Already claimed by this process (queued records nobody claimed), with the worker that
     /// was set aside for it before it was claimed.
     Claimed(OwnedSemaphorePermit),
-    /// Admitted claimed, first attempt marked, capacity in hand.
-    Reserved(Reservation),
+    /// Admitted claimed, first attempt marked, capacity in hand; with the stages of the new key
+    /// so far, up to its durable record.
+    Reserved(Reservation, Laps),
 }
 
 impl Worker {
@@ -111,6 +117,7 @@ impl Worker {
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
         let Admit { config, route, policy, request, headers, awaits } = admit;
+        let mut laps = Laps::from(request.arrived);
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
@@ -129,6 +136,7 @@ impl Worker {
         if reservation.is_none() {
             lock(&inner.mine).insert(id);
         }
+        let queued = Instant::now();
         let admitted = inner.store.admit(store::Admit { new, retention_cutoff }).await;
         if !matches!(&admitted, Ok(Admission::Created(_))) {
             lock(&inner.mine).remove(&id);
@@ -143,7 +151,11 @@ impl Worker {
         }
         // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
         let start = match reservation.filter(|_| record.state == State::InProgress) {
-            Some(reservation) => Start::Reserved(reservation),
+            Some(reservation) => {
+                laps.lap_at(Stage::Read, queued);
+                laps.lap(Stage::AdmissionCommit);
+                Start::Reserved(reservation, laps)
+            }
             None => {
                 lock(&inner.mine).insert(record.id);
                 Start::Claim
@@ -156,8 +168,9 @@ impl Worker {
             (None, None)
         };
         let record = Arc::new(record);
+        let at_once = matches!(start, Start::Reserved(..));
         self.spawn(record.clone(), Some(slot), reply, start);
-        Ok(Admitted::Executing { record, outcome })
+        Ok(Admitted::Executing { record, outcome, at_once })
     }
 }
 
@@ -236,6 +249,7 @@ pub(super) mod tests {
             stored: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
             arrival: NOW,
+            arrived: Instant::now(),
         }
     }
 
@@ -261,10 +275,11 @@ pub(super) mod tests {
     async fn with_a_worker_free_a_new_request_is_recorded_claimed_its_first_attempt_marked_now() {
         let dir = tempfile::TempDir::new().unwrap();
         let (worker, config) = worker_on_clock(&dir, "").await;
-        let Admitted::Executing { record, outcome } = admit(&worker, &config, "fresh", false).await else {
+        let Admitted::Executing { record, outcome, at_once } = admit(&worker, &config, "fresh", false).await else {
             panic!("a new key on a free route executes")
         };
         assert!(outcome.is_none(), "nobody waits for it: answered at once");
+        assert!(at_once, "it went out without waiting for a worker");
         assert_eq!(record.state, State::InProgress);
         let lease = record.lease.as_ref().expect("claimed in the same commit");
         assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + Duration::from_millis(10_000)));

@@ -16,7 +16,7 @@ use crate::config::{Policy, Route};
 use crate::domain::RecordId;
 use crate::domain::{Class, StopReason};
 use crate::domain::{Holder, Timestamp};
-use crate::metrics;
+use crate::metrics::{self, Laps, Stage};
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::runtime::{Charges, RouteGuard};
@@ -62,6 +62,8 @@ pub(super) struct Progress {
     pub(super) partial: Option<StoredResponse>,
     /// How the last attempt's answer streamed, if it did: stored with the outcome.
     pub(super) stream: Option<StreamFacts>,
+    /// The stages of a new key that went out at once, while its first attempt is its only one.
+    pub(super) laps: Option<Laps>,
 }
 
 impl Progress {
@@ -77,6 +79,7 @@ impl Progress {
             last_response: None,
             partial: None,
             stream: None,
+            laps: None,
         }
     }
 }
@@ -124,6 +127,8 @@ struct Begun {
 /// — or, when its answer streams, its head and first part, the rest still to read.
 pub(super) struct Sent {
     result: Result<Answer, Observed>,
+    /// When it was handed to the upstream client, and how long its answer took from there.
+    at: Instant,
     took: Duration,
     pub(super) started: Timestamp,
     pub(super) span: tracing::Span,
@@ -149,8 +154,14 @@ enum Got {
 
 impl Inner {
     /// Runs attempts until the policy stops, then settles (or hands back) the record.
-    pub(super) async fn attempts(&self, job: &Job<'_>, reserved: Option<OwnedSemaphorePermit>) -> Outcome {
+    /// `reserved`: admitted claimed, with its place among the route's attempts and the stages
+    /// of the new key so far.
+    pub(super) async fn attempts(&self, job: &Job<'_>, reserved: Option<(OwnedSemaphorePermit, Laps)>) -> Outcome {
         let mut p = Progress::new(job.record, job.chosen.retry.deadline);
+        let reserved = reserved.map(|(place, laps)| {
+            p.laps = Some(laps);
+            place
+        });
         let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
         match end {
             End::Stop(stop, attempt) => self.finish_after(job.record, job.holder, job.route, attempt, stop, p).await,
@@ -169,6 +180,14 @@ impl Inner {
         loop {
             let begun = self.begin(job, p, reserved.take()).await?;
             let sent = self.send(job, p, begun).await;
+            match &mut p.laps {
+                Some(laps) if p.number == 1 => {
+                    laps.lap_at(Stage::ToSend, sent.at);
+                    laps.lap_at(Stage::Upstream, sent.at + sent.took);
+                }
+                // Retried: its stages are not a new key's way through once.
+                _ => p.laps = None,
+            }
             if sent.flowing.is_some() {
                 return Err(self.stream_through(job, p, sent).await);
             }
@@ -308,15 +327,15 @@ impl Inner {
                     retry_after: head.retry_after.clone(),
                 };
                 let flowing = Flowing { head, first, in_flight, sent_at: clock, first_byte: took };
-                Sent { result: Ok(answer), took, started, span, flowing: Some(flowing) }
+                Sent { result: Ok(answer), at: clock, took, started, span, flowing: Some(flowing) }
             }
             Ok(Got::Whole(answer)) => {
                 drop(in_flight);
-                Sent { result: Ok(answer), took, started, span, flowing: None }
+                Sent { result: Ok(answer), at: clock, took, started, span, flowing: None }
             }
             Err(observed) => {
                 drop(in_flight);
-                Sent { result: Err(observed), took, started, span, flowing: None }
+                Sent { result: Err(observed), at: clock, took, started, span, flowing: None }
             }
         }
     }

@@ -15,7 +15,7 @@ use crate::config::{Config, Policy, Route};
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Holder, Timestamp};
 use crate::domain::{Class, StopReason};
-use crate::metrics;
+use crate::metrics::{self, Laps, Stage};
 use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
@@ -51,9 +51,9 @@ impl Inner {
     /// before claiming a queued record. A lease never runs while its record waits for a worker.
     pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
         let outcome = match start {
-            Start::Reserved(Reservation { worker, attempt, config }) => {
+            Start::Reserved(Reservation { worker, attempt, config }, laps) => {
                 let _permit = worker;
-                self.run(record, &self.holder(record.claim), Some((attempt, config)), reply).await
+                self.run(record, &self.holder(record.claim), Some((attempt, config, laps)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
@@ -99,11 +99,11 @@ impl Inner {
         &self,
         record: &Record,
         holder: &Holder,
-        reserved: Option<(OwnedSemaphorePermit, Arc<Config>)>,
+        reserved: Option<(OwnedSemaphorePermit, Arc<Config>, Laps)>,
         reply: &Reply,
     ) -> Outcome {
         let (reserved, config) = match reserved {
-            Some((place, config)) => (Some(place), config),
+            Some((place, config, laps)) => (Some((place, laps)), config),
             None => (None, self.config.current()),
         };
         let Some(route) = config.route_named(&record.route) else {
@@ -222,7 +222,14 @@ impl Inner {
         };
         // A streamed answer's facts go with its outcome, in the same write.
         let ended = AttemptEnded { stream: p.stream, ..self.ended(record, holder, attempt, then, self.clock.now()) };
+        let mut laps = p.laps;
+        if let Some(laps) = &mut laps {
+            laps.lap(Stage::ToOutcome);
+        }
         let result = self.store.attempt_ended(ended.clone()).await;
+        if let Some(laps) = &mut laps {
+            laps.lap(Stage::OutcomeCommit);
+        }
         self.settled.settled(record.id);
         match result {
             Ok(Lease::Held { .. }) if told_by_its_attempt => {
