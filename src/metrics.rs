@@ -311,9 +311,9 @@ pub fn store_commit(took: Duration, writes: usize) {
 const STAGE_SECONDS: &str = "idem_new_key_stage_seconds";
 
 /// A stage of a new key's way through the broker, from its arrival to its answer, for an
-/// execution that went out at once and answered on its first attempt. Their means add up to
-/// `answered`, which is the whole way: what `answered` has over their sum is the hand-back of
-/// the outcome to the request and the answer built from it.
+/// execution that went out at once (without waiting for a worker). They follow each other, and
+/// `answered` is the whole way: what it has over their sum is the outcome handed back to the
+/// request and the answer built from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     /// From the request's arrival to its record handed to the store: head, body, key, fingerprint.
@@ -322,7 +322,8 @@ pub enum Stage {
     AdmissionCommit,
     /// From the durable record to the attempt handed to the upstream client.
     ToSend,
-    /// Until the upstream's answer is read (for a streamed answer, its first body byte).
+    /// Until the upstream's last answer is read (for a streamed answer, its first body byte):
+    /// every attempt, and the waits between them.
     Upstream,
     /// From the upstream's answer to the outcome handed to the store.
     ToOutcome,

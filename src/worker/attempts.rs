@@ -62,8 +62,11 @@ pub(super) struct Progress {
     pub(super) partial: Option<StoredResponse>,
     /// How the last attempt's answer streamed, if it did: stored with the outcome.
     pub(super) stream: Option<StreamFacts>,
-    /// The stages of a new key that went out at once, while its first attempt is its only one.
+    /// The stages of a new key that went out at once ([`Stage`]), and when the upstream's last
+    /// answer came (its first body byte, for a streamed one): the upstream's stage spans every
+    /// attempt and the waits between them.
     pub(super) laps: Option<Laps>,
+    pub(super) answered: Option<Instant>,
 }
 
 impl Progress {
@@ -80,6 +83,7 @@ impl Progress {
             partial: None,
             stream: None,
             laps: None,
+            answered: None,
         }
     }
 }
@@ -180,14 +184,10 @@ impl Inner {
         loop {
             let begun = self.begin(job, p, reserved.take()).await?;
             let sent = self.send(job, p, begun).await;
-            match &mut p.laps {
-                Some(laps) if p.number == 1 => {
-                    laps.lap_at(Stage::ToSend, sent.at);
-                    laps.lap_at(Stage::Upstream, sent.at + sent.took);
-                }
-                // Retried: its stages are not a new key's way through once.
-                _ => p.laps = None,
+            if let Some(laps) = p.laps.as_mut().filter(|_| p.answered.is_none()) {
+                laps.lap_at(Stage::ToSend, sent.at);
             }
+            p.answered = Some(sent.at + sent.took);
             if sent.flowing.is_some() {
                 return Err(self.stream_through(job, p, sent).await);
             }

@@ -224,6 +224,9 @@ impl Inner {
         let ended = AttemptEnded { stream: p.stream, ..self.ended(record, holder, attempt, then, self.clock.now()) };
         let mut laps = p.laps;
         if let Some(laps) = &mut laps {
+            if let Some(answered) = p.answered {
+                laps.lap_at(Stage::Upstream, answered);
+            }
             laps.lap(Stage::ToOutcome);
         }
         let result = self.store.attempt_ended(ended.clone()).await;

@@ -90,6 +90,19 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     assert_eq!(m("idem_request_duration_seconds_count", &[]), 6.0);
     assert_eq!(m("idem_attempt_duration_seconds_count", &[]), stored_attempts as f64);
 
+    // A new key's way through, stage by stage: each of the six executions went out at once and
+    // was waited for, so each stage saw six; the duplicates saw none. The stages follow each
+    // other within the whole way (`answered`), so together they take no more than it.
+    let stage = |name: &str, part: &str| sample(&text, &format!("idem_new_key_stage_seconds_{part}"), &[("stage", name)]);
+    let stages = ["read", "admission_commit", "to_send", "upstream", "to_outcome", "outcome_commit"];
+    for name in stages.iter().chain(&["answered"]) {
+        assert_eq!(stage(name, "count"), 6.0, "{name}: {text}");
+    }
+    let parts: f64 = stages.iter().map(|name| stage(name, "sum")).sum();
+    assert!(parts > 0.0 && parts <= stage("answered", "sum"), "{parts} against {}: {text}", stage("answered", "sum"));
+    // The upstream's stage holds the upstream's own time: "slow" took 500 ms there.
+    assert!(stage("upstream", "sum") >= 0.5, "{text}");
+
     // Every attempt is counted under the version of the policy it was sent under.
     let routes: serde_json::Value = broker.http.get(format!("{}/_idem/routes", broker.url)).json_of().await;
     let version = routes["routes"][0]["policy_version"].as_str().unwrap().to_string();
