@@ -94,7 +94,8 @@ impl Ingress {
                 ToolClass::Recorded { replay_safe } => {
                     // One span per logical request, as on any keyed route, naming the tool.
                     let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
-                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch };
+                    let recorded =
+                        Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch };
                     tracing::Instrument::instrument(self.mcp_recorded(recorded), span).await
                 }
             },

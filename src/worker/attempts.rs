@@ -2,7 +2,6 @@
 //! asked before and after each, the waits between them spent renewing the lease.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +12,6 @@ use tracing::{info_span, warn, Instrument};
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
-use crate::domain::RecordId;
 use crate::domain::{Class, StopReason};
 use crate::domain::{Holder, Timestamp};
 use crate::metrics::{self, Laps, Stage};
@@ -97,26 +95,6 @@ pub(super) enum End {
     Release,
     /// The record is no longer this worker's (or the store failed): its record is the answer.
     Lost,
-}
-
-enum WaitEnd {
-    Elapsed,
-    Cancelled,
-    /// The process is shutting down: hand the record back.
-    Stopping,
-    Lost,
-}
-
-impl WaitEnd {
-    /// Whether the execution goes on after the wait, or how it ends.
-    fn then(self) -> Result<(), End> {
-        match self {
-            WaitEnd::Elapsed => Ok(()),
-            WaitEnd::Cancelled => Err(End::Stop(StopReason::Cancelled, None)),
-            WaitEnd::Stopping => Err(End::Release),
-            WaitEnd::Lost => Err(End::Lost),
-        }
-    }
 }
 
 /// An attempt about to be sent: when it started, the place it holds on its route, and how long
@@ -419,65 +397,6 @@ impl Inner {
         p.run.waited(wait);
         p.wait_before = wait;
         Ok(())
-    }
-
-    /// Awaits an attempt while keeping `holder`'s lease alive.
-    pub(super) async fn renewing<F: Future>(&self, id: RecordId, holder: &Holder, attempt: F) -> F::Output {
-        tokio::pin!(attempt);
-        let every = self.lease / 3;
-        loop {
-            tokio::select! {
-                out = &mut attempt => return out,
-                _ = tokio::time::sleep(every) => {
-                    let now = self.clock.now();
-                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, holder, now)).await {
-                        warn!("lost the lease while an attempt was in flight");
-                    }
-                }
-            }
-        }
-    }
-
-    /// Sleeps before a retry, renewing the lease, and stops at once on a cancel (or when a newer
-    /// claim of the record runs here).
-    async fn wait(&self, job: &Job<'_>, total: Duration) -> WaitEnd {
-        let (id, signal) = (job.record.id, job.signal);
-        let until = tokio::time::Instant::now() + total;
-        let slice = self.lease / 3;
-        let mut stopping = self.drain.stopping();
-        loop {
-            if *stopping.borrow_and_update() {
-                return WaitEnd::Stopping;
-            }
-            let notified = signal.notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if signal.is_superseded() {
-                return WaitEnd::Lost;
-            }
-            if signal.raised.load(Ordering::SeqCst) {
-                return WaitEnd::Cancelled;
-            }
-            let now = tokio::time::Instant::now();
-            if now >= until {
-                return WaitEnd::Elapsed;
-            }
-            tokio::select! {
-                _ = tokio::time::sleep((until - now).min(slice)) => {}
-                _ = &mut notified => {
-                    return if signal.is_superseded() { WaitEnd::Lost } else { WaitEnd::Cancelled };
-                }
-                _ = stopping.changed() => return WaitEnd::Stopping,
-            }
-            if tokio::time::Instant::now() < until {
-                let now = self.clock.now();
-                match self.store.renew(self.renewal(id, job.holder, now)).await {
-                    Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
-                    Ok(Lease::Lost) => return WaitEnd::Lost,
-                    _ => {}
-                }
-            }
-        }
     }
 }
 

@@ -9,7 +9,8 @@
 //! - each route's runtime (`crate::runtime`) — what a route and its upstream can take: slots,
 //!   attempts in flight, the retry budget and the breaker; and the pace of its attempts.
 //! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
-//!   attempts and waits between them, with its lease kept alive.
+//!   attempts and waits between them; `waits` — those waits and the attempts in flight, with
+//!   the lease kept alive through them.
 //! - `drain` — executions in flight, counted for a graceful shutdown.
 //! - `waiters` — requests waiting for a record to settle; `credentials` — client credentials
 //!   held in memory until their execution starts.
@@ -116,6 +117,7 @@ mod streaming;
 mod unrecorded;
 
 mod waiters;
+mod waits;
 
 pub use crate::runtime::{Refusal, Slot};
 use admission::Start;

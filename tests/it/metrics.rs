@@ -93,7 +93,8 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     // A new key's way through, stage by stage: each of the six executions went out at once and
     // was waited for, so each stage saw six; the duplicates saw none. The stages follow each
     // other within the whole way (`answered`), so together they take no more than it.
-    let stage = |name: &str, part: &str| sample(&text, &format!("idem_new_key_stage_seconds_{part}"), &[("stage", name)]);
+    let stage =
+        |name: &str, part: &str| sample(&text, &format!("idem_new_key_stage_seconds_{part}"), &[("stage", name)]);
     let stages = ["read", "admission_commit", "to_send", "upstream", "to_outcome", "outcome_commit"];
     for name in stages.iter().chain(&["answered"]) {
         assert_eq!(stage(name, "count"), 6.0, "{name}: {text}");
