@@ -26,10 +26,12 @@ pub fn handle() -> &'static PrometheusHandle {
         // A commit takes a disk flush: a tenth of a millisecond to tens of them.
         let commit = [0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0];
         let writes = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+        // A stage of a new key: tens of microseconds (its reading) to the upstream's slowest.
+        let stages = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 1.0, 5.0, 30.0, 60.0];
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &buckets)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_store_commit_seconds".into()), &commit))
-            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &commit))
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Full(STAGE_SECONDS.into()), &stages))
             .and_then(|b| b.set_buckets_for_metric(Matcher::Full("idem_store_commit_writes".into()), &writes))
             .expect("the bucket lists are not empty")
             .build_recorder();
@@ -310,10 +312,11 @@ pub fn store_commit(took: Duration, writes: usize) {
 /// The histogram of [`Stage`]s.
 const STAGE_SECONDS: &str = "idem_new_key_stage_seconds";
 
-/// A stage of a new key's way through the broker, from its arrival to its answer, for an
-/// execution that went out at once (without waiting for a worker). They follow each other, and
-/// `answered` is the whole way: what it has over their sum is the outcome handed back to the
-/// request and the answer built from it.
+/// A stage of a new key's way through the broker, from its arrival to its answer. Counted for a
+/// request whose execution went out at once (without waiting for a worker), whose client waited
+/// for the outcome, and whose answer was read whole (not streamed) by an attempt that was sent.
+/// The stages follow each other, and `answered` is the whole way: what it has over their sum is
+/// the outcome handed back to the request and the answer built from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
     /// From the request's arrival to its record handed to the store: head, body, key, fingerprint.
@@ -322,14 +325,14 @@ pub enum Stage {
     AdmissionCommit,
     /// From the durable record to the attempt handed to the upstream client.
     ToSend,
-    /// Until the upstream's last answer is read (for a streamed answer, its first body byte):
-    /// every attempt, and the waits between them.
+    /// Until the upstream's last answer is read: every attempt, and between them the waits and
+    /// the writes that store each attempt's end and the next one's start.
     Upstream,
     /// From the upstream's answer to the outcome handed to the store.
     ToOutcome,
     /// Until the outcome is durable: the writer's queue and the commit.
     OutcomeCommit,
-    /// The whole way, from the arrival to the answer handed to the connection.
+    /// The whole way, from the arrival to the answer built from the outcome.
     Answered,
 }
 
@@ -360,13 +363,18 @@ pub fn stage(stage: Stage, took: Duration) {
     histogram!(STAGE_SECONDS, "stage" => stage.as_str()).record(took.as_secs_f64());
 }
 
-/// A stopwatch over consecutive [`Stage`]s: each lap ends one where the last one ended.
-#[derive(Debug, Clone, Copy)]
-pub struct Laps(Instant);
+/// A stopwatch over the consecutive [`Stage`]s before `answered`: each lap ends one where the
+/// last one ended. Its laps are recorded together, once all are taken, so that every stage
+/// counts the same requests.
+#[derive(Debug)]
+pub struct Laps {
+    last: Instant,
+    took: [Option<Duration>; 6],
+}
 
 impl Laps {
-    pub fn from(start: Instant) -> Laps {
-        Laps(start)
+    pub fn starting(at: Instant) -> Laps {
+        Laps { last: at, took: [None; 6] }
     }
 
     /// Ends `stage` now.
@@ -376,10 +384,25 @@ impl Laps {
 
     /// Ends `stage` at `at`.
     pub fn lap_at(&mut self, stage: Stage, at: Instant) {
-        self::stage(stage, at.saturating_duration_since(self.0));
-        self.0 = at;
+        if let Some(took) = self.took.get_mut(stage as usize) {
+            *took = Some(at.saturating_duration_since(self.last));
+        }
+        self.last = at;
+    }
+
+    /// Records every stage, if every one was lapped.
+    pub fn record(self) {
+        if self.took.iter().all(Option::is_some) {
+            for (stage, took) in STAGES.iter().zip(self.took.iter().flatten()) {
+                self::stage(*stage, *took);
+            }
+        }
     }
 }
+
+/// The stages a [`Laps`] takes, in their order.
+const STAGES: [Stage; 6] =
+    [Stage::Read, Stage::AdmissionCommit, Stage::ToSend, Stage::Upstream, Stage::ToOutcome, Stage::OutcomeCommit];
 
 /// Renders every series, with the store's records by phase (the reconciliation queue depth is
 /// `idem_records{phase="unknown"}`), each upstream's circuit, the request body bytes held in

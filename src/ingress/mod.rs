@@ -22,7 +22,7 @@ use crate::domain::{Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
-use crate::metrics::{self, Stage};
+use crate::metrics;
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
@@ -321,12 +321,7 @@ impl Ingress {
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome, at_once } => {
                 metrics::request(&route.name);
-                let timed = at_once && outcome.is_some();
-                let answer = self.executing(&record, outcome).await;
-                if timed {
-                    metrics::stage(Stage::Answered, arrived.elapsed());
-                }
-                answer
+                self.executing(&record, outcome, at_once.then_some(arrived)).await
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
             Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,

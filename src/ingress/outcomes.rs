@@ -3,7 +3,7 @@
 //! as it stands once it settles or the wait runs out — replayed, 409 with when to come back,
 //! 502 unknown, or freed.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::answers::{freed, http_date, outcome_response, stored_response, Answer};
 use super::{Ingress, EXPIRES_HEADER};
 use crate::domain::{AnswerKind, Phase, State};
-use crate::metrics;
+use crate::metrics::{self, Stage};
 use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::Record;
@@ -26,7 +26,14 @@ const WAIT_POLL: Duration = Duration::from_secs(1);
 impl Ingress {
     /// This request owns the record, which a worker executes: answer with the outcome, or at
     /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
-    pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Outcome>>) -> Answer {
+    /// `timed`: when the request arrived, for an execution that went out at once; its whole way
+    /// is recorded (`metrics::Stage::Answered`) unless its answer streamed or came from the store.
+    pub(super) async fn executing(
+        &self,
+        record: &Record,
+        outcome: Option<oneshot::Receiver<Outcome>>,
+        timed: Option<Instant>,
+    ) -> Answer {
         let Some(outcome) = outcome else {
             let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
             let mut response = (StatusCode::ACCEPTED, Json(record.to_json(false))).into_response();
@@ -47,7 +54,12 @@ impl Ingress {
                 if let Outcome::Done(_, response) = &outcome {
                     self.keep_for_replays(record, response, expires_at);
                 }
-                outcome_response(outcome)
+                let timed = timed.filter(|_| !matches!(outcome, Outcome::Streaming(_)));
+                let answer = outcome_response(outcome);
+                if let Some(arrived) = timed {
+                    metrics::stage(Stage::Answered, arrived.elapsed());
+                }
+                answer
             }
             // Another worker (of this node or another) runs it: wait for it like a duplicate.
             _ => match self.records.get(id).await {

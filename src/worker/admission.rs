@@ -108,8 +108,8 @@ pub(super) enum Start {
     /// was set aside for it before it was claimed.
     Claimed(OwnedSemaphorePermit),
     /// Admitted claimed, first attempt marked, capacity in hand; with the stages of the new key
-    /// so far, up to its durable record.
-    Reserved(Reservation, Laps),
+    /// so far, up to its durable record, when its client waits for the outcome.
+    Reserved(Reservation, Option<Laps>),
 }
 
 impl Worker {
@@ -117,7 +117,8 @@ impl Worker {
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
         let Admit { config, route, policy, request, headers, awaits } = admit;
-        let mut laps = Laps::from(request.arrived);
+        // Timed only when the client waits for the outcome: its answer ends the way.
+        let mut laps = awaits.then(|| Laps::starting(request.arrived));
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
@@ -152,8 +153,10 @@ impl Worker {
         // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
         let start = match reservation.filter(|_| record.state == State::InProgress) {
             Some(reservation) => {
-                laps.lap_at(Stage::Read, queued);
-                laps.lap(Stage::AdmissionCommit);
+                if let Some(laps) = &mut laps {
+                    laps.lap_at(Stage::Read, queued);
+                    laps.lap(Stage::AdmissionCommit);
+                }
                 Start::Reserved(reservation, laps)
             }
             None => {

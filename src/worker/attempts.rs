@@ -60,11 +60,11 @@ pub(super) struct Progress {
     pub(super) partial: Option<StoredResponse>,
     /// How the last attempt's answer streamed, if it did: stored with the outcome.
     pub(super) stream: Option<StreamFacts>,
-    /// The stages of a new key that went out at once ([`Stage`]), and when the upstream's last
-    /// answer came (its first body byte, for a streamed one): the upstream's stage spans every
-    /// attempt and the waits between them.
+    /// The stages of a new key that went out at once and is waited for ([`Stage`]).
     pub(super) laps: Option<Laps>,
-    pub(super) answered: Option<Instant>,
+    /// When the upstream's last answer came (its first body byte, for a streamed one): where
+    /// the upstream's stage ends.
+    pub(super) upstream_answered: Option<Instant>,
 }
 
 impl Progress {
@@ -81,7 +81,7 @@ impl Progress {
             partial: None,
             stream: None,
             laps: None,
-            answered: None,
+            upstream_answered: None,
         }
     }
 }
@@ -138,10 +138,14 @@ impl Inner {
     /// Runs attempts until the policy stops, then settles (or hands back) the record.
     /// `reserved`: admitted claimed, with its place among the route's attempts and the stages
     /// of the new key so far.
-    pub(super) async fn attempts(&self, job: &Job<'_>, reserved: Option<(OwnedSemaphorePermit, Laps)>) -> Outcome {
+    pub(super) async fn attempts(
+        &self,
+        job: &Job<'_>,
+        reserved: Option<(OwnedSemaphorePermit, Option<Laps>)>,
+    ) -> Outcome {
         let mut p = Progress::new(job.record, job.chosen.retry.deadline);
         let reserved = reserved.map(|(place, laps)| {
-            p.laps = Some(laps);
+            p.laps = laps;
             place
         });
         let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
@@ -162,10 +166,10 @@ impl Inner {
         loop {
             let begun = self.begin(job, p, reserved.take()).await?;
             let sent = self.send(job, p, begun).await;
-            if let Some(laps) = p.laps.as_mut().filter(|_| p.answered.is_none()) {
+            if let Some(laps) = p.laps.as_mut().filter(|_| p.upstream_answered.is_none()) {
                 laps.lap_at(Stage::ToSend, sent.at);
             }
-            p.answered = Some(sent.at + sent.took);
+            p.upstream_answered = Some(sent.at + sent.took);
             if sent.flowing.is_some() {
                 return Err(self.stream_through(job, p, sent).await);
             }

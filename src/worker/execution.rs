@@ -99,7 +99,7 @@ impl Inner {
         &self,
         record: &Record,
         holder: &Holder,
-        reserved: Option<(OwnedSemaphorePermit, Arc<Config>, Laps)>,
+        reserved: Option<(OwnedSemaphorePermit, Arc<Config>, Option<Laps>)>,
         reply: &Reply,
     ) -> Outcome {
         let (reserved, config) = match reserved {
@@ -222,16 +222,19 @@ impl Inner {
         };
         // A streamed answer's facts go with its outcome, in the same write.
         let ended = AttemptEnded { stream: p.stream, ..self.ended(record, holder, attempt, then, self.clock.now()) };
-        let mut laps = p.laps;
+        // A streamed answer reached its client before its outcome was stored: its stages would
+        // not add up to its way.
+        let mut laps = p.laps.filter(|_| ended.stream.is_none());
         if let Some(laps) = &mut laps {
-            if let Some(answered) = p.answered {
+            if let Some(answered) = p.upstream_answered {
                 laps.lap_at(Stage::Upstream, answered);
             }
             laps.lap(Stage::ToOutcome);
         }
         let result = self.store.attempt_ended(ended.clone()).await;
-        if let Some(laps) = &mut laps {
+        if let Some(mut laps) = laps {
             laps.lap(Stage::OutcomeCommit);
+            laps.record();
         }
         self.settled.settled(record.id);
         match result {

@@ -14,11 +14,16 @@ use crate::domain::StopReason;
 use crate::domain::{Holder, RecordId};
 use crate::store::Lease;
 
+/// How a wait ended, which decides how the execution goes on.
 pub(super) enum WaitEnd {
+    /// Waited in full: the next attempt may start.
     Elapsed,
+    /// A cancel came (from the client or an operator): the execution stops, its record settled.
     Cancelled,
     /// The process is shutting down: hand the record back.
     Stopping,
+    /// The lease was lost, or a newer claim of the record runs here: the record is no longer
+    /// this execution's.
     Lost,
 }
 

@@ -163,6 +163,19 @@ max_attempts = 4",
     assert_eq!(sample(&text, "idem_switch_held_total", &held), 1.0, "{text}");
     assert_eq!(sample(&text, "idem_stops_total", &[("reason", "retries_off")]), 1.0);
     exposition_is_valid(&text);
+
+    // A request answered before its outcome (`respond-async`) has no way to the answer to time:
+    // none of its stages counts. The two executions since the first count ("after", "switched").
+    let accepted = send(broker.post("/payments", "async", body).header("prefer", "respond-async")).await;
+    assert_eq!(accepted.status, 202);
+    while broker.record("async").await.unwrap()["state"] != "done" {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let text = broker.metrics().await;
+    for name in stages.iter().chain(&["answered"]) {
+        let counted = sample(&text, "idem_new_key_stage_seconds_count", &[("stage", name)]);
+        assert_eq!(counted, 8.0, "{name}: {text}");
+    }
 }
 
 /// Every family has HELP and TYPE, as a real exposition-format parser reads them, and
