@@ -384,8 +384,8 @@ impl Laps {
 
     /// Ends `stage` at `at`.
     pub fn lap_at(&mut self, stage: Stage, at: Instant) {
-        if let Some(took) = self.took.get_mut(stage as usize) {
-            *took = Some(at.saturating_duration_since(self.last));
+        if let Some(i) = STAGES.iter().position(|s| *s == stage) {
+            self.took[i] = Some(at.saturating_duration_since(self.last));
         }
         self.last = at;
     }

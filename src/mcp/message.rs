@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::{codes, META_KEY};
+use crate::domain::MCP_TOOLS_CALL;
 use crate::fingerprint::{canonical_json, Fingerprint};
 use crate::key::IdempotencyKey;
 
@@ -56,7 +57,7 @@ pub fn read(body: &[u8]) -> Result<Incoming, Refused> {
     match message {
         Value::Object(members) => single(members),
         Value::Array(batch) => {
-            let holds_call = batch.iter().any(|m| m.get("method").and_then(Value::as_str) == Some(TOOLS_CALL));
+            let holds_call = batch.iter().any(|m| m.get("method").and_then(Value::as_str) == Some(MCP_TOOLS_CALL));
             if holds_call {
                 return Err(Refused::new(
                     codes::INVALID_REQUEST,
@@ -70,13 +71,11 @@ pub fn read(body: &[u8]) -> Result<Incoming, Refused> {
     }
 }
 
-pub const TOOLS_CALL: &str = crate::domain::MCP_TOOLS_CALL;
-
 fn single(mut members: Map<String, Value>) -> Result<Incoming, Refused> {
     let method = members.get("method").and_then(Value::as_str).map(str::to_string);
     // A notification (no id) is not a call whose answer could be replayed.
     let id = members.get("id").cloned();
-    let (Some(TOOLS_CALL), Some(id)) = (method.as_deref(), id) else {
+    let (Some(MCP_TOOLS_CALL), Some(id)) = (method.as_deref(), id) else {
         return Ok(Incoming::Other { method });
     };
     let invalid = |why: &str| Refused::new(codes::INVALID_PARAMS, format!("Invalid params: {why}"), Some(id.clone()));
@@ -117,7 +116,7 @@ impl ToolCall {
     /// Tool name and canonical arguments, on `route`: the same call re-serialised, or sent with
     /// another JSON-RPC id, key or `_meta`, is the same request.
     pub fn fingerprint(&self, route: &str) -> Fingerprint {
-        Fingerprint::of(route, TOOLS_CALL, &self.tool, "", Some(b"application/json"), &self.canonical_arguments())
+        Fingerprint::of(route, MCP_TOOLS_CALL, &self.tool, "", Some(b"application/json"), &self.canonical_arguments())
     }
 
     /// The key of a call that sent none, from the route's `key_from` key (`from_sources`: an
