@@ -1,9 +1,17 @@
 //! Micro-benchmarks of the hot path's pure steps: key parsing and fingerprinting, with hashing
-//! the raw bytes alone as the baseline each fingerprint is compared with.
+//! the raw bytes alone as the baseline each fingerprint is compared with; and a replay's answer,
+//! with building it from the stored headers, as replays once did, as its baseline.
 
+use axum::body::Body;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::Response;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use idem::domain::{RouteName, Timestamp};
 use idem::fingerprint::Fingerprint;
+use idem::ingress::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
 use idem::key::IdempotencyKey;
+use idem::problem::{SHOULD_RETRY_HEADER, STATUS_HEADER};
+use idem::record::StoredResponse;
 use sha2::{Digest, Sha256};
 
 fn json_body(approx_bytes: usize) -> Vec<u8> {
@@ -52,5 +60,46 @@ fn fingerprints(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, keys, fingerprints);
+/// A typical upstream's answer: five headers and a small JSON body.
+fn stored_answer() -> StoredResponse {
+    let headers = [
+        ("content-type", "application/json"),
+        ("date", "Wed, 02 Dec 2026 22:40:00 GMT"),
+        ("server", "nginx"),
+        ("x-request-id", "req_8e03978e40d543e8bc936894a57f9324"),
+        ("cache-control", "no-store"),
+    ];
+    StoredResponse {
+        status: 201,
+        headers: headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect(),
+        body: bytes::Bytes::from_static(br#"{"id":"ch_1","ok":true}"#),
+    }
+}
+
+fn replay_answers(c: &mut Criterion) {
+    let stored = stored_answer();
+    let expires_at = Timestamp::now();
+    let mut g = c.benchmark_group("replay_answer");
+    g.bench_function("parsed_each_time_baseline", |b| {
+        b.iter(|| {
+            let stored = black_box(&stored);
+            let mut response = Response::new(Body::from(stored.body.clone()));
+            *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            *response.headers_mut() = idem::upstream::to_header_map(&stored.headers);
+            let headers = response.headers_mut();
+            headers.insert(STATUS_HEADER, HeaderValue::from_static("done"));
+            headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
+            headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+            let date = httpdate::fmt_http_date(expires_at.system_time());
+            headers.insert(EXPIRES_HEADER, HeaderValue::from_str(&date).expect("an HTTP date"));
+            response
+        })
+    });
+    let fingerprint = Fingerprint::of("payments", "POST", "/payments", "", None, b"{}");
+    let replay = Replay::new(fingerprint, RouteName::from("payments"), &stored, expires_at);
+    g.bench_function("prebuilt", |b| b.iter(|| black_box(&replay).answer()));
+    g.finish();
+}
+
+criterion_group!(benches, keys, fingerprints, replay_answers);
 criterion_main!(benches);

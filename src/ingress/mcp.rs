@@ -153,8 +153,13 @@ impl Ingress {
         let fingerprint = judged.fingerprint(&route.name);
         let wait = route.mcp.as_ref().map(|mcp| mcp.in_flight_wait);
         let prefer = Prefer { respond_async: false, wait };
-        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
-        let answer = self.execute_keyed(read, tenant.clone(), body, &key, fingerprint).await;
+        let answer = match self.replayed(route, &tenant, &key, fingerprint, arrival) {
+            Some(replayed) => replayed,
+            None => {
+                let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+                self.execute_keyed(read, tenant.clone(), body, &key, fingerprint).await
+            }
+        };
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
         let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };
         cut.told_in_json_rpc(answer)

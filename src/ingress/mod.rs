@@ -123,7 +123,7 @@ mod reading;
 mod replays;
 mod requests;
 
-use answers::{http_date, stored_response, Answer};
+use answers::{http_date, Answer};
 use reading::{deadline, read_body, stored_headers};
 pub use replays::{ByteWeight, Replay, Replays};
 use requests::{cancel_request, list_routes, show_request};
@@ -158,11 +158,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let mut response = match credentials::tenant(&config, request.headers()) {
         Err(problem) if keyed => problem.state(State::NotStarted).into_response(),
         Err(problem) => problem.into_response(),
-        Ok(tenant) if keyed => {
-            // One span per logical request; its executions and attempts are logged beneath it.
-            let span = tracing::info_span!("request", %tenant, route = %route.name, method = %request.method());
-            app.keyed(&config, route, tenant, request, (arrival, arrived)).instrument(span).await
-        }
+        Ok(tenant) if keyed => app.keyed(&config, route, tenant, request, (arrival, arrived)).await,
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
             Some(refusal) => {
@@ -233,8 +229,16 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
-        let answer = self.execute_keyed(read, tenant, body, &key, fingerprint).await;
+        let answer = match self.replayed(route, &tenant, &key, fingerprint, arrival) {
+            Some(replayed) => replayed,
+            None => {
+                // One span per logical request; its executions and attempts are logged beneath
+                // it. A replay logs nothing, and goes without.
+                let span = tracing::info_span!("request", %tenant, route = %route.name, method = %parts.method);
+                let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+                self.execute_keyed(read, tenant, body, &key, fingerprint).instrument(span).await
+            }
+        };
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
@@ -267,15 +271,32 @@ impl Ingress {
     /// Keeps a done record's answer in memory, so that its duplicates on this node are replayed
     /// without the database until `expires_at`.
     fn keep_for_replays(&self, record: &Record, response: &StoredResponse, expires_at: Timestamp) {
-        let replay = Replay {
-            fingerprint: record.fingerprint,
-            route: record.route.clone(),
-            response: response.clone(),
-            expires_at,
-        };
+        let replay = Replay::new(record.fingerprint, record.route.clone(), response, expires_at);
         self.replays.keep(&record.tenant, &record.key, replay);
     }
 
+    /// The answer to a duplicate whose key's answer this node keeps in memory: replayed with no
+    /// database at all, nor anything a new record needs; refused if its request differs.
+    fn replayed(
+        &self,
+        route: &Route,
+        tenant: &Tenant,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        now: Timestamp,
+    ) -> Option<Answer> {
+        let replay = self.replays.get(tenant, key, now)?;
+        if replay.fingerprint != fingerprint {
+            metrics::answered(&route.name, AnswerKind::KeyReused);
+            return Some(Err(Problem::key_reused().state(State::Done)));
+        }
+        metrics::answered(&replay.route, AnswerKind::Replay);
+        self.runtimes.count_replay(&replay.route);
+        Some(Ok(replay.answer()))
+    }
+
+    /// A request whose answer is not in memory: admitted, and executed or answered from its
+    /// record.
     async fn execute_keyed(
         &self,
         read: Read<'_>,
@@ -285,18 +306,6 @@ impl Ingress {
         fingerprint: Fingerprint,
     ) -> Answer {
         let Read { config, route, parts, arrival, arrived, prefer, replay_safe } = read;
-        // A replay known to this node needs no database at all, nor anything a new record does.
-        if let Some(replay) = self.replays.get(&tenant, key, arrival) {
-            if replay.fingerprint != fingerprint {
-                metrics::answered(&route.name, AnswerKind::KeyReused);
-                return Err(Problem::key_reused().state(State::Done));
-            }
-            metrics::answered(&replay.route, AnswerKind::Replay);
-            self.runtimes.count_replay(&replay.route);
-            let mut response = stored_response(&replay.response, true);
-            response.headers_mut().insert(EXPIRES_HEADER, http_date(replay.expires_at));
-            return Ok(response);
-        }
         let query = parts.uri.query().unwrap_or("");
         let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
