@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 
 use super::REPLAYED_HEADER;
@@ -133,13 +133,17 @@ pub(super) fn streamed_response(streamed: Streamed) -> Response {
 /// A stored response, as the upstream gave it; replays are marked.
 pub(super) fn stored_response(stored: &StoredResponse, replayed: bool) -> Response {
     let mut response = response_of(stored);
-    let headers = response.headers_mut();
+    mark_done(response.headers_mut(), replayed);
+    response
+}
+
+/// Marks the answer of a done record: final, and a replay unless this request executed it.
+pub(super) fn mark_done(headers: &mut HeaderMap, replayed: bool) {
     headers.insert(STATUS_HEADER, HeaderValue::from_static(State::Done.as_str()));
     headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));
     if replayed {
         headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
     }
-    response
 }
 
 pub(super) fn response_of(stored: &StoredResponse) -> Response {

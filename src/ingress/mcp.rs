@@ -92,11 +92,9 @@ impl Ingress {
             Ok(Incoming::ToolCall(call)) => match self.mcp_tools.class(route, &watch.session, &call.tool) {
                 ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
                 ToolClass::Recorded { replay_safe } => {
-                    // One span per logical request, as on any keyed route, naming the tool.
-                    let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
                     let recorded =
                         Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch };
-                    tracing::Instrument::instrument(self.mcp_recorded(recorded), span).await
+                    self.mcp_recorded(recorded).await
                 }
             },
         }
@@ -153,13 +151,10 @@ impl Ingress {
         let fingerprint = judged.fingerprint(&route.name);
         let wait = route.mcp.as_ref().map(|mcp| mcp.in_flight_wait);
         let prefer = Prefer { respond_async: false, wait };
-        let answer = match self.replayed(route, &tenant, &key, fingerprint, arrival) {
-            Some(replayed) => replayed,
-            None => {
-                let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
-                self.execute_keyed(read, tenant.clone(), body, &key, fingerprint).await
-            }
-        };
+        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+        // As on any keyed route, naming the tool.
+        let span = |tenant: &Tenant| tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
+        let answer = self.answer_keyed(read, tenant.clone(), body, &key, fingerprint, span).await;
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
         let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };
         cut.told_in_json_rpc(answer)

@@ -11,7 +11,7 @@ use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
 use tokio::sync::watch;
-use tracing::Instrument;
+use tracing::{info_span, Instrument, Span};
 
 use crate::clock::SharedClock;
 use crate::config::{Config, Live, Route};
@@ -229,16 +229,9 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let answer = match self.replayed(route, &tenant, &key, fingerprint, arrival) {
-            Some(replayed) => replayed,
-            None => {
-                // One span per logical request; its executions and attempts are logged beneath
-                // it. A replay logs nothing, and goes without.
-                let span = tracing::info_span!("request", %tenant, route = %route.name, method = %parts.method);
-                let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
-                self.execute_keyed(read, tenant, body, &key, fingerprint).instrument(span).await
-            }
-        };
+        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+        let span = |tenant: &Tenant| info_span!("request", %tenant, route = %route.name, method = %parts.method);
+        let answer = self.answer_keyed(read, tenant, body, &key, fingerprint, span).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
@@ -275,6 +268,26 @@ impl Ingress {
         self.replays.keep(&record.tenant, &record.key, replay);
     }
 
+    /// The answer to a keyed request, read: replayed from memory when this node keeps its key's
+    /// answer, else admitted, and executed or answered from its record. One span per logical
+    /// request, made by `span`; its executions and attempts are logged beneath it. A replay
+    /// logs nothing, and goes without: making the span is most of what it would cost.
+    async fn answer_keyed(
+        &self,
+        read: Read<'_>,
+        tenant: Tenant,
+        body: Bytes,
+        key: &IdempotencyKey,
+        fingerprint: Fingerprint,
+        span: impl FnOnce(&Tenant) -> Span,
+    ) -> Answer {
+        if let Some(replayed) = self.replayed(read.route, &tenant, key, fingerprint, read.arrival) {
+            return replayed;
+        }
+        let span = span(&tenant);
+        self.execute_keyed(read, tenant, body, key, fingerprint).instrument(span).await
+    }
+
     /// The answer to a duplicate whose key's answer this node keeps in memory: replayed with no
     /// database at all, nor anything a new record needs; refused if its request differs.
     fn replayed(
@@ -295,8 +308,8 @@ impl Ingress {
         Some(Ok(replay.answer()))
     }
 
-    /// A request whose answer is not in memory: admitted, and executed or answered from its
-    /// record.
+    /// A keyed request whose answer is not in memory: admitted, and executed or answered from
+    /// its record.
     async fn execute_keyed(
         &self,
         read: Read<'_>,
