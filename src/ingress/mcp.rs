@@ -151,10 +151,22 @@ impl Ingress {
         let fingerprint = judged.fingerprint(&route.name);
         let wait = route.mcp.as_ref().map(|mcp| mcp.in_flight_wait);
         let prefer = Prefer { respond_async: false, wait };
-        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+        let read = Read {
+            tenant: tenant.clone(),
+            key: &key,
+            fingerprint,
+            body,
+            config,
+            route,
+            parts: &parts,
+            arrival,
+            arrived,
+            prefer,
+            replay_safe,
+        };
         // As on any keyed route, naming the tool.
         let span = |tenant: &Tenant| tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
-        let answer = self.answer_keyed(read, tenant.clone(), body, &key, fingerprint, span).await;
+        let answer = self.answer_keyed(read, span).await;
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
         let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };
         cut.told_in_json_rpc(answer)

@@ -34,9 +34,13 @@ use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 use crate::worker::{self, Admit, Admitted, Refusal, Worker};
 
-/// What a keyed request was read with: the configuration in force when it arrived, its route
-/// there, its head, and when it arrived.
+/// A keyed request as read: whose it is, its key and fingerprint, its head and body, the
+/// configuration in force when it arrived, its route there, and when it arrived.
 struct Read<'a> {
+    tenant: Tenant,
+    key: &'a IdempotencyKey,
+    fingerprint: Fingerprint,
+    body: Bytes,
     config: &'a Arc<Config>,
     route: &'a Route,
     parts: &'a http::request::Parts,
@@ -229,9 +233,21 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let read = Read { config, route, parts: &parts, arrival, arrived, prefer, replay_safe };
+        let read = Read {
+            tenant,
+            key: &key,
+            fingerprint,
+            body,
+            config,
+            route,
+            parts: &parts,
+            arrival,
+            arrived,
+            prefer,
+            replay_safe,
+        };
         let span = |tenant: &Tenant| info_span!("request", %tenant, route = %route.name, method = %parts.method);
-        let answer = self.answer_keyed(read, tenant, body, &key, fingerprint, span).await;
+        let answer = self.answer_keyed(read, span).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
@@ -272,20 +288,12 @@ impl Ingress {
     /// answer, else admitted, and executed or answered from its record. One span per logical
     /// request, made by `span`; its executions and attempts are logged beneath it. A replay
     /// logs nothing, and goes without: making the span is most of what it would cost.
-    async fn answer_keyed(
-        &self,
-        read: Read<'_>,
-        tenant: Tenant,
-        body: Bytes,
-        key: &IdempotencyKey,
-        fingerprint: Fingerprint,
-        span: impl FnOnce(&Tenant) -> Span,
-    ) -> Answer {
-        if let Some(replayed) = self.replayed(read.route, &tenant, key, fingerprint, read.arrival) {
+    async fn answer_keyed(&self, read: Read<'_>, span: impl FnOnce(&Tenant) -> Span) -> Answer {
+        if let Some(replayed) = self.replayed(read.route, &read.tenant, read.key, read.fingerprint, read.arrival) {
             return replayed;
         }
-        let span = span(&tenant);
-        self.execute_keyed(read, tenant, body, key, fingerprint).instrument(span).await
+        let span = span(&read.tenant);
+        self.execute_keyed(read).instrument(span).await
     }
 
     /// The answer to a duplicate whose key's answer this node keeps in memory: replayed with no
@@ -310,15 +318,8 @@ impl Ingress {
 
     /// A keyed request whose answer is not in memory: admitted, and executed or answered from
     /// its record.
-    async fn execute_keyed(
-        &self,
-        read: Read<'_>,
-        tenant: Tenant,
-        body: Bytes,
-        key: &IdempotencyKey,
-        fingerprint: Fingerprint,
-    ) -> Answer {
-        let Read { config, route, parts, arrival, arrived, prefer, replay_safe } = read;
+    async fn execute_keyed(&self, read: Read<'_>) -> Answer {
+        let Read { tenant, key, fingerprint, body, config, route, parts, arrival, arrived, prefer, replay_safe } = read;
         let query = parts.uri.query().unwrap_or("");
         let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
