@@ -314,7 +314,8 @@ const STAGE_SECONDS: &str = "idem_new_key_stage_seconds";
 
 /// A stage of a new key's way through the broker, from its arrival to its answer. Counted for a
 /// request whose execution went out at once (without waiting for a worker), whose client waited
-/// for the outcome, and whose answer was read whole (not streamed) by an attempt that was sent.
+/// for the outcome and was answered, and whose answer was read whole (not streamed) by an
+/// attempt that was sent.
 /// The stages follow each other, and `answered` is the whole way: what it has over their sum is
 /// the outcome handed back to the request and the answer built from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,17 +365,18 @@ pub fn stage(stage: Stage, took: Duration) {
 }
 
 /// A stopwatch over the consecutive [`Stage`]s before `answered`: each lap ends one where the
-/// last one ended. Its laps are recorded together, once all are taken, so that every stage
-/// counts the same requests.
+/// last one ended. Its laps are recorded together with the whole way, once the answer is built
+/// and only if every lap was taken, so that every stage counts the same requests.
 #[derive(Debug)]
 pub struct Laps {
+    arrived: Instant,
     last: Instant,
     took: [Option<Duration>; 6],
 }
 
 impl Laps {
-    pub fn starting(at: Instant) -> Laps {
-        Laps { last: at, took: [None; 6] }
+    pub fn starting(arrived: Instant) -> Laps {
+        Laps { arrived, last: arrived, took: [None; 6] }
     }
 
     /// Ends `stage` now.
@@ -390,12 +392,14 @@ impl Laps {
         self.last = at;
     }
 
-    /// Records every stage, if every one was lapped.
-    pub fn record(self) {
+    /// The answer is built: records every stage and the whole way (`answered`, from the
+    /// arrival to now), if every stage was lapped; otherwise nothing.
+    pub fn answered(self) {
         if self.took.iter().all(Option::is_some) {
             for (stage, took) in STAGES.iter().zip(self.took.iter().flatten()) {
                 self::stage(*stage, *took);
             }
+            self::stage(Stage::Answered, self.arrived.elapsed());
         }
     }
 }

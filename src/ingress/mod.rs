@@ -342,9 +342,9 @@ impl Ingress {
         // record answers then.
         let admit = Admit { config, route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
-            Admitted::Executing { record, outcome, at_once } => {
+            Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);
-                self.executing(&record, outcome, at_once.then_some(arrived)).await
+                self.executing(&record, outcome).await
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
             Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,

@@ -3,7 +3,7 @@
 //! as it stands once it settles or the wait runs out — replayed, 409 with when to come back,
 //! 502 unknown, or freed.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
@@ -13,11 +13,11 @@ use tokio::sync::oneshot;
 use super::answers::{freed, http_date, outcome_response, stored_response, Answer};
 use super::{Ingress, EXPIRES_HEADER};
 use crate::domain::{AnswerKind, Phase, State};
-use crate::metrics::{self, Stage};
+use crate::metrics;
 use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::Record;
-use crate::worker::Outcome;
+use crate::worker::{Outcome, Told};
 
 /// How often a waiting request re-reads its record anyway, should an announcement of its
 /// settlement by another node be lost.
@@ -26,14 +26,9 @@ const WAIT_POLL: Duration = Duration::from_secs(1);
 impl Ingress {
     /// This request owns the record, which a worker executes: answer with the outcome, or at
     /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
-    /// `timed`: when the request arrived, for an execution that went out at once; its whole way
-    /// is recorded (`metrics::Stage::Answered`) unless its answer streamed or came from the store.
-    pub(super) async fn executing(
-        &self,
-        record: &Record,
-        outcome: Option<oneshot::Receiver<Outcome>>,
-        timed: Option<Instant>,
-    ) -> Answer {
+    /// An execution that went out at once tells its stages with the outcome: they are recorded
+    /// with the whole way (`metrics::Stage`) unless its answer streamed or came from the store.
+    pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
         let Some(outcome) = outcome else {
             let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
             let mut response = (StatusCode::ACCEPTED, Json(record.to_json(false))).into_response();
@@ -50,14 +45,13 @@ impl Ingress {
         let expires_at = record.created_at + self.records.retention(&record.route);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
-            Ok(Ok(outcome)) if !matches!(outcome, Outcome::Lost) => {
+            Ok(Ok(Told { outcome, laps })) if !matches!(outcome, Outcome::Lost) => {
                 if let Outcome::Done(_, response) = &outcome {
                     self.keep_for_replays(record, response, expires_at);
                 }
-                let timed = timed.filter(|_| !matches!(outcome, Outcome::Streaming(_)));
                 let answer = outcome_response(outcome);
-                if let Some(arrived) = timed {
-                    metrics::stage(Stage::Answered, arrived.elapsed());
+                if let Some(laps) = laps {
+                    laps.answered();
                 }
                 answer
             }

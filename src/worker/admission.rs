@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, Inner, Outcome, Refusal, Worker};
+use super::{lock, Inner, Refusal, Told, Worker};
 use crate::config::{Config, Policy, Route};
 use crate::domain::{RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
@@ -82,9 +82,8 @@ impl Request {
 #[allow(clippy::large_enum_variant)]
 pub enum Admitted {
     /// This request owns the record, which executes now (or once a worker is free); `outcome`
-    /// brings its end to a request that waits for it.
-    /// `at_once`: admitted claimed, it went out without waiting for a worker.
-    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Outcome>>, at_once: bool },
+    /// brings its end to a request that waits for it, with its stages when it went out at once.
+    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Told>> },
     /// The key already has a record this request does not own: it decides the answer.
     Existing(Record),
     /// Shed before anything was recorded; the record to insert is handed back, for the answer
@@ -171,9 +170,8 @@ impl Worker {
             (None, None)
         };
         let record = Arc::new(record);
-        let at_once = matches!(start, Start::Reserved(..));
         self.spawn(record.clone(), Some(slot), reply, start);
-        Ok(Admitted::Executing { record, outcome, at_once })
+        Ok(Admitted::Executing { record, outcome })
     }
 }
 
@@ -278,11 +276,10 @@ pub(super) mod tests {
     async fn with_a_worker_free_a_new_request_is_recorded_claimed_its_first_attempt_marked_now() {
         let dir = tempfile::TempDir::new().unwrap();
         let (worker, config) = worker_on_clock(&dir, "").await;
-        let Admitted::Executing { record, outcome, at_once } = admit(&worker, &config, "fresh", false).await else {
+        let Admitted::Executing { record, outcome } = admit(&worker, &config, "fresh", false).await else {
             panic!("a new key on a free route executes")
         };
         assert!(outcome.is_none(), "nobody waits for it: answered at once");
-        assert!(at_once, "it went out without waiting for a worker");
         assert_eq!(record.state, State::InProgress);
         let lease = record.lease.as_ref().expect("claimed in the same commit");
         assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + Duration::from_millis(10_000)));

@@ -150,7 +150,7 @@ impl Inner {
         });
         let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
         match end {
-            End::Stop(stop, attempt) => self.finish_after(job.record, job.holder, job.route, attempt, stop, p).await,
+            End::Stop(stop, attempt) => self.finish_after(job, attempt, stop, p).await,
             End::Release => self.release(job.record, job.holder).await,
             End::Lost => Outcome::Lost,
         }

@@ -150,7 +150,7 @@ impl Inner {
     /// Settles a record that this execution sends nothing for.
     async fn settle_unsent(&self, record: &Record, holder: &Holder, replay_safe: bool, stop: StopReason) -> Outcome {
         let progress = Progress::new(record, Duration::ZERO);
-        self.finish(record, holder, replay_safe, None, stop, progress).await
+        self.finish(record, holder, replay_safe, None, stop, progress).await.0
     }
 
     /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
@@ -168,13 +168,12 @@ impl Inner {
     /// how it ended, then the record is settled.
     pub(super) async fn finish_after(
         &self,
-        record: &Record,
-        holder: &Holder,
-        route: &Route,
+        job: &Job<'_>,
         attempt: Option<Attempt>,
         stop: StopReason,
         p: Progress,
     ) -> Outcome {
+        let Job { record, holder, route, .. } = *job;
         // The breaker hears the request's logical outcome, once: did the upstream serve it?
         if let (true, Some(class)) = (stop != StopReason::Cancelled, p.run.last()) {
             let status = p.last_response.as_ref().map(|r| r.status);
@@ -190,10 +189,16 @@ impl Inner {
             }
             _ => {}
         }
-        self.finish(record, holder, self.policy_of(route, record).replay_safe, attempt, stop, p).await
+        let (outcome, laps) =
+            self.finish(record, holder, self.policy_of(route, record).replay_safe, attempt, stop, p).await;
+        if let Some(laps) = laps {
+            job.reply.lapped(laps);
+        }
+        outcome
     }
 
-    /// Stores the record's end, as the policy settles it, and wakes whoever waits for it.
+    /// Stores the record's end, as the policy settles it, and wakes whoever waits for it. With
+    /// the outcome come the new key's stages up to its commit, if it was timed and did not stream.
     async fn finish(
         &self,
         record: &Record,
@@ -202,7 +207,7 @@ impl Inner {
         attempt: Option<Attempt>,
         stop: StopReason,
         p: Progress,
-    ) -> Outcome {
+    ) -> (Outcome, Option<Laps>) {
         // One attempt answered and that answer ended it: the attempt's own line says so.
         let told_by_its_attempt =
             p.run.attempts() == 1 && matches!(stop, StopReason::Success | StopReason::FinalResponse);
@@ -232,12 +237,11 @@ impl Inner {
             laps.lap(Stage::ToOutcome);
         }
         let result = self.store.attempt_ended(ended.clone()).await;
-        if let Some(mut laps) = laps {
+        if let Some(laps) = &mut laps {
             laps.lap(Stage::OutcomeCommit);
-            laps.record();
         }
         self.settled.settled(record.id);
-        match result {
+        let outcome = match result {
             Ok(Lease::Held { .. }) if told_by_its_attempt => {
                 tracing::debug!(stop = stop.as_str(), "settled");
                 outcome
@@ -252,6 +256,7 @@ impl Inner {
                 self.write_later(ended, &record.route, status, &e);
                 Outcome::Unrecorded(Box::new(outcome))
             }
-        }
+        };
+        (outcome, laps)
     }
 }

@@ -29,6 +29,7 @@ use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
 use crate::domain::StopReason;
+use crate::metrics::Laps;
 use crate::record::{HistoryEntry, Record, StoredResponse};
 use crate::runtime::Runtimes;
 use crate::store::{Cancel, Cancelled, Store, StoreError};
@@ -88,19 +89,38 @@ impl Flow {
     }
 }
 
+/// What the request waiting for an execution is told: the outcome and, for a new key timed
+/// stage by stage, its stages up to the outcome's commit. The request records them with the
+/// whole way once its answer is built (`Laps::answered`), so every stage counts the requests
+/// that were answered, and only those.
+#[derive(Debug)]
+pub struct Told {
+    pub outcome: Outcome,
+    pub laps: Option<Laps>,
+}
+
 /// The request waiting for an execution, told once: at a streamed answer's first byte, or when
 /// the execution ends.
 #[derive(Default)]
-pub(super) struct Reply(Mutex<Option<oneshot::Sender<Outcome>>>);
+pub(super) struct Reply {
+    to: Mutex<Option<oneshot::Sender<Told>>>,
+    /// The stages lapped so far, told with the outcome.
+    laps: Mutex<Option<Laps>>,
+}
 
 impl Reply {
-    fn to(reply: Option<oneshot::Sender<Outcome>>) -> Reply {
-        Reply(Mutex::new(reply))
+    fn to(reply: Option<oneshot::Sender<Told>>) -> Reply {
+        Reply { to: Mutex::new(reply), laps: Mutex::default() }
+    }
+
+    /// The stages of the execution's new key, up to its outcome's commit: told with the outcome.
+    pub(super) fn lapped(&self, laps: Laps) {
+        *lock(&self.laps) = Some(laps);
     }
 
     pub(super) fn send(&self, outcome: Outcome) {
-        if let Some(reply) = lock(&self.0).take() {
-            let _ = reply.send(outcome);
+        if let Some(reply) = lock(&self.to).take() {
+            let _ = reply.send(Told { outcome, laps: lock(&self.laps).take() });
         }
     }
 }
@@ -254,7 +274,7 @@ impl Worker {
         self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0));
     }
 
-    fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Outcome>>, start: Start) {
+    fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Told>>, start: Start) {
         let inner = self.inner.clone();
         let span = info_span!(
             "execution",

@@ -171,6 +171,11 @@ max_attempts = 4",
     while broker.record("async").await.unwrap()["state"] != "done" {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Nor has a request whose client left before the answer: its execution ends and is stored,
+    // but no answer is built, so none of its stages counts either.
+    let impatient = broker.post("/payments?delay_ms=300", "left", body).timeout(Duration::from_millis(50));
+    assert!(impatient.send().await.is_err(), "the client gave up");
+    broker.await_record("left", Duration::from_secs(10), |v| v["state"] == "done").await;
     let text = broker.metrics().await;
     for name in stages.iter().chain(&["answered"]) {
         let counted = sample(&text, "idem_new_key_stage_seconds_count", &[("stage", name)]);
