@@ -16,7 +16,7 @@ pub use history::HistoryAction;
 pub use ids::{ClaimToken, Holder, Owner, PolicyVersion, RecordId, RouteName, Tenant};
 pub use outcome::{AttemptError, AttemptOutcome, BudgetScope, Class, StopReason};
 pub use state::{Phase, State};
-pub use time::Timestamp;
+pub use time::{Arrival, Timestamp};
 
 /// The JSON-RPC method of an MCP tool call (docs/mcp.md): the one MCP message a route records,
 /// and what names a record's tool.

@@ -3,9 +3,18 @@
 
 use std::fmt;
 use std::ops::{Add, Sub};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+
+/// When a request arrived, on both clocks it is read against: the wall clock its record keeps
+/// (the broker's clock, a test's manual one where set), and the process's monotonic clock, which
+/// times its stages (`metrics::Stage`).
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    pub at: Timestamp,
+    pub instant: Instant,
+}
 
 /// A wall-clock instant, in milliseconds since the Unix epoch. Stored and serialized as that
 /// integer. Arithmetic saturates: a deadline far in the future or a span across a clock set

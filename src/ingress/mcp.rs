@@ -3,7 +3,6 @@
 //! same admission, and answered in JSON-RPC.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -19,7 +18,7 @@ use super::{Ingress, Read, REPLAYED_HEADER};
 use crate::config::{Config, Route};
 use crate::credentials;
 use crate::derived;
-use crate::domain::{Tenant, Timestamp};
+use crate::domain::{Arrival, Tenant};
 use crate::key::IdempotencyKey;
 use crate::mcp::answers::{self, RecordRef};
 use crate::mcp::proxy::{self, json_answer, Watch};
@@ -40,8 +39,7 @@ struct Recorded<'a> {
     body: Bytes,
     call: ToolCall,
     replay_safe: bool,
-    arrival: Timestamp,
-    arrived: Instant,
+    arrival: Arrival,
     /// What its answer is read for, should it pass through after all (a keyless call on a route
     /// that does not require keys).
     watch: Watch,
@@ -54,7 +52,7 @@ impl Ingress {
         config: &Arc<Config>,
         route: &Route,
         request: Request,
-        (arrival, arrived): (Timestamp, Instant),
+        arrival: Arrival,
     ) -> Response {
         let tenant = match credentials::tenant(config, request.headers()) {
             Ok(tenant) => tenant,
@@ -92,8 +90,7 @@ impl Ingress {
             Ok(Incoming::ToolCall(call)) => match self.mcp_tools.class(route, &watch.session, &call.tool) {
                 ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
                 ToolClass::Recorded { replay_safe } => {
-                    let recorded =
-                        Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch };
+                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
                     self.mcp_recorded(recorded).await
                 }
             },
@@ -112,7 +109,7 @@ impl Ingress {
     /// A `tools/call` to a recorded tool: keyed (sent, or derived from the route's `key_from`),
     /// fingerprinted by tool and arguments, executed or answered from its record.
     async fn mcp_recorded(&self, recorded: Recorded<'_>) -> Response {
-        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, arrived, watch } = recorded;
+        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch } = recorded;
         // Fields that change on every retry (a timestamp, a nonce) count neither in the
         // fingerprint nor in a derived key.
         let kept = derived::without_ignored(&body, &route.fingerprint_ignore);
@@ -160,7 +157,6 @@ impl Ingress {
             route,
             parts: &parts,
             arrival,
-            arrived,
             prefer,
             replay_safe,
         };

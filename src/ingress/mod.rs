@@ -18,7 +18,7 @@ use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
 use crate::domain::AnswerKind;
-use crate::domain::{Phase, State, Tenant, Timestamp};
+use crate::domain::{Arrival, Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::fingerprint::Fingerprint;
 use crate::key::{IdempotencyKey, KeyError};
@@ -44,9 +44,7 @@ struct Read<'a> {
     config: &'a Arc<Config>,
     route: &'a Route,
     parts: &'a http::request::Parts,
-    arrival: Timestamp,
-    /// The same on the process's monotonic clock, for the stages of a new key (`metrics::Stage`).
-    arrived: Instant,
+    arrival: Arrival,
     /// What the client asked for: its `Prefer` header, or an MCP route's own wait.
     prefer: Prefer,
     /// May an attempt that possibly executed be sent again: the route's, or on an MCP route its
@@ -141,7 +139,7 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let (arrival, arrived) = (app.clock.now(), Instant::now());
+    let arrival = Arrival { at: app.clock.now(), instant: Instant::now() };
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
@@ -151,7 +149,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         return Problem::no_route(&path).into_response();
     };
     if route.mcp.is_some() {
-        return app.mcp(&config, route, request, (arrival, arrived)).await;
+        return app.mcp(&config, route, request, arrival).await;
     }
     let sent_key = request.headers().get(crate::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
@@ -162,7 +160,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let mut response = match credentials::tenant(&config, request.headers()) {
         Err(problem) if keyed => problem.state(State::NotStarted).into_response(),
         Err(problem) => problem.into_response(),
-        Ok(tenant) if keyed => app.keyed(&config, route, tenant, request, (arrival, arrived)).await,
+        Ok(tenant) if keyed => app.keyed(&config, route, tenant, request, arrival).await,
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
             Some(refusal) => {
@@ -193,7 +191,7 @@ impl Ingress {
         route: &Route,
         tenant: Tenant,
         request: Request,
-        (arrival, arrived): (Timestamp, Instant),
+        arrival: Arrival,
     ) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
@@ -233,19 +231,8 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let read = Read {
-            tenant,
-            key: &key,
-            fingerprint,
-            body,
-            config,
-            route,
-            parts: &parts,
-            arrival,
-            arrived,
-            prefer,
-            replay_safe,
-        };
+        let read =
+            Read { tenant, key: &key, fingerprint, body, config, route, parts: &parts, arrival, prefer, replay_safe };
         let span = |tenant: &Tenant| info_span!("request", %tenant, route = %route.name, method = %parts.method);
         let answer = self.answer_keyed(read, span).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
@@ -289,7 +276,7 @@ impl Ingress {
     /// request, made by `span`; its executions and attempts are logged beneath it. A replay
     /// logs nothing, and goes without: making the span is most of what it would cost.
     async fn answer_keyed(&self, read: Read<'_>, span: impl FnOnce(&Tenant) -> Span) -> Answer {
-        if let Some(replayed) = self.replayed(read.route, &read.tenant, read.key, read.fingerprint, read.arrival) {
+        if let Some(replayed) = self.replayed(read.route, &read.tenant, read.key, read.fingerprint, read.arrival.at) {
             return replayed;
         }
         let span = span(&read.tenant);
@@ -319,7 +306,7 @@ impl Ingress {
     /// A keyed request whose answer is not in memory: admitted, and executed or answered from
     /// its record.
     async fn execute_keyed(&self, read: Read<'_>) -> Answer {
-        let Read { tenant, key, fingerprint, body, config, route, parts, arrival, arrived, prefer, replay_safe } = read;
+        let Read { tenant, key, fingerprint, body, config, route, parts, arrival, prefer, replay_safe } = read;
         let query = parts.uri.query().unwrap_or("");
         let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
@@ -330,9 +317,8 @@ impl Ingress {
             query: query.to_string(),
             fingerprint,
             stored: StoredRequest { headers: stored_headers(route, &parts.headers), body },
-            deadline_at: arrival + deadline(policy.retry, route, &parts.headers),
+            deadline_at: arrival.at + deadline(policy.retry, route, &parts.headers),
             arrival,
-            arrived,
         };
 
         // A store found down cannot record it: refused at once rather than after the store fails.

@@ -11,7 +11,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Inner, Refusal, Told, Worker};
 use crate::config::{Config, Policy, Route};
-use crate::domain::{RecordId, State, Tenant, Timestamp};
+use crate::domain::{Arrival, RecordId, State, Tenant, Timestamp};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::metrics::{Laps, Stage};
@@ -47,16 +47,15 @@ pub struct Request {
     pub stored: StoredRequest,
     /// The end of its deadline: the route's, or earlier if the client asked.
     pub deadline_at: Timestamp,
-    pub arrival: Timestamp,
-    /// Its arrival on the process's monotonic clock, where the stages of a new key start.
-    pub arrived: Instant,
+    pub arrival: Arrival,
 }
 
 impl Request {
     /// The record to insert for it on `route`, unclaimed, and the retention cut-off its key's
     /// done records are judged by.
     fn record(self, route: &Route) -> (NewRecord, Timestamp) {
-        let Request { tenant, key, method, path, query, fingerprint, stored, deadline_at, arrival, arrived: _ } = self;
+        let Request { tenant, key, method, path, query, fingerprint, stored, deadline_at, arrival } = self;
+        let arrival = arrival.at;
         let new = NewRecord {
             // Time-ordered: ids of new records land at the end of the id index, not all over it.
             id: RecordId::new(),
@@ -117,7 +116,7 @@ impl Worker {
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
         let Admit { config, route, policy, request, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
-        let mut laps = awaits.then(|| Laps::starting(request.arrived));
+        let mut laps = awaits.then(|| Laps::starting(request.arrival.instant));
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
@@ -249,8 +248,7 @@ pub(super) mod tests {
             fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
             stored: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
-            arrival: NOW,
-            arrived: Instant::now(),
+            arrival: Arrival { at: NOW, instant: Instant::now() },
         }
     }
 
