@@ -31,7 +31,10 @@ async fn main() -> std::io::Result<()> {
     };
     let listen: SocketAddr = listen.parse().map_err(std::io::Error::other)?;
     let listener = TcpListener::bind(listen).await?;
-    let client: Upstream = Client::builder(TokioExecutor::new()).build_http();
+    // As Idem's own client connects: without Nagle's delay on small writes.
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Upstream = Client::builder(TokioExecutor::new()).build(connector);
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival {
     pub at: Timestamp,
-    pub instant: Instant,
+    pub monotonic: Instant,
 }
 
 /// A wall-clock instant, in milliseconds since the Unix epoch. Stored and serialized as that

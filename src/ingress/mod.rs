@@ -139,7 +139,7 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let arrival = Arrival { at: app.clock.now(), instant: Instant::now() };
+    let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();

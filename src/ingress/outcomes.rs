@@ -26,8 +26,9 @@ const WAIT_POLL: Duration = Duration::from_secs(1);
 impl Ingress {
     /// This request owns the record, which a worker executes: answer with the outcome, or at
     /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
-    /// An execution that went out at once tells its stages with the outcome: they are recorded
-    /// with the whole way (`metrics::Stage`) unless its answer streamed or came from the store.
+    /// An execution that went out at once tells its stages with its outcome, and they are
+    /// recorded with the whole way (`metrics::Stage`) once the answer is built. A streamed answer
+    /// tells none: it is told at its first byte, before the execution keeps any.
     pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
         let Some(outcome) = outcome else {
             let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
@@ -49,6 +50,7 @@ impl Ingress {
                 if let Outcome::Done(_, response) = &outcome {
                     self.keep_for_replays(record, response, expires_at);
                 }
+                debug_assert!(laps.is_none() || !matches!(outcome, Outcome::Streaming(_)));
                 let answer = outcome_response(outcome);
                 if let Some(laps) = laps {
                     laps.answered();

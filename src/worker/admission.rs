@@ -116,7 +116,7 @@ impl Worker {
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
         let Admit { config, route, policy, request, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
-        let mut laps = awaits.then(|| Laps::starting(request.arrival.instant));
+        let mut laps = awaits.then(|| Laps::starting(request.arrival.monotonic));
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
@@ -248,7 +248,7 @@ pub(super) mod tests {
             fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
             stored: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
-            arrival: Arrival { at: NOW, instant: Instant::now() },
+            arrival: Arrival { at: NOW, monotonic: Instant::now() },
         }
     }
 

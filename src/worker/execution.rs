@@ -192,7 +192,7 @@ impl Inner {
         let (outcome, laps) =
             self.finish(record, holder, self.policy_of(route, record).replay_safe, attempt, stop, p).await;
         if let Some(laps) = laps {
-            job.reply.lapped(laps);
+            job.reply.keep_stages(laps);
         }
         outcome
     }

@@ -104,7 +104,8 @@ pub struct Told {
 #[derive(Default)]
 pub(super) struct Reply {
     to: Mutex<Option<oneshot::Sender<Told>>>,
-    /// The stages lapped so far, told with the outcome.
+    /// The new key's stages, kept by the execution when its outcome is stored and told with
+    /// that outcome.
     laps: Mutex<Option<Laps>>,
 }
 
@@ -114,7 +115,7 @@ impl Reply {
     }
 
     /// The stages of the execution's new key, up to its outcome's commit: told with the outcome.
-    pub(super) fn lapped(&self, laps: Laps) {
+    pub(super) fn keep_stages(&self, laps: Laps) {
         *lock(&self.laps) = Some(laps);
     }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::common::process::{node_config, Node};
-use crate::common::{send, Backend, Db, JsonOf, Reply, TestConfig, Upstream};
+use crate::common::{keyed_post, send, Backend, Db, Gate, JsonOf, Reply, TestConfig, Upstream};
 
 /// Sums the samples of `name` whose labels contain every `label="value"` pair given.
 fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
@@ -172,9 +172,22 @@ max_attempts = 4",
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // Nor has a request whose client left before the answer: its execution ends and is stored,
-    // but no answer is built, so none of its stages counts either.
-    let impatient = broker.post("/payments?delay_ms=300", "left", body).timeout(Duration::from_millis(50));
-    assert!(impatient.send().await.is_err(), "the client gave up");
+    // but no answer is built, so none of its stages counts either. The upstream holds its answer
+    // until the broker has seen the client's connection close (on a connection of its own).
+    let gate = Gate::closed();
+    upstream.script("left", vec![Reply::status(201).held_by(&gate)]);
+    let leaving = keyed_post(&reqwest::Client::new(), &broker.url, "/payments", "left", body);
+    let leaving = tokio::spawn(async move { leaving.send().await });
+    while upstream.hits("left") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let open = |text: &str| sample(text, "idem_connections", &[("listener", "data")]);
+    let with_it = open(&broker.metrics().await);
+    leaving.abort();
+    while open(&broker.metrics().await) >= with_it {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gate.open();
     broker.await_record("left", Duration::from_secs(10), |v| v["state"] == "done").await;
     let text = broker.metrics().await;
     for name in stages.iter().chain(&["answered"]) {
