@@ -184,7 +184,9 @@ max_attempts = 4",
     let open = |text: &str| sample(text, "idem_connections", &[("listener", "data")]);
     let with_it = open(&broker.metrics().await);
     leaving.abort();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
     while open(&broker.metrics().await) >= with_it {
+        assert!(std::time::Instant::now() < until, "the broker never saw the client's connection close");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     gate.open();
