@@ -2,6 +2,12 @@
 //! claimed, then complete) and the read behind a replay. One operation at a time, so each figure
 //! is a latency: with SQLite `synchronous=FULL` it includes the commit's fsync.
 //! PostgreSQL runs when `IDEM_BENCH_POSTGRES_URL` (or `IDEM_TEST_POSTGRES_URL`) names a server.
+//!
+//! On Linux, `file_check_then_sync` times what the SQLite store does around each commit: a page
+//! written to a log and synced, then the check that the log is still the store's own. The
+//! check asks for the inode alone; the baseline beside it asks for everything, file times
+//! included, as `std::fs::metadata` does, which on file systems with fine-grained timestamps
+//! makes the next sync write the inode too.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -135,5 +141,55 @@ fn stores(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, stores);
+/// A page written and synced, then the file checked, in a loop: the check's effect on the next
+/// sync. The file is written in full first, so that no write allocates.
+#[cfg(target_os = "linux")]
+fn file_check_then_sync(c: &mut Criterion) {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::FileExt;
+
+    const SPAN: u64 = 4 << 20;
+    const PAGE: usize = 4096;
+    let dir = tempfile::TempDir::new_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = dir.path().join("log");
+    let file = std::fs::File::create(&path).unwrap();
+    let zeroes = vec![0u8; 1 << 16];
+    for offset in (0..SPAN).step_by(zeroes.len()) {
+        file.write_all_at(&zeroes, offset).unwrap();
+    }
+    file.sync_all().unwrap();
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    let page = [7u8; PAGE];
+    let mut offset = 0;
+    let mut write_and_sync = || {
+        file.write_all_at(&page, offset).unwrap();
+        file.sync_data().unwrap();
+        offset = (offset + PAGE as u64) % SPAN;
+    };
+    let mut g = c.benchmark_group("file_check_then_sync");
+    g.bench_function("full_stat_baseline", |b| {
+        b.iter(|| {
+            write_and_sync();
+            std::fs::metadata(&path).unwrap()
+        })
+    });
+    g.bench_function("inode_only", |b| {
+        b.iter(|| {
+            write_and_sync();
+            // SAFETY: `statx` is plain integers, for which all zeroes is a valid value.
+            let mut answer: libc::statx = unsafe { std::mem::zeroed() };
+            // SAFETY: the path is NUL-terminated and `answer` the type the call fills; both
+            // outlive the call.
+            let done = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), 0, libc::STATX_INO, &mut answer) };
+            assert_eq!(done, 0);
+            answer.stx_ino
+        })
+    });
+    g.finish();
+}
+
+#[cfg(not(target_os = "linux"))]
+fn file_check_then_sync(_: &mut Criterion) {}
+
+criterion_group!(benches, stores, file_check_then_sync);
 criterion_main!(benches);
