@@ -6,8 +6,8 @@
 //! On Linux, `file_check_then_sync` times what the SQLite store does around each commit: a page
 //! written to a log and synced, then the check that the log is still the store's own. The
 //! check asks for the inode alone; the baseline beside it asks for everything, file times
-//! included, as `std::fs::metadata` does, which on file systems with fine-grained timestamps
-//! makes the next sync write the inode too.
+//! included, as `std::fs::metadata` does. On Linux 6.13 and later, on ext4 without a journal,
+//! that makes the next sync write the inode too.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -30,11 +30,12 @@ struct FileId {
 
 impl FileId {
     /// Asks for the inode alone, not the file's times as `std::fs::metadata` does. On Linux 6.13
-    /// and later, with fine-grained timestamps (ext4, XFS, btrfs, tmpfs), a read of a file's
-    /// change time makes the next write to it stamp a new one, and the next `fdatasync` then
-    /// writes the inode as well: one more round trip to the disk in the sync of every commit,
-    /// since the log is checked after every commit (docs/performance.md, "The file checks").
-    #[cfg(target_os = "linux")]
+    /// and later, a read of a file's change time makes the next write to it stamp a
+    /// fine-grained one, where the file system keeps them; on ext4 without a journal the next
+    /// `fdatasync` then writes the inode as well. The log is checked after every commit, so
+    /// that was one more write to the disk in every commit's sync (docs/performance.md, "The
+    /// file checks").
+    #[cfg(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))]
     fn of(path: &Path) -> std::io::Result<FileId> {
         let c_path = c_path(path)?;
         // SAFETY: `statx` is plain integers, for which all zeroes is a valid value.
@@ -42,19 +43,22 @@ impl FileId {
         // SAFETY: `c_path` is a valid NUL-terminated string and `answer` a buffer of the type the
         // call fills; both outlive the call.
         let result = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), 0, libc::STATX_INO, &mut answer) };
-        if result == 0 {
-            let device = libc::makedev(answer.stx_dev_major, answer.stx_dev_minor);
-            return Ok(FileId { device, inode: answer.stx_ino });
+        if result != 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                // A kernel before 4.11, or a sandbox that forbids the call.
+                Some(libc::ENOSYS | libc::EPERM) => Self::of_metadata(path),
+                _ => Err(e),
+            };
         }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            // A kernel before 4.11, or a sandbox that forbids the call.
-            Some(libc::ENOSYS | libc::EPERM) => Self::of_metadata(path),
-            _ => Err(e),
+        if answer.stx_mask & libc::STATX_INO == 0 {
+            return Self::of_metadata(path);
         }
+        let device = libc::makedev(answer.stx_dev_major, answer.stx_dev_minor);
+        Ok(FileId { device, inode: answer.stx_ino })
     }
 
-    #[cfg(all(unix, not(target_os = "linux")))]
+    #[cfg(all(unix, not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))))]
     fn of(path: &Path) -> std::io::Result<FileId> {
         Self::of_metadata(path)
     }
@@ -129,8 +133,8 @@ impl DatabaseFiles {
         self.available.load(Ordering::Acquire)
     }
 
-    /// Do the paths still name the opened files? Two `stat` calls, cheap enough for every
-    /// commit. A mismatch marks the files lost.
+    /// Do the paths still name the opened files? Two calls that read each file's inode, cheap
+    /// enough for every commit. A mismatch marks the files lost.
     pub(super) fn verify(&self) -> Result<(), StoreError> {
         self.verify_database()?;
         self.verify_log()
