@@ -143,7 +143,7 @@ fn stores(c: &mut Criterion) {
 
 /// A page written and synced, then the file checked, in a loop: the check's effect on the next
 /// sync. The file is written in full first, so that no write allocates.
-#[cfg(target_os = "linux")]
+#[cfg(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))]
 fn file_check_then_sync(c: &mut Criterion) {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::FileExt;
@@ -180,7 +180,11 @@ fn file_check_then_sync(c: &mut Criterion) {
             let mut answer: libc::statx = unsafe { std::mem::zeroed() };
             // SAFETY: the path is NUL-terminated and `answer` the type the call fills; both
             // outlive the call.
-            let done = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), 0, libc::STATX_INO, &mut answer) };
+            let done = unsafe {
+                let flags: libc::c_int = 0;
+                let answer: *mut libc::statx = &mut answer;
+                libc::syscall(libc::SYS_statx, libc::AT_FDCWD, c_path.as_ptr(), flags, libc::STATX_INO, answer)
+            };
             assert_eq!(done, 0);
             answer.stx_ino
         })
@@ -188,7 +192,7 @@ fn file_check_then_sync(c: &mut Criterion) {
     g.finish();
 }
 
-#[cfg(not(target_os = "linux"))]
+#[cfg(not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl"))))]
 fn file_check_then_sync(_: &mut Criterion) {}
 
 criterion_group!(benches, stores, file_check_then_sync);

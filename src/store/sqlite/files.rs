@@ -40,9 +40,15 @@ impl FileId {
         let c_path = c_path(path)?;
         // SAFETY: `statx` is plain integers, for which all zeroes is a valid value.
         let mut answer: libc::statx = unsafe { std::mem::zeroed() };
+        // The system call itself, as the standard library makes it: glibc has a `statx` function
+        // only from 2.28 on.
         // SAFETY: `c_path` is a valid NUL-terminated string and `answer` a buffer of the type the
         // call fills; both outlive the call.
-        let result = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), 0, libc::STATX_INO, &mut answer) };
+        let result = unsafe {
+            let flags: libc::c_int = 0;
+            let answer: *mut libc::statx = &mut answer;
+            libc::syscall(libc::SYS_statx, libc::AT_FDCWD, c_path.as_ptr(), flags, libc::STATX_INO, answer)
+        };
         if result != 0 {
             let e = std::io::Error::last_os_error();
             return match e.raw_os_error() {
