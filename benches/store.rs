@@ -3,11 +3,11 @@
 //! is a latency: with SQLite `synchronous=FULL` it includes the commit's fsync.
 //! PostgreSQL runs when `IDEM_BENCH_POSTGRES_URL` (or `IDEM_TEST_POSTGRES_URL`) names a server.
 //!
-//! On Linux, `file_check_then_sync` times what the SQLite store does around each commit: a page
-//! written to a log and synced, then the check that the log is still the store's own. The
-//! check asks for the inode alone; the baseline beside it asks for everything, file times
-//! included, as `std::fs::metadata` does. On Linux 6.13 and later, on ext4 without a journal,
-//! that makes the next sync write the inode too.
+//! `file_check_then_sync` times what the SQLite store does around each commit: a page written
+//! to a log and synced, then the store's check that the log is still its own, which asks for
+//! the inode alone. The baseline beside it asks for everything, file times included, as
+//! `std::fs::metadata` does. On Linux 6.13 and later, on ext4 without a journal, that makes the
+//! next sync write the inode too.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,9 +143,8 @@ fn stores(c: &mut Criterion) {
 
 /// A page written and synced, then the file checked, in a loop: the check's effect on the next
 /// sync. The file is written in full first, so that no write allocates.
-#[cfg(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))]
+#[cfg(unix)]
 fn file_check_then_sync(c: &mut Criterion) {
-    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::FileExt;
 
     const SPAN: u64 = 4 << 20;
@@ -158,7 +157,6 @@ fn file_check_then_sync(c: &mut Criterion) {
         file.write_all_at(&zeroes, offset).unwrap();
     }
     file.sync_all().unwrap();
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
     let page = [7u8; PAGE];
     let mut offset = 0;
     let mut write_and_sync = || {
@@ -173,26 +171,16 @@ fn file_check_then_sync(c: &mut Criterion) {
             std::fs::metadata(&path).unwrap()
         })
     });
-    g.bench_function("inode_only", |b| {
+    g.bench_function("store_check", |b| {
         b.iter(|| {
             write_and_sync();
-            // SAFETY: `statx` is plain integers, for which all zeroes is a valid value.
-            let mut answer: libc::statx = unsafe { std::mem::zeroed() };
-            // SAFETY: the path is NUL-terminated and `answer` the type the call fills; both
-            // outlive the call.
-            let done = unsafe {
-                let flags: libc::c_int = 0;
-                let answer: *mut libc::statx = &mut answer;
-                libc::syscall(libc::SYS_statx, libc::AT_FDCWD, c_path.as_ptr(), flags, libc::STATX_INO, answer)
-            };
-            assert_eq!(done, 0);
-            answer.stx_ino
+            idem::store::sqlite::FileId::of(&path).unwrap()
         })
     });
     g.finish();
 }
 
-#[cfg(not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl"))))]
+#[cfg(not(unix))]
 fn file_check_then_sync(_: &mut Criterion) {}
 
 criterion_group!(benches, stores, file_check_then_sync);

@@ -21,9 +21,10 @@ use std::sync::Mutex;
 
 use crate::store::StoreError;
 
-/// A file as the operating system knows it, whatever path names it.
+/// A file as the operating system knows it, whatever path names it. Public for the benchmark
+/// that times the check after each commit (`benches/store.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileId {
+pub struct FileId {
     device: u64,
     inode: u64,
 }
@@ -36,7 +37,7 @@ impl FileId {
     /// that was one more write to the disk in every commit's sync (docs/performance.md, "The
     /// file checks").
     #[cfg(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))]
-    fn of(path: &Path) -> std::io::Result<FileId> {
+    pub fn of(path: &Path) -> std::io::Result<FileId> {
         let c_path = c_path(path)?;
         // SAFETY: `statx` is plain integers, for which all zeroes is a valid value.
         let mut answer: libc::statx = unsafe { std::mem::zeroed() };
@@ -65,7 +66,7 @@ impl FileId {
     }
 
     #[cfg(all(unix, not(all(target_os = "linux", any(target_env = "gnu", target_env = "musl")))))]
-    fn of(path: &Path) -> std::io::Result<FileId> {
+    pub fn of(path: &Path) -> std::io::Result<FileId> {
         Self::of_metadata(path)
     }
 
@@ -78,7 +79,7 @@ impl FileId {
 
     /// Without inodes, only a missing file can be told apart.
     #[cfg(not(unix))]
-    fn of(path: &Path) -> std::io::Result<FileId> {
+    pub fn of(path: &Path) -> std::io::Result<FileId> {
         std::fs::metadata(path).map(|_| FileId { device: 0, inode: 0 })
     }
 }

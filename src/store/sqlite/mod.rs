@@ -24,6 +24,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, Sq
 use sqlx::{Connection, Row};
 
 use self::files::DatabaseFiles;
+pub use self::files::FileId;
 use self::writer::{Write, Writer};
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
