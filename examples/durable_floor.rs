@@ -2,8 +2,10 @@
 //! between the request and its two syncs but hyper and an append-only log. Each new key is
 //! fingerprinted, appended to the log and synced before it is sent; its answer is appended and
 //! synced before the client hears it. Syncs are shared: one covers every record appended since
-//! the last. A key seen before is answered from memory. There is no recovery, no retention, no
-//! retry, no state machine and no query: this is a bound for `benches/wrk/compare`, not a broker.
+//! the last. A key whose answer is durable is answered from memory (status and body only); a
+//! duplicate that comes while the first is in flight is sent again, and fingerprints are never
+//! compared. There is no recovery, no retention, no retry, no state machine and no query: this
+//! is a bound for `benches/wrk/compare`, not a broker.
 //!
 //! `cargo run --release --example durable_floor -- 127.0.0.1:18006 127.0.0.1:18001 /tmp/floor`
 //!
@@ -12,29 +14,31 @@
 //!   socket on the shared port (`SO_REUSEPORT`), upstream connections and log, so that a
 //!   request is never handed from one thread to another.
 //! - `DURABLE_FLOOR_SYNC=inline|aside`: where a sync is made. By default a sync that carries one
-//!   record is made on the thread that runs the log's task (no hand-off), and one that carries
-//!   more goes to a thread of the blocking pool (the runtime's thread goes on meanwhile).
-//!
+//!   record is made in place, on the runtime's thread that runs the log's task (no hand-off; on
+//!   the multi-threaded runtime the other threads go on), and one that carries more goes to a
+//!   thread of the blocking pool, while the runtime's thread goes on.
 //! - `DURABLE_FLOOR_APPLY=1`: each durable record is also applied, off the request's path, to a
-//!   SQLite database with Idem's schema, in batches as large as have come (WAL, no sync per
-//!   commit: the log is what is durable), gathered for `DURABLE_FLOOR_APPLY_EVERY_MS` (10)
-//!   before each. This is the CPU a log in front of SQLite would add.
+//!   SQLite database made by Idem's migrations, with the statements Idem's store makes for an
+//!   admission and an outcome (WAL, no sync per commit: the log is what is durable), in batches
+//!   gathered for `DURABLE_FLOOR_APPLY_EVERY_MS` (10). It measures what keeping SQLite up to
+//!   date behind the log costs. A request that finds the applier 65,536 records behind waits.
 //!
-//! Every 5,000 syncs a log prints how many it has made and the records each carried.
+//! Every 5,000 syncs a log prints the records its last 5,000 syncs carried, each on average.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::fs::File;
 use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper::{Request, Response, StatusCode, Uri};
+use hyper::{HeaderMap, Request, Response, StatusCode, Uri};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -42,13 +46,11 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpSocket;
 use tokio::sync::{oneshot, Notify};
 
-type Upstream = Client<HttpConnector, Full<Bytes>>;
-type Answers = Arc<Mutex<HashMap<String, (StatusCode, Bytes)>>>;
-type Applier = Option<std::sync::mpsc::Sender<Apply>>;
-
 /// The log is written round and round over a preallocated file, as SQLite's WAL is once it has
 /// been checkpointed: a sync never extends the file.
 const LOG_BYTES: u64 = 64 << 20;
+/// The largest request or answer body kept: a batch of records always fits in the log.
+const MAX_BODY: usize = 1 << 20;
 
 fn main() -> std::io::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -58,54 +60,66 @@ fn main() -> std::io::Result<()> {
     };
     let listen: SocketAddr = listen.parse().map_err(std::io::Error::other)?;
     std::fs::create_dir_all(&dir)?;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let apply = match std::env::var_os("DURABLE_FLOOR_APPLY") {
+    let applier = match std::env::var_os("DURABLE_FLOOR_APPLY") {
         Some(_) => Some(start_applier(&format!("{dir}/records.db"))?),
         None => None,
     };
     if std::env::var_os("DURABLE_FLOOR_PER_CORE").is_none() {
         let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-        return runtime.block_on(serve(listen, upstream, format!("{dir}/log"), apply));
+        return runtime.block_on(serve(listen, false, upstream, format!("{dir}/log"), applier));
     }
-    let threads: Vec<_> = (0..cores)
-        .map(|n| {
-            let (upstream, path, apply) = (upstream.clone(), format!("{dir}/log-{n}"), apply.clone());
-            std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-                runtime.block_on(serve(listen, upstream, path, apply))
-            })
-        })
-        .collect();
-    for thread in threads {
-        thread.join().map_err(|_| std::io::Error::other("a serving thread panicked"))??;
+    // The first core's thread to fail stops the whole: a floor on fewer cores would mislead.
+    let (ended, first_end) = std::sync::mpsc::channel();
+    for n in 0..std::thread::available_parallelism().map_or(1, |n| n.get()) {
+        let (upstream, path, applier, ended) =
+            (upstream.clone(), format!("{dir}/log-{n}"), applier.clone(), ended.clone());
+        std::thread::spawn(move || {
+            let served = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .and_then(|runtime| runtime.block_on(serve(listen, true, upstream, path, applier)));
+            let _ = ended.send(served);
+        });
     }
-    Ok(())
+    first_end.recv().map_err(std::io::Error::other)?
+}
+
+/// What every request on one runtime shares.
+struct Floor {
+    client: Client<HttpConnector, Full<Bytes>>,
+    upstream: String,
+    log: Log,
+    answers: Mutex<HashMap<String, (StatusCode, Bytes)>>,
+    applier: Option<SyncSender<Entry>>,
 }
 
 /// Serves on the runtime it is called on, with a listening socket, a log and upstream
-/// connections of its own.
-async fn serve(listen: SocketAddr, upstream: String, path: String, apply: Applier) -> std::io::Result<()> {
+/// connections of its own; `shared_port` when other runtimes listen on the same port.
+async fn serve(
+    listen: SocketAddr,
+    shared_port: bool,
+    upstream: String,
+    path: String,
+    applier: Option<SyncSender<Entry>>,
+) -> std::io::Result<()> {
     // The log first, so that a port that takes connections is ready to serve them.
-    let log = Arc::new(Log::open(&path)?);
+    let log = Log::open(&path)?;
     let socket = TcpSocket::new_v4()?;
-    socket.set_reuseport(true)?;
+    socket.set_reuseport(shared_port)?;
     socket.set_reuseaddr(true)?;
     socket.bind(listen)?;
     let listener = socket.listen(1024)?;
-    tokio::spawn(log.clone().sync_loop());
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    let client: Upstream = Client::builder(TokioExecutor::new()).build(connector);
-    let answers = Answers::default();
+    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let floor = Arc::new(Floor { client, upstream, log, answers: Mutex::default(), applier });
+    tokio::spawn(floor.clone().sync_loop());
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
-        let (client, upstream, log, answers, apply) =
-            (client.clone(), upstream.clone(), log.clone(), answers.clone(), apply.clone());
+        let floor = floor.clone();
         tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                forward(client.clone(), upstream.clone(), log.clone(), answers.clone(), apply.clone(), request)
-            });
+            let service = service_fn(move |request| floor.clone().forward(request));
             let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
     }
@@ -114,7 +128,7 @@ async fn serve(listen: SocketAddr, upstream: String, path: String, apply: Applie
 /// Records appended to a batch in memory, written and synced by one task for all that came
 /// since its last sync.
 struct Log {
-    file: File,
+    file: Arc<File>,
     batch: Mutex<Batch>,
     appended: Notify,
 }
@@ -123,9 +137,6 @@ struct Log {
 struct Batch {
     bytes: Vec<u8>,
     waiting: Vec<oneshot::Sender<()>>,
-    offset: u64,
-    syncs: u64,
-    records: u64,
 }
 
 impl Log {
@@ -138,7 +149,7 @@ impl Log {
             }
             file.sync_all()?;
         }
-        Ok(Log { file, batch: Mutex::default(), appended: Notify::new() })
+        Ok(Log { file: Arc::new(file), batch: Mutex::default(), appended: Notify::new() })
     }
 
     /// Appends a record, length first; resolves once it is on disk.
@@ -153,56 +164,123 @@ impl Log {
         self.appended.notify_one();
         let _ = durable.await;
     }
+}
 
-    /// Woken by appends, it runs after the tasks that were ready with it: one sync covers every
-    /// record they appended, and those that come during a sync wait for the next.
+impl Floor {
+    /// Woken by appends. One sync covers every record appended since the last: those of the
+    /// tasks that ran before this one, on its thread or another, and all that came during the
+    /// sync before.
     async fn sync_loop(self: Arc<Self>) {
         let forced = std::env::var("DURABLE_FLOOR_SYNC").ok();
+        let (mut offset, mut syncs, mut carried) = (0u64, 0u64, 0u64);
         loop {
-            self.appended.notified().await;
-            let (bytes, waiting, offset) = {
-                let mut batch = self.batch.lock().unwrap_or_else(|e| e.into_inner());
-                let bytes = std::mem::take(&mut batch.bytes);
-                let offset = if batch.offset + bytes.len() as u64 > LOG_BYTES { 0 } else { batch.offset };
-                batch.offset = offset + bytes.len() as u64;
-                (bytes, std::mem::take(&mut batch.waiting), offset)
-            };
+            self.log.appended.notified().await;
+            let Batch { bytes, waiting } =
+                std::mem::take(&mut *self.log.batch.lock().unwrap_or_else(|e| e.into_inner()));
             if waiting.is_empty() {
                 continue;
+            }
+            if bytes.len() as u64 > LOG_BYTES {
+                fail(std::io::Error::other("a batch larger than the log"));
+            }
+            if offset + bytes.len() as u64 > LOG_BYTES {
+                offset = 0;
             }
             let aside = match forced.as_deref() {
                 Some("aside") => true,
                 Some("inline") => false,
                 _ => waiting.len() > 1,
             };
+            let at = offset;
+            offset += bytes.len() as u64;
             let written = if aside {
-                let file = match self.file.try_clone() {
-                    Ok(file) => file,
-                    Err(e) => fail(e),
-                };
-                tokio::task::spawn_blocking(move || write_and_sync(&file, &bytes, offset))
+                let file = self.log.file.clone();
+                tokio::task::spawn_blocking(move || write_and_sync(&file, &bytes, at))
                     .await
                     .unwrap_or_else(|e| Err(std::io::Error::other(e)))
             } else {
-                write_and_sync(&self.file, &bytes, offset)
+                write_and_sync(&self.log.file, &bytes, at)
             };
             if let Err(e) = written {
                 fail(e);
             }
-            self.count(waiting.len());
+            let records = waiting.len() as u64;
             for done in waiting {
                 let _ = done.send(());
+            }
+            (syncs, carried) = (syncs + 1, carried + records);
+            if syncs.is_multiple_of(5_000) {
+                eprintln!("log: {syncs} syncs; the last 5,000 carried {:.2} records each", carried as f64 / 5_000.0);
+                carried = 0;
             }
         }
     }
 
-    fn count(&self, records: usize) {
-        let mut batch = self.batch.lock().unwrap_or_else(|e| e.into_inner());
-        batch.syncs += 1;
-        batch.records += records as u64;
-        if batch.syncs.is_multiple_of(5_000) {
-            eprintln!("log: {} syncs, {:.2} records each", batch.syncs, batch.records as f64 / batch.syncs as f64);
+    /// A new key: its record durable, then sent, then its answer durable, then answered.
+    async fn forward(self: Arc<Self>, request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+        let (mut parts, body) = request.into_parts();
+        let body = match Limited::new(body, MAX_BODY).collect().await {
+            Ok(body) => body.to_bytes(),
+            Err(_) => return Ok(status(StatusCode::PAYLOAD_TOO_LARGE)),
+        };
+        let Some(key) = parts.headers.get("idempotency-key").and_then(|k| k.to_str().ok()).map(str::to_owned) else {
+            return Ok(status(StatusCode::BAD_REQUEST));
+        };
+        if let Some((code, body)) = self.answers.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(answer(*code, body.clone()));
         }
+        // The record as a broker keeps it: key, fingerprint, path, headers and body.
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+        let fingerprint =
+            Sha256::new().chain_update(parts.method.as_str()).chain_update(&path).chain_update(&body).finalize();
+        let mut record = Vec::with_capacity(512 + body.len());
+        record.extend_from_slice(key.as_bytes());
+        record.extend_from_slice(&fingerprint);
+        record.extend_from_slice(path.as_bytes());
+        for (name, value) in &parts.headers {
+            record.extend_from_slice(name.as_str().as_bytes());
+            record.extend_from_slice(value.as_bytes());
+        }
+        record.extend_from_slice(&body);
+        self.log.append(&record).await;
+        let id = uuid::Uuid::now_v7();
+        if let Some(applier) = &self.applier {
+            let headers = headers_json(&parts.headers);
+            let admitted = Entry::Admitted {
+                id,
+                key: key.clone(),
+                fingerprint: fingerprint.to_vec(),
+                path: path.clone(),
+                headers,
+                body: body.clone(),
+            };
+            let _ = applier.send(admitted);
+        }
+
+        let Ok(uri) = format!("http://{}{path}", self.upstream).parse::<Uri>() else {
+            return Ok(status(StatusCode::BAD_REQUEST));
+        };
+        parts.uri = uri;
+        parts.headers.remove(hyper::header::HOST);
+        parts.headers.remove("idempotency-key");
+        let Ok(answered) = self.client.request(Request::from_parts(parts, Full::new(body))).await else {
+            return Ok(status(StatusCode::BAD_GATEWAY));
+        };
+        let (parts, body) = answered.into_parts();
+        let Ok(body) = Limited::new(body, MAX_BODY).collect().await.map(|b| b.to_bytes()) else {
+            return Ok(status(StatusCode::BAD_GATEWAY));
+        };
+        let mut outcome = Vec::with_capacity(64 + body.len());
+        outcome.extend_from_slice(key.as_bytes());
+        outcome.extend_from_slice(&parts.status.as_u16().to_le_bytes());
+        outcome.extend_from_slice(&body);
+        self.log.append(&outcome).await;
+        if let Some(applier) = &self.applier {
+            let headers = headers_json(&parts.headers);
+            let _ = applier.send(Entry::Ended { id, status: parts.status.as_u16(), headers, body: body.clone() });
+        }
+        self.answers.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (parts.status, body.clone()));
+        Ok(Response::from_parts(parts, Full::new(body)))
     }
 }
 
@@ -217,74 +295,8 @@ fn fail(e: std::io::Error) -> ! {
     std::process::exit(1)
 }
 
-/// A new key: its record durable, then sent, then its answer durable, then answered.
-async fn forward(
-    client: Upstream,
-    upstream: String,
-    log: Arc<Log>,
-    answers: Answers,
-    apply: Applier,
-    request: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
-    let (mut parts, body) = request.into_parts();
-    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else { return Ok(status(StatusCode::BAD_REQUEST)) };
-    let Some(key) = parts.headers.get("idempotency-key").and_then(|k| k.to_str().ok()).map(str::to_owned) else {
-        return Ok(status(StatusCode::BAD_REQUEST));
-    };
-    if let Some((code, body)) = answers.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(answer(*code, body.clone()));
-    }
-    // The record as a broker keeps it: key, fingerprint, path, headers and body.
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    let fingerprint =
-        Sha256::new().chain_update(parts.method.as_str()).chain_update(&path).chain_update(&body).finalize();
-    let mut record = Vec::with_capacity(512 + body.len());
-    record.extend_from_slice(key.as_bytes());
-    record.extend_from_slice(&fingerprint);
-    record.extend_from_slice(path.as_bytes());
-    for (name, value) in &parts.headers {
-        record.extend_from_slice(name.as_str().as_bytes());
-        record.extend_from_slice(value.as_bytes());
-    }
-    record.extend_from_slice(&body);
-    log.append(&record).await;
-    let id = uuid::Uuid::now_v7();
-    if let Some(apply) = &apply {
-        let headers = headers_json(&parts.headers);
-        let _ = apply.send(Apply::Admitted {
-            id,
-            key: key.clone(),
-            fingerprint: fingerprint.to_vec(),
-            path: path.clone(),
-            headers,
-            body: body.clone(),
-        });
-    }
-
-    let Ok(uri) = format!("http://{upstream}{path}").parse::<Uri>() else { return Ok(status(StatusCode::BAD_REQUEST)) };
-    parts.uri = uri;
-    parts.headers.remove(hyper::header::HOST);
-    parts.headers.remove("idempotency-key");
-    let Ok(answered) = client.request(Request::from_parts(parts, Full::new(body))).await else {
-        return Ok(status(StatusCode::BAD_GATEWAY));
-    };
-    let (parts, body) = answered.into_parts();
-    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else { return Ok(status(StatusCode::BAD_GATEWAY)) };
-    let mut outcome = Vec::with_capacity(64 + body.len());
-    outcome.extend_from_slice(key.as_bytes());
-    outcome.extend_from_slice(&parts.status.as_u16().to_le_bytes());
-    outcome.extend_from_slice(&body);
-    log.append(&outcome).await;
-    if let Some(apply) = &apply {
-        let headers = headers_json(&parts.headers);
-        let _ = apply.send(Apply::Ended { id, status: parts.status.as_u16(), headers, body: body.clone() });
-    }
-    answers.lock().unwrap_or_else(|e| e.into_inner()).insert(key, (parts.status, body.clone()));
-    Ok(Response::from_parts(parts, Full::new(body)))
-}
-
 /// Headers as Idem's store keeps them: JSON `[[name, value], ...]`.
-fn headers_json(headers: &hyper::HeaderMap) -> String {
+fn headers_json(headers: &HeaderMap) -> String {
     let pairs: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (n.as_str(), v.to_str().unwrap_or(""))).collect();
     serde_json::to_string(&pairs).unwrap_or_default()
 }
@@ -300,36 +312,36 @@ fn status(code: StatusCode) -> Response<Full<Bytes>> {
 }
 
 /// A durable record, to be applied to the database behind the log.
-enum Apply {
+enum Entry {
     Admitted { id: uuid::Uuid, key: String, fingerprint: Vec<u8>, path: String, headers: String, body: Bytes },
     Ended { id: uuid::Uuid, status: u16, headers: String, body: Bytes },
 }
 
-/// A thread that applies records to a SQLite database made by Idem's migrations, with the
+/// A thread that applies entries to a SQLite database made by Idem's migrations, with the
 /// statements Idem's store makes for a new key's admission and its outcome.
-fn start_applier(path: &str) -> std::io::Result<std::sync::mpsc::Sender<Apply>> {
-    let fail = |e: rusqlite::Error| std::io::Error::other(e.to_string());
+fn start_applier(path: &str) -> std::io::Result<SyncSender<Entry>> {
+    let to_io = |e: rusqlite::Error| std::io::Error::other(e.to_string());
     let _ = std::fs::remove_file(path);
-    let conn = rusqlite::Connection::open(path).map_err(fail)?;
-    conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;").map_err(fail)?;
+    let conn = rusqlite::Connection::open(path).map_err(to_io)?;
+    conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;").map_err(to_io)?;
     let mut migrations: Vec<_> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/sqlite"))?
         .map(|entry| entry.map(|e| e.path()))
         .collect::<Result<_, _>>()?;
     migrations.sort();
     for migration in migrations {
-        conn.execute_batch(&std::fs::read_to_string(migration)?).map_err(fail)?;
+        conn.execute_batch(&std::fs::read_to_string(migration)?).map_err(to_io)?;
     }
     let gather = std::time::Duration::from_millis(
         std::env::var("DURABLE_FLOOR_APPLY_EVERY_MS").ok().and_then(|ms| ms.parse().ok()).unwrap_or(10),
     );
-    let (sender, records) = std::sync::mpsc::channel::<Apply>();
+    let (sender, entries) = std::sync::mpsc::sync_channel::<Entry>(1 << 16);
     std::thread::Builder::new().name("floor-applier".into()).spawn(move || {
-        while let Ok(first) = records.recv() {
+        while let Ok(first) = entries.recv() {
             // Behind the log, no one waits for the database: a batch that gathers for a while
             // rewrites each page it touches once for many records.
             std::thread::sleep(gather);
-            let batch: Vec<Apply> = std::iter::once(first).chain(records.try_iter()).collect();
-            if let Err(e) = apply(&conn, batch) {
+            let batch: Vec<Entry> = std::iter::once(first).chain(entries.try_iter()).collect();
+            if let Err(e) = apply_batch(&conn, batch) {
                 eprintln!("durable_floor: cannot apply: {e}");
                 std::process::exit(1);
             }
@@ -338,13 +350,13 @@ fn start_applier(path: &str) -> std::io::Result<std::sync::mpsc::Sender<Apply>> 
     Ok(sender)
 }
 
-fn apply(conn: &rusqlite::Connection, batch: Vec<Apply>) -> rusqlite::Result<()> {
+fn apply_batch(conn: &rusqlite::Connection, batch: Vec<Entry>) -> rusqlite::Result<()> {
     use rusqlite::params;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
     conn.execute_batch("BEGIN IMMEDIATE")?;
-    for record in batch {
-        match record {
-            Apply::Admitted { id, key, fingerprint, path, headers, body } => {
+    for entry in batch {
+        match entry {
+            Entry::Admitted { id, key, fingerprint, path, headers, body } => {
                 conn.prepare_cached(
                     "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                          request_body, state, queued, deadline_at, created_at, updated_at, lease_owner,
@@ -364,7 +376,7 @@ fn apply(conn: &rusqlite::Connection, batch: Vec<Apply>) -> rusqlite::Result<()>
                     now
                 ])?;
             }
-            Apply::Ended { id, status, headers, body } => {
+            Entry::Ended { id, status, headers, body } => {
                 conn.prepare_cached(
                     "UPDATE records SET
                         attempts = json_insert(attempts, '$[#]', json(?2)),
