@@ -42,11 +42,8 @@ fn new_record(key: &str) -> NewRecord {
         },
         deadline_at: now + Duration::from_secs(30),
         now,
-        claim: Some(Claim {
-            owner: "bench".into(),
-            lease_until: now + Duration::from_secs(15),
-            policy_version: "bench0000000".into(),
-        }),
+        policy_version: Some("bench0000000".into()),
+        claim: Some(Claim { owner: "bench".into(), lease: Duration::from_secs(15), reach: Duration::from_secs(12) }),
         tombstone_cutoff: None,
     }
 }

@@ -50,6 +50,10 @@ enum Command {
     Migrate {
         #[arg(long, short)]
         config: PathBuf,
+        /// Apply nothing: show the store's protocol and migrations against this build's, and
+        /// whether upgrading to this build rolls node by node or needs every node stopped.
+        #[arg(long)]
+        status: bool,
     },
     /// Validate a config and print the effective routes and policies.
     Check {
@@ -303,9 +307,16 @@ async fn run(command: Command) -> anyhow::Result<()> {
             idem::server::serve(loaded, config, idem::server::termination()).await?;
         }
         Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,
-        Command::Migrate { config } => {
+        Command::Migrate { config, status: true } => {
             let (config, _unset) = Config::load_offline(&config)?;
-            idem::store::open(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;
+            let status = idem::store::status(&config.store.url)
+                .await
+                .with_context(|| format!("reading the status of {}", config.store.url))?;
+            println!("store            {}\n{status}", config.store.url);
+        }
+        Command::Migrate { config, status: false } => {
+            let (config, _unset) = Config::load_offline(&config)?;
+            idem::store::migrate(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;
             println!("migrations applied to {}", config.store.url);
         }
         Command::Check { config } => {

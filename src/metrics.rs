@@ -132,6 +132,11 @@ fn describe() {
         "Outcomes the store could not take, still being written again: executed requests whose record does not show it yet."
     );
     describe_counter!(
+        "idem_lease_renewals_failed_total",
+        "Lease renewals made while an attempt was in flight that failed (why=error) or found the claim taken \
+         (why=lost), per route: the attempt finished, and no other started under that claim."
+    );
+    describe_counter!(
         "idem_switch_held_total",
         "Attempts not started because an operator's emergency switch was on, per route and action: retries \
          stopped by retries_off, and new keys refused or executions stopped by isolate."
@@ -268,6 +273,12 @@ pub fn connection_refused(listener: &'static str) {
 /// An execution's outcome the store could not take when it came.
 pub fn outcome_unrecorded(route: &str) {
     counter!("idem_outcomes_unrecorded_total", "route" => route.to_string()).increment(1);
+}
+
+/// A lease renewal made while an attempt was in flight failed (`error`) or found the claim
+/// taken (`lost`).
+pub fn renewal_failed(route: &str, why: &'static str) {
+    counter!("idem_lease_renewals_failed_total", "route" => route.to_string(), "why" => why).increment(1);
 }
 
 /// One more outcome the store could not take is being written again (`true`), or one less.

@@ -388,6 +388,25 @@ impl Problem {
         .state(state)
     }
 
+    /// An operator's `not_executed` or retry of an `unknown` record while an attempt marked under
+    /// it may still reach the upstream (docs/guarantees.md). `action` is the participle.
+    pub fn attempt_in_flight(action: &str, left: std::time::Duration) -> Problem {
+        Problem::new(
+            StatusCode::CONFLICT,
+            "attempt-in-flight",
+            "An attempt may still reach the upstream",
+            format!(
+                "The record cannot be {action} yet: an attempt marked under it may still reach the upstream for \
+                 another {} ms (its send window, its time limit and the clock margin). Saying now that it did not \
+                 execute could let it execute twice; ask again after that.",
+                left.as_millis()
+            ),
+        )
+        .state(State::Unknown)
+        .retry_after_ms(left.as_millis().min(u128::from(u64::MAX)) as u64)
+        .retryable()
+    }
+
     /// A retry of a record whose route the configuration in force no longer has.
     pub fn route_gone(route: &str) -> Problem {
         Problem::new(

@@ -110,16 +110,63 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeper = Sweeper::new(store, worker);
     loop {
         tick.tick().await;
-        if let Err(e) = take_over_once(&*store, &worker, &config.current(), clock.now()).await {
+        if let Err(e) = sweeper.pass(&config.current(), clock.now()).await {
             e.log("take-over sweep failed; will try again");
         }
     }
 }
 
-/// One pass of [`take_overs`], as of `now`.
+/// One pass of the take-over sweep, as of `now`, with no store failure seen before it.
 pub async fn take_over_once(
+    store: &dyn Store,
+    worker: &Worker,
+    config: &Config,
+    now: Timestamp,
+) -> Result<(), crate::store::StoreError> {
+    take_over_expired(store, worker, config, now).await?;
+    claim_orphans(store, worker, config, now).await
+}
+
+/// The take-over sweep of one node, pass by pass. It remembers when a pass last failed: a store
+/// that could not be reached may have left a node holding an answer it told its client but could
+/// not record, whose lease ran out meanwhile. That node writes it again as soon as the store
+/// answers (every third of a lease at the most), so for a lease after a failed pass this sweep
+/// takes nothing over: a take-over then could send again what a client was already answered.
+pub struct Sweeper {
+    store: Arc<dyn Store>,
+    worker: Worker,
+    failed_at: Option<tokio::time::Instant>,
+}
+
+impl Sweeper {
+    pub fn new(store: Arc<dyn Store>, worker: Worker) -> Sweeper {
+        Sweeper { store, worker, failed_at: None }
+    }
+
+    /// One pass, as of `now`: expired leases taken over (unless a pass failed within a lease),
+    /// then queued records nobody claimed.
+    pub async fn pass(&mut self, config: &Config, now: Timestamp) -> Result<(), crate::store::StoreError> {
+        let lease = config.worker.lease;
+        let recovering = self.failed_at.is_some_and(|at| at.elapsed() < lease);
+        let passed = async {
+            if !recovering {
+                take_over_expired(&*self.store, &self.worker, config, now).await?;
+            }
+            claim_orphans(&*self.store, &self.worker, config, now).await
+        }
+        .await;
+        if passed.is_err() {
+            self.failed_at = Some(tokio::time::Instant::now());
+        }
+        passed
+    }
+}
+
+/// Takes over the records whose lease expired, each as [`after_lease_expiry`] decides.
+async fn take_over_expired(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
@@ -132,6 +179,7 @@ pub async fn take_over_once(
         let lost = record.in_flight.map(|(number, started_at)| Attempt {
             number,
             started_at,
+            // As long as the lease let it run, as far as this node's clock can tell.
             duration_ms: (lease.expires_at - started_at).as_millis() as u64,
             outcome: AttemptOutcome::Lost,
             status: None,
@@ -159,7 +207,9 @@ pub async fn take_over_once(
                 if lost.is_some() { " while an attempt may have been in flight" } else { "" }
             )),
         };
-        let take_over = TakeOver { id: record.id, expired: lease.clone(), claim: record.claim, to, lost, entry };
+        let in_flight = record.in_flight.map(|(number, _)| number);
+        let take_over =
+            TakeOver { id: record.id, expired: lease.clone(), claim: record.claim, in_flight, to, lost, entry };
         if store.take_over(take_over).await? {
             let phase = to.phase().as_str();
             tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
@@ -175,24 +225,34 @@ pub async fn take_over_once(
             }
         }
     }
-    // As many as this node has workers free for right now, each set aside before the claim: a
-    // busy node leaves the rest to nodes that can run them, or to a later pass. About half of
-    // them (rounded up, so a node with one free worker still takes over), so that new requests
-    // arriving meanwhile still find a worker free and are claimed as they are recorded: the
-    // claim below may wait on the store.
+    Ok(())
+}
+
+/// Claims queued records nobody claimed: as many as this node has workers free for right now,
+/// each set aside before the claim. A busy node leaves the rest to nodes that can run them, or
+/// to a later pass. About half of them (rounded up, so a node with one free worker still takes
+/// over), so that new requests arriving meanwhile still find a worker free and are claimed as
+/// they are recorded: the claim below may wait on the store.
+async fn claim_orphans(
+    store: &dyn Store,
+    worker: &Worker,
+    config: &Config,
+    now: Timestamp,
+) -> Result<(), crate::store::StoreError> {
     let free = worker.free_workers((BATCH as usize).min(worker.idle_workers().div_ceil(2)));
     if free.is_empty() {
         return Ok(());
     }
     let idle_since = now - config.worker.lease;
-    let lease_until = now + config.worker.lease;
+    let lease = config.worker.lease;
     let limit = free.len() as u32;
     let owner = worker.owner().into();
-    let claimed = store.claim_unclaimed(ClaimUnclaimed { owner, lease_until, idle_since, now, limit }).await?;
+    let sent = tokio::time::Instant::now();
+    let claimed = store.claim_unclaimed(ClaimUnclaimed { owner, lease, idle_since, now, limit }).await?;
     // At most `limit` records: one worker each. Workers not needed go back as they drop.
     for (record, free) in claimed.into_iter().zip(free) {
         tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
-        worker.resume(record, free);
+        worker.resume(record, free, sent);
     }
     Ok(())
 }
@@ -212,14 +272,18 @@ pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>
         tick.tick().await;
         let config = config.current();
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
-            if let Err(e) = probe_route(&*store, &upstream, route, &worker, &*clock).await {
+            if let Err(e) = probe_once(&*store, &upstream, route, &worker, &*clock).await {
                 e.log(&format!("probing the records of route {} failed; will try again", route.name));
             }
         }
     }
 }
 
-async fn probe_route(
+/// Probes the `unknown` records of `route` that are due, once. A probe's "executed" settles a
+/// record at once; its "not executed" only once no attempt marked under the record can still
+/// reach the upstream (its `in_flight_until`): before that, the record is asked about again when
+/// that time has come.
+pub async fn probe_once(
     store: &dyn Store,
     upstream: &Upstream,
     route: &Route,
@@ -233,11 +297,35 @@ async fn probe_route(
     {
         let (resolution, note) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
-        let entry =
-            HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note: Some(note) };
-        if let Action::Applied(settled) =
-            store.probed(Probed { id: record.id, claim: record.claim, resolution, next_probe_at: next, entry }).await?
-        {
+        let entry = |note| HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note };
+        let probed = Probed {
+            id: record.id,
+            claim: record.claim,
+            resolution,
+            next_probe_at: next,
+            entry: entry(Some(note.clone())),
+        };
+        let action = match store.probed(probed).await? {
+            Action::InFlight(record, left) => {
+                let attempt = record.attempts.last().map_or(0, |a| a.number);
+                let note = format!(
+                    "{note}, but attempt {attempt} may still reach the upstream for another {} ms: asked again after that",
+                    left.as_millis()
+                );
+                // Asked again as soon as the bound has passed.
+                let next_probe_at = clock.now() + left + Duration::from_millis(1);
+                let again = Probed {
+                    id: record.id,
+                    claim: record.claim,
+                    resolution: None,
+                    next_probe_at,
+                    entry: entry(Some(note)),
+                };
+                store.probed(again).await?
+            }
+            action => action,
+        };
+        if let Action::Applied(settled) = action {
             if settled.phase() != Phase::Unknown {
                 tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
                 worker.settled(record.id);
@@ -248,7 +336,8 @@ async fn probe_route(
 }
 
 /// One probe: 2xx → it executed (the answer is the resolution), 404 → it did not, anything
-/// else → still unknown.
+/// else → still unknown. No attempt header goes with it: a probe is no attempt, and an upstream
+/// fencing by claim must answer it whatever claim it last saw.
 async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
     let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
     let asked = format!("{} {}", probe.method, path);
@@ -330,6 +419,7 @@ mod tests {
             request: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
             now: NOW,
+            policy_version: None,
             claim: None,
             tombstone_cutoff: None,
         }
@@ -359,8 +449,8 @@ mod tests {
         // Another node admitted it claimed, its first attempt marked as sent, and then died.
         let version = config.routes[0].policy_version.clone();
         let claim =
-            Claim { owner: "dead".into(), lease_until: NOW + Duration::from_millis(10_000), policy_version: version };
-        let new = NewRecord { claim: Some(claim), ..new_record() };
+            Claim { owner: "dead".into(), lease: Duration::from_millis(10_000), reach: Duration::from_secs(12) };
+        let new = NewRecord { claim: Some(claim), policy_version: Some(version), ..new_record() };
         let id = new.id;
         store.admit(crate::store::Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap();
 

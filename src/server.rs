@@ -21,7 +21,7 @@ use crate::reconcile;
 use crate::records::Records;
 use crate::reload::Reloader;
 use crate::runtime::Runtimes;
-use crate::store::{self, StoreError};
+use crate::store::{self, LeaseClock, StoreError};
 use crate::switchboard::{self, Switches};
 use crate::tally;
 use crate::upstream::Upstream;
@@ -98,21 +98,30 @@ fn node_name() -> String {
 
 /// Starts a broker on `config`, which it cannot reload: there is no file to read again.
 pub async fn start(config: Config) -> Result<Running, StartError> {
-    start_with_clock(config, None, clock::system()).await
+    start_on(config, None, clock::system(), LeaseClock::Database).await
 }
 
 /// Starts a broker on `config`, read from `file`, which a reload reads again.
 pub async fn start_reloadable(config: Config, file: PathBuf) -> Result<Running, StartError> {
-    start_with_clock(config, Some(file), clock::system()).await
+    start_on(config, Some(file), clock::system(), LeaseClock::Database).await
 }
 
 /// Starts a broker that reads the time from `clock` (a test's [`clock::ManualClock`], say)
-/// wherever it stamps, compares or computes a time; `file`, if given, is what a reload reads.
-/// Waiting is still done on tokio's timer.
+/// wherever it stamps, compares or computes a time, its store's leases included; `file`, if
+/// given, is what a reload reads. Waiting is still done on tokio's timer.
 pub async fn start_with_clock(
     config: Config,
     file: Option<PathBuf>,
     clock: SharedClock,
+) -> Result<Running, StartError> {
+    start_on(config, file, clock, LeaseClock::Node).await
+}
+
+async fn start_on(
+    config: Config,
+    file: Option<PathBuf>,
+    clock: SharedClock,
+    leases: LeaseClock,
 ) -> Result<Running, StartError> {
     crate::metrics::handle();
     let live = Arc::new(Live::new(config));
@@ -121,7 +130,7 @@ pub async fn start_with_clock(
     let (data_limits, admin_limits) = listener_limits(&config);
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
-    let store = store::open(&config.store.url).await?;
+    let store = store::open_with(&config.store.url, leases).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
     // Read before the first request: a restarted node obeys the switches left on at once.

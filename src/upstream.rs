@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -95,6 +95,26 @@ pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
     map
 }
 
+/// The header an attempt carries its claim in unless its route names another (docs/guarantees.md).
+pub const ATTEMPT_HEADER: &str = "idem-attempt";
+
+/// Puts an attempt's claim in the route's attempt header: `<record id>; claim=<token>;
+/// attempt=<n>`. An upstream that keeps the highest claim it has seen per key can refuse an
+/// attempt of an older claim that arrives late (docs/guarantees.md). Added at the send, never
+/// stored.
+pub fn tell_attempt(
+    headers: &mut HeaderMap,
+    name: Option<&HeaderName>,
+    record: crate::domain::RecordId,
+    claim: crate::domain::ClaimToken,
+    attempt: u32,
+) {
+    if let Some(name) = name {
+        let value = format!("{record}; claim={claim}; attempt={attempt}");
+        headers.insert(name.clone(), HeaderValue::try_from(value).expect("a uuid and two numbers are a header value"));
+    }
+}
+
 /// Puts an attempt's limit, in whole milliseconds, in the route's deadline header: added at the
 /// send like the credentials, never stored, since every attempt has a limit of its own.
 pub fn tell_deadline(headers: &mut HeaderMap, name: Option<&HeaderName>, limit: Duration) {
@@ -130,7 +150,7 @@ pub struct Upstream {
     client: Client,
 }
 
-type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Full<Bytes>>;
+type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
 
 /// The longest a connection may take to open, TCP and TLS handshake together; past it, nothing
 /// was sent.
@@ -185,11 +205,14 @@ impl Upstream {
         limit: Duration,
     ) -> Result<Answer, Observed> {
         let until = tokio::time::Instant::now() + limit;
-        self.send_head(method, url, headers, credentials, body, until).await?.whole(until).await
+        self.send_head(method, url, headers, credentials, body, until, None).await?.whole(until).await
     }
 
     /// Sends one attempt and waits until `until` for its status and headers; the body is left
-    /// to read, whole or part by part.
+    /// to read, whole or part by part. With `send_by`, the request's first byte leaves before
+    /// that instant or not at all: checked just before the connection writes it, after any
+    /// connect, and answered [`Observed::NotSent`] when it is too late.
+    #[allow(clippy::too_many_arguments)]
     pub async fn send_head(
         &self,
         method: &Method,
@@ -198,11 +221,12 @@ impl Upstream {
         credentials: &HeaderMap,
         body: Bytes,
         until: tokio::time::Instant,
+        send_by: Option<tokio::time::Instant>,
     ) -> Result<Head, Observed> {
         // It cannot fail on what reaches here (a URL that parsed); were it to, the request was
         // not sent.
         let uri: http::Uri = url.as_str().parse().map_err(|_| Observed::ConnectFailed)?;
-        let mut request = http::Request::new(Full::new(body));
+        let mut request = http::Request::new(Outgoing { data: Some(body), send_by });
         *request.method_mut() = method.clone();
         *request.uri_mut() = uri;
         let headers_sent = request.headers_mut();
@@ -310,14 +334,69 @@ impl Default for Upstream {
     }
 }
 
-/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake) proves
-/// nothing was sent. A request the pool found its connection closed for before writing it is
-/// sent again on a fresh one by the client itself, so what fails after that may have been sent.
+/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake), or a
+/// request given up before its first byte ([`TooLate`]), proves nothing was sent. A request the
+/// pool found its connection closed for before writing it is sent again on a fresh one by the
+/// client itself, so what fails after that may have been sent.
 fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
     if e.is_connect() {
-        Observed::ConnectFailed
-    } else {
-        Observed::Broken
+        return Observed::ConnectFailed;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        if cause.is::<TooLate>() {
+            return Observed::NotSent;
+        }
+        source = cause.source();
+    }
+    Observed::Broken
+}
+
+/// A request's body, as the connection asks for it. With `send_by`, it is the last gate before
+/// the wire: the connection writes the request's head into its buffer, asks the body for its
+/// first part, and only then writes anything out, so a body that refuses here (too late) lets
+/// nothing of the request leave, and the connection is closed unused.
+pub struct Outgoing {
+    data: Option<Bytes>,
+    send_by: Option<tokio::time::Instant>,
+}
+
+/// The send window of an attempt had passed when its connection was ready to write it.
+#[derive(Debug)]
+pub struct TooLate;
+
+impl std::fmt::Display for TooLate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the attempt's send window had passed before its first byte: not sent")
+    }
+}
+
+impl std::error::Error for TooLate {}
+
+impl hyper::body::Body for Outgoing {
+    type Data = Bytes;
+    type Error = TooLate;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, TooLate>>> {
+        if let Some(by) = self.send_by.take() {
+            if tokio::time::Instant::now() >= by {
+                return std::task::Poll::Ready(Some(Err(TooLate)));
+            }
+        }
+        let data = self.data.take().filter(|d| !d.is_empty());
+        std::task::Poll::Ready(data.map(|d| Ok(hyper::body::Frame::data(d))))
+    }
+
+    /// An empty body with a gate is still asked for, once: the gate is the point.
+    fn is_end_stream(&self) -> bool {
+        self.send_by.is_none() && self.data.as_ref().is_none_or(Bytes::is_empty)
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
     }
 }
 

@@ -369,6 +369,7 @@ async fn apply_resolve(
             Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "resolved")),
+        Action::InFlight(_, left) => Err(Problem::attempt_in_flight("resolved as not executed", left)),
         Action::Missing => Err(not_found()),
     }
 }
@@ -402,6 +403,7 @@ async fn apply_retry(admin: &Admin, id: RecordId, who: &Attribution) -> Result<R
             Ok(record)
         }
         Action::Refused(record) => Err(refused(&record, "retried")),
+        Action::InFlight(_, left) => Err(Problem::attempt_in_flight("retried", left)),
         Action::Missing => Err(not_found()),
     }
 }

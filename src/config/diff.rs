@@ -12,7 +12,7 @@ use crate::domain::RouteName;
 /// and timeouts, the request-body budget, the store it opened, its worker pool, and the lease
 /// that every node sharing the store must agree on to tell a dead worker from a slow one. A
 /// file that changes one of them is refused whole: nothing of it is applied.
-pub const RESTART_ONLY: [&str; 10] = [
+pub const RESTART_ONLY: [&str; 12] = [
     "server.listen",
     "server.admin_listen",
     "server.header_timeout",
@@ -23,6 +23,8 @@ pub const RESTART_ONLY: [&str; 10] = [
     "store.url",
     "worker.concurrency",
     "worker.lease",
+    "worker.send_window",
+    "worker.clock_margin",
 ];
 
 /// A route and the version of its policy.
@@ -116,6 +118,8 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
         a.store.url != b.store.url,
         a.worker.concurrency != b.worker.concurrency,
         a.worker.lease != b.worker.lease,
+        a.worker.send_window != b.worker.send_window,
+        a.worker.clock_margin != b.worker.clock_margin,
     ];
     let differing: Vec<&str> = RESTART_ONLY.iter().zip(restart_only).filter(|(_, d)| *d).map(|(k, _)| *k).collect();
     if let Some((first, others)) = differing.split_first() {
@@ -179,6 +183,7 @@ fn differing_keys(a: &Route, b: &Route) -> Vec<&'static str> {
         ("circuit", a.circuit != b.circuit),
         ("probe", a.probe != b.probe),
         ("deadline_header", a.deadline_header != b.deadline_header),
+        ("attempt_header", a.attempt_header != b.attempt_header),
         ("canary", a.canary != b.canary),
     ];
     keys.iter().filter(|(_, d)| *d).map(|(k, _)| *k).collect()

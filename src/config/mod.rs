@@ -119,6 +119,12 @@ pub struct WorkerConfig {
     /// Take-overs after which a record is stopped instead of continued: a record whose worker
     /// keeps dying on it (one that crashes the process, say) must not do so forever.
     pub max_takeovers: u32,
+    /// An attempt is sent within this of the write that marked it being sent, or not at all:
+    /// every marked attempt has a bounded life (docs/guarantees.md).
+    pub send_window: Duration,
+    /// What clocks may disagree by: a node trusts its lease for `lease - clock_margin`, and an
+    /// attempt's bound is its mark + `send_window` + its time limit + `clock_margin`.
+    pub clock_margin: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -165,6 +171,9 @@ pub struct Route {
     /// The header that tells the upstream, on every attempt, how many milliseconds that attempt
     /// has; a client sending it on a keyed request may shorten the record's deadline with it.
     pub deadline_header: Option<http::HeaderName>,
+    /// The header that carries each attempt's claim upstream (`Idem-Attempt` unless renamed, or
+    /// none), so that the upstream can refuse a stale attempt (docs/guarantees.md).
+    pub attempt_header: Option<http::HeaderName>,
     /// The digest of the policy above (`retry`, `replay_safe`, `deadline_header`, `circuit`),
     /// computed once here: every attempt is stored and counted with it.
     pub policy_version: PolicyVersion,
@@ -327,10 +336,12 @@ pub fn describe(c: &Config) -> String {
     }
     let _ = writeln!(
         out,
-        "worker        concurrency {}, lease {}, max_takeovers {}",
+        "worker        concurrency {}, lease {}, max_takeovers {}, send_window {}, clock_margin {}",
         c.worker.concurrency,
         h(c.worker.lease),
-        c.worker.max_takeovers
+        c.worker.max_takeovers,
+        h(c.worker.send_window),
+        h(c.worker.clock_margin)
     );
     for r in &c.routes {
         let p = &r.retry;
@@ -435,6 +446,15 @@ pub fn describe(c: &Config) -> String {
                 out,
                 "  deadline header: {name} (each attempt's milliseconds sent upstream; a client's may shorten the deadline)"
             );
+        }
+        match &r.attempt_header {
+            Some(name) => {
+                let _ =
+                    writeln!(out, "  attempt header: {name} (each attempt's record, claim and number sent upstream)");
+            }
+            None => {
+                let _ = writeln!(out, "  attempt header: off");
+            }
         }
     }
     out

@@ -69,6 +69,8 @@ pub(super) struct RawWorker {
     pub(super) concurrency: Option<i64>,
     pub(super) lease: Option<String>,
     pub(super) max_takeovers: Option<i64>,
+    pub(super) send_window: Option<String>,
+    pub(super) clock_margin: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -99,8 +101,18 @@ pub(super) struct RawRoute {
     pub(super) circuit: Option<RawCircuit>,
     pub(super) probe: Option<RawProbe>,
     pub(super) deadline_header: Option<String>,
+    pub(super) attempt_header: Option<RawHeaderSetting>,
     pub(super) canary: Option<RawCanary>,
     pub(super) mcp: Option<RawMcp>,
+}
+
+/// A header the broker may send, written as its name, or as `true` (its default name) or `false`
+/// (not sent).
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub(super) enum RawHeaderSetting {
+    Name(String),
+    On(bool),
 }
 
 /// `[routes.mcp]` as written; validated in `mcp`.
@@ -289,15 +301,7 @@ impl RawConfig {
 
         let auth = validate_auth(self.auth.unwrap_or_default(), env)?;
 
-        let worker = self.worker.unwrap_or_default();
-        let worker = WorkerConfig {
-            concurrency: positive("worker.concurrency", worker.concurrency, 64)?,
-            lease: duration("worker.lease", worker.lease.as_deref(), "15s")?,
-            max_takeovers: match worker.max_takeovers.unwrap_or(3) {
-                n @ 0..=100 => n as u32,
-                n => return Err(invalid("worker.max_takeovers", format!("must be between 0 and 100, got {n}"))),
-            },
-        };
+        let worker = validate_worker(self.worker.unwrap_or_default())?;
 
         let upstreams = quotas::validate_upstreams(self.upstreams)?;
         let mut names = HashSet::new();
@@ -336,6 +340,39 @@ impl RawConfig {
 
         Ok(Config { server, store, auth, routes, upstreams, worker })
     }
+}
+
+fn validate_worker(worker: RawWorker) -> Result<WorkerConfig, ConfigError> {
+    let lease = duration("worker.lease", worker.lease.as_deref(), "15s")?;
+    // Unless set, each is a second, or a fifth of a short lease.
+    let fifth = humantime::format_duration((lease / 5).min(Duration::from_secs(1))).to_string();
+    let send_window = duration("worker.send_window", worker.send_window.as_deref(), &fifth)?;
+    let clock_margin = duration("worker.clock_margin", worker.clock_margin.as_deref(), &fifth)?;
+    // A node trusts its lease for `lease - clock_margin` from the write that granted it, and
+    // sends an attempt within `send_window` of the write that marked it: the window must fit in
+    // the trust, or no attempt could ever be sent.
+    if send_window + clock_margin >= lease {
+        return Err(invalid(
+            "worker.send_window",
+            format!(
+                "{} with clock_margin {} leaves nothing of the lease ({}): send_window + clock_margin must be \
+                 shorter than lease",
+                humantime::format_duration(send_window),
+                humantime::format_duration(clock_margin),
+                humantime::format_duration(lease)
+            ),
+        ));
+    }
+    Ok(WorkerConfig {
+        concurrency: positive("worker.concurrency", worker.concurrency, 64)?,
+        lease,
+        max_takeovers: match worker.max_takeovers.unwrap_or(3) {
+            n @ 0..=100 => n as u32,
+            n => return Err(invalid("worker.max_takeovers", format!("must be between 0 and 100, got {n}"))),
+        },
+        send_window,
+        clock_margin,
+    })
 }
 
 pub(super) fn validate_auth(raw: RawAuth, env: &dyn Fn(&str) -> Option<String>) -> Result<AuthConfig, ConfigError> {

@@ -94,8 +94,14 @@ impl RawRoute {
         let deadline_header = self
             .deadline_header
             .as_deref()
-            .map(|name| deadline_header(&format!("{key}.deadline_header"), name, &upstream_headers))
+            .map(|name| broker_header(&format!("{key}.deadline_header"), name, &upstream_headers))
             .transpose()?;
+        let attempt_header = attempt_header(
+            &format!("{key}.attempt_header"),
+            self.attempt_header,
+            &upstream_headers,
+            deadline_header.as_ref(),
+        )?;
         let mut raw_retry = self.retry.unwrap_or_default();
         if kind == RouteKind::Mcp && raw_retry.not_processed.is_none() {
             // An MCP server answers a tool call in JSON-RPC, errors included, with 200: a 400 or
@@ -153,6 +159,7 @@ impl RawRoute {
             circuit,
             probe,
             deadline_header,
+            attempt_header,
             policy_version,
             canary,
             mcp,
@@ -162,7 +169,7 @@ impl RawRoute {
 
 /// A header name the broker may set on every attempt: not one that belongs to the connection,
 /// the client's session, the key, or the route's credentials, which it would overwrite.
-fn deadline_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Result<http::HeaderName, ConfigError> {
+fn broker_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Result<http::HeaderName, ConfigError> {
     let parsed = http::HeaderName::from_bytes(name.as_bytes())
         .map_err(|_| invalid(key, format!("`{name}` is not a valid header name")))?;
     if crate::upstream::is_reserved(parsed.as_str()) {
@@ -172,6 +179,27 @@ fn deadline_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Resu
         return Err(invalid(key, format!("`{name}` is also one of the route's upstream_headers_env")));
     }
     Ok(parsed)
+}
+
+/// The header every attempt carries its claim in: `Idem-Attempt` unless the route names another,
+/// none when it says `false`. Like the deadline header, it must not clash with a header the
+/// broker, the connection or the route's credentials already set.
+fn attempt_header(
+    key: &str,
+    setting: Option<RawHeaderSetting>,
+    credentials: &http::HeaderMap,
+    deadline: Option<&http::HeaderName>,
+) -> Result<Option<http::HeaderName>, ConfigError> {
+    let name = match setting {
+        None | Some(RawHeaderSetting::On(true)) => crate::upstream::ATTEMPT_HEADER.to_string(),
+        Some(RawHeaderSetting::On(false)) => return Ok(None),
+        Some(RawHeaderSetting::Name(name)) => name,
+    };
+    let parsed = broker_header(key, &name, credentials)?;
+    if deadline == Some(&parsed) {
+        return Err(invalid(key, format!("`{name}` is also the route's deadline_header")));
+    }
+    Ok(Some(parsed))
 }
 
 /// `header:NAME` or `json:/pointer`.

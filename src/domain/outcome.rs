@@ -194,6 +194,9 @@ impl From<Class> for AttemptOutcome {
 pub enum AttemptError {
     /// The connection could not be made: nothing was sent.
     ConnectFailed,
+    /// Not sent: the attempt could not start within `worker.send_window` of the write that
+    /// marked it, so it was given up before its first byte (docs/guarantees.md).
+    NotSent,
     /// No complete response within the attempt's limit, after the request may have been written.
     TimedOut,
     /// An I/O error after the request may have been written, or a body cut after the status.
@@ -209,8 +212,9 @@ pub enum AttemptError {
 }
 
 impl AttemptError {
-    pub const ALL: [AttemptError; 7] = [
+    pub const ALL: [AttemptError; 8] = [
         AttemptError::ConnectFailed,
+        AttemptError::NotSent,
         AttemptError::TimedOut,
         AttemptError::Broken,
         AttemptError::WorkerLost,
@@ -223,6 +227,7 @@ impl AttemptError {
     pub fn as_str(self) -> &'static str {
         match self {
             AttemptError::ConnectFailed => "connect_failed",
+            AttemptError::NotSent => "not_sent",
             AttemptError::TimedOut => "timed_out",
             AttemptError::Broken => "broken",
             AttemptError::WorkerLost => "worker_lost",
@@ -233,10 +238,11 @@ impl AttemptError {
     }
 
     /// The word an `idem simulate` script writes for it, and its report shows: a script knows
-    /// a failed connect, a timeout and a broken exchange; anything else reads as broken.
+    /// a failed connect, a timeout and a broken exchange. An attempt not sent reads as a failed
+    /// connect (nothing left, nothing executed); anything else as broken.
     pub fn script_word(self) -> &'static str {
         match self {
-            AttemptError::ConnectFailed => "connect-failed",
+            AttemptError::ConnectFailed | AttemptError::NotSent => "connect-failed",
             AttemptError::TimedOut => "timeout",
             _ => "broken",
         }

@@ -87,13 +87,38 @@ impl Ingress {
                 let answering = method.filter(|m| m == "initialize" || m == "tools/list");
                 self.mcp_pass(route, &parts, body, Watch { answering, ..watch }).await
             }
-            Ok(Incoming::ToolCall(call)) => match self.mcp_tools.class(route, &watch.session, &call.tool) {
-                ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
-                ToolClass::Recorded { replay_safe } => {
-                    let recorded = Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
-                    self.mcp_recorded(recorded).await
+            Ok(Incoming::ToolCall(call)) => {
+                let class = match self.mcp_tools.class(route, &watch.session, &call.tool) {
+                    ToolClass::PassThrough => self.decided_before(route, &tenant, &call).await,
+                    recorded => recorded,
+                };
+                match class {
+                    ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
+                    ToolClass::Recorded { replay_safe } => {
+                        let recorded =
+                            Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
+                        self.mcp_recorded(recorded).await
+                    }
                 }
-            },
+            }
+        }
+    }
+
+    /// What becomes of a keyed call that this node would pass through (its tool is read-only in
+    /// this node's catalog, or the operator's): the first decision made for the key wins, on
+    /// whichever node made it (docs/mcp.md). A key that has a record was recorded by a node that
+    /// judged otherwise, and its record decides, with the policy stored with it; a key without
+    /// one passes through. A store that cannot be asked cannot tell: the call takes the recorded
+    /// way, whose answer says the store is unavailable, rather than risk a second execution.
+    async fn decided_before(&self, route: &Route, tenant: &Tenant, call: &ToolCall) -> ToolClass {
+        let Some(key) = &call.key else { return ToolClass::PassThrough };
+        match self.records.live(tenant, key).await {
+            Ok(None) => ToolClass::PassThrough,
+            Ok(Some(record)) => {
+                let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v.as_str()));
+                ToolClass::Recorded { replay_safe: policy.map_or(route.replay_safe, |p| p.replay_safe) }
+            }
+            Err(_) => ToolClass::Recorded { replay_safe: false },
         }
     }
 

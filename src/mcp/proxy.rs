@@ -78,7 +78,7 @@ pub async fn pass(
     }
     // The head within the route's deadline; a stream's body as long as both ends keep it open.
     let until = tokio::time::Instant::now() + route.retry.deadline;
-    let head = match upstream.send_head(&parts.method, url, &headers, &credentials, body, until).await {
+    let head = match upstream.send_head(&parts.method, url, &headers, &credentials, body, until, None).await {
         Ok(head) => head,
         Err(crate::policy::Observed::TimedOut) => return unreachable("did not answer within the route's deadline"),
         Err(_) => return unreachable("could not be reached"),

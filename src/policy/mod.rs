@@ -64,6 +64,9 @@ pub enum Observed {
     Response(u16),
     /// The connection could not be made: nothing was sent.
     ConnectFailed,
+    /// The attempt was given up before its first byte, too long after the write that marked it
+    /// (`worker.send_window`): nothing was sent.
+    NotSent,
     /// No complete response within the attempt's limit, after the request may have been written.
     /// A response arriving later is never used.
     TimedOut,
@@ -77,6 +80,7 @@ impl Observed {
         match self {
             Observed::Response(_) => None,
             Observed::ConnectFailed => Some(AttemptError::ConnectFailed),
+            Observed::NotSent => Some(AttemptError::NotSent),
             Observed::TimedOut => Some(AttemptError::TimedOut),
             Observed::Broken => Some(AttemptError::Broken),
         }
@@ -132,7 +136,7 @@ impl RetryPolicy {
             Observed::Response(status) if self.not_processed.contains(&status) => Class::NotExecuted,
             Observed::Response(status) if self.ambiguous.contains(&status) => Class::Ambiguous,
             Observed::Response(_) => Class::Final,
-            Observed::ConnectFailed => Class::NotExecuted,
+            Observed::ConnectFailed | Observed::NotSent => Class::NotExecuted,
             Observed::TimedOut | Observed::Broken => Class::Ambiguous,
         }
     }

@@ -108,6 +108,9 @@ pub struct Record {
     /// The attempt that may be in flight: its number and start. Set before the attempt is sent
     /// and cleared when its outcome is stored, so a take-over knows whether one may have run.
     pub in_flight: Option<(u32, Timestamp)>,
+    /// The time, in the store's clock, after which no attempt marked so far can still reach
+    /// the upstream: raised by every mark, never lowered. Nothing frees the record before it.
+    pub in_flight_until: Option<Timestamp>,
     pub attempts: Vec<Attempt>,
     pub stop_reason: Option<StopReason>,
     pub response: Option<StoredResponse>,

@@ -27,12 +27,13 @@ pub struct Admit {
     pub retention_cutoff: Timestamp,
 }
 
-/// Takes a queued record under `owner`'s lease, with a new claim token.
+/// Takes a queued record under `owner`'s lease, with a new claim token. The lease runs `lease`
+/// from the write, in the store's clock (see [`LeaseClock`](super::LeaseClock)).
 #[derive(Debug, Clone)]
 pub struct ClaimQueued {
     pub id: RecordId,
     pub owner: Owner,
-    pub lease_until: Timestamp,
+    pub lease: Duration,
     pub now: Timestamp,
 }
 
@@ -43,8 +44,14 @@ pub struct AttemptStarted {
     pub id: RecordId,
     pub holder: Holder,
     pub number: u32,
+    /// The attempt's start, as the node stamps it (and the store's time in [`LeaseClock::Node`](super::LeaseClock)).
     pub started_at: Timestamp,
-    pub lease_until: Timestamp,
+    /// How long the lease runs from this write, in the store's clock.
+    pub lease: Duration,
+    /// How long after this write the attempt it marks may still reach the upstream: the node's
+    /// send window, the attempt's time limit and the clock margin. The record's
+    /// `in_flight_until` becomes at least the store's time plus this.
+    pub reach: Duration,
     /// The version of the policy it is sent under.
     pub policy_version: PolicyVersion,
 }
@@ -63,12 +70,12 @@ pub struct AttemptEnded {
     pub now: Timestamp,
 }
 
-/// Extends the holder's lease.
+/// Extends the holder's lease to `lease` from this write, in the store's clock.
 #[derive(Debug, Clone)]
 pub struct Renew {
     pub id: RecordId,
     pub holder: Holder,
-    pub lease_until: Timestamp,
+    pub lease: Duration,
     pub now: Timestamp,
 }
 
@@ -87,7 +94,8 @@ pub struct Resolve {
     pub entry: HistoryEntry,
 }
 
-/// Re-drives an `unknown` record with a fresh deadline.
+/// Re-drives an `unknown` record with a fresh deadline: refused (`InFlight`) while an attempt it
+/// marked may still reach the upstream.
 #[derive(Debug, Clone)]
 pub struct Retry {
     pub id: RecordId,
@@ -95,7 +103,8 @@ pub struct Retry {
     pub entry: HistoryEntry,
 }
 
-/// Moves a record whose lease expired to `to`, if its lease is still `expired`.
+/// Moves a record whose lease expired to `to`, if it still stands as it was read: the same
+/// claim, the same expired lease, the same attempt in flight (or none). Each of them decided `to`.
 #[derive(Debug, Clone)]
 pub struct TakeOver {
     pub id: RecordId,
@@ -103,17 +112,22 @@ pub struct TakeOver {
     /// sweeping at once, one wins, and a lease renewed since is not taken.
     pub expired: Lease,
     pub claim: ClaimToken,
+    /// The number of the attempt that was in flight when it was read, if one was: an attempt
+    /// marked since (in the very millisecond its lease was read in, say) makes the decision
+    /// stale, and the take-over is refused.
+    pub in_flight: Option<u32>,
     pub to: TakeOverTo,
     /// The attempt lost in flight, if one may have been.
     pub lost: Option<Attempt>,
     pub entry: HistoryEntry,
 }
 
-/// Claims queued records that nobody has claimed since `idle_since`.
+/// Claims queued records that nobody has claimed since `idle_since`, each under a lease of
+/// `lease` from the write.
 #[derive(Debug, Clone)]
 pub struct ClaimUnclaimed {
     pub owner: Owner,
-    pub lease_until: Timestamp,
+    pub lease: Duration,
     pub idle_since: Timestamp,
     pub now: Timestamp,
     pub limit: u32,

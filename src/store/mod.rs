@@ -19,6 +19,7 @@ mod error;
 mod health;
 mod listing;
 pub mod postgres;
+pub mod protocol;
 pub mod recorded;
 mod rows;
 pub mod sqlite;
@@ -56,6 +57,10 @@ pub struct NewRecord {
     pub request: StoredRequest,
     pub deadline_at: Timestamp,
     pub now: Timestamp,
+    /// The policy the admission chose for it (its route's, a canary's, or an MCP tool's
+    /// replay-safe one), stored with the key whether it is claimed now or later: whichever node
+    /// executes it, or takes it over, follows this decision rather than making its own.
+    pub policy_version: Option<PolicyVersion>,
     /// Record it already claimed, its first attempt marked as about to be sent, in the same
     /// commit: for a worker that will send it at once. Applies to a fresh insert only; a record
     /// taken over from a free or expired one is queued as usual.
@@ -67,7 +72,9 @@ pub struct NewRecord {
 }
 
 impl NewRecord {
-    /// The record as a fresh insert stores it: queued, or claimed with attempt 1 marked.
+    /// The record as a fresh insert stores it: queued, or claimed with attempt 1 marked. Its
+    /// lease and bound are as the node's clock reckons them; a store that keeps them in its own
+    /// clock ([`LeaseClock::Database`]) holds its own reckoning.
     pub fn inserted(self) -> Record {
         let fresh = self.fresh();
         let claim = self.claim;
@@ -85,7 +92,10 @@ impl NewRecord {
             queued: fresh.queued,
             deadline_at: self.deadline_at,
             in_flight: fresh.in_flight,
-            lease: claim.as_ref().map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.lease_until }),
+            lease: claim
+                .as_ref()
+                .map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: self.now + c.lease }),
+            in_flight_until: claim.as_ref().map(|c| self.now + c.reach),
             claim: fresh.claim,
             attempts: Vec::new(),
             stop_reason: None,
@@ -97,7 +107,7 @@ impl NewRecord {
             takeovers: 0,
             not_before: None,
             tombstone_until: None,
-            policy_version: claim.as_ref().map(|c| c.policy_version.clone()),
+            policy_version: self.policy_version,
             stream: None,
             created_at: self.now,
             updated_at: self.now,
@@ -125,13 +135,37 @@ pub struct RouteSweep {
     pub tombstone_after: Option<Duration>,
 }
 
-/// A worker's lease on a record it admits.
+/// A worker's lease on a record it admits, with its first attempt marked as about to be sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub owner: Owner,
-    pub lease_until: Timestamp,
-    /// The version of the policy the first attempt is sent under, stored with its mark.
-    pub policy_version: PolicyVersion,
+    /// How long the lease runs from the insert, in the store's clock.
+    pub lease: Duration,
+    /// How long after the insert its first attempt may still reach the upstream (see
+    /// [`AttemptStarted::reach`]).
+    pub reach: Duration,
+}
+
+/// Whose clock a store sets and compares leases and attempt bounds in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseClock {
+    /// The database server's own (PostgreSQL): one clock for every node sharing the store,
+    /// whatever each node's own clock says. The default for PostgreSQL.
+    Database,
+    /// The `now` each write carries: the node's clock. SQLite's, since every node sharing a
+    /// SQLite file shares its host's clock; and a test's that holds time still with a manual one.
+    Node,
+}
+
+impl LeaseClock {
+    /// The time to bind where the SQL reads the store's time as `COALESCE($n, idem_now())`:
+    /// the node's `now`, or nothing, so that the database reads its own clock.
+    pub(crate) fn time(self, now: Timestamp) -> Option<Timestamp> {
+        match self {
+            LeaseClock::Database => None,
+            LeaseClock::Node => Some(now),
+        }
+    }
 }
 
 /// The result of recording a request: either this request owns execution now, or a record for
@@ -249,12 +283,29 @@ pub(crate) fn decide(record: Option<Record>, event: Event) -> Result<(Record, Ph
     }
 }
 
+/// Whether `event` says an `unknown` record did not execute (it frees it) or sends it again: it
+/// must then wait until no attempt marked under the record can still reach the upstream.
+pub(crate) fn waits_for_attempts(event: Event) -> bool {
+    matches!(event, Event::ResolveNotExecuted | Event::OperatorRetry)
+}
+
+/// How long `event` must still wait for the attempts marked under `record`, at `now` in the
+/// clock its `in_flight_until` was set in; `None` when it need not.
+pub(crate) fn in_flight_left(record: &Record, event: Event, now: Timestamp) -> Option<Duration> {
+    let until = record.in_flight_until.filter(|until| *until > now)?;
+    waits_for_attempts(event).then(|| until - now)
+}
+
 /// The result of an operator action on one record.
 #[derive(Debug, Clone)]
 pub enum Action {
     Applied(Record),
     /// The record is not in a state the action applies to; it is returned unchanged.
     Refused(Record),
+    /// The action would free the record (not executed) or send it again (retry), but an attempt
+    /// marked under it may still reach the upstream for this long, in the store's clock: until
+    /// then nothing may say it did not execute (docs/guarantees.md). Returned unchanged.
+    InFlight(Record, Duration),
     Missing,
 }
 
@@ -295,22 +346,26 @@ pub trait Store: Send + Sync + 'static {
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError>;
 
-    /// Settles an `unknown` record; anything else is refused.
+    /// Settles an `unknown` record; anything else is refused. `not_executed` is refused as
+    /// `InFlight` until the record's `in_flight_until` has passed in the store's clock.
     async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError>;
 
     /// Re-drives an `unknown` record (the operator asserts a re-send is safe): queued again with
-    /// a fresh deadline. Anything else is refused.
+    /// a fresh deadline, once its `in_flight_until` has passed (`InFlight` before). Anything
+    /// else is refused.
     async fn retry(&self, retry: Retry) -> Result<Action, StoreError>;
 
     // ---- take-over and reconciliation ---------------------------------------------------------
 
-    /// `in_progress` records whose lease expired before `now`.
+    /// `in_progress` records whose lease expired, in the store's clock (`now` when it is the
+    /// node's).
     async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError>;
 
     /// Moves a record whose lease expired to `to`, recording the attempt that was lost in
     /// flight, if any, and counting the take-over. Only if the lease is still the `expired` one
-    /// seen, under the same claim: of several nodes sweeping at once, one wins (the others get
-    /// `false`). The claim's token is kept: only a new claim makes a new one.
+    /// seen, under the same claim, with the same attempt in flight: of several nodes sweeping at
+    /// once, one wins (the others get `false`), and a mark that landed since the read is never
+    /// wiped. The claim's token is kept: only a new claim makes a new one.
     async fn take_over(&self, take_over: TakeOver) -> Result<bool, StoreError>;
 
     /// Claims, for `owner`, up to `limit` queued records that nobody has claimed since
@@ -324,7 +379,8 @@ pub trait Store: Send + Sync + 'static {
     async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError>;
 
     /// Records a probe: settles the record with `resolution`, or schedules the next probe — if
-    /// it is still `unknown` under the claim the probe read.
+    /// it is still `unknown` under the claim the probe read. "Not executed" is refused as
+    /// `InFlight` (nothing written) until the record's `in_flight_until` has passed.
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError>;
 
     /// How many records are in each phase (queued and free `not_started` counted apart).
@@ -393,12 +449,43 @@ pub enum Notice {
     Queued(RecordId),
 }
 
-/// Opens the store named by a `store.url`, applying migrations.
+/// Opens the store named by a `store.url`, applying migrations: PostgreSQL keeps leases in its
+/// own clock.
 pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+    open_with(url, LeaseClock::Database).await
+}
+
+/// Applies the migrations of the store named by a `store.url`, and nothing else: `idem migrate`.
+/// Refused, changing nothing, when the store speaks a later protocol than this build.
+pub async fn migrate(url: &str) -> Result<(), StoreError> {
+    if url.starts_with("sqlite:") {
+        sqlite::migrate(url).await
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        postgres::migrate(url).await
+    } else {
+        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
+    }
+}
+
+/// Where the store named by a `store.url` stands against this build, changing nothing:
+/// `idem migrate --status`.
+pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
+    if url.starts_with("sqlite:") {
+        sqlite::status(url).await
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        postgres::status(url).await
+    } else {
+        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
+    }
+}
+
+/// Opens the store named by a `store.url`, keeping leases in `clock` where the backend can
+/// choose (PostgreSQL; SQLite's are always its host's, [`LeaseClock::Node`]).
+pub async fn open_with(url: &str, clock: LeaseClock) -> Result<std::sync::Arc<dyn Store>, StoreError> {
     if url.starts_with("sqlite:") {
         Ok(std::sync::Arc::new(sqlite::SqliteStore::open(url).await?))
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(std::sync::Arc::new(postgres::PostgresStore::open(url).await?))
+        Ok(std::sync::Arc::new(postgres::PostgresStore::open(url, clock).await?))
     } else {
         Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
     }

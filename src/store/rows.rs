@@ -96,6 +96,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         lease,
         claim: ClaimToken(required("claim_token")?),
         in_flight,
+        in_flight_until: time("in_flight_until")?,
         attempts: serde_json::from_str(&text("attempts")?)?,
         stop_reason: row
             .text("stop_reason")?

@@ -69,6 +69,7 @@ impl Request {
             request: stored,
             deadline_at,
             now: arrival,
+            policy_version: None,
             claim: None,
             tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
         };
@@ -103,11 +104,12 @@ pub(super) enum Start {
     /// Queued: claim it first.
     Claim,
     /// Already claimed by this process (queued records nobody claimed), with the worker that
-    /// was set aside for it before it was claimed.
-    Claimed(OwnedSemaphorePermit),
-    /// Admitted claimed, first attempt marked, capacity in hand; with the stages of the new key
-    /// so far, up to its durable record, when its client waits for the outcome.
-    Reserved(Reservation, Option<Laps>),
+    /// was set aside for it before it was claimed, and when the claim's write was sent.
+    Claimed(OwnedSemaphorePermit, tokio::time::Instant),
+    /// Admitted claimed, first attempt marked, capacity in hand; with when the insert that
+    /// marked it was sent, and the stages of the new key so far, up to its durable record, when
+    /// its client waits for the outcome.
+    Reserved(Reservation, tokio::time::Instant, Option<Laps>),
 }
 
 impl Worker {
@@ -128,7 +130,11 @@ impl Worker {
             Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
         };
         let reservation = reserve(&inner.permits, &inner.runtimes.guard_for(route), config);
-        let new = NewRecord { claim: reservation.as_ref().map(|_| inner.claim(inner.clock.now(), &policy)), ..new };
+        let new = NewRecord {
+            claim: reservation.as_ref().map(|_| inner.claim(&policy)),
+            policy_version: Some(policy.version.clone()),
+            ..new
+        };
         // Queued rather than claimed: this process claims it itself, and the insert's notice,
         // which may come back before the insert does, must not be offered to its workers too.
         let id = new.id;
@@ -136,6 +142,7 @@ impl Worker {
             lock(&inner.mine).insert(id);
         }
         let queued = Instant::now();
+        let sent = tokio::time::Instant::now();
         let admitted = inner.store.admit(store::Admit { new, retention_cutoff }).await;
         if !matches!(&admitted, Ok(Admission::Created(_))) {
             lock(&inner.mine).remove(&id);
@@ -155,7 +162,7 @@ impl Worker {
                     laps.lap_at(Stage::Read, queued);
                     laps.lap(Stage::AdmissionCommit);
                 }
-                Start::Reserved(reservation, laps)
+                Start::Reserved(reservation, sent, laps)
             }
             None => {
                 lock(&inner.mine).insert(record.id);
@@ -183,14 +190,10 @@ fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -
 }
 
 impl Inner {
-    /// The claim that a reserved admission writes: this process's lease, starting `now`, and
-    /// the version of the policy its first attempt is sent under.
-    pub(super) fn claim(&self, now: Timestamp, policy: &Policy<'_>) -> Claim {
-        Claim { owner: self.owner.clone(), lease_until: self.lease_until(now), policy_version: policy.version.clone() }
-    }
-
-    pub(super) fn lease_until(&self, now: Timestamp) -> Timestamp {
-        now + self.lease
+    /// The claim that a reserved admission writes: this process's lease, and how far its first
+    /// attempt, sent under `policy`, may reach.
+    pub(super) fn claim(&self, policy: &Policy<'_>) -> Claim {
+        Claim { owner: self.owner.clone(), lease: self.lease, reach: self.reach(policy.retry.per_try_timeout) }
     }
 }
 

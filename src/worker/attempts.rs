@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
 
+use super::lease::Held;
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
@@ -35,6 +36,8 @@ pub(super) struct Job<'a> {
     /// The headers every attempt adds: the route's own, and the client's credential if forwarded.
     pub(super) credentials: &'a http::HeaderMap,
     pub(super) signal: &'a CancelSignal,
+    /// How far this process trusts the claim's lease.
+    pub(super) held: &'a Held,
     /// The route's limits as they stood when the execution started: its attempts count
     /// against them to the end, whatever a reload does to the route meanwhile.
     pub(super) guard: Arc<RouteGuard>,
@@ -91,18 +94,29 @@ pub(super) enum End {
     /// The policy (or a cancel) stopped them: settle the record, with the last attempt if it is
     /// not stored yet.
     Stop(StopReason, Option<Attempt>),
-    /// The process is stopping: hand the record back.
-    Release,
+    /// Hand the record back to the queue between attempts, for a new claim to continue.
+    HandBack(HandBack),
     /// The record is no longer this worker's (or the store failed): its record is the answer.
     Lost,
 }
 
-/// An attempt about to be sent: when it started, the place it holds on its route, and how long
-/// the policy lets it take.
+/// Why an execution hands its record back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum HandBack {
+    /// The process is stopping.
+    Shutdown,
+    /// A renewal failed, or found the claim taken, while the last attempt was in flight: no
+    /// further attempt goes under this claim.
+    ClaimInDoubt,
+}
+
+/// An attempt about to be sent: when it started, the place it holds on its route, how long the
+/// policy lets it take, and the instant past which its first byte must not leave.
 struct Begun {
     started: Timestamp,
     in_flight: Option<OwnedSemaphorePermit>,
     limit: Duration,
+    send_by: tokio::time::Instant,
 }
 
 /// An attempt that ended: what the upstream answered (or what went wrong), and how long it took
@@ -138,20 +152,16 @@ impl Inner {
     /// Runs attempts until the policy stops, then settles (or hands back) the record.
     /// `reserved`: admitted claimed, with its place among the route's attempts and the stages
     /// of the new key so far.
-    pub(super) async fn attempts(
-        &self,
-        job: &Job<'_>,
-        reserved: Option<(OwnedSemaphorePermit, Option<Laps>)>,
-    ) -> Outcome {
+    pub(super) async fn attempts(&self, job: &Job<'_>, reserved: Option<(Reserved, Option<Laps>)>) -> Outcome {
         let mut p = Progress::new(job.record, job.chosen.retry.deadline);
-        let reserved = reserved.map(|(place, laps)| {
+        let reserved = reserved.map(|(reserved, laps)| {
             p.laps = laps;
-            place
+            reserved
         });
         let Err(end) = self.attempt_loop(job, &mut p, reserved).await;
         match end {
             End::Stop(stop, attempt) => self.finish_after(job, attempt, stop, p).await,
-            End::Release => self.release(job.record, job.holder).await,
+            End::HandBack(why) => self.release(job.record, job.holder, why).await,
             End::Lost => Outcome::Lost,
         }
     }
@@ -160,7 +170,7 @@ impl Inner {
         &self,
         job: &Job<'_>,
         p: &mut Progress,
-        mut reserved: Option<OwnedSemaphorePermit>,
+        mut reserved: Option<Reserved>,
     ) -> Result<Infallible, End> {
         self.owed_wait(job, p).await?;
         loop {
@@ -197,22 +207,21 @@ impl Inner {
     }
 
     /// Takes a place for the next attempt, asks the policy whether it may go, and marks it in the
-    /// store as about to be sent — unless it was admitted with that mark (`reserved`).
-    async fn begin(
-        &self,
-        job: &Job<'_>,
-        p: &mut Progress,
-        reserved: Option<OwnedSemaphorePermit>,
-    ) -> Result<Begun, End> {
+    /// store as about to be sent — unless it was admitted with that mark (`reserved`). The mark
+    /// starts the attempt's send window: its first byte leaves within `worker.send_window` of the
+    /// moment the mark's write was sent, and within the claim's trusted lease, or not at all.
+    async fn begin(&self, job: &Job<'_>, p: &mut Progress, reserved: Option<Reserved>) -> Result<Begun, End> {
         let Job { record, route, chosen, .. } = job;
         // `marked`: admitted already claimed, with this first attempt marked as about to be
         // sent in the same commit, so nothing more is written before sending it.
         let (started, in_flight, marked) = match reserved {
-            Some(place) => (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), true),
+            Some(Reserved { place, marked_at }) => {
+                (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), Some(marked_at))
+            }
             None => {
                 // A place among the route's attempts in flight, held for this attempt only.
-                let place = self.renewing(record.id, job.holder, job.guard.attempts.clone().acquire_owned()).await.ok();
-                (self.clock.now(), place, false)
+                let place = self.renewing(job, job.guard.attempts.clone().acquire_owned()).await.ok();
+                (self.clock.now(), place, None)
             }
         };
         let cancelled = job.signal.raised.load(Ordering::SeqCst);
@@ -221,41 +230,45 @@ impl Inner {
             .run
             .next_attempt(chosen.retry, since(p.arrival, started), cancelled, switched)
             .map_err(|stop| End::Stop(stop, None))?;
-        if self.drain.is_stopping() && !marked {
-            return Err(End::Release);
+        if self.drain.is_stopping() && marked.is_none() {
+            return Err(End::HandBack(HandBack::Shutdown));
         }
         if job.signal.is_superseded() {
             return Err(End::Lost);
         }
         let made = p.run.sending();
         p.number += 1;
-        if !marked {
-            match self
-                .store
-                .attempt_started(AttemptStarted {
+        let marked_at = match marked {
+            Some(at) => at,
+            None => {
+                let sent = tokio::time::Instant::now();
+                let mark = AttemptStarted {
                     id: record.id,
                     holder: job.holder.clone(),
                     number: p.number,
                     started_at: started,
-                    lease_until: self.lease_until(started),
+                    lease: self.lease,
+                    reach: self.reach(limit),
                     policy_version: chosen.version.clone(),
-                })
-                .await
-            {
-                Ok(Lease::Held { cancel_requested: false }) => {}
-                Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
-                Ok(Lease::Lost) => return Err(End::Lost),
-                Err(e) => {
-                    // Without a durable "may have been sent" mark the attempt must not go out.
-                    warn!(error = %e, "could not record an attempt; not sending it");
-                    return Err(End::Lost);
+                };
+                match self.store.attempt_started(mark).await {
+                    Ok(Lease::Held { cancel_requested: false }) => job.held.renewed(sent, self.trust()),
+                    Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
+                    Ok(Lease::Lost) => return Err(End::Lost),
+                    Err(e) => {
+                        // Without a durable "may have been sent" mark the attempt must not go out.
+                        warn!(error = %e, "could not record an attempt; not sending it");
+                        return Err(End::Lost);
+                    }
                 }
+                sent
             }
-        }
+        };
         if made == 1 {
             job.charges.first_attempt();
         }
-        Ok(Begun { started, in_flight, limit })
+        let send_by = (marked_at + self.send_window).min(job.held.trusted_until());
+        Ok(Begun { started, in_flight, limit, send_by })
     }
 
     /// Sends the attempt, keeping the lease alive while it is in flight. An answer that streams
@@ -264,9 +277,10 @@ impl Inner {
     /// through. Any other answer is read whole, as before.
     async fn send(&self, job: &Job<'_>, p: &Progress, begun: Begun) -> Sent {
         let Job { record, route, chosen, .. } = job;
-        let Begun { started, in_flight, limit } = begun;
+        let Begun { started, in_flight, limit, send_by } = begun;
         let mut told = job.credentials.clone();
         upstream::tell_deadline(&mut told, route.deadline_header.as_ref(), limit);
+        upstream::tell_attempt(&mut told, route.attempt_header.as_ref(), record.id, job.holder.token, p.number);
         let clock = Instant::now();
         let until = tokio::time::Instant::now() + limit;
         let sent = async {
@@ -279,6 +293,7 @@ impl Inner {
                     &told,
                     record.request.body.clone(),
                     until,
+                    Some(send_by),
                 )
                 .await?;
             let settles =
@@ -296,7 +311,7 @@ impl Inner {
             }
         };
         let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
-        let got = self.renewing(record.id, job.holder, sent).instrument(span.clone()).await;
+        let got = self.renewing(job, sent).instrument(span.clone()).await;
         let took = clock.elapsed();
         match got {
             Ok(Got::Flowing(head, first)) => {
@@ -397,11 +412,21 @@ impl Inner {
                 return Err(End::Lost);
             }
         }
+        if job.held.in_doubt() {
+            return Err(End::HandBack(HandBack::ClaimInDoubt));
+        }
         self.wait(job, wait).await.then()?;
         p.run.waited(wait);
         p.wait_before = wait;
         Ok(())
     }
+}
+
+/// An attempt admitted already claimed: its place among the route's attempts, and the instant
+/// the write that marked it was sent, which starts its send window.
+pub(super) struct Reserved {
+    pub(super) place: OwnedSemaphorePermit,
+    pub(super) marked_at: tokio::time::Instant,
 }
 
 /// The attempt as it is stored with the record.

@@ -5,11 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::OwnedSemaphorePermit;
 use tracing::warn;
 
 use super::admission::{Reservation, Start};
-use super::attempts::{since, Job, Progress};
+use super::attempts::{since, HandBack, Job, Progress, Reserved};
+use super::lease::Held;
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
 use crate::domain::RecordId;
@@ -35,9 +35,16 @@ impl Inner {
         AttemptEnded { id: record.id, holder: holder.clone(), attempt, then, stream: None, now }
     }
 
-    /// The write that extends `holder`'s lease on `id` from `now`.
+    /// The write that extends `holder`'s lease on `id`, made at `now`.
     pub(super) fn renewal(&self, id: RecordId, holder: &Holder, now: Timestamp) -> Renew {
-        Renew { id, holder: holder.clone(), lease_until: self.lease_until(now), now }
+        Renew { id, holder: holder.clone(), lease: self.lease, now }
+    }
+
+    /// How long after the write that marks an attempt limited to `limit` that attempt may still
+    /// reach the upstream: it starts within the send window and is cut at its limit, and clocks
+    /// may disagree by the margin.
+    pub(super) fn reach(&self, limit: Duration) -> Duration {
+        self.send_window + limit + self.clock_margin
     }
 
     /// This process's claim with `token`.
@@ -51,17 +58,18 @@ impl Inner {
     /// before claiming a queued record. A lease never runs while its record waits for a worker.
     pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
         let outcome = match start {
-            Start::Reserved(Reservation { worker, attempt, config }, laps) => {
+            Start::Reserved(Reservation { worker, attempt, config }, marked_at, laps) => {
                 let _permit = worker;
-                self.run(record, &self.holder(record.claim), Some((attempt, config, laps)), reply).await
+                let reserved = Reserved { place: attempt, marked_at };
+                self.run(record, &self.holder(record.claim), marked_at, Some((reserved, config, laps)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
                 self.claim_and_run(record, reply).await
             }
-            Start::Claimed(worker) => {
+            Start::Claimed(worker, granted) => {
                 let _permit = worker;
-                self.run(record, &self.holder(record.claim), None, reply).await
+                self.run(record, &self.holder(record.claim), granted, None, reply).await
             }
         };
         Some(outcome)
@@ -75,14 +83,12 @@ impl Inner {
     }
 
     pub(super) async fn claim_and_run(&self, record: &Record, reply: &Reply) -> Outcome {
-        let now = self.clock.now();
-        let claimed = self
-            .store
-            .claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease_until: self.lease_until(now), now })
-            .await;
+        let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
+        let claimed =
+            self.store.claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease: self.lease, now }).await;
         lock(&self.mine).remove(&record.id);
         match claimed {
-            Ok(Some(token)) => self.run(record, &self.holder(token), None, reply).await,
+            Ok(Some(token)) => self.run(record, &self.holder(token), sent, None, reply).await,
             Ok(None) => Outcome::Lost,
             Err(e) => {
                 warn!(error = %e, "could not claim a record; it stays queued");
@@ -95,11 +101,13 @@ impl Inner {
     /// The route and its policy are read once, here, from the configuration the record was
     /// admitted under when it was admitted claimed, else from the one in force now: a reload
     /// during the execution changes neither, and a route removed since still lets it finish.
+    /// `granted`: when the write that claimed it was sent, from which its lease is trusted.
     async fn run(
         &self,
         record: &Record,
         holder: &Holder,
-        reserved: Option<(OwnedSemaphorePermit, Arc<Config>, Option<Laps>)>,
+        granted: tokio::time::Instant,
+        reserved: Option<(Reserved, Arc<Config>, Option<Laps>)>,
         reply: &Reply,
     ) -> Outcome {
         let (reserved, config) = match reserved {
@@ -130,6 +138,7 @@ impl Inner {
             }
         }
         let signal = self.running(record.id, holder.token);
+        let held = Held::granted(granted, self.trust());
         let job = Job {
             record,
             holder,
@@ -138,6 +147,7 @@ impl Inner {
             url,
             credentials: &credentials,
             signal: &signal,
+            held: &held,
             guard: self.runtimes.guard_for(route),
             charges: self.runtimes.charges_for(route, &record.tenant),
             reply,
@@ -153,13 +163,18 @@ impl Inner {
         self.finish(record, holder, replay_safe, None, stop, progress).await.0
     }
 
-    /// Hands a record back to the queue at shutdown, between attempts, for another worker (or
-    /// this node after its restart) to continue within the same deadline.
-    pub(super) async fn release(&self, record: &Record, holder: &Holder) -> Outcome {
+    /// Hands a record back to the queue between attempts — at shutdown, or when its claim is in
+    /// doubt — for another claim (another worker's, or this node's after its restart) to
+    /// continue within the same deadline.
+    pub(super) async fn release(&self, record: &Record, holder: &Holder, why: HandBack) -> Outcome {
         let release = self.ended(record, holder, None, store::AfterAttempt::Release, self.clock.now());
+        let why = match why {
+            HandBack::Shutdown => "at shutdown",
+            HandBack::ClaimInDoubt => "as its claim is in doubt",
+        };
         match self.store.attempt_ended(release).await {
-            Ok(_) => tracing::info!(record = %record.id, "handed back at shutdown"),
-            Err(e) => warn!(error = %e, "could not hand a record back; its lease will expire"),
+            Ok(_) => tracing::info!(record = %record.id, "handed back {why}"),
+            Err(e) => warn!(error = %e, "could not hand a record back {why}; its lease will expire"),
         }
         Outcome::Lost
     }

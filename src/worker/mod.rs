@@ -133,6 +133,7 @@ mod drain;
 mod execution;
 #[cfg(test)]
 mod fencing_tests;
+mod lease;
 mod running;
 mod streaming;
 mod unrecorded;
@@ -181,6 +182,10 @@ struct Inner {
     config: Arc<Live>,
     /// `worker.lease`, fixed for the life of the process (a reload cannot change it).
     lease: Duration,
+    /// `worker.send_window`: an attempt's first byte leaves within this of its mark, or never.
+    send_window: Duration,
+    /// `worker.clock_margin`: a lease is trusted for `lease - clock_margin`.
+    clock_margin: Duration,
     /// This process's name in leases.
     owner: Owner,
     /// At most `worker.concurrency` records execute at once.
@@ -215,6 +220,8 @@ impl Worker {
                 permits: Arc::new(Semaphore::new(current.worker.concurrency)),
                 runtimes: Arc::new(Runtimes::new(&current, clock.clone())),
                 lease: current.worker.lease,
+                send_window: current.worker.send_window,
+                clock_margin: current.worker.clock_margin,
                 credentials: Mutex::new(HeldCredentials::default()),
                 mine: Mutex::new(HashSet::new()),
                 drain: Drain::default(),
@@ -269,10 +276,10 @@ impl Worker {
     }
 
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
-    /// record nobody claimed).
-    pub fn resume(&self, record: Record, worker: FreeWorker) {
+    /// record nobody claimed) by a write sent at `claimed`.
+    pub fn resume(&self, record: Record, worker: FreeWorker, claimed: tokio::time::Instant) {
         let slot = self.inner.runtimes.slot(&record.route);
-        self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0));
+        self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0, claimed));
     }
 
     fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Told>>, start: Start) {

@@ -3,9 +3,12 @@
 //! what executed: the client is told it, as executed, and the write is made again, with growing
 //! waits, until the store takes it — under the claim if it still holds, or as the late outcome
 //! of a claim whose lease ran out meanwhile and was taken over to `unknown` (see
-//! `docs/guarantees.md`). Until then the record shows `in_progress`, then `unknown`, never
-//! free: nothing is sent again. An outcome still waiting when the process stops is lost with it,
-//! and its record stays in reconciliation, with the error line logged for it.
+//! `docs/guarantees.md`). Between tries the claim's lease is renewed, so a store that takes
+//! small writes but not this one does not let the claim lapse; and the waits never exceed a
+//! third of a lease, so that once the store answers again the outcome is written well within
+//! the lease during which no node takes anything over (`reconcile::Sweeper`). An outcome still
+//! waiting when the process stops is lost with it, and its record stays in reconciliation, with
+//! the error line logged for it.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -14,10 +17,10 @@ use tracing::{error, info, warn};
 
 use super::Inner;
 use crate::metrics;
-use crate::store::{AttemptEnded, Lease, StoreError};
+use crate::store::{AttemptEnded, Lease, Renew, StoreError};
 
 /// The first wait before an outcome is written again, doubled after each refusal up to
-/// [`LONGEST_WAIT`].
+/// [`LONGEST_WAIT`] (or a third of the lease, if shorter).
 const FIRST_WAIT: Duration = Duration::from_millis(100);
 const LONGEST_WAIT: Duration = Duration::from_secs(5);
 
@@ -35,9 +38,11 @@ impl Inner {
         let waiting = self.unrecorded.clone();
         waiting.fetch_add(1, Ordering::SeqCst);
         metrics::unrecorded_outcome_waits(true);
-        let (store, settled) = (self.store.clone(), self.settled.clone());
+        let (store, settled, clock) = (self.store.clone(), self.settled.clone(), self.clock.clone());
+        let lease = self.lease;
+        let longest = LONGEST_WAIT.min(lease / 3);
         tokio::spawn(async move {
-            let mut wait = FIRST_WAIT;
+            let mut wait = FIRST_WAIT.min(longest);
             loop {
                 tokio::time::sleep(wait).await;
                 match store.attempt_ended(ended.clone()).await {
@@ -58,7 +63,12 @@ impl Inner {
                     }
                     Err(e) => {
                         warn!(record = %id, error = %e, "the store still cannot take the outcome; trying again");
-                        wait = (wait * 2).min(LONGEST_WAIT);
+                        // The claim kept alive meanwhile, where the store takes that much.
+                        let renew = Renew { id, holder: ended.holder.clone(), lease, now: clock.now() };
+                        if let Ok(Lease::Lost) = store.renew(renew).await {
+                            info!(record = %id, "the claim of the outcome being written again was taken: it is offered as a late outcome");
+                        }
+                        wait = (wait * 2).min(longest);
                     }
                 }
             }

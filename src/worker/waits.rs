@@ -1,17 +1,13 @@
-//! The waits of an execution: an attempt in flight and the pause before a retry, with the
-//! record's lease renewed through both, and a pause cut short by a cancel, a newer claim of the
-//! record here, or the process stopping.
+//! The pause before a retry, with the record's lease renewed through it, cut short by a cancel,
+//! a newer claim of the record here, or the process stopping. (An attempt in flight keeps its
+//! lease alive through `lease`.)
 
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use tracing::warn;
-
-use super::attempts::{End, Job};
+use super::attempts::{End, HandBack, Job};
 use super::Inner;
 use crate::domain::StopReason;
-use crate::domain::{Holder, RecordId};
 use crate::store::Lease;
 
 /// How a wait ended, which decides how the execution goes on.
@@ -33,30 +29,13 @@ impl WaitEnd {
         match self {
             WaitEnd::Elapsed => Ok(()),
             WaitEnd::Cancelled => Err(End::Stop(StopReason::Cancelled, None)),
-            WaitEnd::Stopping => Err(End::Release),
+            WaitEnd::Stopping => Err(End::HandBack(HandBack::Shutdown)),
             WaitEnd::Lost => Err(End::Lost),
         }
     }
 }
 
 impl Inner {
-    /// Awaits an attempt while keeping `holder`'s lease alive.
-    pub(super) async fn renewing<F: Future>(&self, id: RecordId, holder: &Holder, attempt: F) -> F::Output {
-        tokio::pin!(attempt);
-        let every = self.lease / 3;
-        loop {
-            tokio::select! {
-                out = &mut attempt => return out,
-                _ = tokio::time::sleep(every) => {
-                    let now = self.clock.now();
-                    if let Ok(Lease::Lost) = self.store.renew(self.renewal(id, holder, now)).await {
-                        warn!("lost the lease while an attempt was in flight");
-                    }
-                }
-            }
-        }
-    }
-
     /// Sleeps before a retry, renewing the lease, and stops at once on a cancel (or when a newer
     /// claim of the record runs here).
     pub(super) async fn wait(&self, job: &Job<'_>, total: Duration) -> WaitEnd {
@@ -89,11 +68,13 @@ impl Inner {
                 _ = stopping.changed() => return WaitEnd::Stopping,
             }
             if tokio::time::Instant::now() < until {
-                let now = self.clock.now();
+                let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
                 match self.store.renew(self.renewal(id, job.holder, now)).await {
                     Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
+                    Ok(Lease::Held { cancel_requested: false }) => job.held.renewed(sent, self.trust()),
                     Ok(Lease::Lost) => return WaitEnd::Lost,
-                    _ => {}
+                    // The next attempt's mark is a write under the claim too: it finds out.
+                    Err(_) => {}
                 }
             }
         }

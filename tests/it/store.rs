@@ -103,6 +103,9 @@ const fn ms(n: u64) -> Duration {
 const BODY: &[u8] = br#"{"amount":42,"currency":"eur"}"#;
 const WORKER: &str = "node-a/worker-1";
 const LEASE: Duration = ms(15_000);
+/// How long after its mark a test's attempt may still reach the upstream: short, so that the
+/// actions at `T0 + 100` and later find its bound passed.
+const REACH: Duration = ms(50);
 /// A policy version, as a route's policy would give it.
 const VERSION: &str = "0123456789ab";
 
@@ -132,6 +135,7 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp)
         },
         deadline_at: now + ms(30_000),
         now,
+        policy_version: None,
         claim: None,
         tombstone_cutoff: None,
     }
@@ -141,14 +145,16 @@ fn entry(actor: &str, action: HistoryAction, at: Timestamp) -> HistoryEntry {
     HistoryEntry { at, actor: actor.into(), action, note: Some(format!("{actor} {action}")) }
 }
 
-/// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker.
+/// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker, its
+/// lease running until `lease_until`; it may reach the upstream for [`REACH`] after its mark.
 fn started(record: &Record, number: u32, at: Timestamp, lease_until: Timestamp) -> AttemptStarted {
     AttemptStarted {
         id: record.id,
         holder: holder(record, WORKER),
         number,
         started_at: at,
-        lease_until,
+        lease: lease_until - at,
+        reach: REACH,
         policy_version: VERSION.into(),
     }
 }
@@ -226,7 +232,7 @@ async fn queued(store: &Arc<dyn Store>, new: NewRecord) -> Record {
 async fn in_progress(store: &Arc<dyn Store>, new: NewRecord) -> Record {
     let record = queued(store, new).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE - ms(1), now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());

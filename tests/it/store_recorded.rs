@@ -34,11 +34,8 @@ fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
         request: StoredRequest { headers: vec![], body: Bytes::from_static(b"{}") },
         deadline_at: now + ms(30_000),
         now,
-        claim: claimed.then(|| Claim {
-            owner: WORKER.into(),
-            lease_until: now + ms(15_000),
-            policy_version: VERSION.into(),
-        }),
+        policy_version: Some(VERSION.into()),
+        claim: claimed.then(|| Claim { owner: WORKER.into(), lease: ms(15_000), reach: ms(12_000) }),
         tombstone_cutoff: None,
     }
 }
@@ -82,7 +79,8 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
             holder: Holder { owner: WORKER.into(), token: ClaimToken::FIRST },
             number: 2,
             started_at: at + ms(120),
-            lease_until: at + ms(15_000),
+            lease: ms(14_880),
+            reach: ms(12_000),
             policy_version: VERSION.into(),
         })
         .await

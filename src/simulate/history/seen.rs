@@ -91,7 +91,8 @@ pub fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: bool) -> V
         .map(|(i, a)| {
             let result = match (a.status, a.error) {
                 (Some(status), _) => Scripted::Status(status),
-                (None, Some(AttemptError::ConnectFailed)) => Scripted::ConnectFailed,
+                // Nothing was sent either way.
+                (None, Some(AttemptError::ConnectFailed | AttemptError::NotSent)) => Scripted::ConnectFailed,
                 (None, Some(AttemptError::TimedOut)) => Scripted::Timeout,
                 // Broken, or lost with its worker: it may have executed.
                 _ => Scripted::Broken,

@@ -1,24 +1,42 @@
 //! The operator's actions and the probes: settle, re-drive or cancel one record. Each reads the
 //! record before it decides, so each locks the row for its one transaction.
 
-use sqlx::PgPool;
+use std::time::Duration;
+
+use sqlx::{PgPool, Row};
 
 use super::rows::{one_element, COLUMNS};
-use crate::domain::{ClaimToken, Phase, RecordId};
+use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
 use crate::record::{transition, Event, HistoryEntry, Record, Refused};
 use crate::store::{
-    decide, decode, retried, Action, Cancel, Cancelled, Probed, Resolution, Resolve, Retry, StoreError,
+    decide, decode, retried, waits_for_attempts, Action, Cancel, Cancelled, LeaseClock, Probed, Resolution, Resolve,
+    Retry, StoreError,
 };
 
 /// Reads a record and locks it until `tx` ends: the read-then-write actions decide on what they
 /// read, so nothing may change it in between.
 async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: RecordId) -> Result<Option<Record>, StoreError> {
-    sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid FOR UPDATE"))
-        .bind(id.to_string())
-        .fetch_optional(&mut **tx)
-        .await?
-        .map(|row| decode(&row))
-        .transpose()
+    Ok(lock_with_bound(tx, id, None).await?.map(|(record, _)| record))
+}
+
+/// [`lock`], with how long an attempt marked under the record may still reach the upstream, in
+/// the store's clock: `at` is the node's time when the store keeps leases in it, else `None`.
+async fn lock_with_bound(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    id: RecordId,
+    at: Option<Timestamp>,
+) -> Result<Option<(Record, Duration)>, StoreError> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS}, GREATEST(COALESCE(in_flight_until, 0) - COALESCE($2::bigint, idem_now()), 0) AS in_flight_left
+         FROM records WHERE id = $1::uuid FOR UPDATE"
+    ))
+    .bind(id.to_string())
+    .bind(at)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let left: i64 = row.try_get("in_flight_left")?;
+    Ok(Some((decode(&row)?, Duration::from_millis(left.max(0) as u64))))
 }
 
 /// A cancel as [`transition`] decides it from the locked record's phase, persisted guarded by
@@ -52,8 +70,8 @@ pub(super) async fn cancel(pool: &PgPool, cancel: Cancel) -> Result<Cancelled, S
     Ok(if record.phase() == Phase::InProgress { Cancelled::Flagged(updated) } else { Cancelled::Dequeued(updated) })
 }
 
-pub(super) async fn resolve(pool: &PgPool, resolve: Resolve) -> Result<Action, StoreError> {
-    settle(pool, resolve.id, resolve.resolution, None, resolve.entry).await
+pub(super) async fn resolve(pool: &PgPool, clock: LeaseClock, resolve: Resolve) -> Result<Action, StoreError> {
+    settle(pool, clock, resolve.id, resolve.resolution, None, resolve.entry).await
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. A probe names the claim it
@@ -61,12 +79,14 @@ pub(super) async fn resolve(pool: &PgPool, resolve: Resolve) -> Result<Action, S
 /// A streamed answer's facts go, as in the SQLite store: the record's answer is the resolution's.
 async fn settle(
     pool: &PgPool,
+    clock: LeaseClock,
     id: RecordId,
     resolution: Resolution,
     probe: Option<ClaimToken>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let (state, response) = resolution.stored()?;
+    let at = clock.time(entry.at);
     let sql = unknown_update(
         "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
          response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
@@ -84,7 +104,7 @@ async fn settle(
         .bind(i32::from(probe.is_some()))
         .bind(one_element(&entry)?)
         .bind(probe.map(|claim| claim.0));
-    on_unknown(pool, id, resolution.event(), update).await
+    on_unknown(pool, at, id, resolution.event(), update).await
 }
 
 /// An update of one `unknown` record (`$1`) that sets `set`, if `guard` holds too, and returns
@@ -99,18 +119,29 @@ fn unknown_update(set: &str, guard: &str) -> String {
 
 /// Runs `update` (made by [`unknown_update`]) on record `id`, locked first, if the transition
 /// table lets the record as it stands take `event`; otherwise, or when the update's own guard
-/// (a probe's claim) does not hold, it is refused, as it stands.
+/// (a probe's claim) does not hold, it is refused, as it stands. An event that frees the record
+/// or sends it again waits for its attempts' bound, in the store's clock (`at`, as in
+/// [`lock_with_bound`]).
 async fn on_unknown(
     pool: &PgPool,
+    at: Option<Timestamp>,
     id: RecordId,
     event: Event,
     update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
 ) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    let record = match decide(lock(&mut tx, id).await?, event) {
+    let locked = lock_with_bound(&mut tx, id, at).await?;
+    let (record, left) = match locked {
+        Some((record, left)) => (Some(record), left),
+        None => (None, Duration::ZERO),
+    };
+    let record = match decide(record, event) {
         Ok((record, _)) => record,
         Err(answer) => return Ok(answer),
     };
+    if waits_for_attempts(event) && !left.is_zero() {
+        return Ok(Action::InFlight(record, left));
+    }
     let row = update.fetch_optional(&mut *tx).await?;
     tx.commit().await?;
     Ok(match row {
@@ -119,8 +150,9 @@ async fn on_unknown(
     })
 }
 
-pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreError> {
+pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Result<Action, StoreError> {
     let Retry { id, deadline_at, entry } = retry;
+    let at = clock.time(entry.at);
     let to = retried()?;
     let sql = unknown_update(
         "state = $5, queued = $6, deadline_at = $2, stop_reason = NULL,
@@ -135,14 +167,15 @@ pub(super) async fn retry(pool: &PgPool, retry: Retry) -> Result<Action, StoreEr
         .bind(one_element(&entry)?)
         .bind(to.state().as_str())
         .bind(to == Phase::Queued);
-    on_unknown(pool, id, Event::OperatorRetry, update).await
+    on_unknown(pool, at, id, Event::OperatorRetry, update).await
 }
 
-pub(super) async fn probed(pool: &PgPool, probed: Probed) -> Result<Action, StoreError> {
+pub(super) async fn probed(pool: &PgPool, clock: LeaseClock, probed: Probed) -> Result<Action, StoreError> {
     let Probed { id, claim, resolution, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
-        return settle(pool, id, resolution, Some(claim), entry).await;
+        return settle(pool, clock, id, resolution, Some(claim), entry).await;
     }
+    let at = clock.time(entry.at);
     let sql = unknown_update(
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
         "claim_token = $5",
@@ -153,5 +186,5 @@ pub(super) async fn probed(pool: &PgPool, probed: Probed) -> Result<Action, Stor
         .bind(entry.at)
         .bind(one_element(&entry)?)
         .bind(claim.0);
-    on_unknown(pool, id, Event::ProbeInconclusive, update).await
+    on_unknown(pool, at, id, Event::ProbeInconclusive, update).await
 }

@@ -14,7 +14,7 @@ use super::lanes::{Lanes, Reply};
 use super::rows::{record_id, COLUMNS};
 use crate::domain::HistoryAction;
 use crate::record::HistoryEntry;
-use crate::store::{decode, Admission, Admit, Fresh, NewRecord, StoreError};
+use crate::store::{decode, span_ms, Admission, Admit, Fresh, LeaseClock, NewRecord, StoreError};
 
 /// The most admissions in one statement.
 const MAX_BATCH: usize = 128;
@@ -31,8 +31,8 @@ pub(super) struct Admissions {
 }
 
 impl Admissions {
-    pub(super) fn start(pool: PgPool) -> Admissions {
-        Admissions { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| admit_all(pool.clone(), batch)) }
+    pub(super) fn start(pool: PgPool, clock: LeaseClock) -> Admissions {
+        Admissions { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| admit_all(pool.clone(), clock, batch)) }
     }
 
     pub(super) async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
@@ -40,15 +40,15 @@ impl Admissions {
     }
 }
 
-async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
+async fn admit_all(pool: PgPool, clock: LeaseClock, mut batch: Vec<Pending>) {
     // Alone, it goes the one-row way at once: the same statement count as without batching,
     // and a key that exists is not tried twice.
     if batch.len() == 1 {
         let pending = batch.remove(0);
-        let _ = pending.reply.send(admit(&pool, pending.admit).await);
+        let _ = pending.reply.send(admit(&pool, clock, pending.admit).await);
         return;
     }
-    let inserted = insert_fresh(&pool, &mut batch).await;
+    let inserted = insert_fresh(&pool, clock, &mut batch).await;
     for pending in batch {
         match &inserted {
             Ok(ids) if ids.contains(&pending.admit.new.id.0) => {
@@ -59,7 +59,7 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
             _ => {
                 let pool = pool.clone();
                 tokio::spawn(async move {
-                    let _ = pending.reply.send(admit(&pool, pending.admit).await);
+                    let _ = pending.reply.send(admit(&pool, clock, pending.admit).await);
                 });
             }
         }
@@ -68,7 +68,7 @@ async fn admit_all(pool: PgPool, mut batch: Vec<Pending>) {
 
 /// The fresh inserts of one statement, queued or claimed as each asks (as the one-row admission
 /// inserts them); keys that have a record already are left alone. The ids it inserted.
-async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>, StoreError> {
+async fn insert_fresh(pool: &PgPool, clock: LeaseClock, batch: &mut [Pending]) -> Result<Vec<Uuid>, StoreError> {
     // In one order in every batch, so that two batches inserting the same keys at once wait for
     // each other instead of deadlocking.
     batch
@@ -90,13 +90,16 @@ async fn insert_fresh(pool: &PgPool, batch: &mut [Pending]) -> Result<Vec<Uuid>,
         .bind(news.iter().map(|n| n.deadline_at).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.now).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| &*c.owner)).collect::<Vec<_>>())
-        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.lease_until)).collect::<Vec<_>>())
-        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| c.policy_version.as_str())).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| span_ms(c.lease))).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.policy_version.as_ref().map(|v| v.as_str())).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.state.as_str()).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.queued).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.in_flight.map(|(number, _)| i64::from(number))).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.in_flight.map(|(_, at)| at)).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.claim.0).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.claim.as_ref().map(|c| span_ms(c.reach))).collect::<Vec<_>>())
+        // One time for the whole batch: each row's own `now` differs by the time it waited.
+        .bind(news.iter().map(|n| n.now).max().and_then(|now| clock.time(now)))
         .fetch_all(pool)
         .await?;
     ids.iter().map(|id| record_id(id)).collect()
@@ -106,16 +109,17 @@ const INSERT_FRESH: &str = "
 INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
-                     policy_version, claim_token)
+                     policy_version, claim_token, in_flight_until)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
-       state, queued, deadline_at, now, now, owner, lease_until, in_flight_number, in_flight_started_at,
-       policy_version, claim_token
+       state, queued, deadline_at, now, now, owner, COALESCE($22::int8, idem_now()) + lease_ms,
+       in_flight_number, in_flight_started_at, policy_version, claim_token,
+       COALESCE($22::int8, idem_now()) + reach_ms
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
             $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
-            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[], $20::int8[])
+            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[], $20::int8[], $21::int8[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
-               deadline_at, now, owner, lease_until, policy_version, state, queued,
-               in_flight_number, in_flight_started_at, claim_token)
+               deadline_at, now, owner, lease_ms, policy_version, state, queued,
+               in_flight_number, in_flight_started_at, claim_token, reach_ms)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";
 
@@ -132,9 +136,11 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint,
                               request_headers, request_body, state, queued, deadline_at,
                               created_at, updated_at, lease_owner, lease_expires_at,
-                              in_flight_number, in_flight_started_at, policy_version, claim_token)
+                              in_flight_number, in_flight_started_at, policy_version, claim_token,
+                              in_flight_until)
          VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10,
-                 $19, $20, $11, $12, $12, $15::text, $16::bigint, $21::bigint, $22::bigint, $18::text, $23)
+                 $19, $20, $11, $12, $12, $15::text, COALESCE($25::bigint, idem_now()) + $16::bigint,
+                 $21::bigint, $22::bigint, $18::text, $23, COALESCE($25::bigint, idem_now()) + $24::bigint)
          ON CONFLICT (tenant, key) DO UPDATE SET
             id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
             attempts = CASE WHEN records.state = 'done' THEN '[]'::jsonb ELSE records.attempts END,
@@ -143,7 +149,9 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
             created_at = CASE WHEN records.state = 'done' THEN excluded.created_at
                               ELSE records.created_at END,
             takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
-            policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
+            policy_version = CASE WHEN records.state = 'done' THEN excluded.policy_version
+                                  ELSE COALESCE(records.policy_version, excluded.policy_version) END,
+            in_flight_until = CASE WHEN records.state = 'done' THEN NULL ELSE records.in_flight_until END,
             stream = NULL,
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
@@ -176,7 +184,7 @@ static EXISTING: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, StoreError> {
+pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Result<Admission, StoreError> {
     let Admit { new, retention_cutoff: cutoff } = admit;
     let fresh = new.fresh();
     let requeued = serde_json::to_string(&[HistoryEntry {
@@ -203,14 +211,16 @@ pub(super) async fn admit(pool: &PgPool, admit: Admit) -> Result<Admission, Stor
             .bind(&requeued)
             .bind(cutoff)
             .bind(new.claim.as_ref().map(|c| &*c.owner))
-            .bind(new.claim.as_ref().map(|c| c.lease_until))
+            .bind(new.claim.as_ref().map(|c| span_ms(c.lease)))
             .bind(new.tombstone_cutoff)
-            .bind(new.claim.as_ref().map(|c| c.policy_version.as_str()))
+            .bind(new.policy_version.as_ref().map(|v| v.as_str()))
             .bind(fresh.state.as_str())
             .bind(fresh.queued)
             .bind(fresh.in_flight.map(|(number, _)| i64::from(number)))
             .bind(fresh.in_flight.map(|(_, at)| at))
             .bind(fresh.claim.0)
+            .bind(new.claim.as_ref().map(|c| span_ms(c.reach)))
+            .bind(clock.time(new.now))
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

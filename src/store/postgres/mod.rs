@@ -35,19 +35,22 @@ mod switches;
 mod tests;
 mod upkeep;
 
+use std::str::FromStr;
+
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::{broadcast, oneshot};
 
 use self::admissions::Admissions;
 use self::outcomes::Outcomes;
 use self::rows::{get, COLUMNS};
+use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
-    Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, LeaseClock, ListFilter, Notice, Page, Probed, ProbesDue, Renew,
+    Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
@@ -63,6 +66,8 @@ const MAX_CONNECTIONS: u32 = 16;
 const NOTICE_BACKLOG: usize = 1024;
 pub struct PostgresStore {
     pool: PgPool,
+    /// Whose clock leases and attempt bounds are kept in: the server's, but for tests.
+    clock: LeaseClock,
     admissions: Admissions,
     outcomes: Outcomes,
     notices: broadcast::Sender<Notice>,
@@ -76,22 +81,99 @@ pub struct PostgresStore {
 
 impl PostgresStore {
     /// Connects to the database at `url` (`postgres://…`), applies migrations, and starts
-    /// listening for changes made by other processes.
-    pub async fn open(url: &str) -> Result<PostgresStore, StoreError> {
-        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect(url).await?;
-        sqlx::migrate!("migrations/postgres")
-            .run(&pool)
-            .await
-            .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+    /// listening for changes made by other processes. Leases are kept in `clock`: the server's
+    /// ([`LeaseClock::Database`]) but for tests that hold time still.
+    pub async fn open(url: &str, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
+        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect_with(options(url)?).await?;
+        protocol::check(stored_protocol(&pool).await?)?;
+        migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         // Listen before returning, so no change made after `open` goes unannounced.
         let listener = notices::listen(url).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
         tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
-        let (admissions, outcomes) = (Admissions::start(pool.clone()), Outcomes::start(pool.clone()));
+        let (admissions, outcomes) = (Admissions::start(pool.clone(), clock), Outcomes::start(pool.clone()));
         let health_check = tokio::sync::Mutex::new(None);
-        Ok(PostgresStore { pool, admissions, outcomes, notices, _relay: relay, url: url.to_string(), health_check })
+        Ok(PostgresStore {
+            pool,
+            clock,
+            admissions,
+            outcomes,
+            notices,
+            _relay: relay,
+            url: url.to_string(),
+            health_check,
+        })
     }
+}
+
+/// How this node connects: as `url` says, declaring on every connection the store protocol it
+/// speaks, which the store's trigger checks on every write to `records` (`migrations/postgres`).
+fn options(url: &str) -> Result<PgConnectOptions, StoreError> {
+    let options =
+        PgConnectOptions::from_str(url).map_err(|e| StoreError::Unavailable(format!("bad postgres url: {e}")))?;
+    Ok(options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())]))
+}
+
+/// Migrations only, for `idem migrate`.
+pub async fn migrate(url: &str) -> Result<(), StoreError> {
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(options(url)?).await?;
+    protocol::check(stored_protocol(&pool).await?)?;
+    migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+    pool.close().await;
+    Ok(())
+}
+
+/// This build's migrations. Those applied by a later build that keeps the protocol are let be:
+/// an upgrade that keeps it rolls both ways (docs/operations.md#upgrading).
+fn migrations() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("migrations/postgres");
+    migrator.set_ignore_missing(true);
+    migrator
+}
+
+/// The protocol the database at `url` speaks, its migrations and this build's, changing nothing:
+/// `idem migrate --status`.
+pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(options(url)?).await?;
+    let store = stored_protocol(&pool).await?;
+    let has_migrations: bool =
+        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&pool).await?;
+    let applied = match has_migrations {
+        false => Vec::new(),
+        true => sqlx::query_as::<_, (i64, String)>(
+            "SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version",
+        )
+        .fetch_all(&pool)
+        .await?
+        .into_iter()
+        .map(|(version, description)| protocol::Migration { version, description })
+        .collect(),
+    };
+    pool.close().await;
+    let known = migrations()
+        .iter()
+        .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
+        .collect::<Vec<_>>();
+    Ok(protocol::status(store, applied, known.into_iter()))
+}
+
+/// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,
+/// 1 once claims carried tokens and 0 before; `None` for an empty database.
+async fn stored_protocol(pool: &PgPool) -> Result<Option<i64>, StoreError> {
+    let (kept, records, tokens): (bool, bool, bool) = sqlx::query_as(
+        "SELECT to_regclass('idem_store') IS NOT NULL, to_regclass('records') IS NOT NULL,
+                EXISTS (SELECT 1 FROM information_schema.columns
+                        WHERE table_name = 'records' AND column_name = 'claim_token'
+                          AND table_schema = current_schema())",
+    )
+    .fetch_one(pool)
+    .await?;
+    if kept {
+        let protocol: i32 = sqlx::query_scalar("SELECT protocol FROM idem_store").fetch_one(pool).await?;
+        return Ok(Some(i64::from(protocol)));
+    }
+    Ok(records.then_some(i64::from(tokens)))
 }
 
 #[async_trait]
@@ -115,11 +197,11 @@ impl Store for PostgresStore {
     }
 
     async fn claim(&self, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError> {
-        leases::claim(&self.pool, claim).await
+        leases::claim(&self.pool, self.clock, claim).await
     }
 
     async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
-        leases::attempt_started(&self.pool, started).await
+        leases::attempt_started(&self.pool, self.clock, started).await
     }
 
     async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
@@ -127,7 +209,7 @@ impl Store for PostgresStore {
     }
 
     async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
-        leases::renew(&self.pool, renew).await
+        leases::renew(&self.pool, self.clock, renew).await
     }
 
     async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
@@ -155,19 +237,20 @@ impl Store for PostgresStore {
     }
 
     async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
-        actions::resolve(&self.pool, resolve).await
+        actions::resolve(&self.pool, self.clock, resolve).await
     }
 
     async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
-        actions::retry(&self.pool, retry).await
+        actions::retry(&self.pool, self.clock, retry).await
     }
 
     async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM records WHERE state = 'in_progress' AND lease_expires_at < $1
+            "SELECT {COLUMNS} FROM records
+             WHERE state = 'in_progress' AND lease_expires_at < COALESCE($1::bigint, idem_now())
              ORDER BY lease_expires_at LIMIT $2"
         ))
-        .bind(now)
+        .bind(self.clock.time(now))
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;
@@ -179,7 +262,7 @@ impl Store for PostgresStore {
     }
 
     async fn claim_unclaimed(&self, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
-        upkeep::claim_unclaimed(&self.pool, claim).await
+        upkeep::claim_unclaimed(&self.pool, self.clock, claim).await
     }
 
     async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError> {
@@ -199,7 +282,7 @@ impl Store for PostgresStore {
     }
 
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
-        actions::probed(&self.pool, probed).await
+        actions::probed(&self.pool, self.clock, probed).await
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
@@ -216,7 +299,7 @@ impl Store for PostgresStore {
         // connection in an unknown state behind; the next one connects afresh.
         let mut conn = match held.take() {
             Some(conn) => conn,
-            None => PgConnection::connect(&self.url).await?,
+            None => PgConnection::connect_with(&options(&self.url)?).await?,
         };
         sqlx::query("SELECT 1").execute(&mut conn).await?;
         *held = Some(conn);

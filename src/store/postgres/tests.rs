@@ -36,7 +36,7 @@ pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let mut url = url::Url::parse(&server).unwrap();
     url.set_path(&format!("/{name}"));
-    let store = PostgresStore::open(url.as_str()).await.unwrap();
+    let store = PostgresStore::open(url.as_str(), LeaseClock::Database).await.unwrap();
     Some(Scratch { store, admin, name })
 }
 
@@ -52,10 +52,10 @@ async fn one_record_statements_go_through_the_primary_key() {
     sqlx::query("SET plan_cache_mode = force_generic_plan").execute(&mut *conn).await.unwrap();
     // Each statement with its parameters' types, as the store binds them.
     let statements = [
-        (CLAIM, "text, text, int8, int8, text"),
-        (ATTEMPT_STARTED, "text, int8, int8, int8, int8, text"),
-        (RENEW, "text, int8, int8, int8"),
-        (TAKE_OVER, "text, int8, int8, text, bool, text, text, text, int8"),
+        (CLAIM, "text, text, int8, int8, text, int8"),
+        (ATTEMPT_STARTED, "text, int8, int8, int8, int8, text, int8, int8"),
+        (RENEW, "text, int8, int8, int8, int8"),
+        (TAKE_OVER, "text, int8, int8, text, bool, text, text, text, int8, int8"),
         (LATE_OUTCOME, "text, int8, int8, text, text, int4, text, bytea, int8, text, text"),
     ];
     for (i, (sql, types)) in statements.into_iter().enumerate() {

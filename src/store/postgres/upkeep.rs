@@ -8,19 +8,20 @@ use super::rows::{one_element, COLUMNS};
 use crate::domain::StopReason;
 use crate::domain::{Phase, State};
 use crate::record::{transition, Event, Record};
-use crate::store::{decode, span_ms, ClaimUnclaimed, StoreError, Sweep, TakeOver};
+use crate::store::{decode, span_ms, ClaimUnclaimed, LeaseClock, StoreError, Sweep, TakeOver};
 
-/// Takes over a record whose lease expired.
+/// Takes over a record whose lease expired, if it stands as it was read: its claim, its lease and
+/// its attempt in flight decided where it goes.
 pub(super) const TAKE_OVER: &str = "
 UPDATE records SET state = $4, queued = $5, stop_reason = $6, lease_owner = NULL,
                    lease_expires_at = NULL, in_flight_number = NULL, in_flight_started_at = NULL,
                    attempts = attempts || COALESCE($7::jsonb, '[]'::jsonb),
                    history = history || $8::jsonb, updated_at = $9, takeovers = takeovers + 1
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'in_progress' AND claim_token = $2
-  AND lease_expires_at = $3";
+  AND lease_expires_at = $3 AND in_flight_number IS NOT DISTINCT FROM $10::bigint";
 
 pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool, StoreError> {
-    let TakeOver { id, expired, claim, to, lost, entry } = take_over;
+    let TakeOver { id, expired, claim, in_flight, to, lost, entry } = take_over;
     let phase = to.phase();
     let done = sqlx::query(TAKE_OVER)
         .bind(id.to_string())
@@ -32,6 +33,7 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
         .bind(lost.as_ref().map(one_element).transpose()?)
         .bind(one_element(&entry)?)
         .bind(entry.at)
+        .bind(in_flight.map(i64::from))
         .execute(pool)
         .await?;
     Ok(done.rows_affected() == 1)
@@ -39,12 +41,17 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
 
 /// Of several nodes claiming at once, each skips the rows another has locked: every record goes
 /// to exactly one, and none waits.
-pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
-    let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
+pub(super) async fn claim_unclaimed(
+    pool: &PgPool,
+    clock: LeaseClock,
+    claim: ClaimUnclaimed,
+) -> Result<Vec<Record>, StoreError> {
+    let ClaimUnclaimed { owner, lease, idle_since, now, limit } = claim;
     let to = transition(Phase::Queued, Event::Claim)?;
     let rows = sqlx::query(&format!(
         "UPDATE records SET state = $6, queued = FALSE, lease_owner = $1,
-                lease_expires_at = $2, updated_at = $4, claim_token = claim_token + 1
+                lease_expires_at = COALESCE($7::bigint, idem_now()) + $2, updated_at = $4,
+                claim_token = claim_token + 1
          WHERE id IN (SELECT id FROM records
                       WHERE state = 'not_started' AND queued AND updated_at < $3
                       ORDER BY created_at LIMIT $5
@@ -52,11 +59,12 @@ pub(super) async fn claim_unclaimed(pool: &PgPool, claim: ClaimUnclaimed) -> Res
          RETURNING {COLUMNS}"
     ))
     .bind(&*owner)
-    .bind(lease_until)
+    .bind(span_ms(lease))
     .bind(idle_since)
     .bind(now)
     .bind(i64::from(limit))
     .bind(to.state().as_str())
+    .bind(clock.time(now))
     .fetch_all(pool)
     .await?;
     rows.iter().map(decode).collect()

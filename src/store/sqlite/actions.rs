@@ -7,7 +7,7 @@ use rusqlite::{params, Connection};
 use super::writes::get;
 use crate::domain::{ClaimToken, Phase, RecordId};
 use crate::record::{Event, HistoryEntry};
-use crate::store::{decide, Action, Probed, Resolution, Resolve, Retry, StoreError};
+use crate::store::{decide, in_flight_left, Action, Probed, Resolution, Resolve, Retry, StoreError};
 
 /// The record as `changed` rows (0 or 1) of a guarded update left it: applied, or refused when
 /// the guard no longer matched.
@@ -31,8 +31,12 @@ fn settle(
     probe: Option<ClaimToken>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
-    if let Err(answer) = decide(get(conn, id)?, resolution.event()) {
-        return Ok(answer);
+    let record = match decide(get(conn, id)?, resolution.event()) {
+        Ok((record, _)) => record,
+        Err(answer) => return Ok(answer),
+    };
+    if let Some(left) = in_flight_left(&record, resolution.event(), entry.at) {
+        return Ok(Action::InFlight(record, left));
     }
     let (state, response) = resolution.stored()?;
     let changed = conn
@@ -59,10 +63,13 @@ fn settle(
 
 pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreError> {
     let Retry { id, deadline_at, entry } = retry;
-    let to = match decide(get(conn, id)?, Event::OperatorRetry) {
-        Ok((_, to)) => to,
+    let (record, to) = match decide(get(conn, id)?, Event::OperatorRetry) {
+        Ok(decided) => decided,
         Err(answer) => return Ok(answer),
     };
+    if let Some(left) = in_flight_left(&record, Event::OperatorRetry, entry.at) {
+        return Ok(Action::InFlight(record, left));
+    }
     let changed = conn
         .prepare_cached(
             "UPDATE records SET state = ?5, queued = ?6, deadline_at = ?2, stop_reason = NULL,

@@ -26,6 +26,7 @@ use sqlx::{Connection, Row};
 use self::files::DatabaseFiles;
 pub use self::files::FileId;
 use self::writer::{Write, Writer};
+use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
@@ -65,10 +66,8 @@ impl SqliteStore {
             .foreign_keys(true);
 
         let mut migrator = SqliteConnection::connect_with(&options).await?;
-        sqlx::migrate!("migrations/sqlite")
-            .run(&mut migrator)
-            .await
-            .map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+        protocol::check(stored_protocol(&mut migrator).await?)?;
+        migrations().run(&mut migrator).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         migrator.close().await?;
         let files = Arc::new(DatabaseFiles::opened(options.get_filename())?);
 
@@ -108,6 +107,65 @@ impl SqliteStore {
 /// Migrations only, for `idem migrate`.
 pub async fn migrate(url: &str) -> Result<(), StoreError> {
     SqliteStore::open(url).await.map(drop)
+}
+
+/// This build's migrations. Those applied by a later build that keeps the protocol are let be:
+/// an upgrade that keeps it rolls both ways (docs/operations.md#upgrading).
+fn migrations() -> sqlx::migrate::Migrator {
+    let mut migrator = sqlx::migrate!("migrations/sqlite");
+    migrator.set_ignore_missing(true);
+    migrator
+}
+
+/// The protocol the database at `url` speaks, its migrations and this build's, changing nothing:
+/// `idem migrate --status`.
+pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
+    let (url, _) = split_synchronous(url)?;
+    let options = SqliteConnectOptions::from_str(&url)
+        .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
+        .read_only(true);
+    let mut conn = SqliteConnection::connect_with(&options).await?;
+    let store = stored_protocol(&mut conn).await?;
+    let has_migrations: bool =
+        sqlx::query_scalar("SELECT count(*) > 0 FROM sqlite_master WHERE name = '_sqlx_migrations'")
+            .fetch_one(&mut conn)
+            .await?;
+    let applied = match has_migrations {
+        false => Vec::new(),
+        true => sqlx::query_as::<_, (i64, String)>(
+            "SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version",
+        )
+        .fetch_all(&mut conn)
+        .await?
+        .into_iter()
+        .map(|(version, description)| protocol::Migration { version, description })
+        .collect(),
+    };
+    let known = migrations()
+        .iter()
+        .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
+        .collect::<Vec<_>>();
+    Ok(protocol::status(store, applied, known.into_iter()))
+}
+
+/// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,
+/// 1 once claims carried tokens and 0 before; `None` for an empty database.
+async fn stored_protocol(conn: &mut SqliteConnection) -> Result<Option<i64>, StoreError> {
+    let table = |name: &'static str| {
+        sqlx::query_scalar::<_, bool>("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1")
+            .bind(name)
+    };
+    if table("idem_store").fetch_one(&mut *conn).await? {
+        return Ok(Some(sqlx::query_scalar("SELECT protocol FROM idem_store").fetch_one(&mut *conn).await?));
+    }
+    if !table("records").fetch_one(&mut *conn).await? {
+        return Ok(None);
+    }
+    let tokens: bool =
+        sqlx::query_scalar("SELECT count(*) > 0 FROM pragma_table_info('records') WHERE name = 'claim_token'")
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok(Some(i64::from(tokens)))
 }
 
 /// Takes `synchronous=` out of the url (sqlx does not know it): the url left, and the setting.

@@ -109,8 +109,23 @@ const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 
 /// Starts the writer thread, and the checkpointer beside it, on the database at `path` (which
 /// the migrations have prepared, and `files` watches); both stop when the [`Writer`] is dropped.
+/// Declares, on the writing connection, the store protocol this build speaks: the store's
+/// triggers refuse a write to `records` from a connection that declares another, or none
+/// (`migrations/sqlite`).
+fn declare_protocol(conn: &Connection) -> Result<(), StoreError> {
+    use rusqlite::functions::FunctionFlags;
+    conn.create_scalar_function(
+        "idem_store_protocol",
+        0,
+        FunctionFlags::SQLITE_UTF8 | FunctionFlags::SQLITE_DETERMINISTIC,
+        |_| Ok(crate::store::protocol::STORE_PROTOCOL),
+    )?;
+    Ok(())
+}
+
 pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -> Result<Writer, StoreError> {
     let conn = Connection::open(path)?;
+    declare_protocol(&conn)?;
     conn.busy_timeout(Duration::from_secs(10))?;
     conn.execute_batch(&format!(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;

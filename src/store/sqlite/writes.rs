@@ -32,8 +32,8 @@ macro_rules! insert_record {
         "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
                      request_body, state, queued, deadline_at, created_at, updated_at,
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at, policy_version,
-                     claim_token)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?14, ?20, ?21, ?17, ?22)"
+                     claim_token, in_flight_until)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?14, ?20, ?21, ?17, ?22, ?23)"
     };
 }
 
@@ -57,7 +57,9 @@ ON CONFLICT (tenant, key) DO UPDATE SET
                         'note', 'the same request was sent again for a free key')) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
-    policy_version = CASE WHEN records.state = 'done' THEN NULL ELSE records.policy_version END,
+    policy_version = CASE WHEN records.state = 'done' THEN excluded.policy_version
+                          ELSE COALESCE(records.policy_version, excluded.policy_version) END,
+    in_flight_until = CASE WHEN records.state = 'done' THEN NULL ELSE records.in_flight_until END,
     stream = NULL,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
@@ -98,15 +100,16 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         new.deadline_at,
         new.now,
         new.claim.as_ref().map(|c| &*c.owner),
-        new.claim.as_ref().map(|c| c.lease_until),
+        new.claim.as_ref().map(|c| new.now + c.lease),
         cutoff,
         new.tombstone_cutoff,
-        new.claim.as_ref().map(|c| c.policy_version.as_str()),
+        new.policy_version.as_ref().map(|v| v.as_str()),
         fresh.state.as_str(),
         fresh.queued,
         fresh.in_flight.map(|(number, _)| number),
         fresh.in_flight.map(|(_, at)| at),
         fresh.claim.0,
+        new.claim.as_ref().map(|c| new.now + c.reach),
     ];
     if conn.prepare_cached(INSERT_NEW)?.execute(params)? == 1 {
         return Ok(Admission::Created(new.inserted()));
@@ -124,7 +127,8 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
 }
 
 pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<ClaimToken>, StoreError> {
-    let ClaimQueued { id, owner, lease_until, now } = claim;
+    let ClaimQueued { id, owner, lease, now } = claim;
+    let lease_until = now + lease;
     let to = transition(Phase::Queued, Event::Claim)?;
     let token = conn
         .prepare_cached(
@@ -142,7 +146,7 @@ pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<Clai
 /// the write's own values) found it: lost if no row changed, else held, with the record's cancel
 /// flag read back. The flag is read by a statement of its own rather than by `RETURNING`, which
 /// SQLite serves through a temporary table it builds and drops per statement.
-fn lease(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &str) -> Result<Lease, StoreError> {
+fn lease_update(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &str) -> Result<Lease, StoreError> {
     if conn.prepare_cached(update)?.execute(params)? == 0 {
         return Ok(Lease::Lost);
     }
@@ -152,14 +156,23 @@ fn lease(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &st
 }
 
 pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<Lease, StoreError> {
-    let AttemptStarted { id, holder, number, started_at, lease_until, policy_version } = started;
+    let AttemptStarted { id, holder, number, started_at, lease, reach, policy_version } = started;
     let id = id.to_string();
-    lease(
+    lease_update(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
+                in_flight_until = MAX(COALESCE(in_flight_until, 0), ?7),
                 policy_version = ?6, stream = NULL, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
-        params![id, holder.token.0, number, started_at, lease_until, policy_version.as_str()],
+        params![
+            id,
+            holder.token.0,
+            number,
+            started_at,
+            started_at + lease,
+            policy_version.as_str(),
+            started_at + reach
+        ],
         &id,
     )
 }
@@ -174,17 +187,20 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
     Ok(lease)
 }
 
+/// Stores an outcome under its claim. An outcome that carries its attempt ends that attempt's
+/// life: its node saw it end, so the record's bound need not run on past now.
 fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError> {
     let AttemptEnded { id, holder, attempt, then, stream, now } = ended;
     let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
     let stream = stream.as_ref().map(serde_json::to_string).transpose()?;
     let Stored { state, stop, response, queued, not_before } = then.stored()?;
     let id = id.to_string();
-    lease(
+    lease_update(
         conn,
         "UPDATE records SET
             attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
             in_flight_number = NULL, in_flight_started_at = NULL,
+            in_flight_until = CASE WHEN ?3 IS NOT NULL AND in_flight_until > ?9 THEN ?9 ELSE in_flight_until END,
             state = ?4, queued = ?10, not_before = CASE WHEN ?10 = 1 THEN not_before ELSE ?11 END,
             lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
@@ -219,6 +235,7 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
     let changed = conn
         .prepare_cached(
             "UPDATE records SET attempts = json_replace(attempts, '$[#-1]', json(?4)), state = ?5, queued = 0,
+                in_flight_until = CASE WHEN in_flight_until > ?9 THEN ?9 ELSE in_flight_until END,
                 response_status = ?6, response_headers = ?7, response_body = ?8,
                 done_at = CASE WHEN ?5 = 'done' THEN ?9 END,
                 next_probe_at = CASE WHEN ?5 = 'unknown' THEN next_probe_at END,
@@ -244,13 +261,13 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
 }
 
 pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<Lease, StoreError> {
-    let Renew { id, holder, lease_until, now } = renew;
+    let Renew { id, holder, lease, now } = renew;
     let id = id.to_string();
-    lease(
+    lease_update(
         conn,
         "UPDATE records SET lease_expires_at = ?3, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
-        params![id, holder.token.0, lease_until, now],
+        params![id, holder.token.0, now + lease, now],
         &id,
     )
 }
@@ -286,7 +303,7 @@ pub(super) fn cancel(conn: &Connection, cancel: Cancel) -> Result<Cancelled, Sto
 }
 
 pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, StoreError> {
-    let TakeOver { id, expired, claim, to, lost, entry } = take_over;
+    let TakeOver { id, expired, claim, in_flight, to, lost, entry } = take_over;
     let phase = to.phase();
     let lost = lost.map(|a| serde_json::to_string(&a)).transpose()?;
     let changed = conn
@@ -296,7 +313,8 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
                 attempts = CASE WHEN ?7 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?7)) END,
                 history = json_insert(history, '$[#]', json(?8)), updated_at = ?9,
                 takeovers = takeovers + 1
-         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2 AND lease_expires_at = ?3",
+         WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2 AND lease_expires_at = ?3
+           AND in_flight_number IS ?10",
         )?
         .execute(params![
             id.to_string(),
@@ -308,12 +326,14 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
             lost,
             serde_json::to_string(&entry)?,
             entry.at,
+            in_flight,
         ])?;
     Ok(changed == 1)
 }
 
 pub(super) fn claim_unclaimed(conn: &Connection, claim: ClaimUnclaimed) -> Result<Vec<Record>, StoreError> {
-    let ClaimUnclaimed { owner, lease_until, idle_since, now, limit } = claim;
+    let ClaimUnclaimed { owner, lease, idle_since, now, limit } = claim;
+    let lease_until = now + lease;
     let to = transition(Phase::Queued, Event::Claim)?;
     let mut statement = conn.prepare_cached(
         "UPDATE records SET state = ?6, queued = 0, lease_owner = ?1, lease_expires_at = ?2,

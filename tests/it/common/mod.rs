@@ -12,7 +12,7 @@ use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use idem::clock::{self, ManualClock, SharedClock};
+use idem::clock::{ManualClock, SharedClock};
 use idem::config::Config;
 use idem::server::{self, Running};
 use serde_json::{json, Value};
@@ -260,9 +260,19 @@ impl Db {
         Db { url: url.clone(), _guard: Arc::new(DbGuard { backend, url, _dir: dir }) }
     }
 
-    /// The store on this database, opened as a broker opens it (migrations applied).
+    /// The store on this database, migrations applied, keeping its leases in the time each
+    /// write carries (as SQLite always does): the store's contract is run with every time an
+    /// argument, on both backends.
     #[allow(dead_code)]
     pub async fn store(&self) -> Arc<dyn idem::store::Store> {
+        idem::store::open_with(&self.url, idem::store::LeaseClock::Node)
+            .await
+            .unwrap_or_else(|e| panic!("cannot open {}: {e}", self.url))
+    }
+
+    /// The store on this database as a broker opens it: PostgreSQL keeps leases in its own clock.
+    #[allow(dead_code)]
+    pub async fn deployed_store(&self) -> Arc<dyn idem::store::Store> {
         idem::store::open(&self.url).await.unwrap_or_else(|e| panic!("cannot open {}: {e}", self.url))
     }
 }
@@ -380,22 +390,28 @@ impl Broker {
     }
 
     pub async fn start_with(db: &Db, config_text: String) -> Broker {
-        Broker::start_on_clock(db, config_text, clock::system()).await
+        Broker::start_on_clock(db, config_text, None).await
     }
 
     /// Starts a broker on `db` that reads the time from `clock`: a test holding a
     /// [`ManualClock`] moves the broker's time on by hand (a retention, a lease, a probe's settle
     /// passed at once), where it would otherwise sleep for it.
     pub async fn start_with_clock(db: &Db, config: TestConfig, clock: Arc<ManualClock>) -> Broker {
-        Broker::start_on_clock(db, config.store(&db.url).text(), clock).await
+        Broker::start_on_clock(db, config.store(&db.url).text(), Some(clock)).await
     }
 
-    async fn start_on_clock(db: &Db, config_text: String, clock: SharedClock) -> Broker {
+    /// A broker on the system's clock as a deployment runs it, or on a test's `clock` (the
+    /// store's leases kept in it too).
+    async fn start_on_clock(db: &Db, config_text: String, clock: Option<SharedClock>) -> Broker {
         let config = Config::parse_with_env(&config_text, |name| std::env::var(name).ok()).unwrap();
         let dir = TempDir::new().unwrap();
         let config_file = dir.path().join("idem.toml");
         std::fs::write(&config_file, &config_text).unwrap();
-        let running = server::start_with_clock(config, Some(config_file.clone()), clock).await.unwrap();
+        let running = match clock {
+            Some(clock) => server::start_with_clock(config, Some(config_file.clone()), clock).await,
+            None => server::start_reloadable(config, config_file.clone()).await,
+        }
+        .unwrap();
         Broker {
             url: format!("http://{}", running.listen),
             admin: format!("http://{}", running.admin_listen),

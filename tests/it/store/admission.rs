@@ -5,8 +5,12 @@ use super::*;
 
 pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
-    let new = NewRecord { claim: Some(claim.clone()), ..request("default", "express", BODY) };
+    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let new = NewRecord {
+        claim: Some(claim.clone()),
+        policy_version: Some(VERSION.into()),
+        ..request("default", "express", BODY)
+    };
     let record = created(store.admit(Admit { new: new.clone(), retention_cutoff: Timestamp::EPOCH }).await.unwrap());
     assert_eq!(record.phase(), Phase::InProgress);
     assert_eq!(record.lease, Some(idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE }));
@@ -14,12 +18,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
     assert_same(&record, &fetch(&store, record.id).await);
     // The claim holds like any other: its worker may store the outcome, nobody else may.
     assert!(store
-        .renew(Renew {
-            id: record.id,
-            holder: holder(&record, WORKER),
-            lease_until: T0 + LEASE + ms(1),
-            now: T0 + ms(2)
-        })
+        .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: LEASE - ms(1), now: T0 + ms(2) })
         .await
         .unwrap()
         .is_held());
@@ -28,7 +27,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
             .renew(Renew {
                 id: record.id,
                 holder: intruder(&record, "someone-else"),
-                lease_until: T0 + LEASE,
+                lease: LEASE - ms(2),
                 now: T0 + ms(2)
             })
             .await
@@ -139,12 +138,8 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
         .map(|i| {
             let store = store.clone();
             let key = if i == 127 { "expired".to_string() } else { format!("fresh-{}", i % 63) };
-            let claim = (i % 2 == 0).then(|| Claim {
-                owner: WORKER.into(),
-                lease_until: T0 + LEASE,
-                policy_version: VERSION.into(),
-            });
-            let new = NewRecord { claim, ..request("default", &key, BODY) };
+            let claim = (i % 2 == 0).then(|| Claim { owner: WORKER.into(), lease: LEASE, reach: REACH });
+            let new = NewRecord { claim, policy_version: Some(VERSION.into()), ..request("default", &key, BODY) };
             tokio::spawn(async move { (key, store.admit(Admit { new, retention_cutoff: T0 + ms(1) }).await.unwrap()) })
         })
         .collect();
@@ -191,7 +186,7 @@ pub(super) async fn two_tenants_with_one_key_have_independent_records(backend: B
 
     // Settling one tenant's record leaves the other's alone.
     assert!(store
-        .claim(ClaimQueued { id: acme.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: acme.id, owner: WORKER.into(), lease: LEASE - ms(1), now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());
@@ -266,8 +261,12 @@ pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(backe
 
     // With a claim, the replacement is still queued (its worker claims it), and says so.
     let old = done(&store, request("default", "old-claimed", BODY), T0 + ms(1_000)).await;
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
-    let new = NewRecord { claim: Some(claim), ..request("default", "old-claimed", BODY) };
+    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let new = NewRecord {
+        claim: Some(claim),
+        policy_version: Some(VERSION.into()),
+        ..request("default", "old-claimed", BODY)
+    };
     let replaced = created(store.admit(Admit { new: new.clone(), retention_cutoff: T0 + ms(1_001) }).await.unwrap());
     assert_eq!((replaced.id, replaced.phase(), replaced.in_flight), (new.id, Phase::Queued, None));
     assert_eq!(fetch(&store, new.id).await.phase(), Phase::Queued, "as stored");

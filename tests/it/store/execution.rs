@@ -6,17 +6,17 @@ pub(super) async fn a_queued_record_is_claimed_once(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let record = queued(&store, request("default", "claim", BODY)).await;
     assert!(store
-        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE - ms(1), now: T0 + ms(1) })
         .await
         .unwrap()
         .is_some());
     assert!(store
-        .claim(ClaimQueued { id: record.id, owner: "node-b/worker-1".into(), lease_until: T0 + LEASE, now: T0 + ms(2) })
+        .claim(ClaimQueued { id: record.id, owner: "node-b/worker-1".into(), lease: LEASE - ms(2), now: T0 + ms(2) })
         .await
         .unwrap()
         .is_none());
     assert!(store
-        .claim(ClaimQueued { id: RecordId::new(), owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(2) })
+        .claim(ClaimQueued { id: RecordId::new(), owner: WORKER.into(), lease: LEASE - ms(2), now: T0 + ms(2) })
         .await
         .unwrap()
         .is_none());
@@ -38,7 +38,8 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
                 holder: intruder(&record, thief),
                 number: 1,
                 started_at: T0 + ms(10),
-                lease_until: T0 + ms(99_000),
+                lease: ms(98_990),
+                reach: REACH,
                 policy_version: VERSION.into()
             })
             .await
@@ -47,12 +48,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     );
     assert_eq!(
         store
-            .renew(Renew {
-                id: record.id,
-                holder: intruder(&record, thief),
-                lease_until: T0 + ms(99_000),
-                now: T0 + ms(10)
-            })
+            .renew(Renew { id: record.id, holder: intruder(&record, thief), lease: ms(98_990), now: T0 + ms(10) })
             .await
             .unwrap(),
         Lease::Lost
@@ -82,12 +78,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + ms(20_000)));
     assert_eq!(
         store
-            .renew(Renew {
-                id: record.id,
-                holder: holder(&record, WORKER),
-                lease_until: T0 + ms(25_000),
-                now: T0 + ms(11)
-            })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: ms(24_989), now: T0 + ms(11) })
             .await
             .unwrap(),
         held
@@ -109,12 +100,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
     assert!(lease.is_held());
     assert_eq!(
         store
-            .renew(Renew {
-                id: record.id,
-                holder: holder(&record, WORKER),
-                lease_until: T0 + ms(30_000),
-                now: T0 + ms(31)
-            })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: ms(29_969), now: T0 + ms(31) })
             .await
             .unwrap(),
         Lease::Lost
@@ -192,7 +178,7 @@ pub(super) async fn cancelling_a_queued_record_frees_it(backend: Backend) {
     assert_eq!(freed.history, vec![note.clone()]);
     assert!(
         store
-            .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(60) })
+            .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE - ms(60), now: T0 + ms(60) })
             .await
             .unwrap()
             .is_none(),
@@ -216,7 +202,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     let record = in_progress(&store, request("default", "cancel-running", BODY)).await;
     assert_eq!(
         store
-            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease_until: T0 + LEASE, now: T0 + ms(5) })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: LEASE - ms(5), now: T0 + ms(5) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: false }
@@ -231,7 +217,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
     assert_eq!(flagged.history, vec![note]);
     assert_eq!(
         store
-            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease_until: T0 + LEASE, now: T0 + ms(60) })
+            .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: LEASE - ms(60), now: T0 + ms(60) })
             .await
             .unwrap(),
         Lease::Held { cancel_requested: true }
@@ -314,12 +300,7 @@ pub(super) async fn resolve_and_retry_apply_only_to_unknown_records_and_keep_his
     );
     assert_eq!(requeued.history, vec![again]);
     assert!(store
-        .claim(ClaimQueued {
-            id: retried.id,
-            owner: WORKER.into(),
-            lease_until: T0 + ms(2_000) + LEASE,
-            now: T0 + ms(2_001)
-        })
+        .claim(ClaimQueued { id: retried.id, owner: WORKER.into(), lease: LEASE - ms(1), now: T0 + ms(2_001) })
         .await
         .unwrap()
         .is_some());
@@ -329,11 +310,15 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let (store, _db) = store_on(backend).await;
     let (old, new) = ("aaaaaaaaaaaa", "bbbbbbbbbbbb");
     // Admitted claimed: the first attempt's mark carries the claim's version.
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: old.into() };
+    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
     let record = created(
         store
             .admit(Admit {
-                new: NewRecord { claim: Some(claim), ..request("default", "versions", BODY) },
+                new: NewRecord {
+                    claim: Some(claim),
+                    policy_version: Some(old.into()),
+                    ..request("default", "versions", BODY)
+                },
                 retention_cutoff: Timestamp::EPOCH,
             })
             .await
@@ -363,7 +348,8 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
             holder: holder(&record, WORKER),
             number: 2,
             started_at: T0 + ms(100),
-            lease_until: T0 + ms(200),
+            lease: ms(100),
+            reach: REACH,
             policy_version: new.into()
         })
         .await
@@ -381,6 +367,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + ms(200) },
         claim: marked.claim,
         to,
+        in_flight: Some(2),
         lost: Some(lost),
         entry: entry("node-b", HistoryAction::TakeOver(Phase::Unknown), T0 + ms(201)),
     });
@@ -411,7 +398,8 @@ async fn sent(
             holder: holder.clone(),
             number,
             started_at: at,
-            lease_until: at + LEASE,
+            lease: LEASE,
+            reach: REACH,
             policy_version: version.into()
         })
         .await
@@ -455,7 +443,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
         Admission::Requeued(_)
     ));
     assert!(store
-        .claim(ClaimQueued { id: first.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(501) })
+        .claim(ClaimQueued { id: first.id, owner: WORKER.into(), lease: LEASE - ms(501), now: T0 + ms(501) })
         .await
         .unwrap()
         .is_some());
@@ -469,7 +457,8 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
             holder: holder(&running, WORKER),
             number: 1,
             started_at: T0 + ms(10),
-            lease_until: T0 + LEASE,
+            lease: LEASE - ms(10),
+            reach: REACH,
             policy_version: control.into()
         })
         .await

@@ -7,7 +7,8 @@
 
 use super::*;
 
-/// Its lease ran out with nothing in flight: a take-over queues it again.
+/// Its lease ran out: a take-over queues it again (as for a replay-safe route, when an attempt
+/// was in flight).
 async fn taken_back_to_the_queue(store: &Arc<dyn Store>, record: &Record, at: Timestamp) {
     let lease = record.lease.clone().expect("a claimed record has a lease");
     let take_over = TakeOver {
@@ -15,6 +16,7 @@ async fn taken_back_to_the_queue(store: &Arc<dyn Store>, record: &Record, at: Ti
         expired: lease,
         claim: record.claim,
         to: TakeOverTo::Queued,
+        in_flight: record.in_flight.map(|(number, _)| number),
         lost: None,
         entry: entry("node:node-b", HistoryAction::TakeOver(Phase::Queued), at),
     };
@@ -30,11 +32,12 @@ async fn assert_every_write_refused(store: &Arc<dyn Store>, record: &Record, hol
         holder: holder.clone(),
         number: 1,
         started_at: at,
-        lease_until: at + LEASE,
+        lease: LEASE,
+        reach: REACH,
         policy_version: VERSION.into(),
     };
     assert_eq!(store.attempt_started(started).await.unwrap(), Lease::Lost, "a stale claim marks no attempt");
-    let renew = Renew { id: record.id, holder: holder.clone(), lease_until: at + LEASE, now: at };
+    let renew = Renew { id: record.id, holder: holder.clone(), lease: LEASE, now: at };
     assert_eq!(store.renew(renew).await.unwrap(), Lease::Lost, "nor renews");
     let outcomes = [
         (Some(attempt(1, at, "success", Some(201))), AfterAttempt::Done(StopReason::Success, response(201, b"twice"))),
@@ -59,7 +62,7 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     // A single claim.
     let record = queued(&store, request("default", "single", BODY)).await;
     assert_eq!(record.claim, ClaimToken(0), "a queued record was never claimed");
-    let claim = |now: Timestamp| ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: now + LEASE, now };
+    let claim = |now: Timestamp| ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE, now };
     let t1 = store.claim(claim(T0 + ms(1))).await.unwrap().expect("queued: claimed");
     let first = fetch(&store, record.id).await;
     assert_eq!((t1, first.claim), (ClaimToken(1), t1));
@@ -71,7 +74,7 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     let current = Holder { owner: WORKER.into(), token: t2 };
     let started = AttemptStarted { holder: current.clone(), ..started(&record, 1, T0 + LEASE + ms(5), T0 + 3 * LEASE) };
     assert!(store.attempt_started(started).await.unwrap().is_held(), "the new claim marks its attempt");
-    let renew = Renew { id: record.id, holder: current.clone(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let renew = Renew { id: record.id, holder: current.clone(), lease: 2 * LEASE, now: T0 + LEASE };
     assert!(store.renew(renew).await.unwrap().is_held());
     let done = AttemptEnded {
         id: record.id,
@@ -88,35 +91,30 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
 
     // A bulk claim of records nobody claimed.
     let orphan = queued(&store, request("default", "orphan", BODY)).await;
-    let bulk = |now: Timestamp| ClaimUnclaimed {
-        owner: WORKER.into(),
-        lease_until: now + LEASE,
-        idle_since: now,
-        now,
-        limit: 1,
-    };
+    let bulk = |now: Timestamp| ClaimUnclaimed { owner: WORKER.into(), lease: LEASE, idle_since: now, now, limit: 1 };
     let first = store.claim_unclaimed(bulk(T0 + ms(10))).await.unwrap().remove(0);
     assert_eq!((first.id, first.claim), (orphan.id, ClaimToken(1)));
     taken_back_to_the_queue(&store, &first, T0 + LEASE + ms(11)).await;
     let second = store.claim_unclaimed(bulk(T0 + LEASE + ms(12))).await.unwrap().remove(0);
     assert_eq!((second.id, second.claim), (orphan.id, ClaimToken(2)));
     assert_every_write_refused(&store, &orphan, &holder(&first, WORKER), T0 + LEASE + ms(13)).await;
-    assert!(store.renew(Renew { lease_until: T0 + 3 * LEASE, ..renewal(&second) }).await.unwrap().is_held());
+    assert!(store.renew(Renew { lease: 3 * LEASE, ..renewal(&second) }).await.unwrap().is_held());
 
     // A claimed admission.
-    let claim = Claim { owner: WORKER.into(), lease_until: T0 + LEASE, policy_version: VERSION.into() };
-    let new = NewRecord { claim: Some(claim), ..request("default", "express", BODY) };
+    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let new =
+        NewRecord { claim: Some(claim), policy_version: Some(VERSION.into()), ..request("default", "express", BODY) };
     let admitted = created(store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap());
     assert_eq!(admitted.claim, ClaimToken::FIRST, "claimed at insert: its first claim");
     assert_eq!(fetch(&store, admitted.id).await.claim, ClaimToken::FIRST);
     taken_back_to_the_queue(&store, &admitted, T0 + LEASE + ms(1)).await;
-    let again = ClaimQueued { id: admitted.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let again = ClaimQueued { id: admitted.id, owner: WORKER.into(), lease: 2 * LEASE, now: T0 + LEASE };
     assert_eq!(store.claim(again).await.unwrap(), Some(ClaimToken(2)));
     assert_every_write_refused(&store, &admitted, &holder(&admitted, WORKER), T0 + LEASE + ms(2)).await;
 }
 
 fn renewal(record: &Record) -> Renew {
-    Renew { id: record.id, holder: holder(record, WORKER), lease_until: T0 + LEASE, now: T0 }
+    Renew { id: record.id, holder: holder(record, WORKER), lease: LEASE, now: T0 }
 }
 
 /// Claimed, attempt 1 marked as about to be sent, and the lease expired with it in flight: a
@@ -129,6 +127,7 @@ async fn lost_in_flight(store: &Arc<dyn Store>, key: &str) -> Record {
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
         claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        in_flight: Some(1),
         lost: Some(attempt(1, T0 + ms(10), "lost", None)),
         entry: entry("node:node-b", HistoryAction::TakeOver(Phase::Unknown), T0 + LEASE + ms(1)),
     };
@@ -202,7 +201,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
     let retry =
         Retry { id: record.id, deadline_at: T0 + ms(90_000), entry: entry("ops", HistoryAction::Retry, T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
-    let claim = ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let claim = ClaimQueued { id: record.id, owner: WORKER.into(), lease: 2 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
     store.attempt_ended(late(&record, 1, "success", Some(201), answered.clone())).await.unwrap();
     let redriven = fetch(&store, record.id).await;
@@ -213,7 +212,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
     let resolve = Resolve {
         id: record.id,
         resolution: Resolution::NotExecuted,
-        entry: entry("ops", HistoryAction::ResolveExecuted, T0),
+        entry: entry("ops", HistoryAction::ResolveNotExecuted, T0 + LEASE + ms(2)),
     };
     applied(store.resolve(resolve).await.unwrap());
     store.attempt_ended(late(&record, 1, "success", Some(201), answered)).await.unwrap();
@@ -228,7 +227,7 @@ pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_executio
     let retry =
         Retry { id: read.id, deadline_at: T0 + ms(90_000), entry: entry("ops", HistoryAction::Retry, T0 + LEASE) };
     applied(store.retry(retry).await.unwrap());
-    let claim = ClaimQueued { id: read.id, owner: WORKER.into(), lease_until: T0 + 3 * LEASE, now: T0 + LEASE };
+    let claim = ClaimQueued { id: read.id, owner: WORKER.into(), lease: 2 * LEASE, now: T0 + LEASE };
     let t2 = store.claim(claim).await.unwrap().expect("queued again by the operator");
     let current = Holder { owner: WORKER.into(), token: t2 };
     let started = AttemptStarted { holder: current.clone(), ..started(&read, 2, T0 + LEASE, T0 + 3 * LEASE) };

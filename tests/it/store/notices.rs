@@ -33,7 +33,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     // A request waiting elsewhere asks to hear when it settles: that one is announced.
     other.watch(record.id).await.unwrap();
     let token = store
-        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(1) })
+        .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE - ms(1), now: T0 + ms(1) })
         .await
         .unwrap()
         .expect("claimed");

@@ -19,6 +19,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
         claim: record.claim,
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        in_flight: Some(1),
         lost: Some(lost.clone()),
         entry: note.clone(),
     });
@@ -28,6 +29,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
         expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
         claim: ClaimToken(record.claim.0 - 1),
         to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+        in_flight: Some(1),
         lost: Some(lost.clone()),
         entry: note.clone(),
     });
@@ -38,6 +40,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
             claim: record.claim,
             to: TakeOverTo::Unknown(StopReason::UnsafeReplay),
+            in_flight: Some(1),
             lost: Some(lost.clone()),
             entry: note.clone()
         })
@@ -50,6 +53,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
                 expired: idem::record::Lease { owner: WORKER.into(), expires_at: until },
                 claim: record.claim,
                 to: TakeOverTo::Queued,
+                in_flight: Some(1),
                 lost: None,
                 entry: note.clone()
             })
@@ -74,6 +78,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: idle.claim,
             to: TakeOverTo::Queued,
+            in_flight: None,
             lost: None,
             entry: note.clone()
         })
@@ -82,7 +87,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     let requeued = fetch(&store, idle.id).await;
     assert_eq!((requeued.phase(), requeued.attempts.len(), requeued.stop_reason), (Phase::Queued, 0, None));
     assert!(store
-        .claim(ClaimQueued { id: idle.id, owner: "node-b".into(), lease_until: until + LEASE, now: until + ms(2) })
+        .claim(ClaimQueued { id: idle.id, owner: "node-b".into(), lease: LEASE - ms(2), now: until + ms(2) })
         .await
         .unwrap()
         .is_some());
@@ -95,6 +100,7 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: late.claim,
             to: TakeOverTo::Free(StopReason::Deadline),
+            in_flight: None,
             lost: None,
             entry: note
         })
@@ -117,7 +123,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let (now, worker) = (T0 + ms(1_000 * (round as u64 + 1)), format!("node-{round}"));
         let until = now + ms(500);
         let token = store
-            .claim(ClaimQueued { id: record.id, owner: worker.as_str().into(), lease_until: until, now })
+            .claim(ClaimQueued { id: record.id, owner: worker.as_str().into(), lease: until - now, now })
             .await
             .unwrap()
             .unwrap_or_else(|| panic!("round {round}"));
@@ -128,7 +134,8 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
                 holder: Holder { owner: worker.as_str().into(), token },
                 number: round + 1,
                 started_at: now + ms(1),
-                lease_until: until,
+                lease: until - (now + ms(1)),
+                reach: REACH,
                 policy_version: VERSION.into()
             })
             .await
@@ -147,6 +154,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
                 expired: idem::record::Lease { owner: worker.as_str().into(), expires_at: until },
                 claim: token,
                 to,
+                in_flight: Some(round + 1),
                 lost: Some(lost),
                 entry: note.clone()
             })
@@ -168,12 +176,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
     assert!(store.expired_leases(T0 + ms(60_000), 10).await.unwrap().is_empty(), "nothing left to take over");
     assert!(
         store
-            .claim(ClaimQueued {
-                id: record.id,
-                owner: WORKER.into(),
-                lease_until: T0 + ms(60_000),
-                now: T0 + ms(10_000)
-            })
+            .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: ms(50_000), now: T0 + ms(10_000) })
             .await
             .unwrap()
             .is_none(),
@@ -195,6 +198,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
             expired: idem::record::Lease { owner: WORKER.into(), expires_at: T0 + LEASE },
             claim: record.claim,
             to,
+            in_flight: None,
             lost: None,
             entry: note.clone(),
         })
@@ -232,12 +236,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
     let finished = in_progress(&store, new.clone()).await;
     assert!(take_over(&finished, TakeOverTo::Queued).await.unwrap());
     let token = store
-        .claim(ClaimQueued {
-            id: finished.id,
-            owner: WORKER.into(),
-            lease_until: T0 + 2 * LEASE,
-            now: T0 + LEASE + ms(2),
-        })
+        .claim(ClaimQueued { id: finished.id, owner: WORKER.into(), lease: LEASE - ms(2), now: T0 + LEASE + ms(2) })
         .await
         .unwrap()
         .expect("queued again, claimed again");
@@ -280,7 +279,7 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(back
                     let batch = store
                         .claim_unclaimed(ClaimUnclaimed {
                             owner: owner.into(),
-                            lease_until: T0 + ms(60_000),
+                            lease: ms(54_000),
                             idle_since: T0 + ms(1_000),
                             now: T0 + ms(6_000),
                             limit: 3,
@@ -311,7 +310,7 @@ pub(super) async fn two_concurrent_callers_claim_each_unclaimed_record_once(back
     assert!(store
         .claim_unclaimed(ClaimUnclaimed {
             owner: "node-c".into(),
-            lease_until: T0 + ms(60_000),
+            lease: ms(53_000),
             idle_since: T0 + ms(1_000),
             now: T0 + ms(7_000),
             limit: 10
@@ -418,7 +417,7 @@ pub(super) async fn listing_filters_and_pages_through_every_record_exactly_once(
         let record = queued(&store, request_on(route, tenant, &format!("k{i}"), BODY, T0 + ms(i as u64 / 3))).await;
         if i % 4 == 0 {
             assert!(store
-                .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease_until: T0 + LEASE, now: T0 + ms(100) })
+                .claim(ClaimQueued { id: record.id, owner: WORKER.into(), lease: LEASE - ms(100), now: T0 + ms(100) })
                 .await
                 .unwrap()
                 .is_some());
