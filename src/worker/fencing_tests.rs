@@ -161,10 +161,6 @@ impl Worker {
         let guard = self.inner.runtimes.guard_for(&config.routes[0]);
         guard.attempts.clone().try_acquire_many_owned(2).expect("both places are free")
     }
-
-    async fn until_idle(&self) {
-        self.inner.drain.until_idle().await;
-    }
 }
 
 #[tokio::test]
@@ -181,7 +177,7 @@ async fn a_busy_node_claims_no_queued_record_it_has_no_worker_for() {
 
     drop(busy);
     cluster.sweep(&node, Duration::from_millis(1)).await;
-    node.until_idle().await;
+    node.idle().await;
     let done = cluster.record(x).await;
     assert_eq!((done.phase(), done.claim), (Phase::Done, ClaimToken(1)));
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1);
@@ -208,7 +204,7 @@ async fn a_busy_nodes_stale_claim_sends_nothing_once_it_claimed_the_record_again
     drop(places);
     ledger.arrivals(1).await;
     ledger.open();
-    node.until_idle().await;
+    node.idle().await;
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1, "executed once, by the claim that holds it");
     let done = cluster.record(x).await;
     assert_eq!((done.phase(), done.claim, done.attempts.len()), (Phase::Done, ClaimToken(2), 1));
@@ -236,9 +232,9 @@ async fn a_claim_taken_back_by_another_node_and_given_again_sends_only_under_the
     drop(places);
     ledger.arrivals(1).await;
     ledger.open();
-    node1.until_idle().await;
+    node1.idle().await;
     drop(node2_busy);
-    node2.until_idle().await;
+    node2.idle().await;
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1, "executed once, by the claim that holds it");
     let done = cluster.record(x).await;
     assert_eq!((done.phase(), done.claim, done.attempts.len()), (Phase::Done, ClaimToken(2), 1));
@@ -264,7 +260,7 @@ async fn a_paused_nodes_late_outcome_settles_the_record_its_survivor_made_unknow
     assert_eq!(unknown.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["lost"]);
 
     ledger.open();
-    paused.until_idle().await;
+    paused.idle().await;
     let settled = cluster.record(x).await;
     assert_eq!(settled.phase(), Phase::Done, "{settled:#?}");
     let response = settled.response.expect("the upstream's answer is kept");

@@ -332,6 +332,12 @@ impl Worker {
         });
     }
 
+    /// Resolves once no execution runs in this process (none may start meanwhile for it to be
+    /// final: a test that holds every other way in waits for its executions to end).
+    pub async fn idle(&self) {
+        self.inner.drain.until_idle().await;
+    }
+
     /// Becomes true when the process begins to shut down.
     pub fn stopping(&self) -> watch::Receiver<bool> {
         self.inner.drain.stopping()

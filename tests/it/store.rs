@@ -61,6 +61,7 @@ crate::common::both_stores!(
     cancelling_an_in_progress_record_asks_its_worker_to_stop,
     resolve_and_retry_apply_only_to_unknown_records_and_keep_history,
     take_over_is_a_compare_and_set_on_the_expired_lease,
+    a_mark_landing_between_a_sweeps_read_and_its_write_refuses_the_take_over,
     a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap,
     the_take_over_count_survives_a_requeue_and_starts_afresh_for_a_new_operation_or_an_operator_retry,
     two_concurrent_callers_claim_each_unclaimed_record_once,

@@ -124,6 +124,15 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
     let options = SqliteConnectOptions::from_str(&url)
         .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
         .read_only(true);
+    let known = || {
+        migrations()
+            .iter()
+            .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
+            .collect::<Vec<_>>()
+    };
+    if !options.get_filename().exists() {
+        return Ok(protocol::status(None, Vec::new(), known().into_iter()));
+    }
     let mut conn = SqliteConnection::connect_with(&options).await?;
     let store = stored_protocol(&mut conn).await?;
     let has_migrations: bool =
@@ -141,11 +150,7 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
         .map(|(version, description)| protocol::Migration { version, description })
         .collect(),
     };
-    let known = migrations()
-        .iter()
-        .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
-        .collect::<Vec<_>>();
-    Ok(protocol::status(store, applied, known.into_iter()))
+    Ok(protocol::status(store, applied, known().into_iter()))
 }
 
 /// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,

@@ -1,5 +1,6 @@
 //! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
 pub mod backend;
+pub mod faulty;
 pub mod process;
 pub mod sse;
 
@@ -91,6 +92,8 @@ struct Seen {
     hits: HashMap<String, u32>,
     arrivals: HashMap<String, Vec<Instant>>,
     headers: HashMap<String, HeaderMap>,
+    /// Every `Idem-Attempt` that came with an operation, in order of arrival.
+    attempts: HashMap<String, Vec<String>>,
     scripts: HashMap<String, VecDeque<Reply>>,
     /// Every request's method and path (with its query), in order of arrival.
     received: Vec<String>,
@@ -138,6 +141,9 @@ async fn answer(
         };
         seen.arrivals.entry(op.clone()).or_default().push(Instant::now());
         seen.headers.insert(op.clone(), headers.clone());
+        if let Some(attempt) = headers.get("idem-attempt").and_then(|v| v.to_str().ok()) {
+            seen.attempts.entry(op.clone()).or_default().push(attempt.to_string());
+        }
         let scripted = seen.scripts.get_mut(&op).and_then(|q| q.pop_front());
         (n, scripted)
     };
@@ -204,6 +210,11 @@ impl Upstream {
 
     pub fn headers(&self, op: &str) -> Option<HeaderMap> {
         self.seen.lock().unwrap().headers.get(op).cloned()
+    }
+
+    /// The `Idem-Attempt` of every request of `op` that carried one, in order of arrival.
+    pub fn attempts(&self, op: &str) -> Vec<String> {
+        self.seen.lock().unwrap().attempts.get(op).cloned().unwrap_or_default()
     }
 
     pub fn script(&self, op: &str, replies: Vec<Reply>) {

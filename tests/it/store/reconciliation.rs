@@ -110,6 +110,35 @@ pub(super) async fn take_over_is_a_compare_and_set_on_the_expired_lease(backend:
     assert_eq!((freed.phase(), freed.stop_reason), (Phase::Free, Some(StopReason::Deadline)));
 }
 
+/// A mark that lands between a sweep's read and its write, in the very millisecond of the lease
+/// the sweep read (its holder's clock a little behind the sweeper's), makes the sweep's decision
+/// stale: the take-over is refused, and the mark stands. Taken, it would have queued the record
+/// with its attempt on the way, for a second worker to send again.
+pub(super) async fn a_mark_landing_between_a_sweeps_read_and_its_write_refuses_the_take_over(backend: Backend) {
+    let (store, _db) = store_on(backend).await;
+    let record = in_progress(&store, request("default", "raced", BODY)).await;
+    let seen = store.expired_leases(T0 + LEASE + ms(1), 10).await.unwrap().remove(0);
+    assert_eq!((seen.id, seen.in_flight), (record.id, None), "read with nothing in flight: it would be queued");
+    let lease = seen.lease.clone().expect("claimed");
+
+    assert!(store.attempt_started(started(&seen, 1, T0 + ms(1), T0 + LEASE)).await.unwrap().is_held());
+    let marked = fetch(&store, record.id).await;
+    assert_eq!(marked.lease.as_ref(), Some(&lease), "the mark's lease ends in the very millisecond read");
+
+    let take_over = TakeOver {
+        id: seen.id,
+        expired: lease,
+        claim: seen.claim,
+        in_flight: None,
+        to: TakeOverTo::Queued,
+        lost: None,
+        entry: entry("node:node-b", HistoryAction::TakeOver(Phase::Queued), T0 + LEASE + ms(2)),
+    };
+    assert!(!store.take_over(take_over).await.unwrap(), "decided on a record that has changed since");
+    let after = fetch(&store, record.id).await;
+    assert_eq!((after.phase(), after.in_flight.map(|(n, _)| n)), (Phase::InProgress, Some(1)), "the mark stands");
+}
+
 /// The same record's worker dies again and again while an attempt is in flight, on a replay-safe
 /// route: each take-over continues it, and is counted, until the one past the cap stops it.
 pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(backend: Backend) {
