@@ -233,7 +233,15 @@ impl Upstream {
         *headers_sent = to_header_map(headers);
         // Credentials are added at the send, never to what is stored.
         headers_sent.extend(credentials.clone());
-        let response = match tokio::time::timeout_at(until, self.client.request(request)).await {
+        // The send window is checked three times, the last as close to the wire as each case
+        // allows: here, before anything; when a new connection is ready (`TimedConnect`); and by
+        // the body, as the connection asks for it (`Outgoing`) — but an empty body, which hyper
+        // writes with the head without asking for it.
+        if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) {
+            return Err(Observed::NotSent);
+        }
+        let sending = SEND_BY.scope(send_by, self.client.request(request));
+        let response = match tokio::time::timeout_at(until, sending).await {
             Ok(sent) => sent.map_err(|e| observed(&e))?,
             Err(_) => return Err(Observed::TimedOut),
         };
@@ -317,15 +325,31 @@ where
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
+    /// Connects within the limit, and within the send window of the attempt it connects for:
+    /// a connection made after the window is given up before a byte is written on it. (The
+    /// pool calls this from the attempt's own task, which holds its window in [`SEND_BY`].)
     fn call(&mut self, uri: http::Uri) -> Self::Future {
         let (connecting, limit) = (self.inner.call(uri), self.limit);
+        let send_by = SEND_BY.try_with(|by| *by).ok().flatten();
         Box::pin(async move {
-            match tokio::time::timeout(limit, connecting).await {
+            let limit_at = tokio::time::Instant::now() + limit;
+            let until = send_by.map_or(limit_at, |by| by.min(limit_at));
+            match tokio::time::timeout_at(until, connecting).await {
+                Ok(Ok(_)) if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) => {
+                    Err(BoxError::from(TooLate))
+                }
                 Ok(connected) => connected.map_err(Into::into),
+                Err(_) if until < limit_at => Err(BoxError::from(TooLate)),
                 Err(_) => Err(format!("no connection within {limit:?}").into()),
             }
         })
     }
+}
+
+tokio::task_local! {
+    /// The send window of the attempt whose request is being sent from this task, for the
+    /// connector the pool calls on its behalf.
+    static SEND_BY: Option<tokio::time::Instant>;
 }
 
 impl Default for Upstream {
@@ -339,9 +363,6 @@ impl Default for Upstream {
 /// pool found its connection closed for before writing it is sent again on a fresh one by the
 /// client itself, so what fails after that may have been sent.
 fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
-    if e.is_connect() {
-        return Observed::ConnectFailed;
-    }
     let mut source = std::error::Error::source(e);
     while let Some(cause) = source {
         if cause.is::<TooLate>() {
@@ -349,7 +370,10 @@ fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
         }
         source = cause.source();
     }
-    Observed::Broken
+    match e.is_connect() {
+        true => Observed::ConnectFailed,
+        false => Observed::Broken,
+    }
 }
 
 /// A request's body, as the connection asks for it. With `send_by`, it is the last gate before
@@ -510,6 +534,121 @@ mod tests {
             .await;
         assert_eq!(sent.unwrap_err(), Observed::ConnectFailed);
         assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
+        drop(held);
+    }
+
+    /// What a [`recording_server`] was sent, per connection, and a permit for each connection
+    /// it saw closed.
+    type Received = (Arc<std::sync::Mutex<Vec<Vec<u8>>>>, Arc<tokio::sync::Semaphore>);
+
+    /// A server that answers 201 to every request and keeps every byte it was sent, per
+    /// connection.
+    async fn recording_server() -> (String, Received) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/payments", listener.local_addr().unwrap());
+        let received = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let closed = Arc::new(tokio::sync::Semaphore::new(0));
+        let (kept, closes) = (received.clone(), closed.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let (kept, closes) = (kept.clone(), closes.clone());
+                tokio::spawn(async move {
+                    let index = {
+                        let mut kept = kept.lock().unwrap();
+                        kept.push(Vec::new());
+                        kept.len() - 1
+                    };
+                    let mut buffer = [0u8; 4096];
+                    while let Ok(n @ 1..) = socket.read(&mut buffer).await {
+                        kept.lock().unwrap()[index].extend_from_slice(&buffer[..n]);
+                        let answer = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
+                        if socket.write_all(answer).await.is_err() {
+                            break;
+                        }
+                    }
+                    closes.add_permits(1);
+                });
+            }
+        });
+        (url, (received, closed))
+    }
+
+    #[tokio::test]
+    async fn an_attempt_past_its_send_window_leaves_nothing_on_the_wire_fresh_or_pooled() {
+        let (url, (received, _)) = recording_server().await;
+        let upstream = Upstream::new();
+        let send = |send_by: tokio::time::Instant, body: &'static [u8]| {
+            let until = tokio::time::Instant::now() + Duration::from_secs(5);
+            let (upstream, url) = (upstream.clone(), url.parse().unwrap());
+            async move {
+                let head = upstream
+                    .send_head(
+                        &Method::POST,
+                        url,
+                        &[],
+                        &HeaderMap::new(),
+                        Bytes::from_static(body),
+                        until,
+                        Some(send_by),
+                    )
+                    .await?;
+                head.whole(until).await
+            }
+        };
+        let past = tokio::time::Instant::now() - Duration::from_millis(1);
+        // A fresh connection: opened, then given up before its first byte.
+        assert_eq!(send(past, b"{}").await.unwrap_err(), Observed::NotSent);
+        // A request within its window goes, and leaves its connection in the pool.
+        let later = tokio::time::Instant::now() + Duration::from_secs(5);
+        assert_eq!(send(later, b"{\"n\":1}").await.unwrap().response.status, 201);
+        // A pooled connection, and an empty body: given up all the same.
+        assert_eq!(send(past, b"").await.unwrap_err(), Observed::NotSent);
+        let received = received.lock().unwrap().clone();
+        let sent: Vec<String> = received.iter().map(|bytes| String::from_utf8_lossy(bytes).into_owned()).collect();
+        assert_eq!(sent.iter().filter(|s| s.starts_with("POST /payments")).count(), 1, "{sent:?}");
+        assert!(
+            sent.iter().all(|s| s.is_empty() || s.ends_with("{\"n\":1}")),
+            "only the one within its window: {sent:?}"
+        );
+    }
+
+    /// The body is the last gate: hyper writes a request's head into its buffer, asks the body
+    /// for its first part, and flushes only then. A body past its window leaves nothing on the
+    /// wire, on a connection that nothing else checks (hyper's own, with no pool in front).
+    #[tokio::test]
+    async fn a_body_past_its_send_window_lets_no_byte_of_its_request_out() {
+        let (url, (received, closed)) = recording_server().await;
+        let authority = url.parse::<http::Uri>().unwrap().authority().unwrap().to_string();
+        let stream = tokio::net::TcpStream::connect(&authority).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
+        let driven = tokio::spawn(connection);
+        let past = tokio::time::Instant::now() - Duration::from_millis(1);
+        let body = Outgoing { data: Some(Bytes::from_static(b"{}")), send_by: Some(past) };
+        let request = http::Request::post(&url).header("host", &authority).body(body).unwrap();
+        let refused = sender.send_request(request).await.unwrap_err();
+        assert!(std::error::Error::source(&refused).is_some_and(|e| e.is::<TooLate>()), "{refused:?}");
+        let _ = driven.await;
+        // Whatever was written is read before the server sees the connection closed.
+        closed.acquire().await.unwrap().forget();
+        assert!(received.lock().unwrap().iter().all(Vec::is_empty), "bytes left: {:?}", received.lock().unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_connection_made_after_the_send_window_is_given_up_as_not_sent() {
+        // Accepts the connection and never answers its ClientHello: the connect outlasts the window.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}/payments", listener.local_addr().unwrap());
+        let held = tokio::spawn(async move { listener.accept().await.unwrap() });
+        let started = tokio::time::Instant::now();
+        let (until, send_by) = (started + Duration::from_secs(10), started + Duration::from_millis(200));
+        let sent = Upstream::new()
+            .send_head(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), until, Some(send_by))
+            .await;
+        assert_eq!(sent.unwrap_err(), Observed::NotSent);
+        assert!(started.elapsed() < Duration::from_secs(2), "given up at its window: {:?}", started.elapsed());
         drop(held);
     }
 

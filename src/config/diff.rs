@@ -238,6 +238,15 @@ mod tests {
     }
 
     #[test]
+    fn an_attempt_header_renamed_is_a_change_that_keeps_the_policy_version() {
+        let a = config(&route("pay", ""), "");
+        let b = config(&route("pay", "attempt_header = \"X-Claim\""), "");
+        let c = changes(&a, &b).unwrap();
+        assert_eq!(c.changed[0].keys, vec!["attempt_header"]);
+        assert_eq!(c.changed[0].old_version, c.changed[0].new_version);
+    }
+
+    #[test]
     fn a_change_outside_the_policy_keeps_the_version() {
         let a = config(&route("pay", ""), "");
         let b = config(&route("pay", "max_body = \"2KiB\""), "");
@@ -249,7 +258,12 @@ mod tests {
     #[test]
     fn a_restart_only_key_is_refused_by_name() {
         let a = config(&route("pay", ""), "");
-        for (worker, key) in [("concurrency = 8", "worker.concurrency"), ("lease = \"3s\"", "worker.lease")] {
+        for (worker, key) in [
+            ("concurrency = 8", "worker.concurrency"),
+            ("lease = \"3s\"", "worker.lease"),
+            ("send_window = \"500ms\"", "worker.send_window"),
+            ("clock_margin = \"2s\"", "worker.clock_margin"),
+        ] {
             let e = changes(&a, &config(&route("pay", ""), worker)).unwrap_err().to_string();
             assert!(e.contains(&format!("`{key}`")) && e.contains("restart"), "{e}");
         }

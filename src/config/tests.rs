@@ -365,3 +365,44 @@ fn mcp_settings_that_cannot_be_right_name_their_key() {
     let e = error_of(&format!("{MCP_ROUTE}[routes.canary]\npercent = 10\n"));
     assert!(e.contains("routes[0].canary"), "{e}");
 }
+
+#[test]
+fn an_attempt_carries_its_claim_in_idem_attempt_unless_renamed_or_turned_off() {
+    let header = |line: &str| {
+        Config::parse_with_env(&with_route_line(line), no_env).unwrap().routes[0]
+            .attempt_header
+            .as_ref()
+            .map(|h| h.as_str().to_string())
+    };
+    assert_eq!(header(""), Some("idem-attempt".into()));
+    assert_eq!(header("attempt_header = true"), Some("idem-attempt".into()));
+    assert_eq!(header("attempt_header = \"X-Claim\""), Some("x-claim".into()));
+    assert_eq!(header("attempt_header = false"), None);
+    let c = Config::parse_with_env(&with_route_line("attempt_header = false"), no_env).unwrap();
+    assert!(describe(&c).contains("attempt header: off"), "{}", describe(&c));
+    for bad in ["\"bad header\"", "\"Idempotency-Key\"", "\"Connection\"", "3"] {
+        let e = error_of(&with_route_line(&format!("attempt_header = {bad}")));
+        assert!(e.contains("attempt_header"), "{bad}: {e}");
+    }
+    let clash = error_of(&with_route_line("deadline_header = \"X-Claim\"\nattempt_header = \"X-Claim\""));
+    assert!(clash.contains("routes[0].attempt_header") && clash.contains("deadline_header"), "{clash}");
+}
+
+#[test]
+fn a_marked_attempt_has_a_send_window_and_clocks_a_margin_within_the_lease() {
+    let worker = |lines: &str| Config::parse_with_env(&format!("[worker]\n{lines}\n{MINIMAL}"), no_env);
+    let c = worker("").unwrap();
+    assert_eq!((c.worker.send_window, c.worker.clock_margin), (Duration::from_secs(1), Duration::from_secs(1)));
+    assert!(describe(&c).contains("send_window 1s, clock_margin 1s"), "{}", describe(&c));
+    let short = worker("lease = \"1s\"").unwrap();
+    let fifth = Duration::from_millis(200);
+    assert_eq!((short.worker.send_window, short.worker.clock_margin), (fifth, fifth), "a fifth of a short lease");
+    let set = worker("send_window = \"250ms\"\nclock_margin = \"2s\"").unwrap();
+    assert_eq!((set.worker.send_window, set.worker.clock_margin), (Duration::from_millis(250), Duration::from_secs(2)));
+    let e = worker("lease = \"3s\"\nsend_window = \"2s\"\nclock_margin = \"1s\"").unwrap_err().to_string();
+    assert!(e.contains("worker.send_window") && e.contains("shorter than lease"), "{e}");
+    for key in ["send_window", "clock_margin"] {
+        let e = worker(&format!("{key} = \"0s\"")).unwrap_err().to_string();
+        assert!(e.contains(&format!("worker.{key}")), "{e}");
+    }
+}

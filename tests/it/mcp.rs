@@ -372,7 +372,37 @@ async fn a_run_id_and_the_call_make_the_key_of_a_call_that_sends_none(b: Backend
     assert_eq!(missing["error"]["code"], json!(-32602), "{missing}");
 }
 
+/// Two nodes whose catalogs disagree about one tool: one was told `peek` is read-only (its
+/// session listed tools through it), the other was told nothing, and records what it does not
+/// know. The first decision made for a key, stored with it, wins on both: a keyed call the
+/// second node recorded is answered from its record by the first, never passed through again.
+async fn two_nodes_whose_catalogs_disagree_decide_a_keyed_call_once(b: Backend) {
+    let (upstream, calls) = bare_upstream().await;
+    let db = Db::new(b).await;
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[store]\nurl = \"{}\"\n{ROUTE}upstream = \"{upstream}\"\n",
+        db.url
+    );
+    let (knows, blind) = (Broker::start_with(&db, config.clone()).await, Broker::start_with(&db, config).await);
+    let post = |broker: &Broker, body: String| {
+        let request = broker.http.post(format!("{}/mcp", broker.url)).header("content-type", "application/json");
+        send(request.header("accept", "application/json, text/event-stream").body(body))
+    };
+    post(&knows, json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).to_string()).await;
+    let passed = post(&knows, tools_call(2, "peek", Some("fresh"))).await.json();
+    assert_eq!(passed["result"]["content"][0]["text"], json!("done"), "{passed}");
+    assert!(records(&knows).await.is_empty(), "a read-only tool's call, new to the store, passes through");
+
+    let recorded = post(&blind, tools_call(3, "peek", Some("peek-1"))).await.json();
+    assert_eq!(recorded["result"]["_meta"], Value::Null, "executed: {recorded}");
+    let replayed = post(&knows, tools_call(4, "peek", Some("peek-1"))).await.json();
+    assert_eq!(replayed["id"], json!(4));
+    assert_eq!(replayed["result"]["_meta"]["io.idem/replayed"], json!(true), "{replayed}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the fresh call and the recorded one, each once");
+}
+
 both_stores!(
+    two_nodes_whose_catalogs_disagree_decide_a_keyed_call_once,
     a_call_in_flight_and_bodies_that_are_no_call_are_answered_in_json_rpc,
     a_run_id_and_the_call_make_the_key_of_a_call_that_sends_none,
     a_lost_answer_retried_with_its_key_gets_the_one_result,

@@ -79,7 +79,7 @@ impl Cluster {
 
     fn node_on(&self, name: &str, store: Arc<dyn Store>, clock: SharedClock) -> Node {
         let faults = Arc::new(Faults::default());
-        let store = Faulty::new(store, faults.clone());
+        let store = Faulty::wrap(store, faults.clone());
         let worker = Worker::new(Parts {
             store: store.clone(),
             upstream: Client::new(),

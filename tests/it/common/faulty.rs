@@ -118,7 +118,7 @@ pub struct Faulty {
 }
 
 impl Faulty {
-    pub fn new(inner: Arc<dyn Store>, faults: Arc<Faults>) -> Arc<dyn Store> {
+    pub fn wrap(inner: Arc<dyn Store>, faults: Arc<Faults>) -> Arc<dyn Store> {
         Arc::new(Faulty { inner, faults })
     }
 }
