@@ -13,14 +13,24 @@
 //! `IDEM_SOAK_PG_RESTART` set to a shell command (`.ci/run` gives one), the PostgreSQL fault
 //! restarts the server with it; without, it ends every connection of the run's database.
 //!
-//! The clients: each operation is a new key on the non-replay-safe route, its upstream call
-//! taking from a few milliseconds to 2.5 s; a client waits 1 s for an answer, then sends the
-//! same request again (to the next node), and so on until it gets the outcome (201, or
-//! `outcome-unknown`); one operation in six is sent by two clients at once. The faults, in turn,
-//! one every few seconds: a node killed (SIGKILL) and started again; a node paused (SIGSTOP)
-//! for two and a half leases and resumed; every worker of every node held by slow calls for
-//! longer than two leases; the store stalled for two leases (an exclusive lock held on it); and
-//! on PostgreSQL a restart of the server.
+//! The routes: `payments`, not replay-safe, with a probe that asks the upstream about a key
+//! (`GET /payments/by-key/{key}`: what that key's execution answered, or 404), one second after
+//! its record became `unknown`; and `refunds`, replay-safe, whose upstream deduplicates by key
+//! and fences by the claim each attempt carries (`Idem-Attempt`): it refuses an attempt of an
+//! older claim than one it has seen, as docs/guarantees.md shows an upstream can.
+//!
+//! The clients: each operation is a new key, one in five on `refunds`, the rest on `payments`,
+//! its upstream call taking from a few milliseconds to 2.5 s; one in eight is first held in the
+//! upstream's own queue for 1.2–3 s (past the probe's settle, within `per_try_timeout`) before it
+//! executes. A client waits 1 s for an answer, then sends the same request again (to the next
+//! node), and so on until it gets the outcome (201, or `outcome-unknown`); one operation in six
+//! is sent by two clients at once. The faults, in turn, one every few seconds: a node killed
+//! (SIGKILL) and started again; a node paused (SIGSTOP) for two and a half leases and resumed;
+//! every worker of every node held by slow calls for longer than two leases; the store stalled
+//! for two leases (an exclusive lock held on it); and on PostgreSQL a restart of the server. On
+//! PostgreSQL the nodes' clocks disagree all along, by libfaketime (`FAKETIME_LIB`, Debian's
+//! package by default): one runs two leases ahead, one a lease behind. (Every node on one SQLite
+//! file shares its host, and so its clock: an offset between them cannot arise there.)
 //!
 //! It prints operations (keys: the clients' and the slow calls'), executions, duplicate executions (must be 0),
 //! acknowledged answers lost (must be 0: a client got a 201 that the record does not keep byte
@@ -50,6 +60,9 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 const CLIENTS: usize = 10;
 /// How long clients keep retrying their last operations once the faults stopped.
 const SETTLE: Duration = Duration::from_secs(60);
+/// The library that offsets a node's clock (Debian's `faketime` package), unless
+/// `FAKETIME_LIB` names another.
+const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
@@ -161,12 +174,19 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
     let upstream = Upstream::start().await;
     let store = store_for(backend).await;
     let worker = format!("concurrency = {CONCURRENCY}\n");
-    let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n";
-    let body = node_config(&store.url, TestConfig::new(&upstream.url()).worker(&worker).route(route)).body();
+    let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n\
+                 [routes.probe]\nmethod = \"GET\"\npath = \"/payments/by-key/{idempotency_key}\"\nsettle = \"1s\"\n";
+    let refunds = format!(
+        "[[routes]]\nname = \"refunds\"\npath_prefix = \"/refunds\"\nupstream = \"{}\"\nreplay_safe = true\n\
+         [routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\nnot_processed = [409, 429, 503]\n",
+        upstream.url()
+    );
+    let config = TestConfig::new(&upstream.url()).worker(&worker).route(route).tables(&refunds);
+    let body = node_config(&store.url, config).body();
     let count = if backend == Backend::Postgres { 3 } else { 2 };
     let mut nodes = Vec::new();
     for i in 0..count {
-        nodes.push(Node::start(&format!("node{i}"), &body).await);
+        nodes.push(Node::start_with_env(&format!("node{i}"), &body, clock_offset(backend, i)).await);
     }
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let nodes = Arc::new(Mutex::new(nodes));
@@ -194,13 +214,18 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
                     _ => rng.gen_range(1_200..2_500),
                 };
                 let copies = if rng.gen_range(0..6) == 0 { 2 } else { 1 };
+                let route = if rng.gen_range(0..5) == 0 { "/refunds?dedupe=1&" } else { "/payments?" };
+                let queue = match rng.gen_range(0..8) {
+                    0 => format!("queue_ms={}&", rng.gen_range(1_200..3_000)),
+                    _ => String::new(),
+                };
                 let sends: Vec<_> = (0..copies)
                     .map(|copy| {
                         let mut nodes = urls.clone();
                         nodes.rotate_left((c + copy) % urls.len());
                         let k = LoopKey {
                             key: key.clone(),
-                            path: format!("/payments?delay_ms={delay}"),
+                            path: format!("{route}{queue}delay_ms={delay}"),
                             body: format!(r#"{{"op":"{key}","amount":42}}"#),
                             release: Instant::now(),
                             nodes,
@@ -238,6 +263,28 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
     }
     drop(store.sqlite);
     report
+}
+
+/// The environment that offsets node `i`'s clock: on PostgreSQL, node 0 runs two leases ahead
+/// and node 1 a lease behind; none elsewhere.
+fn clock_offset(backend: Backend, i: usize) -> Vec<(String, String)> {
+    let offset = match (backend, i) {
+        (Backend::Postgres, 0) => format!("+{}ms", (2 * LEASE).as_millis()),
+        (Backend::Postgres, 1) => format!("-{}ms", LEASE.as_millis()),
+        _ => return Vec::new(),
+    };
+    let lib = std::env::var("FAKETIME_LIB").unwrap_or_else(|_| FAKETIME_LIB.into());
+    if !std::path::Path::new(&lib).exists() {
+        fail(&format!("{lib} is missing: install Debian's faketime package (or name the library in FAKETIME_LIB)"));
+    }
+    // libfaketime reads fractions of a second from its offset in seconds.
+    let seconds = offset.trim_end_matches("ms").parse::<f64>().unwrap() / 1000.0;
+    vec![
+        ("LD_PRELOAD".into(), lib),
+        ("FAKETIME".into(), format!("{seconds:+}")),
+        // Only the wall clock differs between machines: waits keep their length.
+        ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+    ]
 }
 
 /// Injects one fault after another until `stop_at`, then leaves every node running; the faults

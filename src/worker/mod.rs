@@ -9,8 +9,9 @@
 //! - each route's runtime (`crate::runtime`) — what a route and its upstream can take: slots,
 //!   attempts in flight, the retry budget and the breaker; and the pace of its attempts.
 //! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
-//!   attempts and waits between them; `waits` — those waits and the attempts in flight, with
-//!   the lease kept alive through them.
+//!   attempts and waits between them, each attempt sent within its send window; `waits` — the
+//!   waits, with the lease kept alive through them; `lease` — a claim's lease as this process
+//!   holds it: trusted for `lease - clock_margin`, renewed beside each attempt.
 //! - `drain` — executions in flight, counted for a graceful shutdown.
 //! - `waiters` — requests waiting for a record to settle; `credentials` — client credentials
 //!   held in memory until their execution starts.

@@ -94,6 +94,11 @@ struct Seen {
     headers: HashMap<String, HeaderMap>,
     /// Every `Idem-Attempt` that came with an operation, in order of arrival.
     attempts: HashMap<String, Vec<String>>,
+    /// The answer of each operation's first execution that succeeded: what `GET
+    /// /<route>/by-key/<key>` tells, and what a deduplicating upstream answers again.
+    answers: HashMap<String, (u16, String)>,
+    /// The highest claim a deduplicating upstream has seen per operation.
+    claims: HashMap<String, i64>,
     scripts: HashMap<String, VecDeque<Reply>>,
     /// Every request's method and path (with its query), in order of arrival.
     received: Vec<String>,
@@ -101,7 +106,13 @@ struct Seen {
 
 /// A fake upstream that counts every request per operation. By default it answers
 /// `201 {"key":…,"n":<hit number>,"echo":<body>}`, so a second execution is visible in the body;
-/// `?delay_ms=N` and `?status=N` change that; scripts set answers per key.
+/// `?delay_ms=N` and `?status=N` change that; scripts set answers per key. Knobs of a real
+/// upstream: `?queue_ms=N` holds the request in its own queue for N ms before it executes (a
+/// client that leaves meanwhile executes nothing); `?dedupe=1` makes it deduplicate by key, as a
+/// replay-safe route's upstream must (a key executed before gets that answer again, not a second
+/// execution), and fence by the broker's claim (`Idem-Attempt`: an attempt of an older claim than
+/// one seen is refused 409, not executed). `GET /<route>/by-key/<key>` answers what that key's
+/// first execution answered, or 404: what a probe asks.
 #[derive(Clone)]
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -112,6 +123,14 @@ pub struct Upstream {
 struct Knobs {
     delay_ms: Option<u64>,
     status: Option<u16>,
+    queue_ms: Option<u64>,
+    dedupe: Option<u8>,
+}
+
+/// The claim an `Idem-Attempt` header names: `<record>; claim=<n>; attempt=<m>`.
+fn claim_of(headers: &HeaderMap) -> Option<i64> {
+    let value = headers.get("idem-attempt")?.to_str().ok()?;
+    value.split(';').find_map(|part| part.trim().strip_prefix("claim=")?.parse().ok())
 }
 
 fn operation(headers: &HeaderMap, path: &str) -> String {
@@ -131,6 +150,30 @@ async fn answer(
     body: Bytes,
 ) -> Response {
     let op = operation(&headers, uri.path());
+    if method == axum::http::Method::GET {
+        if let Some((_, key)) = uri.path().trim_start_matches('/').split_once("/by-key/") {
+            let answer = seen.lock().unwrap().answers.get(key).cloned();
+            return match answer {
+                Some((status, body)) => (StatusCode::from_u16(status).unwrap(), body).into_response(),
+                None => StatusCode::NOT_FOUND.into_response(),
+            };
+        }
+    }
+    if let Some(ms) = knobs.queue_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if knobs.dedupe == Some(1) {
+        let mut seen = seen.lock().unwrap();
+        let claim = claim_of(&headers).unwrap_or(0);
+        let highest = seen.claims.entry(op.clone()).or_insert(claim);
+        if claim < *highest {
+            return (StatusCode::CONFLICT, "an attempt of an older claim").into_response();
+        }
+        *highest = claim;
+        if let Some((status, body)) = seen.answers.get(&op).cloned() {
+            return (StatusCode::from_u16(status).unwrap(), body).into_response();
+        }
+    }
     let (n, scripted) = {
         let mut seen = seen.lock().unwrap();
         seen.received.push(format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str())));
@@ -157,6 +200,9 @@ async fn answer(
             gate: None,
         }
     });
+    if (200..300).contains(&reply.status) {
+        seen.lock().unwrap().answers.entry(op.clone()).or_insert_with(|| (reply.status, reply.body.clone()));
+    }
     tokio::time::sleep(reply.delay).await;
     if let Some(gate) = &reply.gate {
         gate.pass().await;

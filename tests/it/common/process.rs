@@ -50,6 +50,8 @@ pub struct Node {
     config: PathBuf,
     /// The `[server]` section written at start: its ports stay the node's for good.
     server: String,
+    /// Set in the process's environment at every start (a clock offset, say).
+    env: Vec<(String, String)>,
     log: PathBuf,
     child: Option<Child>,
     /// How many times the process was started.
@@ -61,6 +63,11 @@ impl Node {
     /// Writes the config (`body` with a `[server]` section on fresh ports), starts the process,
     /// and returns once it is ready.
     pub async fn start(name: &str, body: &str) -> Node {
+        Node::start_with_env(name, body, Vec::new()).await
+    }
+
+    /// [`Node::start`], with `env` in the process's environment at every start.
+    pub async fn start_with_env(name: &str, body: &str, env: Vec<(String, String)>) -> Node {
         let dir = TempDir::new().unwrap();
         let [listen, admin] = free_ports();
         let config = dir.path().join("idem.toml");
@@ -74,6 +81,7 @@ impl Node {
             log: dir.path().join("idem.log"),
             config,
             server,
+            env,
             child: None,
             starts: 0,
             _dir: dir,
@@ -93,6 +101,7 @@ impl Node {
             .arg(&self.config)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
