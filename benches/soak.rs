@@ -122,6 +122,8 @@ struct Report {
     /// Clients still without an outcome when the settle ran out.
     unsettled: usize,
     faults: BTreeMap<&'static str, u32>,
+    /// Each node's clock offset, where one was set.
+    clocks: Vec<String>,
     problems: Vec<String>,
 }
 
@@ -129,6 +131,9 @@ impl std::fmt::Display for Report {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let faults: Vec<String> = self.faults.iter().map(|(k, n)| format!("{k} ×{n}")).collect();
         writeln!(f, "soak on {} ({} nodes, {} s of faults: {})", self.store, self.nodes, self.secs, faults.join(", "))?;
+        if !self.clocks.is_empty() {
+            writeln!(f, "clocks: {}", self.clocks.join(", "))?;
+        }
         writeln!(f, "| operations | executions | duplicate executions | acknowledged lost | done | unknown | free | never recorded | unsettled |")?;
         writeln!(f, "|---|---|---|---|---|---|---|---|---|")?;
         writeln!(
@@ -257,6 +262,12 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
     report.nodes = count;
     report.secs = secs.as_secs();
     report.faults = injected;
+    report.clocks = (0..count)
+        .filter_map(|i| {
+            let env = clock_offset(backend, i);
+            env.iter().find(|(k, _)| k == "FAKETIME").map(|(_, offset)| format!("node{i} {offset} s"))
+        })
+        .collect();
     drop(nodes);
     if backend == Backend::Postgres {
         backend::drop_postgres_db(&store.url).await;

@@ -43,7 +43,12 @@ fn new_record(key: &str) -> NewRecord {
         deadline_at: now + Duration::from_secs(30),
         now,
         policy_version: Some("bench0000000".into()),
-        claim: Some(Claim { owner: "bench".into(), lease: Duration::from_secs(15), reach: Duration::from_secs(12) }),
+        claim: Some(Claim {
+            owner: "bench".into(),
+            marked_at: now,
+            lease: Duration::from_secs(15),
+            reach: Duration::from_secs(12),
+        }),
         tombstone_cutoff: None,
     }
 }

@@ -38,7 +38,9 @@ CREATE TRIGGER records_protocol
     EXECUTE FUNCTION idem_refuse_other_protocol();
 
 -- idem_end_attempts (0012), ending the life of each outcome's attempt: its node saw it end, so
--- the record's bound need not run on past the outcome's time.
+-- the record's bound need not run on past the outcome's time — unless the record was ever taken
+-- over, when an attempt of an earlier claim may still be on its way and the bound covers it. (Any
+-- time not later than the bound will do for an attempt that has ended: the node's serves.)
 CREATE OR REPLACE FUNCTION idem_end_attempts(
     ids uuid[], tokens bigint[], new_attempts jsonb[], states text[], stops text[], statuses integer[],
     headers jsonb[], bodies bytea[], nows bigint[], queueds boolean[], not_befores bigint[],
@@ -52,7 +54,8 @@ BEGIN
         UPDATE records AS r SET
             attempts = r.attempts || COALESCE(new_attempts[i], '[]'::jsonb),
             in_flight_number = NULL, in_flight_started_at = NULL,
-            in_flight_until = CASE WHEN new_attempts[i] IS NOT NULL AND r.in_flight_until > nows[i]
+            in_flight_until = CASE WHEN new_attempts[i] IS NOT NULL AND r.takeovers = 0
+                                        AND r.in_flight_until > nows[i]
                                    THEN nows[i] ELSE r.in_flight_until END,
             state = states[i], queued = queueds[i],
             not_before = CASE WHEN queueds[i] THEN r.not_before ELSE not_befores[i] END,

@@ -14,7 +14,9 @@ INSERT INTO idem_store (protocol) VALUES (2);
 
 -- Each node's writing connection declares the protocol it speaks through the SQL function
 -- idem_store_protocol(). A node of an older version has no such function: its writes fail with
--- "no such function: idem_store_protocol"; a node of another protocol is refused by name.
+-- "no such function: idem_store_protocol"; a node of another protocol is refused by name. (So
+-- does the connection migrations run on, which declares nothing: a later migration that writes
+-- to `records` must drop these triggers first and make them again after.)
 CREATE TRIGGER records_protocol_insert BEFORE INSERT ON records
     WHEN idem_store_protocol() IS NOT 2
 BEGIN

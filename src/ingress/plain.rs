@@ -10,7 +10,7 @@ use super::reading::{deadline, read_body};
 use super::Ingress;
 use crate::config::Route;
 use crate::problem::Problem;
-use crate::upstream;
+use crate::upstream::{self, Outbound};
 
 impl Ingress {
     /// Methods that need no key are proxied as they are: nothing is recorded.
@@ -31,7 +31,8 @@ impl Ingress {
         }
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        match self.upstream.send(&parts.method, url, &headers, &credentials, body, limit).await {
+        let request = Outbound { method: &parts.method, url, headers: &headers, added: &credentials, body };
+        match self.upstream.send(request, limit).await {
             Ok(answer) => response_of(&answer.response),
             Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
             Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),

@@ -18,7 +18,7 @@ use super::Catalog;
 use crate::config::Route;
 use crate::problem::Problem;
 use crate::stream::StreamCut;
-use crate::upstream::{self, Head, Upstream};
+use crate::upstream::{self, Head, Outbound, Upstream};
 
 /// What the broker looks at in an answer passing through.
 #[derive(Clone)]
@@ -78,7 +78,8 @@ pub async fn pass(
     }
     // The head within the route's deadline; a stream's body as long as both ends keep it open.
     let until = tokio::time::Instant::now() + route.retry.deadline;
-    let head = match upstream.send_head(&parts.method, url, &headers, &credentials, body, until, None).await {
+    let request = Outbound { method: &parts.method, url, headers: &headers, added: &credentials, body };
+    let head = match upstream.send_head(request, until, None).await {
         Ok(head) => head,
         Err(crate::policy::Observed::TimedOut) => return unreachable("did not answer within the route's deadline"),
         Err(_) => return unreachable("could not be reached"),

@@ -109,7 +109,9 @@ pub struct Record {
     /// and cleared when its outcome is stored, so a take-over knows whether one may have run.
     pub in_flight: Option<(u32, Timestamp)>,
     /// The time, in the store's clock, after which no attempt marked so far can still reach
-    /// the upstream: raised by every mark, never lowered. Nothing frees the record before it.
+    /// the upstream: raised by every mark, and brought down to the outcome's time when an
+    /// attempt's outcome is stored on a record never taken over (nothing else can be on its
+    /// way then). Nothing frees the record before it.
     pub in_flight_until: Option<Timestamp>,
     pub attempts: Vec<Attempt>,
     pub stop_reason: Option<StopReason>,

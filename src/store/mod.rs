@@ -18,6 +18,7 @@ mod command;
 mod error;
 mod health;
 mod listing;
+mod opening;
 pub mod postgres;
 pub mod protocol;
 pub mod recorded;
@@ -39,6 +40,7 @@ pub use command::{
 pub use error::StoreError;
 pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};
+pub use opening::{migrate, open, open_with, status};
 pub(crate) use rows::{decode, Columns};
 pub(crate) use switches::decode_switch;
 pub use switches::{SwitchCleared, MAX_HISTORY};
@@ -94,8 +96,8 @@ impl NewRecord {
             in_flight: fresh.in_flight,
             lease: claim
                 .as_ref()
-                .map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: self.now + c.lease }),
-            in_flight_until: claim.as_ref().map(|c| self.now + c.reach),
+                .map(|c| crate::record::Lease { owner: c.owner.clone(), expires_at: c.marked_at + c.lease }),
+            in_flight_until: claim.as_ref().map(|c| c.marked_at + c.reach),
             claim: fresh.claim,
             attempts: Vec::new(),
             stop_reason: None,
@@ -139,6 +141,10 @@ pub struct RouteSweep {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub owner: Owner,
+    /// When the insert is sent, by the node's clock: the store's time for the lease and the
+    /// bound in [`LeaseClock::Node`]. Not the request's arrival, which may be long before (a
+    /// slow body), while the node counts its trust and its send window from the write.
+    pub marked_at: Timestamp,
     /// How long the lease runs from the insert, in the store's clock.
     pub lease: Duration,
     /// How long after the insert its first attempt may still reach the upstream (see
@@ -160,7 +166,7 @@ pub enum LeaseClock {
 impl LeaseClock {
     /// The time to bind where the SQL reads the store's time as `COALESCE($n, idem_now())`:
     /// the node's `now`, or nothing, so that the database reads its own clock.
-    pub(crate) fn time(self, now: Timestamp) -> Option<Timestamp> {
+    pub(crate) fn bind_now(self, now: Timestamp) -> Option<Timestamp> {
         match self {
             LeaseClock::Database => None,
             LeaseClock::Node => Some(now),
@@ -447,46 +453,4 @@ pub enum Notice {
     Settled(RecordId),
     /// It was queued: an idle worker may claim it.
     Queued(RecordId),
-}
-
-/// Opens the store named by a `store.url`, applying migrations: PostgreSQL keeps leases in its
-/// own clock.
-pub async fn open(url: &str) -> Result<std::sync::Arc<dyn Store>, StoreError> {
-    open_with(url, LeaseClock::Database).await
-}
-
-/// Applies the migrations of the store named by a `store.url`, and nothing else: `idem migrate`.
-/// Refused, changing nothing, when the store speaks a later protocol than this build.
-pub async fn migrate(url: &str) -> Result<(), StoreError> {
-    if url.starts_with("sqlite:") {
-        sqlite::migrate(url).await
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        postgres::migrate(url).await
-    } else {
-        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
-    }
-}
-
-/// Where the store named by a `store.url` stands against this build, changing nothing:
-/// `idem migrate --status`.
-pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
-    if url.starts_with("sqlite:") {
-        sqlite::status(url).await
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        postgres::status(url).await
-    } else {
-        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
-    }
-}
-
-/// Opens the store named by a `store.url`, keeping leases in `clock` where the backend can
-/// choose (PostgreSQL; SQLite's are always its host's, [`LeaseClock::Node`]).
-pub async fn open_with(url: &str, clock: LeaseClock) -> Result<std::sync::Arc<dyn Store>, StoreError> {
-    if url.starts_with("sqlite:") {
-        Ok(std::sync::Arc::new(sqlite::SqliteStore::open(url).await?))
-    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        Ok(std::sync::Arc::new(postgres::PostgresStore::open(url, clock).await?))
-    } else {
-        Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
-    }
 }

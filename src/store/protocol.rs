@@ -52,14 +52,14 @@ pub enum Upgrade {
     /// protocol must be stopped first (once they are applied, it is refused at its next write).
     StopEveryNode { from: i64, to: i64 },
     /// The store speaks a later protocol than this build: this build must not run against it.
-    TooOld { store: i64 },
+    BuildBehind { store: i64 },
 }
 
 impl Status {
     pub fn upgrade(&self) -> Upgrade {
         match self.store {
             None => Upgrade::Fresh,
-            Some(store) if store > STORE_PROTOCOL => Upgrade::TooOld { store },
+            Some(store) if store > STORE_PROTOCOL => Upgrade::BuildBehind { store },
             Some(store) if store < STORE_PROTOCOL => Upgrade::StopEveryNode { from: store, to: STORE_PROTOCOL },
             Some(_) if self.pending.is_empty() => Upgrade::UpToDate,
             Some(_) => Upgrade::Rolling,
@@ -95,7 +95,7 @@ impl fmt::Display for Status {
                  migrate and start nodes of this build (a node of protocol {from} still running is refused at its \
                  next write)"
             ),
-            Upgrade::TooOld { store } => format!(
+            Upgrade::BuildBehind { store } => format!(
                 "the store speaks protocol {store}, later than this build's {STORE_PROTOCOL}: run a build that \
                  speaks protocol {store}"
             ),
@@ -116,10 +116,13 @@ pub(crate) fn check(store: Option<i64>) -> Result<(), StoreError> {
     }
 }
 
-/// The status of a store from what it says of itself: its protocol, the versions applied, and
-/// this build's migrations.
-pub(crate) fn status(store: Option<i64>, applied: Vec<Migration>, known: impl Iterator<Item = Migration>) -> Status {
-    let known: Vec<Migration> = known.collect();
+/// The status of a store from what it says of itself: its protocol and the migrations applied
+/// (`(version, description)`, as sqlx keeps them), against this build's `migrator`.
+pub(crate) fn status(store: Option<i64>, applied: Vec<(i64, String)>, migrator: &sqlx::migrate::Migrator) -> Status {
+    let applied: Vec<Migration> =
+        applied.into_iter().map(|(version, description)| Migration { version, description }).collect();
+    let known: Vec<Migration> =
+        migrator.iter().map(|m| Migration { version: m.version, description: m.description.to_string() }).collect();
     let pending = known.iter().filter(|m| !applied.iter().any(|a| a.version == m.version)).cloned().collect();
     let unknown = applied.iter().filter(|a| !known.iter().any(|m| m.version == a.version)).cloned().collect();
     Status { store, applied, pending, unknown }
@@ -133,21 +136,36 @@ mod tests {
         Migration { version, description: format!("m{version}") }
     }
 
+    /// A store's status against a build whose migrations are 1 to 3.
+    fn status_of(store: Option<i64>, applied: &[i64]) -> Status {
+        let pending = (1..=3).filter(|v| !applied.contains(v)).map(m).collect();
+        let unknown = applied.iter().copied().filter(|v| *v > 3).map(m).collect();
+        Status { store, applied: applied.iter().copied().map(m).collect(), pending, unknown }
+    }
+
     #[test]
     fn an_upgrade_rolls_only_when_the_protocol_stays() {
-        let known = || (1..=3).map(m);
-        assert_eq!(status(None, vec![], known()).upgrade(), Upgrade::Fresh);
-        let current = status(Some(STORE_PROTOCOL), (1..=3).map(m).collect(), known());
-        assert_eq!(current.upgrade(), Upgrade::UpToDate);
-        let behind = status(Some(STORE_PROTOCOL), (1..=2).map(m).collect(), known());
+        assert_eq!(status_of(None, &[]).upgrade(), Upgrade::Fresh);
+        assert_eq!(status_of(Some(STORE_PROTOCOL), &[1, 2, 3]).upgrade(), Upgrade::UpToDate);
+        let behind = status_of(Some(STORE_PROTOCOL), &[1, 2]);
         assert_eq!(behind.upgrade(), Upgrade::Rolling);
         assert_eq!(behind.pending, vec![m(3)]);
-        let older = status(Some(STORE_PROTOCOL - 1), (1..=2).map(m).collect(), known());
+        let older = status_of(Some(STORE_PROTOCOL - 1), &[1, 2]);
         assert_eq!(older.upgrade(), Upgrade::StopEveryNode { from: STORE_PROTOCOL - 1, to: STORE_PROTOCOL });
-        let later = status(Some(STORE_PROTOCOL + 1), (1..=4).map(m).collect(), known());
-        assert_eq!(later.upgrade(), Upgrade::TooOld { store: STORE_PROTOCOL + 1 });
+        let later = status_of(Some(STORE_PROTOCOL + 1), &[1, 2, 3, 4]);
+        assert_eq!(later.upgrade(), Upgrade::BuildBehind { store: STORE_PROTOCOL + 1 });
         assert_eq!(later.unknown, vec![m(4)]);
         assert!(later.to_string().contains("run a build that speaks protocol"), "{later}");
+    }
+
+    #[test]
+    fn the_status_sets_a_stores_migrations_against_the_builds() {
+        let migrator = sqlx::migrate!("migrations/sqlite");
+        let last = migrator.iter().last().unwrap().version;
+        let applied = vec![(1, "records".to_string()), (999, "from a later build".to_string())];
+        let status = status(Some(STORE_PROTOCOL), applied, &migrator);
+        assert_eq!(status.pending.last().map(|m| m.version), Some(last));
+        assert_eq!(status.unknown, vec![Migration { version: 999, description: "from a later build".into() }]);
     }
 
     #[test]

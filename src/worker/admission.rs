@@ -104,12 +104,22 @@ pub(super) enum Start {
     /// Queued: claim it first.
     Claim,
     /// Already claimed by this process (queued records nobody claimed), with the worker that
-    /// was set aside for it before it was claimed, and when the claim's write was sent.
-    Claimed(OwnedSemaphorePermit, tokio::time::Instant),
-    /// Admitted claimed, first attempt marked, capacity in hand; with when the insert that
-    /// marked it was sent, and the stages of the new key so far, up to its durable record, when
-    /// its client waits for the outcome.
-    Reserved(Reservation, tokio::time::Instant, Option<Laps>),
+    /// was set aside for it before it was claimed.
+    Claimed {
+        worker: OwnedSemaphorePermit,
+        /// When the write that claimed it was sent: its lease is trusted from then.
+        granted: tokio::time::Instant,
+    },
+    /// Admitted claimed, first attempt marked, capacity in hand.
+    Reserved {
+        reservation: Reservation,
+        /// When the insert that claimed it and marked its first attempt was sent: its lease is
+        /// trusted, and that attempt's send window runs, from then.
+        marked: tokio::time::Instant,
+        /// The stages of the new key so far, up to its durable record, when its client waits
+        /// for the outcome.
+        laps: Option<Laps>,
+    },
 }
 
 impl Worker {
@@ -130,8 +140,11 @@ impl Worker {
             Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
         };
         let reservation = reserve(&inner.permits, &inner.runtimes.guard_for(route), config);
+        // The insert claims the record and marks its first attempt: its lease, and that attempt's
+        // send window, are counted from these two readings of one instant, taken just before it.
+        let (marked_at, marked) = (inner.clock.now(), tokio::time::Instant::now());
         let new = NewRecord {
-            claim: reservation.as_ref().map(|_| inner.claim(&policy)),
+            claim: reservation.as_ref().map(|_| inner.claim(marked_at, &policy)),
             policy_version: Some(policy.version.clone()),
             ..new
         };
@@ -142,7 +155,6 @@ impl Worker {
             lock(&inner.mine).insert(id);
         }
         let queued = Instant::now();
-        let sent = tokio::time::Instant::now();
         let admitted = inner.store.admit(store::Admit { new, retention_cutoff }).await;
         if !matches!(&admitted, Ok(Admission::Created(_))) {
             lock(&inner.mine).remove(&id);
@@ -162,7 +174,7 @@ impl Worker {
                     laps.lap_at(Stage::Read, queued);
                     laps.lap(Stage::AdmissionCommit);
                 }
-                Start::Reserved(reservation, sent, laps)
+                Start::Reserved { reservation, marked, laps }
             }
             None => {
                 lock(&inner.mine).insert(record.id);
@@ -190,10 +202,11 @@ fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -
 }
 
 impl Inner {
-    /// The claim that a reserved admission writes: this process's lease, and how far its first
-    /// attempt, sent under `policy`, may reach.
-    pub(super) fn claim(&self, policy: &Policy<'_>) -> Claim {
-        Claim { owner: self.owner.clone(), lease: self.lease, reach: self.reach(policy.retry.per_try_timeout) }
+    /// The claim that a reserved admission writes at `marked_at`: this process's lease, and how
+    /// far its first attempt, sent under `policy`, may reach.
+    pub(super) fn claim(&self, marked_at: Timestamp, policy: &Policy<'_>) -> Claim {
+        let (owner, lease, reach) = (self.owner.clone(), self.lease, self.reach(policy.retry.per_try_timeout));
+        Claim { owner, marked_at, lease, reach }
     }
 }
 

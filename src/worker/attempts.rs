@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
 
-use super::lease::Held;
+use super::lease::LeaseTrust;
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
@@ -20,7 +20,7 @@ use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::runtime::{Charges, RouteGuard};
 use crate::store::{self, AttemptStarted, Lease};
-use crate::upstream::{self, Answer, Head};
+use crate::upstream::{self, Answer, Head, Outbound};
 
 /// What an execution runs with, fixed when it starts.
 pub(super) struct Job<'a> {
@@ -37,7 +37,7 @@ pub(super) struct Job<'a> {
     pub(super) credentials: &'a http::HeaderMap,
     pub(super) signal: &'a CancelSignal,
     /// How far this process trusts the claim's lease.
-    pub(super) held: &'a Held,
+    pub(super) trust: &'a LeaseTrust,
     /// The route's limits as they stood when the execution started: its attempts count
     /// against them to the end, whatever a reload does to the route meanwhile.
     pub(super) guard: Arc<RouteGuard>,
@@ -215,8 +215,8 @@ impl Inner {
         // `marked`: admitted already claimed, with this first attempt marked as about to be
         // sent in the same commit, so nothing more is written before sending it.
         let (started, in_flight, marked) = match reserved {
-            Some(Reserved { place, marked_at }) => {
-                (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), Some(marked_at))
+            Some(Reserved { place, marked }) => {
+                (record.in_flight.map_or_else(|| self.clock.now(), |(_, at)| at), Some(place), Some(marked))
             }
             None => {
                 // A place among the route's attempts in flight, held for this attempt only.
@@ -224,6 +224,9 @@ impl Inner {
                 (self.clock.now(), place, None)
             }
         };
+        // `started` is the mark's time in the node's clock; this is the same instant on its
+        // monotonic one, from which the mark's lease is trusted and its send window runs.
+        let started_here = tokio::time::Instant::now();
         let cancelled = job.signal.raised.load(Ordering::SeqCst);
         let switched = self.switches.switched(&route.name);
         let limit = p
@@ -236,12 +239,14 @@ impl Inner {
         if job.signal.is_superseded() {
             return Err(End::Lost);
         }
+        if marked.is_none() && job.trust.in_doubt() {
+            return Err(End::HandBack(HandBack::ClaimInDoubt));
+        }
         let made = p.run.sending();
         p.number += 1;
-        let marked_at = match marked {
-            Some(at) => at,
+        let marked = match marked {
+            Some(marked) => marked,
             None => {
-                let sent = tokio::time::Instant::now();
                 let mark = AttemptStarted {
                     id: record.id,
                     holder: job.holder.clone(),
@@ -252,7 +257,7 @@ impl Inner {
                     policy_version: chosen.version.clone(),
                 };
                 match self.store.attempt_started(mark).await {
-                    Ok(Lease::Held { cancel_requested: false }) => job.held.renewed(sent, self.trust()),
+                    Ok(Lease::Held { cancel_requested: false }) => job.trust.renewed(started_here, self.trust()),
                     Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
                     Ok(Lease::Lost) => return Err(End::Lost),
                     Err(e) => {
@@ -261,13 +266,13 @@ impl Inner {
                         return Err(End::Lost);
                     }
                 }
-                sent
+                started_here
             }
         };
         if made == 1 {
             job.charges.first_attempt();
         }
-        let send_by = (marked_at + self.send_window).min(job.held.trusted_until());
+        let send_by = (marked + self.send_window).min(job.trust.trusted_until());
         Ok(Begun { started, in_flight, limit, send_by })
     }
 
@@ -284,18 +289,14 @@ impl Inner {
         let clock = Instant::now();
         let until = tokio::time::Instant::now() + limit;
         let sent = async {
-            let head = self
-                .upstream
-                .send_head(
-                    &record.method,
-                    job.url.clone(),
-                    &record.request.headers,
-                    &told,
-                    record.request.body.clone(),
-                    until,
-                    Some(send_by),
-                )
-                .await?;
+            let request = Outbound {
+                method: &record.method,
+                url: job.url.clone(),
+                headers: &record.request.headers,
+                added: &told,
+                body: record.request.body.clone(),
+            };
+            let head = self.upstream.send_head(request, until, Some(send_by)).await?;
             let settles =
                 matches!(chosen.retry.classify(Observed::Response(head.status)), Class::Success | Class::Final);
             if !(head.streamed && settles) {
@@ -412,7 +413,7 @@ impl Inner {
                 return Err(End::Lost);
             }
         }
-        if job.held.in_doubt() {
+        if job.trust.in_doubt() {
             return Err(End::HandBack(HandBack::ClaimInDoubt));
         }
         self.wait(job, wait).await.then()?;
@@ -426,7 +427,7 @@ impl Inner {
 /// the write that marked it was sent, which starts its send window.
 pub(super) struct Reserved {
     pub(super) place: OwnedSemaphorePermit,
-    pub(super) marked_at: tokio::time::Instant,
+    pub(super) marked: tokio::time::Instant,
 }
 
 /// The attempt as it is stored with the record.

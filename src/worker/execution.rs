@@ -9,7 +9,7 @@ use tracing::warn;
 
 use super::admission::{Reservation, Start};
 use super::attempts::{since, HandBack, Job, Progress, Reserved};
-use super::lease::Held;
+use super::lease::LeaseTrust;
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Config, Policy, Route};
 use crate::domain::RecordId;
@@ -58,16 +58,16 @@ impl Inner {
     /// before claiming a queued record. A lease never runs while its record waits for a worker.
     pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
         let outcome = match start {
-            Start::Reserved(Reservation { worker, attempt, config }, marked_at, laps) => {
+            Start::Reserved { reservation: Reservation { worker, attempt, config }, marked, laps } => {
                 let _permit = worker;
-                let reserved = Reserved { place: attempt, marked_at };
-                self.run(record, &self.holder(record.claim), marked_at, Some((reserved, config, laps)), reply).await
+                let reserved = Reserved { place: attempt, marked };
+                self.run(record, &self.holder(record.claim), marked, Some((reserved, config, laps)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
                 self.claim_and_run(record, reply).await
             }
-            Start::Claimed(worker, granted) => {
+            Start::Claimed { worker, granted } => {
                 let _permit = worker;
                 self.run(record, &self.holder(record.claim), granted, None, reply).await
             }
@@ -138,7 +138,7 @@ impl Inner {
             }
         }
         let signal = self.running(record.id, holder.token);
-        let held = Held::granted(granted, self.trust());
+        let trust = LeaseTrust::granted(granted, self.trust());
         let job = Job {
             record,
             holder,
@@ -147,7 +147,7 @@ impl Inner {
             url,
             credentials: &credentials,
             signal: &signal,
-            held: &held,
+            trust: &trust,
             guard: self.runtimes.guard_for(route),
             charges: self.runtimes.charges_for(route, &record.tenant),
             reply,

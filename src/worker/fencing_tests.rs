@@ -15,7 +15,7 @@ use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
 use crate::config::{Config, Live};
 use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
-use crate::reconcile::take_over_once;
+use crate::reconcile::Sweeper;
 use crate::record::Record;
 use crate::store::{Admission, Admit, NewRecord, Store};
 use crate::switchboard::Switches;
@@ -135,7 +135,7 @@ impl Cluster {
     /// One take-over pass of `node`, with the clock moved on by `by` first.
     async fn sweep(&self, node: &Worker, by: Duration) {
         self.clock.advance(by);
-        take_over_once(&*self.store, node, &self.config, self.clock.now()).await.unwrap();
+        Sweeper::new(self.store.clone(), node.clone()).pass(&self.config, self.clock.now()).await.unwrap();
     }
 
     /// Waits until `id` is claimed with `token`: a claim made by a spawned execution lands when

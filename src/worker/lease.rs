@@ -19,18 +19,19 @@ use crate::metrics;
 use crate::store::{Lease, StoreError};
 
 /// How far this process trusts a claim's lease, and whether a renewal cast doubt on it.
-pub(super) struct Held {
+pub(super) struct LeaseTrust {
     /// The lease is trusted before this instant, and only before it.
     trusted_until: Mutex<Instant>,
-    /// A renewal failed, or found the claim taken, while an attempt was in flight: that attempt
-    /// finishes, and no other starts under this claim.
+    /// A renewal made beside the execution (during an attempt, or while it waited for a place to
+    /// send one) failed, or found the claim taken: the attempt in flight finishes, and no other
+    /// starts under this claim.
     in_doubt: AtomicBool,
 }
 
-impl Held {
+impl LeaseTrust {
     /// A claim granted by a write sent at `sent`, trusted for `trust` from then.
-    pub(super) fn granted(sent: Instant, trust: Duration) -> Held {
-        Held { trusted_until: Mutex::new(sent + trust), in_doubt: AtomicBool::new(false) }
+    pub(super) fn granted(sent: Instant, trust: Duration) -> LeaseTrust {
+        LeaseTrust { trusted_until: Mutex::new(sent + trust), in_doubt: AtomicBool::new(false) }
     }
 
     /// A write sent at `sent` renewed the lease (a renewal, or an attempt's mark).
@@ -83,20 +84,20 @@ impl Inner {
                     renewal = None;
                     next = Instant::now() + every;
                     match renewed {
-                        Ok(Renewed::Held(sent)) => job.held.renewed(sent, self.trust()),
+                        Ok(Renewed::Held(sent)) => job.trust.renewed(sent, self.trust()),
                         Ok(Renewed::Lost) => {
-                            job.held.doubt();
+                            job.trust.doubt();
                             metrics::renewal_failed(&job.route.name, "lost");
                             warn!("the claim was taken while an attempt was in flight: that attempt finishes, no other starts under it");
                         }
                         Ok(Renewed::Failed(e)) => {
-                            job.held.doubt();
+                            job.trust.doubt();
                             metrics::renewal_failed(&job.route.name, "error");
                             error!(error = %e, "could not renew the lease while an attempt was in flight: that attempt finishes, no other starts under this claim");
                         }
                         // The task panicked or was cancelled: as good as a failed renewal.
                         Err(e) => {
-                            job.held.doubt();
+                            job.trust.doubt();
                             metrics::renewal_failed(&job.route.name, "error");
                             error!(error = %e, "a lease renewal did not finish");
                         }
@@ -106,12 +107,13 @@ impl Inner {
         }
     }
 
-    /// One renewal of `job`'s lease, as a task of its own.
+    /// One renewal of `job`'s lease, as a task of its own. Its time in the node's clock and on
+    /// the monotonic one are read together, before the task is spawned: the lease the store sets
+    /// from the first is never shorter than the trust counted from the second.
     fn renew_beside(&self, job: &Job<'_>) -> tokio::task::JoinHandle<Renewed> {
         let store = self.store.clone();
-        let renew = self.renewal(job.record.id, job.holder, self.clock.now());
+        let (renew, sent) = (self.renewal(job.record.id, job.holder, self.clock.now()), Instant::now());
         tokio::spawn(async move {
-            let sent = Instant::now();
             match store.renew(renew).await {
                 Ok(Lease::Held { .. }) => Renewed::Held(sent),
                 Ok(Lease::Lost) => Renewed::Lost,

@@ -280,7 +280,7 @@ impl Worker {
     /// record nobody claimed) by a write sent at `claimed`.
     pub fn resume(&self, record: Record, worker: FreeWorker, claimed: tokio::time::Instant) {
         let slot = self.inner.runtimes.slot(&record.route);
-        self.spawn(Arc::new(record), slot, None, Start::Claimed(worker.0, claimed));
+        self.spawn(Arc::new(record), slot, None, Start::Claimed { worker: worker.0, granted: claimed });
     }
 
     fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Told>>, start: Start) {

@@ -71,7 +71,7 @@ impl Inner {
                 let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
                 match self.store.renew(self.renewal(id, job.holder, now)).await {
                     Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
-                    Ok(Lease::Held { cancel_requested: false }) => job.held.renewed(sent, self.trust()),
+                    Ok(Lease::Held { cancel_requested: false }) => job.trust.renewed(sent, self.trust()),
                     Ok(Lease::Lost) => return WaitEnd::Lost,
                     // The next attempt's mark is a write under the claim too: it finds out.
                     Err(_) => {}

@@ -109,7 +109,7 @@ async fn a_store_of_a_later_protocol_is_refused_at_start_and_the_status_says_why
     let refused = refused.to_string();
     assert!(refused.contains(&format!("the store speaks protocol {later}")), "{refused}");
     let status = idem::store::status(&db.url).await.unwrap();
-    assert_eq!(status.upgrade(), Upgrade::TooOld { store: later });
+    assert_eq!(status.upgrade(), Upgrade::BuildBehind { store: later });
     assert!(status.to_string().contains(&format!("run a build that speaks protocol {later}")), "{status}");
 }
 

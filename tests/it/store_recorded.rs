@@ -35,7 +35,7 @@ fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
         deadline_at: now + ms(30_000),
         now,
         policy_version: Some(VERSION.into()),
-        claim: claimed.then(|| Claim { owner: WORKER.into(), lease: ms(15_000), reach: ms(12_000) }),
+        claim: claimed.then(|| Claim { owner: WORKER.into(), marked_at: now, lease: ms(15_000), reach: ms(12_000) }),
         tombstone_cutoff: None,
     }
 }

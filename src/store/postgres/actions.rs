@@ -86,7 +86,7 @@ async fn settle(
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let (state, response) = resolution.stored()?;
-    let at = clock.time(entry.at);
+    let at = clock.bind_now(entry.at);
     let sql = unknown_update(
         "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
          response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
@@ -152,7 +152,7 @@ async fn on_unknown(
 
 pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Result<Action, StoreError> {
     let Retry { id, deadline_at, entry } = retry;
-    let at = clock.time(entry.at);
+    let at = clock.bind_now(entry.at);
     let to = retried()?;
     let sql = unknown_update(
         "state = $5, queued = $6, deadline_at = $2, stop_reason = NULL,
@@ -175,7 +175,7 @@ pub(super) async fn probed(pool: &PgPool, clock: LeaseClock, probed: Probed) -> 
     if let Some(resolution) = resolution {
         return settle(pool, clock, id, resolution, Some(claim), entry).await;
     }
-    let at = clock.time(entry.at);
+    let at = clock.bind_now(entry.at);
     let sql = unknown_update(
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
         "claim_token = $5",

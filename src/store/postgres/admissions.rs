@@ -98,8 +98,7 @@ async fn insert_fresh(pool: &PgPool, clock: LeaseClock, batch: &mut [Pending]) -
         .bind(fresh.iter().map(|f| f.in_flight.map(|(_, at)| at)).collect::<Vec<_>>())
         .bind(fresh.iter().map(|f| f.claim.0).collect::<Vec<_>>())
         .bind(news.iter().map(|n| n.claim.as_ref().map(|c| span_ms(c.reach))).collect::<Vec<_>>())
-        // One time for the whole batch: each row's own `now` differs by the time it waited.
-        .bind(news.iter().map(|n| n.now).max().and_then(|now| clock.time(now)))
+        .bind(news.iter().map(|n| n.claim.as_ref().and_then(|c| clock.bind_now(c.marked_at))).collect::<Vec<_>>())
         .fetch_all(pool)
         .await?;
     ids.iter().map(|id| record_id(id)).collect()
@@ -111,15 +110,16 @@ INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, r
                      lease_owner, lease_expires_at, in_flight_number, in_flight_started_at,
                      policy_version, claim_token, in_flight_until)
 SELECT id::uuid, tenant, key, route, method, path, query, fingerprint, headers::jsonb, body,
-       state, queued, deadline_at, now, now, owner, COALESCE($22::int8, idem_now()) + lease_ms,
+       state, queued, deadline_at, now, now, owner, COALESCE(marked_at, idem_now()) + lease_ms,
        in_flight_number, in_flight_started_at, policy_version, claim_token,
-       COALESCE($22::int8, idem_now()) + reach_ms
+       COALESCE(marked_at, idem_now()) + reach_ms
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
             $8::bytea[], $9::text[], $10::bytea[], $11::int8[], $12::int8[], $13::text[], $14::int8[],
-            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[], $20::int8[], $21::int8[])
+            $15::text[], $16::text[], $17::bool[], $18::int8[], $19::int8[], $20::int8[], $21::int8[],
+            $22::int8[])
      AS fresh (id, tenant, key, route, method, path, query, fingerprint, headers, body,
                deadline_at, now, owner, lease_ms, policy_version, state, queued,
-               in_flight_number, in_flight_started_at, claim_token, reach_ms)
+               in_flight_number, in_flight_started_at, claim_token, reach_ms, marked_at)
 ON CONFLICT (tenant, key) DO NOTHING
 RETURNING id::text";
 
@@ -220,7 +220,7 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(fresh.in_flight.map(|(_, at)| at))
             .bind(fresh.claim.0)
             .bind(new.claim.as_ref().map(|c| span_ms(c.reach)))
-            .bind(clock.time(new.now))
+            .bind(new.claim.as_ref().and_then(|c| clock.bind_now(c.marked_at)))
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

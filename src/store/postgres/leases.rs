@@ -48,7 +48,7 @@ pub(super) async fn claim(
         .bind(span_ms(lease))
         .bind(now)
         .bind(to.state().as_str())
-        .bind(clock.time(now))
+        .bind(clock.bind_now(now))
         .fetch_optional(pool)
         .await?;
     Ok(token.map(ClaimToken))
@@ -75,7 +75,7 @@ pub(super) async fn attempt_started(
         .bind(span_ms(lease))
         .bind(policy_version.as_str())
         .bind(span_ms(reach))
-        .bind(clock.time(started_at))
+        .bind(clock.bind_now(started_at))
         .fetch_optional(pool)
         .await?;
     lease_of(row)
@@ -88,7 +88,7 @@ pub(super) async fn renew(pool: &PgPool, clock: LeaseClock, renew: Renew) -> Res
         .bind(holder.token.0)
         .bind(span_ms(lease))
         .bind(now)
-        .bind(clock.time(now))
+        .bind(clock.bind_now(now))
         .fetch_optional(pool)
         .await?;
     lease_of(row)

@@ -141,21 +141,14 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
         sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&pool).await?;
     let applied = match has_migrations {
         false => Vec::new(),
-        true => sqlx::query_as::<_, (i64, String)>(
-            "SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version",
-        )
-        .fetch_all(&pool)
-        .await?
-        .into_iter()
-        .map(|(version, description)| protocol::Migration { version, description })
-        .collect(),
+        true => {
+            sqlx::query_as("SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version")
+                .fetch_all(&pool)
+                .await?
+        }
     };
     pool.close().await;
-    let known = migrations()
-        .iter()
-        .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
-        .collect::<Vec<_>>();
-    Ok(protocol::status(store, applied, known.into_iter()))
+    Ok(protocol::status(store, applied, &migrations()))
 }
 
 /// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,
@@ -250,7 +243,7 @@ impl Store for PostgresStore {
              WHERE state = 'in_progress' AND lease_expires_at < COALESCE($1::bigint, idem_now())
              ORDER BY lease_expires_at LIMIT $2"
         ))
-        .bind(self.clock.time(now))
+        .bind(self.clock.bind_now(now))
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
         .await?;

@@ -83,7 +83,6 @@ async fn answer(pool: &PgPool, ending: Ending, ended: &Result<HashMap<RecordId, 
 /// take-over left it: unknown, under the same claim, its last attempt the one lost.
 pub(super) const LATE_OUTCOME: &str = "
 UPDATE records SET attempts = jsonb_set(attempts, '{-1}', $4::jsonb), state = $5, queued = FALSE,
-                   in_flight_until = CASE WHEN in_flight_until > $9 THEN $9 ELSE in_flight_until END,
                    response_status = $6, response_headers = $7::jsonb, response_body = $8,
                    done_at = CASE WHEN $5 = 'done' THEN $9 END,
                    next_probe_at = CASE WHEN $5 = 'unknown' THEN next_probe_at END,

@@ -64,7 +64,7 @@ pub(super) async fn claim_unclaimed(
     .bind(now)
     .bind(i64::from(limit))
     .bind(to.state().as_str())
-    .bind(clock.time(now))
+    .bind(clock.bind_now(now))
     .fetch_all(pool)
     .await?;
     rows.iter().map(decode).collect()

@@ -124,14 +124,8 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
     let options = SqliteConnectOptions::from_str(&url)
         .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
         .read_only(true);
-    let known = || {
-        migrations()
-            .iter()
-            .map(|m| protocol::Migration { version: m.version, description: m.description.to_string() })
-            .collect::<Vec<_>>()
-    };
     if !options.get_filename().exists() {
-        return Ok(protocol::status(None, Vec::new(), known().into_iter()));
+        return Ok(protocol::status(None, Vec::new(), &migrations()));
     }
     let mut conn = SqliteConnection::connect_with(&options).await?;
     let store = stored_protocol(&mut conn).await?;
@@ -141,16 +135,13 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
             .await?;
     let applied = match has_migrations {
         false => Vec::new(),
-        true => sqlx::query_as::<_, (i64, String)>(
-            "SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version",
-        )
-        .fetch_all(&mut conn)
-        .await?
-        .into_iter()
-        .map(|(version, description)| protocol::Migration { version, description })
-        .collect(),
+        true => {
+            sqlx::query_as("SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version")
+                .fetch_all(&mut conn)
+                .await?
+        }
     };
-    Ok(protocol::status(store, applied, known().into_iter()))
+    Ok(protocol::status(store, applied, &migrations()))
 }
 
 /// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,

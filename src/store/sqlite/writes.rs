@@ -100,7 +100,7 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         new.deadline_at,
         new.now,
         new.claim.as_ref().map(|c| &*c.owner),
-        new.claim.as_ref().map(|c| new.now + c.lease),
+        new.claim.as_ref().map(|c| c.marked_at + c.lease),
         cutoff,
         new.tombstone_cutoff,
         new.policy_version.as_ref().map(|v| v.as_str()),
@@ -109,7 +109,7 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         fresh.in_flight.map(|(number, _)| number),
         fresh.in_flight.map(|(_, at)| at),
         fresh.claim.0,
-        new.claim.as_ref().map(|c| new.now + c.reach),
+        new.claim.as_ref().map(|c| c.marked_at + c.reach),
     ];
     if conn.prepare_cached(INSERT_NEW)?.execute(params)? == 1 {
         return Ok(Admission::Created(new.inserted()));
@@ -188,7 +188,10 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
 }
 
 /// Stores an outcome under its claim. An outcome that carries its attempt ends that attempt's
-/// life: its node saw it end, so the record's bound need not run on past now.
+/// life (its node saw it end), so the record's bound need not run on past now — unless the
+/// record was ever taken over, when an attempt of an earlier claim may still be on its way:
+/// the bound covers that one too, and stays. (Any time not later than the bound will do for an
+/// attempt that has ended, so the node's clock serves, whichever clock the bound is kept in.)
 fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError> {
     let AttemptEnded { id, holder, attempt, then, stream, now } = ended;
     let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
@@ -200,7 +203,8 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError>
         "UPDATE records SET
             attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
             in_flight_number = NULL, in_flight_started_at = NULL,
-            in_flight_until = CASE WHEN ?3 IS NOT NULL AND in_flight_until > ?9 THEN ?9 ELSE in_flight_until END,
+            in_flight_until = CASE WHEN ?3 IS NOT NULL AND takeovers = 0 AND in_flight_until > ?9 THEN ?9
+                                   ELSE in_flight_until END,
             state = ?4, queued = ?10, not_before = CASE WHEN ?10 = 1 THEN not_before ELSE ?11 END,
             lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
             lease_expires_at = CASE WHEN ?4 = 'in_progress' THEN lease_expires_at END,
@@ -235,7 +239,6 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
     let changed = conn
         .prepare_cached(
             "UPDATE records SET attempts = json_replace(attempts, '$[#-1]', json(?4)), state = ?5, queued = 0,
-                in_flight_until = CASE WHEN in_flight_until > ?9 THEN ?9 ELSE in_flight_until END,
                 response_status = ?6, response_headers = ?7, response_body = ?8,
                 done_at = CASE WHEN ?5 = 'done' THEN ?9 END,
                 next_probe_at = CASE WHEN ?5 = 'unknown' THEN next_probe_at END,

@@ -97,8 +97,8 @@ struct Seen {
     /// The answer of each operation's first execution that succeeded: what `GET
     /// /<route>/by-key/<key>` tells, and what a deduplicating upstream answers again.
     answers: HashMap<String, (u16, String)>,
-    /// The highest claim a deduplicating upstream has seen per operation.
-    claims: HashMap<String, i64>,
+    /// The record and the highest claim of it a deduplicating upstream has seen per operation.
+    claims: HashMap<String, (String, i64)>,
     scripts: HashMap<String, VecDeque<Reply>>,
     /// Every request's method and path (with its query), in order of arrival.
     received: Vec<String>,
@@ -110,8 +110,8 @@ struct Seen {
 /// upstream: `?queue_ms=N` holds the request in its own queue for N ms before it executes (a
 /// client that leaves meanwhile executes nothing); `?dedupe=1` makes it deduplicate by key, as a
 /// replay-safe route's upstream must (a key executed before gets that answer again, not a second
-/// execution), and fence by the broker's claim (`Idem-Attempt`: an attempt of an older claim than
-/// one seen is refused 409, not executed). `GET /<route>/by-key/<key>` answers what that key's
+/// execution), and fence by the broker's claim (`Idem-Attempt`: an attempt of an older claim of
+/// the record than one seen is refused 409, not executed). `GET /<route>/by-key/<key>` answers what that key's
 /// first execution answered, or 404: what a probe asks.
 #[derive(Clone)]
 pub struct Upstream {
@@ -127,10 +127,13 @@ struct Knobs {
     dedupe: Option<u8>,
 }
 
-/// The claim an `Idem-Attempt` header names: `<record>; claim=<n>; attempt=<m>`.
-fn claim_of(headers: &HeaderMap) -> Option<i64> {
+/// The record and claim an `Idem-Attempt` header names: `<record>; claim=<n>; attempt=<m>`.
+fn claim_of(headers: &HeaderMap) -> Option<(String, i64)> {
     let value = headers.get("idem-attempt")?.to_str().ok()?;
-    value.split(';').find_map(|part| part.trim().strip_prefix("claim=")?.parse().ok())
+    let mut parts = value.split(';').map(str::trim);
+    let record = parts.next()?.to_string();
+    let claim = parts.find_map(|part| part.strip_prefix("claim=")?.parse().ok())?;
+    Some((record, claim))
 }
 
 fn operation(headers: &HeaderMap, path: &str) -> String {
@@ -150,9 +153,12 @@ async fn answer(
     body: Bytes,
 ) -> Response {
     let op = operation(&headers, uri.path());
+    let asked = format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str()));
     if method == axum::http::Method::GET {
         if let Some((_, key)) = uri.path().trim_start_matches('/').split_once("/by-key/") {
-            let answer = seen.lock().unwrap().answers.get(key).cloned();
+            let mut seen = seen.lock().unwrap();
+            seen.received.push(asked);
+            let answer = seen.answers.get(key).cloned();
             return match answer {
                 Some((status, body)) => (StatusCode::from_u16(status).unwrap(), body).into_response(),
                 None => StatusCode::NOT_FOUND.into_response(),
@@ -164,19 +170,19 @@ async fn answer(
     }
     if knobs.dedupe == Some(1) {
         let mut seen = seen.lock().unwrap();
-        let claim = claim_of(&headers).unwrap_or(0);
-        let highest = seen.claims.entry(op.clone()).or_insert(claim);
-        if claim < *highest {
+        let (record, claim) = claim_of(&headers).unwrap_or_default();
+        let highest = seen.claims.entry(op.clone()).or_insert_with(|| (record.clone(), claim));
+        if highest.0 == record && claim < highest.1 {
             return (StatusCode::CONFLICT, "an attempt of an older claim").into_response();
         }
-        *highest = claim;
+        *highest = (record, claim);
         if let Some((status, body)) = seen.answers.get(&op).cloned() {
             return (StatusCode::from_u16(status).unwrap(), body).into_response();
         }
     }
     let (n, scripted) = {
         let mut seen = seen.lock().unwrap();
-        seen.received.push(format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str())));
+        seen.received.push(asked);
         let n = {
             let hits = seen.hits.entry(op.clone()).or_default();
             *hits += 1;

@@ -5,7 +5,7 @@ use super::*;
 
 pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_first_attempt_marked(backend: Backend) {
     let (store, _db) = store_on(backend).await;
-    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let claim = Claim { owner: WORKER.into(), marked_at: T0, lease: LEASE, reach: REACH };
     let new = NewRecord {
         claim: Some(claim.clone()),
         policy_version: Some(VERSION.into()),
@@ -138,7 +138,7 @@ pub(super) async fn concurrent_admits_of_many_keys_create_each_once_and_answer_w
         .map(|i| {
             let store = store.clone();
             let key = if i == 127 { "expired".to_string() } else { format!("fresh-{}", i % 63) };
-            let claim = (i % 2 == 0).then(|| Claim { owner: WORKER.into(), lease: LEASE, reach: REACH });
+            let claim = (i % 2 == 0).then(|| Claim { owner: WORKER.into(), marked_at: T0, lease: LEASE, reach: REACH });
             let new = NewRecord { claim, policy_version: Some(VERSION.into()), ..request("default", &key, BODY) };
             tokio::spawn(async move { (key, store.admit(Admit { new, retention_cutoff: T0 + ms(1) }).await.unwrap()) })
         })
@@ -261,7 +261,7 @@ pub(super) async fn a_done_record_past_retention_is_replaced_with_a_new_id(backe
 
     // With a claim, the replacement is still queued (its worker claims it), and says so.
     let old = done(&store, request("default", "old-claimed", BODY), T0 + ms(1_000)).await;
-    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let claim = Claim { owner: WORKER.into(), marked_at: T0, lease: LEASE, reach: REACH };
     let new = NewRecord {
         claim: Some(claim),
         policy_version: Some(VERSION.into()),

@@ -310,7 +310,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let (store, _db) = store_on(backend).await;
     let (old, new) = ("aaaaaaaaaaaa", "bbbbbbbbbbbb");
     // Admitted claimed: the first attempt's mark carries the claim's version.
-    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let claim = Claim { owner: WORKER.into(), marked_at: T0, lease: LEASE, reach: REACH };
     let record = created(
         store
             .admit(Admit {

@@ -101,7 +101,7 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
     assert!(store.renew(Renew { lease: 3 * LEASE, ..renewal(&second) }).await.unwrap().is_held());
 
     // A claimed admission.
-    let claim = Claim { owner: WORKER.into(), lease: LEASE, reach: REACH };
+    let claim = Claim { owner: WORKER.into(), marked_at: T0, lease: LEASE, reach: REACH };
     let new =
         NewRecord { claim: Some(claim), policy_version: Some(VERSION.into()), ..request("default", "express", BODY) };
     let admitted = created(store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap());

@@ -1,5 +1,6 @@
 //! Talking to upstreams: one HTTP attempt, reported as what the broker can know about it, and
-//! the header rules shared by the recorded and the plain proxy paths.
+//! the header rules shared by the recorded and the plain proxy paths. What an attempt passes
+//! before its first byte leaves (the connect limit, its send window) is in `gate`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -152,11 +153,27 @@ pub struct Upstream {
 
 type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
 
+mod gate;
+
+use gate::{Outgoing, TimedConnect};
+
 /// The longest a connection may take to open, TCP and TLS handshake together; past it, nothing
 /// was sent.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled connection to an upstream is kept.
 const POOL_IDLE: Duration = Duration::from_secs(30);
+
+/// One request for an upstream, as an attempt, a probe or a plain proxied call sends it.
+pub struct Outbound<'a> {
+    pub method: &'a Method,
+    pub url: url::Url,
+    /// The request's own headers, as stored (or as forwarded for a call never recorded).
+    pub headers: &'a [(String, String)],
+    /// Headers added at the send and never stored: the route's credentials, the client's
+    /// forwarded `Authorization`, an attempt's deadline and claim.
+    pub added: &'a HeaderMap,
+    pub body: Bytes,
+}
 
 /// A complete upstream answer, as received within the attempt's limit.
 #[derive(Debug, Clone)]
@@ -189,60 +206,41 @@ impl Upstream {
         let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_timer(TokioTimer::new())
-            .build(TimedConnect { inner: connector, limit });
+            .build(TimedConnect::new(connector, limit));
         Upstream { client }
     }
 
-    /// Sends one attempt and waits at most `limit` for the whole answer, body included. A
+    /// Sends one request and waits at most `limit` for the whole answer, body included. A
     /// response that would arrive later is dropped with the connection: it is never used.
-    pub async fn send(
-        &self,
-        method: &Method,
-        url: url::Url,
-        headers: &[(String, String)],
-        credentials: &HeaderMap,
-        body: Bytes,
-        limit: Duration,
-    ) -> Result<Answer, Observed> {
+    pub async fn send(&self, request: Outbound<'_>, limit: Duration) -> Result<Answer, Observed> {
         let until = tokio::time::Instant::now() + limit;
-        self.send_head(method, url, headers, credentials, body, until, None).await?.whole(until).await
+        self.send_head(request, until, None).await?.whole(until).await
     }
 
-    /// Sends one attempt and waits until `until` for its status and headers; the body is left
+    /// Sends one request and waits until `until` for its status and headers; the body is left
     /// to read, whole or part by part. With `send_by`, the request's first byte leaves before
-    /// that instant or not at all: checked just before the connection writes it, after any
-    /// connect, and answered [`Observed::NotSent`] when it is too late.
-    #[allow(clippy::too_many_arguments)]
+    /// that instant or not at all (see `gate`), and it is answered [`Observed::NotSent`] when it
+    /// is too late.
     pub async fn send_head(
         &self,
-        method: &Method,
-        url: url::Url,
-        headers: &[(String, String)],
-        credentials: &HeaderMap,
-        body: Bytes,
+        request: Outbound<'_>,
         until: tokio::time::Instant,
         send_by: Option<tokio::time::Instant>,
     ) -> Result<Head, Observed> {
+        let Outbound { method, url, headers, added, body } = request;
         // It cannot fail on what reaches here (a URL that parsed); were it to, the request was
         // not sent.
         let uri: http::Uri = url.as_str().parse().map_err(|_| Observed::ConnectFailed)?;
-        let mut request = http::Request::new(Outgoing { data: Some(body), send_by });
+        let mut request = http::Request::new(Outgoing::new(body, send_by));
         *request.method_mut() = method.clone();
         *request.uri_mut() = uri;
         let headers_sent = request.headers_mut();
         *headers_sent = to_header_map(headers);
-        // Credentials are added at the send, never to what is stored.
-        headers_sent.extend(credentials.clone());
-        // The send window is checked three times, the last as close to the wire as each case
-        // allows: here, before anything; when a new connection is ready (`TimedConnect`); and by
-        // the body, as the connection asks for it (`Outgoing`) — but an empty body, which hyper
-        // writes with the head without asking for it.
-        if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) {
-            return Err(Observed::NotSent);
-        }
-        let sending = SEND_BY.scope(send_by, self.client.request(request));
-        let response = match tokio::time::timeout_at(until, sending).await {
-            Ok(sent) => sent.map_err(|e| observed(&e))?,
+        // Credentials (and the attempt's own headers) are added at the send, never to what is
+        // stored.
+        headers_sent.extend(added.clone());
+        let response = match tokio::time::timeout_at(until, gate::send_within(&self.client, request, send_by)).await {
+            Ok(sent) => sent?,
             Err(_) => return Err(Observed::TimedOut),
         };
         let (parts, body) = response.into_parts();
@@ -300,127 +298,9 @@ impl Head {
     }
 }
 
-/// A connector that gives up after `limit`: the TCP connector's own timeout would leave a TLS
-/// handshake that stalls to the attempt's limit, and a send that times out there would count as
-/// one that may have executed, where nothing can have been sent. Its failure is a connect error.
-#[derive(Clone)]
-struct TimedConnect<C> {
-    inner: C,
-    limit: Duration,
-}
-
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-impl<C> tower_service::Service<http::Uri> for TimedConnect<C>
-where
-    C: tower_service::Service<http::Uri>,
-    C::Error: Into<BoxError>,
-    C::Future: Send + 'static,
-{
-    type Response = C::Response;
-    type Error = BoxError;
-    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    /// Connects within the limit, and within the send window of the attempt it connects for:
-    /// a connection made after the window is given up before a byte is written on it. (The
-    /// pool calls this from the attempt's own task, which holds its window in [`SEND_BY`].)
-    fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let (connecting, limit) = (self.inner.call(uri), self.limit);
-        let send_by = SEND_BY.try_with(|by| *by).ok().flatten();
-        Box::pin(async move {
-            let limit_at = tokio::time::Instant::now() + limit;
-            let until = send_by.map_or(limit_at, |by| by.min(limit_at));
-            match tokio::time::timeout_at(until, connecting).await {
-                Ok(Ok(_)) if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) => {
-                    Err(BoxError::from(TooLate))
-                }
-                Ok(connected) => connected.map_err(Into::into),
-                Err(_) if until < limit_at => Err(BoxError::from(TooLate)),
-                Err(_) => Err(format!("no connection within {limit:?}").into()),
-            }
-        })
-    }
-}
-
-tokio::task_local! {
-    /// The send window of the attempt whose request is being sent from this task, for the
-    /// connector the pool calls on its behalf.
-    static SEND_BY: Option<tokio::time::Instant>;
-}
-
 impl Default for Upstream {
     fn default() -> Self {
         Upstream::new()
-    }
-}
-
-/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake), or a
-/// request given up before its first byte ([`TooLate`]), proves nothing was sent. A request the
-/// pool found its connection closed for before writing it is sent again on a fresh one by the
-/// client itself, so what fails after that may have been sent.
-fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
-    let mut source = std::error::Error::source(e);
-    while let Some(cause) = source {
-        if cause.is::<TooLate>() {
-            return Observed::NotSent;
-        }
-        source = cause.source();
-    }
-    match e.is_connect() {
-        true => Observed::ConnectFailed,
-        false => Observed::Broken,
-    }
-}
-
-/// A request's body, as the connection asks for it. With `send_by`, it is the last gate before
-/// the wire: the connection writes the request's head into its buffer, asks the body for its
-/// first part, and only then writes anything out, so a body that refuses here (too late) lets
-/// nothing of the request leave, and the connection is closed unused.
-pub struct Outgoing {
-    data: Option<Bytes>,
-    send_by: Option<tokio::time::Instant>,
-}
-
-/// The send window of an attempt had passed when its connection was ready to write it.
-#[derive(Debug)]
-pub struct TooLate;
-
-impl std::fmt::Display for TooLate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the attempt's send window had passed before its first byte: not sent")
-    }
-}
-
-impl std::error::Error for TooLate {}
-
-impl hyper::body::Body for Outgoing {
-    type Data = Bytes;
-    type Error = TooLate;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, TooLate>>> {
-        if let Some(by) = self.send_by.take() {
-            if tokio::time::Instant::now() >= by {
-                return std::task::Poll::Ready(Some(Err(TooLate)));
-            }
-        }
-        let data = self.data.take().filter(|d| !d.is_empty());
-        std::task::Poll::Ready(data.map(|d| Ok(hyper::body::Frame::data(d))))
-    }
-
-    /// An empty body with a gate is still asked for, once: the gate is the point.
-    fn is_end_stream(&self) -> bool {
-        self.send_by.is_none() && self.data.as_ref().is_none_or(Bytes::is_empty)
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        hyper::body::SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
     }
 }
 
@@ -434,6 +314,19 @@ mod tests {
             m.append(HeaderName::from_bytes(n.as_bytes()).unwrap(), v.parse().unwrap());
         }
         m
+    }
+
+    /// A POST to `url`, with nothing added.
+    fn post(url: &str) -> Outbound<'static> {
+        static NOTHING: std::sync::OnceLock<HeaderMap> = std::sync::OnceLock::new();
+        let added = NOTHING.get_or_init(HeaderMap::new);
+        Outbound {
+            method: &Method::POST,
+            url: url.parse().unwrap(),
+            headers: &[],
+            added,
+            body: Bytes::from_static(b"{}"),
+        }
     }
 
     fn names(pairs: &[(String, String)]) -> Vec<&str> {
@@ -506,150 +399,11 @@ mod tests {
             let _ = socket.write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n").await;
             first
         });
-        let sent = Upstream::new()
-            .send(
-                &Method::POST,
-                url.parse().unwrap(),
-                &[],
-                &HeaderMap::new(),
-                Bytes::from_static(b"{}"),
-                Duration::from_secs(5),
-            )
-            .await;
+        let sent = Upstream::new().send(post(&url), Duration::from_secs(5)).await;
         assert_eq!(sent.unwrap_err(), Observed::ConnectFailed, "the request cannot have been sent");
         // A TLS handshake record (22), version 3.x: a ClientHello, not an HTTP request.
         let first = opened.await.unwrap();
         assert_eq!(&first[..2], &[0x16, 0x03], "{first:?}");
-    }
-
-    #[tokio::test]
-    async fn a_tls_handshake_that_stalls_is_a_failed_connect_not_a_send_that_timed_out() {
-        // Accepts the connection and never answers its ClientHello.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("https://{}/payments", listener.local_addr().unwrap());
-        let held = tokio::spawn(async move { listener.accept().await.unwrap() });
-        let started = tokio::time::Instant::now();
-        let sent = Upstream::connecting_within(Duration::from_millis(200))
-            .send(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(10))
-            .await;
-        assert_eq!(sent.unwrap_err(), Observed::ConnectFailed);
-        assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
-        drop(held);
-    }
-
-    /// What a [`recording_server`] was sent, per connection, and a permit for each connection
-    /// it saw closed.
-    type Received = (Arc<std::sync::Mutex<Vec<Vec<u8>>>>, Arc<tokio::sync::Semaphore>);
-
-    /// A server that answers 201 to every request and keeps every byte it was sent, per
-    /// connection.
-    async fn recording_server() -> (String, Received) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/payments", listener.local_addr().unwrap());
-        let received = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let closed = Arc::new(tokio::sync::Semaphore::new(0));
-        let (kept, closes) = (received.clone(), closed.clone());
-        tokio::spawn(async move {
-            loop {
-                let (mut socket, _) = listener.accept().await.unwrap();
-                let (kept, closes) = (kept.clone(), closes.clone());
-                tokio::spawn(async move {
-                    let index = {
-                        let mut kept = kept.lock().unwrap();
-                        kept.push(Vec::new());
-                        kept.len() - 1
-                    };
-                    let mut buffer = [0u8; 4096];
-                    while let Ok(n @ 1..) = socket.read(&mut buffer).await {
-                        kept.lock().unwrap()[index].extend_from_slice(&buffer[..n]);
-                        let answer = b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
-                        if socket.write_all(answer).await.is_err() {
-                            break;
-                        }
-                    }
-                    closes.add_permits(1);
-                });
-            }
-        });
-        (url, (received, closed))
-    }
-
-    #[tokio::test]
-    async fn an_attempt_past_its_send_window_leaves_nothing_on_the_wire_fresh_or_pooled() {
-        let (url, (received, _)) = recording_server().await;
-        let upstream = Upstream::new();
-        let send = |send_by: tokio::time::Instant, body: &'static [u8]| {
-            let until = tokio::time::Instant::now() + Duration::from_secs(5);
-            let (upstream, url) = (upstream.clone(), url.parse().unwrap());
-            async move {
-                let head = upstream
-                    .send_head(
-                        &Method::POST,
-                        url,
-                        &[],
-                        &HeaderMap::new(),
-                        Bytes::from_static(body),
-                        until,
-                        Some(send_by),
-                    )
-                    .await?;
-                head.whole(until).await
-            }
-        };
-        let past = tokio::time::Instant::now() - Duration::from_millis(1);
-        // A fresh connection: opened, then given up before its first byte.
-        assert_eq!(send(past, b"{}").await.unwrap_err(), Observed::NotSent);
-        // A request within its window goes, and leaves its connection in the pool.
-        let later = tokio::time::Instant::now() + Duration::from_secs(5);
-        assert_eq!(send(later, b"{\"n\":1}").await.unwrap().response.status, 201);
-        // A pooled connection, and an empty body: given up all the same.
-        assert_eq!(send(past, b"").await.unwrap_err(), Observed::NotSent);
-        let received = received.lock().unwrap().clone();
-        let sent: Vec<String> = received.iter().map(|bytes| String::from_utf8_lossy(bytes).into_owned()).collect();
-        assert_eq!(sent.iter().filter(|s| s.starts_with("POST /payments")).count(), 1, "{sent:?}");
-        assert!(
-            sent.iter().all(|s| s.is_empty() || s.ends_with("{\"n\":1}")),
-            "only the one within its window: {sent:?}"
-        );
-    }
-
-    /// The body is the last gate: hyper writes a request's head into its buffer, asks the body
-    /// for its first part, and flushes only then. A body past its window leaves nothing on the
-    /// wire, on a connection that nothing else checks (hyper's own, with no pool in front).
-    #[tokio::test]
-    async fn a_body_past_its_send_window_lets_no_byte_of_its_request_out() {
-        let (url, (received, closed)) = recording_server().await;
-        let authority = url.parse::<http::Uri>().unwrap().authority().unwrap().to_string();
-        let stream = tokio::net::TcpStream::connect(&authority).await.unwrap();
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
-        let driven = tokio::spawn(connection);
-        let past = tokio::time::Instant::now() - Duration::from_millis(1);
-        let body = Outgoing { data: Some(Bytes::from_static(b"{}")), send_by: Some(past) };
-        let request = http::Request::post(&url).header("host", &authority).body(body).unwrap();
-        let refused = sender.send_request(request).await.unwrap_err();
-        assert!(std::error::Error::source(&refused).is_some_and(|e| e.is::<TooLate>()), "{refused:?}");
-        let _ = driven.await;
-        // Whatever was written is read before the server sees the connection closed.
-        closed.acquire().await.unwrap().forget();
-        assert!(received.lock().unwrap().iter().all(Vec::is_empty), "bytes left: {:?}", received.lock().unwrap());
-    }
-
-    #[tokio::test]
-    async fn a_connection_made_after_the_send_window_is_given_up_as_not_sent() {
-        // Accepts the connection and never answers its ClientHello: the connect outlasts the window.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("https://{}/payments", listener.local_addr().unwrap());
-        let held = tokio::spawn(async move { listener.accept().await.unwrap() });
-        let started = tokio::time::Instant::now();
-        let (until, send_by) = (started + Duration::from_secs(10), started + Duration::from_millis(200));
-        let sent = Upstream::new()
-            .send_head(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), until, Some(send_by))
-            .await;
-        assert_eq!(sent.unwrap_err(), Observed::NotSent);
-        assert!(started.elapsed() < Duration::from_secs(2), "given up at its window: {:?}", started.elapsed());
-        drop(held);
     }
 
     #[tokio::test]
@@ -661,10 +415,7 @@ mod tests {
 
         let upstream = Upstream::new();
         for _ in 0..3 {
-            let answer = upstream
-                .send(&Method::POST, url.parse().unwrap(), &[], &HeaderMap::new(), Bytes::new(), Duration::from_secs(5))
-                .await
-                .unwrap();
+            let answer = upstream.send(post(&url), Duration::from_secs(5)).await.unwrap();
             let body = answer.response.body;
             assert_eq!(&body[..], br#"{"id":"pay_1"}"#);
             // A slice of the pooled connection's read buffer would keep all of it alive.

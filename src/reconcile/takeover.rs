@@ -1,76 +1,16 @@
-//! Background upkeep of the store, on every node:
-//! - take-over: records whose worker died (lease expired) are continued, freed or moved to
-//!   `unknown` by the take-over rule (docs/operations.md#surviving-crashes); queued records nobody
-//!   claimed are claimed here;
-//! - probes: `unknown` records of routes with a `probe` are settled by asking the upstream;
-//! - retention: `done` records past retention are deleted in batches.
-//!
-//! The store's own health check lives with the store (`store::watch_store`).
+//! Take-over: records whose lease expired, moved by the transition table on what was read of
+//! them; and queued records nobody claimed, claimed by a node with workers free for them.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{Clock, SharedClock};
-use crate::config::{Config, Live, Probe, Route};
-use crate::domain::AttemptError;
-use crate::domain::HistoryAction;
-use crate::domain::StopReason;
-use crate::domain::{AttemptOutcome, Phase, Timestamp};
+use super::BATCH;
+use crate::clock::SharedClock;
+use crate::config::{Config, Live, Route};
+use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Phase, StopReason, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
-use crate::store::{
-    Action, ClaimUnclaimed, Probed, ProbesDue, Resolution, RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
-};
-use crate::upstream::Upstream;
+use crate::store::{ClaimUnclaimed, Store, TakeOver, TakeOverTo};
 use crate::worker::Worker;
-
-const SWEEP_BATCH: u32 = 1000;
-const BATCH: u32 = 64;
-
-/// How often the retention sweep runs: a tenth of the retention, between 1 s and 1 min.
-pub fn sweep_interval(retention: Duration) -> Duration {
-    (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
-}
-
-/// What the sweep does at `now`: each route's done records past its retention become tombstones
-/// (or go, when the route keeps none); those of routes no longer configured go after the store's
-/// retention.
-pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
-    let routes = config
-        .routes
-        .iter()
-        .map(|r| RouteSweep {
-            route: r.name.clone(),
-            cutoff: now - r.retention,
-            tombstone_after: (!r.tombstone.is_zero()).then(|| r.retention + r.tombstone),
-        })
-        .collect();
-    SweepPlan { now, routes, others_cutoff: now - config.store.retention }
-}
-
-/// Sweeps by the configuration in force at each pass, and paces itself by it.
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) {
-    loop {
-        let config = config.current();
-        let plan = sweep_plan(&config, clock.now());
-        loop {
-            match store.sweep_done(Sweep { plan: plan.clone(), limit: SWEEP_BATCH }).await {
-                Ok(n) if n >= SWEEP_BATCH as u64 => continue,
-                Ok(n) => {
-                    if n > 0 {
-                        tracing::info!(changed = n, "retention sweep");
-                    }
-                    break;
-                }
-                Err(e) => {
-                    e.log("retention sweep failed; will try again");
-                    break;
-                }
-            }
-        }
-        let shortest = config.routes.iter().map(|r| r.retention).chain([config.store.retention]).min();
-        tokio::time::sleep(sweep_interval(shortest.unwrap_or(config.store.retention))).await;
-    }
-}
 
 /// Where a record whose lease expired goes (docs/concepts.md): `unknown` if an attempt may have been sent
 /// and the route is not replay-safe; otherwise queued again, or freed if its deadline passed.
@@ -119,60 +59,70 @@ pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>
     }
 }
 
-/// One pass of the take-over sweep, as of `now`, with no store failure seen before it.
-pub async fn take_over_once(
-    store: &dyn Store,
-    worker: &Worker,
-    config: &Config,
-    now: Timestamp,
-) -> Result<(), crate::store::StoreError> {
-    take_over_expired(store, worker, config, now).await?;
-    claim_orphans(store, worker, config, now).await
-}
-
-/// The take-over sweep of one node, pass by pass. It remembers when a pass last failed: a store
-/// that could not be reached may have left a node holding an answer it told its client but could
-/// not record, whose lease ran out meanwhile. That node writes it again as soon as the store
-/// answers (every third of a lease at the most), so for a lease after a failed pass this sweep
-/// takes nothing over: a take-over then could send again what a client was already answered.
+/// The take-over sweep of one node, pass by pass. It remembers whether a pass found the store
+/// failing: a store that could not be reached may have left a node holding an answer it told its
+/// client but could not record, whose lease ran out meanwhile. That node writes it again as soon
+/// as the store answers (every third of a lease at the most), so once a pass finds the store
+/// failing, this sweep takes nothing over until a pass succeeds and for a lease after that: a
+/// take-over then could send again what a client was already answered. Meanwhile it still reads
+/// the expired leases, which is how it finds out that the store answers again.
 pub struct Sweeper {
     store: Arc<dyn Store>,
     worker: Worker,
-    failed_at: Option<tokio::time::Instant>,
+    hold: Hold,
+}
+
+/// Whether a sweep takes leases over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    No,
+    /// A pass failed: none until one succeeds.
+    UntilAnswered,
+    /// The store answers again: none before this instant.
+    Until(tokio::time::Instant),
 }
 
 impl Sweeper {
     pub fn new(store: Arc<dyn Store>, worker: Worker) -> Sweeper {
-        Sweeper { store, worker, failed_at: None }
+        Sweeper { store, worker, hold: Hold::No }
     }
 
-    /// One pass, as of `now`: expired leases taken over (unless a pass failed within a lease),
-    /// then queued records nobody claimed.
+    /// One pass, as of `now` (just read): expired leases taken over (unless held since the store
+    /// failed), then queued records nobody claimed.
     pub async fn pass(&mut self, config: &Config, now: Timestamp) -> Result<(), crate::store::StoreError> {
-        let lease = config.worker.lease;
-        let recovering = self.failed_at.is_some_and(|at| at.elapsed() < lease);
+        let read = tokio::time::Instant::now();
+        let holding = match self.hold {
+            Hold::No => false,
+            Hold::UntilAnswered => true,
+            Hold::Until(until) => read < until,
+        };
         let passed = async {
-            if !recovering {
-                take_over_expired(&*self.store, &self.worker, config, now).await?;
+            let expired = self.store.expired_leases(now, BATCH).await?;
+            if !holding {
+                take_over_expired(&*self.store, &self.worker, config, now, expired).await?;
             }
-            claim_orphans(&*self.store, &self.worker, config, now).await
+            claim_orphans(&*self.store, &self.worker, config, now, read).await
         }
         .await;
-        if passed.is_err() {
-            self.failed_at = Some(tokio::time::Instant::now());
-        }
+        self.hold = match (&passed, self.hold) {
+            (Err(_), _) => Hold::UntilAnswered,
+            (Ok(()), Hold::UntilAnswered) => Hold::Until(tokio::time::Instant::now() + config.worker.lease),
+            (Ok(()), Hold::Until(_)) if !holding => Hold::No,
+            (Ok(()), hold) => hold,
+        };
         passed
     }
 }
 
-/// Takes over the records whose lease expired, each as [`after_lease_expiry`] decides.
+/// Takes over the records whose lease `expired`, each as [`after_lease_expiry`] decides.
 async fn take_over_expired(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
     now: Timestamp,
+    expired: Vec<Record>,
 ) -> Result<(), crate::store::StoreError> {
-    for record in store.expired_leases(now, BATCH).await? {
+    for record in expired {
         let Some(lease) = &record.lease else { continue };
         let route = config.route_named(&record.route);
         let to = after_lease_expiry(&record, route, now, config.worker.max_takeovers);
@@ -232,12 +182,15 @@ async fn take_over_expired(
 /// each set aside before the claim. A busy node leaves the rest to nodes that can run them, or
 /// to a later pass. About half of them (rounded up, so a node with one free worker still takes
 /// over), so that new requests arriving meanwhile still find a worker free and are claimed as
-/// they are recorded: the claim below may wait on the store.
+/// they are recorded: the claim below may wait on the store. `read` is `now` on the monotonic
+/// clock: the claims' leases are trusted from then, never from later than the time they are
+/// written with.
 async fn claim_orphans(
     store: &dyn Store,
     worker: &Worker,
     config: &Config,
     now: Timestamp,
+    read: tokio::time::Instant,
 ) -> Result<(), crate::store::StoreError> {
     let free = worker.free_workers((BATCH as usize).min(worker.idle_workers().div_ceil(2)));
     if free.is_empty() {
@@ -247,129 +200,23 @@ async fn claim_orphans(
     let lease = config.worker.lease;
     let limit = free.len() as u32;
     let owner = worker.owner().into();
-    let sent = tokio::time::Instant::now();
     let claimed = store.claim_unclaimed(ClaimUnclaimed { owner, lease, idle_since, now, limit }).await?;
     // At most `limit` records: one worker each. Workers not needed go back as they drop.
     for (record, free) in claimed.into_iter().zip(free) {
         tracing::info!(record = %record.id, "claimed a queued record nobody was executing");
-        worker.resume(record, free, sent);
+        worker.resume(record, free, read);
     }
     Ok(())
-}
-
-/// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
-pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
-    let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
-    settle.saturating_mul(factor).min(Duration::from_secs(300))
-}
-
-/// Probes the upstream about `unknown` records of routes that declare how, as the configuration
-/// in force at each pass declares it.
-pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker, clock: SharedClock) {
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let config = config.current();
-        for route in config.routes.iter().filter(|r| r.probe.is_some()) {
-            if let Err(e) = probe_once(&*store, &upstream, route, &worker, &*clock).await {
-                e.log(&format!("probing the records of route {} failed; will try again", route.name));
-            }
-        }
-    }
-}
-
-/// Probes the `unknown` records of `route` that are due, once. A probe's "executed" settles a
-/// record at once; its "not executed" only once no attempt marked under the record can still
-/// reach the upstream (its `in_flight_until`): before that, the record is asked about again when
-/// that time has come.
-pub async fn probe_once(
-    store: &dyn Store,
-    upstream: &Upstream,
-    route: &Route,
-    worker: &Worker,
-    clock: &dyn Clock,
-) -> Result<(), crate::store::StoreError> {
-    let Some(probe) = &route.probe else { return Ok(()) };
-    let now = clock.now();
-    for record in
-        store.probes_due(ProbesDue { route: route.name.clone(), settle: probe.settle, now, limit: BATCH }).await?
-    {
-        let (resolution, note) = ask(upstream, route, probe, &record).await;
-        let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
-        let entry = |note| HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note };
-        let probed = Probed {
-            id: record.id,
-            claim: record.claim,
-            resolution,
-            next_probe_at: next,
-            entry: entry(Some(note.clone())),
-        };
-        let action = match store.probed(probed).await? {
-            Action::InFlight(record, left) => {
-                let attempt = record.attempts.last().map_or(0, |a| a.number);
-                let note = format!(
-                    "{note}, but attempt {attempt} may still reach the upstream for another {} ms: asked again after that",
-                    left.as_millis()
-                );
-                // Asked again as soon as the bound has passed.
-                let next_probe_at = clock.now() + left + Duration::from_millis(1);
-                let again = Probed {
-                    id: record.id,
-                    claim: record.claim,
-                    resolution: None,
-                    next_probe_at,
-                    entry: entry(Some(note)),
-                };
-                store.probed(again).await?
-            }
-            action => action,
-        };
-        if let Action::Applied(settled) = action {
-            if settled.phase() != Phase::Unknown {
-                tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
-                worker.settled(record.id);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// One probe: 2xx → it executed (the answer is the resolution), 404 → it did not, anything
-/// else → still unknown. No attempt header goes with it: a probe is no attempt, and an upstream
-/// fencing by claim must answer it whatever claim it last saw.
-async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
-    let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
-    let asked = format!("{} {}", probe.method, path);
-    // A key such as `..` would climb out of the probe's path and ask about another resource.
-    let (path_only, query) = path.split_once('?').unwrap_or((&path, ""));
-    let url = match crate::path::check(path_only).and_then(|()| route.upstream_url(path_only, query)) {
-        Ok(url) => url,
-        Err(why) => return (None, format!("{asked} not sent: {why}")),
-    };
-    match upstream
-        .send(&probe.method, url, &[], &route.upstream_headers, bytes::Bytes::new(), route.retry.per_try_timeout)
-        .await
-    {
-        Ok(answer) => {
-            let status = answer.response.status;
-            let note = format!("{asked} → {status}");
-            match status {
-                200..=299 => (Some(Resolution::Executed(answer.response)), note),
-                404 => (Some(Resolution::NotExecuted), note),
-                _ => (None, note),
-            }
-        }
-        Err(observed) => (None, format!("{asked} → no answer ({observed:?})")),
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::Clock;
     use crate::config::Config;
     use crate::domain::RecordId;
     use crate::store::NewRecord;
+    use crate::upstream::Upstream;
 
     const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -448,19 +295,24 @@ mod tests {
         });
         // Another node admitted it claimed, its first attempt marked as sent, and then died.
         let version = config.routes[0].policy_version.clone();
-        let claim =
-            Claim { owner: "dead".into(), lease: Duration::from_millis(10_000), reach: Duration::from_secs(12) };
+        let claim = Claim {
+            owner: "dead".into(),
+            marked_at: NOW,
+            lease: Duration::from_millis(10_000),
+            reach: Duration::from_secs(12),
+        };
         let new = NewRecord { claim: Some(claim), policy_version: Some(version), ..new_record() };
         let id = new.id;
         store.admit(crate::store::Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap();
 
         clock.set(NOW + Duration::from_millis(10_000));
-        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        let mut sweeper = Sweeper::new(store.clone(), worker.clone());
+        sweeper.pass(&config, clock.now()).await.unwrap();
         let record = store.get(id).await.unwrap().unwrap();
         assert_eq!(record.lease.as_ref().map(|l| l.owner.as_str()), Some("dead"), "taken over at its expiry");
 
         clock.advance(Duration::from_millis(1));
-        take_over_once(&*store, &worker, &config, clock.now()).await.unwrap();
+        sweeper.pass(&config, clock.now()).await.unwrap();
         let record = store.get(id).await.unwrap().unwrap();
         // Not replay-safe, with an attempt that may have gone out: unknown, the attempt lost.
         assert_eq!(record.phase(), Phase::Unknown);
@@ -529,22 +381,5 @@ mod tests {
         let unknown = TakeOverTo::Unknown(StopReason::UnsafeReplay);
         assert_eq!(after_lease_expiry(&other_call, Some(&mcp), NOW, 3), unknown);
         assert_eq!(after_lease_expiry(&leased(0, &[], true), Some(&mcp), NOW, 3), unknown, "no policy: the safe side");
-    }
-
-    #[test]
-    fn the_sweep_runs_often_enough_for_short_and_long_retentions() {
-        assert_eq!(sweep_interval(Duration::from_secs(2)), Duration::from_secs(1));
-        assert_eq!(sweep_interval(Duration::from_secs(100)), Duration::from_secs(10));
-        assert_eq!(sweep_interval(Duration::from_secs(86400)), Duration::from_secs(60));
-    }
-
-    #[test]
-    fn probes_back_off_up_to_five_minutes() {
-        let s = Duration::from_secs(5);
-        assert_eq!(probe_backoff(s, 0), Duration::from_secs(5));
-        assert_eq!(probe_backoff(s, 1), Duration::from_secs(10));
-        assert_eq!(probe_backoff(s, 3), Duration::from_secs(40));
-        assert_eq!(probe_backoff(s, 10), Duration::from_secs(300));
-        assert_eq!(probe_backoff(s, 99), Duration::from_secs(300));
     }
 }

@@ -1,0 +1,128 @@
+//! Probes: an `unknown` record of a route that says how to ask is settled by asking its
+//! upstream (docs/operations.md#automatic-reconciliation-probes).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::BATCH;
+use crate::clock::{Clock, SharedClock};
+use crate::config::{Live, Probe, Route};
+use crate::domain::{HistoryAction, Phase};
+use crate::record::{HistoryEntry, Record};
+use crate::store::{Action, Probed, ProbesDue, Resolution, Store};
+use crate::upstream::{Outbound, Upstream};
+use crate::worker::Worker;
+
+/// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
+pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
+    let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
+    settle.saturating_mul(factor).min(Duration::from_secs(300))
+}
+
+/// Probes the upstream about `unknown` records of routes that declare how, as the configuration
+/// in force at each pass declares it.
+pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker, clock: SharedClock) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let config = config.current();
+        for route in config.routes.iter().filter(|r| r.probe.is_some()) {
+            if let Err(e) = probe_once(&*store, &upstream, route, &worker, &*clock).await {
+                e.log(&format!("probing the records of route {} failed; will try again", route.name));
+            }
+        }
+    }
+}
+
+/// Probes the `unknown` records of `route` that are due, once. A probe's "executed" settles a
+/// record at once; its "not executed" only once no attempt marked under the record can still
+/// reach the upstream (its `in_flight_until`): before that, the record is asked about again when
+/// that time has come.
+pub async fn probe_once(
+    store: &dyn Store,
+    upstream: &Upstream,
+    route: &Route,
+    worker: &Worker,
+    clock: &dyn Clock,
+) -> Result<(), crate::store::StoreError> {
+    let Some(probe) = &route.probe else { return Ok(()) };
+    let now = clock.now();
+    for record in
+        store.probes_due(ProbesDue { route: route.name.clone(), settle: probe.settle, now, limit: BATCH }).await?
+    {
+        let (resolution, answered) = ask(upstream, route, probe, &record).await;
+        let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
+        let entry = |note| HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note };
+        let (id, claim) = (record.id, record.claim);
+        let probed = Probed { id, claim, resolution, next_probe_at: next, entry: entry(Some(answered.clone())) };
+        let action = match store.probed(probed).await? {
+            Action::InFlight(read, left) => {
+                let attempt = read.attempts.last().map_or(0, |a| a.number);
+                let later = format!(
+                    "{answered}, but attempt {attempt} may still reach the upstream for another {} ms: asked again after that",
+                    left.as_millis()
+                );
+                // Asked again as soon as the bound has passed.
+                let next_probe_at = clock.now() + left + Duration::from_millis(1);
+                store.probed(Probed { id, claim, resolution: None, next_probe_at, entry: entry(Some(later)) }).await?
+            }
+            action => action,
+        };
+        if let Action::Applied(settled) = action {
+            if settled.phase() != Phase::Unknown {
+                tracing::info!(record = %record.id, to = settled.phase().as_str(), "a probe settled a record");
+                worker.settled(record.id);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One probe: 2xx → it executed (the answer is the resolution), 404 → it did not, anything
+/// else → still unknown. No attempt header goes with it: a probe is no attempt, and an upstream
+/// fencing by claim must answer it whatever claim it last saw.
+async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
+    let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
+    let asked = format!("{} {}", probe.method, path);
+    // A key such as `..` would climb out of the probe's path and ask about another resource.
+    let (path_only, query) = path.split_once('?').unwrap_or((&path, ""));
+    let url = match crate::path::check(path_only).and_then(|()| route.upstream_url(path_only, query)) {
+        Ok(url) => url,
+        Err(why) => return (None, format!("{asked} not sent: {why}")),
+    };
+    let request = Outbound {
+        method: &probe.method,
+        url,
+        headers: &[],
+        added: &route.upstream_headers,
+        body: bytes::Bytes::new(),
+    };
+    match upstream.send(request, route.retry.per_try_timeout).await {
+        Ok(answer) => {
+            let status = answer.response.status;
+            let note = format!("{asked} → {status}");
+            match status {
+                200..=299 => (Some(Resolution::Executed(answer.response)), note),
+                404 => (Some(Resolution::NotExecuted), note),
+                _ => (None, note),
+            }
+        }
+        Err(observed) => (None, format!("{asked} → no answer ({observed:?})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probes_back_off_up_to_five_minutes() {
+        let s = Duration::from_secs(5);
+        assert_eq!(probe_backoff(s, 0), Duration::from_secs(5));
+        assert_eq!(probe_backoff(s, 1), Duration::from_secs(10));
+        assert_eq!(probe_backoff(s, 3), Duration::from_secs(40));
+        assert_eq!(probe_backoff(s, 10), Duration::from_secs(300));
+        assert_eq!(probe_backoff(s, 99), Duration::from_secs(300));
+    }
+}

@@ -1,0 +1,58 @@
+//! Opening the store a `store.url` names, applying its migrations, or only reading where it
+//! stands against this build.
+
+use std::sync::Arc;
+
+use super::{postgres, protocol, sqlite, LeaseClock, Store, StoreError};
+
+/// The two backends, as a `store.url` names them.
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    fn of(url: &str) -> Result<Backend, StoreError> {
+        if url.starts_with("sqlite:") {
+            Ok(Backend::Sqlite)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Backend::Postgres)
+        } else {
+            Err(StoreError::Unavailable(format!("unsupported store url `{url}`")))
+        }
+    }
+}
+
+/// Opens the store named by a `store.url`, applying migrations: PostgreSQL keeps leases in its
+/// own clock.
+pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {
+    open_with(url, LeaseClock::Database).await
+}
+
+/// Opens the store named by a `store.url`, keeping leases in `clock` where the backend can
+/// choose (PostgreSQL; SQLite's are always its host's, [`LeaseClock::Node`]).
+pub async fn open_with(url: &str, clock: LeaseClock) -> Result<Arc<dyn Store>, StoreError> {
+    let store: Arc<dyn Store> = match Backend::of(url)? {
+        Backend::Sqlite => Arc::new(sqlite::SqliteStore::open(url).await?),
+        Backend::Postgres => Arc::new(postgres::PostgresStore::open(url, clock).await?),
+    };
+    Ok(store)
+}
+
+/// Applies the migrations of the store named by a `store.url`, and nothing else: `idem migrate`.
+/// Refused, changing nothing, when the store speaks a later protocol than this build.
+pub async fn migrate(url: &str) -> Result<(), StoreError> {
+    match Backend::of(url)? {
+        Backend::Sqlite => sqlite::migrate(url).await,
+        Backend::Postgres => postgres::migrate(url).await,
+    }
+}
+
+/// Where the store named by a `store.url` stands against this build, changing nothing:
+/// `idem migrate --status`.
+pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
+    match Backend::of(url)? {
+        Backend::Sqlite => sqlite::status(url).await,
+        Backend::Postgres => postgres::status(url).await,
+    }
+}
