@@ -13,7 +13,7 @@ use idem::simulate::history;
 /// Idem, an idempotency-aware request broker: every keyed request is recorded before it is sent,
 /// executed once, and replayed byte for byte to duplicates.
 #[derive(Parser)]
-#[command(name = "idem", version)]
+#[command(name = "idem", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEM_COMMIT"), ")"))]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -119,6 +119,14 @@ enum Command {
         #[command(subcommand)]
         action: SwitchAction,
     },
+    /// Print a completion script for a shell: `idem completions bash >
+    /// /usr/share/bash-completion/completions/idem`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page, in roff: `idem man > /usr/local/share/man/man1/idem.1`.
+    Man,
 }
 
 #[derive(Subcommand)]
@@ -302,6 +310,14 @@ fn main() -> ExitCode {
 
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "idem", &mut std::io::stdout());
+        }
+        Command::Man => {
+            clap_mangen::Man::new(<Cli as clap::CommandFactory>::command())
+                .render(&mut std::io::stdout())
+                .context("cannot write the manual page")?;
+        }
         Command::Serve { config } => {
             let loaded = Config::load(&config)?;
             idem::server::serve(loaded, config, idem::server::termination()).await?;

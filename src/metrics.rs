@@ -47,9 +47,20 @@ pub fn handle() -> &'static PrometheusHandle {
         // still renders, it just sees nothing recorded through the global macros.
         if metrics::set_global_recorder(recorder).is_ok() {
             describe();
+            build_info();
         }
         handle
     })
+}
+
+/// The version this binary is, and the commit it was built from (`unknown` when it was not
+/// built from a git checkout): always 1, for dashboards to join on and to see a rollout.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub const COMMIT: &str = env!("IDEM_COMMIT");
+
+fn build_info() {
+    describe_gauge!("idem_build_info", "Always 1: the version of Idem this process runs, and the commit it was built from.");
+    gauge!("idem_build_info", "version" => VERSION, "commit" => COMMIT).set(1.0);
 }
 
 /// HELP text for every family, so `/metrics` explains itself (and passes `promtool check metrics`).

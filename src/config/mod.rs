@@ -22,8 +22,10 @@ mod quotas;
 mod raw;
 use raw::RawConfig;
 mod route;
+mod telemetry;
 #[cfg(test)]
 mod tests;
+mod tls;
 pub use canary::{Canary, CanaryBy, Policy};
 pub use candidate::Candidate;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
@@ -31,6 +33,8 @@ pub use limits::EdgeLimits;
 pub use live::Live;
 pub use mcp::{McpSettings, RouteKind, ToolRule};
 pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
+pub use telemetry::TelemetryConfig;
+pub use tls::{ClientIdentity, ListenerTls, UpstreamTls};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +61,7 @@ pub struct Config {
     /// `[[upstreams]]`: providers that routes name, sharing their retry budget and breaker.
     pub upstreams: Vec<Upstream>,
     pub worker: WorkerConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +69,27 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
     pub limits: EdgeLimits,
+    /// The data listener's certificate and key: it speaks TLS when set. Read again on reload.
+    pub tls: Option<ListenerTls>,
+    /// The admin listener's, set apart from the data listener's (the same files may be named).
+    pub admin_tls: Option<ListenerTls>,
+    /// How long a shutdown (SIGTERM) lets attempts in flight finish and be stored.
+    pub drain: Duration,
+    /// A log line per answered request on the data plane (docs/operations.md#logs).
+    pub access_log: bool,
+    /// How the client's address is passed upstream.
+    pub forwarded: Forwarding,
+}
+
+/// `X-Forwarded-For` and `Forwarded` on what goes upstream: the address of the client that sent
+/// the request, after what a trusted proxy in front of Idem says it forwarded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forwarding {
+    /// Add them at all (`[server] forwarded`).
+    pub enabled: bool,
+    /// Proxies in front of Idem whose own `X-Forwarded-For` and `Forwarded` are kept and
+    /// extended; from anyone else, they are replaced (a client cannot pose as another address).
+    pub trusted_proxies: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -174,6 +200,9 @@ pub struct Route {
     /// The header that carries each attempt's claim upstream (`Idem-Attempt` unless renamed, or
     /// none), so that the upstream can refuse a stale attempt (docs/guarantees.md).
     pub attempt_header: Option<http::HeaderName>,
+    /// TLS towards the upstream beyond the defaults: extra roots, a client certificate, a
+    /// server name (the route's own, or its `[[upstreams]]` entry's).
+    pub upstream_tls: Option<UpstreamTls>,
     /// The digest of the policy above (`retry`, `replay_safe`, `deadline_header`, `circuit`),
     /// computed once here: every attempt is stored and counted with it.
     pub policy_version: PolicyVersion,

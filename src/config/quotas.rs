@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::tls::RawUpstreamTls;
 use super::*;
 
 /// A retry budget's limits: over a 10 s window, retries may add `ratio` of the first attempts,
@@ -23,6 +24,9 @@ pub struct Upstream {
     /// Its base URL, as validated for a route's `upstream`.
     pub url: String,
     pub budget: BudgetLimits,
+    /// TLS towards it, for the routes that name it: its `ca_file`, `client_cert`, `client_key`
+    /// and `server_name`.
+    pub tls: Option<super::UpstreamTls>,
 }
 
 /// What a tenant's quota is when only one of its two keys is given: a tenant's share is meant
@@ -38,6 +42,10 @@ pub(super) struct RawUpstream {
     url: String,
     budget_ratio: Option<f64>,
     budget_min_per_sec: Option<f64>,
+    ca_file: Option<std::path::PathBuf>,
+    client_cert: Option<std::path::PathBuf>,
+    client_key: Option<std::path::PathBuf>,
+    server_name: Option<String>,
 }
 
 /// A budget's two keys, validated; `None` when neither is given and there is no `default`.
@@ -80,7 +88,14 @@ pub(super) fn validate_upstreams(raw: Vec<RawUpstream>) -> Result<Vec<Upstream>,
             UPSTREAM_DEFAULT,
         )?
         .unwrap_or(UPSTREAM_DEFAULT);
-        upstreams.push(Upstream { name: u.name, url: url.as_str().to_string(), budget });
+        let tls = RawUpstreamTls {
+            ca_file: u.ca_file,
+            client_cert: u.client_cert,
+            client_key: u.client_key,
+            server_name: u.server_name,
+        }
+        .validate(&key, &url)?;
+        upstreams.push(Upstream { name: u.name, url: url.as_str().to_string(), budget, tls });
     }
     Ok(upstreams)
 }
@@ -189,7 +204,7 @@ impl Route {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+use super::*;
 
     const ROUTE: &str =
         "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";

@@ -22,6 +22,7 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) upstreams: Vec<quotas::RawUpstream>,
     pub(super) worker: Option<RawWorker>,
+    pub(super) telemetry: Option<super::telemetry::RawTelemetry>,
 }
 
 #[derive(Deserialize, Default)]
@@ -34,6 +35,15 @@ pub(super) struct RawServer {
     pub(super) max_connections: Option<i64>,
     pub(super) admin_max_connections: Option<i64>,
     pub(super) max_buffered_bodies: Option<String>,
+    pub(super) tls_cert: Option<std::path::PathBuf>,
+    pub(super) tls_key: Option<std::path::PathBuf>,
+    pub(super) admin_tls_cert: Option<std::path::PathBuf>,
+    pub(super) admin_tls_key: Option<std::path::PathBuf>,
+    pub(super) drain: Option<String>,
+    pub(super) access_log: Option<bool>,
+    pub(super) forwarded: Option<bool>,
+    #[serde(default)]
+    pub(super) trusted_proxies: Vec<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -102,6 +112,10 @@ pub(super) struct RawRoute {
     pub(super) probe: Option<RawProbe>,
     pub(super) deadline_header: Option<String>,
     pub(super) attempt_header: Option<RawHeaderSetting>,
+    pub(super) ca_file: Option<std::path::PathBuf>,
+    pub(super) client_cert: Option<std::path::PathBuf>,
+    pub(super) client_key: Option<std::path::PathBuf>,
+    pub(super) server_name: Option<String>,
     pub(super) canary: Option<RawCanary>,
     pub(super) mcp: Option<RawMcp>,
 }
@@ -270,12 +284,8 @@ pub(super) fn method(key: &str, text: &str) -> Result<Method, ConfigError> {
 
 impl RawConfig {
     pub(super) fn validate(self, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let server = self.server.unwrap_or_default();
-        let server = ServerConfig {
-            listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
-            admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
-            limits: EdgeLimits::validate(&server)?,
-        };
+        let server = validate_server(self.server.unwrap_or_default())?;
+        let telemetry = self.telemetry.unwrap_or_default().validate()?;
         // Port 0 asks for any free port: two of them never collide.
         let (data, admin) = (server.listen, server.admin_listen);
         let same_host = data.ip() == admin.ip() || data.ip().is_unspecified() || admin.ip().is_unspecified();
@@ -338,8 +348,38 @@ impl RawConfig {
         }
         server.limits.check_routes(&routes)?;
 
-        Ok(Config { server, store, auth, routes, upstreams, worker })
+        Ok(Config { server, store, auth, routes, upstreams, worker, telemetry })
     }
+}
+
+fn validate_server(server: RawServer) -> Result<ServerConfig, ConfigError> {
+    let limits = EdgeLimits::validate(&server)?;
+    let tls = ListenerTls::validate(("server.tls_cert", server.tls_cert), ("server.tls_key", server.tls_key))?;
+    let admin_tls = ListenerTls::validate(
+        ("server.admin_tls_cert", server.admin_tls_cert),
+        ("server.admin_tls_key", server.admin_tls_key),
+    )?;
+    let trusted_proxies = server
+        .trusted_proxies
+        .iter()
+        .map(|text| {
+            text.parse::<ipnet::IpNet>()
+                .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                .map_err(|_| {
+                    invalid("server.trusted_proxies", format!("`{text}` is neither an address nor a network like 10.0.0.0/8"))
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ServerConfig {
+        listen: socket_addr("server.listen", server.listen.as_deref(), "127.0.0.1:8080")?,
+        admin_listen: socket_addr("server.admin_listen", server.admin_listen.as_deref(), "127.0.0.1:8081")?,
+        limits,
+        tls,
+        admin_tls,
+        drain: duration("server.drain", server.drain.as_deref(), "10s")?,
+        access_log: server.access_log.unwrap_or(true),
+        forwarded: Forwarding { enabled: server.forwarded.unwrap_or(true), trusted_proxies },
+    })
 }
 
 fn validate_worker(worker: RawWorker) -> Result<WorkerConfig, ConfigError> {

@@ -8,6 +8,7 @@ use crate::policy::Effective;
 
 use super::mcp::{check_mcp_route, RouteKind, MCP_NOT_PROCESSED};
 use super::raw::*;
+use super::tls::RawUpstreamTls;
 use super::*;
 
 impl RawRoute {
@@ -59,6 +60,22 @@ impl RawRoute {
         let upstream = match upstream_name {
             Some(named) => upstream_url(&format!("{key}.upstream"), &named.url)?,
             None => upstream_url(&format!("{key}.upstream"), &self.upstream)?,
+        };
+        let tls = RawUpstreamTls {
+            ca_file: self.ca_file,
+            client_cert: self.client_cert,
+            client_key: self.client_key,
+            server_name: self.server_name,
+        };
+        let upstream_tls = match upstream_name {
+            Some(named) if !tls.is_empty() => {
+                return Err(invalid(
+                    format!("{key}.upstream"),
+                    format!("names the [[upstreams]] entry `{}`: set its TLS there, for every route that names it", named.name),
+                ))
+            }
+            Some(named) => named.tls.clone(),
+            None => tls.validate(key, &upstream)?,
         };
         let methods = match self.methods {
             // An MCP client POSTs every request; only its `tools/call` is ever recorded.
@@ -160,6 +177,7 @@ impl RawRoute {
             probe,
             deadline_header,
             attempt_header,
+            upstream_tls,
             policy_version,
             canary,
             mcp,

@@ -36,7 +36,7 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
         Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
         Outcome::Done(_, response) => Ok(stored_response(&response, false)),
         Outcome::Unknown(_) => Err(Problem::outcome_unknown().state(State::Unknown)),
-        Outcome::Free(stop, Some(last)) => {
+        Outcome::Free(stop, Some(last), _) => {
             let mut response = response_of(&last);
             let headers = response.headers_mut();
             headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
@@ -46,7 +46,7 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
             headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
             Ok(response)
         }
-        Outcome::Free(stop, None) => Err(freed(Some(stop))),
+        Outcome::Free(stop, None, unreachable) => Err(freed(Some(stop), unreachable.as_deref())),
         Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
         Outcome::Streaming(streamed) => Ok(streamed_response(streamed)),
         // Told as it is, never as "nothing happened": the upstream's answer, or the problem its
@@ -65,9 +65,20 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
 }
 
 /// The answer to a request whose record was freed with no upstream response to pass on, for why
-/// it stopped: the same whether its own execution tells it, or the record does (to a duplicate
-/// that waited, or to a request whose execution's outcome did not reach it).
-pub(super) fn freed(stop: Option<StopReason>) -> Problem {
+/// it stopped (and, when its last attempt could not reach the upstream, why not): the same
+/// whether its own execution tells it, or the record does (to a duplicate that waited, or to a
+/// request whose execution's outcome did not reach it).
+/// Why an upstream was not reached, in the words of a problem's detail: the route and the
+/// connection's cause (a refused certificate, a name that does not resolve) when known.
+pub(super) fn could_not_reach(why: Option<&str>) -> String {
+    match why {
+        Some(why) => format!("it could not be reached: {why}"),
+        None => "it could not be reached".into(),
+    }
+}
+
+pub(super) fn freed(stop: Option<StopReason>, unreachable: Option<&str>) -> Problem {
+    let could_not = could_not_reach(unreachable);
     let problem = match stop {
         Some(StopReason::Deadline) => Problem::deadline_exceeded(),
         Some(StopReason::Cancelled) => Problem::cancelled(),
@@ -90,9 +101,9 @@ pub(super) fn freed(stop: Option<StopReason>) -> Problem {
                 .retryable()
         }
         // Not retryable: the operator holds retries back to spare the upstream, clients' own too.
-        Some(StopReason::RetriesOff) => Problem::upstream_unavailable(
-            "it could not be reached, and an operator's retries_off switch holds back every retry",
-        )
+        Some(StopReason::RetriesOff) => Problem::upstream_unavailable(&format!(
+            "{could_not}, and an operator's retries_off switch holds back every retry"
+        ))
         .retry_after(1),
         Some(StopReason::TakeoverCap) => Problem::upstream_unavailable(
             "the processes executing it stopped more often than worker.max_takeovers allows",
@@ -112,7 +123,7 @@ pub(super) fn freed(stop: Option<StopReason>) -> Problem {
             | StopReason::StreamCut
             | StopReason::StreamIdleTimeout,
         )
-        | None => Problem::upstream_unavailable("it could not be reached").retry_after(1),
+        | None => Problem::upstream_unavailable(&could_not).retry_after(1),
     };
     problem.state(State::NotStarted)
 }
@@ -171,16 +182,16 @@ mod tests {
 
     #[test]
     fn a_freed_request_is_told_what_stopped_it() {
-        let retries_off = freed(Some(StopReason::RetriesOff));
+        let retries_off = freed(Some(StopReason::RetriesOff), None);
         assert!(retries_off.detail.contains("retries_off"), "{}", retries_off.detail);
         assert!(!retries_off.retryable, "clients are held back with the broker's own retries");
-        let takeovers = freed(Some(StopReason::TakeoverCap));
+        let takeovers = freed(Some(StopReason::TakeoverCap), None);
         assert!(takeovers.detail.contains("worker.max_takeovers"), "{}", takeovers.detail);
-        let credential = freed(Some(StopReason::CredentialUnavailable));
+        let credential = freed(Some(StopReason::CredentialUnavailable), None);
         assert!(credential.detail.contains("credential"), "{}", credential.detail);
         assert!(credential.retryable, "the client's next request brings its credential and executes");
         for stop in StopReason::ALL {
-            assert_eq!(freed(Some(stop)).idempotency_status, Some(State::NotStarted), "{stop:?}");
+            assert_eq!(freed(Some(stop), None).idempotency_status, Some(State::NotStarted), "{stop:?}");
         }
     }
 }

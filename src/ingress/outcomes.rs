@@ -142,7 +142,7 @@ impl Ingress {
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
-            Phase::Free => Err(freed(record.stop_reason)),
+            Phase::Free => Err(freed(record.stop_reason, record.attempts.last().and_then(|a| a.detail.as_deref()))),
         }
     }
 

@@ -31,11 +31,24 @@ impl Ingress {
         }
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        let request = Outbound { method: &parts.method, url, headers: &headers, added: &credentials, body };
+        let request = Outbound {
+            method: &parts.method,
+            url,
+            headers: &headers,
+            tls: route.upstream_tls.as_ref(),
+            added: &credentials,
+            body,
+        };
         match self.upstream.send(request, limit).await {
             Ok(answer) => response_of(&answer.response),
-            Err(crate::policy::Observed::TimedOut) => Problem::deadline_exceeded().into_response(),
-            Err(_) => Problem::upstream_unavailable("it could not be reached").retry_after(1).into_response(),
+            Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {
+                Problem::deadline_exceeded().into_response()
+            }
+            Err(failure) => {
+                let why = failure.cause.map(|cause| format!("route {}: {cause}", route.name));
+                let reason = super::answers::could_not_reach(why.as_deref());
+                Problem::upstream_unavailable(&reason).retry_after(1).into_response()
+            }
         }
     }
 }

@@ -78,11 +78,17 @@ pub async fn pass(
     }
     // The head within the route's deadline; a stream's body as long as both ends keep it open.
     let until = tokio::time::Instant::now() + route.retry.deadline;
-    let request = Outbound { method: &parts.method, url, headers: &headers, added: &credentials, body };
+    let request =
+        Outbound { method: &parts.method, url, headers: &headers, tls: route.upstream_tls.as_ref(), added: &credentials, body };
     let head = match upstream.send_head(request, until, None).await {
         Ok(head) => head,
-        Err(crate::policy::Observed::TimedOut) => return unreachable("did not answer within the route's deadline"),
-        Err(_) => return unreachable("could not be reached"),
+        Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {
+            return unreachable("did not answer within the route's deadline")
+        }
+        Err(failure) => match failure.cause {
+            Some(cause) => return unreachable(&format!("could not be reached ({cause})")),
+            None => return unreachable("could not be reached"),
+        },
     };
     let status = StatusCode::from_u16(head.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let response_headers = upstream::to_header_map(&head.headers);

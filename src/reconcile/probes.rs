@@ -92,6 +92,7 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
         Err(why) => return (None, format!("{asked} not sent: {why}")),
     };
     let request = Outbound {
+        tls: route.upstream_tls.as_ref(),
         method: &probe.method,
         url,
         headers: &[],

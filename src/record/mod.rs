@@ -36,6 +36,10 @@ pub struct Attempt {
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// Why the upstream could not be reached, in the connection's words (refused, an untrusted
+    /// certificate), naming the route: what an operator needs to fix it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// An entry of the record's history: who did what, when.
@@ -177,6 +181,9 @@ impl Record {
                 }
                 if let Some(ra) = a.retry_after_ms {
                     v["retry_after_ms"] = json!(ra);
+                }
+                if let Some(detail) = &a.detail {
+                    v["detail"] = json!(detail);
                 }
                 v
             })

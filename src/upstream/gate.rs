@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::Client;
+use super::{Client, Failure};
 use crate::policy::Observed;
 
 /// Hands `request` to the client if its window (`send_by`) has not passed yet, with the window
@@ -20,11 +20,37 @@ pub(super) async fn send_within(
     client: &Client,
     request: http::Request<Outgoing>,
     send_by: Option<tokio::time::Instant>,
-) -> Result<http::Response<hyper::body::Incoming>, Observed> {
+) -> Result<http::Response<hyper::body::Incoming>, Failure> {
     if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) {
-        return Err(Observed::NotSent);
+        return Err(Observed::NotSent.into());
     }
-    SEND_BY.scope(send_by, client.request(request)).await.map_err(|e| observed(&e))
+    SEND_BY.scope(send_by, client.request(request)).await.map_err(|e| failure(&e))
+}
+
+/// What a failed send tells, and why no connection could be made when none could: the
+/// connector's own words (a refused connection, an untrusted certificate), for the operator.
+fn failure(e: &hyper_util::client::legacy::Error) -> Failure {
+    let observed = observed(e);
+    let cause = (observed == Observed::ConnectFailed).then(|| {
+        let mut words = Vec::new();
+        let mut source = std::error::Error::source(e);
+        while let Some(cause) = source {
+            let said = cause.to_string();
+            // A wrapper that repeats its source says nothing more.
+            if !words.last().is_some_and(|last: &String| last.contains(&said) || said.contains(last.as_str())) {
+                words.push(said);
+            } else if words.last().is_some_and(|last| said.len() > last.len()) {
+                *words.last_mut().expect("just seen") = said;
+            }
+            source = cause.source();
+        }
+        if words.is_empty() {
+            e.to_string()
+        } else {
+            words.join(": ")
+        }
+    });
+    Failure { observed, cause }
 }
 
 /// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake), or a
@@ -176,6 +202,7 @@ mod tests {
             method: &Method::POST,
             url: url.parse().unwrap(),
             headers: &[],
+            tls: None,
             added,
             body: Bytes::from_static(body),
         }
@@ -191,7 +218,7 @@ mod tests {
         let sent = Upstream::connecting_within(Duration::from_millis(200))
             .send(post(&url, b""), Duration::from_secs(10))
             .await;
-        assert_eq!(sent.unwrap_err(), Observed::ConnectFailed);
+        assert_eq!(sent.unwrap_err().observed, Observed::ConnectFailed);
         assert!(started.elapsed() < Duration::from_secs(5), "gave up after {:?}", started.elapsed());
         drop(held);
     }
@@ -245,7 +272,7 @@ mod tests {
             let until = tokio::time::Instant::now() + Duration::from_secs(5);
             let (upstream, url) = (upstream.clone(), url.clone());
             async move {
-                let head = upstream.send_head(post(&url, body), until, Some(send_by)).await?;
+                let head = upstream.send_head(post(&url, body), until, Some(send_by)).await.map_err(|failure| failure.observed)?;
                 head.whole(until).await
             }
         };
@@ -295,7 +322,7 @@ mod tests {
         let started = tokio::time::Instant::now();
         let (until, send_by) = (started + Duration::from_secs(10), started + Duration::from_millis(200));
         let sent = Upstream::new().send_head(post(&url, b""), until, Some(send_by)).await;
-        assert_eq!(sent.unwrap_err(), Observed::NotSent);
+        assert_eq!(sent.unwrap_err().observed, Observed::NotSent);
         assert!(started.elapsed() < Duration::from_secs(2), "given up at its window: {:?}", started.elapsed());
         drop(held);
     }

@@ -2,7 +2,8 @@
 //! the header rules shared by the recorded and the plain proxy paths. What an attempt passes
 //! before its first byte leaves (the connect limit, its send window) is in `gate`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,6 +14,7 @@ use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
+use crate::config::UpstreamTls;
 use crate::policy::Observed;
 use crate::record::{header_bytes, header_text, StoredResponse};
 
@@ -148,7 +150,12 @@ pub fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) -> Option
 /// 133–142 µs through reqwest against 90–97 µs straight through hyper-util.
 #[derive(Clone)]
 pub struct Upstream {
+    /// For upstreams checked against the built-in Mozilla roots, with no client certificate.
     client: Client,
+    /// For routes with TLS settings of their own, one per distinct profile (`UpstreamTls::id`),
+    /// made when first needed: equal settings share a pool, changed files get a new one.
+    tuned: Arc<Mutex<HashMap<[u8; 32], Client>>>,
+    connect_limit: Duration,
 }
 
 type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
@@ -156,6 +163,40 @@ type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<Htt
 mod gate;
 
 use gate::{Outgoing, TimedConnect};
+
+/// A client: certificates checked against the Mozilla roots built in, as browsers do, and the
+/// extra roots `tls` adds; its client certificate presented to an upstream that asks; its
+/// server name sent and checked instead of the URL's host.
+fn client(tls: Option<&UpstreamTls>, connect_limit: Duration) -> Client {
+    let mut tcp = HttpConnector::new();
+    tcp.enforce_http(false);
+    tcp.set_nodelay(true);
+    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    for root in tls.iter().flat_map(|tls| &tls.roots) {
+        // Checked to parse when the configuration was read.
+        let _ = roots.add(root.clone());
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+        .with_root_certificates(roots);
+    let config = match tls.and_then(|tls| tls.client.as_ref()) {
+        Some(identity) => builder
+            .with_client_auth_cert(identity.chain.clone(), identity.key())
+            .unwrap_or_else(|_| panic!("a client certificate and key that rustls refuses passed the config's check")),
+        None => builder.with_no_client_auth(),
+    };
+    let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();
+    let builder = match tls.and_then(|tls| tls.server_name.clone()) {
+        Some(name) => builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
+        None => builder,
+    };
+    let connector = builder.enable_http1().wrap_connector(tcp);
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE)
+        .pool_timer(TokioTimer::new())
+        .build(TimedConnect::new(connector, connect_limit))
+}
 
 /// The longest a connection may take to open, TCP and TLS handshake together; past it, nothing
 /// was sent.
@@ -169,10 +210,26 @@ pub struct Outbound<'a> {
     pub url: url::Url,
     /// The request's own headers, as stored (or as forwarded for a call never recorded).
     pub headers: &'a [(String, String)],
+    /// The route's TLS settings towards its upstream, if it has any of its own.
+    pub tls: Option<&'a UpstreamTls>,
     /// Headers added at the send and never stored: the route's credentials, the client's
     /// forwarded `Authorization`, an attempt's deadline and claim.
     pub added: &'a HeaderMap,
     pub body: Bytes,
+}
+
+/// A send that failed: what the broker can know of it, and, when no connection could be made,
+/// the reason the connection gave (refused, an untrusted certificate), for whoever must fix it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub observed: Observed,
+    pub cause: Option<String>,
+}
+
+impl From<Observed> for Failure {
+    fn from(observed: Observed) -> Failure {
+        Failure { observed, cause: None }
+    }
 }
 
 /// A complete upstream answer, as received within the attempt's limit.
@@ -188,33 +245,21 @@ impl Upstream {
     }
 
     fn connecting_within(limit: Duration) -> Upstream {
-        let mut tcp = HttpConnector::new();
-        tcp.enforce_http(false);
-        tcp.set_nodelay(true);
-        // Certificates are checked against the Mozilla roots built in, as browsers do.
-        let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .expect("ring supports the default TLS versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(tcp);
-        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE)
-            .pool_timer(TokioTimer::new())
-            .build(TimedConnect::new(connector, limit));
-        Upstream { client }
+        Upstream { client: client(None, limit), tuned: Arc::default(), connect_limit: limit }
+    }
+
+    /// The client for a route's `tls` settings.
+    fn client_for(&self, tls: Option<&UpstreamTls>) -> Client {
+        let Some(tls) = tls else { return self.client.clone() };
+        let mut tuned = self.tuned.lock().unwrap_or_else(|p| p.into_inner());
+        tuned.entry(tls.id).or_insert_with(|| client(Some(tls), self.connect_limit)).clone()
     }
 
     /// Sends one request and waits at most `limit` for the whole answer, body included. A
     /// response that would arrive later is dropped with the connection: it is never used.
-    pub async fn send(&self, request: Outbound<'_>, limit: Duration) -> Result<Answer, Observed> {
+    pub async fn send(&self, request: Outbound<'_>, limit: Duration) -> Result<Answer, Failure> {
         let until = tokio::time::Instant::now() + limit;
-        self.send_head(request, until, None).await?.whole(until).await
+        Ok(self.send_head(request, until, None).await?.whole(until).await?)
     }
 
     /// Sends one request and waits until `until` for its status and headers; the body is left
@@ -226,11 +271,12 @@ impl Upstream {
         request: Outbound<'_>,
         until: tokio::time::Instant,
         send_by: Option<tokio::time::Instant>,
-    ) -> Result<Head, Observed> {
-        let Outbound { method, url, headers, added, body } = request;
+    ) -> Result<Head, Failure> {
+        let Outbound { method, url, headers, tls, added, body } = request;
+        let client = self.client_for(tls);
         // It cannot fail on what reaches here (a URL that parsed); were it to, the request was
         // not sent.
-        let uri: http::Uri = url.as_str().parse().map_err(|_| Observed::ConnectFailed)?;
+        let uri: http::Uri = url.as_str().parse().map_err(|_| Failure::from(Observed::ConnectFailed))?;
         let mut request = http::Request::new(Outgoing::new(body, send_by));
         *request.method_mut() = method.clone();
         *request.uri_mut() = uri;
@@ -239,9 +285,9 @@ impl Upstream {
         // Credentials (and the attempt's own headers) are added at the send, never to what is
         // stored.
         headers_sent.extend(added.clone());
-        let response = match tokio::time::timeout_at(until, gate::send_within(&self.client, request, send_by)).await {
+        let response = match tokio::time::timeout_at(until, gate::send_within(&client, request, send_by)).await {
             Ok(sent) => sent?,
-            Err(_) => return Err(Observed::TimedOut),
+            Err(_) => return Err(Observed::TimedOut.into()),
         };
         let (parts, body) = response.into_parts();
         let status = parts.status.as_u16();
@@ -324,6 +370,7 @@ mod tests {
             method: &Method::POST,
             url: url.parse().unwrap(),
             headers: &[],
+            tls: None,
             added,
             body: Bytes::from_static(b"{}"),
         }
@@ -400,7 +447,7 @@ mod tests {
             first
         });
         let sent = Upstream::new().send(post(&url), Duration::from_secs(5)).await;
-        assert_eq!(sent.unwrap_err(), Observed::ConnectFailed, "the request cannot have been sent");
+        assert_eq!(sent.unwrap_err().observed, Observed::ConnectFailed, "the request cannot have been sent");
         // A TLS handshake record (22), version 3.x: a ClientHello, not an HTTP request.
         let first = opened.await.unwrap();
         assert_eq!(&first[..2], &[0x16, 0x03], "{first:?}");

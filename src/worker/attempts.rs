@@ -20,7 +20,7 @@ use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::runtime::{Charges, RouteGuard};
 use crate::store::{self, AttemptStarted, Lease};
-use crate::upstream::{self, Answer, Head, Outbound};
+use crate::upstream::{self, Answer, Failure, Head, Outbound};
 
 /// What an execution runs with, fixed when it starts.
 pub(super) struct Job<'a> {
@@ -68,6 +68,8 @@ pub(super) struct Progress {
     /// When the upstream's last answer came (its first body byte, for a streamed one): where
     /// the upstream's stage ends.
     pub(super) upstream_answered: Option<Instant>,
+    /// Why the last attempt could not reach the upstream, if it could not: told with a freed key.
+    pub(super) unreachable: Option<String>,
 }
 
 impl Progress {
@@ -85,6 +87,7 @@ impl Progress {
             stream: None,
             laps: None,
             upstream_answered: None,
+            unreachable: None,
         }
     }
 }
@@ -122,7 +125,7 @@ struct Begun {
 /// An attempt that ended: what the upstream answered (or what went wrong), and how long it took
 /// — or, when its answer streams, its head and first part, the rest still to read.
 pub(super) struct Sent {
-    result: Result<Answer, Observed>,
+    result: Result<Answer, Failure>,
     /// When it was handed to the upstream client, and how long its answer took from there.
     at: Instant,
     took: Duration,
@@ -290,6 +293,7 @@ impl Inner {
         let until = tokio::time::Instant::now() + limit;
         let sent = async {
             let request = Outbound {
+                tls: route.upstream_tls.as_ref(),
                 method: &record.method,
                 url: job.url.clone(),
                 headers: &record.request.headers,
@@ -300,15 +304,15 @@ impl Inner {
             let settles =
                 matches!(chosen.retry.classify(Observed::Response(head.status)), Class::Success | Class::Final);
             if !(head.streamed && settles) {
-                return head.whole(until).await.map(Got::Whole);
+                return Ok(head.whole(until).await.map(Got::Whole)?);
             }
             let mut head = head;
             match tokio::time::timeout_at(until, head.part()).await {
                 Ok(Ok(Some(first))) => Ok(Got::Flowing(head, first)),
                 // An empty body: there is nothing to stream.
-                Ok(Ok(None)) => head.whole(until).await.map(Got::Whole),
-                Ok(Err(observed)) => Err(observed),
-                Err(_) => Err(Observed::TimedOut),
+                Ok(Ok(None)) => Ok(head.whole(until).await.map(Got::Whole)?),
+                Ok(Err(observed)) => Err(observed.into()),
+                Err(_) => Err(Failure::from(Observed::TimedOut)),
             }
         };
         let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
@@ -331,9 +335,9 @@ impl Inner {
                 drop(in_flight);
                 Sent { result: Ok(answer), at: clock, took, started, span, flowing: None }
             }
-            Err(observed) => {
+            Err(failure) => {
                 drop(in_flight);
-                Sent { result: Err(observed), at: clock, took, started, span, flowing: None }
+                Sent { result: Err(failure), at: clock, took, started, span, flowing: None }
             }
         }
     }
@@ -343,9 +347,9 @@ impl Inner {
     fn judge(&self, job: &Job<'_>, p: &mut Progress, sent: Sent) -> Result<(Attempt, Duration), End> {
         let Job { route, chosen, .. } = job;
         let Sent { result, took, started, span, .. } = sent;
-        let (observed, answer) = match result {
-            Ok(answer) => (Observed::Response(answer.response.status), Some(answer)),
-            Err(observed) => (observed, None),
+        let (observed, answer, cause) = match result {
+            Ok(answer) => (Observed::Response(answer.response.status), Some(answer), None),
+            Err(Failure { observed, cause }) => (observed, None, cause),
         };
         let retry_after = self.retry_after(answer.as_ref());
         let switched = self.switches.switched(&route.name);
@@ -364,17 +368,28 @@ impl Inner {
             rand::random::<f64>,
             || job.charges.take_retry(),
         );
-        let attempt = stored_attempt(p, started, took, class, answer.as_ref(), observed, retry_after, chosen);
-        span.in_scope(|| {
-            tracing::info!(
+        let mut attempt = stored_attempt(p, started, took, class, answer.as_ref(), observed, retry_after, chosen);
+        // Why the upstream could not be reached, for the record and for the answer that says so.
+        attempt.detail = cause.map(|cause| format!("route {}: {cause}", route.name));
+        span.in_scope(|| match &attempt.detail {
+            Some(detail) => tracing::warn!(
+                attempt = p.number,
+                outcome = class.as_str(),
+                took_ms = attempt.duration_ms,
+                wait_ms = attempt.wait_ms,
+                detail,
+                "attempt: the upstream could not be reached"
+            ),
+            None => tracing::info!(
                 attempt = p.number,
                 outcome = class.as_str(),
                 status = attempt.status,
                 took_ms = attempt.duration_ms,
                 wait_ms = attempt.wait_ms,
                 "attempt"
-            )
+            ),
         });
+        p.unreachable = attempt.detail.clone();
         metrics::attempt(&route.name, chosen.version, class, took);
         self.runtimes.observe(&route.name, took);
         p.last_response = answer.map(|a| a.response);
@@ -452,6 +467,7 @@ pub(super) fn stored_attempt(
         wait_ms: p.wait_before.as_millis() as u64,
         policy_version: Some(chosen.version.clone()),
         retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
+        detail: None,
     }
 }
 

@@ -46,8 +46,8 @@ pub enum Outcome {
     /// `unknown`: it may have executed; it waits for reconciliation.
     Unknown(StopReason),
     /// The key is free again: nothing executed (or the route is replay-safe). `last` is the last
-    /// upstream answer, if any attempt got one.
-    Free(StopReason, Option<StoredResponse>),
+    /// upstream answer, if any attempt got one; else why the last attempt could not reach it.
+    Free(StopReason, Option<StoredResponse>, Option<String>),
     /// This worker lost the record (claimed elsewhere, or cancelled before it started): the
     /// record in the store is the answer.
     Lost,

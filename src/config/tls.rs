@@ -1,0 +1,180 @@
+//! TLS in the configuration: towards an upstream (`ca_file`, `client_cert`, `client_key`,
+//! `server_name`, on a route or an `[[upstreams]]` entry), and on the listeners
+//! (`[server] tls_cert`/`tls_key`, `admin_tls_cert`/`admin_tls_key`). Every file is read and
+//! checked when the configuration is (at start, by `idem check`, and at each reload), so a
+//! certificate that does not parse is refused naming its key, and a reload rotates certificates
+//! by reading the files again.
+
+use std::path::{Path, PathBuf};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use super::{invalid, ConfigError};
+
+/// `ca_file`, `client_cert`, `client_key` and `server_name` as written.
+#[derive(Deserialize, Default, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUpstreamTls {
+    pub(super) ca_file: Option<PathBuf>,
+    pub(super) client_cert: Option<PathBuf>,
+    pub(super) client_key: Option<PathBuf>,
+    pub(super) server_name: Option<String>,
+}
+
+impl RawUpstreamTls {
+    pub(super) fn is_empty(&self) -> bool {
+        self.ca_file.is_none() && self.client_cert.is_none() && self.client_key.is_none() && self.server_name.is_none()
+    }
+
+    /// The settings, their files read and checked; `key` names the table they sit in.
+    pub(super) fn validate(self, key: &str, upstream: &url::Url) -> Result<Option<UpstreamTls>, ConfigError> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        if upstream.scheme() != "https" {
+            return Err(invalid(
+                format!("{key}.ca_file"),
+                format!("TLS settings are for an https upstream, and `{upstream}` is not one"),
+            ));
+        }
+        let roots = match &self.ca_file {
+            Some(path) => certificates(&format!("{key}.ca_file"), path)?,
+            None => Vec::new(),
+        };
+        let client = match (self.client_cert, self.client_key) {
+            (None, None) => None,
+            (Some(cert), Some(private)) => {
+                let chain = certificates(&format!("{key}.client_cert"), &cert)?;
+                let pem = read(&format!("{key}.client_key"), &private)?;
+                private_key(&format!("{key}.client_key"), &private, &pem)?;
+                Some(ClientIdentity { chain, key_pem: pem })
+            }
+            (Some(_), None) => return Err(invalid(format!("{key}.client_key"), "is needed with client_cert")),
+            (None, Some(_)) => return Err(invalid(format!("{key}.client_cert"), "is needed with client_key")),
+        };
+        let server_name = self
+            .server_name
+            .map(|name| {
+                ServerName::try_from(name.clone())
+                    .map_err(|_| invalid(format!("{key}.server_name"), format!("`{name}` is not a DNS name or an IP address")))
+            })
+            .transpose()?;
+        let mut digest = Sha256::new();
+        for root in &roots {
+            digest.update(root.as_ref());
+        }
+        if let Some(client) = &client {
+            for cert in &client.chain {
+                digest.update(cert.as_ref());
+            }
+            digest.update(&client.key_pem);
+        }
+        if let Some(name) = &server_name {
+            digest.update(name.to_str().as_bytes());
+        }
+        Ok(Some(UpstreamTls { id: digest.finalize().into(), roots, client, server_name }))
+    }
+}
+
+/// TLS towards one upstream, its files read: what the upstream client is built from. Two
+/// routes with the same settings share one connection pool (`id` names them).
+#[derive(Debug, Clone)]
+pub struct UpstreamTls {
+    /// A digest of everything below: settings read from equal files are one profile, and a
+    /// reload that reads changed files makes another.
+    pub id: [u8; 32],
+    /// Trusted besides the built-in Mozilla roots.
+    pub roots: Vec<CertificateDer<'static>>,
+    /// The certificate and key presented to an upstream that asks for one (mTLS).
+    pub client: Option<ClientIdentity>,
+    /// The name the upstream's certificate is checked against and sent as SNI, instead of the
+    /// URL's host.
+    pub server_name: Option<ServerName<'static>>,
+}
+
+impl PartialEq for UpstreamTls {
+    fn eq(&self, other: &UpstreamTls) -> bool {
+        self.id == other.id
+    }
+}
+
+/// A client certificate chain and its key, as read.
+#[derive(Clone)]
+pub struct ClientIdentity {
+    pub chain: Vec<CertificateDer<'static>>,
+    /// The key as its file holds it; parsed where a connection needs it.
+    key_pem: Vec<u8>,
+}
+
+impl ClientIdentity {
+    pub fn key(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::from_pem_slice(&self.key_pem).expect("checked when the configuration was read")
+    }
+}
+
+impl std::fmt::Debug for ClientIdentity {
+    /// Never the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientIdentity").field("certificates", &self.chain.len()).finish_non_exhaustive()
+    }
+}
+
+/// A listener's certificate and key, as files: read at start and at each reload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+impl ListenerTls {
+    /// `cert` and `key` as written for one listener (`{cert_key}`, `{key_key}` name them), the
+    /// files checked now; `None` when neither is set.
+    pub(super) fn validate(
+        (cert_key, cert): (&str, Option<PathBuf>),
+        (key_key, key): (&str, Option<PathBuf>),
+    ) -> Result<Option<ListenerTls>, ConfigError> {
+        let tls = match (cert, key) {
+            (None, None) => return Ok(None),
+            (Some(cert), Some(key)) => ListenerTls { cert, key },
+            (Some(_), None) => return Err(invalid(key_key, format!("is needed with {cert_key}"))),
+            (None, Some(_)) => return Err(invalid(cert_key, format!("is needed with {key_key}"))),
+        };
+        tls.load(cert_key, key_key)?;
+        Ok(Some(tls))
+    }
+
+    /// The certificate chain and key its files hold now.
+    pub fn load(
+        &self,
+        cert_key: &str,
+        key_key: &str,
+    ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), ConfigError> {
+        let chain = certificates(cert_key, &self.cert)?;
+        let pem = read(key_key, &self.key)?;
+        Ok((chain, private_key(key_key, &self.key, &pem)?))
+    }
+}
+
+fn read(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {
+    std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))
+}
+
+/// Every certificate of a PEM file; at least one.
+fn certificates(key: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
+    let pem = read(key, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(key, format!("{} is not PEM certificates: {e}", path.display())))?;
+    if certs.is_empty() {
+        return Err(invalid(key, format!("{} holds no PEM certificate", path.display())));
+    }
+    Ok(certs)
+}
+
+fn private_key(key: &str, path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, ConfigError> {
+    PrivateKeyDer::from_pem_slice(pem)
+        .map_err(|e| invalid(key, format!("{} holds no PEM private key: {e}", path.display())))
+}
