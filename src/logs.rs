@@ -254,3 +254,21 @@ mod tests {
         assert!(started.elapsed() >= LAST_WRITE, "the exit did not wait for the last write");
     }
 }
+
+/// An error and its causes in one line, for a log line, a problem's detail or a command's
+/// message: each said once, so a wrapper that repeats its source (or that its source repeats)
+/// is said in the longer of the two.
+pub fn in_one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut words: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let said = e.to_string();
+        match words.last_mut() {
+            Some(last) if last.contains(&said) => {}
+            Some(last) if said.contains(last.as_str()) => *last = said,
+            _ => words.push(said),
+        }
+        next = e.source();
+    }
+    words.join(": ")
+}

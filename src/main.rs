@@ -311,7 +311,12 @@ fn main() -> ExitCode {
 async fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Completions { shell } => {
-            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "idem", &mut std::io::stdout());
+            clap_complete::generate(
+                shell,
+                &mut <Cli as clap::CommandFactory>::command(),
+                "idem",
+                &mut std::io::stdout(),
+            );
         }
         Command::Man => {
             clap_mangen::Man::new(<Cli as clap::CommandFactory>::command())
@@ -370,11 +375,11 @@ async fn run(command: Command) -> anyhow::Result<()> {
         }
         Command::Requests { client, action } => {
             let json = client.json;
-            print!("{}", client.connect().run(requests_command(action)?, json).await?);
+            print!("{}", client.connect()?.run(requests_command(action)?, json).await?);
         }
         Command::Switch { client, action } => {
             let json = client.json;
-            print!("{}", client.connect().run(switch_command(action), json).await?);
+            print!("{}", client.connect()?.run(switch_command(action), json).await?);
         }
     }
     Ok(())
@@ -389,6 +394,10 @@ struct AdminArgs {
     /// The admin bearer token.
     #[arg(long, env = "IDEM_ADMIN_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
+    /// Certificates (PEM) to trust for an https admin URL besides the built-in roots: the
+    /// authority that issued `[server] admin_tls_cert`.
+    #[arg(long, env = "IDEM_ADMIN_CA_FILE", global = true)]
+    ca_file: Option<PathBuf>,
     /// Who is acting, kept in the audit trail (a record's history, a switch's).
     #[arg(long, env = "USER", default_value = "operator", global = true)]
     actor: String,
@@ -398,8 +407,8 @@ struct AdminArgs {
 }
 
 impl AdminArgs {
-    fn connect(self) -> cli::Client {
-        cli::Client::new(&self.admin, self.token, self.actor)
+    fn connect(self) -> Result<cli::Client, cli::CliError> {
+        cli::Client::new(&self.admin, self.token, self.actor, self.ca_file.as_deref())
     }
 }
 

@@ -59,7 +59,10 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const COMMIT: &str = env!("IDEM_COMMIT");
 
 fn build_info() {
-    describe_gauge!("idem_build_info", "Always 1: the version of Idem this process runs, and the commit it was built from.");
+    describe_gauge!(
+        "idem_build_info",
+        "Always 1: the version of Idem this process runs, and the commit it was built from."
+    );
     gauge!("idem_build_info", "version" => VERSION, "commit" => COMMIT).set(1.0);
 }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::config::{self, Changes, Config, ConfigError, Live};
+use crate::edge::tls::Certificates;
 use crate::metrics;
 use crate::worker::Worker;
 
@@ -36,16 +37,7 @@ impl ReloadError {
     /// The whole story in one line: the error and what caused it (a file that cannot be read
     /// says why).
     pub fn detail(&self) -> String {
-        let mut text = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            let cause_text = cause.to_string();
-            if !text.ends_with(&cause_text) {
-                text = format!("{text}: {cause_text}");
-            }
-            source = cause.source();
-        }
-        text
+        crate::logs::in_one_line(self)
     }
 }
 
@@ -64,15 +56,17 @@ pub struct Reloader {
     config: Arc<Live>,
     /// Its routes' runtimes follow the configuration.
     worker: Worker,
+    /// The listeners' certificates, read again at each reload so that they rotate.
+    certificates: Certificates,
     /// One reload at a time: two at once would each compare the file with a configuration the
     /// other is replacing.
     busy: tokio::sync::Mutex<()>,
 }
 
 impl Reloader {
-    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker) -> Reloader {
+    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker, certificates: Certificates) -> Reloader {
         metrics::config_loaded(config.loaded_at());
-        Reloader { file, config, worker, busy: tokio::sync::Mutex::new(()) }
+        Reloader { file, config, worker, certificates, busy: tokio::sync::Mutex::new(()) }
     }
 
     /// Reads the file again and applies it, or keeps the running configuration and says why.
@@ -104,7 +98,9 @@ impl Reloader {
             .await
             .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
         let new = Config::parse(&text)?;
-        let changes = config::changes(&self.config.current(), &new)?;
+        let mut changes = config::changes(&self.config.current(), &new)?;
+        // Read again even when the paths are the same: rotation rewrites the files in place.
+        changes.settings.extend(self.certificates.reload(&new)?);
         // The runtimes first: a request that reads the new configuration finds its route's.
         self.worker.runtimes().reconfigure(&new);
         let new = Arc::new(new);

@@ -4,7 +4,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -15,6 +14,7 @@ use crate::canary;
 use crate::clock::{self, SharedClock};
 use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
+use crate::edge::tls::Certificates;
 use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::{self, Ingress};
 use crate::reconcile;
@@ -33,13 +33,13 @@ pub enum StartError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A listener's certificate, read when the configuration was, cannot be read again.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 /// Memory for done answers kept for replays.
 const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
-
-/// How long a shutdown waits for attempts in flight.
-pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
 
 /// A running broker. Dropping it does not stop it; call [`Running::shutdown`].
 pub struct Running {
@@ -55,6 +55,8 @@ pub struct Running {
     store: Arc<dyn store::Store>,
     /// The time they are counted at.
     clock: SharedClock,
+    /// `[server] drain` is read from it when the shutdown starts.
+    live: Arc<Live>,
     stop: watch::Sender<bool>,
     servers: Vec<JoinHandle<()>>,
     upkeep: Upkeep,
@@ -130,6 +132,7 @@ async fn start_on(
     let (data_limits, admin_limits) = listener_limits(&config);
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
+    let certificates = Certificates::load(&config)?;
     let store = store::open_with(&config.store.url, leases).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
@@ -150,7 +153,9 @@ async fn start_on(
     });
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
     let runtimes = worker.runtimes();
-    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone()));
+    let data_tls = certificates.data.as_ref().map(|certificate| certificate.acceptor());
+    let admin_tls = certificates.admin.as_ref().map(|certificate| certificate.acceptor());
+    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), certificates));
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
@@ -178,8 +183,8 @@ async fn start_on(
     let admin_listen =
         admin_listener.local_addr().map_err(|source| StartError::Bind { addr: config.server.admin_listen, source })?;
     let servers = vec![
-        tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, stopped.clone())),
-        tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, stopped)),
+        tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
+        tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),
     ];
     let mut upkeep = Upkeep::default();
     upkeep.start("retention sweep", reconcile::retention_sweep(store.clone(), live.clone(), clock.clone()));
@@ -204,7 +209,7 @@ async fn start_on(
         });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, runtimes, store, clock, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, runtimes, store, clock, live, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -247,14 +252,15 @@ fn listener_limits(config: &Config) -> (ListenerLimits, ListenerLimits) {
 
 impl Running {
     /// Graceful shutdown: stops accepting connections, hands back records waiting between
-    /// attempts, gives attempts in flight up to `SHUTDOWN_BOUND` to finish and be stored, lets
+    /// attempts, gives attempts in flight up to `[server] drain` to finish and be stored, lets
     /// their answers go out, and stops background upkeep.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
         self.upkeep.stop();
         // One bound for the whole shutdown, not one per step.
-        let deadline = tokio::time::Instant::now() + SHUTDOWN_BOUND;
-        self.worker.shutdown(SHUTDOWN_BOUND).await;
+        let drain = self.live.current().server.drain;
+        let deadline = tokio::time::Instant::now() + drain;
+        self.worker.shutdown(drain).await;
         for server in self.servers {
             if tokio::time::timeout_at(deadline, server).await.is_err() {
                 tracing::warn!("a listener did not finish its answers in time");

@@ -8,7 +8,9 @@ use serde_json::{json, Value};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    #[error("cannot reach the admin API at {url}: {source}")]
+    /// Said with its causes (a refused connection, an untrusted certificate), which reqwest's
+    /// own words leave out.
+    #[error("cannot reach the admin API at {url}: {}", crate::logs::in_one_line(source))]
     Unreachable { url: String, source: reqwest::Error },
     /// The API answered with a problem; its title and detail say what to do.
     #[error("{status} {title}: {detail}")]
@@ -85,13 +87,28 @@ pub enum Outcome {
 }
 
 impl Client {
-    pub fn new(base: &str, token: Option<String>, actor: String) -> Client {
-        Client {
-            base: base.trim_end_matches('/').to_string(),
-            token: token.map(SecretString::from),
-            actor,
-            http: reqwest::Client::builder().no_proxy().build().expect("a static client configuration"),
+    /// A client of the admin API at `base`; an https one trusts `ca_file` (PEM) besides the
+    /// built-in roots, for an admin listener whose certificate a private authority issued.
+    pub fn new(
+        base: &str,
+        token: Option<String>,
+        actor: String,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Client, CliError> {
+        let mut http = reqwest::Client::builder().no_proxy();
+        if let Some(path) = ca_file {
+            let pem = std::fs::read(path)
+                .map_err(|e| CliError::Usage(format!("cannot read --ca-file {}: {e}", path.display())))?;
+            let roots = reqwest::Certificate::from_pem_bundle(&pem)
+                .ok()
+                .filter(|roots| !roots.is_empty())
+                .ok_or_else(|| CliError::Usage(format!("--ca-file {} holds no PEM certificate", path.display())))?;
+            for root in roots {
+                http = http.add_root_certificate(root);
+            }
         }
+        let http = http.build().map_err(|e| CliError::Usage(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Client { base: base.trim_end_matches('/').to_string(), token: token.map(SecretString::from), actor, http })
     }
 
     async fn call(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Result<Value, CliError> {

@@ -8,13 +8,17 @@ use super::{invalid, Config, ConfigError, Route};
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 
-/// Settings the running process was built around: its listeners and their connection budgets
-/// and timeouts, the request-body budget, the store it opened, its worker pool, and the lease
-/// that every node sharing the store must agree on to tell a dead worker from a slow one. A
-/// file that changes one of them is refused whole: nothing of it is applied.
-pub const RESTART_ONLY: [&str; 12] = [
+/// Settings the running process was built around: its listeners, whether they speak TLS, their
+/// connection budgets and timeouts, the request-body budget, the store it opened, its worker
+/// pool, the lease that every node sharing the store must agree on to tell a dead worker from a
+/// slow one, and where its traces go. A file that changes one of them is refused whole: nothing
+/// of it is applied. (A listener's certificate files are read again at each reload: renaming
+/// them, or rewriting them in place, rotates the certificate without a restart.)
+pub const RESTART_ONLY: [&str; 17] = [
     "server.listen",
     "server.admin_listen",
+    "server.tls_cert",
+    "server.admin_tls_cert",
     "server.header_timeout",
     "server.body_timeout",
     "server.max_connections",
@@ -25,6 +29,9 @@ pub const RESTART_ONLY: [&str; 12] = [
     "worker.lease",
     "worker.send_window",
     "worker.clock_margin",
+    "telemetry.otlp_endpoint",
+    "telemetry.service_name",
+    "telemetry.sampling_ratio",
 ];
 
 /// A route and the version of its policy.
@@ -110,6 +117,8 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
     let restart_only = [
         a.server.listen != b.server.listen,
         a.server.admin_listen != b.server.admin_listen,
+        a.server.tls.is_some() != b.server.tls.is_some(),
+        a.server.admin_tls.is_some() != b.server.admin_tls.is_some(),
         a.server.limits.header_timeout != b.server.limits.header_timeout,
         a.server.limits.body_timeout != b.server.limits.body_timeout,
         a.server.limits.max_connections != b.server.limits.max_connections,
@@ -120,6 +129,9 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
         a.worker.lease != b.worker.lease,
         a.worker.send_window != b.worker.send_window,
         a.worker.clock_margin != b.worker.clock_margin,
+        a.telemetry.otlp_endpoint != b.telemetry.otlp_endpoint,
+        a.telemetry.service_name != b.telemetry.service_name,
+        a.telemetry.sampling_ratio != b.telemetry.sampling_ratio,
     ];
     let differing: Vec<&str> = RESTART_ONLY.iter().zip(restart_only).filter(|(_, d)| *d).map(|(k, _)| *k).collect();
     if let Some((first, others)) = differing.split_first() {
@@ -151,6 +163,10 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
         ("store.retention", a.store.retention != b.store.retention),
         ("auth", a.auth != b.auth),
         ("worker.max_takeovers", a.worker.max_takeovers != b.worker.max_takeovers),
+        ("server.drain", a.server.drain != b.server.drain),
+        ("server.access_log", a.server.access_log != b.server.access_log),
+        ("server.forwarded", a.server.forwarded.enabled != b.server.forwarded.enabled),
+        ("server.trusted_proxies", a.server.forwarded.trusted_proxies != b.server.forwarded.trusted_proxies),
     ];
     changes.settings = settings.iter().filter(|(_, d)| *d).map(|(k, _)| *k).collect();
     Ok(changes)
@@ -184,9 +200,20 @@ fn differing_keys(a: &Route, b: &Route) -> Vec<&'static str> {
         ("probe", a.probe != b.probe),
         ("deadline_header", a.deadline_header != b.deadline_header),
         ("attempt_header", a.attempt_header != b.attempt_header),
+        ("ca_file", a.upstream_tls.as_ref().map(|t| &t.roots) != b.upstream_tls.as_ref().map(|t| &t.roots)),
+        ("client_cert", client_chain(a) != client_chain(b)),
+        (
+            "server_name",
+            a.upstream_tls.as_ref().map(|t| &t.server_name) != b.upstream_tls.as_ref().map(|t| &t.server_name),
+        ),
         ("canary", a.canary != b.canary),
     ];
     keys.iter().filter(|(_, d)| *d).map(|(k, _)| *k).collect()
+}
+
+/// The client certificate a route presents upstream, if any.
+fn client_chain(route: &Route) -> Option<&[rustls::pki_types::CertificateDer<'static>]> {
+    route.upstream_tls.as_ref()?.client.as_ref().map(|client| client.chain.as_slice())
 }
 
 #[cfg(test)]

@@ -204,7 +204,7 @@ impl Route {
 
 #[cfg(test)]
 mod tests {
-use super::*;
+    use super::*;
 
     const ROUTE: &str =
         "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"http://127.0.0.1:9000\"\n";

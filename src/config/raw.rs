@@ -363,11 +363,14 @@ fn validate_server(server: RawServer) -> Result<ServerConfig, ConfigError> {
         .trusted_proxies
         .iter()
         .map(|text| {
-            text.parse::<ipnet::IpNet>()
-                .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                .map_err(|_| {
-                    invalid("server.trusted_proxies", format!("`{text}` is neither an address nor a network like 10.0.0.0/8"))
-                })
+            text.parse::<ipnet::IpNet>().or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from)).map_err(
+                |_| {
+                    invalid(
+                        "server.trusted_proxies",
+                        format!("`{text}` is neither an address nor a network like 10.0.0.0/8"),
+                    )
+                },
+            )
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(ServerConfig {

@@ -71,7 +71,10 @@ impl RawRoute {
             Some(named) if !tls.is_empty() => {
                 return Err(invalid(
                     format!("{key}.upstream"),
-                    format!("names the [[upstreams]] entry `{}`: set its TLS there, for every route that names it", named.name),
+                    format!(
+                        "names the [[upstreams]] entry `{}`: set its TLS there, for every route that names it",
+                        named.name
+                    ),
                 ))
             }
             Some(named) => named.tls.clone(),

@@ -31,10 +31,16 @@ impl RawTelemetry {
             .otlp_endpoint
             .map(|text| {
                 let url = url::Url::parse(&text).map_err(|e| {
-                    invalid("telemetry.otlp_endpoint", format!("`{text}` is not a URL like \"http://collector:4318\": {e}"))
+                    invalid(
+                        "telemetry.otlp_endpoint",
+                        format!("`{text}` is not a URL like \"http://collector:4318\": {e}"),
+                    )
                 })?;
                 if !matches!(url.scheme(), "http" | "https") {
-                    return Err(invalid("telemetry.otlp_endpoint", format!("`{text}` must be an http(s) URL (OTLP/HTTP)")));
+                    return Err(invalid(
+                        "telemetry.otlp_endpoint",
+                        format!("`{text}` must be an http(s) URL (OTLP/HTTP)"),
+                    ));
                 }
                 if url.password().is_some() {
                     return Err(invalid("telemetry.otlp_endpoint", "must not carry a password"));

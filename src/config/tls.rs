@@ -6,9 +6,11 @@
 //! by reading the files again.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::sign::CertifiedKey;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -58,8 +60,9 @@ impl RawUpstreamTls {
         let server_name = self
             .server_name
             .map(|name| {
-                ServerName::try_from(name.clone())
-                    .map_err(|_| invalid(format!("{key}.server_name"), format!("`{name}` is not a DNS name or an IP address")))
+                ServerName::try_from(name.clone()).map_err(|_| {
+                    invalid(format!("{key}.server_name"), format!("`{name}` is not a DNS name or an IP address"))
+                })
             })
             .transpose()?;
         let mut digest = Sha256::new();
@@ -127,34 +130,37 @@ impl std::fmt::Debug for ClientIdentity {
 pub struct ListenerTls {
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// The keys that name them (`server.tls_cert`, `server.tls_key`, or the admin's), for errors.
+    keys: (&'static str, &'static str),
 }
 
 impl ListenerTls {
-    /// `cert` and `key` as written for one listener (`{cert_key}`, `{key_key}` name them), the
-    /// files checked now; `None` when neither is set.
+    /// `cert` and `key` as written for one listener, the files checked now: that they parse, and
+    /// that the key is the certificate's. `None` when neither is set.
     pub(super) fn validate(
-        (cert_key, cert): (&str, Option<PathBuf>),
-        (key_key, key): (&str, Option<PathBuf>),
+        (cert_key, cert): (&'static str, Option<PathBuf>),
+        (key_key, key): (&'static str, Option<PathBuf>),
     ) -> Result<Option<ListenerTls>, ConfigError> {
         let tls = match (cert, key) {
             (None, None) => return Ok(None),
-            (Some(cert), Some(key)) => ListenerTls { cert, key },
+            (Some(cert), Some(key)) => ListenerTls { cert, key, keys: (cert_key, key_key) },
             (Some(_), None) => return Err(invalid(key_key, format!("is needed with {cert_key}"))),
             (None, Some(_)) => return Err(invalid(cert_key, format!("is needed with {key_key}"))),
         };
-        tls.load(cert_key, key_key)?;
+        tls.load()?;
         Ok(Some(tls))
     }
 
-    /// The certificate chain and key its files hold now.
-    pub fn load(
-        &self,
-        cert_key: &str,
-        key_key: &str,
-    ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), ConfigError> {
+    /// The certificate chain and key its files hold now, ready to serve.
+    pub fn load(&self) -> Result<Arc<CertifiedKey>, ConfigError> {
+        let (cert_key, key_key) = self.keys;
         let chain = certificates(cert_key, &self.cert)?;
         let pem = read(key_key, &self.key)?;
-        Ok((chain, private_key(key_key, &self.key, &pem)?))
+        let key = private_key(key_key, &self.key, &pem)?;
+        let certified = CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider()).map_err(|e| {
+            invalid(key_key, format!("{} cannot sign for {}: {e}", self.key.display(), self.cert.display()))
+        })?;
+        Ok(Arc::new(certified))
     }
 }
 

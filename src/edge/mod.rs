@@ -3,8 +3,8 @@
 //! descriptors; a new one past the budget takes the place of idle ones (`table`), and is
 //! answered 503 and closed at once only when every connection is busy with a request. It gives
 //! a client `header_timeout` for each request head (and so for the wait between keep-alive
-//! requests) and `body_timeout` between body parts ([`body`]), and at shutdown stops accepting
-//! and lets each connection finish the answer it is writing.
+//! requests, and for a TLS handshake: [`tls`]) and `body_timeout` between body parts ([`body`]),
+//! and at shutdown stops accepting and lets each connection finish the answer it is writing.
 
 use std::convert::Infallible;
 use std::sync::{Arc, LazyLock};
@@ -17,9 +17,11 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 
 use crate::metrics;
 use crate::problem::Problem;
@@ -27,6 +29,7 @@ use crate::problem::Problem;
 pub mod body;
 pub mod process;
 mod table;
+pub mod tls;
 
 use body::TimedBody;
 use table::{Handled, Table};
@@ -58,12 +61,19 @@ const RECLAIM_AT_ONCE: usize = 32;
 /// How long a new connection waits for a place that idle connections were told to give up.
 const RECLAIM_WAIT: Duration = Duration::from_millis(100);
 
-/// Serves `router` on `listener` until `stopped` turns true (or its sender goes), then waits for
-/// the open connections to finish their answers.
-pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits, mut stopped: watch::Receiver<bool>) {
+/// Serves `router` on `listener`, over TLS when `tls` is given, until `stopped` turns true (or
+/// its sender goes), then waits for the open connections to finish their answers.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    limits: ListenerLimits,
+    tls: Option<TlsAcceptor>,
+    mut stopped: watch::Receiver<bool>,
+) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let table = Arc::new(Table::new());
-    let connections = Arc::new(Connections::new(router, &limits));
+    let plain = tls.is_none();
+    let connections = Arc::new(Connections::new(router, &limits, tls));
     let mut accept_errors = Rarely::default();
     let mut refusals = Rarely::default();
     let mut reclaims = Rarely::default();
@@ -79,7 +89,11 @@ pub async fn serve(listener: TcpListener, router: Router, limits: ListenerLimits
                     Err(_) => make_room(&table, &slots, &limits, &mut reclaims).await,
                 };
                 let Some(slot) = slot else {
-                    refuse(stream);
+                    // A TLS client would read the plain answer as a broken handshake: it is
+                    // closed, which reads the same, without the cost of a handshake.
+                    if plain {
+                        refuse(stream);
+                    }
                     metrics::connection_refused(limits.name);
                     if let Some(more) = refusals.due(Instant::now()) {
                         tracing::warn!(
@@ -183,12 +197,15 @@ fn refuse(stream: TcpStream) {
 struct Connections {
     http: http1::Builder,
     router: Router,
+    /// Set on a listener that speaks TLS.
+    tls: Option<TlsAcceptor>,
+    header_timeout: Duration,
     body_timeout: Duration,
     name: &'static str,
 }
 
 impl Connections {
-    fn new(router: Router, limits: &ListenerLimits) -> Connections {
+    fn new(router: Router, limits: &ListenerLimits, tls: Option<TlsAcceptor>) -> Connections {
         let mut http = http1::Builder::new();
         // hyper's header timeout runs from the moment a head is awaited, which on a keep-alive
         // connection is as soon as the previous answer went out: idle connections are cut too.
@@ -197,7 +214,14 @@ impl Connections {
         // that size until the connection closes: hyper's default (about 400 KiB) made 150 held
         // uploads cost 57 MB more. It also bounds a request head.
         http.max_buf_size(READ_BUFFER_MAX);
-        Connections { http, router, body_timeout: limits.body_timeout, name: limits.name }
+        Connections {
+            http,
+            router,
+            tls,
+            header_timeout: limits.header_timeout,
+            body_timeout: limits.body_timeout,
+            name: limits.name,
+        }
     }
 
     async fn serve(
@@ -205,9 +229,26 @@ impl Connections {
         stream: TcpStream,
         _slot: OwnedSemaphorePermit,
         entry: table::Entry,
-        mut stopped: watch::Receiver<bool>,
+        stopped: watch::Receiver<bool>,
     ) {
         metrics::connection_opened(self.name);
+        match &self.tls {
+            None => self.http(stream, entry, stopped).await,
+            // The handshake is the first thing a client owes, so it has the head's time.
+            Some(tls) => match tokio::time::timeout(self.header_timeout, tls.accept(stream)).await {
+                Ok(Ok(stream)) => self.http(stream, entry, stopped).await,
+                Ok(Err(e)) => tracing::debug!(listener = self.name, error = %e, "TLS handshake failed"),
+                Err(_) => tracing::debug!(listener = self.name, "TLS handshake timed out"),
+            },
+        }
+        metrics::connection_closed(self.name);
+    }
+
+    /// HTTP/1.1 on `stream` until either end closes it.
+    async fn http<S>(&self, stream: S, entry: table::Entry, mut stopped: watch::Receiver<bool>)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let handler = Handler {
             router: self.router.clone(),
             body_timeout: self.body_timeout,
@@ -235,7 +276,6 @@ impl Connections {
         if let Err(e) = ended {
             tracing::debug!(listener = self.name, error = %e, "connection ended");
         }
-        metrics::connection_closed(self.name);
     }
 }
 

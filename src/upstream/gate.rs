@@ -31,37 +31,27 @@ pub(super) async fn send_within(
 /// connector's own words (a refused connection, an untrusted certificate), for the operator.
 fn failure(e: &hyper_util::client::legacy::Error) -> Failure {
     let observed = observed(e);
-    let cause = (observed == Observed::ConnectFailed).then(|| {
-        let mut words = Vec::new();
-        let mut source = std::error::Error::source(e);
-        while let Some(cause) = source {
-            let said = cause.to_string();
-            // A wrapper that repeats its source says nothing more.
-            if !words.last().is_some_and(|last: &String| last.contains(&said) || said.contains(last.as_str())) {
-                words.push(said);
-            } else if words.last().is_some_and(|last| said.len() > last.len()) {
-                *words.last_mut().expect("just seen") = said;
-            }
-            source = cause.source();
-        }
-        if words.is_empty() {
-            e.to_string()
-        } else {
-            words.join(": ")
-        }
+    // The client's own words ("client error (Connect)") say nothing its sources do not.
+    let cause = (observed == Observed::ConnectFailed).then(|| match std::error::Error::source(e) {
+        Some(source) => crate::logs::in_one_line(source),
+        None => e.to_string(),
     });
     Failure { observed, cause }
 }
 
-/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake), or a
-/// request given up before its first byte ([`TooLate`]), proves nothing was sent. A request the
-/// pool found its connection closed for before writing it is sent again on a fresh one by the
-/// client itself, so what fails after that may have been sent.
+/// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake, refused
+/// even after the request was written: [`handshake_refused`]), or a request given up before its
+/// first byte ([`TooLate`]), proves nothing was sent. A request the pool found its connection
+/// closed for before writing it is sent again on a fresh one by the client itself, so what fails
+/// after that may have been sent.
 fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
     let mut source = std::error::Error::source(e);
     while let Some(cause) = source {
         if cause.is::<TooLate>() {
             return Observed::NotSent;
+        }
+        if handshake_refused(cause) {
+            return Observed::ConnectFailed;
         }
         source = cause.source();
     }
@@ -69,6 +59,32 @@ fn observed(e: &hyper_util::client::legacy::Error) -> Observed {
         true => Observed::ConnectFailed,
         false => Observed::Broken,
     }
+}
+
+/// The alerts by which a TLS server refuses a handshake: the client's certificate (missing,
+/// untrusted, expired) or the handshake as a whole.
+const REFUSALS: [rustls::AlertDescription; 9] = [
+    rustls::AlertDescription::CertificateRequired,
+    rustls::AlertDescription::BadCertificate,
+    rustls::AlertDescription::UnsupportedCertificate,
+    rustls::AlertDescription::CertificateRevoked,
+    rustls::AlertDescription::CertificateExpired,
+    rustls::AlertDescription::CertificateUnknown,
+    rustls::AlertDescription::UnknownCA,
+    rustls::AlertDescription::AccessDenied,
+    rustls::AlertDescription::HandshakeFailure,
+];
+
+/// An upstream that refused the TLS handshake. In TLS 1.3 a client writes its request right
+/// after its own last handshake message, before the server has accepted its certificate, so
+/// the refusal arrives where a broken send would; but a server that refused the handshake
+/// never read a byte of the request.
+fn handshake_refused(cause: &(dyn std::error::Error + 'static)) -> bool {
+    // An io::Error's `source` is its inner error's source, so the inner error is looked at here.
+    let tls = cause
+        .downcast_ref::<rustls::Error>()
+        .or_else(|| cause.downcast_ref::<std::io::Error>()?.get_ref()?.downcast_ref::<rustls::Error>());
+    matches!(tls, Some(rustls::Error::AlertReceived(alert)) if REFUSALS.contains(alert))
 }
 
 /// A connector that gives up after `limit`: the TCP connector's own timeout would leave a TLS
@@ -272,7 +288,10 @@ mod tests {
             let until = tokio::time::Instant::now() + Duration::from_secs(5);
             let (upstream, url) = (upstream.clone(), url.clone());
             async move {
-                let head = upstream.send_head(post(&url, body), until, Some(send_by)).await.map_err(|failure| failure.observed)?;
+                let head = upstream
+                    .send_head(post(&url, body), until, Some(send_by))
+                    .await
+                    .map_err(|failure| failure.observed)?;
                 head.whole(until).await
             }
         };

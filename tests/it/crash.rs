@@ -23,14 +23,18 @@ struct Rig {
     db: Db,
 }
 
+/// `[server] drain` by default: how long a SIGTERM lets attempts in flight finish.
+const DRAIN: Duration = Duration::from_secs(10);
+
 async fn rig(b: Backend, route_extra: &str, extra: &str) -> Rig {
+    rig_with(b, TestConfig::default().route(route_extra).tables(extra)).await
+}
+
+/// A node on `config`, with its upstream and database.
+async fn rig_with(b: Backend, config: TestConfig) -> Rig {
     let upstream = Upstream::start().await;
     let db = Db::new(b).await;
-    let node = Node::start(
-        "broker",
-        &node_config(&db.url, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).body(),
-    )
-    .await;
+    let node = Node::start("broker", &node_config(&db.url, config.upstream(&upstream.url())).body()).await;
     Rig { upstream, node, db }
 }
 
@@ -232,7 +236,7 @@ async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(
 
     let asked = Instant::now();
     rig.node.terminate();
-    let status = rig.node.wait_exit(idem::server::SHUTDOWN_BOUND).await;
+    let status = rig.node.wait_exit(DRAIN).await;
     let took = asked.elapsed();
     let status = status.unwrap_or_else(|| panic!("still running {took:?} after SIGTERM:\n{}", rig.node.log_tail(40)));
     assert!(status.success(), "exited with {status} after SIGTERM:\n{}", rig.node.log_tail(40));
@@ -273,7 +277,7 @@ async fn sigterm_lets_an_attempt_in_flight_finish_and_answers_its_client(b: Back
 
     let asked = Instant::now();
     rig.node.terminate();
-    let status = rig.node.wait_exit(idem::server::SHUTDOWN_BOUND).await;
+    let status = rig.node.wait_exit(DRAIN).await;
     let took = asked.elapsed();
     let status = status.unwrap_or_else(|| panic!("still running {took:?} after SIGTERM"));
     assert!(status.success(), "exited with {status} after SIGTERM");
@@ -309,7 +313,7 @@ async fn sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_hol
 
     let asked = Instant::now();
     rig.node.terminate();
-    let status = rig.node.wait_exit(idem::server::SHUTDOWN_BOUND + Duration::from_secs(5)).await;
+    let status = rig.node.wait_exit(DRAIN + Duration::from_secs(5)).await;
     let took = asked.elapsed();
     let answer = waiter.await.unwrap();
     assert!(status.is_some(), "still running {took:?} after SIGTERM");
@@ -322,10 +326,28 @@ async fn sigterm_answers_a_client_waiting_on_a_handed_back_record_instead_of_hol
         }
         Err(e) => panic!("the waiting client got no answer ({e}); the broker took {took:?} to exit after SIGTERM"),
     }
-    assert!(took < idem::server::SHUTDOWN_BOUND, "the broker took {took:?} to exit after SIGTERM");
+    assert!(took < DRAIN, "the broker took {took:?} to exit after SIGTERM");
+}
+
+async fn sigterm_waits_no_longer_than_the_configured_drain(b: Backend) {
+    let mut rig = rig_with(b, TestConfig::default().server("drain = \"1s\"").route("replay_safe = false")).await;
+    rig.upstream.script("slow", vec![Reply::status(201).delay(Duration::from_secs(6))]);
+    submit(&rig.node, "slow").await;
+    await_until("the upstream to receive the attempt", Duration::from_secs(10), || rig.upstream.hits("slow") == 1)
+        .await;
+
+    let asked = Instant::now();
+    rig.node.terminate();
+    let status = rig.node.wait_exit(DRAIN).await;
+    let took = asked.elapsed();
+    assert!(status.is_some(), "still running {took:?} after SIGTERM:\n{}", rig.node.log_tail(40));
+    // The default drain would have waited for the answer, six seconds on.
+    assert!(took < Duration::from_secs(4), "the broker took {took:?} to exit with a drain of 1s");
+    assert!(took >= Duration::from_secs(1), "the broker left after {took:?}, before its drain of 1s");
 }
 
 both_stores!(
+    sigterm_waits_no_longer_than_the_configured_drain,
     a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_sends_it_again,
     a_kill_during_an_attempt_on_a_replay_safe_route_sends_it_again_after_the_lease,
     a_kill_during_a_backoff_wait_continues_the_record_and_keeps_the_wait,

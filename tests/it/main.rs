@@ -41,3 +41,4 @@ mod store_lost;
 mod store_recorded;
 mod streaming;
 mod switches;
+mod tls;

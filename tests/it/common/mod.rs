@@ -1,6 +1,7 @@
 //! Test harness: a real broker on port 0 in front of a real fake upstream on port 0.
 pub mod backend;
 pub mod faulty;
+pub mod pki;
 pub mod process;
 pub mod sse;
 
@@ -116,6 +117,8 @@ struct Seen {
 #[derive(Clone)]
 pub struct Upstream {
     pub addr: SocketAddr,
+    /// `https` for one started with [`Upstream::start_tls`].
+    scheme: &'static str,
     seen: Arc<Mutex<Seen>>,
 }
 
@@ -240,11 +243,34 @@ impl Upstream {
         tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
         });
-        Upstream { addr, seen }
+        Upstream { addr, scheme: "http", seen }
+    }
+
+    /// The same upstream over TLS, on 127.0.0.1: its certificate must name that address. A
+    /// handshake it refuses reaches no handler, so it counts no hit.
+    pub async fn start_tls(tls: rustls::ServerConfig) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let app = axum::Router::new().fallback(answer).with_state(seen.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tokio::spawn(async move {
+                    let Ok(stream) = acceptor.accept(stream).await else { return };
+                    let service = hyper_util::service::TowerToHyperService::new(app);
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+                });
+            }
+        });
+        Upstream { addr, scheme: "https", seen }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     pub fn hits(&self, op: &str) -> u32 {
@@ -387,10 +413,12 @@ pub struct Broker {
 
 /// A test's config, said by name rather than by position: the upstream the one route
 /// (`payments` at `/payments`) calls, the lines of that route's table, the tables after it (its
-/// `[routes.retry]`, more routes, `[auth]`), and the `[worker]` lines. The store is the test's
+/// `[routes.retry]`, more routes, `[auth]`), and the `[worker]` and `[server]` lines (the
+/// listeners' addresses are set by whoever starts the broker). The store is the test's
 /// database, set by whoever starts the broker on it.
 #[derive(Debug, Clone, Default)]
 pub struct TestConfig {
+    server: String,
     store: String,
     upstream: String,
     worker: String,
@@ -403,9 +431,22 @@ impl TestConfig {
         TestConfig { upstream: upstream.to_string(), ..TestConfig::default() }
     }
 
+    /// The upstream the route calls.
+    pub fn upstream(mut self, url: &str) -> TestConfig {
+        self.upstream = url.to_string();
+        self
+    }
+
     /// The store's URL (a broker started on a [`Db`] sets it).
     pub fn store(mut self, url: &str) -> TestConfig {
         self.store = url.to_string();
+        self
+    }
+
+    /// Lines of the `[server]` table besides its listeners (`drain = "1s"`).
+    pub fn server(mut self, lines: &str) -> TestConfig {
+        self.server.push_str(lines);
+        self.server.push('\n');
         self
     }
 
@@ -430,12 +471,13 @@ impl TestConfig {
         self
     }
 
-    /// Everything but `[server]`.
+    /// Everything but `[server]`'s header and listeners: it starts with the table's other
+    /// lines, so that it follows them.
     pub fn body(&self) -> String {
-        let TestConfig { store, upstream, worker, route, tables } = self;
+        let TestConfig { server, store, upstream, worker, route, tables } = self;
         let worker = if worker.is_empty() { String::new() } else { format!("[worker]\n{worker}") };
         format!(
-            "\n[store]\nurl = \"{store}\"\n\n{worker}\n\n[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
+            "{server}\n[store]\nurl = \"{store}\"\n\n{worker}\n\n[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
              upstream = \"{upstream}\"\n{route}\n{tables}\n"
         )
     }
@@ -470,14 +512,16 @@ impl Broker {
         let dir = TempDir::new().unwrap();
         let config_file = dir.path().join("idem.toml");
         std::fs::write(&config_file, &config_text).unwrap();
+        let scheme = |tls: bool| if tls { "https" } else { "http" };
+        let (data, admin) = (scheme(config.server.tls.is_some()), scheme(config.server.admin_tls.is_some()));
         let running = match clock {
             Some(clock) => server::start_with_clock(config, Some(config_file.clone()), clock).await,
             None => server::start_reloadable(config, config_file.clone()).await,
         }
         .unwrap();
         Broker {
-            url: format!("http://{}", running.listen),
-            admin: format!("http://{}", running.admin_listen),
+            url: format!("{data}://{}", running.listen),
+            admin: format!("{admin}://{}", running.admin_listen),
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
             running: Some(running),
             _db: db.clone(),
