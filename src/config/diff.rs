@@ -299,5 +299,25 @@ mod tests {
         moved.server.limits.max_buffered_bodies *= 2;
         let e = changes(&a, &moved).unwrap_err().to_string();
         assert!(e.contains("`server.max_buffered_bodies`") && e.contains("store.url"), "{e}");
+        let mut traced = config(&route("pay", ""), "");
+        traced.telemetry.sampling_ratio = 0.5;
+        let e = changes(&a, &traced).unwrap_err().to_string();
+        assert!(e.contains("`telemetry.sampling_ratio`"), "{e}");
+        let mut secured = config(&route("pay", ""), "");
+        secured.server.admin_tls =
+            Some(crate::config::ListenerTls::for_test("/etc/idem/admin.crt".into(), "/etc/idem/admin.key".into()));
+        let e = changes(&a, &secured).unwrap_err().to_string();
+        assert!(e.contains("`server.admin_tls_cert`"), "{e}");
+    }
+
+    #[test]
+    fn serving_settings_change_on_reload() {
+        let a = config(&route("pay", ""), "");
+        let mut b = config(&route("pay", ""), "");
+        b.server.drain = std::time::Duration::from_secs(30);
+        b.server.access_log = false;
+        b.server.forwarded.trusted_proxies = vec!["10.0.0.0/8".parse().unwrap()];
+        let c = changes(&a, &b).unwrap();
+        assert_eq!(c.settings, vec!["server.drain", "server.access_log", "server.trusted_proxies"]);
     }
 }

@@ -339,6 +339,25 @@ pub fn describe(c: &Config) -> String {
     let _ = writeln!(out, "listen        {}", c.server.listen);
     let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
     let _ = writeln!(out, "limits        {}", c.server.limits.describe());
+    let listener = |tls: &Option<ListenerTls>| match tls {
+        Some(tls) => format!("{} (re-read on reload)", tls.cert.display()),
+        None => "off".to_string(),
+    };
+    let _ = writeln!(out, "tls           data {}; admin {}", listener(&c.server.tls), listener(&c.server.admin_tls));
+    let forwarded = match (&c.server.forwarded, c.server.forwarded.trusted_proxies.is_empty()) {
+        (f, _) if !f.enabled => "off".to_string(),
+        (_, true) => "on, no trusted proxy".to_string(),
+        (f, false) => {
+            let proxies: Vec<String> = f.trusted_proxies.iter().map(ToString::to_string).collect();
+            format!("on, trusting {}", proxies.join(", "))
+        }
+    };
+    let _ = writeln!(
+        out,
+        "serving       drain {}; access log {}; forwarded {forwarded}",
+        h(c.server.drain),
+        if c.server.access_log { "on" } else { "off" }
+    );
     let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
     let _ = writeln!(
         out,
@@ -372,6 +391,14 @@ pub fn describe(c: &Config) -> String {
         h(c.worker.send_window),
         h(c.worker.clock_margin)
     );
+    let _ = match &c.telemetry.otlp_endpoint {
+        Some(endpoint) => writeln!(
+            out,
+            "telemetry     OTLP/HTTP to {endpoint} as {:?}, sampling {}",
+            c.telemetry.service_name, c.telemetry.sampling_ratio
+        ),
+        None => writeln!(out, "telemetry     off (spans in the logs only)"),
+    };
     for r in &c.routes {
         let p = &r.retry;
         let methods: Vec<&str> = r.methods.iter().map(Method::as_str).collect();
@@ -395,6 +422,9 @@ pub fn describe(c: &Config) -> String {
             }
         }
         let _ = writeln!(out, "  policy_version {}", r.policy_version);
+        if let Some(tls) = &r.upstream_tls {
+            let _ = writeln!(out, "  upstream tls: {}", tls.describe());
+        }
         let _ = writeln!(
             out,
             "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_stored_body {} B; max_concurrency {}",

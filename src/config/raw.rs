@@ -307,6 +307,9 @@ impl RawConfig {
                 "must not carry a password: secrets come from the environment (PGPASSWORD) or a .pgpass file",
             ));
         }
+        if !url.starts_with("sqlite:") {
+            super::tls::check_postgres_url(&url)?;
+        }
         let store = StoreConfig { url, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
 
         let auth = validate_auth(self.auth.unwrap_or_default(), env)?;

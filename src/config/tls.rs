@@ -98,6 +98,23 @@ pub struct UpstreamTls {
     pub server_name: Option<ServerName<'static>>,
 }
 
+impl UpstreamTls {
+    /// What it adds to the defaults, as `idem check` says it.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if !self.roots.is_empty() {
+            parts.push(format!("{} extra root(s)", self.roots.len()));
+        }
+        if self.client.is_some() {
+            parts.push("a client certificate".to_string());
+        }
+        if let Some(name) = &self.server_name {
+            parts.push(format!("server name {}", name.to_str()));
+        }
+        parts.join(", ")
+    }
+}
+
 impl PartialEq for UpstreamTls {
     fn eq(&self, other: &UpstreamTls) -> bool {
         self.id == other.id
@@ -151,6 +168,12 @@ impl ListenerTls {
         Ok(Some(tls))
     }
 
+    /// Files named without being read: for a test of what a reload compares.
+    #[cfg(test)]
+    pub(crate) fn for_test(cert: PathBuf, key: PathBuf) -> ListenerTls {
+        ListenerTls { cert, key, keys: ("server.tls_cert", "server.tls_key") }
+    }
+
     /// The certificate chain and key its files hold now, ready to serve.
     pub fn load(&self) -> Result<Arc<CertifiedKey>, ConfigError> {
         let (cert_key, key_key) = self.keys;
@@ -162,6 +185,21 @@ impl ListenerTls {
         })?;
         Ok(Arc::new(certified))
     }
+}
+
+/// A PostgreSQL store URL as the driver will read it: `sslmode` spelt as libpq spells it, and
+/// the authority `sslrootcert` names readable PEM, so that a typo is refused by `idem check`
+/// rather than at the first connection.
+pub(super) fn check_postgres_url(url: &str) -> Result<(), ConfigError> {
+    use std::str::FromStr;
+    sqlx::postgres::PgConnectOptions::from_str(url).map_err(|e| invalid("store.url", e.to_string()))?;
+    let parsed = url::Url::parse(url).map_err(|e| invalid("store.url", e.to_string()))?;
+    for (name, value) in parsed.query_pairs() {
+        if name == "sslrootcert" {
+            certificates("store.url", Path::new(value.as_ref()))?;
+        }
+    }
+    Ok(())
 }
 
 fn read(key: &str, path: &Path) -> Result<Vec<u8>, ConfigError> {

@@ -39,6 +39,7 @@ mod store;
 mod store_down;
 mod store_lost;
 mod store_recorded;
+mod store_tls;
 mod streaming;
 mod switches;
 mod tls;

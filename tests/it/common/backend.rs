@@ -8,6 +8,9 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 pub const POSTGRES_URL_VAR: &str = "IDEM_TEST_POSTGRES_URL";
+/// The certificate of the authority that issued the server's (for `localhost`), for the tests
+/// of the store over TLS; `.ci/start-postgres` makes it.
+pub const POSTGRES_CA_VAR: &str = "IDEM_TEST_POSTGRES_CA";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backend {
@@ -28,11 +31,26 @@ pub fn postgres_server_url() -> Option<String> {
     }
 }
 
+/// The authority of the server's certificate, if one is given. Panics under CI when none is:
+/// there the TLS tests must run.
+pub fn postgres_ca() -> Option<std::path::PathBuf> {
+    match std::env::var(POSTGRES_CA_VAR) {
+        Ok(path) if !path.is_empty() => Some(path.into()),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("{POSTGRES_CA_VAR} is not set under CI: the store's TLS tests must run (see .ci/start-postgres)")
+        }
+        _ => None,
+    }
+}
+
 /// Says that a PostgreSQL test did not run, and why. Written straight to stderr: the test
 /// harness would swallow a `println!` of a test that passes.
 pub fn skipped(test: &str) {
     use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "skipped {test}: set {POSTGRES_URL_VAR} to run it against PostgreSQL");
+    let _ = writeln!(
+        std::io::stderr(),
+        "skipped {test}: set {POSTGRES_URL_VAR} (and, for the TLS tests, {POSTGRES_CA_VAR}) to run it against PostgreSQL"
+    );
 }
 
 /// The URL of a new, empty database `idem_t_<uuid>` on the configured server, or `None` when
