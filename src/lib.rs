@@ -70,6 +70,8 @@
 //!   [`clock::Clock`] (the system's, or a test's [`clock::ManualClock`]); waits use tokio's timer.
 //! - [`logs`] — where log lines go: a buffer that a thread of its own writes to stderr in
 //!   batches, so logging a line wakes nobody.
+//! - [`telemetry`] — the spans exported over OTLP/HTTP, and the W3C trace context carried from
+//!   the client through each attempt to the upstream.
 
 pub mod admin;
 pub mod canary;
@@ -102,5 +104,6 @@ pub mod stream;
 pub mod switch;
 pub mod switchboard;
 pub mod tally;
+pub mod telemetry;
 pub mod upstream;
 pub mod worker;

@@ -9,6 +9,10 @@ use idem::admin::bulk::BulkAction;
 use idem::admin::cli;
 use idem::config::Config;
 use idem::simulate::history;
+use idem::telemetry::Telemetry;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{Layer, Registry};
 
 /// Idem, an idempotency-aware request broker: every keyed request is recorded before it is sent,
 /// executed once, and replayed byte for byte to duplicates.
@@ -264,18 +268,24 @@ Example: \"400ms:503 retry-after=300ms, 700ms:200, 100ms:200\"";
 /// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr in batches by
 /// a thread of their own (`idem::logs`), so a request never waits on the terminal or the
 /// journal, nor wakes anyone per line; none is dropped. Keep the guard until exit: dropping it
-/// writes out what is buffered.
-fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<idem::logs::Flushed> {
+/// writes out what is buffered. `spans`, when traces are exported, sees the same spans the
+/// logs do.
+fn init_logging(
+    format: LogFormat,
+    level: &str,
+    spans: Option<Box<dyn Layer<Registry> + Send + Sync>>,
+) -> anyhow::Result<idem::logs::Flushed> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let (writer, flushed) = idem::logs::batched(std::io::stderr()).context("cannot start the log writer")?;
     // Colours for a person at a terminal; a file, a pipe or the journal gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(writer).with_ansi(ansi);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    let lines = tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(ansi);
+    let lines = match format {
+        LogFormat::Text => lines.boxed(),
+        LogFormat::Json => lines.json().boxed(),
+    };
+    tracing_subscriber::registry().with(spans).with(lines).with(filter).init();
     Ok(flushed)
 }
 
@@ -285,30 +295,50 @@ fn main() -> ExitCode {
         Command::Demo { verbose: false, .. } => "warn",
         _ => "info",
     };
-    let flushed = match init_logging(cli.log_format, level) {
-        Ok(flushed) => flushed,
-        Err(e) => {
-            eprintln!("idem: {e:#}");
-            return ExitCode::FAILURE;
-        }
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("idem: {e}");
+        ExitCode::FAILURE
+    };
+    // `idem serve` reads its configuration before anything is logged: its `[telemetry]` says
+    // where the spans go.
+    let serving = match &cli.command {
+        Command::Serve { config } => match Config::load(config) {
+            Ok(loaded) => Some(loaded),
+            Err(e) => return fail(&idem::logs::in_one_line(&e)),
+        },
+        _ => None,
     };
     // Built by hand rather than by `#[tokio::main]`, so that the runtime stops (and what its
     // tasks log while they stop is buffered) before the log writer writes its last lines, and
     // the final error comes after them.
-    let ran = tokio::runtime::Runtime::new()
-        .context("cannot start the async runtime")
-        .and_then(|runtime| runtime.block_on(run(cli.command)));
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(&format!("cannot start the async runtime: {e}")),
+    };
+    let telemetry = match serving.as_ref().map(|c| Telemetry::start(&c.telemetry, runtime.handle().clone())) {
+        Some(Ok(telemetry)) => telemetry,
+        Some(Err(e)) => return fail(&e),
+        None => None,
+    };
+    let flushed = match init_logging(cli.log_format, level, telemetry.as_ref().map(Telemetry::layer)) {
+        Ok(flushed) => flushed,
+        Err(e) => return fail(&format!("{e:#}")),
+    };
+    let ran = runtime.block_on(run(cli.command, serving));
+    // The last spans go out while the runtime that sends them still runs.
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    drop(runtime);
     drop(flushed);
     match ran {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("idem: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => fail(&format!("{e:#}")),
     }
 }
 
-async fn run(command: Command) -> anyhow::Result<()> {
+/// Runs `command`; `serving` is the configuration `idem serve` read.
+async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
     match command {
         Command::Completions { shell } => {
             clap_complete::generate(
@@ -324,7 +354,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
                 .context("cannot write the manual page")?;
         }
         Command::Serve { config } => {
-            let loaded = Config::load(&config)?;
+            let loaded = serving.context("the configuration is read before the runtime starts")?;
             idem::server::serve(loaded, config, idem::server::termination()).await?;
         }
         Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,

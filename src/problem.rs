@@ -491,9 +491,15 @@ impl Problem {
     }
 }
 
+/// Marks an answer the broker made itself, in the response's extensions: the access log tells
+/// it from the upstream's, which may be a problem document too.
+#[derive(Debug, Clone, Copy)]
+pub struct Made;
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let mut response = (self.status, self.document()).into_response();
+        response.extensions_mut().insert(Made);
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if self.retryable { "true" } else { "false" }));

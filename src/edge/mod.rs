@@ -23,6 +23,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
+use crate::domain::Origin;
 use crate::metrics;
 use crate::problem::Problem;
 
@@ -232,11 +233,12 @@ impl Connections {
         stopped: watch::Receiver<bool>,
     ) {
         metrics::connection_opened(self.name);
+        let origin = stream.peer_addr().ok().map(|peer| Origin { peer, tls: self.tls.is_some() });
         match &self.tls {
-            None => self.http(stream, entry, stopped).await,
+            None => self.http(stream, origin, entry, stopped).await,
             // The handshake is the first thing a client owes, so it has the head's time.
             Some(tls) => match tokio::time::timeout(self.header_timeout, tls.accept(stream)).await {
-                Ok(Ok(stream)) => self.http(stream, entry, stopped).await,
+                Ok(Ok(stream)) => self.http(stream, origin, entry, stopped).await,
                 Ok(Err(e)) => tracing::debug!(listener = self.name, error = %e, "TLS handshake failed"),
                 Err(_) => tracing::debug!(listener = self.name, "TLS handshake timed out"),
             },
@@ -244,8 +246,8 @@ impl Connections {
         metrics::connection_closed(self.name);
     }
 
-    /// HTTP/1.1 on `stream` until either end closes it.
-    async fn http<S>(&self, stream: S, entry: table::Entry, mut stopped: watch::Receiver<bool>)
+    /// HTTP/1.1 on `stream` until either end closes it; each request from `origin`.
+    async fn http<S>(&self, stream: S, origin: Option<Origin>, entry: table::Entry, mut stopped: watch::Receiver<bool>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -253,6 +255,7 @@ impl Connections {
             router: self.router.clone(),
             body_timeout: self.body_timeout,
             connection: entry.connection.clone(),
+            origin,
         };
         let connection = self.http.serve_connection(TokioIo::new(stream), handler);
         tokio::pin!(connection);
@@ -286,6 +289,8 @@ struct Handler {
     router: Router,
     body_timeout: Duration,
     connection: Arc<table::Connection>,
+    /// Put in each request's extensions: who sent it.
+    origin: Option<Origin>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Handler {
@@ -295,7 +300,10 @@ impl hyper::service::Service<Request<Incoming>> for Handler {
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let busy = self.connection.busy();
-        let request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
+        let mut request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
+        if let Some(origin) = self.origin {
+            request.extensions_mut().insert(origin);
+        }
         // A Router is always ready (its poll_ready returns at once), so it is called directly.
         Handled::new(tower_service::Service::call(&mut self.router.clone(), request), busy)
     }

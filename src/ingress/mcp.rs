@@ -128,7 +128,9 @@ impl Ingress {
             metrics::held_by_switch(&route.name, SwitchAction::Isolate);
             return self.refused(route, refusal).into_response();
         }
-        proxy::pass(&self.upstream, route, parts, body, watch).await
+        let mut headers = crate::upstream::forwardable_request_headers(&parts.headers, true);
+        crate::upstream::forward(&mut headers, parts.extensions.get(), &self.config.current().server.forwarded);
+        proxy::pass(&self.upstream, route, parts, &headers, body, watch).await
     }
 
     /// A `tools/call` to a recorded tool: keyed (sent, or derived from the route's `key_from`),
@@ -170,6 +172,7 @@ impl Ingress {
                 return json_answer(StatusCode::OK, &answers::problem(&call.id, &problem, None));
             }
         };
+        super::access::key(&key);
         let fingerprint = judged.fingerprint(&route.name);
         let wait = route.mcp.as_ref().map(|mcp| mcp.in_flight_wait);
         let prefer = Prefer { respond_async: false, wait };
@@ -186,7 +189,12 @@ impl Ingress {
             replay_safe,
         };
         // As on any keyed route, naming the tool.
-        let span = |tenant: &Tenant| tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
+        let span = |tenant: &Tenant| {
+            let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
+            crate::telemetry::continue_trace(&span, &parts.headers);
+            super::access::trace(&span);
+            span
+        };
         let answer = self.answer_keyed(read, span).await;
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
         let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };
@@ -207,6 +215,7 @@ impl Ingress {
         let response = match answer {
             Ok(response) => response,
             Err(problem) => {
+                super::access::kind(super::access::Kind::Problem);
                 let record = self.record_ref(tenant, key, &problem).await;
                 let message = match problem.name {
                     "outcome-unknown" => answers::unknown(id, &record),

@@ -117,6 +117,7 @@ impl Ingress {
     }
 }
 
+mod access;
 mod answers;
 mod mcp;
 mod outcomes;
@@ -139,15 +140,25 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 }
 
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
+    let config = app.config.current();
+    if !config.server.access_log {
+        return serve(app, config, request).await;
+    }
+    let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
+    access::logged(request.method().clone(), client_trace, serve(app, config, request)).await
+}
+
+/// A data-plane request, answered under the configuration in force when it arrived.
+async fn serve(app: Arc<Ingress>, config: Arc<Config>, request: Request) -> Response {
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
     }
-    let config = app.config.current();
     let Some(route) = config.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
+    access::route(&route.name);
     if route.mcp.is_some() {
         return app.mcp(&config, route, request, arrival).await;
     }
@@ -167,7 +178,10 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
                 metrics::held_by_switch(&route.name, SwitchAction::Isolate);
                 app.refused(route, refusal).into_response()
             }
-            None => app.plain(route, request).await,
+            None => {
+                access::kind(access::Kind::Passed);
+                app.plain(route, request).await
+            }
         },
     };
     if keyed {
@@ -221,6 +235,7 @@ impl Ingress {
                 Err(missing) => return Problem::missing_key_source(&missing).state(State::NotStarted).into_response(),
             },
         };
+        access::key(&key);
         let fingerprint = Fingerprint::of(
             &route.name,
             parts.method.as_str(),
@@ -233,7 +248,12 @@ impl Ingress {
         let replay_safe = route.replay_safe;
         let read =
             Read { tenant, key: &key, fingerprint, body, config, route, parts: &parts, arrival, prefer, replay_safe };
-        let span = |tenant: &Tenant| info_span!("request", %tenant, route = %route.name, method = %parts.method);
+        let span = |tenant: &Tenant| {
+            let span = info_span!("request", %tenant, route = %route.name, method = %parts.method);
+            crate::telemetry::continue_trace(&span, &parts.headers);
+            access::trace(&span);
+            span
+        };
         let answer = self.answer_keyed(read, span).await;
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
@@ -316,7 +336,7 @@ impl Ingress {
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
-            stored: StoredRequest { headers: stored_headers(route, &parts.headers), body },
+            stored: StoredRequest { headers: stored_headers(route, parts, &config.server.forwarded), body },
             deadline_at: arrival.at + deadline(policy.retry, route, &parts.headers),
             arrival,
         };

@@ -46,7 +46,8 @@ impl Ingress {
         let expires_at = record.created_at + self.records.retention(&record.route);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
-            Ok(Ok(Told { outcome, laps })) if !matches!(outcome, Outcome::Lost) => {
+            Ok(Ok(Told { outcome, laps, attempts })) if !matches!(outcome, Outcome::Lost) => {
+                super::access::attempts(attempts);
                 if let Outcome::Done(_, response) = &outcome {
                     self.keep_for_replays(record, response, expires_at);
                 }

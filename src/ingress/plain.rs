@@ -24,7 +24,8 @@ impl Ingress {
             Ok(read) => read,
             Err(problem) => return problem.into_response(),
         };
-        let headers = upstream::forwardable_request_headers(&parts.headers, true);
+        let mut headers = upstream::forwardable_request_headers(&parts.headers, true);
+        upstream::forward(&mut headers, parts.extensions.get(), &self.config.current().server.forwarded);
         let mut credentials = route.upstream_headers.clone();
         if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
             credentials.insert(header::AUTHORIZATION, credential.clone());

@@ -6,7 +6,7 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 
-use crate::config::Route;
+use crate::config::{Forwarding, Route};
 use crate::domain::AnswerKind;
 use crate::edge::body::{self, BodyBudget, Held, ReadError};
 use crate::metrics;
@@ -22,13 +22,19 @@ pub(super) fn deadline(policy: &RetryPolicy, route: &Route, headers: &http::Head
     asked.map_or(policy.deadline, |asked| asked.min(policy.deadline))
 }
 
-/// The request headers kept with the record. The client's deadline header is not among them:
-/// each attempt sends its own limit in it instead.
-pub(super) fn stored_headers(route: &Route, headers: &http::HeaderMap) -> Vec<(String, String)> {
-    let mut kept = upstream::forwardable_request_headers(headers, route.forward_idempotency_key);
+/// The request headers kept with the record, and sent by every attempt: the client's address
+/// among them ([`upstream::forward`]). The client's deadline header is not among them: each
+/// attempt sends its own limit in it instead.
+pub(super) fn stored_headers(
+    route: &Route,
+    parts: &http::request::Parts,
+    forwarding: &Forwarding,
+) -> Vec<(String, String)> {
+    let mut kept = upstream::forwardable_request_headers(&parts.headers, route.forward_idempotency_key);
     if let Some(name) = &route.deadline_header {
         kept.retain(|(n, _)| n != name.as_str());
     }
+    upstream::forward(&mut kept, parts.extensions.get(), forwarding);
     kept
 }
 

@@ -60,10 +60,12 @@ impl Watch {
 }
 
 /// Sends a request upstream as it came and passes its answer back as it arrives.
+/// `headers` are the request's as they go upstream (the client's address among them).
 pub async fn pass(
     upstream: &Upstream,
     route: &Route,
     parts: &http::request::Parts,
+    headers: &[(String, String)],
     body: Bytes,
     watch: Watch,
 ) -> Response {
@@ -71,7 +73,6 @@ pub async fn pass(
         Ok(url) => url,
         Err(why) => return Problem::invalid_path(&why).into_response(),
     };
-    let headers = upstream::forwardable_request_headers(&parts.headers, true);
     let mut credentials = route.upstream_headers.clone();
     if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
         credentials.insert(header::AUTHORIZATION, credential.clone());

@@ -160,7 +160,9 @@ pub struct Upstream {
 
 type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
 
+mod forwarded;
 mod gate;
+pub use forwarded::forward;
 
 use gate::{Outgoing, TimedConnect};
 
@@ -285,6 +287,8 @@ impl Upstream {
         // Credentials (and the attempt's own headers) are added at the send, never to what is
         // stored.
         headers_sent.extend(added.clone());
+        // The attempt's own trace context, replacing any the client sent, when spans go out.
+        crate::telemetry::tell_trace(headers_sent);
         let response = match tokio::time::timeout_at(until, gate::send_within(&client, request, send_by)).await {
             Ok(sent) => sent?,
             Err(_) => return Err(Observed::TimedOut.into()),

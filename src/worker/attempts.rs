@@ -247,6 +247,7 @@ impl Inner {
         }
         let made = p.run.sending();
         p.number += 1;
+        job.reply.attempted(p.number);
         let marked = match marked {
             Some(marked) => marked,
             None => {
@@ -315,7 +316,13 @@ impl Inner {
                 Err(_) => Err(Failure::from(Observed::TimedOut)),
             }
         };
-        let span = info_span!("attempt", number = p.number, wait_ms = p.wait_before.as_millis() as u64);
+        let span = info_span!(
+            "attempt",
+            number = p.number,
+            wait_ms = p.wait_before.as_millis() as u64,
+            class = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
         let got = self.renewing(job, sent).instrument(span.clone()).await;
         let took = clock.elapsed();
         match got {
@@ -369,6 +376,10 @@ impl Inner {
             || job.charges.take_retry(),
         );
         let mut attempt = stored_attempt(p, started, took, class, answer.as_ref(), observed, retry_after, chosen);
+        span.record("class", class.as_str());
+        if let Some(status) = attempt.status {
+            span.record("status", status);
+        }
         // Why the upstream could not be reached, for the record and for the answer that says so.
         attempt.detail = cause.map(|cause| format!("route {}: {cause}", route.name));
         span.in_scope(|| match &attempt.detail {

@@ -98,6 +98,8 @@ impl Flow {
 pub struct Told {
     pub outcome: Outcome,
     pub laps: Option<Laps>,
+    /// The attempts the record has had when it was told, this execution's and any before it.
+    pub attempts: u32,
 }
 
 /// The request waiting for an execution, told once: at a streamed answer's first byte, or when
@@ -108,11 +110,13 @@ pub(super) struct Reply {
     /// The new key's stages, kept by the execution when its outcome is stored and told with
     /// that outcome.
     laps: Mutex<Option<Laps>>,
+    /// The number of the last attempt started.
+    attempts: std::sync::atomic::AtomicU32,
 }
 
 impl Reply {
     fn to(reply: Option<oneshot::Sender<Told>>) -> Reply {
-        Reply { to: Mutex::new(reply), laps: Mutex::default() }
+        Reply { to: Mutex::new(reply), laps: Mutex::default(), attempts: Default::default() }
     }
 
     /// The stages of the execution's new key, up to its outcome's commit: told with the outcome.
@@ -120,9 +124,15 @@ impl Reply {
         *lock(&self.laps) = Some(laps);
     }
 
+    /// Attempt `number` is starting.
+    pub(super) fn attempted(&self, number: u32) {
+        self.attempts.store(number, Ordering::Relaxed);
+    }
+
     pub(super) fn send(&self, outcome: Outcome) {
         if let Some(reply) = lock(&self.to).take() {
-            let _ = reply.send(Told { outcome, laps: lock(&self.laps).take() });
+            let attempts = self.attempts.load(Ordering::Relaxed);
+            let _ = reply.send(Told { outcome, laps: lock(&self.laps).take(), attempts });
         }
     }
 }

@@ -508,7 +508,67 @@ async fn wait_for_hits(upstream: &Upstream, op: &str, n: u32) {
     }
 }
 
+/// The forwarding headers the upstream got with `op`.
+fn forwarded_as_seen(upstream: &Upstream, op: &str) -> (String, String, String) {
+    let headers = upstream.headers(op).unwrap_or_else(|| panic!("{op} never reached the upstream"));
+    let all = |name: &str| headers.get_all(name).iter().map(|v| v.to_str().unwrap()).collect::<Vec<_>>().join(" | ");
+    (all("x-forwarded-for"), all("x-forwarded-proto"), all("forwarded"))
+}
+
+async fn the_upstream_is_told_the_clients_address_and_not_what_the_client_claims(b: Backend) {
+    let (upstream, broker) =
+        setup(b, "", "[routes.retry]\nbase = \"10ms\"\ncap = \"20ms\"\nnot_processed = [503]").await;
+    upstream.script("spoofed", vec![Reply::status(503), Reply::status(201)]);
+    let spoofed = broker
+        .post("/payments", "spoofed", BODY)
+        .header("x-forwarded-for", "6.6.6.6")
+        .header("forwarded", "for=6.6.6.6")
+        .header("x-forwarded-proto", "https");
+    assert_eq!(send(spoofed).await.status, 201);
+    // The retry carries what the first attempt did: it was stored with the request.
+    assert_eq!(upstream.hits("spoofed"), 2);
+    let expected = ("127.0.0.1".to_string(), "http".to_string(), "for=127.0.0.1;proto=http".to_string());
+    assert_eq!(forwarded_as_seen(&upstream, "spoofed"), expected);
+    // A request proxied without a key is told the same.
+    let plain = broker.http.get(format!("{}/payments/status", broker.url)).header("x-forwarded-for", "6.6.6.6");
+    assert_eq!(send(plain).await.status, 201);
+    assert_eq!(forwarded_as_seen(&upstream, "/payments/status"), expected);
+}
+
+async fn a_trusted_proxys_forwarding_is_extended_and_forwarding_can_be_turned_off(b: Backend) {
+    let db = Db::new(b).await;
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(&upstream.url()).server("trusted_proxies = [\"127.0.0.0/8\"]");
+    let broker = Broker::start(&db, config).await;
+    let proxied = broker
+        .post("/payments", "via-proxy", BODY)
+        .header("x-forwarded-for", "203.0.113.5")
+        .header("forwarded", "for=203.0.113.5;proto=https")
+        .header("x-forwarded-proto", "https");
+    assert_eq!(send(proxied).await.status, 201);
+    assert_eq!(
+        forwarded_as_seen(&upstream, "via-proxy"),
+        (
+            "203.0.113.5, 127.0.0.1".to_string(),
+            "https".to_string(),
+            "for=203.0.113.5;proto=https, for=127.0.0.1;proto=http".to_string()
+        )
+    );
+    broker.stop().await;
+
+    let broker = Broker::start(&db, TestConfig::new(&upstream.url()).server("forwarded = false")).await;
+    let sent = broker.post("/payments", "not-forwarded", BODY).header("x-forwarded-for", "203.0.113.5");
+    assert_eq!(send(sent).await.status, 201);
+    assert_eq!(
+        forwarded_as_seen(&upstream, "not-forwarded"),
+        ("203.0.113.5".to_string(), String::new(), String::new())
+    );
+    broker.stop().await;
+}
+
 both_stores!(
+    the_upstream_is_told_the_clients_address_and_not_what_the_client_claims,
+    a_trusted_proxys_forwarding_is_extended_and_forwarding_can_be_turned_off,
     a_request_without_a_key_is_refused_and_nothing_is_sent,
     empty_long_or_invisible_keys_are_refused,
     an_oversize_body_is_refused_and_nothing_is_recorded,

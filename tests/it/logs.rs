@@ -10,6 +10,24 @@ use crate::common::Upstream;
 
 /// What a broker logs in `format` while it answers one keyed request, read from a pipe.
 async fn logs_of_one_request(format: &str) -> String {
+    logs_while(format, "", async |http, base| {
+        let r = http
+            .post(format!("{base}/payments"))
+            .header("idempotency-key", "logged-key")
+            .header("authorization", "Bearer TOP-SECRET-TOKEN")
+            .header("cookie", "session=COOKIE-SECRET")
+            .body(r#"{"card":"SECRET-BODY-4242"}"#)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+    })
+    .await
+}
+
+/// What a broker (its `[server]` table given `server` lines) logs in `format` while `drive`
+/// sends it requests, read from a pipe.
+async fn logs_while(format: &str, server: &str, drive: impl AsyncFnOnce(&reqwest::Client, &str)) -> String {
     let upstream = Upstream::start().await;
     let dir = tempfile::TempDir::new().unwrap();
     let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -18,7 +36,7 @@ async fn logs_of_one_request(format: &str) -> String {
     std::fs::write(
         &config,
         format!(
-            "[server]\nlisten = \"127.0.0.1:{listen}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\
+            "[server]\nlisten = \"127.0.0.1:{listen}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n{server}\n\
              [store]\nurl = \"sqlite://{}\"\n\
              [[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\nupstream = \"{}\"\n",
             dir.path().join("idem.db").display(),
@@ -39,18 +57,10 @@ async fn logs_of_one_request(format: &str) -> String {
         assert!(Instant::now() < until, "the broker did not start");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let r = http
-        .post(format!("http://127.0.0.1:{listen}/payments"))
-        .header("idempotency-key", "logged-key")
-        .header("authorization", "Bearer TOP-SECRET-TOKEN")
-        .header("cookie", "session=COOKIE-SECRET")
-        .body(r#"{"card":"SECRET-BODY-4242"}"#)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    child.kill().unwrap();
+    drive(&http, &format!("http://127.0.0.1:{listen}")).await;
+    // SIGTERM: a graceful exit writes out every line logged before it.
+    let asked = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    assert!(asked.success());
     let mut logs = String::new();
     child.stderr.take().unwrap().read_to_string(&mut logs).unwrap();
     child.wait().unwrap();
@@ -96,4 +106,74 @@ async fn a_request_answered_by_its_first_attempt_logs_one_line() {
     // The attempt's line says how the execution ended; a `settled` line would repeat it.
     assert_eq!(lines.len(), 1, "{lines:#?}");
     assert!(lines[0].contains(" attempt ") && lines[0].contains("outcome=\"success\""), "{lines:#?}");
+}
+
+/// The access lines of `logs` (JSON), in order.
+fn access_lines(logs: &str) -> Vec<serde_json::Value> {
+    logs.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+        .filter(|e| e["target"] == "idem::access")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answered() {
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let logs = logs_while("json", "", async |http, base| {
+        let keyed = |key: &str, body: &'static str| {
+            http.post(format!("{base}/payments")).header("idempotency-key", key.to_string()).body(body)
+        };
+        let traced = keyed("access-key", r#"{"n":1}"#).header("traceparent", format!("00-{trace}-00f067aa0ba902b7-01"));
+        assert_eq!(traced.send().await.unwrap().status(), 201);
+        assert_eq!(keyed("access-key", r#"{"n":1}"#).send().await.unwrap().status(), 201, "a replay");
+        assert_eq!(keyed("access-key", r#"{"n":2}"#).send().await.unwrap().status(), 422, "another body");
+        assert_eq!(http.get(format!("{base}/payments/7")).send().await.unwrap().status(), 201, "no key");
+        assert_eq!(http.get(format!("{base}/nowhere")).send().await.unwrap().status(), 404, "no route");
+    })
+    .await;
+    let lines = access_lines(&logs);
+    let said: Vec<(&str, &str, u64, &str, u64)> = lines
+        .iter()
+        .map(|l| {
+            let f = &l["fields"];
+            let text = |name: &str| f[name].as_str().unwrap_or_else(|| panic!("no {name} in {l}"));
+            (
+                text("method"),
+                text("route"),
+                f["status"].as_u64().unwrap(),
+                text("answer"),
+                f["attempts"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        said,
+        [
+            ("POST", "payments", 201, "executed", 1),
+            ("POST", "payments", 201, "replay", 0),
+            ("POST", "payments", 422, "problem", 0),
+            ("GET", "payments", 201, "passed", 0),
+            ("GET", "-", 404, "problem", 0),
+        ]
+    );
+    // The key's hash, the same on every line of one key, and never the key.
+    let key_hash = lines[0]["fields"]["key"].as_str().unwrap();
+    assert_eq!(key_hash.len(), 16, "{key_hash}");
+    assert!(lines[..3].iter().all(|l| l["fields"]["key"] == key_hash), "{lines:#?}");
+    assert_eq!(lines[3]["fields"]["key"], "-");
+    assert!(!lines.iter().any(|l| l.to_string().contains("access-key")), "the key itself was logged");
+    assert_eq!(lines[0]["fields"]["trace_id"], trace, "the client's trace");
+    assert_eq!(lines[1]["fields"]["trace_id"], "-");
+    assert!(lines.iter().all(|l| l["fields"]["duration_ms"].as_f64().is_some()), "{lines:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn access_log_false_turns_the_access_lines_off() {
+    let logs = logs_while("json", "access_log = false", async |http, base| {
+        let r = http.post(format!("{base}/payments")).header("idempotency-key", "quiet").body("{}").send().await;
+        assert_eq!(r.unwrap().status(), 201);
+    })
+    .await;
+    assert!(access_lines(&logs).is_empty(), "{logs}");
+    assert!(logs.contains("\"attempt\""), "the other lines are still written: {logs}");
 }

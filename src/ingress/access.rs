@@ -1,0 +1,159 @@
+//! The access log (docs/operations.md#logs): one line per answered request on the data plane,
+//! at the moment its head is ready. Target `idem::access`, so that `RUST_LOG` can keep or drop
+//! it apart from the rest; `[server] access_log = false` turns it off.
+//!
+//! What the line says beyond the request's head is noted while the request is served, in a
+//! task-local [`Note`]: its route, a hash of its key (never the key, which may carry what a
+//! client would not log), the attempts of the execution it drove, its trace. Everything else
+//! is read from the answer.
+
+use std::cell::{Cell, RefCell};
+use std::future::Future;
+use std::time::Instant;
+
+use axum::response::Response;
+use sha2::{Digest, Sha256};
+
+use super::REPLAYED_HEADER;
+use crate::domain::RouteName;
+use crate::key::IdempotencyKey;
+
+tokio::task_local! {
+    static NOTE: Note;
+}
+
+/// What the serving of one request tells its access line.
+#[derive(Default)]
+pub(super) struct Note {
+    route: RefCell<Option<RouteName>>,
+    key: Cell<Option<[u8; 8]>>,
+    attempts: Cell<u32>,
+    trace: RefCell<Option<String>>,
+    kind: Cell<Option<Kind>>,
+}
+
+/// What answered the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// The upstream's answer, by the execution this request drove.
+    Executed,
+    /// A stored answer, replayed.
+    Replay,
+    /// The broker's own answer: a refusal, a key in progress, an unknown outcome.
+    Problem,
+    /// `202 Accepted`: recorded, executing, and asked for later (`Prefer: respond-async`).
+    Accepted,
+    /// Proxied without a key, nothing recorded.
+    Passed,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Executed => "executed",
+            Kind::Replay => "replay",
+            Kind::Problem => "problem",
+            Kind::Accepted => "accepted",
+            Kind::Passed => "passed",
+        }
+    }
+}
+
+/// Serves `serving` and logs its access line. `client_trace` is the trace the client's
+/// `traceparent` names, for a request whose serving makes no span of its own.
+pub(super) async fn logged(
+    method: http::Method,
+    client_trace: Option<String>,
+    serving: impl Future<Output = Response>,
+) -> Response {
+    let started = Instant::now();
+    let (response, note) = NOTE
+        .scope(Note::default(), async {
+            let response = serving.await;
+            (response, NOTE.with(Note::moved_out))
+        })
+        .await;
+    let kind = note.kind.get().unwrap_or_else(|| read_kind(&response));
+    let route = note.route.into_inner();
+    let key = note.key.get().map(hex);
+    let trace = note.trace.into_inner().or(client_trace);
+    tracing::info!(
+        target: "idem::access",
+        method = %method,
+        route = route.as_ref().map(RouteName::as_str).unwrap_or("-"),
+        key = key.as_deref().unwrap_or("-"),
+        status = response.status().as_u16(),
+        answer = kind.as_str(),
+        attempts = note.attempts.get(),
+        duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+        trace_id = trace.as_deref().unwrap_or("-"),
+        "answered"
+    );
+    response
+}
+
+impl Note {
+    /// What was noted, taken before the task-local's scope ends with it.
+    fn moved_out(&self) -> Note {
+        Note {
+            route: RefCell::new(self.route.take()),
+            key: Cell::new(self.key.get()),
+            attempts: Cell::new(self.attempts.get()),
+            trace: RefCell::new(self.trace.take()),
+            kind: Cell::new(self.kind.get()),
+        }
+    }
+}
+
+/// An answer the serving did not name: a replay says so, the broker's own answers are marked
+/// [`crate::problem::Made`], anything else came from the upstream.
+fn read_kind(response: &Response) -> Kind {
+    if response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true") {
+        Kind::Replay
+    } else if response.extensions().get::<crate::problem::Made>().is_some() {
+        Kind::Problem
+    } else if response.status() == http::StatusCode::ACCEPTED {
+        Kind::Accepted
+    } else {
+        Kind::Executed
+    }
+}
+
+/// Each of these notes what it knows, when the line is being kept.
+fn note(with: impl FnOnce(&Note)) {
+    let _ = NOTE.try_with(with);
+}
+
+pub(super) fn route(route: &RouteName) {
+    note(|n| *n.route.borrow_mut() = Some(route.clone()));
+}
+
+/// The first 8 bytes of the key's SHA-256: enough to find a key's lines together, nothing to
+/// read the key back from.
+pub(super) fn key(key: &IdempotencyKey) {
+    note(|n| {
+        let digest = Sha256::digest(key.as_str().as_bytes());
+        n.key.set(Some(digest[..8].try_into().expect("a SHA-256 is 32 bytes")));
+    });
+}
+
+pub(super) fn attempts(attempts: u32) {
+    note(|n| n.attempts.set(attempts));
+}
+
+pub(super) fn kind(kind: Kind) {
+    note(|n| n.kind.set(Some(kind)));
+}
+
+/// The trace of the request's span, when spans are exported.
+pub(super) fn trace(span: &tracing::Span) {
+    note(|n| {
+        if let Some(id) = crate::telemetry::trace_id(span) {
+            *n.trace.borrow_mut() = Some(id);
+        }
+    });
+}
+
+fn hex(bytes: [u8; 8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

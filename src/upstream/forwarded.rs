@@ -1,0 +1,126 @@
+//! The client's address, told to the upstream (docs/configuration.md#server): `X-Forwarded-For`,
+//! `X-Forwarded-Proto` and `Forwarded` (RFC 7239) on what goes upstream, as a reverse proxy
+//! adds them. Set when the request arrives and stored with it, so every attempt, a take-over's
+//! on another node included, names the client that sent it.
+//!
+//! What a client sends in these headers is its own word: it is replaced, so that no client can
+//! pose as another address. Only a trusted proxy in front of Idem (`[server] trusted_proxies`)
+//! has its list kept and extended with its own address.
+
+use std::net::IpAddr;
+
+use crate::config::Forwarding;
+use crate::domain::Origin;
+
+const FOR: &str = "x-forwarded-for";
+const PROTO: &str = "x-forwarded-proto";
+const FORWARDED: &str = "forwarded";
+
+/// `headers` (the request's, as forwarded upstream) with the forwarding headers set for a
+/// request from `origin`. Without an origin (a request made in-process) or with forwarding off,
+/// they are left as they are.
+pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, config: &Forwarding) {
+    let Some(origin) = origin.filter(|_| config.enabled) else { return };
+    let peer = origin.peer.ip().to_canonical();
+    let trusted = config.trusted_proxies.iter().any(|net| net.contains(&peer));
+    let proto = if origin.tls { "https" } else { "http" };
+    let sent = |name: &str| -> Option<String> {
+        let values: Vec<&str> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect();
+        (!values.is_empty()).then(|| values.join(", "))
+    };
+    let (chain, forwarded, sent_proto) = match trusted {
+        true => (sent(FOR), sent(FORWARDED), sent(PROTO)),
+        false => (None, None, None),
+    };
+    let element = format!("for={};proto={proto}", node(peer));
+    let joined = |before: Option<String>, this: String| match before {
+        Some(before) => format!("{before}, {this}"),
+        None => this,
+    };
+    headers.retain(|(name, _)| ![FOR, PROTO, FORWARDED].contains(&name.as_str()));
+    headers.push((FOR.into(), joined(chain, peer.to_string())));
+    // The scheme the first client used: a trusted proxy's word, else this connection's.
+    headers.push((PROTO.into(), sent_proto.unwrap_or_else(|| proto.into())));
+    headers.push((FORWARDED.into(), joined(forwarded, element)));
+}
+
+/// An address as RFC 7239 writes a node: an IPv6 address in brackets, quoted.
+fn node(ip: IpAddr) -> String {
+    match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("\"[{v6}]\""),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use super::*;
+
+    fn origin(peer: &str, tls: bool) -> Origin {
+        Origin { peer: SocketAddr::new(peer.parse().unwrap(), 50000), tls }
+    }
+
+    fn sent(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect()
+    }
+
+    fn value<'a>(headers: &'a [(String, String)], name: &str) -> Vec<&'a str> {
+        headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect()
+    }
+
+    fn config(trusted: &[&str]) -> Forwarding {
+        Forwarding { enabled: true, trusted_proxies: trusted.iter().map(|t| t.parse().unwrap()).collect() }
+    }
+
+    #[test]
+    fn a_client_is_named_by_its_connection_and_what_it_claims_is_replaced() {
+        let mut headers = sent(&[
+            ("x-forwarded-for", "6.6.6.6"),
+            ("forwarded", "for=6.6.6.6"),
+            ("x-forwarded-proto", "https"),
+            ("x-other", "kept"),
+        ]);
+        forward(&mut headers, Some(&origin("192.0.2.10", false)), &config(&[]));
+        assert_eq!(value(&headers, "x-forwarded-for"), ["192.0.2.10"]);
+        assert_eq!(value(&headers, "x-forwarded-proto"), ["http"]);
+        assert_eq!(value(&headers, "forwarded"), ["for=192.0.2.10;proto=http"]);
+        assert_eq!(value(&headers, "x-other"), ["kept"]);
+    }
+
+    #[test]
+    fn a_trusted_proxys_list_is_kept_and_extended_with_the_proxy() {
+        let mut headers = sent(&[
+            ("x-forwarded-for", "203.0.113.5"),
+            ("x-forwarded-for", "198.51.100.1"),
+            ("forwarded", "for=203.0.113.5;proto=https"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        forward(&mut headers, Some(&origin("10.1.2.3", false)), &config(&["10.0.0.0/8"]));
+        assert_eq!(value(&headers, "x-forwarded-for"), ["203.0.113.5, 198.51.100.1, 10.1.2.3"]);
+        assert_eq!(value(&headers, "x-forwarded-proto"), ["https"], "the first client's scheme");
+        assert_eq!(value(&headers, "forwarded"), ["for=203.0.113.5;proto=https, for=10.1.2.3;proto=http"]);
+    }
+
+    #[test]
+    fn ipv6_is_bracketed_and_quoted_in_forwarded_and_mapped_ipv4_is_plain() {
+        let mut headers = Vec::new();
+        forward(&mut headers, Some(&origin("2001:db8::7", true)), &config(&[]));
+        assert_eq!(value(&headers, "x-forwarded-for"), ["2001:db8::7"]);
+        assert_eq!(value(&headers, "forwarded"), ["for=\"[2001:db8::7]\";proto=https"]);
+        let mut headers = Vec::new();
+        forward(&mut headers, Some(&origin("::ffff:192.0.2.1", false)), &config(&["192.0.2.0/24"]));
+        assert_eq!(value(&headers, "x-forwarded-for"), ["192.0.2.1"], "{headers:?}");
+    }
+
+    #[test]
+    fn off_or_without_an_origin_nothing_is_touched() {
+        let before = sent(&[("x-forwarded-for", "6.6.6.6")]);
+        let mut headers = before.clone();
+        forward(&mut headers, Some(&origin("192.0.2.10", false)), &Forwarding { enabled: false, ..config(&[]) });
+        assert_eq!(headers, before);
+        forward(&mut headers, None, &config(&[]));
+        assert_eq!(headers, before);
+    }
+}
