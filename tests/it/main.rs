@@ -43,3 +43,4 @@ mod store_tls;
 mod streaming;
 mod switches;
 mod tls;
+mod traces;

@@ -92,7 +92,8 @@ struct Seen {
     /// Requests that reached the upstream, per Idempotency-Key (or path for unkeyed calls).
     hits: HashMap<String, u32>,
     arrivals: HashMap<String, Vec<Instant>>,
-    headers: HashMap<String, HeaderMap>,
+    /// The headers of each of an operation's requests, in order of arrival.
+    headers: HashMap<String, Vec<HeaderMap>>,
     /// Every `Idem-Attempt` that came with an operation, in order of arrival.
     attempts: HashMap<String, Vec<String>>,
     /// The answer of each operation's first execution that succeeded: what `GET
@@ -192,7 +193,7 @@ async fn answer(
             *hits
         };
         seen.arrivals.entry(op.clone()).or_default().push(Instant::now());
-        seen.headers.insert(op.clone(), headers.clone());
+        seen.headers.entry(op.clone()).or_default().push(headers.clone());
         if let Some(attempt) = headers.get("idem-attempt").and_then(|v| v.to_str().ok()) {
             seen.attempts.entry(op.clone()).or_default().push(attempt.to_string());
         }
@@ -286,8 +287,14 @@ impl Upstream {
         self.seen.lock().unwrap().arrivals.get(op).cloned().unwrap_or_default()
     }
 
+    /// The headers of the last request of `op`.
     pub fn headers(&self, op: &str) -> Option<HeaderMap> {
-        self.seen.lock().unwrap().headers.get(op).cloned()
+        self.seen.lock().unwrap().headers.get(op).and_then(|all| all.last().cloned())
+    }
+
+    /// The headers of every request of `op`, in order of arrival.
+    pub fn every_headers(&self, op: &str) -> Vec<HeaderMap> {
+        self.seen.lock().unwrap().headers.get(op).cloned().unwrap_or_default()
     }
 
     /// The `Idem-Attempt` of every request of `op` that carried one, in order of arrival.
