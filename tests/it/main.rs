@@ -18,6 +18,7 @@ mod crash;
 mod data_plane;
 mod deadlines;
 mod demo;
+mod deploy;
 mod edge;
 mod engine;
 mod logs;

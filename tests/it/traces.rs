@@ -129,12 +129,12 @@ async fn each_request_is_one_trace_with_a_span_per_attempt_and_the_clients_trace
         .iter()
         .map(|h| h.get("traceparent").expect("an attempt without a traceparent").to_str().unwrap().to_string())
         .collect();
-    let expected: Vec<String> =
-        attempts.iter().map(|a| format!("00-{client_trace}-{}-01", hex(&a.span_id))).collect();
+    let expected: Vec<String> = attempts.iter().map(|a| format!("00-{client_trace}-{}-01", hex(&a.span_id))).collect();
     assert_eq!(sent, expected);
 
     // The untraced request: a trace of its own, the same shape.
-    let others: Vec<&Vec<&Span>> = traces.iter().filter(|(id, _)| id.as_str() != client_trace).map(|(_, s)| s).collect();
+    let others: Vec<&Vec<&Span>> =
+        traces.iter().filter(|(id, _)| id.as_str() != client_trace).map(|(_, s)| s).collect();
     let [other] = others.as_slice() else { panic!("not one other trace: {others:#?}") };
     let mut names: Vec<&str> = other.iter().map(|s| s.name.as_str()).collect();
     names.sort();

@@ -1,0 +1,78 @@
+//! What a stranger installs: the sample configs in `deploy/` pass `idem check` as shipped (their
+//! certificate files made here, where they name them), and the shell completions and the manual
+//! page come out of the binary.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::pki::Authority;
+
+/// `idem` with `args`: its exit status, stdout and stderr.
+fn idem(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+/// The files the samples name under /etc/idem/tls, made in `dir` by one private authority.
+fn certificate_files(dir: &Path) {
+    let ca = Authority::new("deploy authority");
+    ca.server(&["idem.internal"]).write(dir, "idem");
+    ca.client("idem").write(dir, "client");
+    for name in ["pg-ca", "upstream-ca"] {
+        std::fs::write(dir.join(format!("{name}.crt")), &ca.pem).unwrap();
+    }
+}
+
+#[test]
+fn every_sample_config_passes_idem_check() {
+    let samples: Vec<_> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    assert!(samples.len() >= 2, "{samples:?}");
+    for sample in samples {
+        let dir = tempfile::TempDir::new().unwrap();
+        certificate_files(dir.path());
+        let text =
+            std::fs::read_to_string(&sample).unwrap().replace("/etc/idem/tls/", &format!("{}/", dir.path().display()));
+        let config = dir.path().join("idem.toml");
+        std::fs::write(&config, text).unwrap();
+        let (ok, stdout, stderr) = idem(&["check", "--config", config.to_str().unwrap()]);
+        assert!(ok, "{}: {stderr}", sample.display());
+        assert!(stdout.starts_with("config ok"), "{}: {stdout}", sample.display());
+        assert!(stdout.contains("\nroute "), "{}: {stdout}", sample.display());
+    }
+}
+
+#[test]
+fn the_three_node_sample_speaks_tls_on_every_link() {
+    let dir = tempfile::TempDir::new().unwrap();
+    certificate_files(dir.path());
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/three-nodes-postgres-tls.toml");
+    let text =
+        std::fs::read_to_string(sample).unwrap().replace("/etc/idem/tls/", &format!("{}/", dir.path().display()));
+    let config = dir.path().join("idem.toml");
+    std::fs::write(&config, text).unwrap();
+    let (ok, stdout, stderr) = idem(&["check", "--config", config.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    assert!(!stdout.contains("data off") && !stdout.contains("admin off"), "{stdout}");
+    assert!(stdout.contains("sslmode=verify-full"), "{stdout}");
+    assert!(stdout.contains("upstream tls: 1 extra root(s), a client certificate"), "{stdout}");
+    assert!(stdout.contains("telemetry     OTLP/HTTP"), "{stdout}");
+}
+
+#[test]
+fn completions_and_the_manual_page_come_from_the_binary() {
+    for shell in ["bash", "zsh", "fish"] {
+        let (ok, stdout, stderr) = idem(&["completions", shell]);
+        assert!(ok, "{shell}: {stderr}");
+        assert!(stdout.contains("serve") && stdout.contains("requests"), "{shell}: {stdout}");
+    }
+    let (ok, stdout, _) = idem(&["completions", "tcsh"]);
+    assert!(!ok && stdout.is_empty(), "an unknown shell is refused");
+    let (ok, stdout, stderr) = idem(&["man"]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.starts_with(".ie") || stdout.contains(".TH idem"), "{}", &stdout[..stdout.len().min(200)]);
+    assert!(stdout.contains("serve"), "the manual names the commands");
+}
