@@ -1,5 +1,5 @@
 //! The access log (docs/operations.md#logs): one line per answered request on the data plane,
-//! at the moment its head is ready. Target `idem::access`, so that `RUST_LOG` can keep or drop
+//! the client's own `/_idem` endpoints included, at the moment its head is ready. Target `idem::access`, so that `RUST_LOG` can keep or drop
 //! it apart from the rest; `[server] access_log = false` turns it off.
 //!
 //! What the line says beyond the request's head is noted while the request is served, in a
@@ -8,13 +8,15 @@
 //! is read from the answer.
 
 use std::cell::{Cell, RefCell};
-use std::future::Future;
+use std::sync::Arc;
 use std::time::Instant;
 
+use axum::extract::{Request, State};
+use axum::middleware::Next;
 use axum::response::Response;
 use sha2::{Digest, Sha256};
 
-use super::REPLAYED_HEADER;
+use super::{Ingress, REPLAYED_HEADER};
 use crate::domain::RouteName;
 use crate::key::IdempotencyKey;
 
@@ -45,6 +47,8 @@ pub(super) enum Kind {
     Accepted,
     /// Proxied without a key, nothing recorded.
     Passed,
+    /// The client's own endpoints (`/_idem/…`): a record, the routes, a cancel.
+    Own,
 }
 
 impl Kind {
@@ -55,21 +59,23 @@ impl Kind {
             Kind::Problem => "problem",
             Kind::Accepted => "accepted",
             Kind::Passed => "passed",
+            Kind::Own => "own",
         }
     }
 }
 
-/// Serves `serving` and logs its access line. `client_trace` is the trace the client's
-/// `traceparent` names, for a request whose serving makes no span of its own.
-pub(super) async fn logged(
-    method: http::Method,
-    client_trace: Option<String>,
-    serving: impl Future<Output = Response>,
-) -> Response {
+/// Serves `request` and logs its access line, unless `[server] access_log` is off.
+pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, next: Next) -> Response {
+    if !app.config.current().server.access_log {
+        return next.run(request).await;
+    }
     let started = Instant::now();
+    let method = request.method().clone();
+    // For a request whose serving makes no span of its own.
+    let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
     let (response, note) = NOTE
         .scope(Note::default(), async {
-            let response = serving.await;
+            let response = next.run(request).await;
             (response, NOTE.with(Note::moved_out))
         })
         .await;

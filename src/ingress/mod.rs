@@ -136,20 +136,13 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
         .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
         .route("/_idem/routes", get(list_routes))
         .fallback(handle)
+        .layer(axum::middleware::from_fn_with_state(ingress.clone(), access::logged))
         .with_state(ingress)
 }
 
+/// A data-plane request, answered under the configuration in force when it arrived.
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
     let config = app.config.current();
-    if !config.server.access_log {
-        return serve(app, config, request).await;
-    }
-    let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
-    access::logged(request.method().clone(), client_trace, serve(app, config, request)).await
-}
-
-/// A data-plane request, answered under the configuration in force when it arrived.
-async fn serve(app: Arc<Ingress>, config: Arc<Config>, request: Request) -> Response {
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {

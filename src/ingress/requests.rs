@@ -36,6 +36,9 @@ fn record_response(status: StatusCode, record: &Record) -> Response {
 
 /// A handler's answer, a problem rendered like any other.
 fn answered(answer: Result<Response, Problem>) -> Response {
+    if answer.is_ok() {
+        super::access::kind(super::access::Kind::Own);
+    }
     answer.unwrap_or_else(IntoResponse::into_response)
 }
 
@@ -86,6 +89,7 @@ pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers
             })
         })
         .collect();
+    super::access::kind(super::access::Kind::Own);
     Json(serde_json::json!({ "routes": routes })).into_response()
 }
 

@@ -129,6 +129,7 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
         assert_eq!(keyed("access-key", r#"{"n":2}"#).send().await.unwrap().status(), 422, "another body");
         assert_eq!(http.get(format!("{base}/payments/7")).send().await.unwrap().status(), 201, "no key");
         assert_eq!(http.get(format!("{base}/nowhere")).send().await.unwrap().status(), 404, "no route");
+        assert_eq!(http.get(format!("{base}/_idem/requests/access-key")).send().await.unwrap().status(), 200);
     })
     .await;
     let lines = access_lines(&logs);
@@ -154,6 +155,7 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
             ("POST", "payments", 422, "problem", 0),
             ("GET", "payments", 201, "passed", 0),
             ("GET", "-", 404, "problem", 0),
+            ("GET", "-", 200, "own", 0),
         ]
     );
     // The key's hash, the same on every line of one key, and never the key.

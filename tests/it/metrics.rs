@@ -57,6 +57,13 @@ async fn the_metrics_add_up_after_a_scripted_run() {
         sample(&text, name, &labels)
     };
 
+    // The binary this is: its version, and the commit `idem --version` names.
+    assert_eq!(sample(&text, "idem_build_info", &[("version", env!("CARGO_PKG_VERSION"))]), 1.0, "{text}");
+    let version = std::process::Command::new(env!("CARGO_BIN_EXE_idem")).arg("--version").output().unwrap();
+    let version = String::from_utf8(version.stdout).unwrap();
+    let commit = version.trim().rsplit_once('(').and_then(|(_, c)| c.strip_suffix(')')).expect("idem X (commit)");
+    assert_eq!(sample(&text, "idem_build_info", &[("commit", commit)]), 1.0, "{version}");
+
     // Logical requests: six executions; physical attempts: one per stored attempt.
     assert_eq!(m("idem_requests_total", &[]), 6.0, "{text}");
     let mut stored_attempts = 0;
