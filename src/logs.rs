@@ -139,6 +139,24 @@ impl Drop for Flushed {
     }
 }
 
+/// An error and its causes in one line, for a log line, a problem's detail or a command's
+/// message: each said once, so a wrapper that repeats its source (or that its source repeats)
+/// is said in the longer of the two.
+pub fn in_one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut words: Vec<String> = Vec::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let said = e.to_string();
+        match words.last_mut() {
+            Some(last) if last.contains(&said) => {}
+            Some(last) if said.contains(last.as_str()) => *last = said,
+            _ => words.push(said),
+        }
+        next = e.source();
+    }
+    words.join(": ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -253,22 +271,4 @@ mod tests {
         assert!(ended.recv_timeout(LAST_WRITE * 5).is_ok(), "the exit waited on a destination that takes nothing");
         assert!(started.elapsed() >= LAST_WRITE, "the exit did not wait for the last write");
     }
-}
-
-/// An error and its causes in one line, for a log line, a problem's detail or a command's
-/// message: each said once, so a wrapper that repeats its source (or that its source repeats)
-/// is said in the longer of the two.
-pub fn in_one_line(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut words: Vec<String> = Vec::new();
-    let mut next = Some(error);
-    while let Some(e) = next {
-        let said = e.to_string();
-        match words.last_mut() {
-            Some(last) if last.contains(&said) => {}
-            Some(last) if said.contains(last.as_str()) => *last = said,
-            _ => words.push(said),
-        }
-        next = e.source();
-    }
-    words.join(": ")
 }

@@ -79,14 +79,8 @@ pub async fn pass(
     }
     // The head within the route's deadline; a stream's body as long as both ends keep it open.
     let until = tokio::time::Instant::now() + route.retry.deadline;
-    let request = Outbound {
-        method: &parts.method,
-        url,
-        headers: &headers,
-        tls: route.upstream_tls.as_ref(),
-        added: &credentials,
-        body,
-    };
+    let request =
+        Outbound { method: &parts.method, url, headers, tls: route.upstream_tls.as_ref(), added: &credentials, body };
     let head = match upstream.send_head(request, until, None).await {
         Ok(head) => head,
         Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {
