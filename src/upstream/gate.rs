@@ -205,24 +205,9 @@ impl hyper::body::Body for Outgoing {
 mod tests {
     use std::sync::Arc;
 
-    use http::{HeaderMap, Method};
-
-    use super::super::{Outbound, Upstream};
+    use super::super::tests::post;
+    use super::super::Upstream;
     use super::*;
-
-    /// A POST of `body` to `url`, with nothing added.
-    fn post(url: &str, body: &'static [u8]) -> Outbound<'static> {
-        static NOTHING: std::sync::OnceLock<HeaderMap> = std::sync::OnceLock::new();
-        let added = NOTHING.get_or_init(HeaderMap::new);
-        Outbound {
-            method: &Method::POST,
-            url: url.parse().unwrap(),
-            headers: &[],
-            tls: None,
-            added,
-            body: Bytes::from_static(body),
-        }
-    }
 
     #[tokio::test]
     async fn a_tls_handshake_that_stalls_is_a_failed_connect_not_a_send_that_timed_out() {

@@ -366,8 +366,8 @@ mod tests {
         m
     }
 
-    /// A POST to `url`, with nothing added.
-    fn post(url: &str) -> Outbound<'static> {
+    /// A POST of `body` to `url`, with nothing added.
+    pub(super) fn post(url: &str, body: &'static [u8]) -> Outbound<'static> {
         static NOTHING: std::sync::OnceLock<HeaderMap> = std::sync::OnceLock::new();
         let added = NOTHING.get_or_init(HeaderMap::new);
         Outbound {
@@ -376,7 +376,7 @@ mod tests {
             headers: &[],
             tls: None,
             added,
-            body: Bytes::from_static(b"{}"),
+            body: Bytes::from_static(body),
         }
     }
 
@@ -450,7 +450,7 @@ mod tests {
             let _ = socket.write_all(b"HTTP/1.1 201 Created\r\ncontent-length: 0\r\n\r\n").await;
             first
         });
-        let sent = Upstream::new().send(post(&url), Duration::from_secs(5)).await;
+        let sent = Upstream::new().send(post(&url, b"{}"), Duration::from_secs(5)).await;
         assert_eq!(sent.unwrap_err().observed, Observed::ConnectFailed, "the request cannot have been sent");
         // A TLS handshake record (22), version 3.x: a ClientHello, not an HTTP request.
         let first = opened.await.unwrap();
@@ -466,7 +466,7 @@ mod tests {
 
         let upstream = Upstream::new();
         for _ in 0..3 {
-            let answer = upstream.send(post(&url), Duration::from_secs(5)).await.unwrap();
+            let answer = upstream.send(post(&url, b"{}"), Duration::from_secs(5)).await.unwrap();
             let body = answer.response.body;
             assert_eq!(&body[..], br#"{"id":"pay_1"}"#);
             // A slice of the pooled connection's read buffer would keep all of it alive.
