@@ -102,6 +102,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     wait_ms: 0,
                     policy_version: Some("bench0000000".into()),
                     retry_after_ms: None,
+                    unreachable: None,
                     detail: None,
                 };
                 let then = AfterAttempt::Done(StopReason::Success, response());

@@ -15,6 +15,7 @@ use std::time::SystemTime;
 use crate::config::{self, Changes, Config, ConfigError, Live};
 use crate::edge::tls::Certificates;
 use crate::metrics;
+use crate::upstream::Upstream;
 use crate::worker::Worker;
 
 #[derive(Debug, thiserror::Error)]
@@ -58,15 +59,23 @@ pub struct Reloader {
     worker: Worker,
     /// The listeners' certificates, read again at each reload so that they rotate.
     certificates: Certificates,
+    /// Its clients of TLS profiles no route uses any more are dropped.
+    upstream: Upstream,
     /// One reload at a time: two at once would each compare the file with a configuration the
     /// other is replacing.
     busy: tokio::sync::Mutex<()>,
 }
 
 impl Reloader {
-    pub fn new(file: Option<PathBuf>, config: Arc<Live>, worker: Worker, certificates: Certificates) -> Reloader {
+    pub fn new(
+        file: Option<PathBuf>,
+        config: Arc<Live>,
+        worker: Worker,
+        certificates: Certificates,
+        upstream: Upstream,
+    ) -> Reloader {
         metrics::config_loaded(config.loaded_at());
-        Reloader { file, config, worker, certificates, busy: tokio::sync::Mutex::new(()) }
+        Reloader { file, config, worker, certificates, upstream, busy: tokio::sync::Mutex::new(()) }
     }
 
     /// Reads the file again and applies it, or keeps the running configuration and says why.
@@ -105,6 +114,8 @@ impl Reloader {
         self.worker.runtimes().reconfigure(&new);
         let new = Arc::new(new);
         self.config.replace(new.clone());
+        // Executions still running under the old configuration make a new client if they need one.
+        self.upstream.keep_clients_of(&new);
         let loaded_at = self.config.loaded_at();
         metrics::config_loaded(loaded_at);
         Ok(Applied { changes, config: new, loaded_at })

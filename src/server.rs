@@ -155,7 +155,7 @@ async fn start_on(
     let runtimes = worker.runtimes();
     let data_tls = certificates.data.as_ref().map(|certificate| certificate.acceptor());
     let admin_tls = certificates.admin.as_ref().map(|certificate| certificate.acceptor());
-    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), certificates));
+    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), certificates, upstream.clone()));
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),

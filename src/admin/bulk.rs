@@ -204,7 +204,7 @@ pub(super) async fn bulk(State(admin): State<Arc<Admin>>, body: Bytes) -> Result
     let (plan, who) = Plan::parse(json_body(&body)?)?;
     let (records, more) = matches(&admin, &plan.filter, plan.limit).await?;
     if plan.dry_run {
-        let sample: Vec<Value> = records.iter().take(SAMPLE).map(|r| r.to_json(false)).collect();
+        let sample: Vec<Value> = records.iter().take(SAMPLE).map(|r| r.to_json(crate::record::View::Listed)).collect();
         return Ok(
             Json(json!({"dry_run": true, "count": records.len(), "more": more, "sample": sample})).into_response()
         );

@@ -25,7 +25,7 @@ use crate::domain::RecordId;
 use crate::domain::{State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
-use crate::record::{header_text, HistoryEntry, Record, StoredResponse};
+use crate::record::{header_text, HistoryEntry, Record, StoredResponse, View};
 use crate::reload::Reloader;
 use crate::store;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
@@ -168,7 +168,7 @@ fn refused(record: &Record, action: &str) -> Problem {
 }
 
 fn record_json(record: &Record) -> Response {
-    Json(record.to_json(true)).into_response()
+    Json(record.to_json(View::Operator)).into_response()
 }
 
 fn store_problem(e: crate::store::StoreError) -> Problem {
@@ -208,7 +208,7 @@ async fn list(State(admin): State<Arc<Admin>>, Query(q): Query<ListQuery>) -> Re
         cursor,
     };
     let page = admin.store.list(&filter).await.map_err(store_problem)?;
-    let items: Vec<Value> = page.items.iter().map(|r| r.to_json(false)).collect();
+    let items: Vec<Value> = page.items.iter().map(|r| r.to_json(View::Listed)).collect();
     Ok(Json(json!({"items": items, "next_cursor": page.next_cursor.map(|c| c.encode())})).into_response())
 }
 
@@ -378,7 +378,7 @@ async fn retry(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: By
     let id = record_id(&id)?;
     let who: Attribution = json_body(&body)?;
     let record = apply_retry(&admin, id, &who).await?;
-    Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response())
+    Ok((StatusCode::ACCEPTED, Json(record.to_json(View::Operator))).into_response())
 }
 
 /// Queues one `unknown` record again with a fresh deadline and hands it to a worker.
@@ -413,7 +413,7 @@ async fn cancel(State(admin): State<Arc<Admin>>, Path(id): Path<String>, body: B
     let who: Attribution = json_body(&body)?;
     match apply_cancel(&admin, id, &who).await? {
         (record, false) => Ok(record_json(&record)),
-        (record, true) => Ok((StatusCode::ACCEPTED, Json(record.to_json(true))).into_response()),
+        (record, true) => Ok((StatusCode::ACCEPTED, Json(record.to_json(View::Operator))).into_response()),
     }
 }
 

@@ -213,7 +213,7 @@ fn differing_keys(a: &Route, b: &Route) -> Vec<&'static str> {
 
 /// The client certificate a route presents upstream, if any.
 fn client_chain(route: &Route) -> Option<&[rustls::pki_types::CertificateDer<'static>]> {
-    route.upstream_tls.as_ref()?.client.as_ref().map(|client| client.chain.as_slice())
+    route.upstream_tls.as_ref()?.client.as_deref()
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ pub use live::Live;
 pub use mcp::{McpSettings, RouteKind, ToolRule};
 pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
 pub use telemetry::TelemetryConfig;
-pub use tls::{ClientIdentity, ListenerTls, UpstreamTls};
+pub use tls::{default_upstream_tls, ListenerTls, UpstreamTls};
 
 /// A configuration error. `key` is the dotted path of the offending key, as the user wrote it.
 #[derive(Debug, thiserror::Error)]

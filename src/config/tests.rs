@@ -529,6 +529,9 @@ fn tls_towards_an_upstream_is_set_on_its_route_or_its_named_upstream_never_both(
         let e = route(lines.clone()).unwrap_err().to_string();
         assert!(e.contains(key), "{lines}: {e}");
     }
+    let (_, other_key) = certificate(dir.path(), "other", "someone-else");
+    let mismatch = route(format!("client_cert = {cert:?}\nclient_key = {other_key:?}")).unwrap_err().to_string();
+    assert!(mismatch.contains("routes[0].client_key") && mismatch.contains("cannot sign for"), "{mismatch}");
     let plain = error_of(&format!("{MINIMAL}ca_file = {cert:?}\n"));
     assert!(plain.contains("routes[0].ca_file") && plain.contains("https"), "{plain}");
 

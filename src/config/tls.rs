@@ -31,14 +31,19 @@ impl RawUpstreamTls {
         self.ca_file.is_none() && self.client_cert.is_none() && self.client_key.is_none() && self.server_name.is_none()
     }
 
-    /// The settings, their files read and checked; `key` names the table they sit in.
+    /// The settings, their files read and checked, ready to connect with; `key` names the
+    /// table they sit in.
     pub(super) fn validate(self, key: &str, upstream: &url::Url) -> Result<Option<UpstreamTls>, ConfigError> {
-        if self.is_empty() {
-            return Ok(None);
-        }
+        let set = [
+            ("ca_file", self.ca_file.is_some()),
+            ("client_cert", self.client_cert.is_some()),
+            ("client_key", self.client_key.is_some()),
+            ("server_name", self.server_name.is_some()),
+        ];
+        let Some((first, _)) = set.iter().find(|(_, set)| *set) else { return Ok(None) };
         if upstream.scheme() != "https" {
             return Err(invalid(
-                format!("{key}.ca_file"),
+                format!("{key}.{first}"),
                 format!("TLS settings are for an https upstream, and `{upstream}` is not one"),
             ));
         }
@@ -46,13 +51,35 @@ impl RawUpstreamTls {
             Some(path) => certificates(&format!("{key}.ca_file"), path)?,
             None => Vec::new(),
         };
-        let client = match (self.client_cert, self.client_key) {
-            (None, None) => None,
+        let mut trusted = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+        for root in &roots {
+            trusted
+                .add(root.clone())
+                .map_err(|e| invalid(format!("{key}.ca_file"), format!("a certificate in it cannot be a root: {e}")))?;
+        }
+        let mut digest = Sha256::new();
+        for root in &roots {
+            digest.update(root.as_ref());
+        }
+        let config = client_config_builder().with_root_certificates(trusted);
+        let (config, client) = match (self.client_cert, self.client_key) {
+            (None, None) => (config.with_no_client_auth(), None),
             (Some(cert), Some(private)) => {
                 let chain = certificates(&format!("{key}.client_cert"), &cert)?;
                 let pem = read(&format!("{key}.client_key"), &private)?;
-                private_key(&format!("{key}.client_key"), &private, &pem)?;
-                Some(ClientIdentity { chain, key_pem: pem })
+                let private_key = private_key(&format!("{key}.client_key"), &private, &pem)?;
+                digest.update(&pem);
+                for cert in &chain {
+                    digest.update(cert.as_ref());
+                }
+                // Refuses a key that is not the certificate's, or of a kind it cannot sign with.
+                let config = config.with_client_auth_cert(chain.clone(), private_key).map_err(|e| {
+                    invalid(
+                        format!("{key}.client_key"),
+                        format!("{} cannot sign for {}: {e}", private.display(), cert.display()),
+                    )
+                })?;
+                (config, Some(chain))
             }
             (Some(_), None) => return Err(invalid(format!("{key}.client_key"), "is needed with client_cert")),
             (None, Some(_)) => return Err(invalid(format!("{key}.client_cert"), "is needed with client_key")),
@@ -65,21 +92,25 @@ impl RawUpstreamTls {
                 })
             })
             .transpose()?;
-        let mut digest = Sha256::new();
-        for root in &roots {
-            digest.update(root.as_ref());
-        }
-        if let Some(client) = &client {
-            for cert in &client.chain {
-                digest.update(cert.as_ref());
-            }
-            digest.update(&client.key_pem);
-        }
         if let Some(name) = &server_name {
             digest.update(name.to_str().as_bytes());
         }
-        Ok(Some(UpstreamTls { id: digest.finalize().into(), roots, client, server_name }))
+        Ok(Some(UpstreamTls { id: digest.finalize().into(), roots, client, server_name, config: Arc::new(config) }))
     }
+}
+
+/// How Idem speaks TLS to upstreams: rustls with ring, TLS 1.2 and 1.3.
+fn client_config_builder() -> rustls::ConfigBuilder<rustls::ClientConfig, rustls::WantsVerifier> {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default TLS versions")
+}
+
+/// TLS towards an upstream with no settings of its own: certificates checked against the
+/// Mozilla roots built in, as browsers do; no client certificate.
+pub fn default_upstream_tls() -> rustls::ClientConfig {
+    let roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    client_config_builder().with_root_certificates(roots).with_no_client_auth()
 }
 
 /// TLS towards one upstream, its files read: what the upstream client is built from. Two
@@ -91,11 +122,14 @@ pub struct UpstreamTls {
     pub id: [u8; 32],
     /// Trusted besides the built-in Mozilla roots.
     pub roots: Vec<CertificateDer<'static>>,
-    /// The certificate and key presented to an upstream that asks for one (mTLS).
-    pub client: Option<ClientIdentity>,
+    /// The certificate chain presented to an upstream that asks for one (mTLS).
+    pub client: Option<Vec<CertificateDer<'static>>>,
     /// The name the upstream's certificate is checked against and sent as SNI, instead of the
     /// URL's host.
     pub server_name: Option<ServerName<'static>>,
+    /// All of it as rustls takes it, the client's key included: checked, so connecting with it
+    /// cannot fail for the settings' sake.
+    pub config: Arc<rustls::ClientConfig>,
 }
 
 impl UpstreamTls {
@@ -118,27 +152,6 @@ impl UpstreamTls {
 impl PartialEq for UpstreamTls {
     fn eq(&self, other: &UpstreamTls) -> bool {
         self.id == other.id
-    }
-}
-
-/// A client certificate chain and its key, as read.
-#[derive(Clone)]
-pub struct ClientIdentity {
-    pub chain: Vec<CertificateDer<'static>>,
-    /// The key as its file holds it; parsed where a connection needs it.
-    key_pem: Vec<u8>,
-}
-
-impl ClientIdentity {
-    pub fn key(&self) -> PrivateKeyDer<'static> {
-        PrivateKeyDer::from_pem_slice(&self.key_pem).expect("checked when the configuration was read")
-    }
-}
-
-impl std::fmt::Debug for ClientIdentity {
-    /// Never the key.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientIdentity").field("certificates", &self.chain.len()).finish_non_exhaustive()
     }
 }
 

@@ -84,7 +84,7 @@ pub async fn serve(
             accepted = listener.accept() => accepted,
         };
         match accepted {
-            Ok((stream, _)) => {
+            Ok((stream, peer)) => {
                 let slot = match slots.clone().try_acquire_owned() {
                     Ok(slot) => Some(slot),
                     Err(_) => make_room(&table, &slots, &limits, &mut reclaims).await,
@@ -112,7 +112,11 @@ pub async fn serve(
                 // written whole or part by part as they come, so there is nothing for Nagle to
                 // gather anyway.
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(connections.clone().serve(stream, slot, table.enter(), stopped.clone()));
+                let origin = Origin { peer, tls: !plain };
+                // A plain connection enters the table here, in the order of arrival, so that the
+                // next one's `make_room` already sees it; a TLS one once its handshake is done.
+                let entry = plain.then(|| table.enter());
+                tokio::spawn(connections.clone().serve(stream, origin, slot, entry, table.clone(), stopped.clone()));
             }
             Err(e) if lost_in_accept(&e) => {}
             Err(e) => {
@@ -225,29 +229,44 @@ impl Connections {
         }
     }
 
+    /// Serves one connection from `origin`, holding its place (`_slot`) until it closes. It is
+    /// in the table of connections that may be reclaimed (`entry`, when it entered as it was
+    /// accepted) only once it speaks HTTP: a TLS handshake is bounded by `header_timeout` and
+    /// cut by a shutdown instead.
     async fn serve(
         self: Arc<Self>,
         stream: TcpStream,
+        origin: Origin,
         _slot: OwnedSemaphorePermit,
-        entry: table::Entry,
-        stopped: watch::Receiver<bool>,
+        entry: Option<table::Entry>,
+        table: Arc<Table>,
+        mut stopped: watch::Receiver<bool>,
     ) {
         metrics::connection_opened(self.name);
-        let origin = stream.peer_addr().ok().map(|peer| Origin { peer, tls: self.tls.is_some() });
         match &self.tls {
-            None => self.http(stream, origin, entry, stopped).await,
+            None => self.http(stream, origin, entry.unwrap_or_else(|| table.enter()), stopped).await,
             // The handshake is the first thing a client owes, so it has the head's time.
-            Some(tls) => match tokio::time::timeout(self.header_timeout, tls.accept(stream)).await {
-                Ok(Ok(stream)) => self.http(stream, origin, entry, stopped).await,
-                Ok(Err(e)) => tracing::debug!(listener = self.name, error = %e, "TLS handshake failed"),
-                Err(_) => tracing::debug!(listener = self.name, "TLS handshake timed out"),
-            },
+            Some(tls) => {
+                let handshake = tokio::time::timeout(self.header_timeout, tls.accept(stream));
+                let shaken = tokio::select! {
+                    shaken = handshake => shaken,
+                    _ = stop_requested(&mut stopped) => {
+                        metrics::connection_closed(self.name);
+                        return;
+                    }
+                };
+                match shaken {
+                    Ok(Ok(stream)) => self.http(stream, origin, table.enter(), stopped).await,
+                    Ok(Err(e)) => tracing::debug!(listener = self.name, error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!(listener = self.name, "TLS handshake timed out"),
+                }
+            }
         }
         metrics::connection_closed(self.name);
     }
 
     /// HTTP/1.1 on `stream` until either end closes it; each request from `origin`.
-    async fn http<S>(&self, stream: S, origin: Option<Origin>, entry: table::Entry, mut stopped: watch::Receiver<bool>)
+    async fn http<S>(&self, stream: S, origin: Origin, entry: table::Entry, mut stopped: watch::Receiver<bool>)
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -290,7 +309,7 @@ struct Handler {
     body_timeout: Duration,
     connection: Arc<table::Connection>,
     /// Put in each request's extensions: who sent it.
-    origin: Option<Origin>,
+    origin: Origin,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Handler {
@@ -301,9 +320,7 @@ impl hyper::service::Service<Request<Incoming>> for Handler {
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let busy = self.connection.busy();
         let mut request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
-        if let Some(origin) = self.origin {
-            request.extensions_mut().insert(origin);
-        }
+        request.extensions_mut().insert(self.origin);
         // A Router is always ready (its poll_ready returns at once), so it is called directly.
         Handled::new(tower_service::Service::call(&mut self.router.clone(), request), busy)
     }

@@ -79,7 +79,12 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
             (response, NOTE.with(Note::moved_out))
         })
         .await;
-    let kind = note.kind.get().unwrap_or_else(|| read_kind(&response));
+    // The broker's own answer is a problem whatever the serving was about to be (a pass-through
+    // whose upstream could not be reached, a record not found).
+    let kind = match response.extensions().get::<crate::problem::Made>() {
+        Some(_) => Kind::Problem,
+        None => note.kind.get().unwrap_or_else(|| read_kind(&response)),
+    };
     let route = note.route.into_inner();
     let key = note.key.get().map(hex);
     let trace = note.trace.into_inner().or(client_trace);
@@ -111,17 +116,12 @@ impl Note {
     }
 }
 
-/// An answer the serving did not name: a replay says so, the broker's own answers are marked
-/// [`crate::problem::Made`], anything else came from the upstream.
+/// An answer that is no problem and that the serving did not name: a replay says so, anything
+/// else came from the upstream.
 fn read_kind(response: &Response) -> Kind {
-    if response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true") {
-        Kind::Replay
-    } else if response.extensions().get::<crate::problem::Made>().is_some() {
-        Kind::Problem
-    } else if response.status() == http::StatusCode::ACCEPTED {
-        Kind::Accepted
-    } else {
-        Kind::Executed
+    match response.headers().get(REPLAYED_HEADER).is_some_and(|v| v == "true") {
+        true => Kind::Replay,
+        false => Kind::Executed,
     }
 }
 

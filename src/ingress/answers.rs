@@ -36,7 +36,7 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
         Outcome::Done(StopReason::Deadline, _) => Err(Problem::deadline_exceeded().state(State::Done)),
         Outcome::Done(_, response) => Ok(stored_response(&response, false)),
         Outcome::Unknown(_) => Err(Problem::outcome_unknown().state(State::Unknown)),
-        Outcome::Free(stop, Some(last), _) => {
+        Outcome::Free { stop, last: Some(last), .. } => {
             let mut response = response_of(&last);
             let headers = response.headers_mut();
             headers.insert(STATUS_HEADER, HeaderValue::from_static(State::NotStarted.as_str()));
@@ -46,7 +46,7 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
             headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static(if again { "true" } else { "false" }));
             Ok(response)
         }
-        Outcome::Free(stop, None, unreachable) => Err(freed(Some(stop), unreachable.as_deref())),
+        Outcome::Free { stop, last: None, unreachable } => Err(freed(Some(stop), unreachable.as_deref())),
         Outcome::Lost => Err(Problem::in_progress(Duration::from_secs(1)).state(State::InProgress)),
         Outcome::Streaming(streamed) => Ok(streamed_response(streamed)),
         // Told as it is, never as "nothing happened": the upstream's answer, or the problem its
@@ -64,12 +64,8 @@ pub(super) fn outcome_response(outcome: Outcome) -> Answer {
     }
 }
 
-/// The answer to a request whose record was freed with no upstream response to pass on, for why
-/// it stopped (and, when its last attempt could not reach the upstream, why not): the same
-/// whether its own execution tells it, or the record does (to a duplicate that waited, or to a
-/// request whose execution's outcome did not reach it).
-/// Why an upstream was not reached, in the words of a problem's detail: the route and the
-/// connection's cause (a refused certificate, a name that does not resolve) when known.
+/// Why an upstream was not reached, in the words of a problem's detail: `why` is the route and
+/// the kind of failure (a refused connection, an untrusted certificate), when known.
 pub(super) fn could_not_reach(why: Option<&str>) -> String {
     match why {
         Some(why) => format!("it could not be reached: {why}"),
@@ -77,6 +73,10 @@ pub(super) fn could_not_reach(why: Option<&str>) -> String {
     }
 }
 
+/// The answer to a request whose record was freed with no upstream response to pass on, for why
+/// it stopped (and, when its last attempt could not reach the upstream, why not): the same
+/// whether its own execution tells it, or the record does (to a duplicate that waited, or to a
+/// request whose execution's outcome did not reach it).
 pub(super) fn freed(stop: Option<StopReason>, unreachable: Option<&str>) -> Problem {
     let could_not = could_not_reach(unreachable);
     let problem = match stop {

@@ -70,7 +70,7 @@ impl Ingress {
             if parts.method == Method::DELETE {
                 self.mcp_tools.forget(&watch.route, &watch.session);
             }
-            return self.mcp_pass(route, &parts, body, watch).await;
+            return self.mcp_pass(config, route, &parts, body, watch).await;
         }
         match message::read(&body) {
             Err(refused) => {
@@ -85,7 +85,7 @@ impl Ingress {
             }
             Ok(Incoming::Other { method }) => {
                 let answering = method.filter(|m| m == "initialize" || m == "tools/list");
-                self.mcp_pass(route, &parts, body, Watch { answering, ..watch }).await
+                self.mcp_pass(config, route, &parts, body, Watch { answering, ..watch }).await
             }
             Ok(Incoming::ToolCall(call)) => {
                 let class = match self.mcp_tools.class(route, &watch.session, &call.tool) {
@@ -93,7 +93,7 @@ impl Ingress {
                     recorded => recorded,
                 };
                 match class {
-                    ToolClass::PassThrough => self.mcp_pass(route, &parts, body, watch).await,
+                    ToolClass::PassThrough => self.mcp_pass(config, route, &parts, body, watch).await,
                     ToolClass::Recorded { replay_safe } => {
                         let recorded =
                             Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
@@ -123,13 +123,20 @@ impl Ingress {
     }
 
     /// A message passed through unrecorded, unless an operator isolated the route.
-    async fn mcp_pass(&self, route: &Route, parts: &http::request::Parts, body: Bytes, watch: Watch) -> Response {
+    async fn mcp_pass(
+        &self,
+        config: &Config,
+        route: &Route,
+        parts: &http::request::Parts,
+        body: Bytes,
+        watch: Watch,
+    ) -> Response {
         if let Some(refusal) = self.isolation(&route.name) {
             metrics::held_by_switch(&route.name, SwitchAction::Isolate);
             return self.refused(route, refusal).into_response();
         }
         let mut headers = crate::upstream::forwardable_request_headers(&parts.headers, true);
-        crate::upstream::forward(&mut headers, parts.extensions.get(), &self.config.current().server.forwarded);
+        crate::upstream::forward(&mut headers, parts.extensions.get(), &config.server.forwarded);
         proxy::pass(&self.upstream, route, parts, &headers, body, watch).await
     }
 
@@ -157,7 +164,7 @@ impl Ingress {
             }
             None if !route.require_key => {
                 metrics::unkeyed(&route.name);
-                return self.mcp_pass(route, &parts, body, watch).await;
+                return self.mcp_pass(config, route, &parts, body, watch).await;
             }
             None => {
                 let problem = Problem::new(

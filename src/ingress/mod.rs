@@ -173,7 +173,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
             }
             None => {
                 access::kind(access::Kind::Passed);
-                app.plain(route, request).await
+                app.plain(&config, route, request).await
             }
         },
     };

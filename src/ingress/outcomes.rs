@@ -31,8 +31,10 @@ impl Ingress {
     /// tells none: it is told at its first byte, before the execution keeps any.
     pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
         let Some(outcome) = outcome else {
+            super::access::kind(super::access::Kind::Accepted);
             let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
-            let mut response = (StatusCode::ACCEPTED, Json(record.to_json(false))).into_response();
+            let mut response =
+                (StatusCode::ACCEPTED, Json(record.to_json(crate::record::View::Listed))).into_response();
             let headers = response.headers_mut();
             headers.insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
             headers.insert("preference-applied", HeaderValue::from_static("respond-async"));
@@ -143,7 +145,9 @@ impl Ingress {
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.
-            Phase::Free => Err(freed(record.stop_reason, record.attempts.last().and_then(|a| a.detail.as_deref()))),
+            Phase::Free => {
+                Err(freed(record.stop_reason, record.attempts.last().and_then(|a| a.unreachable.as_deref())))
+            }
         }
     }
 

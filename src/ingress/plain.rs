@@ -8,13 +8,13 @@ use axum::response::{IntoResponse, Response};
 use super::answers::response_of;
 use super::reading::{deadline, read_body};
 use super::Ingress;
-use crate::config::Route;
+use crate::config::{Config, Route};
 use crate::problem::Problem;
 use crate::upstream::{self, Outbound};
 
 impl Ingress {
     /// Methods that need no key are proxied as they are: nothing is recorded.
-    pub(super) async fn plain(&self, route: &Route, request: Request) -> Response {
+    pub(super) async fn plain(&self, config: &Config, route: &Route, request: Request) -> Response {
         let (parts, body) = request.into_parts();
         let url = match route.upstream_url(parts.uri.path(), parts.uri.query().unwrap_or("")) {
             Ok(url) => url,
@@ -25,7 +25,7 @@ impl Ingress {
             Err(problem) => return problem.into_response(),
         };
         let mut headers = upstream::forwardable_request_headers(&parts.headers, true);
-        upstream::forward(&mut headers, parts.extensions.get(), &self.config.current().server.forwarded);
+        upstream::forward(&mut headers, parts.extensions.get(), &config.server.forwarded);
         let mut credentials = route.upstream_headers.clone();
         if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
             credentials.insert(header::AUTHORIZATION, credential.clone());
@@ -46,7 +46,7 @@ impl Ingress {
                 Problem::deadline_exceeded().into_response()
             }
             Err(failure) => {
-                let why = failure.cause.map(|cause| format!("route {}: {cause}", route.name));
+                let why = failure.cause.map(|cause| format!("route {}: {}", route.name, cause.why));
                 let reason = super::answers::could_not_reach(why.as_deref());
                 Problem::upstream_unavailable(&reason).retry_after(1).into_response()
             }

@@ -16,7 +16,7 @@ use crate::domain::Phase;
 use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
-use crate::record::{HistoryEntry, Record};
+use crate::record::{HistoryEntry, Record, View};
 use crate::store::Cancelled;
 
 async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
@@ -29,7 +29,7 @@ async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, P
 }
 
 fn record_response(status: StatusCode, record: &Record) -> Response {
-    let mut response = (status, Json(record.to_json(true))).into_response();
+    let mut response = (status, Json(record.to_json(View::Client))).into_response();
     response.headers_mut().insert(STATUS_HEADER, HeaderValue::from_static(record.state.as_str()));
     response
 }

@@ -87,7 +87,7 @@ pub async fn pass(
             return unreachable("did not answer within the route's deadline")
         }
         Err(failure) => match failure.cause {
-            Some(cause) => return unreachable(&format!("could not be reached ({cause})")),
+            Some(cause) => return unreachable(&format!("could not be reached (route {}: {})", route.name, cause.why)),
             None => return unreachable("could not be reached"),
         },
     };

@@ -138,6 +138,7 @@ async fn take_over_expired(
             // Marked with the attempt before it was sent, so the lost attempt keeps its policy.
             policy_version: record.policy_version.clone(),
             retry_after_ms: None,
+            unreachable: None,
             detail: None,
         });
         let capped = if to.stop_reason() == Some(StopReason::TakeoverCap) {
@@ -247,6 +248,7 @@ mod tests {
                 wait_ms: 0,
                 policy_version: None,
                 retry_after_ms: None,
+                unreachable: None,
                 detail: None,
             })
             .collect();

@@ -36,10 +36,26 @@ pub struct Attempt {
     /// carried one: a replay of the history (`idem simulate --history`) needs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
-    /// Why the upstream could not be reached, in the connection's words (refused, an untrusted
-    /// certificate), naming the route: what an operator needs to fix it.
+    /// Why the upstream could not be reached, naming the route, in words a client may read: the
+    /// kind of failure (a refused connection, an untrusted certificate), nothing of the network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unreachable: Option<String>,
+    /// The same in the connection's own words (host names, addresses, the certificate's fault):
+    /// what an operator needs to fix it, shown only in the operator's view.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+}
+
+/// How much of a record is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    /// One of many (a listing, a sample, an answer given at once): no history.
+    Listed,
+    /// The client's view of its own record: its history too.
+    Client,
+    /// The operator's view of one record: also why each attempt could not reach the upstream
+    /// in the connection's own words, which may name hosts and addresses behind Idem.
+    Operator,
 }
 
 /// An entry of the record's history: who did what, when.
@@ -156,9 +172,10 @@ impl Record {
         }
     }
 
-    /// The record as docs/http-api.md shows it to clients and operators. The request body and headers
-    /// are not shown: they may carry secrets meant only for the upstream.
-    pub fn to_json(&self, with_history: bool) -> Value {
+    /// The record as docs/http-api.md shows it to clients and operators, in `view`. The request
+    /// body and headers are never shown: they may carry secrets meant only for the upstream.
+    pub fn to_json(&self, view: View) -> Value {
+        let with_history = view != View::Listed;
         let attempts: Vec<Value> = self
             .attempts
             .iter()
@@ -182,7 +199,10 @@ impl Record {
                 if let Some(ra) = a.retry_after_ms {
                     v["retry_after_ms"] = json!(ra);
                 }
-                if let Some(detail) = &a.detail {
+                if let Some(unreachable) = &a.unreachable {
+                    v["unreachable"] = json!(unreachable);
+                }
+                if let Some(detail) = a.detail.as_ref().filter(|_| view == View::Operator) {
                     v["detail"] = json!(detail);
                 }
                 v

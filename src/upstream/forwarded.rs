@@ -17,10 +17,16 @@ const PROTO: &str = "x-forwarded-proto";
 const FORWARDED: &str = "forwarded";
 
 /// `headers` (the request's, as forwarded upstream) with the forwarding headers set for a
-/// request from `origin`. Without an origin (a request made in-process) or with forwarding off,
-/// they are left as they are.
+/// request from `origin`. With forwarding off they are left as the client sent them; a request
+/// with no origin (made in-process, never through a listener) has the client's removed.
 pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, config: &Forwarding) {
-    let Some(origin) = origin.filter(|_| config.enabled) else { return };
+    if !config.enabled {
+        return;
+    }
+    let Some(origin) = origin else {
+        headers.retain(|(name, _)| ![FOR, PROTO, FORWARDED].contains(&name.as_str()));
+        return;
+    };
     let peer = origin.peer.ip().to_canonical();
     let trusted = config.trusted_proxies.iter().any(|net| net.contains(&peer));
     let proto = if origin.tls { "https" } else { "http" };
@@ -28,8 +34,10 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
         let values: Vec<&str> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect();
         (!values.is_empty()).then(|| values.join(", "))
     };
+    // The scheme the first client used, as the first proxy in front of Idem said it.
+    let first_proto = |all: Option<String>| all.and_then(|all| all.split(',').next().map(|p| p.trim().to_string()));
     let (chain, forwarded, sent_proto) = match trusted {
-        true => (sent(FOR), sent(FORWARDED), sent(PROTO)),
+        true => (sent(FOR), sent(FORWARDED), first_proto(sent(PROTO))),
         false => (None, None, None),
     };
     let element = format!("for={};proto={proto}", node(peer));
@@ -39,7 +47,6 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
     };
     headers.retain(|(name, _)| ![FOR, PROTO, FORWARDED].contains(&name.as_str()));
     headers.push((FOR.into(), joined(chain, peer.to_string())));
-    // The scheme the first client used: a trusted proxy's word, else this connection's.
     headers.push((PROTO.into(), sent_proto.unwrap_or_else(|| proto.into())));
     headers.push((FORWARDED.into(), joined(forwarded, element)));
 }
@@ -115,12 +122,19 @@ mod tests {
     }
 
     #[test]
-    fn off_or_without_an_origin_nothing_is_touched() {
-        let before = sent(&[("x-forwarded-for", "6.6.6.6")]);
+    fn off_nothing_is_touched_and_without_an_origin_the_clients_claims_go() {
+        let before = sent(&[("x-forwarded-for", "6.6.6.6"), ("x-other", "kept")]);
         let mut headers = before.clone();
         forward(&mut headers, Some(&origin("192.0.2.10", false)), &Forwarding { enabled: false, ..config(&[]) });
         assert_eq!(headers, before);
         forward(&mut headers, None, &config(&[]));
-        assert_eq!(headers, before);
+        assert_eq!(headers, sent(&[("x-other", "kept")]));
+    }
+
+    #[test]
+    fn a_trusted_proxys_chain_of_schemes_gives_the_first() {
+        let mut headers = sent(&[("x-forwarded-proto", "https, http")]);
+        forward(&mut headers, Some(&origin("10.1.2.3", false)), &config(&["10.0.0.0/8"]));
+        assert_eq!(value(&headers, "x-forwarded-proto"), ["https"]);
     }
 }

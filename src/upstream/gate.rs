@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::{Client, Failure};
+use super::{Client, Failure, Unreachable};
 use crate::policy::Observed;
 
 /// Hands `request` to the client if its window (`send_by`) has not passed yet, with the window
@@ -27,16 +27,66 @@ pub(super) async fn send_within(
     SEND_BY.scope(send_by, client.request(request)).await.map_err(|e| failure(&e))
 }
 
-/// What a failed send tells, and why no connection could be made when none could: the
-/// connector's own words (a refused connection, an untrusted certificate), for the operator.
+/// What a failed send tells, and why no connection could be made when none could.
 fn failure(e: &hyper_util::client::legacy::Error) -> Failure {
     let observed = observed(e);
-    // The client's own words ("client error (Connect)") say nothing its sources do not.
-    let cause = (observed == Observed::ConnectFailed).then(|| match std::error::Error::source(e) {
-        Some(source) => crate::logs::in_one_line(source),
-        None => e.to_string(),
+    let cause = (observed == Observed::ConnectFailed).then(|| Unreachable {
+        why: why_unreachable(e),
+        // The client's own words ("client error (Connect)") say nothing its sources do not.
+        detail: match std::error::Error::source(e) {
+            Some(source) => crate::logs::in_one_line(source),
+            None => e.to_string(),
+        },
     });
     Failure { observed, cause }
+}
+
+/// Why a connection could not be made, in a few words that tell a client nothing of the
+/// network behind Idem (the names a certificate carries, addresses): the kind of failure only.
+fn why_unreachable(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    use rustls::CertificateError as Refused;
+    let mut source = Some(e);
+    while let Some(cause) = source {
+        match tls_error(cause) {
+            Some(rustls::Error::InvalidCertificate(refused)) => {
+                return match refused {
+                    Refused::UnknownIssuer => "its certificate is not from an authority the route trusts",
+                    Refused::NotValidForName | Refused::NotValidForNameContext { .. } => {
+                        "its certificate is not for its name"
+                    }
+                    Refused::Expired | Refused::ExpiredContext { .. } => "its certificate has expired",
+                    _ => "its certificate was refused",
+                };
+            }
+            Some(rustls::Error::AlertReceived(_)) => return "it refused the TLS handshake",
+            Some(_) => return "the TLS handshake failed",
+            None => {}
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::ConnectionRefused {
+                return "the connection was refused";
+            }
+        }
+        if cause.to_string().starts_with("dns error") {
+            return "its name does not resolve";
+        }
+        if cause.to_string().starts_with(NO_CONNECTION) {
+            return "no connection within the connect limit";
+        }
+        source = cause.source();
+    }
+    "no connection could be made"
+}
+
+/// A rustls error, met directly or inside io::Errors (the connector wraps the handshake's in
+/// another), whose `source` is their inner error's source, never the inner error itself.
+fn tls_error<'e>(mut cause: &'e (dyn std::error::Error + 'static)) -> Option<&'e rustls::Error> {
+    loop {
+        if let Some(tls) = cause.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        cause = cause.downcast_ref::<std::io::Error>()?.get_ref()?;
+    }
 }
 
 /// What a failed send tells us: only a failure to connect (TCP, or the TLS handshake, refused
@@ -80,12 +130,11 @@ const REFUSALS: [rustls::AlertDescription; 9] = [
 /// the refusal arrives where a broken send would; but a server that refused the handshake
 /// never read a byte of the request.
 fn handshake_refused(cause: &(dyn std::error::Error + 'static)) -> bool {
-    // An io::Error's `source` is its inner error's source, so the inner error is looked at here.
-    let tls = cause
-        .downcast_ref::<rustls::Error>()
-        .or_else(|| cause.downcast_ref::<std::io::Error>()?.get_ref()?.downcast_ref::<rustls::Error>());
-    matches!(tls, Some(rustls::Error::AlertReceived(alert)) if REFUSALS.contains(alert))
+    matches!(tls_error(cause), Some(rustls::Error::AlertReceived(alert)) if REFUSALS.contains(alert))
 }
+
+/// How a connect that took too long is said.
+const NO_CONNECTION: &str = "no connection within";
 
 /// A connector that gives up after `limit`: the TCP connector's own timeout would leave a TLS
 /// handshake that stalls to the attempt's limit, and a send that times out there would count as
@@ -133,7 +182,7 @@ where
                 }
                 Ok(connected) => connected.map_err(Into::into),
                 Err(_) if until < limit_at => Err(BoxError::from(TooLate)),
-                Err(_) => Err(format!("no connection within {limit:?}").into()),
+                Err(_) => Err(format!("{NO_CONNECTION} {limit:?}").into()),
             }
         })
     }

@@ -166,28 +166,13 @@ pub use forwarded::forward;
 
 use gate::{Outgoing, TimedConnect};
 
-/// A client: certificates checked against the Mozilla roots built in, as browsers do, and the
-/// extra roots `tls` adds; its client certificate presented to an upstream that asks; its
-/// server name sent and checked instead of the URL's host.
+/// A client speaking TLS as `tls` says (the built-in Mozilla roots, when it says nothing),
+/// sending and checking its server name instead of the URL's host when it names one.
 fn client(tls: Option<&UpstreamTls>, connect_limit: Duration) -> Client {
     let mut tcp = HttpConnector::new();
     tcp.enforce_http(false);
     tcp.set_nodelay(true);
-    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
-    for root in tls.iter().flat_map(|tls| &tls.roots) {
-        // Checked to parse when the configuration was read.
-        let _ = roots.add(root.clone());
-    }
-    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default TLS versions")
-        .with_root_certificates(roots);
-    let config = match tls.and_then(|tls| tls.client.as_ref()) {
-        Some(identity) => builder
-            .with_client_auth_cert(identity.chain.clone(), identity.key())
-            .unwrap_or_else(|_| panic!("a client certificate and key that rustls refuses passed the config's check")),
-        None => builder.with_no_client_auth(),
-    };
+    let config = tls.map_or_else(crate::config::default_upstream_tls, |tls| (*tls.config).clone());
     let builder = hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(config).https_or_http();
     let builder = match tls.and_then(|tls| tls.server_name.clone()) {
         Some(name) => builder.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name)),
@@ -220,12 +205,20 @@ pub struct Outbound<'a> {
     pub body: Bytes,
 }
 
-/// A send that failed: what the broker can know of it, and, when no connection could be made,
-/// the reason the connection gave (refused, an untrusted certificate), for whoever must fix it.
+/// A send that failed: what the broker can know of it, and why when no connection could be made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
     pub observed: Observed,
-    pub cause: Option<String>,
+    pub cause: Option<Unreachable>,
+}
+
+/// Why no connection could be made, said twice: in a few words a client may read (the kind of
+/// failure: a refused connection, an untrusted certificate), and in the connection's own, for
+/// the operator who must fix it (which may name hosts and addresses behind Idem).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreachable {
+    pub why: &'static str,
+    pub detail: String,
 }
 
 impl From<Observed> for Failure {
@@ -248,6 +241,13 @@ impl Upstream {
 
     fn connecting_within(limit: Duration) -> Upstream {
         Upstream { client: client(None, limit), tuned: Arc::default(), connect_limit: limit }
+    }
+
+    /// Drops the clients (and their pooled connections) of TLS profiles that no route of
+    /// `config` uses any more: a reload that changed a route's files leaves none behind.
+    pub fn keep_clients_of(&self, config: &crate::config::Config) {
+        let used: Vec<[u8; 32]> = config.routes.iter().filter_map(|r| r.upstream_tls.as_ref().map(|t| t.id)).collect();
+        self.tuned.lock().unwrap_or_else(|p| p.into_inner()).retain(|id, _| used.contains(id));
     }
 
     /// The client for a route's `tls` settings.
@@ -473,5 +473,31 @@ mod tests {
             let owned = body.try_into_mut().expect("the body shares its allocation");
             assert!(owned.capacity() < 1024, "the body holds a {} byte buffer", owned.capacity());
         }
+    }
+
+    #[test]
+    fn a_reload_drops_the_clients_of_tls_profiles_no_route_uses_any_more() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let config_trusting = |name: &str| {
+            let issued = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
+            let ca = dir.path().join(format!("{name}.crt"));
+            std::fs::write(&ca, issued.cert.pem()).unwrap();
+            let text = format!(
+                "[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
+                 upstream = \"https://127.0.0.1:9443\"\nca_file = {ca:?}\n"
+            );
+            crate::config::Config::parse_with_env(&text, |_| None).unwrap()
+        };
+        let (before, after) = (config_trusting("old-authority"), config_trusting("new-authority"));
+        let tls_of = |c: &crate::config::Config| c.routes[0].upstream_tls.clone().unwrap();
+        let upstream = Upstream::new();
+        upstream.client_for(Some(&tls_of(&before)));
+        upstream.keep_clients_of(&before);
+        assert_eq!(upstream.tuned.lock().unwrap().len(), 1, "a profile in use was dropped");
+
+        upstream.client_for(Some(&tls_of(&after)));
+        upstream.keep_clients_of(&after);
+        let tuned = upstream.tuned.lock().unwrap();
+        assert_eq!(tuned.keys().collect::<Vec<_>>(), [&tls_of(&after).id], "the old profile's client is kept");
     }
 }

@@ -381,7 +381,10 @@ impl Inner {
             span.record("status", status);
         }
         // Why the upstream could not be reached, for the record and for the answer that says so.
-        attempt.detail = cause.map(|cause| format!("route {}: {cause}", route.name));
+        // The connection's own words for the record's operator view and the log; the kind of
+        // failure for the client's answer.
+        attempt.unreachable = cause.as_ref().map(|cause| format!("route {}: {}", route.name, cause.why));
+        attempt.detail = cause.as_ref().map(|cause| format!("route {}: {}", route.name, cause.detail));
         span.in_scope(|| match &attempt.detail {
             Some(detail) => tracing::warn!(
                 attempt = p.number,
@@ -400,7 +403,7 @@ impl Inner {
                 "attempt"
             ),
         });
-        p.unreachable = attempt.detail.clone();
+        p.unreachable = attempt.unreachable.clone();
         metrics::attempt(&route.name, chosen.version, class, took);
         self.runtimes.observe(&route.name, took);
         p.last_response = answer.map(|a| a.response);
@@ -478,6 +481,7 @@ pub(super) fn stored_attempt(
         wait_ms: p.wait_before.as_millis() as u64,
         policy_version: Some(chosen.version.clone()),
         retry_after_ms: retry_after.map(|ra| ra.as_millis().min(u64::MAX as u128) as u64),
+        unreachable: None,
         detail: None,
     }
 }

@@ -230,7 +230,9 @@ impl Inner {
             (Settlement::Done, Some(response), _) => {
                 (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
-            (Settlement::Free, last, _) => (store::AfterAttempt::Free(stop), Outcome::Free(stop, last, p.unreachable)),
+            (Settlement::Free, last, _) => {
+                (store::AfterAttempt::Free(stop), Outcome::Free { stop, last, unreachable: p.unreachable })
+            }
             (Settlement::Unknown, _, Some(partial)) => {
                 (store::AfterAttempt::Cut(stop, partial), Outcome::Unknown(stop))
             }

@@ -45,9 +45,15 @@ pub enum Outcome {
     Done(StopReason, StoredResponse),
     /// `unknown`: it may have executed; it waits for reconciliation.
     Unknown(StopReason),
-    /// The key is free again: nothing executed (or the route is replay-safe). `last` is the last
-    /// upstream answer, if any attempt got one; else why the last attempt could not reach it.
-    Free(StopReason, Option<StoredResponse>, Option<String>),
+    /// The key is free again: nothing executed (or the route is replay-safe).
+    Free {
+        stop: StopReason,
+        /// The last upstream answer, if any attempt got one.
+        last: Option<StoredResponse>,
+        /// Why the last attempt could not reach the upstream, if it could not: the route and
+        /// the kind of failure, for the client's answer.
+        unreachable: Option<String>,
+    },
     /// This worker lost the record (claimed elsewhere, or cancelled before it started): the
     /// record in the store is the answer.
     Lost,

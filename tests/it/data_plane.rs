@@ -508,11 +508,20 @@ async fn wait_for_hits(upstream: &Upstream, op: &str, n: u32) {
     }
 }
 
-/// The forwarding headers the upstream got with `op`.
+/// The forwarding headers the upstream got with `op`: the same with each of its attempts.
 fn forwarded_as_seen(upstream: &Upstream, op: &str) -> (String, String, String) {
-    let headers = upstream.headers(op).unwrap_or_else(|| panic!("{op} never reached the upstream"));
-    let all = |name: &str| headers.get_all(name).iter().map(|v| v.to_str().unwrap()).collect::<Vec<_>>().join(" | ");
-    (all("x-forwarded-for"), all("x-forwarded-proto"), all("forwarded"))
+    let seen: Vec<_> = upstream
+        .every_headers(op)
+        .iter()
+        .map(|headers| {
+            let all =
+                |name: &str| headers.get_all(name).iter().map(|v| v.to_str().unwrap()).collect::<Vec<_>>().join(" | ");
+            (all("x-forwarded-for"), all("x-forwarded-proto"), all("forwarded"))
+        })
+        .collect();
+    let first = seen.first().unwrap_or_else(|| panic!("{op} never reached the upstream")).clone();
+    assert!(seen.iter().all(|s| *s == first), "the attempts of {op} were told different origins: {seen:#?}");
+    first
 }
 
 async fn the_upstream_is_told_the_clients_address_and_not_what_the_client_claims(b: Backend) {

@@ -130,6 +130,12 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
         assert_eq!(http.get(format!("{base}/payments/7")).send().await.unwrap().status(), 201, "no key");
         assert_eq!(http.get(format!("{base}/nowhere")).send().await.unwrap().status(), 404, "no route");
         assert_eq!(http.get(format!("{base}/_idem/requests/access-key")).send().await.unwrap().status(), 200);
+        let later = keyed("later-key", "{}").header("prefer", "respond-async").send().await.unwrap();
+        assert_eq!(later.status(), 202, "answered at once");
+        let upstream_accepted = http.post(format!("{base}/payments?status=202")).header("idempotency-key", "its-202");
+        assert_eq!(upstream_accepted.body("{}").send().await.unwrap().status(), 202, "the upstream's own 202");
+        let too_big = http.put(format!("{base}/payments/7")).body(vec![b'x'; 1024 * 1024 + 1]);
+        assert_eq!(too_big.send().await.unwrap().status(), 413, "no key, refused before it passes");
     })
     .await;
     let lines = access_lines(&logs);
@@ -156,6 +162,9 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
             ("GET", "payments", 201, "passed", 0),
             ("GET", "-", 404, "problem", 0),
             ("GET", "-", 200, "own", 0),
+            ("POST", "payments", 202, "accepted", 0),
+            ("POST", "payments", 202, "executed", 1),
+            ("PUT", "payments", 413, "problem", 0),
         ]
     );
     // The key's hash, the same on every line of one key, and never the key.

@@ -171,6 +171,7 @@ fn attempt(number: u32, started_at: Timestamp, outcome: &str, status: Option<u16
         wait_ms: if number == 1 { 0 } else { 250 },
         policy_version: Some(VERSION.into()),
         retry_after_ms: None,
+        unreachable: status.is_none().then(|| "route payments: the connection was refused".into()),
         detail: status.is_none().then(|| "route payments: connection refused".into()),
     }
 }

@@ -54,6 +54,7 @@ fn attempt(number: u32, started_at: Timestamp, status: u16, retry_after_ms: Opti
         wait_ms: if number == 1 { 0 } else { 100 },
         retry_after_ms,
         policy_version: Some(VERSION.into()),
+        unreachable: None,
         detail: None,
     }
 }

@@ -181,6 +181,7 @@ mod tests {
             wait_ms: 0,
             retry_after_ms: None,
             policy_version: None,
+            unreachable: None,
             detail: None,
         }
     }

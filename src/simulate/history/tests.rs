@@ -27,6 +27,7 @@ fn attempt(number: u32, started_at: i64, status: u16) -> Attempt {
         wait_ms: 0,
         retry_after_ms: None,
         policy_version: None,
+        unreachable: None,
         detail: None,
     }
 }

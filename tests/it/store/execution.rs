@@ -375,7 +375,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     let settled = fetch(&store, record.id).await;
     let versions: Vec<Option<&str>> = settled.attempts.iter().map(|a| a.policy_version.as_deref()).collect();
     assert_eq!(versions, [Some(old), Some(new)]);
-    let shown = settled.to_json(true);
+    let shown = settled.to_json(idem::record::View::Operator);
     assert_eq!(shown["attempts"][0]["policy_version"], old);
     assert_eq!(shown["attempts"][1]["policy_version"], new);
     assert_eq!(shown["policy_version"], new);
