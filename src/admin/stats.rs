@@ -13,7 +13,8 @@ use serde_json::{json, Value};
 
 use super::series::assemble;
 use super::Admin;
-use crate::domain::Timestamp;
+use crate::domain::{BudgetScope, Timestamp};
+use crate::runtime::BudgetView;
 use crate::problem::Problem;
 use crate::store::stats::StatsSpan;
 
@@ -144,9 +145,27 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
         "now": now.rfc3339(),
         "routes": routes,
         // Each retry budget's last 10 s on this node: whose retries a storm is spending.
-        "budgets": admin.worker.runtimes().budget_views(),
+        "budgets": budgets_spent_by(admin.worker.runtimes().budget_views(), route.and_then(|r| config.route_named(&r))),
     }))
     .into_response())
+}
+
+/// The budgets a route's retries spend (its own, its named upstream's, the tenants' quotas), or
+/// every budget without a route.
+fn budgets_spent_by(views: Vec<BudgetView>, route: Option<&crate::config::Route>) -> Vec<BudgetView> {
+    let Some(route) = route else { return views };
+    views
+        .into_iter()
+        .filter(|v| {
+            if v.scope == BudgetScope::Route.as_str() {
+                v.name == route.name.as_str()
+            } else if v.scope == BudgetScope::Upstream.as_str() {
+                route.upstream_name.as_deref() == Some(v.name.as_str())
+            } else {
+                true
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

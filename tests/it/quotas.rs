@@ -73,7 +73,13 @@ async fn stop_reason(broker: &Broker, key: &str, token: &str) -> Value {
 }
 
 async fn budgets(broker: &Broker) -> Vec<Value> {
-    let stats = send(broker.http.get(format!("{}/admin/stats", broker.admin)).bearer_auth(ADMIN_TOKEN)).await;
+    budgets_of(broker, "").await
+}
+
+/// `/admin/stats`' budgets, for `query` (`?route=NAME`, or nothing).
+async fn budgets_of(broker: &Broker, query: &str) -> Vec<Value> {
+    let url = format!("{}/admin/stats{query}", broker.admin);
+    let stats = send(broker.http.get(url).bearer_auth(ADMIN_TOKEN)).await;
     assert_eq!(stats.status, 200);
     stats.json()["budgets"].as_array().unwrap().clone()
 }
@@ -156,6 +162,11 @@ async fn routes_that_name_one_upstream_share_its_budget_and_its_breaker(backend:
         .await;
     let budgets = budgets(&broker).await;
     assert_eq!(budget(&budgets, "upstream", "provider")["retries"], 5);
+    // One route's stats list the budgets its retries spend: its own and its upstream's.
+    let spent_by_refunds = budgets_of(&broker, &format!("?route={refunds}")).await;
+    let named: Vec<(&str, &str)> =
+        spent_by_refunds.iter().map(|b| (b["scope"].as_str().unwrap(), b["name"].as_str().unwrap())).collect();
+    assert_eq!(named, [("route", refunds.as_str()), ("upstream", "provider")], "{spent_by_refunds:#?}");
 
     // Failures on payments open the provider's circuit for refunds too: it is down for both.
     for i in 0..3 {
