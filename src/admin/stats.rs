@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use super::series::assemble;
 use super::Admin;
 use crate::domain::{BudgetScope, Timestamp};
-use crate::runtime::BudgetView;
 use crate::problem::Problem;
+use crate::runtime::BudgetView;
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.

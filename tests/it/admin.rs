@@ -1,6 +1,6 @@
 //! The operator's side (docs/operations.md): the admin API and the `idem requests` CLI over it.
 
-use crate::common::{both_stores, Backend, Db, TestConfig};
+use crate::common::{both_stores, setup, Backend};
 
 use std::time::{Duration, Instant};
 
@@ -8,12 +8,6 @@ use crate::common::{send, Answer, Broker, Reply, Upstream};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;
-
-async fn setup(b: Backend, extra: &str) -> (Upstream, Broker) {
-    let upstream = Upstream::start().await;
-    let broker = Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).tables(extra)).await;
-    (upstream, broker)
-}
 
 /// Makes `key` unknown: the upstream answers 504 (ambiguous) on a route that is not replay-safe.
 async fn unknown(upstream: &Upstream, broker: &Broker, key: &str) -> String {
@@ -32,7 +26,7 @@ async fn admin_get(broker: &Broker, path: &str) -> Answer {
 
 async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging(b: Backend) {
     // Five ambiguous answers in a row would open the default circuit; this test needs it closed.
-    let (upstream, broker) = setup(b, "[routes.circuit]\nfailures = 100\n").await;
+    let (upstream, broker) = setup(b, "", "[routes.circuit]\nfailures = 100\n").await;
     let mut ids = Vec::new();
     for i in 0..5 {
         ids.push(unknown(&upstream, &broker, &format!("u{i}")).await);
@@ -65,7 +59,7 @@ async fn the_reconciliation_queue_lists_unknown_records_with_cursor_paging(b: Ba
 }
 
 async fn resolving_executed_makes_duplicates_replay_the_operators_response(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     let id = unknown(&upstream, &broker, "settle-me").await;
     let body = json!({
         "outcome": "executed",
@@ -93,7 +87,7 @@ async fn resolving_executed_makes_duplicates_replay_the_operators_response(b: Ba
 }
 
 async fn resolving_not_executed_frees_the_key_for_a_fresh_execution(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     let id = unknown(&upstream, &broker, "free-me").await;
     let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), json!({"outcome": "not_executed"})).await;
     assert_eq!(r.status, 200);
@@ -105,7 +99,7 @@ async fn resolving_not_executed_frees_the_key_for_a_fresh_execution(b: Backend) 
 }
 
 async fn an_operator_retry_redrives_an_unknown_record(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     let id = unknown(&upstream, &broker, "again").await;
     let r =
         admin_post(&broker, &format!("/admin/requests/{id}/retry"), json!({"note": "provider confirmed no charge"}))
@@ -119,7 +113,7 @@ async fn an_operator_retry_redrives_an_unknown_record(b: Backend) {
 }
 
 async fn actions_on_records_that_are_not_unknown_are_refused_clearly(b: Backend) {
-    let (_upstream, broker) = setup(b, "").await;
+    let (_upstream, broker) = setup(b, "", "").await;
     send(broker.post("/payments", "finished", BODY)).await;
     let id = broker.record_json("finished").await["id"].as_str().unwrap().to_string();
     let executed = json!({"outcome": "executed", "response": {"status": 200, "body": "x"}});
@@ -137,7 +131,7 @@ async fn actions_on_records_that_are_not_unknown_are_refused_clearly(b: Backend)
 }
 
 async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     let id = unknown(&upstream, &broker, "careful").await;
     let resolve = format!("/admin/requests/{id}/resolve");
     for (body, name) in [
@@ -165,7 +159,7 @@ async fn malformed_operator_input_gets_a_clear_error_and_changes_nothing(b: Back
 
 async fn the_admin_api_requires_its_token_when_one_is_configured(b: Backend) {
     std::env::set_var("IDEM_TEST_ADMIN_TOKEN_A", "op-secret");
-    let (_upstream, broker) = setup(b, "[auth]\nadmin_token_env = \"IDEM_TEST_ADMIN_TOKEN_A\"\n").await;
+    let (_upstream, broker) = setup(b, "", "[auth]\nadmin_token_env = \"IDEM_TEST_ADMIN_TOKEN_A\"\n").await;
     let list = format!("{}/admin/requests", broker.admin);
     send(broker.http.get(&list)).await.assert_problem(401, "unauthorized");
     send(broker.http.get(&list).bearer_auth("wrong")).await.assert_problem(401, "unauthorized");
@@ -186,7 +180,7 @@ fn cli(broker: &Broker, args: &[&str]) -> std::process::Output {
 }
 
 async fn the_cli_lists_shows_and_settles_the_queue(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     let id = unknown(&upstream, &broker, "cli-key").await;
 
     let out = tokio::task::block_in_place(|| cli(&broker, &["list", "--state", "unknown"]));
@@ -231,7 +225,7 @@ async fn the_cli_lists_shows_and_settles_the_queue(b: Backend) {
 }
 
 async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_history(b: Backend) {
-    let (upstream, broker) = setup(b, "[routes.circuit]\nfailures = 100\n").await;
+    let (upstream, broker) = setup(b, "", "[routes.circuit]\nfailures = 100\n").await;
     let mut ids = Vec::new();
     for i in 0..4 {
         ids.push(unknown(&upstream, &broker, &format!("bulk{i}")).await);
@@ -305,7 +299,7 @@ async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_histo
 }
 
 async fn a_bulk_cancel_stops_every_matching_execution_before_its_next_attempt(b: Backend) {
-    let (upstream, broker) = setup(b, "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
+    let (upstream, broker) = setup(b, "", "[routes.retry]\nbase = \"5s\"\ncap = \"5s\"\njitter = \"none\"\n").await;
     let keys = ["halt0", "halt1", "halt2"];
     for key in keys {
         upstream.script(key, vec![Reply::status(503)]);
@@ -353,7 +347,7 @@ async fn a_bulk_cancel_stops_every_matching_execution_before_its_next_attempt(b:
 }
 
 async fn bad_bulk_requests_are_refused_naming_the_field(b: Backend) {
-    let (upstream, broker) = setup(b, "").await;
+    let (upstream, broker) = setup(b, "", "").await;
     unknown(&upstream, &broker, "stays").await;
     for (body, name, field) in [
         (json!({"action": "retry"}), "invalid-filter", "filter"),

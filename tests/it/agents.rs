@@ -4,7 +4,7 @@
 
 use crate::common::JsonOf;
 
-use crate::common::{both_stores, send, Backend, Broker, Db, TestConfig, Upstream};
+use crate::common::{both_stores, send, setup, Backend, Broker, Db, TestConfig, Upstream};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -15,13 +15,6 @@ use serde_json::{json, Value};
 
 const TOOLS: &str = r#"key_from = ["header:x-agent-run", "json:/tool", "json:/arguments"]
 fingerprint_ignore = ["/call_id", "/arguments/requested_at", "/metadata/nonce"]"#;
-
-async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
-    let upstream = Upstream::start().await;
-    let broker =
-        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
-    (upstream, broker)
-}
 
 fn tool_call(broker: &Broker, run: &str, body: Value) -> reqwest::RequestBuilder {
     broker.http.post(format!("{}/payments", broker.url)).header("x-agent-run", run).json(&body)

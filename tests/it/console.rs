@@ -29,7 +29,7 @@ impl Drop for Browser {
 }
 
 impl Browser {
-    fn start() -> Option<Browser> {
+    async fn start() -> Option<Browser> {
         if !Path::new(CHROMIUM).exists() {
             assert!(std::env::var_os("CI").is_none(), "{CHROMIUM} is missing: .ci/run must install chromium");
             eprintln!("skipped: {CHROMIUM} is not installed (apt-get install chromium)");
@@ -63,7 +63,7 @@ impl Browser {
                 break port;
             }
             assert!(Instant::now() < until, "chromium did not start");
-            std::thread::sleep(Duration::from_millis(50));
+            tokio::time::sleep(Duration::from_millis(50)).await;
         };
         Some(Browser { child, _profile: profile, port })
     }
@@ -166,7 +166,7 @@ impl Page {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_resolves_an_unknown_record_from_the_console() {
-    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let Some(browser) = Browser::start().await else { return };
     std::env::set_var("IDEM_TEST_CONSOLE_TOKEN", "console-secret");
     let upstream = Upstream::start().await;
     let broker = Broker::start(
@@ -227,7 +227,7 @@ fn chart(curve: &str, route: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() {
-    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let Some(browser) = Browser::start().await else { return };
     std::env::set_var("IDEM_TEST_HEALTH_TOKEN", "health-secret");
     let upstream = Upstream::start().await;
     let extra = format!(
@@ -287,7 +287,7 @@ async fn the_health_view_shows_the_storm_route_amplified_and_the_calm_one_not() 
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
-    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let Some(browser) = Browser::start().await else { return };
     let upstream = Upstream::start().await;
     let broker = Broker::start(&Db::new(Backend::Sqlite).await, TestConfig::new(&upstream.url())).await;
     let body = r#"{"amount":1}"#;
@@ -336,7 +336,7 @@ async fn an_operator_isolates_a_route_and_clears_it_again_from_the_console() {
 /// until the store has taken it.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_banner_shows_outcomes_waiting_for_the_store_until_it_takes_them() {
-    let Some(browser) = tokio::task::block_in_place(Browser::start) else { return };
+    let Some(browser) = Browser::start().await else { return };
     let upstream = Upstream::start().await;
     let db = Db::new(Backend::Sqlite).await;
     let broker = Broker::start(&db, TestConfig::new(&upstream.url())).await;
@@ -348,14 +348,15 @@ async fn the_banner_shows_outcomes_waiting_for_the_store_until_it_takes_them() {
     let gate = crate::common::Gate::closed();
     upstream.script("executed", vec![Reply::status(201).held_by(&gate)]);
     let client = tokio::spawn(send(broker.post("/payments", "executed", r#"{"amount":1}"#)));
-    while upstream.hits("executed") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("executed", 1).await;
     std::fs::rename(&path, &aside).unwrap();
     // Noticed lost (the metric is the process's, shared with other brokers: ask this one).
-    while broker.http.get(format!("{}/readyz", broker.admin)).send().await.unwrap().status() != 503 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let noticed = async {
+        while broker.http.get(format!("{}/readyz", broker.admin)).send().await.unwrap().status() != 503 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), noticed).await.expect("the lost file was not noticed within 10 s");
     gate.open();
     assert_eq!(client.await.unwrap().header("idem-recorded"), Some("false"));
 

@@ -5,7 +5,7 @@
 
 use crate::common::JsonOf;
 
-use crate::common::{both_stores, send, Backend, Broker, Db, Reply, TestConfig, Upstream};
+use crate::common::{both_stores, send, setup, Backend, Broker, Db, Reply, TestConfig, Upstream};
 
 use std::time::{Duration, Instant};
 
@@ -14,13 +14,6 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":42}"#;
-
-async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
-    let upstream = Upstream::start().await;
-    let broker =
-        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
-    (upstream, broker)
-}
 
 fn header(upstream: &Upstream, op: &str, name: &str) -> Option<String> {
     upstream.headers(op).and_then(|h| h.get(name).map(|v| v.to_str().unwrap().to_string()))
@@ -83,9 +76,7 @@ async fn a_forwarded_credential_is_not_sent_by_a_process_that_never_held_it(b: B
     upstream.script("handed", vec![Reply::status(503).header("retry-after", "2"), Reply::status(201)]);
     let r = send(first.post("/payments", "handed", BODY).bearer_auth("sk_a").header("prefer", "respond-async")).await;
     assert_eq!(r.status, 202);
-    while upstream.hits("handed") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("handed", 1).await;
     // A graceful stop hands the waiting record back; the credential goes with the process.
     first.stop().await;
     let second = Broker::start(&db, TestConfig::new(&upstream.url()).route(route).tables(retry)).await;
@@ -144,9 +135,7 @@ async fn a_409_says_when_the_outcome_is_likely(b: Backend) {
     // Teach the broker the route's pace: attempts take about half a second.
     send(broker.post("/payments?delay_ms=500", "pace", BODY)).await;
     let first = tokio::spawn(send(broker.post("/payments?delay_ms=500", "slow", BODY)));
-    while upstream.hits("slow") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("slow", 1).await;
     let r = send(broker.post("/payments?delay_ms=500", "slow", BODY)).await;
     r.assert_problem(409, "request-in-progress");
     assert_eq!(r.header("retry-after"), Some("1"));

@@ -2,16 +2,11 @@
 //! attempt, in the middle of a backoff wait, at random moments under load, and SIGTERM's
 //! graceful hand-back. The fake upstream runs in the test process and outlives every broker.
 
-use crate::common::process::{
-    audit, await_until, history_entries, join_clients, node_config, start_clients, LoopKey, Node, LEASE,
-};
+use crate::common::process::{await_until, history_entries, kill_loop, node_config, KillLoop, Node, LEASE};
 use crate::common::{both_stores, Backend, Db, Reply, TestConfig, Upstream};
 
-use std::io::Write;
 use std::time::{Duration, Instant};
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;
@@ -183,45 +178,18 @@ async fn a_record_whose_broker_keeps_dying_on_it_stops_after_max_takeovers_inste
 }
 
 async fn sigkill_at_random_moments_loses_no_acknowledged_request_and_executes_none_twice(b: Backend) {
-    const KEYS: usize = 300;
-    const KILLS: usize = 5;
     let mut rig = rig(b, "replay_safe = false", "").await;
-    let seed: u64 = rand::random();
-    let mut rng = StdRng::seed_from_u64(seed);
-    let started = Instant::now();
-
     // The keys start 33 ms apart, so requests are in every stage when the kills come.
-    let keys: Vec<LoopKey> = (0..KEYS)
-        .map(|i| LoopKey {
-            key: format!("loop-{i:03}"),
-            path: format!("/payments?delay_ms={}", rng.gen_range(0..120)),
-            body: json!({"order": i, "memo": "m".repeat(200)}).to_string(),
-            release: started + Duration::from_millis(33 * i as u64),
-            nodes: vec![rig.node.url.clone()],
-        })
-        .collect();
-    let clients = start_clients(keys, started + Duration::from_secs(40));
-
-    for _ in 0..KILLS {
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(1200..2400))).await;
-        rig.node.kill();
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..300))).await;
-        rig.node.restart().await;
-    }
-
-    let ended = join_clients(clients).await;
-    // Whatever a dead process left is taken over within a lease; let that settle.
-    tokio::time::sleep(2 * LEASE + Duration::from_millis(500)).await;
-    let audit = audit(&rig.node, &rig.upstream, &ended).await;
-    // Straight to stderr, past the harness's capture: the summary is wanted when the test passes.
-    let _ = writeln!(
-        std::io::stderr(),
-        "kill loop ({b:?}, seed {seed}): {KEYS} keys: {}; {KILLS} kills, {} starts, {:.1} s",
-        audit.summary(),
-        rig.node.starts,
-        started.elapsed().as_secs_f64()
-    );
-    audit.assert_clean(KEYS);
+    let plan = KillLoop {
+        name: format!("kill loop ({b:?})"),
+        prefix: "loop",
+        keys: 300,
+        kills: 5,
+        spacing: Duration::from_millis(33),
+        upstream_delay_ms: 120,
+        down_ms: 300,
+    };
+    kill_loop(plan, std::slice::from_mut(&mut rig.node), &rig.upstream).await;
 }
 
 async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(b: Backend) {

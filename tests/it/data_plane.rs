@@ -1,6 +1,6 @@
 //! The answer table of docs/concepts.md, row by row, through real HTTP: a broker on port 0 in front of a fake upstream.
 
-use crate::common::{both_stores, Backend, Db};
+use crate::common::{both_stores, setup, Backend, Db};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,13 +9,6 @@ use crate::common::{send, Answer, Broker, Reply, TestConfig, Upstream};
 use sha2::{Digest, Sha256};
 
 const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
-
-async fn setup(b: Backend, route_extra: &str, extra: &str) -> (Upstream, Broker) {
-    let upstream = Upstream::start().await;
-    let broker =
-        Broker::start(&Db::new(b).await, TestConfig::new(&upstream.url()).route(route_extra).tables(extra)).await;
-    (upstream, broker)
-}
 
 async fn a_request_without_a_key_is_refused_and_nothing_is_sent(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
@@ -169,7 +162,7 @@ async fn a_concurrent_duplicate_is_told_the_request_is_in_progress(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
     let slow = broker.post("/payments?delay_ms=800", "busy", BODY);
     let first = tokio::spawn(async move { send(slow).await });
-    wait_for_hits(&upstream, "busy", 1).await;
+    upstream.await_hits("busy", 1).await;
     let r = send(broker.post("/payments?delay_ms=800", "busy", BODY)).await;
     r.assert_problem(409, "request-in-progress");
     assert_eq!(r.header("idempotency-status"), Some("in_progress"));
@@ -183,7 +176,7 @@ async fn prefer_wait_waits_for_the_outcome_instead_of_409(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
     let slow = broker.post("/payments?delay_ms=500", "patient", BODY);
     let first = tokio::spawn(async move { send(slow).await });
-    wait_for_hits(&upstream, "patient", 1).await;
+    upstream.await_hits("patient", 1).await;
     let waited = send(broker.post("/payments?delay_ms=500", "patient", BODY).header("prefer", "wait=10")).await;
     let first = first.await.unwrap();
     assert_eq!(waited.status, 201);
@@ -194,7 +187,7 @@ async fn prefer_wait_waits_for_the_outcome_instead_of_409(b: Backend) {
     // A wait shorter than the execution ends in 409 after about that long.
     let slow = broker.post("/payments?delay_ms=3000", "impatient", BODY);
     let first = tokio::spawn(async move { send(slow).await });
-    wait_for_hits(&upstream, "impatient", 1).await;
+    upstream.await_hits("impatient", 1).await;
     let started = Instant::now();
     let r = send(broker.post("/payments?delay_ms=3000", "impatient", BODY).header("prefer", "wait=1")).await;
     r.assert_problem(409, "request-in-progress");
@@ -498,14 +491,6 @@ async fn a_cancelled_request_starts_no_further_attempt(b: Backend) {
     send(broker.http.delete(format!("{}/_idem/requests/stop-me", broker.url)))
         .await
         .assert_problem(409, "request-not-cancellable");
-}
-
-async fn wait_for_hits(upstream: &Upstream, op: &str, n: u32) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while upstream.hits(op) < n {
-        assert!(Instant::now() < until, "the upstream never saw {op}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// The forwarding headers the upstream got with `op`: the same with each of its attempts.

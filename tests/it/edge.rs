@@ -118,8 +118,8 @@ async fn a_table_full_of_busy_connections_refuses_a_new_one_at_once(b: Backend) 
         upstream.script(&key, vec![crate::common::Reply::status(201).held_by(&gate)]);
         held.push(tokio::spawn(send(broker.post("/payments", &key, BODY))));
     }
-    while (0..4).map(|n| upstream.hits(&format!("held-{n}"))).sum::<u32>() < 4 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    for n in 0..4 {
+        upstream.await_hits(&format!("held-{n}"), 1).await;
     }
 
     let mut stream = connect(&broker.url).await;

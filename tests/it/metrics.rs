@@ -44,9 +44,7 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     send(broker.post("/payments", "first", r#"{"amount":2}"#)).await.assert_problem(422, "idempotency-key-reused");
     let slow = broker.post("/payments?delay_ms=500", "slow", body);
     let slow = tokio::spawn(async move { send(slow).await });
-    while upstream.hits("slow") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("slow", 1).await;
     send(broker.post("/payments?delay_ms=500", "slow", body)).await.assert_problem(409, "request-in-progress");
     slow.await.unwrap();
 
@@ -175,9 +173,12 @@ max_attempts = 4",
     // none of its stages counts. The two executions since the first count ("after", "switched").
     let accepted = send(broker.post("/payments", "async", body).header("prefer", "respond-async")).await;
     assert_eq!(accepted.status, 202);
-    while broker.record("async").await.unwrap()["state"] != "done" {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let done = async {
+        while broker.record("async").await.unwrap()["state"] != "done" {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), done).await.expect("async was not done within 10 s");
     // Nor has a request whose client left before the answer: its execution ends and is stored,
     // but no answer is built, so none of its stages counts either. The upstream holds its answer
     // until the broker has seen the client's connection close (on a connection of its own).
@@ -185,9 +186,7 @@ max_attempts = 4",
     upstream.script("left", vec![Reply::status(201).held_by(&gate)]);
     let leaving = keyed_post(&reqwest::Client::new(), &broker.url, "/payments", "left", body);
     let leaving = tokio::spawn(async move { leaving.send().await });
-    while upstream.hits("left") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("left", 1).await;
     let open = |text: &str| sample(text, "idem_connections", &[("listener", "data")]);
     let with_it = open(&broker.metrics().await);
     leaving.abort();

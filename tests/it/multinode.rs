@@ -2,17 +2,12 @@
 //! takes any request, duplicates across nodes see one record and one execution, and one node's
 //! death loses nothing. PostgreSQL only: skipped without `IDEM_TEST_POSTGRES_URL` (never under CI).
 
-use crate::common::process::{
-    audit, await_until, history_entries, join_clients, node_config, start_clients, LoopKey, Node, LEASE,
-};
+use crate::common::process::{await_until, history_entries, kill_loop, node_config, KillLoop, Node, LEASE};
 use crate::common::{backend, Answer, Backend, Db, Reply, TestConfig, Upstream};
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 /// Three nodes on one fresh PostgreSQL database, in front of one fake upstream; `worker_extra`
@@ -180,46 +175,17 @@ async fn nodes_killed_in_turn_under_load_lose_no_acknowledged_request_and_execut
     let Some((upstream, _db, mut nodes)) = cluster("replay_safe = false", "").await else {
         return backend::skipped("nodes_killed_in_turn_under_load_lose_no_acknowledged_request_and_execute_none_twice");
     };
-    const KEYS: usize = 240;
-    const KILLS: usize = 4;
-    let seed: u64 = rand::random();
-    let mut rng = StdRng::seed_from_u64(seed);
-    let started = Instant::now();
-    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
-
-    // Each key starts on a node of its own and moves on to the next after a failed try.
-    let keys: Vec<LoopKey> = (0..KEYS)
-        .map(|i| LoopKey {
-            key: format!("spread-{i:03}"),
-            path: format!("/payments?delay_ms={}", rng.gen_range(0..150)),
-            body: json!({"order": i, "memo": "m".repeat(200)}).to_string(),
-            release: started + Duration::from_millis(35 * i as u64),
-            nodes: (0..urls.len()).map(|n| urls[(i + n) % urls.len()].clone()).collect(),
-        })
-        .collect();
-    let clients = start_clients(keys, started + Duration::from_secs(40));
-
     // One node down at a time: the others keep serving and take over what it left.
-    let mut killed = Vec::new();
-    for _ in 0..KILLS {
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(1200..2400))).await;
-        let victim = rng.gen_range(0..nodes.len());
-        nodes[victim].kill();
-        killed.push(victim);
-        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..800))).await;
-        nodes[victim].restart().await;
-    }
-
-    let ended = join_clients(clients).await;
-    tokio::time::sleep(2 * LEASE + Duration::from_millis(500)).await;
-    let audit = audit(&nodes[0], &upstream, &ended).await;
-    let _ = writeln!(
-        std::io::stderr(),
-        "three-node kill loop (seed {seed}): {KEYS} keys: {}; killed nodes {killed:?}, {:.1} s",
-        audit.summary(),
-        started.elapsed().as_secs_f64()
-    );
-    audit.assert_clean(KEYS);
+    let plan = KillLoop {
+        name: "three-node kill loop".into(),
+        prefix: "spread",
+        keys: 240,
+        kills: 4,
+        spacing: Duration::from_millis(35),
+        upstream_delay_ms: 150,
+        down_ms: 800,
+    };
+    kill_loop(plan, &mut nodes, &upstream).await;
 }
 
 /// How long a switch set (or cleared) on one node may take to be obeyed by every node (docs/operations.md).

@@ -98,9 +98,7 @@ async fn the_stats_draw_the_storm_on_one_route_and_calm_on_the_other(backend: Ba
         send(broker.post("/ledger", "ledger-0", body)).await;
     }
     let slow = tokio::spawn(send(broker.post("/ledger?delay_ms=600", "ledger-slow", body)));
-    while upstream.hits("ledger-slow") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("ledger-slow", 1).await;
     send(broker.post("/ledger?delay_ms=600", "ledger-slow", body)).await.assert_problem(409, "request-in-progress");
     assert_eq!(slow.await.unwrap().status, 201);
 

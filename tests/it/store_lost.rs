@@ -88,8 +88,8 @@ impl Rig {
 
     /// Error lines the broker has logged so far. Lines reach the file in batches, within
     /// `idem::logs::GATHER` of being logged: wait that out, with room to spare, before counting.
-    fn errors_logged(&self) -> usize {
-        std::thread::sleep(idem::logs::GATHER * 4);
+    async fn errors_logged(&self) -> usize {
+        tokio::time::sleep(idem::logs::GATHER * 4).await;
         self.node.log_tail(usize::MAX).lines().filter(|l| l.contains("ERROR")).count()
     }
 }
@@ -107,11 +107,11 @@ async fn a_deleted_database_file_is_noticed_and_no_new_file_is_ever_adopted() {
     rig.await_store_available(0.0).await;
 
     // Many requests during the outage, and the log does not say so for each of them.
-    let errors_before = rig.errors_logged();
+    let errors_before = rig.errors_logged().await;
     let started = Instant::now();
     let keys: Vec<String> = (0..20).map(|i| format!("during-{i}")).collect();
     rig.assert_refuses(&keys.iter().map(String::as_str).collect::<Vec<_>>()).await;
-    let errors = rig.errors_logged() - errors_before;
+    let errors = rig.errors_logged().await - errors_before;
     let allowed = started.elapsed().as_secs() as usize + 2;
     assert!(errors <= allowed, "{errors} error lines in {:?}:\n{}", started.elapsed(), rig.node.log_tail(40));
 
@@ -219,18 +219,14 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
     let gate = Gate::closed();
     rig.upstream.script("executed", vec![Reply::status(201).held_by(&gate)]);
     let client = tokio::spawn(send(rig.node.post("/payments", "executed", BODY)));
-    while rig.upstream.hits("executed") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    rig.upstream.await_hits("executed", 1).await;
     lose(&rig).await;
     rig.await_ready_status(503).await;
     gate.open();
 
     let answer = client.await.unwrap();
-    let log = || {
-        std::thread::sleep(idem::logs::GATHER * 4);
-        rig.node.log_tail(80)
-    };
+    // For a failure's message: what has reached the file so far.
+    let log = || rig.node.log_tail(80);
     assert_eq!((answer.status, &answer.body[..]), (201, &br#"{"status":201}"#[..]), "{answer:?}\n{}", log());
     assert_eq!(answer.header("idem-recorded"), Some("false"), "{}", log());
     assert_eq!(answer.header("idempotency-status"), Some("done"));
@@ -240,12 +236,9 @@ async fn an_executed_send_whose_outcome_cannot_be_stored_is_told_as_executed_and
     let node: serde_json::Value =
         rig.node.http.get(format!("{}/admin/node", rig.node.admin)).send().await.unwrap().json().await.unwrap();
     assert_eq!(node["unrecorded_outcomes"], 1, "{node}");
-    std::thread::sleep(idem::logs::GATHER * 4);
-    let log = rig.node.log_tail(usize::MAX);
-    assert!(
-        log.lines().any(|l| l.contains("ERROR") && l.contains("could not take the outcome") && l.contains("201")),
-        "{log}"
-    );
+    rig.node
+        .await_log_line(|l| l.contains("ERROR") && l.contains("could not take the outcome") && l.contains("201"))
+        .await;
 
     restore(&rig).await;
     rig.await_ready_status(200).await;

@@ -113,13 +113,14 @@ async fn one_ahead_and_one_queued(
     upstream.script("ahead", vec![Reply::status(201).held_by(&gate)]);
     let ahead = tokio::spawn(send(broker.post("/payments", "ahead", BODY)));
     // The one place on the route is taken once the upstream holds the first request.
-    while upstream.hits("ahead") == 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    upstream.await_hits("ahead", 1).await;
     let queued = tokio::spawn(send(broker.post("/payments", "queued", BODY)));
-    while broker.record("queued").await.status() != 200 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let recorded = async {
+        while broker.record("queued").await.status() != 200 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), recorded).await.expect("queued was not recorded within 10 s");
     (gate, ahead, queued)
 }
 

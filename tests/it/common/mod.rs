@@ -278,6 +278,15 @@ impl Upstream {
         self.seen.lock().unwrap().hits.get(op).copied().unwrap_or(0)
     }
 
+    /// Waits until the upstream has seen `op` `n` times; fails after 10 s.
+    pub async fn await_hits(&self, op: &str, n: u32) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while self.hits(op) < n {
+            assert!(Instant::now() < until, "the upstream saw {op} {} times, never {n}", self.hits(op));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Every request that reached it, as `METHOD /path?query`.
     pub fn received(&self) -> Vec<String> {
         self.seen.lock().unwrap().received.clone()
@@ -373,6 +382,17 @@ impl Db {
     }
 }
 
+/// How long one store's case of [`both_stores!`] may run: a case that hangs (a lost wake-up, a
+/// poll whose condition never comes) fails with its name instead of holding the run.
+pub const CASE_LIMIT: Duration = Duration::from_secs(180);
+
+#[allow(dead_code)]
+pub async fn within_case_limit(case: impl std::future::Future<Output = ()>) {
+    if tokio::time::timeout(CASE_LIMIT, case).await.is_err() {
+        panic!("the case did not finish within {CASE_LIMIT:?}");
+    }
+}
+
 /// Runs each listed `async fn case(backend: Backend)` twice, as `sqlite::case` and
 /// `postgres::case`: the same black-box test against each store. The PostgreSQL variant is
 /// skipped (loudly, and never under CI) when no server is configured.
@@ -383,7 +403,7 @@ macro_rules! both_stores {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $case() {
-                    super::$case(crate::common::Backend::Sqlite).await
+                    crate::common::within_case_limit(super::$case(crate::common::Backend::Sqlite)).await
                 }
             )*
         }
@@ -395,7 +415,7 @@ macro_rules! both_stores {
                         crate::common::backend::skipped(concat!("postgres::", stringify!($case)));
                         return;
                     }
-                    super::$case(crate::common::Backend::Postgres).await
+                    crate::common::within_case_limit(super::$case(crate::common::Backend::Postgres)).await
                 }
             )*
         }
@@ -403,6 +423,16 @@ macro_rules! both_stores {
 }
 #[allow(unused_imports)]
 pub(crate) use both_stores;
+
+/// A fresh upstream, and a broker in front of it on a fresh database of `backend`: `route` adds
+/// lines to the `payments` route, `tables` whole tables after it.
+#[allow(dead_code)]
+pub async fn setup(backend: Backend, route: &str, tables: &str) -> (Upstream, Broker) {
+    let upstream = Upstream::start().await;
+    let config = TestConfig::new(&upstream.url()).route(route).tables(tables);
+    let broker = Broker::start(&Db::new(backend).await, config).await;
+    (upstream, broker)
+}
 
 /// A broker on port 0 with one route, `payments` at `/payments`, in front of `upstream`.
 pub struct Broker {

@@ -195,6 +195,16 @@ impl Node {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// Waits until a line of the log satisfies `pred`; fails after 10 s with the log's tail.
+    #[allow(dead_code)]
+    pub async fn await_log_line(&self, pred: impl Fn(&str) -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !self.log_tail(usize::MAX).lines().any(&pred) {
+            assert!(Instant::now() < until, "no such line in the log:\n{}", self.log_tail(80));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn post(&self, path: &str, key: &str, body: &str) -> reqwest::RequestBuilder {
         super::keyed_post(&self.http, &self.url, path, key, body)
     }
@@ -264,6 +274,65 @@ pub fn history_entries<'a>(record: &'a Value, prefix: &str) -> Vec<&'a Value> {
 }
 
 // ---- kill loops: clients that retry until settled, and the audit afterwards -------------------
+
+/// A kill loop's plan: `keys` keys (named `{prefix}-NNN`) released `spacing` apart, each taking
+/// the fake upstream up to `upstream_delay_ms`; `kills` SIGKILLs 1.2–2.4 s apart, each of a node
+/// picked at random, restarted after up to `down_ms`.
+pub struct KillLoop {
+    pub name: String,
+    pub prefix: &'static str,
+    pub keys: usize,
+    pub kills: usize,
+    pub spacing: Duration,
+    pub upstream_delay_ms: u64,
+    pub down_ms: u64,
+}
+
+/// Runs `plan` against `nodes`: every key's client starts on a node of its own (key i on node
+/// i mod n) and moves on to the next after a failed try, until its answer settles it. Once the
+/// leases of what the dead left have passed, every key is audited through the first node; the
+/// summary is printed with the seed, and the audit must be clean.
+pub async fn kill_loop(plan: KillLoop, nodes: &mut [Node], upstream: &Upstream) {
+    let seed: u64 = rand::random();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+    let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
+    let keys: Vec<LoopKey> = (0..plan.keys)
+        .map(|i| LoopKey {
+            key: format!("{}-{i:03}", plan.prefix),
+            path: format!("/payments?delay_ms={}", rng.gen_range(0..plan.upstream_delay_ms)),
+            body: serde_json::json!({"order": i, "memo": "m".repeat(200)}).to_string(),
+            release: started + plan.spacing * i as u32,
+            nodes: (0..urls.len()).map(|n| urls[(i + n) % urls.len()].clone()).collect(),
+        })
+        .collect();
+    let clients = start_clients(keys, started + Duration::from_secs(40));
+
+    let mut killed = Vec::new();
+    for _ in 0..plan.kills {
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(1200..2400))).await;
+        let victim = rng.gen_range(0..nodes.len());
+        nodes[victim].kill();
+        killed.push(victim);
+        tokio::time::sleep(Duration::from_millis(rng.gen_range(0..plan.down_ms))).await;
+        nodes[victim].restart().await;
+    }
+
+    let ended = join_clients(clients).await;
+    // Whatever a dead process left is taken over within a lease; let that settle.
+    tokio::time::sleep(2 * LEASE + Duration::from_millis(500)).await;
+    let audit = audit(&nodes[0], upstream, &ended).await;
+    // Straight to stderr, past the harness's capture: the summary is wanted when the test passes.
+    let _ = writeln!(
+        std::io::stderr(),
+        "{} (seed {seed}): {} keys: {}; killed nodes {killed:?}, {:.1} s",
+        plan.name,
+        plan.keys,
+        audit.summary(),
+        started.elapsed().as_secs_f64()
+    );
+    audit.assert_clean(plan.keys);
+}
 
 /// One key of a kill loop: its request, when its client starts, and the nodes it may use.
 pub struct LoopKey {
