@@ -27,6 +27,33 @@ pub struct Admit {
     pub retention_cutoff: Timestamp,
 }
 
+/// What an admission writes over the key's record, where it may write over it: a `done` record
+/// past its retention gives way to a fresh one (queued: the admission that replaces it does not
+/// claim it), and a free record of the same request takes the table's `Requeue`, with the
+/// history entry that says so.
+#[derive(Debug, Clone)]
+pub(crate) struct Overwrite {
+    pub replaced: Phase,
+    pub requeued: Phase,
+    pub entry: HistoryEntry,
+}
+
+impl Overwrite {
+    /// For an admission at `now`.
+    pub(crate) fn at(now: Timestamp) -> Result<Overwrite, Refused> {
+        Ok(Overwrite {
+            replaced: admitted(false),
+            requeued: transition(Phase::Free, Event::Requeue)?,
+            entry: HistoryEntry {
+                at: now,
+                actor: "client".into(),
+                action: HistoryAction::Requeued,
+                note: Some("the same request was sent again for a free key".into()),
+            },
+        })
+    }
+}
+
 /// Takes a queued record under `owner`'s lease, with a new claim token. The lease runs `lease`
 /// from the write, in the store's clock (see [`LeaseClock`](super::LeaseClock)).
 #[derive(Debug, Clone)]
@@ -322,6 +349,15 @@ pub(crate) fn retried() -> Result<Phase, Refused> {
 mod tests {
     use super::*;
     use crate::domain::Phase::*;
+
+    #[test]
+    fn an_admission_writes_over_a_key_as_the_table_says() {
+        let at = Timestamp::from_millis(1_000);
+        let overwrite = Overwrite::at(at).unwrap();
+        assert_eq!(overwrite.replaced, admitted(false), "an expired record gives way to a fresh one");
+        assert_eq!(Ok(overwrite.requeued), transition(Free, Event::Requeue));
+        assert_eq!((overwrite.entry.at, overwrite.entry.action), (at, HistoryAction::Requeued));
+    }
 
     fn phase(stored: &Stored<'_>) -> Phase {
         Phase::of(stored.state, stored.queued)

@@ -32,7 +32,7 @@ pub(crate) use timestamp::span_ms;
 
 use self::stats::{Side, StatsRows, StatsSpan};
 
-pub(crate) use command::{retried, Fresh, Stored};
+pub(crate) use command::{retried, Fresh, Overwrite, Stored};
 pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
     ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,

@@ -12,9 +12,8 @@ use uuid::Uuid;
 
 use super::lanes::{Lanes, Reply};
 use super::rows::{record_id, COLUMNS};
-use crate::domain::HistoryAction;
-use crate::record::HistoryEntry;
-use crate::store::{decode, span_ms, Admission, Admit, Fresh, LeaseClock, NewRecord, StoreError};
+use crate::domain::Phase;
+use crate::store::{decode, span_ms, Admission, Admit, Fresh, LeaseClock, NewRecord, Overwrite, StoreError};
 
 /// The most admissions in one statement.
 const MAX_BATCH: usize = 128;
@@ -129,7 +128,7 @@ RETURNING id::text";
 const ADMIT_TRIES: usize = 8;
 
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
-/// same fingerprint. `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
+/// same fingerprint, as [`Overwrite`] says (`$13`, `$26`–`$29`). `ON CONFLICT` locks the existing row before it evaluates the `WHERE`, so of
 /// any number of concurrent admits one inserts or updates and the others see its result.
 static ADMIT: LazyLock<String> = LazyLock::new(|| {
     format!(
@@ -156,7 +155,9 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
             route = excluded.route, method = excluded.method, path = excluded.path,
             query = excluded.query, fingerprint = excluded.fingerprint,
             request_headers = excluded.request_headers, request_body = excluded.request_body,
-            state = 'not_started', queued = TRUE, deadline_at = excluded.deadline_at,
+            state = CASE WHEN records.state = 'done' THEN $26 ELSE $28 END,
+            queued = CASE WHEN records.state = 'done' THEN $27 ELSE $29 END,
+            deadline_at = excluded.deadline_at,
             lease_owner = NULL, lease_expires_at = NULL, in_flight_number = NULL,
             in_flight_started_at = NULL, stop_reason = NULL, response_status = NULL,
             response_headers = NULL, response_body = NULL, done_at = NULL,
@@ -187,12 +188,8 @@ static EXISTING: LazyLock<String> = LazyLock::new(|| {
 pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Result<Admission, StoreError> {
     let Admit { new, retention_cutoff: cutoff } = admit;
     let fresh = new.fresh();
-    let requeued = serde_json::to_string(&[HistoryEntry {
-        at: new.now,
-        actor: "client".into(),
-        action: HistoryAction::Requeued,
-        note: Some("the same request was sent again for a free key".into()),
-    }])?;
+    let Overwrite { replaced, requeued, entry } = Overwrite::at(new.now)?;
+    let entry = serde_json::to_string(&[entry])?;
     let request_headers = serde_json::to_string(&new.request.headers)?;
     for _ in 0..ADMIT_TRIES {
         let row = sqlx::query(&ADMIT)
@@ -208,7 +205,7 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(&new.request.body[..])
             .bind(new.deadline_at)
             .bind(new.now)
-            .bind(&requeued)
+            .bind(&entry)
             .bind(cutoff)
             .bind(new.claim.as_ref().map(|c| &*c.owner))
             .bind(new.claim.as_ref().map(|c| span_ms(c.lease)))
@@ -221,6 +218,10 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(fresh.claim.0)
             .bind(new.claim.as_ref().map(|c| span_ms(c.reach)))
             .bind(new.claim.as_ref().and_then(|c| clock.bind_now(c.marked_at)))
+            .bind(replaced.state().as_str())
+            .bind(replaced == Phase::Queued)
+            .bind(requeued.state().as_str())
+            .bind(requeued == Phase::Queued)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

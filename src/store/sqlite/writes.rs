@@ -2,17 +2,14 @@
 //! (by the writer thread, or by a caller committing in place) inside the transaction of its
 //! batch. One writing connection makes each statement and the reads after it atomic.
 
-use std::sync::LazyLock;
-
 use rusqlite::{params, Connection, OptionalExtension};
 
-use crate::domain::HistoryAction;
 use crate::domain::StopReason;
 use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
 use crate::record::{transition, Event, Record};
 use crate::store::{
     span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease,
-    Renew, StoreError, Stored, Sweep, TakeOver,
+    Overwrite, Renew, StoreError, Stored, Sweep, TakeOver,
 };
 
 /// The one row `sql` returns, decoded, if any.
@@ -43,18 +40,16 @@ VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?18, ?19, ?11, ?12, ?12, ?13, ?
 const INSERT_NEW: &str = concat!(insert_record!(), " ON CONFLICT DO NOTHING");
 
 /// Insert, or take over a key whose record is expired (`done` past retention) or free with the
-/// same fingerprint. One writer makes the statement and the read after it atomic.
-static ADMIT: LazyLock<String> = LazyLock::new(|| {
-    concat!(
-        insert_record!(),
-        "
+/// same fingerprint, as [`Overwrite`] says (`?24`–`?28`). One writer makes the statement
+/// and the read after it atomic.
+const ADMIT: &str = concat!(
+    insert_record!(),
+    "
 ON CONFLICT (tenant, key) DO UPDATE SET
     id = CASE WHEN records.state = 'done' THEN excluded.id ELSE records.id END,
     attempts = CASE WHEN records.state = 'done' THEN '[]' ELSE records.attempts END,
     history = CASE WHEN records.state = 'done' THEN '[]'
-                   ELSE json_insert(records.history, '$[#]', json_object('at', excluded.updated_at,
-                        'actor', 'client', 'action', '{requeued}',
-                        'note', 'the same request was sent again for a free key')) END,
+                   ELSE json_insert(records.history, '$[#]', json(?28)) END,
     created_at = CASE WHEN records.state = 'done' THEN excluded.created_at ELSE records.created_at END,
     takeovers = CASE WHEN records.state = 'done' THEN 0 ELSE records.takeovers END,
     policy_version = CASE WHEN records.state = 'done' THEN excluded.policy_version
@@ -63,7 +58,9 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     stream = NULL,
     route = excluded.route, method = excluded.method, path = excluded.path, query = excluded.query,
     fingerprint = excluded.fingerprint, request_headers = excluded.request_headers,
-    request_body = excluded.request_body, state = 'not_started', queued = 1,
+    request_body = excluded.request_body,
+    state = CASE WHEN records.state = 'done' THEN ?24 ELSE ?26 END,
+    queued = CASE WHEN records.state = 'done' THEN ?25 ELSE ?27 END,
     deadline_at = excluded.deadline_at, lease_owner = NULL, lease_expires_at = NULL,
     in_flight_number = NULL, in_flight_started_at = NULL, stop_reason = NULL,
     response_status = NULL, response_headers = NULL, response_body = NULL, done_at = NULL,
@@ -73,9 +70,7 @@ WHERE (records.state = 'done' AND records.done_at < ?15
        AND NOT (?16 IS NOT NULL AND records.done_at >= ?16 AND records.fingerprint = excluded.fingerprint))
    OR (records.state = 'not_started' AND records.queued = 0 AND records.fingerprint = excluded.fingerprint)
 RETURNING id, state"
-    )
-    .replace("{requeued}", &HistoryAction::Requeued.to_string())
-});
+);
 
 /// `Created` (a fresh insert, or an expired record taken over with the new id), `Requeued` (a
 /// free record for the key was queued again), or `Existing` (nothing changed: the key's record
@@ -114,8 +109,18 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     if conn.prepare_cached(INSERT_NEW)?.execute(params)? == 1 {
         return Ok(Admission::Created(new.inserted()));
     }
+    let Overwrite { replaced, requeued, entry } = Overwrite::at(new.now)?;
+    let entry = serde_json::to_string(&entry)?;
+    let overwrite = params![
+        replaced.state().as_str(),
+        replaced == Phase::Queued,
+        requeued.state().as_str(),
+        requeued == Phase::Queued,
+        entry
+    ];
+    let all: Vec<&dyn rusqlite::ToSql> = params.iter().chain(overwrite.iter()).copied().collect();
     let written: Option<(String, String)> =
-        conn.prepare_cached(&ADMIT)?.query_row(params, |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
+        conn.prepare_cached(ADMIT)?.query_row(&all[..], |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
     let record =
         record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![&*new.tenant, &*new.key])?
             .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
