@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, Turns};
 use crate::config::{Live, Route};
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
@@ -30,14 +30,19 @@ const WINDOW: Duration = Duration::from_secs(3600);
 /// Who a canary's own stop is recorded as, in the switch's audit trail.
 pub const ACTOR: &str = "idem canary";
 
-/// Watches the canaries of the configuration in force for as long as the node runs.
-pub async fn watch(store: Arc<dyn Store>, live: Arc<Live>, switches: Arc<Switches>, clock: SharedClock) {
+/// Watches the canaries of the configuration in force until `turns` end.
+pub async fn watch(
+    store: Arc<dyn Store>,
+    live: Arc<Live>,
+    switches: Arc<Switches>,
+    clock: SharedClock,
+    mut turns: Turns,
+) {
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The canaries watched at the last look: one a reload removed or replaced is shown as ended.
     let mut watched: Vec<(RouteName, PolicyVersion)> = Vec::new();
-    loop {
-        tick.tick().await;
+    while turns.next(tick.tick()).await.is_some() {
         let config = live.current();
         let now_watched: Vec<(RouteName, PolicyVersion)> = config
             .routes

@@ -94,3 +94,33 @@ mod tests {
         assert!(read >= before && read <= Timestamp::now());
     }
 }
+
+/// A background loop's turns, ended by shutdown: the loop waits for its next turn (its tick, its
+/// sleep, its next message) through [`Turns::next`], and stops there once shutdown has begun,
+/// never in the middle of a turn (a sweep half written, a flush half done).
+#[derive(Clone)]
+pub struct Turns(tokio::sync::watch::Receiver<bool>);
+
+impl Turns {
+    /// Turns that end when `stopping` says `true`.
+    pub fn until(stopping: tokio::sync::watch::Receiver<bool>) -> Turns {
+        Turns(stopping)
+    }
+
+    /// Whether shutdown has begun: a loop that takes several steps per turn stops between them.
+    pub fn over(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Waits for `next`, unless shutdown begins first: `None` then, and the loop ends.
+    pub async fn next<F: std::future::Future>(&mut self, next: F) -> Option<F::Output> {
+        if *self.0.borrow() {
+            return None;
+        }
+        tokio::select! {
+            biased;
+            _ = self.0.wait_for(|stopping| *stopping) => None,
+            out = next => Some(out),
+        }
+    }
+}

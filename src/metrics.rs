@@ -36,13 +36,6 @@ pub fn handle() -> &'static PrometheusHandle {
             .expect("the bucket lists are not empty")
             .build_recorder();
         let handle = recorder.handle();
-        // Histogram samples pile up in the recorder until drained, which a scrape does; with
-        // nobody scraping they would grow without bound. Drain them every few seconds anyway.
-        let upkeep = handle.clone();
-        let _ = std::thread::Builder::new().name("idem-metrics-upkeep".into()).spawn(move || loop {
-            std::thread::sleep(UPKEEP_EVERY);
-            upkeep.run_upkeep();
-        });
         // Another recorder may already be installed (an embedding application's): then ours
         // still renders, it just sees nothing recorded through the global macros.
         if metrics::set_global_recorder(recorder).is_ok() {
@@ -51,6 +44,17 @@ pub fn handle() -> &'static PrometheusHandle {
         }
         handle
     })
+}
+
+/// Histogram samples pile up in the recorder until drained, which a scrape does; with nobody
+/// scraping they would grow without bound. This drains them every few seconds anyway, until
+/// `turns` end.
+pub async fn upkeep(mut turns: crate::clock::Turns) {
+    let mut tick = tokio::time::interval(UPKEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while turns.next(tick.tick()).await.is_some() {
+        handle().run_upkeep();
+    }
 }
 
 /// The version this binary is, and the commit it was built from (`unknown` when it was not

@@ -121,18 +121,20 @@ impl Reloader {
         Ok(Applied { changes, config: new, loaded_at })
     }
 
-    /// Reloads on every `SIGHUP` until the task is aborted, logging each outcome.
+    /// Reloads on every `SIGHUP` until `turns` end, logging each outcome.
     #[cfg(unix)]
-    pub async fn on_hangup(self: Arc<Self>) {
+    pub async fn on_hangup(self: Arc<Self>, mut turns: crate::clock::Turns) {
         use tokio::signal::unix::{signal, SignalKind};
         let mut hangups = match signal(SignalKind::hangup()) {
             Ok(hangups) => hangups,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot listen for SIGHUP: reload with POST /admin/config/reload");
+                // Nothing to do but wait for the shutdown, as the loop would have.
+                turns.next(std::future::pending::<()>()).await;
                 return;
             }
         };
-        while hangups.recv().await.is_some() {
+        while let Some(Some(())) = turns.next(hangups.recv()).await {
             // The outcome is logged (and counted) by `reload`.
             let _ = self.reload("SIGHUP").await;
         }

@@ -11,7 +11,7 @@ use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
 use crate::canary;
-use crate::clock::{self, SharedClock};
+use crate::clock::{self, SharedClock, Turns};
 use crate::config::{Config, Live};
 use crate::edge::body::BodyBudget;
 use crate::edge::tls::Certificates;
@@ -62,25 +62,44 @@ pub struct Running {
     upkeep: Upkeep,
 }
 
-/// The background loops every node runs, each under its name: one that ends before shutdown
-/// (none should) is logged by name, and shutdown stops them all.
-#[derive(Default)]
+/// The background loops every node runs, each under its name, each taking its turns from
+/// `stopping`: one that ends before shutdown (none should) is logged by name, and shutdown ends
+/// them all between two turns and waits for them.
 struct Upkeep {
+    stopping: watch::Sender<bool>,
     loops: Vec<(&'static str, JoinHandle<()>)>,
 }
 
 impl Upkeep {
-    fn start(&mut self, name: &'static str, work: impl std::future::Future<Output = ()> + Send + 'static) {
+    fn new() -> Upkeep {
+        Upkeep { stopping: watch::channel(false).0, loops: Vec::new() }
+    }
+
+    /// Runs the loop `work` makes of its turns.
+    fn start<F>(&mut self, name: &'static str, work: impl FnOnce(Turns) -> F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let turns = Turns::until(self.stopping.subscribe());
+        let work = work(turns.clone());
         let task = tokio::spawn(async move {
             work.await;
-            tracing::error!(task = name, "a background task ended before shutdown");
+            if !turns.over() {
+                tracing::error!(task = name, "a background task ended before shutdown");
+            }
         });
         self.loops.push((name, task));
     }
 
-    fn stop(&self) {
-        for (_, task) in &self.loops {
-            task.abort();
+    /// Ends every loop after its turn in progress, waiting for it until `deadline`: one that
+    /// is still busy then is cut where it waits.
+    async fn stop(self, deadline: tokio::time::Instant) {
+        let _ = self.stopping.send(true);
+        for (name, mut task) in self.loops {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::warn!(task = name, "a background task did not end its turn in time");
+                task.abort();
+            }
         }
     }
 }
@@ -186,20 +205,25 @@ async fn start_on(
         tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),
     ];
-    let mut upkeep = Upkeep::default();
-    upkeep.start("retention sweep", reconcile::retention_sweep(store.clone(), live.clone(), clock.clone()));
-    upkeep.start("take-over sweep", reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone()));
-    upkeep.start("probes", reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone()));
-    upkeep.start("store health", store::watch_store(store.clone(), health));
-    upkeep.start("answer counts", tally::flush_every_second(runtimes.clone(), store.clone(), clock.clone()));
-    upkeep.start("canary watch", canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone()));
-    upkeep.start("switch refresh", switchboard::keep_fresh(switches, store.clone()));
+    let mut upkeep = Upkeep::new();
+    upkeep.start("retention sweep", |t| reconcile::retention_sweep(store.clone(), live.clone(), clock.clone(), t));
+    upkeep.start("take-over sweep", |t| {
+        reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone(), t)
+    });
+    upkeep.start("probes", |t| {
+        reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t)
+    });
+    upkeep.start("store health", |t| store::watch_store(store.clone(), health, t));
+    upkeep.start("answer counts", |t| tally::flush_every_second(runtimes.clone(), store.clone(), clock.clone(), t));
+    upkeep.start("canary watch", |t| canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t));
+    upkeep.start("switch refresh", |t| switchboard::keep_fresh(switches, store.clone(), t));
+    upkeep.start("metrics upkeep", crate::metrics::upkeep);
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
         let worker = worker.clone();
-        upkeep.start("store notices", async move {
-            loop {
-                match notices.recv().await {
+        upkeep.start("store notices", |mut turns| async move {
+            while let Some(notice) = turns.next(notices.recv()).await {
+                match notice {
                     Ok(store::Notice::Settled(id)) => worker.settled(id),
                     Ok(store::Notice::Queued(id)) => worker.offer(id),
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
@@ -256,10 +280,10 @@ impl Running {
     /// their answers go out, and stops background upkeep.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
-        self.upkeep.stop();
         // One bound for the whole shutdown, not one per step.
         let drain = self.live.current().server.drain;
         let deadline = tokio::time::Instant::now() + drain;
+        self.upkeep.stop(deadline).await;
         self.worker.shutdown(drain).await;
         for server in self.servers {
             if tokio::time::timeout_at(deadline, server).await.is_err() {
@@ -269,18 +293,20 @@ impl Running {
         if let Err(e) = tally::flush(&self.runtimes, &*self.store, self.clock.now()).await {
             tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
+        self.store.close().await;
     }
 }
 
 /// Runs a broker on `config`, read from `file`, until `shutdown` resolves; each `SIGHUP` reads
 /// the file again and applies it (or keeps the running configuration and logs why).
 pub async fn serve(config: Config, file: PathBuf, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
-    let running = start_reloadable(config, file).await?;
+    let mut running = start_reloadable(config, file).await?;
     #[cfg(unix)]
-    let hangups = tokio::spawn(running.reloader.clone().on_hangup());
+    {
+        let reloader = running.reloader.clone();
+        running.upkeep.start("reload on SIGHUP", |turns| reloader.on_hangup(turns));
+    }
     shutdown.await;
-    #[cfg(unix)]
-    hangups.abort();
     tracing::info!("shutting down");
     running.shutdown().await;
     Ok(())
@@ -305,5 +331,51 @@ pub async fn termination() {
     tokio::select! {
         _ = ctrl_c => {}
         _ = term => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Duration;
+
+    use tokio::sync::Notify;
+
+    use super::*;
+
+    /// A loop whose turns each take `work` after a 1 s wait, counting the turns it finished;
+    /// `started` is told when a turn begins.
+    fn counting(upkeep: &mut Upkeep, work: Duration) -> (Arc<AtomicU32>, Arc<Notify>) {
+        let (finished, started) = (Arc::new(AtomicU32::new(0)), Arc::new(Notify::new()));
+        let (done, begun) = (finished.clone(), started.clone());
+        upkeep.start("counting", |mut turns| async move {
+            while turns.next(tokio::time::sleep(Duration::from_secs(1))).await.is_some() {
+                begun.notify_one();
+                tokio::time::sleep(work).await;
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        (finished, started)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_lets_each_loop_finish_its_turn_and_start_no_other() {
+        let mut upkeep = Upkeep::new();
+        let (finished, started) = counting(&mut upkeep, Duration::from_secs(5));
+        started.notified().await;
+        let asked = tokio::time::Instant::now();
+        upkeep.stop(asked + Duration::from_secs(60)).await;
+        assert_eq!(finished.load(Ordering::SeqCst), 1, "the turn in progress was cut, or another began");
+        assert_eq!(asked.elapsed(), Duration::from_secs(5), "the stop did not wait for the turn alone");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_longer_than_the_shutdown_allows_is_cut_at_its_bound() {
+        let mut upkeep = Upkeep::new();
+        let (finished, started) = counting(&mut upkeep, Duration::from_secs(600));
+        started.notified().await;
+        let asked = tokio::time::Instant::now();
+        upkeep.stop(asked + Duration::from_secs(10)).await;
+        assert_eq!((finished.load(Ordering::SeqCst), asked.elapsed()), (0, Duration::from_secs(10)));
     }
 }

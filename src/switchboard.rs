@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use crate::clock::{self, SharedClock};
+use crate::clock::{self, SharedClock, Turns};
 use crate::config::{Policy, Route};
 use crate::domain::Timestamp;
 use crate::policy::Switched;
@@ -172,12 +172,11 @@ impl Switches {
     }
 }
 
-/// Reads the switches every [`REFRESH_EVERY`], for as long as the node runs.
-pub async fn keep_fresh(switches: Arc<Switches>, store: Arc<dyn Store>) {
+/// Reads the switches every [`REFRESH_EVERY`] until `turns` end.
+pub async fn keep_fresh(switches: Arc<Switches>, store: Arc<dyn Store>, mut turns: Turns) {
     let mut tick = tokio::time::interval(REFRESH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
+    while turns.next(tick.tick()).await.is_some() {
         // Failures are logged once by `refresh`, and the view it had stays.
         let _ = switches.refresh(&*store).await;
     }

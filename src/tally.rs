@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, Turns};
 use crate::domain::Timestamp;
 use crate::runtime::Runtimes;
 use crate::store::{AddAnswerCounts, Store, StoreError};
@@ -31,12 +31,11 @@ pub async fn flush(runtimes: &Runtimes, store: &dyn Store, now: Timestamp) -> Re
         .inspect_err(|_| runtimes.restore_answer_counts(&counts))
 }
 
-/// Flushes every [`FLUSH_EVERY`] until aborted.
-pub async fn flush_every_second(runtimes: Arc<Runtimes>, store: Arc<dyn Store>, clock: SharedClock) {
+/// Flushes every [`FLUSH_EVERY`] until `turns` end (shutdown flushes a last time).
+pub async fn flush_every_second(runtimes: Arc<Runtimes>, store: Arc<dyn Store>, clock: SharedClock, mut turns: Turns) {
     let mut ticks = tokio::time::interval(FLUSH_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticks.tick().await;
+    while turns.next(ticks.tick()).await.is_some() {
         if let Err(e) = flush(&runtimes, &*store, clock.now()).await {
             tracing::warn!(error = %e, "cannot store the replay and 409 counts; keeping them for the next try");
         }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Live};
 use crate::domain::Timestamp;
 use crate::store::{RouteSweep, Store, Sweep, SweepPlan};
@@ -47,14 +47,14 @@ pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
     SweepPlan { now, routes, others_cutoff: now - config.store.retention }
 }
 
-/// Sweeps by the configuration in force at each pass, and paces itself by it.
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) {
+/// Sweeps by the configuration in force at each pass, and paces itself by it, until `turns` end.
+pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock, mut turns: Turns) {
     loop {
         let config = config.current();
         let plan = sweep_plan(&config, clock.now());
         loop {
             match store.sweep_done(Sweep { plan: plan.clone(), limit: SWEEP_BATCH }).await {
-                Ok(n) if n >= SWEEP_BATCH as u64 => continue,
+                Ok(n) if n >= SWEEP_BATCH as u64 && !turns.over() => continue,
                 Ok(n) => {
                     if n > 0 {
                         tracing::info!(changed = n, "retention sweep");
@@ -68,7 +68,9 @@ pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: Sh
             }
         }
         let shortest = config.routes.iter().map(|r| r.retention).chain([config.store.retention]).min();
-        tokio::time::sleep(sweep_interval(shortest.unwrap_or(config.store.retention))).await;
+        if turns.next(tokio::time::sleep(sweep_interval(shortest.unwrap_or(config.store.retention)))).await.is_none() {
+            return;
+        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::BATCH;
-use crate::clock::{Clock, SharedClock};
+use crate::clock::{Clock, SharedClock, Turns};
 use crate::config::{Live, Probe, Route};
 use crate::domain::{HistoryAction, Phase};
 use crate::record::{HistoryEntry, Record};
@@ -20,12 +20,18 @@ pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
 }
 
 /// Probes the upstream about `unknown` records of routes that declare how, as the configuration
-/// in force at each pass declares it.
-pub async fn probes(store: Arc<dyn Store>, upstream: Upstream, config: Arc<Live>, worker: Worker, clock: SharedClock) {
+/// in force at each pass declares it, until `turns` end.
+pub async fn probes(
+    store: Arc<dyn Store>,
+    upstream: Upstream,
+    config: Arc<Live>,
+    worker: Worker,
+    clock: SharedClock,
+    mut turns: Turns,
+) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
+    while turns.next(tick.tick()).await.is_some() {
         let config = config.current();
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
             if let Err(e) = probe_once(&*store, &upstream, route, &worker, &*clock).await {

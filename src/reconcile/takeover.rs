@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::BATCH;
-use crate::clock::SharedClock;
+use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Live, Route};
 use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Phase, StopReason, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
@@ -43,16 +43,22 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp
     TakeOverTo::after(event).unwrap_or(TakeOverTo::Unknown(StopReason::UnsafeReplay))
 }
 
-/// Takes over what dead workers left, and claims orphaned queued records, every `every`.
-pub async fn take_overs(store: Arc<dyn Store>, worker: Worker, config: Arc<Live>, clock: SharedClock) {
+/// Takes over what dead workers left, and claims orphaned queued records, every `every`, until
+/// `turns` end.
+pub async fn take_overs(
+    store: Arc<dyn Store>,
+    worker: Worker,
+    config: Arc<Live>,
+    clock: SharedClock,
+    mut turns: Turns,
+) {
     // The lease cannot change without a restart: the pace is set once.
     let lease = config.current().worker.lease;
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut sweeper = Sweeper::new(store, worker);
-    loop {
-        tick.tick().await;
+    while turns.next(tick.tick()).await.is_some() {
         if let Err(e) = sweeper.pass(&config.current(), clock.now()).await {
             e.log("take-over sweep failed; will try again");
         }

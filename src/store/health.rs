@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{Store, StoreError};
+use crate::clock::Turns;
 
 /// The least time between two log lines about an unavailable store, process-wide.
 const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(1);
@@ -78,12 +79,12 @@ pub async fn store_health(store: &dyn Store) -> Result<(), StoreError> {
 
 /// Checks the store every [`HEALTH_EVERY`] and records the verdict in `health`: a lost store is
 /// noticed within about a second even when no request comes (and a SQLite store that may resume
-/// finds out here), the log says so at most once a second, and `idem_store_available` follows.
-pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>) {
+/// finds out here), the log says so at most once a second, and `idem_store_available` follows;
+/// until `turns` end.
+pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>, mut turns: Turns) {
     let mut tick = tokio::time::interval(HEALTH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
+    while turns.next(tick.tick()).await.is_some() {
         let answer = store_health(&*store).await;
         let changed = health.record(&answer);
         match &answer {

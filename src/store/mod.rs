@@ -444,6 +444,10 @@ pub trait Store: Send + Sync + 'static {
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
         None
     }
+
+    /// Stops what the store runs in the background beside its writes (PostgreSQL's relay of
+    /// notices) and waits for it: a node's last step in a shutdown.
+    async fn close(&self) {}
 }
 
 /// A change to a record, announced to every process that shares the store.

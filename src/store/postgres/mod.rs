@@ -71,8 +71,8 @@ pub struct PostgresStore {
     admissions: Admissions,
     outcomes: Outcomes,
     notices: broadcast::Sender<Notice>,
-    /// Dropped with the store, which stops the task relaying notifications.
-    _relay: oneshot::Sender<()>,
+    /// The task relaying notifications and what stops it: [`Store::close`], or the store's drop.
+    relay: std::sync::Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
     url: String,
     /// The health checks' own connection: a pool busy with requests must not pass for a
     /// database that is down, nor a pool's idle connection for one that is up.
@@ -91,7 +91,7 @@ impl PostgresStore {
         let listener = notices::listen(url).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
-        tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
+        let relaying = tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
         let (admissions, outcomes) = (Admissions::start(pool.clone(), clock), Outcomes::start(pool.clone()));
         let health_check = tokio::sync::Mutex::new(None);
         Ok(PostgresStore {
@@ -100,7 +100,7 @@ impl PostgresStore {
             admissions,
             outcomes,
             notices,
-            _relay: relay,
+            relay: std::sync::Mutex::new(Some((relay, relaying))),
             url: url.to_string(),
             health_check,
         })
@@ -337,5 +337,13 @@ impl Store for PostgresStore {
 
     fn notices(&self) -> Option<broadcast::Receiver<Notice>> {
         Some(self.notices.subscribe())
+    }
+
+    async fn close(&self) {
+        let relay = self.relay.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((stop, relaying)) = relay {
+            let _ = stop.send(());
+            let _ = relaying.await;
+        }
     }
 }

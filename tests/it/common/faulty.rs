@@ -281,4 +281,8 @@ impl Store for Faulty {
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
         self.inner.notices()
     }
+
+    async fn close(&self) {
+        self.inner.close().await
+    }
 }
