@@ -15,7 +15,7 @@ use crate::config::{Live, Route};
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 use crate::domain::Timestamp;
-use crate::policy::{canary_stop_reason, Cohort};
+use crate::policy::{canary_stop_reason, CanarySide, Cohort};
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
 use crate::switchboard::Switches;
@@ -89,8 +89,8 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
         |version: &str| sides.iter().find(|s| s.policy_version == version).map_or(Cohort::default(), |s| s.requests);
     let control = side(route.policy_version.as_str());
     let trial = side(canary.policy_version.as_str());
-    crate::metrics::canary_side(&route.name, "control", &route.policy_version, control);
-    crate::metrics::canary_side(&route.name, "canary", &canary.policy_version, trial);
+    crate::metrics::canary_side(&route.name, CanarySide::Control, &route.policy_version, control);
+    crate::metrics::canary_side(&route.name, CanarySide::Canary, &canary.policy_version, trial);
     let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
     let switch = Switch {
         id: Uuid::now_v7(),

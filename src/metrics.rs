@@ -12,7 +12,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use crate::domain::AnswerKind;
 use crate::domain::Phase;
 use crate::domain::{Class, PolicyVersion, StopReason};
-use crate::policy::{BreakerState, Cohort};
+use crate::policy::{BreakerState, CanarySide, Cohort};
 use crate::switch::SwitchAction;
 
 /// How often histogram samples are folded into their buckets when nobody scrapes.
@@ -169,8 +169,9 @@ pub fn canary_running(route: &str, version: &PolicyVersion, running: bool) {
 
 /// One side of a canary (`canary`, or `control`: the route's own policy) as the store last
 /// counted it, cluster-wide: settled requests, attempts per request, final success.
-pub fn canary_side(route: &str, side: &'static str, version: &PolicyVersion, cohort: Cohort) {
-    let labels = [("route", route.to_string()), ("side", side.to_string()), ("policy_version", version.to_string())];
+pub fn canary_side(route: &str, side: CanarySide, version: &PolicyVersion, cohort: Cohort) {
+    let labels =
+        [("route", route.to_string()), ("side", side.as_str().to_string()), ("policy_version", version.to_string())];
     gauge!("idem_canary_requests", &labels).set(cohort.requests as f64);
     gauge!("idem_canary_amplification", &labels).set(cohort.amplification());
     gauge!("idem_canary_final_success", &labels).set(cohort.final_success());

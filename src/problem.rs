@@ -14,6 +14,9 @@ pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
 /// `Retry-After` in milliseconds, for clients that can wait less than a second.
 pub const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
 
+/// The name of [`Problem::outcome_unknown`], which some answers tell apart from every other.
+const OUTCOME_UNKNOWN: &str = "outcome-unknown";
+
 #[derive(Debug, Clone)]
 pub struct Problem {
     pub status: StatusCode,
@@ -186,12 +189,17 @@ impl Problem {
     pub fn outcome_unknown() -> Problem {
         Problem::new(
             StatusCode::BAD_GATEWAY,
-            "outcome-unknown",
+            OUTCOME_UNKNOWN,
             "Outcome unknown",
             "The upstream may or may not have executed this request, and sending it again could execute it \
              twice. It is queued for reconciliation and will not be re-sent until it is settled; ask again \
              with the same key later.",
         )
+    }
+
+    /// Whether this says the upstream may or may not have executed the request.
+    pub fn is_outcome_unknown(&self) -> bool {
+        self.name == OUTCOME_UNKNOWN
     }
 
     pub fn upstream_unavailable(reason: &str) -> Problem {

@@ -20,6 +20,7 @@ use uuid::Uuid;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
+use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RecordId;
 use crate::domain::{State as RecordState, Tenant, Timestamp};
@@ -245,7 +246,9 @@ impl Stamped<'_> {
     fn entry(&self, action: HistoryAction) -> HistoryEntry {
         HistoryEntry {
             at: self.now,
-            actor: self.who.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
+            actor: Actor::Operator(
+                self.who.actor.clone().filter(|a| !a.trim().is_empty()).unwrap_or_else(|| "admin".into()),
+            ),
             action,
             note: self.who.note.clone().filter(|n| !n.trim().is_empty()),
         }

@@ -4,7 +4,7 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::Phase;
+use super::{Owner, Phase, Tenant};
 
 /// One action in a record's history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,9 +81,77 @@ impl<'de> Deserialize<'de> for HistoryAction {
     }
 }
 
+/// Who did what a history entry says. Written as a name: `client` (the request that sent a free
+/// key again), `client:<tenant>` (a tenant's client, by its own endpoints), `probe`,
+/// `node:<owner>` (a node's worker), or an operator's own name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Actor {
+    Client(Option<Tenant>),
+    Probe,
+    Node(Owner),
+    Operator(String),
+}
+
+impl Actor {
+    /// Reads a name back. An operator's name that reads as another actor's is that actor's:
+    /// the name is all the history keeps.
+    pub fn parse(text: &str) -> Actor {
+        match text {
+            "client" => Actor::Client(None),
+            "probe" => Actor::Probe,
+            _ => match text.split_once(':') {
+                Some(("client", tenant)) => Actor::Client(Some(Tenant::from(tenant))),
+                Some(("node", owner)) => Actor::Node(Owner::from(owner)),
+                _ => Actor::Operator(text.to_string()),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Actor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Actor::Client(None) => f.write_str("client"),
+            Actor::Client(Some(tenant)) => write!(f, "client:{tenant}"),
+            Actor::Probe => f.write_str("probe"),
+            Actor::Node(owner) => write!(f, "node:{owner}"),
+            Actor::Operator(name) => f.write_str(name),
+        }
+    }
+}
+
+impl Serialize for Actor {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Actor {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Actor, D::Error> {
+        Ok(Actor::parse(&String::deserialize(deserializer)?))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_actor_is_read_back_as_it_is_written() {
+        let actors = [
+            Actor::Client(None),
+            Actor::Client(Some(Tenant::from("acme"))),
+            Actor::Probe,
+            Actor::Node(Owner::from("host-1-abcd")),
+            Actor::Operator("alice".into()),
+        ];
+        for actor in actors {
+            let json = serde_json::to_string(&actor).unwrap();
+            assert_eq!(serde_json::from_str::<Actor>(&json).unwrap(), actor, "{json}");
+        }
+        assert_eq!(Actor::Node(Owner::from("n")).to_string(), "node:n");
+        assert_eq!(Actor::parse("client:acme"), Actor::Client(Some(Tenant::from("acme"))));
+    }
 
     #[test]
     fn every_action_is_read_back_as_it_is_written() {

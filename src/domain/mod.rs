@@ -14,7 +14,7 @@ mod state;
 mod time;
 
 pub use answer::AnswerKind;
-pub use history::HistoryAction;
+pub use history::{Actor, HistoryAction};
 pub use ids::{ClaimToken, Holder, Owner, PolicyVersion, RecordId, RouteName, Tenant};
 pub use origin::Origin;
 pub use outcome::{AttemptError, AttemptOutcome, BudgetScope, Class, StopReason};

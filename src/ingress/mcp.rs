@@ -224,9 +224,9 @@ impl Ingress {
             Err(problem) => {
                 super::access::kind(super::access::Kind::Problem);
                 let record = self.record_ref(tenant, key, &problem).await;
-                let message = match problem.name {
-                    "outcome-unknown" => answers::unknown(id, &record),
-                    _ => answers::problem(id, &problem, Some(&record)),
+                let message = match problem.is_outcome_unknown() {
+                    true => answers::unknown(id, &record),
+                    false => answers::problem(id, &problem, Some(&record)),
                 };
                 return json_answer(StatusCode::OK, &message);
             }

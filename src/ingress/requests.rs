@@ -11,6 +11,7 @@ use axum::Json;
 
 use super::Ingress;
 use crate::credentials;
+use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::Phase;
 use crate::key::{IdempotencyKey, KeyError};
@@ -105,7 +106,7 @@ async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Respons
     let record = find(app, headers, key).await?;
     let entry = HistoryEntry {
         at: app.clock.now(),
-        actor: format!("client:{}", record.tenant),
+        actor: Actor::Client(Some(record.tenant.clone())),
         action: HistoryAction::Cancel,
         note: None,
     };

@@ -31,6 +31,22 @@ pub fn in_canary(route: &str, tenant: &str, key: Option<&str>, percent: f64) -> 
     ((head % 10_000) as f64) < percent * 100.0
 }
 
+/// The two sides of a canary: the route's own policy, and the one on trial.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CanarySide {
+    Control,
+    Canary,
+}
+
+impl CanarySide {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CanarySide::Control => "control",
+            CanarySide::Canary => "canary",
+        }
+    }
+}
+
 /// Settled requests on one side of a canary.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Cohort {

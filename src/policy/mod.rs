@@ -14,7 +14,7 @@ mod version;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::{withdraw_from_all, Charge, RetryBudget, Window as BudgetWindow};
-pub use canary::{in_canary, stop_reason as canary_stop_reason, CanaryStop, Cohort};
+pub use canary::{in_canary, stop_reason as canary_stop_reason, CanarySide, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pending, RoutePace};
 pub use version::Effective;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::BATCH;
 use crate::clock::{Clock, SharedClock, Turns};
 use crate::config::{Live, Probe, Route};
+use crate::domain::Actor;
 use crate::domain::{HistoryAction, Phase};
 use crate::record::{HistoryEntry, Record};
 use crate::store::{Action, Probed, ProbesDue, Resolution, Store};
@@ -59,7 +60,7 @@ pub async fn probe_once(
     {
         let (resolution, answered) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
-        let entry = |note| HistoryEntry { at: clock.now(), actor: "probe".into(), action: HistoryAction::Probe, note };
+        let entry = |note| HistoryEntry { at: clock.now(), actor: Actor::Probe, action: HistoryAction::Probe, note };
         let (id, claim) = (record.id, record.claim);
         let probed = Probed { id, claim, resolution, next_probe_at: next, entry: entry(Some(answered.clone())) };
         let action = match store.probed(probed).await? {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::BATCH;
 use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Live, Route};
-use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Phase, StopReason, Timestamp};
+use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, StopReason, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
 use crate::store::{ClaimUnclaimed, Store, TakeOver, TakeOverTo};
 use crate::worker::Worker;
@@ -157,7 +157,7 @@ async fn take_over_expired(
         };
         let entry = HistoryEntry {
             at: now,
-            actor: format!("node:{}", worker.owner()),
+            actor: Actor::Node(Owner::from(worker.owner())),
             action: HistoryAction::TakeOver(to.phase()),
             note: Some(format!(
                 "the lease of {} expired{}{capped}",
@@ -328,7 +328,7 @@ mod tests {
         assert_eq!(record.phase(), Phase::Unknown);
         assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
         let entry = record.history.last().unwrap();
-        assert_eq!((entry.at, entry.actor.as_str()), (NOW + Duration::from_millis(10_001), "node:alive"));
+        assert_eq!((entry.at, entry.actor.to_string()), (NOW + Duration::from_millis(10_001), "node:alive".into()));
     }
 
     #[test]

@@ -5,7 +5,9 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::domain::{AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, PolicyVersion, RecordId, RouteName};
+use crate::domain::{
+    Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, PolicyVersion, RecordId, RouteName,
+};
 use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp, MCP_TOOLS_CALL};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
@@ -62,7 +64,7 @@ pub enum View {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HistoryEntry {
     pub at: Timestamp,
-    pub actor: String,
+    pub actor: Actor,
     pub action: HistoryAction,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
+use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RouteName;
 use crate::domain::State;
@@ -46,7 +47,7 @@ impl Overwrite {
             requeued: transition(Phase::Free, Event::Requeue)?,
             entry: HistoryEntry {
                 at: now,
-                actor: "client".into(),
+                actor: Actor::Client(None),
                 action: HistoryAction::Requeued,
                 note: Some("the same request was sent again for a free key".into()),
             },
@@ -293,7 +294,7 @@ impl AttemptEnded {
         let to = transition(Phase::Unknown, event).ok()?;
         let entry = HistoryEntry {
             at: self.now,
-            actor: format!("node:{}", self.holder.owner),
+            actor: Actor::Node(self.holder.owner.clone()),
             action: HistoryAction::LateOutcome(to),
             note: Some(format!(
                 "attempt {} ({}) ended after its lease expired and the record was taken over",

@@ -267,7 +267,10 @@ async fn a_paused_nodes_late_outcome_settles_the_record_its_survivor_made_unknow
     assert_eq!((response.status, &response.body[..]), (201, &b"charge 1"[..]));
     assert_eq!(settled.attempts.iter().map(|a| a.outcome.as_str()).collect::<Vec<_>>(), ["success"]);
     let noted = settled.history.last().unwrap();
-    assert_eq!((noted.actor.as_str(), noted.action), ("node:node-1", HistoryAction::LateOutcome(Phase::Done)));
+    assert_eq!(
+        (noted.actor.to_string().as_str(), noted.action),
+        ("node:node-1", HistoryAction::LateOutcome(Phase::Done))
+    );
     assert_eq!(ledger.executed.load(Ordering::SeqCst), 1);
 }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::common::{Backend, Db};
 use bytes::Bytes;
-use idem::domain::StopReason;
+use idem::domain::{Actor, StopReason};
 use idem::domain::{
     AttemptError, AttemptOutcome, ClaimToken, HistoryAction, Holder, Phase, RecordId, State, Timestamp,
 };
@@ -143,7 +143,7 @@ fn request_on(route: &str, tenant: &str, key: &str, body: &[u8], now: Timestamp)
 }
 
 fn entry(actor: &str, action: HistoryAction, at: Timestamp) -> HistoryEntry {
-    HistoryEntry { at, actor: actor.into(), action, note: Some(format!("{actor} {action}")) }
+    HistoryEntry { at, actor: Actor::parse(actor), action, note: Some(format!("{actor} {action}")) }
 }
 
 /// Attempt `number` of `record` marked as about to be sent at `at`, by this test's worker, its

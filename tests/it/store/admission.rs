@@ -222,7 +222,7 @@ pub(super) async fn a_free_record_is_requeued_by_the_same_request_and_kept_from_
     assert_eq!((requeued.created_at, requeued.updated_at, requeued.deadline_at), (T0, T0 + ms(5_000), T0 + ms(35_000)));
     assert_eq!(requeued.stop_reason, None);
     let last = requeued.history.last().expect("the requeue is in the history");
-    assert_eq!((last.actor.as_str(), last.action, last.at), ("client", HistoryAction::Requeued, T0 + ms(5_000)));
+    assert_eq!((&last.actor, last.action, last.at), (&Actor::Client(None), HistoryAction::Requeued, T0 + ms(5_000)));
 
     // Queued again, it is no longer free: a second identical request is a duplicate.
     assert_eq!(

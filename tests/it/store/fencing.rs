@@ -165,7 +165,10 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
     assert_eq!(settled.response.as_ref().map(|r| (r.status, r.body.clone())), Some((201, "{\"id\":\"ch_1\"}".into())));
     assert_eq!(settled.attempts, vec![attempt(1, T0 + ms(10), "success", Some(201))]);
     let noted = settled.history.last().expect("the late outcome is in the history");
-    assert_eq!((noted.actor.as_str(), noted.action), ("node:node-a", HistoryAction::LateOutcome(Phase::Done)));
+    assert_eq!(
+        (noted.actor.to_string().as_str(), noted.action),
+        ("node:node-a", HistoryAction::LateOutcome(Phase::Done))
+    );
     // Once settled, nothing of the old claim applies again.
     let again = late(&record, 1, "success", Some(201), answered.clone());
     store.attempt_ended(again).await.unwrap();
