@@ -361,16 +361,8 @@ async fn apply_resolve(
         Resolution::NotExecuted => HistoryAction::ResolveNotExecuted,
     };
     let who = who.at(admin.clock.now());
-    match admin
-        .store
-        .resolve(crate::store::Resolve { id, resolution, entry: who.entry(action) })
-        .await
-        .map_err(store_problem)?
-    {
-        Action::Applied(record) => {
-            admin.worker.settled(record.id);
-            Ok(record)
-        }
+    match admin.worker.resolve_record(id, resolution, who.entry(action)).await.map_err(store_problem)? {
+        Action::Applied(record) => Ok(record),
         Action::Refused(record) => Err(refused(&record, "resolved")),
         Action::InFlight(_, left) => Err(Problem::attempt_in_flight("resolved as not executed", left)),
         Action::Missing => Err(not_found()),
@@ -395,16 +387,8 @@ async fn apply_retry(admin: &Admin, id: RecordId, who: &Attribution) -> Result<R
     };
     let who = who.at(admin.clock.now());
     let deadline_at = who.now + route.retry.deadline;
-    match admin
-        .store
-        .retry(crate::store::Retry { id, deadline_at, entry: who.entry(HistoryAction::Retry) })
-        .await
-        .map_err(store_problem)?
-    {
-        Action::Applied(record) => {
-            admin.worker.submit(record.clone());
-            Ok(record)
-        }
+    match admin.worker.retry_record(id, deadline_at, who.entry(HistoryAction::Retry)).await.map_err(store_problem)? {
+        Action::Applied(record) => Ok(record),
         Action::Refused(record) => Err(refused(&record, "retried")),
         Action::InFlight(_, left) => Err(Problem::attempt_in_flight("retried", left)),
         Action::Missing => Err(not_found()),

@@ -30,10 +30,11 @@ use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
 use crate::domain::StopReason;
+use crate::domain::Timestamp;
 use crate::metrics::Laps;
 use crate::record::{HistoryEntry, Record, StoredResponse};
 use crate::runtime::Runtimes;
-use crate::store::{Cancel, Cancelled, Store, StoreError};
+use crate::store::{Action, Cancel, Cancelled, Resolution, Resolve, Retry, Store, StoreError};
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 
@@ -382,7 +383,35 @@ impl Worker {
         lock(&self.inner.streams).contains_key(&id)
     }
 
-    /// Stops an execution running here: no further attempt starts; one in flight finishes.
+    /// Settles an `unknown` record as an operator says (`entry`), and wakes whoever waits for it.
+    pub async fn resolve_record(
+        &self,
+        id: RecordId,
+        resolution: Resolution,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        let action = self.inner.store.resolve(Resolve { id, resolution, entry }).await?;
+        if let Action::Applied(record) = &action {
+            self.settled(record.id);
+        }
+        Ok(action)
+    }
+
+    /// Queues an `unknown` record again, to end by `deadline_at`, as an operator says (`entry`),
+    /// and takes it up.
+    pub async fn retry_record(
+        &self,
+        id: RecordId,
+        deadline_at: Timestamp,
+        entry: HistoryEntry,
+    ) -> Result<Action, StoreError> {
+        let action = self.inner.store.retry(Retry { id, deadline_at, entry }).await?;
+        if let Action::Applied(record) = &action {
+            self.submit(record.clone());
+        }
+        Ok(action)
+    }
+
     /// Cancels `id` for whoever `entry` names (a client, an operator): a queued record at once,
     /// its waiters woken; a running one when its worker next looks (docs/concepts.md).
     pub async fn cancel_record(&self, id: RecordId, entry: HistoryEntry) -> Result<Cancelled, StoreError> {
@@ -395,6 +424,7 @@ impl Worker {
         Ok(cancelled)
     }
 
+    /// Stops an execution running here: no further attempt starts; one in flight finishes.
     fn cancel(&self, id: RecordId) {
         if let Some(s) = self.inner.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
