@@ -14,8 +14,10 @@ pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
 /// `Retry-After` in milliseconds, for clients that can wait less than a second.
 pub const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
 
-/// The name of [`Problem::outcome_unknown`], which some answers tell apart from every other.
+/// The names of [`Problem::outcome_unknown`] and [`Problem::store`], which some answers tell
+/// apart from every other.
 const OUTCOME_UNKNOWN: &str = "outcome-unknown";
+const STORE_UNAVAILABLE: &str = "store-unavailable";
 
 #[derive(Debug, Clone)]
 pub struct Problem {
@@ -197,6 +199,11 @@ impl Problem {
         )
     }
 
+    /// Whether this says the store could not be asked.
+    pub fn is_store_unavailable(&self) -> bool {
+        self.name == STORE_UNAVAILABLE
+    }
+
     /// Whether this says the upstream may or may not have executed the request.
     pub fn is_outcome_unknown(&self) -> bool {
         self.name == OUTCOME_UNKNOWN
@@ -335,7 +342,7 @@ impl Problem {
         e.log("a request was refused: the store failed");
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "store-unavailable",
+            STORE_UNAVAILABLE,
             "Store unavailable",
             "The broker cannot reach its database, so it cannot record the request safely; nothing was sent \
              upstream. Retry later with the same key.",

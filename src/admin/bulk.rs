@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::{apply_cancel, apply_resolve, apply_retry, json_body, store_problem, Admin, Attribution};
-use crate::domain::{State as RecordState, Tenant, Timestamp};
+use crate::domain::{RouteName, State as RecordState, Tenant, Timestamp};
 use crate::problem::Problem;
 use crate::record::Record;
 use crate::store::{Cursor, ListFilter, Resolution};
@@ -88,7 +88,7 @@ impl BulkAction {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Filter {
     state: RecordState,
-    route: Option<String>,
+    route: Option<RouteName>,
     tenant: Option<Tenant>,
     created_after: Option<Timestamp>,
     created_before: Option<Timestamp>,
@@ -130,7 +130,7 @@ impl Plan {
         };
         let filter = Filter {
             state,
-            route: raw.route.filter(|s| !s.is_empty()),
+            route: raw.route.filter(|s| !s.is_empty()).map(RouteName::from),
             tenant: raw.tenant.filter(|s| !s.is_empty()).map(Tenant::from),
             created_after: time("created_after", raw.created_after)?,
             created_before: time("created_before", raw.created_before)?,

@@ -23,7 +23,7 @@ use crate::config::Live;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RecordId;
-use crate::domain::{State as RecordState, Tenant, Timestamp};
+use crate::domain::{RouteName, State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::record::{header_text, HistoryEntry, Record, StoredResponse, View};
@@ -203,7 +203,7 @@ async fn list(State(admin): State<Arc<Admin>>, Query(q): Query<ListQuery>) -> Re
     };
     let filter = ListFilter {
         state,
-        route: q.route.filter(|s| !s.is_empty()),
+        route: q.route.filter(|s| !s.is_empty()).map(RouteName::from),
         tenant: q.tenant.filter(|s| !s.is_empty()).map(Tenant::from),
         limit: q.limit.unwrap_or(50).clamp(1, 1000),
         cursor,

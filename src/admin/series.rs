@@ -80,7 +80,7 @@ pub fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsR
     }
     let samples = depth_sample_times(span, now);
     for (route, s) in &mut series {
-        let spells = rows.unknown.iter().filter(|u| u.route == *route);
+        let spells = rows.unknown.iter().filter(|u| u.route.as_str() == route);
         s.unknown_depth = depth(&samples, spells);
     }
     series
@@ -322,7 +322,18 @@ mod tests {
     }
 
     fn cohort(route: &str, step: usize, took_ms: Option<u64>, requests: u64, attempts: u64) -> Cohort {
-        Cohort { route: route.into(), step, took_ms, requests, attempts, settled: requests, ..Cohort::default() }
+        Cohort {
+            route: route.into(),
+            step,
+            took_ms,
+            requests,
+            attempts,
+            settled: requests,
+            succeeded: 0,
+            first_try: 0,
+            budget_stopped: 0,
+            deadline_stopped: 0,
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::series::assemble;
 use super::Admin;
-use crate::domain::{BudgetScope, Timestamp};
+use crate::domain::{BudgetScope, RouteName, Timestamp};
 use crate::problem::Problem;
 use crate::runtime::BudgetView;
 use crate::store::stats::StatsSpan;
@@ -93,7 +93,7 @@ impl Resolution {
 
     /// The span to query at `now`: whole steps aligned on multiples of the step, the last one
     /// holding `now` (and still filling).
-    pub fn span(&self, now: Timestamp, route: Option<String>) -> StatsSpan {
+    pub fn span(&self, now: Timestamp, route: Option<RouteName>) -> StatsSpan {
         let step = self.step.as_secs() as i64 * 1000;
         let end = (now.as_millis().div_euclid(step) + 1) * step;
         let start = end - points(self.window, self.step) as i64 * step;
@@ -119,7 +119,7 @@ pub(super) struct StatsQuery {
 
 pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<StatsQuery>) -> Result<Response, Problem> {
     let resolution = Resolution::parse(q.window.as_deref(), q.step.as_deref()).map_err(|e| e.problem())?;
-    let route = q.route.filter(|r| !r.is_empty());
+    let route = q.route.filter(|r| !r.is_empty()).map(RouteName::from);
     let config = admin.config.current();
     let routes: Vec<&str> = match &route {
         Some(name) if config.route_named(name).is_none() => return Err(Problem::route_not_found(name)),

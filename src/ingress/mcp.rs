@@ -18,7 +18,7 @@ use super::{Ingress, Read, REPLAYED_HEADER};
 use crate::config::{Config, Route};
 use crate::credentials;
 use crate::derived;
-use crate::domain::{Arrival, Tenant};
+use crate::domain::{Arrival, State, Tenant};
 use crate::key::IdempotencyKey;
 use crate::mcp::answers::{self, RecordRef};
 use crate::mcp::proxy::{self, json_answer, Watch};
@@ -258,12 +258,11 @@ impl Ingress {
 
     /// The record a problem is about, as far as the store tells (not at all when it is down).
     async fn record_ref(&self, tenant: &Tenant, key: &IdempotencyKey, problem: &Problem) -> RecordRef {
-        let state = problem.idempotency_status.map(|s| s.as_str().to_string());
-        let mut reference = RecordRef { key: key.as_str().to_string(), id: None, state };
-        if problem.name != "store-unavailable" {
+        let mut reference = RecordRef { key: key.clone(), id: None, state: problem.idempotency_status };
+        if !problem.is_store_unavailable() {
             if let Ok(Some(record)) = self.records.live(tenant, key).await {
-                reference.id = Some(record.id.to_string());
-                reference.state = Some(record.state.as_str().to_string());
+                reference.id = Some(record.id);
+                reference.state = Some(record.state);
             }
         }
         reference
@@ -317,14 +316,14 @@ impl Cut {
     /// The message in place of the `idem-error` event `event`.
     async fn message(&self, event: &[u8]) -> Value {
         let problem = sse::message(event).unwrap_or(Value::Null);
-        let mut record = RecordRef { key: self.key.as_str().to_string(), id: None, state: None };
+        let mut record = RecordRef { key: self.key.clone(), id: None, state: None };
         if let Ok(Some(found)) = self.records.live(&self.tenant, &self.key).await {
-            record.id = Some(found.id.to_string());
-            record.state = Some(found.state.as_str().to_string());
+            record.id = Some(found.id);
+            record.state = Some(found.state);
         }
         if !self.replay_safe {
             // What the record becomes as this event is sent, whatever the store said a moment before.
-            record.state = Some("unknown".into());
+            record.state = Some(State::Unknown);
         }
         answers::cut(&self.id, &problem, &record, self.replay_safe)
     }

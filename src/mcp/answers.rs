@@ -6,6 +6,8 @@
 use serde_json::{json, Map, Value};
 
 use super::{codes, sse, META_RECORD, META_REPLAYED};
+use crate::domain::{RecordId, State};
+use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 
 /// The stored answer to a call, replayed under `id`: the final JSON-RPC response in it (the
@@ -43,19 +45,19 @@ pub fn replayed(body: &[u8], event_stream: bool, id: &Value) -> Option<Value> {
 /// The record a call's answer names, for an operator and for the agent's log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordRef {
-    pub key: String,
+    pub key: IdempotencyKey,
     /// The record's id, when it could be read.
-    pub id: Option<String>,
-    pub state: Option<String>,
+    pub id: Option<RecordId>,
+    pub state: Option<State>,
 }
 
 impl RecordRef {
     fn json(&self) -> Value {
         json!({
-            "idempotencyKey": self.key,
-            "recordId": self.id,
-            "state": self.state,
-            "record": format!("/_idem/requests/{}", crate::key::path_segment(&self.key)),
+            "idempotencyKey": self.key.as_str(),
+            "recordId": self.id.map(|id| id.to_string()),
+            "state": self.state.map(State::as_str),
+            "record": format!("/_idem/requests/{}", crate::key::path_segment(self.key.as_str())),
         })
     }
 }
@@ -68,8 +70,8 @@ pub fn unknown(id: &Value, record: &RecordRef) -> Value {
         "The outcome of this tool call is unknown: it may have taken effect, or not. Do not call the tool \
          again to find out, and do not repeat it with a new idempotency key: an operator settles record {} \
          (idempotency key {}); calling again with the same key then returns its result.",
-        record.id.as_deref().unwrap_or("(id unavailable)"),
-        record.key
+        record.id.map_or_else(|| "(id unavailable)".to_string(), |id| id.to_string()),
+        record.key.as_str()
     );
     let mut structured = record.json();
     structured["problem"] = json!("urn:idem:problem:outcome-unknown");
@@ -114,13 +116,14 @@ pub fn problem(id: &Value, problem: &Problem, record: Option<&RecordRef>) -> Val
         data["state"] = json!(state.as_str());
     }
     if let Some(record) = record {
-        data["idempotencyKey"] = json!(record.key);
-        data["record"] = record.json()["record"].clone();
-        if let Some(id) = &record.id {
-            data["recordId"] = json!(id);
+        let shown = record.json();
+        for member in ["idempotencyKey", "record", "recordId"] {
+            if !shown[member].is_null() {
+                data[member] = shown[member].clone();
+            }
         }
         if data.get("state").is_none() {
-            data["state"] = json!(record.state);
+            data["state"] = shown["state"].clone();
         }
     }
     error(id, code, &message, Some(data))
@@ -139,7 +142,7 @@ pub fn cut(id: &Value, problem: &Value, record: &RecordRef, replay_safe: bool) -
         "detail": problem["detail"],
         "retryable": true,
         "state": "not_started",
-        "idempotencyKey": record.key,
+        "idempotencyKey": record.key.as_str(),
     });
     let message =
         format!("{}: {}", problem["title"].as_str().unwrap_or("Stream cut"), problem["detail"].as_str().unwrap_or(""));
@@ -171,7 +174,10 @@ pub fn with_idempotency(message: &mut Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::domain::State;
+
+    fn key(text: &str) -> IdempotencyKey {
+        IdempotencyKey::parse(text).unwrap()
+    }
 
     #[test]
     fn a_replay_is_the_stored_result_under_the_new_id_marked_as_replayed() {
@@ -203,21 +209,22 @@ mod tests {
 
     #[test]
     fn an_unknown_outcome_is_a_tool_error_naming_its_record() {
-        let record = RecordRef { key: "k-1".into(), id: Some("0190-abc".into()), state: Some("unknown".into()) };
+        let id = RecordId::from(uuid::Uuid::now_v7());
+        let record = RecordRef { key: key("k-1"), id: Some(id), state: Some(State::Unknown) };
         let answer = unknown(&json!(4), &record);
         assert_eq!(answer["id"], json!(4));
         assert_eq!(answer["result"]["isError"], json!(true));
         let text = answer["result"]["content"][0]["text"].as_str().unwrap();
-        assert!(text.contains("may have taken effect") && text.contains("0190-abc"), "{text}");
+        assert!(text.contains("may have taken effect") && text.contains(&id.to_string()), "{text}");
         let structured = &answer["result"]["structuredContent"];
         assert_eq!(structured["idempotencyKey"], json!("k-1"));
-        assert_eq!(structured["recordId"], json!("0190-abc"));
+        assert_eq!(structured["recordId"], json!(id.to_string()));
         assert_eq!(structured["state"], json!("unknown"));
     }
 
     #[test]
     fn problems_become_errors_with_documented_codes() {
-        let record = RecordRef { key: "k".into(), id: None, state: None };
+        let record = RecordRef { key: key("k"), id: None, state: None };
         let reused = problem(&json!(1), &Problem::key_reused().state(State::Done), Some(&record));
         assert_eq!(reused["error"]["code"], json!(codes::KEY_REUSED));
         assert_eq!(reused["error"]["data"]["state"], json!("done"));
@@ -234,7 +241,8 @@ mod tests {
 
     #[test]
     fn a_cut_stream_ends_with_the_outcome_the_tool_leaves() {
-        let record = RecordRef { key: "k".into(), id: Some("r1".into()), state: Some("unknown".into()) };
+        let record =
+            RecordRef { key: key("k"), id: Some(RecordId::from(uuid::Uuid::now_v7())), state: Some(State::Unknown) };
         let problem = json!({"type": "urn:idem:problem:stream-cut", "title": "Stream cut", "detail": "cut"});
         assert_eq!(cut(&json!(1), &problem, &record, false)["result"]["isError"], json!(true));
         let freed = cut(&json!(1), &problem, &record, true);

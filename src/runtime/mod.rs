@@ -338,7 +338,12 @@ impl Runtimes {
             .filter_map(|(route, r)| {
                 let replays = r.answers.replays.swap(0, Ordering::Relaxed);
                 let conflicts = r.answers.conflicts.swap(0, Ordering::Relaxed);
-                (replays + conflicts > 0).then(|| AnswerCount { route: route.to_string(), second, replays, conflicts })
+                (replays + conflicts > 0).then(|| AnswerCount {
+                    route: RouteName::from(route.as_str()),
+                    second,
+                    replays,
+                    conflicts,
+                })
             })
             .collect()
     }

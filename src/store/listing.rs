@@ -3,7 +3,7 @@
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::domain::{State, Tenant, Timestamp};
+use crate::domain::{RouteName, State, Tenant, Timestamp};
 use crate::record::Record;
 
 /// Which records an operator listing shows, oldest first (a queue is worked from its head);
@@ -11,7 +11,7 @@ use crate::record::Record;
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
     pub state: Option<State>,
-    pub route: Option<String>,
+    pub route: Option<RouteName>,
     pub tenant: Option<Tenant>,
     pub limit: u32,
     pub cursor: Option<Cursor>,

@@ -5,14 +5,14 @@
 
 use std::time::Duration;
 
-use crate::domain::Timestamp;
+use crate::domain::{PolicyVersion, RouteName, Timestamp};
 use crate::store::{Columns, StoreError};
 
 /// Replays and 409s counted in memory by one node over one second, added to the store's
 /// per-second counters (which sum what every node adds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AnswerCount {
-    pub route: String,
+    pub route: RouteName,
     /// The start of the second, in ms since the epoch (a multiple of 1000).
     pub second: Timestamp,
     pub replays: u64,
@@ -27,15 +27,15 @@ pub struct StatsSpan {
     pub end: Timestamp,
     pub step: Duration,
     /// One route, or all of them.
-    pub route: Option<String>,
+    pub route: Option<RouteName>,
 }
 
 /// Requests of one route that arrived in one step and, when `took_ms` is set, settled after
 /// taking that long (to two significant figures: enough for percentiles, few enough groups).
 /// Counts are over the requests of the group.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cohort {
-    pub route: String,
+    pub route: RouteName,
     /// The step's index in the span.
     pub step: usize,
     /// From arrival to the end of the last attempt; `None` for requests not settled yet.
@@ -55,7 +55,7 @@ pub struct Cohort {
 /// was settled (`None`: it is still there).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnknownSpell {
-    pub route: String,
+    pub route: RouteName,
     pub entered: Timestamp,
     pub left: Option<Timestamp>,
 }
@@ -63,7 +63,7 @@ pub struct UnknownSpell {
 /// Replays and 409s of one route in one step, summed over nodes and seconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answers {
-    pub route: String,
+    pub route: RouteName,
     pub step: usize,
     pub replays: u64,
     pub conflicts: u64,
@@ -145,21 +145,22 @@ fn required(row: &impl Columns, name: &str) -> Result<i64, StoreError> {
     row.integer(name)?.ok_or_else(|| StoreError::Corrupt(format!("column {name}")))
 }
 
-fn route(row: &impl Columns) -> Result<String, StoreError> {
-    row.text("route")?.ok_or_else(|| StoreError::Corrupt("column route".into()))
+fn route(row: &impl Columns) -> Result<RouteName, StoreError> {
+    let name = row.text("route")?.ok_or_else(|| StoreError::Corrupt("column route".into()))?;
+    Ok(RouteName::from(name.as_str()))
 }
 
 /// The settled requests of one policy version (see [`crate::store::Store::sides`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Side {
-    pub policy_version: String,
+    pub policy_version: PolicyVersion,
     pub requests: crate::policy::Cohort,
 }
 
 pub(crate) fn side(row: &impl Columns) -> Result<Side, StoreError> {
     let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.integer(name)?)) };
     Ok(Side {
-        policy_version: row.text("policy_version")?.unwrap_or_default(),
+        policy_version: PolicyVersion::from(row.text("policy_version")?.unwrap_or_default().as_str()),
         requests: crate::policy::Cohort {
             requests: n("requests")?,
             attempts: n("attempts")?,
