@@ -18,6 +18,7 @@ mod command;
 mod error;
 mod health;
 mod listing;
+mod names;
 mod opening;
 pub mod postgres;
 pub mod protocol;

@@ -96,7 +96,7 @@ async fn settle(
     );
     let update = sqlx::query(&sql)
         .bind(id.to_string())
-        .bind(state.as_str())
+        .bind(state)
         .bind(response.map(|r| i32::from(r.status)))
         .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
         .bind(response.map(|r| &r.body[..]))
@@ -165,7 +165,7 @@ pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Res
         .bind(deadline_at)
         .bind(entry.at)
         .bind(one_element(&entry)?)
-        .bind(to.state().as_str())
+        .bind(to.state())
         .bind(to == Phase::Queued);
     on_unknown(pool, at, id, Event::OperatorRetry, update).await
 }

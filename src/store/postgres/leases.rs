@@ -44,10 +44,10 @@ pub(super) async fn claim(
     let to = transition(Phase::Queued, Event::Claim)?;
     let token: Option<i64> = sqlx::query_scalar(CLAIM)
         .bind(id.to_string())
-        .bind(&*owner)
+        .bind(&owner)
         .bind(span_ms(lease))
         .bind(now)
-        .bind(to.state().as_str())
+        .bind(to.state())
         .bind(clock.bind_now(now))
         .fetch_optional(pool)
         .await?;
@@ -73,7 +73,7 @@ pub(super) async fn attempt_started(
         .bind(i64::from(number))
         .bind(started_at)
         .bind(span_ms(lease))
-        .bind(policy_version.as_str())
+        .bind(policy_version)
         .bind(span_ms(reach))
         .bind(clock.bind_now(started_at))
         .fetch_optional(pool)

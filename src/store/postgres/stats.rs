@@ -98,7 +98,7 @@ pub(super) async fn add_answer_counts(
     let mut tx = pool.begin().await?;
     if !counts.is_empty() {
         let seconds: Vec<Timestamp> = counts.iter().map(|c| c.second).collect();
-        let routes: Vec<&str> = counts.iter().map(|c| c.route.as_str()).collect();
+        let routes: Vec<&crate::domain::RouteName> = counts.iter().map(|c| &c.route).collect();
         let replays: Vec<i64> = counts.iter().map(|c| c.replays as i64).collect();
         let conflicts: Vec<i64> = counts.iter().map(|c| c.conflicts as i64).collect();
         sqlx::query(ADD).bind(seconds).bind(routes).bind(replays).bind(conflicts).execute(&mut *tx).await?;

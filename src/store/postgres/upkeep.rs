@@ -27,7 +27,7 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
         .bind(id.to_string())
         .bind(claim.0)
         .bind(expired.expires_at)
-        .bind(phase.state().as_str())
+        .bind(phase.state())
         .bind(phase == Phase::Queued)
         .bind(to.stop_reason().map(StopReason::as_str))
         .bind(lost.as_ref().map(one_element).transpose()?)
@@ -58,12 +58,12 @@ pub(super) async fn claim_unclaimed(
                       FOR UPDATE SKIP LOCKED)
          RETURNING {COLUMNS}"
     ))
-    .bind(&*owner)
+    .bind(&owner)
     .bind(span_ms(lease))
     .bind(idle_since)
     .bind(now)
     .bind(i64::from(limit))
-    .bind(to.state().as_str())
+    .bind(to.state())
     .bind(clock.bind_now(now))
     .fetch_all(pool)
     .await?;
@@ -85,7 +85,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
                                   AND done_at < $1 AND route = $2 LIMIT $4 FOR UPDATE SKIP LOCKED)",
                 )
                 .bind(route.cutoff)
-                .bind(route.route.as_str())
+                .bind(&route.route)
                 .bind(span_ms(after))
                 .bind(limit)
                 .execute(pool)
@@ -98,7 +98,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
                         LIMIT $3 FOR UPDATE SKIP LOCKED)",
                 )
                 .bind(route.cutoff)
-                .bind(route.route.as_str())
+                .bind(&route.route)
                 .bind(limit)
                 .execute(pool)
                 .await?
@@ -106,7 +106,7 @@ pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, Store
         };
         changed += swept.rows_affected();
     }
-    let configured: Vec<&str> = plan.routes.iter().map(|r| r.route.as_str()).collect();
+    let configured: Vec<&crate::domain::RouteName> = plan.routes.iter().map(|r| &r.route).collect();
     let others = sqlx::query(
         "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
             AND tombstone_until IS NULL AND done_at < $1 AND route <> ALL($2::text[])

@@ -49,7 +49,7 @@ fn settle(
         )?
         .execute(params![
             id.to_string(),
-            state.as_str(),
+            state,
             response.map(|r| r.status),
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
             response.map(|r| &r.body[..]),
@@ -82,7 +82,7 @@ pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreErro
             deadline_at,
             entry.at,
             serde_json::to_string(&entry)?,
-            to.state().as_str(),
+            to.state(),
             to == Phase::Queued
         ])?;
     answer(conn, id, changed)

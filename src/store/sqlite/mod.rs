@@ -204,8 +204,8 @@ impl Store for SqliteStore {
 
     async fn lookup(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         sqlx::query("SELECT * FROM records WHERE tenant = ?1 AND key = ?2")
-            .bind(tenant.as_str())
-            .bind(key.as_str())
+            .bind(tenant)
+            .bind(key)
             .fetch_optional(self.reads()?)
             .await?
             .map(|row| decode(&row))
@@ -295,7 +295,7 @@ impl Store for SqliteStore {
                AND COALESCE(next_probe_at, updated_at + ?2) <= ?3
              ORDER BY created_at LIMIT ?4",
         )
-        .bind(route.as_str())
+        .bind(route)
         .bind(span_ms(settle))
         .bind(now)
         .bind(limit as i64)

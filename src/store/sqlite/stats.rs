@@ -93,7 +93,7 @@ pub(super) fn add_answer_counts(conn: &Connection, add: AddAnswerCounts) -> Resu
              replays = replays + excluded.replays, conflicts = conflicts + excluded.conflicts",
     )?;
     for c in counts {
-        add.execute(params![c.second, c.route.as_str(), c.replays as i64, c.conflicts as i64])?;
+        add.execute(params![c.second, c.route, c.replays as i64, c.conflicts as i64])?;
     }
     conn.prepare_cached("DELETE FROM answer_counts WHERE second_start < ?1")?.execute([forget_before])?;
     Ok(())

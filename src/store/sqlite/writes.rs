@@ -83,9 +83,9 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     let id = new.id.to_string();
     let params = params![
         id,
-        &*new.tenant,
-        &*new.key,
-        new.route.as_str(),
+        new.tenant,
+        new.key,
+        new.route,
         new.method.as_str(),
         new.path,
         new.query,
@@ -94,12 +94,12 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
         &new.request.body[..],
         new.deadline_at,
         new.now,
-        new.claim.as_ref().map(|c| &*c.owner),
+        new.claim.as_ref().map(|c| &c.owner),
         new.claim.as_ref().map(|c| c.marked_at + c.lease),
         cutoff,
         new.tombstone_cutoff,
-        new.policy_version.as_ref().map(|v| v.as_str()),
-        fresh.state.as_str(),
+        new.policy_version.as_ref(),
+        fresh.state,
         fresh.queued,
         fresh.in_flight.map(|(number, _)| number),
         fresh.in_flight.map(|(_, at)| at),
@@ -111,19 +111,13 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     }
     let Overwrite { replaced, requeued, entry } = Overwrite::at(new.now)?;
     let entry = serde_json::to_string(&entry)?;
-    let overwrite = params![
-        replaced.state().as_str(),
-        replaced == Phase::Queued,
-        requeued.state().as_str(),
-        requeued == Phase::Queued,
-        entry
-    ];
+    let overwrite =
+        params![replaced.state(), replaced == Phase::Queued, requeued.state(), requeued == Phase::Queued, entry];
     let all: Vec<&dyn rusqlite::ToSql> = params.iter().chain(overwrite.iter()).copied().collect();
     let written: Option<(String, String)> =
         conn.prepare_cached(ADMIT)?.query_row(&all[..], |row| Ok((row.get(0)?, row.get(1)?))).optional()?;
-    let record =
-        record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![&*new.tenant, &*new.key])?
-            .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
+    let record = record_of(conn, "SELECT * FROM records WHERE tenant = ?1 AND key = ?2", params![new.tenant, new.key])?
+        .ok_or_else(|| StoreError::Corrupt("the key's record vanished".into()))?;
     Ok(match written {
         None => Admission::Existing(record),
         Some(_) if record.id == new.id => Admission::Created(record),
@@ -142,7 +136,7 @@ pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<Clai
              WHERE id = ?1 AND state = 'not_started' AND queued = 1
              RETURNING claim_token",
         )?
-        .query_row(params![id.to_string(), &*owner, lease_until, now, to.state().as_str()], |row| row.get(0))
+        .query_row(params![id.to_string(), owner, lease_until, now, to.state()], |row| row.get(0))
         .optional()?;
     Ok(token.map(ClaimToken))
 }
@@ -169,15 +163,7 @@ pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Res
                 in_flight_until = MAX(COALESCE(in_flight_until, 0), ?7),
                 policy_version = ?6, stream = NULL, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
-        params![
-            id,
-            holder.token.0,
-            number,
-            started_at,
-            started_at + lease,
-            policy_version.as_str(),
-            started_at + reach
-        ],
+        params![id, holder.token.0, number, started_at, started_at + lease, policy_version, started_at + reach],
         &id,
     )
 }
@@ -350,7 +336,7 @@ pub(super) fn claim_unclaimed(conn: &Connection, claim: ClaimUnclaimed) -> Resul
                       ORDER BY created_at LIMIT ?5)
          RETURNING *",
     )?;
-    let mut rows = statement.query(params![&*owner, lease_until, idle_since, now, limit, to.state().as_str()])?;
+    let mut rows = statement.query(params![owner, lease_until, idle_since, now, limit, to.state()])?;
     let mut records = Vec::new();
     while let Some(row) = rows.next()? {
         records.push(super::rows::record(row)?);
@@ -371,13 +357,13 @@ pub(super) fn sweep_done(conn: &Connection, sweep: Sweep) -> Result<u64, StoreEr
                      WHERE id IN (SELECT id FROM records WHERE state = 'done' AND tombstone_until IS NULL
                                   AND done_at < ?1 AND route = ?2 LIMIT ?4)",
                 )?
-                .execute(params![route.cutoff, route.route.as_str(), span_ms(after), limit])?,
+                .execute(params![route.cutoff, &route.route, span_ms(after), limit])?,
             None => conn
                 .prepare_cached(
                     "DELETE FROM records WHERE id IN (SELECT id FROM records WHERE state = 'done'
                         AND tombstone_until IS NULL AND done_at < ?1 AND route = ?2 LIMIT ?3)",
                 )?
-                .execute(params![route.cutoff, route.route.as_str(), limit])?,
+                .execute(params![route.cutoff, &route.route, limit])?,
         };
     }
     let configured = serde_json::to_string(&plan.routes.iter().map(|r| &r.route).collect::<Vec<_>>())?;

@@ -1,0 +1,63 @@
+//! Where a name (a tenant, a key, a route, a policy version, a lease's owner) or a state crosses
+//! into a database: bound as the text both schemas store, by sqlx and by the SQLite writer's
+//! rusqlite, so that no query spells `.as_str()`. On PostgreSQL the text is written from the
+//! name itself; sqlx's SQLite driver, which only reads here, takes its own copy.
+
+use std::borrow::Cow;
+
+use rusqlite::types::{ToSql, ToSqlOutput};
+use sqlx::encode::IsNull;
+use sqlx::error::BoxDynError;
+use sqlx::postgres::{PgArgumentBuffer, PgHasArrayType, PgTypeInfo, Postgres};
+use sqlx::sqlite::{Sqlite, SqliteArgumentValue, SqliteTypeInfo};
+use sqlx::{Encode, Type};
+
+use crate::domain::{Owner, PolicyVersion, RouteName, State, Tenant};
+use crate::key::IdempotencyKey;
+
+macro_rules! bound_as_text {
+    ($($name:ty),* $(,)?) => {$(
+        impl Type<Postgres> for $name {
+            fn type_info() -> PgTypeInfo {
+                <&str as Type<Postgres>>::type_info()
+            }
+
+            fn compatible(ty: &PgTypeInfo) -> bool {
+                <&str as Type<Postgres>>::compatible(ty)
+            }
+        }
+
+        impl Encode<'_, Postgres> for $name {
+            fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+                <&str as Encode<Postgres>>::encode(self.as_str(), buf)
+            }
+        }
+
+        impl PgHasArrayType for $name {
+            fn array_type_info() -> PgTypeInfo {
+                <&str as PgHasArrayType>::array_type_info()
+            }
+        }
+
+        impl Type<Sqlite> for $name {
+            fn type_info() -> SqliteTypeInfo {
+                <&str as Type<Sqlite>>::type_info()
+            }
+        }
+
+        impl<'q> Encode<'q, Sqlite> for $name {
+            fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
+                buf.push(SqliteArgumentValue::Text(Cow::Owned(self.as_str().to_owned())));
+                Ok(IsNull::No)
+            }
+        }
+
+        impl ToSql for $name {
+            fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+                Ok(ToSqlOutput::from(self.as_str()))
+            }
+        }
+    )*};
+}
+
+bound_as_text!(Tenant, IdempotencyKey, RouteName, PolicyVersion, Owner, State);
