@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
+use idem::domain::fingerprint::Fingerprint;
+use idem::domain::key::IdempotencyKey;
 use idem::domain::StopReason;
 use idem::domain::{AttemptOutcome, Holder, Owner, Tenant, Timestamp};
-use idem::fingerprint::Fingerprint;
-use idem::key::IdempotencyKey;
 use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::{self, Admission, AfterAttempt, AttemptEnded, Claim, NewRecord, Store};
 use sqlx::Connection;

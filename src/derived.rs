@@ -8,8 +8,8 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::config::{KeySource, Route};
-use crate::fingerprint::canonical_json;
-use crate::key::IdempotencyKey;
+use crate::domain::fingerprint::canonical_json;
+use crate::domain::key::IdempotencyKey;
 
 /// Derived keys carry this prefix, so they can never be mistaken for a client's own.
 pub const PREFIX: &str = "derived:";

@@ -13,7 +13,7 @@
 //!   with its connection budget, header and body timeouts, and the bound on request bytes held
 //!   in memory, so that slow or idle clients cannot starve the others.
 //! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
-//!   [`key`] (sent, or [`derived`]) and [`fingerprint`], load shedding, and
+//!   [`domain::key`] (sent, or [`derived`]) and [`domain::fingerprint`], load shedding, and
 //!   the answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
 //!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
 //!   are replayed from memory. It hands new requests (and a client's cancel) to the [`worker`],
@@ -23,7 +23,7 @@
 //!   like any keyed request, tool by tool as their annotations (or the operator) say; its
 //!   answers reshaped into JSON-RPC (replay, in flight, key reused, unknown).
 //! - [`store`] — the durable [`record`]s, named by their [`domain::Tenant`] and
-//!   [`key::IdempotencyKey`], every time in them a [`domain::Timestamp`]: one trait, a SQLite
+//!   [`domain::IdempotencyKey`], every time in them a [`domain::Timestamp`]: one trait, a SQLite
 //!   implementation (group commit through a single writer thread) and a PostgreSQL one
 //!   (`SKIP LOCKED`, `LISTEN/NOTIFY`). Each write is one named command carrying those types,
 //!   the same value for both backends; the phase it leaves a record in is what the record's
@@ -82,9 +82,7 @@ pub mod demo;
 pub mod derived;
 pub mod domain;
 pub mod edge;
-pub mod fingerprint;
 pub mod ingress;
-pub mod key;
 pub mod logs;
 pub mod mcp;
 pub mod metrics;

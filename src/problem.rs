@@ -500,7 +500,7 @@ impl Problem {
         }
         if let Some(key) = &self.idempotency_key {
             body["idempotency_key"] = key.as_ref().into();
-            body["record"] = format!("/_idem/requests/{}", crate::key::path_segment(key)).into();
+            body["record"] = format!("/_idem/requests/{}", crate::domain::key::path_segment(key)).into();
         }
         body.to_string()
     }

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::config::Live;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, State, Tenant, Timestamp};
-use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 use crate::record::Record;
 use crate::store::{Store, StoreError};

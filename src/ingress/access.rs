@@ -17,8 +17,8 @@ use axum::response::Response;
 use sha2::{Digest, Sha256};
 
 use super::{Ingress, REPLAYED_HEADER};
+use crate::domain::key::IdempotencyKey;
 use crate::domain::RouteName;
-use crate::key::IdempotencyKey;
 
 tokio::task_local! {
     static NOTE: Note;

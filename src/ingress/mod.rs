@@ -17,11 +17,11 @@ use crate::clock::SharedClock;
 use crate::config::{Config, Live, Route};
 use crate::credentials;
 use crate::derived;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::AnswerKind;
 use crate::domain::{Arrival, Phase, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
-use crate::fingerprint::Fingerprint;
-use crate::key::{IdempotencyKey, KeyError};
 use crate::metrics;
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
@@ -155,7 +155,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     if route.mcp.is_some() {
         return app.mcp(&config, route, request, arrival).await;
     }
-    let sent_key = request.headers().get(crate::key::HEADER).cloned();
+    let sent_key = request.headers().get(crate::domain::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
     let keyed = keyed_method && (sent_key.is_some() || route.require_key || !route.key_from.is_empty());
     if keyed_method && !keyed {
@@ -181,7 +181,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         let headers = response.headers_mut();
         // The key the answer is for, so that a client whose SDK made it up can find its record.
         if let Some(key) = sent_key.filter(|k| IdempotencyKey::parse_header(k.as_bytes()).is_ok()) {
-            headers.insert(crate::key::HEADER, key);
+            headers.insert(crate::domain::key::HEADER, key);
         }
         // An answer that says nothing else is final: the upstream's, or the broker's own.
         headers.entry(SHOULD_RETRY_HEADER).or_insert(HeaderValue::from_static("false"));
@@ -251,7 +251,7 @@ impl Ingress {
         let mut response = self.keyed_answer(route, Some(&key), answer);
         if derived {
             if let Ok(value) = HeaderValue::from_str(key.as_str()) {
-                response.headers_mut().insert(crate::key::HEADER, value);
+                response.headers_mut().insert(crate::domain::key::HEADER, value);
             }
         }
         response

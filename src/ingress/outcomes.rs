@@ -32,7 +32,7 @@ impl Ingress {
     pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
         let Some(outcome) = outcome else {
             super::access::kind(super::access::Kind::Accepted);
-            let location = format!("/_idem/requests/{}", crate::key::path_segment(&record.key));
+            let location = format!("/_idem/requests/{}", crate::domain::key::path_segment(&record.key));
             let mut response =
                 (StatusCode::ACCEPTED, Json(record.to_json(crate::record::View::Listed))).into_response();
             let headers = response.headers_mut();

@@ -9,9 +9,9 @@ use bytes::Bytes;
 
 use super::answers::{http_date, mark_done, response_of};
 use super::EXPIRES_HEADER;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{RouteName, Tenant, Timestamp};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
 use crate::record::StoredResponse;
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention

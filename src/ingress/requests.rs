@@ -11,10 +11,10 @@ use axum::Json;
 
 use super::Ingress;
 use crate::credentials;
+use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::Phase;
-use crate::key::{IdempotencyKey, KeyError};
 use crate::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{HistoryEntry, Record, View};

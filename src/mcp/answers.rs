@@ -6,8 +6,8 @@
 use serde_json::{json, Map, Value};
 
 use super::{codes, sse, META_RECORD, META_REPLAYED};
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, State};
-use crate::key::IdempotencyKey;
 use crate::problem::Problem;
 
 /// The stored answer to a call, replayed under `id`: the final JSON-RPC response in it (the
@@ -57,7 +57,7 @@ impl RecordRef {
             "idempotencyKey": self.key.as_str(),
             "recordId": self.id.map(|id| id.to_string()),
             "state": self.state.map(State::as_str),
-            "record": format!("/_idem/requests/{}", crate::key::path_segment(self.key.as_str())),
+            "record": format!("/_idem/requests/{}", crate::domain::key::path_segment(self.key.as_str())),
         })
     }
 }

@@ -5,9 +5,9 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::{codes, META_KEY};
+use crate::domain::fingerprint::{canonical_json, Fingerprint};
+use crate::domain::key::IdempotencyKey;
 use crate::domain::MCP_TOOLS_CALL;
-use crate::fingerprint::{canonical_json, Fingerprint};
-use crate::key::IdempotencyKey;
 
 /// What a POSTed body is, for the broker.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,10 +99,10 @@ fn single(mut members: Map<String, Value>) -> Result<Incoming, Refused> {
     Ok(Incoming::ToolCall(ToolCall { id, tool, arguments, key }))
 }
 
-fn key_error(error: &crate::key::KeyError) -> String {
+fn key_error(error: &crate::domain::key::KeyError) -> String {
     match error {
-        crate::key::KeyError::Missing => "the idempotency key is missing".into(),
-        crate::key::KeyError::Invalid(why) => why.replace("Idempotency-Key", "idempotency key"),
+        crate::domain::key::KeyError::Missing => "the idempotency key is missing".into(),
+        crate::domain::key::KeyError::Invalid(why) => why.replace("Idempotency-Key", "idempotency key"),
     }
 }
 

@@ -90,7 +90,7 @@ pub async fn probe_once(
 /// else → still unknown. No attempt header goes with it: a probe is no attempt, and an upstream
 /// fencing by claim must answer it whatever claim it last saw.
 async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record) -> (Option<Resolution>, String) {
-    let path = probe.path.replace("{idempotency_key}", &crate::key::path_segment(&record.key));
+    let path = probe.path.replace("{idempotency_key}", &crate::domain::key::path_segment(&record.key));
     let asked = format!("{} {}", probe.method, path);
     // A key such as `..` would climb out of the probe's path and ask about another resource.
     let (path_only, query) = path.split_once('?').unwrap_or((&path, ""));

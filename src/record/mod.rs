@@ -5,12 +5,12 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{
     Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, PolicyVersion, RecordId, RouteName,
 };
 use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp, MCP_TOOLS_CALL};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
 
 mod machine;
 

@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::RecordId;
 use crate::domain::RouteName;
 use crate::domain::{ClaimToken, Owner, Phase, Tenant, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
 use crate::record::{transition, Event, Record, StoredRequest, StoredResponse};
 use crate::switch::Switch;
 

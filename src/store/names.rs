@@ -12,8 +12,8 @@ use sqlx::postgres::{PgArgumentBuffer, PgHasArrayType, PgTypeInfo, Postgres};
 use sqlx::sqlite::{Sqlite, SqliteArgumentValue, SqliteTypeInfo};
 use sqlx::{Encode, Type};
 
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{Owner, PolicyVersion, RouteName, State, Tenant};
-use crate::key::IdempotencyKey;
 
 macro_rules! bound_as_text {
     ($($name:ty),* $(,)?) => {$(

@@ -5,11 +5,11 @@ use bytes::Bytes;
 use uuid::Uuid;
 
 use super::StoreError;
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::PolicyVersion;
 use crate::domain::StopReason;
 use crate::domain::{ClaimToken, HistoryAction, RecordId, State, Tenant, Timestamp};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
 use crate::record::{Attempt, HistoryEntry, Record, StoredRequest, StoredResponse};
 
 /// A row read by column name, whichever driver produced it: any sqlx row (both backends), and

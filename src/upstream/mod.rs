@@ -39,7 +39,10 @@ const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "prefer"];
 /// Is this a header the broker or the connection already sets or strips, which a header of the
 /// route's own (the deadline it tells the upstream) would clash with?
 pub fn is_reserved(name: &str) -> bool {
-    HOP_BY_HOP.contains(&name) || CLIENT_ONLY.contains(&name) || name == "content-type" || name == crate::key::HEADER
+    HOP_BY_HOP.contains(&name)
+        || CLIENT_ONLY.contains(&name)
+        || name == "content-type"
+        || name == crate::domain::key::HEADER
 }
 
 /// The request headers to send upstream (and to store, so a retry or take-over sends the same).
@@ -54,7 +57,7 @@ pub fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool) -> Ve
             !HOP_BY_HOP.contains(&n)
                 && !CLIENT_ONLY.contains(&n)
                 && !listed.iter().any(|l| l == n)
-                && (forward_key || n != crate::key::HEADER)
+                && (forward_key || n != crate::domain::key::HEADER)
         })
         .map(|(name, value)| (name.as_str().to_string(), header_text(value.as_bytes())))
         .collect()

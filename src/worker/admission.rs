@@ -11,9 +11,9 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Inner, Refusal, Told, Worker};
 use crate::config::{Config, Policy, Route};
+use crate::domain::fingerprint::Fingerprint;
+use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, RecordId, State, Tenant, Timestamp};
-use crate::fingerprint::Fingerprint;
-use crate::key::IdempotencyKey;
 use crate::metrics::{Laps, Stage};
 use crate::record::{Record, StoredRequest};
 use crate::runtime::RouteGuard;
@@ -257,11 +257,11 @@ pub(super) mod tests {
     fn keyed(key: &str) -> Request {
         Request {
             tenant: "default".into(),
-            key: crate::key::IdempotencyKey::parse(key).unwrap(),
+            key: crate::domain::key::IdempotencyKey::parse(key).unwrap(),
             method: http::Method::POST,
             path: "/payments".into(),
             query: String::new(),
-            fingerprint: crate::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
+            fingerprint: crate::domain::fingerprint::Fingerprint::of("payments", "POST", "/payments", "", None, b"{}"),
             stored: crate::record::StoredRequest { headers: vec![], body: bytes::Bytes::new() },
             deadline_at: NOW + Duration::from_millis(30_000),
             arrival: Arrival { at: NOW, monotonic: Instant::now() },
@@ -326,7 +326,7 @@ pub(super) mod tests {
         assert!(
             inner
                 .store
-                .lookup(&"default".into(), &crate::key::IdempotencyKey::parse("held").unwrap())
+                .lookup(&"default".into(), &crate::domain::key::IdempotencyKey::parse("held").unwrap())
                 .await
                 .unwrap()
                 .is_none(),

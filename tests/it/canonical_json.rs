@@ -14,7 +14,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use idem::fingerprint::{canonical_json, Fingerprint, MAX_DEPTH};
+use idem::domain::fingerprint::{canonical_json, Fingerprint, MAX_DEPTH};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::Value;

@@ -212,7 +212,7 @@ async fn sigterm_hands_a_waiting_record_back_and_it_completes_after_the_restart(
     // Read straight from the store while no broker runs: handed back, not left to its lease.
     {
         let store = idem::store::open(&rig.db.url).await.unwrap();
-        let key = idem::key::IdempotencyKey::parse("graceful").unwrap();
+        let key = idem::domain::key::IdempotencyKey::parse("graceful").unwrap();
         let record = store.lookup(&Default::default(), &key).await.unwrap().expect("the record is kept");
         assert_eq!(record.phase(), idem::domain::Phase::Queued, "{record:?}");
         assert!(record.lease.is_none(), "{record:?}");

@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use crate::common::{Backend, Db};
 use bytes::Bytes;
+use idem::domain::fingerprint::Fingerprint;
+use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, StopReason};
 use idem::domain::{
     AttemptError, AttemptOutcome, ClaimToken, HistoryAction, Holder, Phase, RecordId, State, Timestamp,
 };
-use idem::fingerprint::Fingerprint;
-use idem::key::IdempotencyKey;
 use idem::record::{header_text, Attempt, HistoryEntry, Record, StoredRequest, StoredResponse, StreamFacts};
 use idem::store::{
     self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,

@@ -5,9 +5,9 @@
 use crate::common::backend::{postgres_url_for_new_db, skipped};
 use crate::common::{Backend, Db};
 use bytes::Bytes;
+use idem::domain::fingerprint::Fingerprint;
 use idem::domain::StopReason;
 use idem::domain::{AttemptOutcome, ClaimToken, Holder, RecordId, State, Timestamp};
-use idem::fingerprint::Fingerprint;
 use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
 use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
@@ -25,7 +25,7 @@ fn request(route: &str, key: &str, now: Timestamp, claimed: bool) -> NewRecord {
     NewRecord {
         id: RecordId::new(),
         tenant: "default".into(),
-        key: idem::key::IdempotencyKey::parse(key).unwrap(),
+        key: idem::domain::key::IdempotencyKey::parse(key).unwrap(),
         route: route.into(),
         method: http::Method::POST,
         path: path.clone(),

@@ -52,9 +52,9 @@ use super::{
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, LeaseClock, ListFilter, Notice, Page, Probed, ProbesDue, Renew,
     Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::domain::key::IdempotencyKey;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
-use crate::key::IdempotencyKey;
 use crate::record::Record;
 use crate::switch::Switch;
 

@@ -33,9 +33,9 @@ use super::{
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
     StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::domain::key::IdempotencyKey;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
-use crate::key::IdempotencyKey;
 use crate::record::Record;
 use crate::switch::Switch;
 

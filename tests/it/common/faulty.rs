@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use idem::domain::key::IdempotencyKey;
 use idem::domain::{ClaimToken, Phase, RecordId, Tenant, Timestamp};
-use idem::key::IdempotencyKey;
 use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
