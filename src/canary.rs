@@ -11,7 +11,8 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::clock::{SharedClock, Turns};
-use crate::config::{Live, Route};
+use crate::config::Route;
+use crate::runtime::Live;
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 use crate::domain::Timestamp;

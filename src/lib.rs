@@ -6,9 +6,13 @@
 //!   claim token, state and phase, stop reason, attempt outcome and error, history action, answer
 //!   kind, policy version, timestamp), each one type with one spelling.
 //! - [`config`] — the TOML file, validated into routes and policies, each policy named by its
-//!   `policy_version` (a digest of its values, see [`policy`]); the configuration in force is
-//!   held replaceable ([`config::Live`]): a request, an execution, a background pass each read
-//!   it once.
+//!   `policy_version` (a digest of its values, see [`policy`]).
+//! - [`runtime`] — each configured route's state while it serves: its places and retry budget,
+//!   its upstream's breaker, the pace of its attempts and its replays and 409s counted; beside
+//!   them the retry quotas of tenants and the budgets of named upstreams. Held with the
+//!   configuration in one snapshot, served replaceable ([`runtime::Live`]) and swapped whole on
+//!   reload: a request resolves its route there once ([`runtime::ServedRoute`]) and carries it
+//!   to its end, as do an execution and a background pass. It counts in the broker's [`clock`].
 //! - [`edge`] — what stands between the network and the handlers: each listener's accept loop
 //!   with its connection budget, header and body timeouts, and the bound on request bytes held
 //!   in memory, so that slow or idle clients cannot starve the others.
@@ -30,10 +34,6 @@
 //!   pure state machine ([`record::transition`]) decides, which each backend persists guarded by
 //!   the phase it was decided from. A record is committed before anything goes upstream; its
 //!   deadline is the route's, or shorter when the client asks in the route's `deadline_header`.
-//! - [`runtime`] — each configured route's state while it serves: its places and retry budget,
-//!   its upstream's breaker, the pace of its attempts and its replays and 409s counted; beside
-//!   them the retry quotas of tenants and the budgets of named upstreams; built with each
-//!   configuration and swapped whole on reload, counting in the broker's [`clock`].
 //! - [`worker`] — admits a new request in one call from the ingress ([`worker::Worker::admit`]:
 //!   shed by the route's limits, or recorded and started, claimed in the same commit when a
 //!   worker is free); claims a record under a lease, sends attempts through [`upstream`], stores each

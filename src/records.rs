@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::SharedClock;
-use crate::config::Live;
+use crate::runtime::Live;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, State, Tenant, Timestamp};
 use crate::problem::Problem;

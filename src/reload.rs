@@ -12,11 +12,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use crate::config::{self, Changes, Config, ConfigError, Live};
+use crate::config::{self, Changes, Config, ConfigError};
+use crate::runtime::Live;
 use crate::edge::tls::Certificates;
 use crate::metrics;
 use crate::upstream::Upstream;
-use crate::worker::Worker;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
@@ -54,9 +54,8 @@ pub struct Applied {
 pub struct Reloader {
     /// The file read again; `None` for a broker started from a configuration in memory.
     file: Option<PathBuf>,
+    /// The configuration and its routes' runtimes, replaced together.
     config: Arc<Live>,
-    /// Its routes' runtimes follow the configuration.
-    worker: Worker,
     /// The listeners' certificates, read again at each reload so that they rotate.
     certificates: Certificates,
     /// Its clients of TLS profiles no route uses any more are dropped.
@@ -70,12 +69,11 @@ impl Reloader {
     pub fn new(
         file: Option<PathBuf>,
         config: Arc<Live>,
-        worker: Worker,
         certificates: Certificates,
         upstream: Upstream,
     ) -> Reloader {
         metrics::config_loaded(config.loaded_at());
-        Reloader { file, config, worker, certificates, upstream, busy: tokio::sync::Mutex::new(()) }
+        Reloader { file, config, certificates, upstream, busy: tokio::sync::Mutex::new(()) }
     }
 
     /// Reads the file again and applies it, or keeps the running configuration and says why.
@@ -110,10 +108,9 @@ impl Reloader {
         let mut changes = config::changes(&self.config.current(), &new)?;
         // Read again even when the paths are the same: rotation rewrites the files in place.
         changes.settings.extend(self.certificates.reload(&new)?);
-        // The runtimes first: a request that reads the new configuration finds its route's.
-        self.worker.runtimes().reconfigure(&new);
+        // The routes and their runtimes in one step: a request reads both or neither.
         let new = Arc::new(new);
-        self.config.replace(new.clone());
+        self.config.reconfigure(new.clone());
         // Executions still running under the old configuration make a new client if they need one.
         self.upstream.keep_clients_of(&new);
         let loaded_at = self.config.loaded_at();

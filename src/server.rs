@@ -12,7 +12,8 @@ use tokio::task::JoinHandle;
 use crate::admin::{self, Admin};
 use crate::canary;
 use crate::clock::{self, SharedClock, Turns};
-use crate::config::{Config, Live};
+use crate::config::Config;
+use crate::runtime::Live;
 use crate::edge::body::BodyBudget;
 use crate::edge::tls::Certificates;
 use crate::edge::{self, process, ListenerLimits};
@@ -20,7 +21,6 @@ use crate::ingress::{self, Ingress};
 use crate::reconcile;
 use crate::records::Records;
 use crate::reload::Reloader;
-use crate::runtime::Runtimes;
 use crate::store::{self, LeaseClock, StoreError};
 use crate::switchboard::{self, Switches};
 use crate::tally;
@@ -49,9 +49,8 @@ pub struct Running {
     pub worker: Worker,
     /// Reads the config file again and applies it (`SIGHUP`, `POST /admin/config/reload`).
     pub reloader: Arc<Reloader>,
-    /// Their replays and 409s are flushed once more at shutdown, so the last second's are not lost.
-    runtimes: Arc<Runtimes>,
-    /// Where those last counts go.
+    /// Where the routes' replays and 409s are flushed once more at shutdown, so that the last
+    /// second's are not lost.
     store: Arc<dyn store::Store>,
     /// The time they are counted at.
     clock: SharedClock,
@@ -145,7 +144,7 @@ async fn start_on(
     leases: LeaseClock,
 ) -> Result<Running, StartError> {
     crate::metrics::handle();
-    let live = Arc::new(Live::new(config));
+    let live = Arc::new(Live::new(config, clock.clone()));
     // The settings a reload cannot change are read here, once.
     let config = live.current();
     let (data_limits, admin_limits) = listener_limits(&config);
@@ -171,10 +170,9 @@ async fn start_on(
         clock: clock.clone(),
     });
     let bodies = Arc::new(BodyBudget::new(config.server.limits.max_buffered_bodies));
-    let runtimes = worker.runtimes();
     let data_tls = certificates.data.as_ref().map(|certificate| certificate.acceptor());
     let admin_tls = certificates.admin.as_ref().map(|certificate| certificate.acceptor());
-    let reloader = Arc::new(Reloader::new(file, live.clone(), worker.clone(), certificates, upstream.clone()));
+    let reloader = Arc::new(Reloader::new(file, live.clone(), certificates, upstream.clone()));
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
@@ -214,7 +212,7 @@ async fn start_on(
         reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t)
     });
     upkeep.start("store health", |t| store::watch_store(store.clone(), health, t));
-    upkeep.start("answer counts", |t| tally::flush_every_second(runtimes.clone(), store.clone(), clock.clone(), t));
+    upkeep.start("answer counts", |t| tally::flush_every_second(live.clone(), store.clone(), clock.clone(), t));
     upkeep.start("canary watch", |t| canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t));
     upkeep.start("switch refresh", |t| switchboard::keep_fresh(switches, store.clone(), t));
     upkeep.start("metrics upkeep", crate::metrics::upkeep);
@@ -233,7 +231,7 @@ async fn start_on(
         });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, runtimes, store, clock, live, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, stop, servers, upkeep })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -290,7 +288,7 @@ impl Running {
                 tracing::warn!("a listener did not finish its answers in time");
             }
         }
-        if let Err(e) = tally::flush(&self.runtimes, &*self.store, self.clock.now()).await {
+        if let Err(e) = tally::flush(&self.live.served(), &*self.store, self.clock.now()).await {
             tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
         self.store.close().await;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::{SharedClock, Turns};
 use crate::domain::Timestamp;
-use crate::runtime::Runtimes;
+use crate::runtime::{Live, Snapshot};
 use crate::store::{AddAnswerCounts, Store, StoreError};
 
 /// How often counts go to the store: the resolution of the replay and 409 series.
@@ -19,7 +19,7 @@ pub const KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Adds what was counted to the store (and forgets counters older than [`KEEP`]). When the
 /// store refuses, the counts are kept for the next flush. `now` is the second they count in.
-pub async fn flush(runtimes: &Runtimes, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
+pub async fn flush(runtimes: &Snapshot, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
     let counts = runtimes.take_answer_counts(now);
     if counts.is_empty() {
         return Ok(());
@@ -32,11 +32,11 @@ pub async fn flush(runtimes: &Runtimes, store: &dyn Store, now: Timestamp) -> Re
 }
 
 /// Flushes every [`FLUSH_EVERY`] until `turns` end (shutdown flushes a last time).
-pub async fn flush_every_second(runtimes: Arc<Runtimes>, store: Arc<dyn Store>, clock: SharedClock, mut turns: Turns) {
+pub async fn flush_every_second(live: Arc<Live>, store: Arc<dyn Store>, clock: SharedClock, mut turns: Turns) {
     let mut ticks = tokio::time::interval(FLUSH_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while turns.next(ticks.tick()).await.is_some() {
-        if let Err(e) = flush(&runtimes, &*store, clock.now()).await {
+        if let Err(e) = flush(&live.served(), &*store, clock.now()).await {
             tracing::warn!(error = %e, "cannot store the replay and 409 counts; keeping them for the next try");
         }
     }
@@ -44,9 +44,11 @@ pub async fn flush_every_second(runtimes: Arc<Runtimes>, store: Arc<dyn Store>, 
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use crate::config::Config;
     use crate::domain::Timestamp;
-    use crate::runtime::Runtimes;
+    use crate::runtime::Live;
     use crate::store::stats::AnswerCount;
 
     #[test]
@@ -55,27 +57,27 @@ mod tests {
             format!("[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"http://127.0.0.1:9\"\n")
         };
         let config = Config::parse_with_env(&(route("payments") + &route("ledger")), |_| None).unwrap();
-        let runtimes = Runtimes::new(&config, crate::clock::system());
-        runtimes.count_replay("payments");
-        runtimes.count_replay("payments");
-        runtimes.count_conflict("payments");
-        runtimes.count_replay("gone");
+        let live = Live::new(config.clone(), crate::clock::system());
+        let (payments, ledger) = (live.served().route_named("payments").unwrap(), live.served().route_named("ledger").unwrap());
+        payments.count_replay();
+        payments.count_replay();
+        payments.count_conflict();
         let at = Timestamp::from_millis;
-        let counts = runtimes.take_answer_counts(at(12_345));
+        let counts = live.served().take_answer_counts(at(12_345));
         assert_eq!(counts, [AnswerCount { route: "payments".into(), second: at(12_000), replays: 2, conflicts: 1 }]);
-        assert!(runtimes.take_answer_counts(at(13_000)).is_empty(), "taken counts are not taken again");
-        runtimes.restore_answer_counts(&counts);
+        assert!(live.served().take_answer_counts(at(13_000)).is_empty(), "taken counts are not taken again");
+        live.served().restore_answer_counts(&counts);
         assert_eq!(
-            runtimes.take_answer_counts(at(14_999))[0].replays,
+            live.served().take_answer_counts(at(14_999))[0].replays,
             2,
             "counts the store refused go with the next flush"
         );
         // Kept across a reload that keeps the route; gone with a route that goes.
-        runtimes.count_conflict("ledger");
-        runtimes.reconfigure(&config);
-        assert_eq!(runtimes.take_answer_counts(at(15_000))[0].conflicts, 1);
-        runtimes.count_conflict("ledger");
-        runtimes.reconfigure(&Config::parse_with_env(&route("payments"), |_| None).unwrap());
-        assert!(runtimes.take_answer_counts(at(16_000)).is_empty());
+        ledger.count_conflict();
+        live.reconfigure(Arc::new(config));
+        assert_eq!(live.served().take_answer_counts(at(15_000))[0].conflicts, 1);
+        live.served().route_named("ledger").unwrap().count_conflict();
+        live.reconfigure(Arc::new(Config::parse_with_env(&route("payments"), |_| None).unwrap()));
+        assert!(live.served().take_answer_counts(at(16_000)).is_empty());
     }
 }

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::clock::SharedClock;
-use crate::config::Live;
+use crate::runtime::Live;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RecordId;
@@ -132,10 +132,10 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
         }
         Err(_) => None,
     };
-    let config = admin.config.current();
-    let routes: Vec<&str> = config.routes.iter().map(|r| r.name.as_str()).collect();
+    let served = admin.config.served();
+    let routes: Vec<&str> = served.config().routes.iter().map(|r| r.name.as_str()).collect();
     let switches = admin.switches.render_metric(&routes, admin.clock.now());
-    let circuits = admin.worker.runtimes().breaker_states();
+    let circuits = served.breaker_states();
     let body = crate::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

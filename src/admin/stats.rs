@@ -120,7 +120,8 @@ pub(super) struct StatsQuery {
 pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<StatsQuery>) -> Result<Response, Problem> {
     let resolution = Resolution::parse(q.window.as_deref(), q.step.as_deref()).map_err(|e| e.problem())?;
     let route = q.route.filter(|r| !r.is_empty()).map(RouteName::from);
-    let config = admin.config.current();
+    let served = admin.config.served();
+    let config = served.config();
     let routes: Vec<&str> = match &route {
         Some(name) if config.route_named(name).is_none() => return Err(Problem::route_not_found(name)),
         Some(name) => vec![name.as_str()],
@@ -145,7 +146,7 @@ pub(super) async fn stats(State(admin): State<Arc<Admin>>, Query(q): Query<Stats
         "now": now.rfc3339(),
         "routes": routes,
         // Each retry budget's last 10 s on this node: whose retries a storm is spending.
-        "budgets": budgets_spent_by(admin.worker.runtimes().budget_views(), route.and_then(|r| config.route_named(&r))),
+        "budgets": budgets_spent_by(served.budget_views(), route.and_then(|r| config.route_named(&r))),
     }))
     .into_response())
 }

@@ -17,7 +17,6 @@ mod candidate;
 mod described;
 mod diff;
 mod limits;
-mod live;
 mod mcp;
 mod quotas;
 mod raw;
@@ -32,7 +31,6 @@ pub use candidate::Candidate;
 pub use described::describe;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
-pub use live::Live;
 pub use mcp::{McpSettings, RouteKind, ToolRule};
 pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
 pub use telemetry::TelemetryConfig;
@@ -287,11 +285,24 @@ impl Config {
 
     /// The route whose `path_prefix` is the longest prefix of `path`, on a segment boundary.
     pub fn route_for(&self, path: &str) -> Option<&Route> {
-        self.routes.iter().filter(|r| prefix_matches(&r.path_prefix, path)).max_by_key(|r| r.path_prefix.len())
+        self.position_for(path).map(|i| &self.routes[i])
     }
 
     pub fn route_named(&self, name: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.name == name)
+        self.position_named(name).map(|i| &self.routes[i])
+    }
+
+    /// Where in `routes` the route for `path` is ([`Config::route_for`]).
+    pub fn position_for(&self, path: &str) -> Option<usize> {
+        (self.routes.iter().enumerate())
+            .filter(|(_, r)| prefix_matches(&r.path_prefix, path))
+            .max_by_key(|(_, r)| r.path_prefix.len())
+            .map(|(i, _)| i)
+    }
+
+    /// Where in `routes` the route called `name` is.
+    pub fn position_named(&self, name: &str) -> Option<usize> {
+        self.routes.iter().position(|r| r.name == name)
     }
 
     pub fn uses_tenants(&self) -> bool {

@@ -2,7 +2,6 @@
 //! a recorded tool, which is keyed, fingerprinted and executed like any keyed request, by the
 //! same admission, and answered in JSON-RPC.
 
-use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -18,6 +17,7 @@ use super::{Ingress, Read, REPLAYED_HEADER};
 use crate::config::{Config, Route};
 use crate::credentials;
 use crate::derived;
+use crate::runtime::ServedRoute;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, State, Tenant};
 use crate::mcp::answers::{self, RecordRef};
@@ -32,8 +32,7 @@ use crate::switch::SwitchAction;
 
 /// A recorded call, as read: its body (stored as the record's request) and its message.
 struct Recorded<'a> {
-    config: &'a Arc<Config>,
-    route: &'a Route,
+    route: &'a ServedRoute,
     tenant: Tenant,
     parts: http::request::Parts,
     body: Bytes,
@@ -47,13 +46,8 @@ struct Recorded<'a> {
 
 impl Ingress {
     /// A request on an MCP route.
-    pub(super) async fn mcp(
-        &self,
-        config: &Arc<Config>,
-        route: &Route,
-        request: Request,
-        arrival: Arrival,
-    ) -> Response {
+    pub(super) async fn mcp(&self, route: &ServedRoute, request: Request, arrival: Arrival) -> Response {
+        let config = route.config();
         let tenant = match credentials::tenant(config, request.headers()) {
             Ok(tenant) => tenant,
             Err(problem) => return problem.into_response(),
@@ -96,7 +90,7 @@ impl Ingress {
                     ToolClass::PassThrough => self.mcp_pass(config, route, &parts, body, watch).await,
                     ToolClass::Recorded { replay_safe } => {
                         let recorded =
-                            Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch };
+                            Recorded { route, tenant, parts, body, call, replay_safe, arrival, watch };
                         self.mcp_recorded(recorded).await
                     }
                 }
@@ -143,7 +137,8 @@ impl Ingress {
     /// A `tools/call` to a recorded tool: keyed (sent, or derived from the route's `key_from`),
     /// fingerprinted by tool and arguments, executed or answered from its record.
     async fn mcp_recorded(&self, recorded: Recorded<'_>) -> Response {
-        let Recorded { config, route, tenant, parts, body, call, replay_safe, arrival, watch } = recorded;
+        let Recorded { route, tenant, parts, body, call, replay_safe, arrival, watch } = recorded;
+        let config = route.config();
         // Fields that change on every retry (a timestamp, a nonce) count neither in the
         // fingerprint nor in a derived key.
         let kept = derived::without_ignored(&body, &route.fingerprint_ignore);
@@ -188,7 +183,6 @@ impl Ingress {
             key: &key,
             fingerprint,
             body,
-            config,
             route,
             parts: &parts,
             arrival,

@@ -14,7 +14,8 @@ use tokio::sync::watch;
 use tracing::{info_span, Instrument, Span};
 
 use crate::clock::SharedClock;
-use crate::config::{Config, Live, Route};
+use crate::config::Route;
+use crate::runtime::{Live, ServedRoute};
 use crate::credentials;
 use crate::derived;
 use crate::domain::fingerprint::Fingerprint;
@@ -27,22 +28,20 @@ use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
 use crate::records::Records;
-use crate::runtime::Runtimes;
 use crate::store::{Health, NewRecord};
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
 use crate::worker::{self, Admit, Admitted, Refusal, Worker};
 
-/// A keyed request as read: whose it is, its key and fingerprint, its head and body, the
-/// configuration in force when it arrived, its route there, and when it arrived.
+/// A keyed request as read: whose it is, its key and fingerprint, its head and body, its route
+/// as served when it arrived (with the configuration it belongs to), and when it arrived.
 struct Read<'a> {
     tenant: Tenant,
     key: &'a IdempotencyKey,
     fingerprint: Fingerprint,
     body: Bytes,
-    config: &'a Arc<Config>,
-    route: &'a Route,
+    route: &'a ServedRoute,
     parts: &'a http::request::Parts,
     arrival: Arrival,
     /// What the client asked for: its `Prefer` header, or an MCP route's own wait.
@@ -57,8 +56,8 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 
 pub struct Ingress {
-    /// The configuration in force: each request reads it once, when it arrives, and is served
-    /// by that snapshot to its end.
+    /// What is served: each request reads it once, when it arrives (its route's configuration
+    /// and runtime together), and is served by that snapshot to its end.
     config: Arc<Live>,
     /// Where it reads records, with how long each answer lives.
     records: Records,
@@ -70,8 +69,6 @@ pub struct Ingress {
     bodies: Arc<BodyBudget>,
     /// The store's health as the checks last found it.
     health: Arc<Health>,
-    /// Each route's runtime: its replays and 409s counted, the pace of its attempts.
-    runtimes: Arc<Runtimes>,
     /// The tools MCP sessions listed through the broker: which of their calls are recorded.
     mcp_tools: Arc<crate::mcp::Catalog>,
     /// The operator's emergency switches: an isolated route takes no new key.
@@ -86,7 +83,7 @@ pub struct Ingress {
 pub struct Parts {
     pub config: Arc<Live>,
     pub records: Records,
-    /// The worker it hands executions to; the routes' runtimes and its shutdown come with it.
+    /// The worker it hands executions to; its shutdown comes with it.
     pub worker: Worker,
     pub upstream: Upstream,
     pub bodies: Arc<BodyBudget>,
@@ -101,7 +98,6 @@ impl Ingress {
     pub fn new(parts: Parts) -> Ingress {
         let Parts { config, records, worker, upstream, bodies, health, switches, clock, replay_cache_bytes } = parts;
         Ingress {
-            runtimes: worker.runtimes(),
             stopping: worker.stopping(),
             replays: Replays::new(replay_cache_bytes),
             mcp_tools: Arc::default(),
@@ -142,18 +138,19 @@ pub fn router(ingress: Arc<Ingress>) -> Router {
 
 /// A data-plane request, answered under the configuration in force when it arrived.
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let config = app.config.current();
+    let served = app.config.served();
+    let config = served.config();
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
     if let Err(why) = crate::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
     }
-    let Some(route) = config.route_for(&path) else {
+    let Some(route) = served.route_for(&path) else {
         return Problem::no_route(&path).into_response();
     };
     access::route(&route.name);
     if route.mcp.is_some() {
-        return app.mcp(&config, route, request, arrival).await;
+        return app.mcp(&route, request, arrival).await;
     }
     let sent_key = request.headers().get(crate::domain::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
@@ -161,19 +158,19 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     if keyed_method && !keyed {
         metrics::unkeyed(&route.name);
     }
-    let mut response = match credentials::tenant(&config, request.headers()) {
+    let mut response = match credentials::tenant(config, request.headers()) {
         Err(problem) if keyed => problem.state(State::NotStarted).into_response(),
         Err(problem) => problem.into_response(),
-        Ok(tenant) if keyed => app.keyed(&config, route, tenant, request, arrival).await,
+        Ok(tenant) if keyed => app.keyed(&route, tenant, request, arrival).await,
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
             Some(refusal) => {
                 metrics::held_by_switch(&route.name, SwitchAction::Isolate);
-                app.refused(route, refusal).into_response()
+                app.refused(&route, refusal).into_response()
             }
             None => {
                 access::kind(access::Kind::Passed);
-                app.plain(&config, route, request).await
+                app.plain(config, &route, request).await
             }
         },
     };
@@ -194,8 +191,7 @@ impl Ingress {
     /// answer, which says which key it was for and until when that key's result is replayed.
     async fn keyed(
         &self,
-        config: &Arc<Config>,
-        route: &Route,
+        route: &ServedRoute,
         tenant: Tenant,
         request: Request,
         arrival: Arrival,
@@ -240,7 +236,7 @@ impl Ingress {
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
         let read =
-            Read { tenant, key: &key, fingerprint, body, config, route, parts: &parts, arrival, prefer, replay_safe };
+            Read { tenant, key: &key, fingerprint, body, route, parts: &parts, arrival, prefer, replay_safe };
         let span = |tenant: &Tenant| {
             let span = info_span!("request", %tenant, route = %route.name, method = %parts.method);
             crate::telemetry::continue_trace(&span, &parts.headers);
@@ -300,7 +296,7 @@ impl Ingress {
     /// database at all, nor anything a new record needs; refused if its request differs.
     fn replayed(
         &self,
-        route: &Route,
+        route: &ServedRoute,
         tenant: &Tenant,
         key: &IdempotencyKey,
         fingerprint: Fingerprint,
@@ -312,14 +308,18 @@ impl Ingress {
             return Some(Err(Problem::key_reused().state(State::Done)));
         }
         metrics::answered(&replay.route, AnswerKind::Replay);
-        self.runtimes.count_replay(&replay.route);
+        // Counted on the route that recorded it, which is almost always the one asked.
+        match replay.route == route.name {
+            true => route.count_replay(),
+            false => route.snapshot().route_named(&replay.route).iter().for_each(ServedRoute::count_replay),
+        }
         Some(Ok(replay.answer()))
     }
 
     /// A keyed request whose answer is not in memory: admitted, and executed or answered from
     /// its record.
     async fn execute_keyed(&self, read: Read<'_>) -> Answer {
-        let Read { tenant, key, fingerprint, body, config, route, parts, arrival, prefer, replay_safe } = read;
+        let Read { tenant, key, fingerprint, body, route, parts, arrival, prefer, replay_safe } = read;
         let query = parts.uri.query().unwrap_or("");
         let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
@@ -329,7 +329,7 @@ impl Ingress {
             path: parts.uri.path().to_string(),
             query: query.to_string(),
             fingerprint,
-            stored: StoredRequest { headers: stored_headers(route, parts, &config.server.forwarded), body },
+            stored: StoredRequest { headers: stored_headers(route, parts, &route.config().server.forwarded), body },
             deadline_at: arrival.at + deadline(policy.retry, route, &parts.headers),
             arrival,
         };
@@ -339,7 +339,7 @@ impl Ingress {
         // A new execution is shed before anything is recorded if the route is saturated, its
         // upstream's circuit is open or an operator isolated it — unless the key exists: its
         // record answers then.
-        let admit = Admit { config, route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
+        let admit = Admit { route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);

@@ -103,12 +103,14 @@ impl Ingress {
             Phase::Queued | Phase::InProgress => AnswerKind::InProgress,
             Phase::Free => AnswerKind::Freed,
         };
+        // As served now; `None` for a route no longer configured, whose answers are not counted.
+        let route = self.config.served().route_named(&record.route);
         if replay {
             metrics::answered(&record.route, kind);
-            match record.phase() {
-                Phase::Done => self.runtimes.count_replay(&record.route),
-                Phase::Queued | Phase::InProgress => self.runtimes.count_conflict(&record.route),
-                Phase::Unknown | Phase::Free => {}
+            match (record.phase(), &route) {
+                (Phase::Done, Some(route)) => route.count_replay(),
+                (Phase::Queued | Phase::InProgress, Some(route)) => route.count_conflict(),
+                _ => {}
             }
         }
         if let Some(spent) = self.records.spent(&record) {
@@ -134,14 +136,14 @@ impl Ingress {
                     now: self.clock.now(),
                     in_flight_since: record.in_flight.map(|(_, started)| started),
                     // The limit of the policy the record runs under: a canary's, maybe.
-                    attempt_limit: self.config.current().route_named(&record.route).map(|route| {
+                    attempt_limit: route.as_ref().map(|route| {
                         let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v));
                         policy.map_or(route.retry.per_try_timeout, |p| p.retry.per_try_timeout)
                     }),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };
-                let eta = outcome_eta(pending, self.runtimes.pace(&record.route));
+                let eta = outcome_eta(pending, route.and_then(|route| route.pace()));
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{SharedClock, Turns};
-use crate::config::{Config, Live};
+use crate::config::Config;
+use crate::runtime::Live;
 use crate::domain::Timestamp;
 use crate::store::{RouteSweep, Store, Sweep, SweepPlan};
 

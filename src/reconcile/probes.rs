@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use super::BATCH;
 use crate::clock::{Clock, SharedClock, Turns};
-use crate::config::{Live, Probe, Route};
+use crate::config::{Probe, Route};
+use crate::runtime::Live;
 use crate::domain::Actor;
 use crate::domain::{HistoryAction, Phase};
 use crate::record::{HistoryEntry, Record};

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use super::BATCH;
 use crate::clock::{SharedClock, Turns};
-use crate::config::{Config, Live, Route};
+use crate::config::{Config, Route};
+use crate::runtime::Live;
 use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, StopReason, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
 use crate::store::{ClaimUnclaimed, Store, TakeOver, TakeOverTo};
@@ -297,7 +298,7 @@ mod tests {
         let worker = Worker::new(Parts {
             store: store.clone(),
             upstream: Upstream::new(),
-            config: Arc::new(Live::new(config.clone())),
+            config: Arc::new(Live::new(config.clone(), clock.clone())),
             owner: "alive".into(),
             settled: Arc::new(Settled::default()),
             switches: Arc::new(crate::switchboard::Switches::new(clock.clone())),

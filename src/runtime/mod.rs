@@ -1,42 +1,36 @@
 //! Each configured route's runtime state, in one place: what it can take (attempts in flight,
 //! executions waiting for one, its retry budget), its upstream's circuit breaker, the pace of its
 //! attempts (for a 409's estimate) and its replays and 409s counted for `/admin/stats`; beside
-//! them, the retry budgets of tenants and named upstreams ([`budgets`]). Built with each
-//! configuration snapshot and swapped whole on reload; a route that went away is dropped with
-//! it. Admission control is checked here before anything is recorded.
+//! them, the retry budgets of tenants and named upstreams ([`budgets`]). Held with the
+//! configuration it was built for in one [`Snapshot`], served by [`Live`] and swapped whole on
+//! reload; a route that went away is dropped with it. A request resolves its [`ServedRoute`]
+//! once and carries it to its end; admission control is checked there before anything is
+//! recorded.
 
 mod budgets;
+mod live;
+mod route;
 pub use budgets::BudgetView;
 pub(crate) use budgets::Charges;
 use budgets::{SharedBudget, TenantBudgets};
+pub use live::Live;
+pub use route::ServedRoute;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
 use crate::clock::SharedClock;
 use crate::config::{BudgetLimits, Config, Route};
-use crate::domain::{BudgetScope, RouteName, Tenant, Timestamp};
+use crate::domain::{BudgetScope, Timestamp};
 use crate::policy::{Breaker, BreakerState, RoutePace};
 use crate::store::stats::AnswerCount;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The runtimes of the routes configured now, shared by the ingress and the workers.
-///
-/// A reload builds a new set and swaps it in whole. What a route keeps across it: its guard while
-/// its limits (`max_concurrency`, the retry budget) are unchanged, its breaker while its upstream
-/// and circuit settings are, and always its pace and its counts; a tenant's or an upstream's
-/// budget is kept while its limits are unchanged. An execution holds the guard it
-/// started with to its end, so its attempts keep counting against the limits they started under.
-pub struct Runtimes {
-    current: RwLock<Arc<Snapshot>>,
-    ticks: Ticks,
 }
 
 /// The runtime's time: the broker's clock, read as an [`Instant`] for the budgets and breakers
@@ -58,13 +52,22 @@ impl Ticks {
     }
 }
 
-#[derive(Default)]
-struct Snapshot {
-    routes: HashMap<RouteName, Arc<RouteRuntime>>,
+/// One configuration and the runtimes of its routes, built together and served together.
+///
+/// A reload builds the next snapshot from this one. What a route keeps across it: its guard
+/// while its limits (`max_concurrency`, the retry budget) are unchanged, its breaker while its
+/// upstream and circuit settings are, and always its pace and its counts; a tenant's or an
+/// upstream's budget is kept while its limits are unchanged. An execution holds the snapshot it
+/// started with to its end, so its attempts keep counting against the limits they started under.
+pub struct Snapshot {
+    config: Arc<Config>,
+    /// Each route's, in the order of `config.routes`.
+    routes: Vec<RouteRuntime>,
     /// By upstream ([`Route::upstream_key`]): routes that call the same upstream share its
     /// breaker, and a named upstream's retry budget.
     upstreams: HashMap<String, UpstreamRuntime>,
     tenants: TenantBudgets,
+    ticks: Ticks,
 }
 
 #[derive(Clone)]
@@ -147,18 +150,19 @@ fn queue_bound(max_concurrency: usize) -> usize {
     (max_concurrency / 4).max(4)
 }
 
-impl Runtimes {
-    pub fn new(config: &Config, clock: SharedClock) -> Runtimes {
-        let runtimes = Runtimes { current: RwLock::new(Arc::default()), ticks: Ticks::new(clock) };
-        runtimes.reconfigure(config);
-        runtimes
+impl Snapshot {
+    /// The runtimes of `config`'s routes, all fresh.
+    fn first(config: Arc<Config>, ticks: Ticks) -> Snapshot {
+        Snapshot::build(config, ticks, None)
     }
 
-    /// Builds the runtimes of `config`'s routes, keeping what each route may keep of its
-    /// current one, and swaps them in.
-    pub fn reconfigure(&self, config: &Config) {
-        let now = self.ticks.now();
-        let mut current = write(&self.current);
+    /// The runtimes of `config`'s routes, each keeping what it may keep of its runtime here.
+    fn next(&self, config: Arc<Config>) -> Snapshot {
+        Snapshot::build(config, self.ticks.clone(), Some(self))
+    }
+
+    fn build(config: Arc<Config>, ticks: Ticks, before: Option<&Snapshot>) -> Snapshot {
+        let now = ticks.now();
         let mut upstreams: HashMap<String, UpstreamRuntime> = HashMap::new();
         // Routes that share an upstream share its breaker, with the settings of the first.
         for r in &config.routes {
@@ -166,7 +170,7 @@ impl Runtimes {
             if upstreams.contains_key(key) {
                 continue;
             }
-            let before = current.upstreams.get(key);
+            let before = before.and_then(|s| s.upstreams.get(key));
             let breaker = match before {
                 Some(u) if lock(&u.breaker).settings() == r.circuit => u.breaker.clone(),
                 _ => Arc::new(Mutex::new(Breaker::new(r.circuit))),
@@ -178,172 +182,77 @@ impl Runtimes {
             });
             upstreams.insert(key.to_string(), UpstreamRuntime { breaker, budget });
         }
-        let routes = config
-            .routes
-            .iter()
+        let routes = (config.routes.iter())
             .map(|r| {
-                let before = current.routes.get(&r.name);
+                let before = before.and_then(|s| s.runtime_named(&r.name));
                 let guard = match before {
                     Some(b) if b.guard.limits == RouteGuard::limits_of(r) => b.guard.clone(),
                     _ => Arc::new(RouteGuard::new(r, now)),
                 };
-                let runtime = RouteRuntime {
+                RouteRuntime {
                     guard,
                     upstream: upstreams[r.upstream_key()].clone(),
                     pace: before.map(|b| b.pace.clone()).unwrap_or_default(),
                     answers: before.map(|b| b.answers.clone()).unwrap_or_default(),
-                };
-                (r.name.clone(), Arc::new(runtime))
+                }
             })
             .collect();
-        let tenants = current.tenants.reconfigured(config);
-        *current = Arc::new(Snapshot { routes, upstreams, tenants });
+        let fresh = TenantBudgets::default();
+        let tenants = before.map_or(&fresh, |s| &s.tenants).reconfigured(&config);
+        Snapshot { config, routes, upstreams, tenants, ticks }
     }
 
-    fn snapshot(&self) -> Arc<Snapshot> {
-        read(&self.current).clone()
+    /// The configuration this snapshot serves.
+    pub fn config(&self) -> &Arc<Config> {
+        &self.config
     }
 
-    fn runtime(&self, route: &str) -> Option<Arc<RouteRuntime>> {
-        read(&self.current).routes.get(route).cloned()
+    /// The route for `path` ([`Config::route_for`]), with its runtime.
+    pub fn route_for(self: &Arc<Self>, path: &str) -> Option<ServedRoute> {
+        self.config.position_for(path).map(|index| ServedRoute::new(self.clone(), index))
     }
 
-    /// The guard of `route` as configured now; for a route a reload removed since its request
-    /// was read, one of its own, so that its execution is still bounded.
-    pub(crate) fn guard_for(&self, route: &Route) -> Arc<RouteGuard> {
-        match self.runtime(&route.name) {
-            Some(r) => r.guard.clone(),
-            None => Arc::new(RouteGuard::new(route, self.ticks.now())),
-        }
+    /// The route called `name`, with its runtime; `None` when this configuration has none (a
+    /// record's route, removed since it was recorded).
+    pub fn route_named(self: &Arc<Self>, name: &str) -> Option<ServedRoute> {
+        self.config.position_named(name).map(|index| ServedRoute::new(self.clone(), index))
     }
 
-    pub(crate) fn guard_named(&self, route: &str) -> Option<Arc<RouteGuard>> {
-        self.runtime(route).map(|r| r.guard.clone())
-    }
-
-    /// The breaker of `route`'s upstream: its runtime's, or for a route a reload removed, the
-    /// one its upstream still has.
-    fn breaker(&self, route: &Route) -> Option<Arc<Mutex<Breaker>>> {
-        let current = read(&self.current);
-        match current.routes.get(&route.name) {
-            Some(r) => Some(r.upstream.breaker.clone()),
-            None => current.upstreams.get(route.upstream_key()).map(|u| u.breaker.clone()),
-        }
-    }
-
-    /// The budgets a new execution of `tenant` on `route` is charged to: its route's (the
-    /// guard's), its named upstream's and its tenant's, as configured now.
-    pub(crate) fn charges_for(&self, route: &Route, tenant: &Tenant) -> Charges {
-        let guard = self.guard_for(route);
-        let current = read(&self.current);
-        let upstream = current.upstreams.get(route.upstream_key()).and_then(|u| u.budget.clone());
-        let tenant = current.tenants.of(tenant, self.ticks.now());
-        Charges { route: guard.budget.clone(), upstream, tenant, ticks: self.ticks.clone() }
+    fn runtime_named(&self, name: &str) -> Option<&RouteRuntime> {
+        self.config.position_named(name).map(|i| &self.routes[i])
     }
 
     /// Every retry budget on this node as it stands now: the routes', the named upstreams',
     /// and those of the tenants that have made a request since it started.
     pub fn budget_views(&self) -> Vec<BudgetView> {
         let now = self.ticks.now();
-        let snapshot = self.snapshot();
-        let mut views: Vec<BudgetView> =
-            snapshot.routes.iter().map(|(name, r)| r.guard.budget.view(BudgetScope::Route, name, now)).collect();
+        let mut views: Vec<BudgetView> = (self.config.routes.iter().zip(&self.routes))
+            .map(|(route, r)| r.guard.budget.view(BudgetScope::Route, &route.name, now))
+            .collect();
         views.sort_by(|a, b| a.name.cmp(&b.name));
-        let mut upstreams: Vec<BudgetView> = snapshot
-            .upstreams
-            .iter()
+        let mut upstreams: Vec<BudgetView> = (self.upstreams.iter())
             .filter_map(|(name, u)| u.budget.as_ref().map(|b| b.view(BudgetScope::Upstream, name, now)))
             .collect();
         upstreams.sort_by(|a, b| a.name.cmp(&b.name));
         views.extend(upstreams);
-        views.extend(snapshot.tenants.views(now));
+        views.extend(self.tenants.views(now));
         views
-    }
-
-    /// Takes a place for a new execution on `route`, unless the route or its upstream must shed it.
-    pub fn enter(&self, route: &Route) -> Result<Slot, Refusal> {
-        if let Some(breaker) = self.breaker(route) {
-            lock(&breaker).admit(self.ticks.now()).map_err(Refusal::CircuitOpen)?;
-        }
-        let guard = self.guard_for(route);
-        let before = guard.pending.fetch_add(1, Ordering::SeqCst);
-        let slot = Slot(guard.clone());
-        if before >= guard.max_pending {
-            return Err(Refusal::Overloaded);
-        }
-        Ok(slot)
-    }
-
-    /// A place for an execution that did not come through the ingress (take-over, operator
-    /// retry): counted, never refused.
-    pub fn slot(&self, route: &str) -> Option<Slot> {
-        let guard = self.guard_named(route)?;
-        guard.pending.fetch_add(1, Ordering::SeqCst);
-        Some(Slot(guard))
     }
 
     pub fn breaker_states(&self) -> Vec<(String, BreakerState)> {
         let now = self.ticks.now();
-        self.snapshot().upstreams.iter().map(|(u, r)| (u.clone(), lock(&r.breaker).state(now))).collect()
-    }
-
-    pub(crate) fn circuit_open(&self, route: &Route) -> bool {
-        self.breaker(route).is_some_and(|b| lock(&b).is_open(self.ticks.now()))
-    }
-
-    pub(crate) fn record_outcome(&self, route: &Route, success: bool) {
-        if let Some(b) = self.breaker(route) {
-            lock(&b).record(success, self.ticks.now());
-        }
-    }
-
-    /// An attempt (or a streamed answer's first byte) on `route` took this long.
-    pub(crate) fn observe(&self, route: &str, took: Duration) {
-        if let Some(r) = self.runtime(route) {
-            let mut pace = lock(&r.pace);
-            match pace.as_mut() {
-                Some(pace) => pace.observe(took),
-                None => *pace = Some(RoutePace::first(took)),
-            }
-        }
-    }
-
-    /// What `route`'s attempts have taken here; `None` until it has had one.
-    pub fn pace(&self, route: &str) -> Option<RoutePace> {
-        self.runtime(route).and_then(|r| *lock(&r.pace))
-    }
-
-    /// A done answer replayed. A route no longer configured (a record's, from before a config
-    /// change) is not counted.
-    pub fn count_replay(&self, route: &str) {
-        if let Some(r) = self.runtime(route) {
-            r.answers.replays.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// A 409 `request-in-progress`: a duplicate arrived while its key was being executed.
-    pub fn count_conflict(&self, route: &str) {
-        if let Some(r) = self.runtime(route) {
-            r.answers.conflicts.fetch_add(1, Ordering::Relaxed);
-        }
+        self.upstreams.iter().map(|(u, r)| (u.clone(), lock(&r.breaker).state(now))).collect()
     }
 
     /// Takes the replays and 409s counted so far, as the counts of the second `now` falls in;
     /// nothing for routes with nothing counted.
     pub fn take_answer_counts(&self, now: Timestamp) -> Vec<AnswerCount> {
         let second = Timestamp::from_millis(now.as_millis() - now.as_millis().rem_euclid(1000));
-        self.snapshot()
-            .routes
-            .iter()
+        (self.config.routes.iter().zip(&self.routes))
             .filter_map(|(route, r)| {
                 let replays = r.answers.replays.swap(0, Ordering::Relaxed);
                 let conflicts = r.answers.conflicts.swap(0, Ordering::Relaxed);
-                (replays + conflicts > 0).then(|| AnswerCount {
-                    route: RouteName::from(route.as_str()),
-                    second,
-                    replays,
-                    conflicts,
-                })
+                (replays + conflicts > 0).then(|| AnswerCount { route: route.name.clone(), second, replays, conflicts })
             })
             .collect()
     }
@@ -351,7 +260,7 @@ impl Runtimes {
     /// Hands back counts the store did not take, to go with the next flush.
     pub fn restore_answer_counts(&self, counts: &[AnswerCount]) {
         for c in counts {
-            if let Some(r) = self.runtime(&c.route) {
+            if let Some(r) = self.runtime_named(&c.route) {
                 r.answers.replays.fetch_add(c.replays, Ordering::Relaxed);
                 r.answers.conflicts.fetch_add(c.conflicts, Ordering::Relaxed);
             }
@@ -359,17 +268,10 @@ impl Runtimes {
     }
 }
 
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(|p| p.into_inner())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::domain::Tenant;
 
     fn config(routes: &[(&str, &str, &str)]) -> Config {
         Config::parse_with_env(&routes_text(routes), |_| None).unwrap()
@@ -386,24 +288,31 @@ mod tests {
             .collect()
     }
 
+    fn served(live: &Live, name: &str) -> Option<ServedRoute> {
+        live.served().route_named(name)
+    }
+
     #[test]
     fn a_reload_swaps_every_route_runtime_at_once_keeping_what_each_may_keep() {
         let before = config(&[("payments", "http://127.0.0.1:9", ""), ("ledger", "http://127.0.0.1:9", "")]);
-        let runtimes = Runtimes::new(&before, crate::clock::system());
-        runtimes.observe("payments", Duration::from_millis(40));
-        runtimes.observe("ledger", Duration::from_millis(70));
-        let guard = runtimes.guard_named("payments").unwrap();
+        let live = Live::new(before, crate::clock::system());
+        let payments = served(&live, "payments").unwrap();
+        payments.observe(Duration::from_millis(40));
+        served(&live, "ledger").unwrap().observe(Duration::from_millis(70));
 
         // payments changes its limits, ledger goes, tickets comes.
-        runtimes.reconfigure(&config(&[
+        live.reconfigure(Arc::new(config(&[
             ("payments", "http://127.0.0.1:9", "max_concurrency = 3"),
             ("tickets", "http://127.0.0.1:9", ""),
-        ]));
-        assert!(!Arc::ptr_eq(&guard, &runtimes.guard_named("payments").unwrap()), "new limits, a new guard");
-        assert_eq!(runtimes.pace("payments").map(|p| p.typical), Some(Duration::from_millis(40)), "the pace stays");
-        assert_eq!(runtimes.pace("ledger"), None, "a route that went is dropped whole");
-        assert!(runtimes.guard_named("ledger").is_none());
-        assert_eq!(runtimes.pace("tickets"), None, "a new route starts afresh");
+        ])));
+        let now = served(&live, "payments").unwrap();
+        assert!(!Arc::ptr_eq(payments.guard(), now.guard()), "new limits, a new guard");
+        assert_eq!(now.pace().map(|p| p.typical), Some(Duration::from_millis(40)), "the pace stays");
+        assert!(served(&live, "ledger").is_none(), "a route that went is dropped whole");
+        assert_eq!(served(&live, "tickets").unwrap().pace(), None, "a new route starts afresh");
+        // What resolved the route before the reload keeps the snapshot it was resolved in.
+        assert_eq!(payments.max_concurrency, 256);
+        assert_eq!(payments.guard().max_pending, 256 + 64);
     }
 
     #[test]
@@ -412,17 +321,20 @@ mod tests {
                     [[upstreams]]\nname = \"provider\"\nurl = \"http://127.0.0.1:9\"\nbudget_ratio = 0.0\nbudget_min_per_sec = 0.5\n";
         let routes = routes_text(&[("payments", "provider", ""), ("refunds", "provider", "")]);
         let c = Config::parse_with_env(&format!("{text}{routes}"), |_| None).unwrap();
-        let runtimes = Runtimes::new(&c, crate::clock::system());
+        let live = Live::new(c, crate::clock::system());
         let (acme, globex) = (Tenant::from("acme"), Tenant::from("globex"));
-        let take = |route: usize, tenant: &Tenant| runtimes.charges_for(&c.routes[route], tenant).take_retry();
+        let take = |route: &str, tenant: &Tenant| served(&live, route).unwrap().charges(tenant).take_retry();
         // acme's quota is 3 retries a window; globex's is its own.
         assert_eq!(
-            (0..4).map(|_| take(0, &acme)).collect::<Vec<_>>(),
+            (0..4).map(|_| take("payments", &acme)).collect::<Vec<_>>(),
             [Ok(()), Ok(()), Ok(()), Err(BudgetScope::Tenant)]
         );
         // The upstream allows 5 over both routes: globex's retries on refunds find 2 of them left.
-        assert_eq!((0..3).map(|_| take(1, &globex)).collect::<Vec<_>>(), [Ok(()), Ok(()), Err(BudgetScope::Upstream)]);
-        let views = runtimes.budget_views();
+        assert_eq!(
+            (0..3).map(|_| take("refunds", &globex)).collect::<Vec<_>>(),
+            [Ok(()), Ok(()), Err(BudgetScope::Upstream)]
+        );
+        let views = live.served().budget_views();
         let view = |scope: &str, name: &str| views.iter().find(|v| v.scope == scope && v.name == name).unwrap();
         assert_eq!((view("upstream", "provider").retries, view("upstream", "provider").refused_total), (5, 1));
         assert_eq!((view("tenant", "acme").retries, view("tenant", "acme").refused_total), (3, 1));
@@ -430,9 +342,9 @@ mod tests {
 
         // A reload that changes acme's quota gives it a fresh one; the upstream's, unchanged, is kept.
         let reloaded = text.replace("0.3", "0.6");
-        runtimes.reconfigure(&Config::parse_with_env(&format!("{reloaded}{routes}"), |_| None).unwrap());
-        assert_eq!(take(0, &acme), Err(BudgetScope::Upstream), "the upstream's budget is still spent");
-        let views = runtimes.budget_views();
+        live.reconfigure(Arc::new(Config::parse_with_env(&format!("{reloaded}{routes}"), |_| None).unwrap()));
+        assert_eq!(take("payments", &acme), Err(BudgetScope::Upstream), "the upstream's budget is still spent");
+        let views = live.served().budget_views();
         let acme_view = views.iter().find(|v| v.scope == "tenant" && v.name == "acme").unwrap();
         assert_eq!((acme_view.min_per_sec, acme_view.retries), (0.6, 0));
     }
@@ -441,10 +353,11 @@ mod tests {
     fn routes_that_call_one_upstream_share_its_breaker() {
         let circuit = "[routes.circuit]\nfailures = 2\nopen_for = \"30s\"";
         let c = config(&[("payments", "http://127.0.0.1:9", circuit), ("refunds", "http://127.0.0.1:9", circuit)]);
-        let runtimes = Runtimes::new(&c, crate::clock::system());
-        runtimes.record_outcome(&c.routes[0], false);
-        runtimes.record_outcome(&c.routes[0], false);
-        assert!(runtimes.circuit_open(&c.routes[1]), "the upstream is down for every route that calls it");
-        assert_eq!(runtimes.breaker_states().len(), 1);
+        let live = Live::new(c, crate::clock::system());
+        let payments = served(&live, "payments").unwrap();
+        payments.record_outcome(false);
+        payments.record_outcome(false);
+        assert!(served(&live, "refunds").unwrap().circuit_open(), "the upstream is down for every route that calls it");
+        assert_eq!(live.served().breaker_states().len(), 1);
     }
 }

@@ -10,20 +10,19 @@ use std::time::Instant;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Inner, Refusal, Told, Worker};
-use crate::config::{Config, Policy, Route};
+use crate::config::{Policy, Route};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, RecordId, State, Tenant, Timestamp};
 use crate::metrics::{Laps, Stage};
 use crate::record::{Record, StoredRequest};
-use crate::runtime::RouteGuard;
+use crate::runtime::{RouteGuard, ServedRoute};
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.
 pub struct Admit<'a> {
-    /// The configuration the request was read under: an execution that starts at once keeps it.
-    pub config: &'a Arc<Config>,
-    pub route: &'a Route,
+    /// The route as the request was read under: an execution that starts at once keeps it.
+    pub route: &'a ServedRoute,
     /// The policy chosen for it (see [`crate::switchboard::Switches::policy`]); a record claimed
     /// at insert has its first attempt marked with this policy's version.
     pub policy: Policy<'a>,
@@ -95,9 +94,6 @@ pub enum Admitted {
 pub(super) struct Reservation {
     pub(super) worker: OwnedSemaphorePermit,
     pub(super) attempt: OwnedSemaphorePermit,
-    /// The configuration the admission was read under: the record is claimed, and its first
-    /// attempt marked, with its route's policy, so the execution keeps that one.
-    pub(super) config: Arc<Config>,
 }
 
 pub(super) enum Start {
@@ -126,20 +122,20 @@ impl Worker {
     /// Admits a new request: sheds it, or records it and starts its execution. Per request this
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
-        let Admit { config, route, policy, request, headers, awaits } = admit;
+        let Admit { route, policy, request, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
         let mut laps = awaits.then(|| Laps::starting(request.arrival.monotonic));
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
             Some(wait) => Err(Refusal::CircuitOpen(wait)),
-            None => inner.runtimes.enter(route),
+            None => route.enter(),
         };
         let slot = match entered {
             Ok(slot) => slot,
             Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
         };
-        let reservation = reserve(&inner.permits, &inner.runtimes.guard_for(route), config);
+        let reservation = reserve(&inner.permits, route.guard());
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
         // send window, are counted from these two readings of one instant, taken just before it.
         let (marked_at, marked) = (inner.clock.now(), tokio::time::Instant::now());
@@ -188,17 +184,17 @@ impl Worker {
             (None, None)
         };
         let record = Arc::new(record);
-        self.spawn(record.clone(), Some(slot), reply, start);
+        self.spawn(record.clone(), Some((route.clone(), slot)), reply, start);
         Ok(Admitted::Executing { record, outcome })
     }
 }
 
 /// Sets aside one of the worker's `permits` and a place among the attempts of `guard`'s route,
 /// if both are free right now.
-fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, config: &Arc<Config>) -> Option<Reservation> {
+fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard) -> Option<Reservation> {
     let worker = permits.clone().try_acquire_owned().ok()?;
     let attempt = guard.attempts.clone().try_acquire_owned().ok()?;
-    Some(Reservation { worker, attempt, config: config.clone() })
+    Some(Reservation { worker, attempt })
 }
 
 impl Inner {
@@ -217,14 +213,19 @@ pub(super) mod tests {
     use super::super::{Parts, Settled, Slot};
     use super::*;
     use crate::clock::ManualClock;
-    use crate::config::{Config, Live};
-    use crate::runtime::Runtimes;
+    use crate::config::Config;
+    use crate::runtime::{Live, ServedRoute};
     use crate::switchboard::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
     fn config(route_extra: &str) -> Config {
         config_at("sqlite::memory:", route_extra)
+    }
+
+    /// `payments` of `config`, served on the system's clock.
+    fn served(config: Config) -> ServedRoute {
+        Live::new(config, crate::clock::system()).served().route_named("payments").unwrap()
     }
 
     /// Two workers, a lease of ten seconds, and one route, `payments`, with `route_extra`.
@@ -237,20 +238,20 @@ pub(super) mod tests {
     }
 
     /// A worker on a fresh SQLite store in `dir`, whose clock stands at `NOW` until moved.
-    async fn worker_on_clock(dir: &tempfile::TempDir, route_extra: &str) -> (Worker, Arc<Config>) {
+    async fn worker_on_clock(dir: &tempfile::TempDir, route_extra: &str) -> Worker {
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-        let config = Arc::new(config_at(&url, route_extra));
+        let config = config_at(&url, route_extra);
         let clock = Arc::new(ManualClock::new(NOW));
         let worker = Worker::new(Parts {
             store: crate::store::open(&url).await.unwrap(),
             upstream: crate::upstream::Upstream::new(),
-            config: Arc::new(Live::new((*config).clone())),
+            config: Arc::new(Live::new(config, clock.clone())),
             owner: "here".into(),
             settled: Arc::new(Settled::default()),
             switches: Arc::new(Switches::new(clock.clone())),
             clock,
         });
-        (worker, config)
+        worker
     }
 
     /// A request for `payments` under `key`, arriving at `NOW`, as the ingress reads it.
@@ -273,11 +274,10 @@ pub(super) mod tests {
         keyed(key).record(&config_at("sqlite://unused", "").routes[0]).0
     }
 
-    async fn admit(worker: &Worker, config: &Arc<Config>, key: &str, awaits: bool) -> Admitted {
-        let route = &config.routes[0];
+    async fn admit(worker: &Worker, key: &str, awaits: bool) -> Admitted {
+        let route = worker.inner.config.served().route_named("payments").unwrap();
         let admit = Admit {
-            config,
-            route,
+            route: &route,
             policy: route.policy_for("default", key, true),
             request: keyed(key),
             headers: &http::HeaderMap::new(),
@@ -289,8 +289,8 @@ pub(super) mod tests {
     #[tokio::test]
     async fn with_a_worker_free_a_new_request_is_recorded_claimed_its_first_attempt_marked_now() {
         let dir = tempfile::TempDir::new().unwrap();
-        let (worker, config) = worker_on_clock(&dir, "").await;
-        let Admitted::Executing { record, outcome } = admit(&worker, &config, "fresh", false).await else {
+        let worker = worker_on_clock(&dir, "").await;
+        let Admitted::Executing { record, outcome } = admit(&worker, "fresh", false).await else {
             panic!("a new key on a free route executes")
         };
         assert!(outcome.is_none(), "nobody waits for it: answered at once");
@@ -299,13 +299,13 @@ pub(super) mod tests {
         assert_eq!((lease.owner.as_str(), lease.expires_at), ("here", NOW + Duration::from_millis(10_000)));
         assert_eq!(record.in_flight, Some((1, NOW)), "its first attempt marked as sent now");
         // The same key again is not this request's to execute.
-        assert!(matches!(admit(&worker, &config, "fresh", true).await, Admitted::Existing(_)));
+        assert!(matches!(admit(&worker, "fresh", true).await, Admitted::Existing(_)));
     }
 
     #[tokio::test]
     async fn an_isolated_route_sheds_before_recording_and_hands_the_request_back() {
         let dir = tempfile::TempDir::new().unwrap();
-        let (worker, config) = worker_on_clock(&dir, "").await;
+        let worker = worker_on_clock(&dir, "").await;
         let isolate = crate::switch::SetRequest {
             scope: Some("payments".into()),
             action: Some("isolate".into()),
@@ -316,7 +316,7 @@ pub(super) mod tests {
         let inner = &worker.inner;
         inner.store.set_switch(switch).await.unwrap();
         inner.switches.refresh(&*inner.store).await.unwrap();
-        match admit(&worker, &config, "held", true).await {
+        match admit(&worker, "held", true).await {
             Admitted::Refused(Refusal::CircuitOpen(wait), new) => {
                 assert_eq!(new.key, "held", "the request is handed back, to look its key up");
                 assert!(wait >= Duration::from_secs(1), "{wait:?}");
@@ -336,38 +336,34 @@ pub(super) mod tests {
 
     #[test]
     fn a_route_takes_its_concurrency_and_a_bounded_queue_then_sheds() {
-        let config = config("max_concurrency = 4");
-        let runtimes = Runtimes::new(&config, crate::clock::system());
-        let route = &config.routes[0];
+        let route = served(config("max_concurrency = 4"));
         // Four in flight and, at that size, four queued behind them (the queue is at least 4).
-        let slots: Vec<Slot> = (0..8).map(|_| runtimes.enter(route).expect("within the bound")).collect();
-        assert_eq!(runtimes.enter(route).err(), Some(Refusal::Overloaded));
+        let slots: Vec<Slot> = (0..8).map(|_| route.enter().expect("within the bound")).collect();
+        assert_eq!(route.enter().err(), Some(Refusal::Overloaded));
         // A refused entry holds no place: one leaving makes room for exactly one more.
         drop(slots.into_iter().next());
-        assert!(runtimes.enter(route).is_ok());
+        assert!(route.enter().is_ok());
     }
 
     #[test]
     fn places_taken_outside_the_ingress_count_but_are_never_refused() {
-        let config = config("max_concurrency = 1");
-        let runtimes = Runtimes::new(&config, crate::clock::system());
-        let route = &config.routes[0];
-        let taken: Vec<_> = (0..5).map(|_| runtimes.enter(route).unwrap()).collect();
-        assert!(runtimes.slot("payments").is_some(), "a take-over is never refused");
-        assert_eq!(runtimes.enter(route).err(), Some(Refusal::Overloaded));
+        let route = served(config("max_concurrency = 1"));
+        let taken: Vec<_> = (0..5).map(|_| route.enter().unwrap()).collect();
+        let _take_over = route.slot();
+        assert_eq!(route.guard().pending.load(std::sync::atomic::Ordering::SeqCst), 6, "a take-over is never refused");
+        assert_eq!(route.enter().err(), Some(Refusal::Overloaded));
         drop(taken);
-        assert!(runtimes.slot("gone").is_none(), "a route no longer configured has no guard to count on");
+        let live = Live::new(config("max_concurrency = 1"), crate::clock::system());
+        assert!(live.served().route_named("gone").is_none(), "a route no longer configured has no guard to count on");
     }
 
     #[test]
     fn an_open_circuit_sheds_with_the_time_until_it_half_opens() {
-        let config = config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\"");
-        let runtimes = Runtimes::new(&config, crate::clock::system());
-        let route = &config.routes[0];
+        let route = served(config("[routes.circuit]\nfailures = 2\nopen_for = \"30s\""));
         for _ in 0..2 {
-            runtimes.record_outcome(route, false);
+            route.record_outcome(false);
         }
-        match runtimes.enter(route) {
+        match route.enter() {
             Err(Refusal::CircuitOpen(wait)) => assert!(wait <= Duration::from_secs(30) && !wait.is_zero(), "{wait:?}"),
             other => panic!("expected an open circuit, got {:?}", other.map(|_| "a slot")),
         }
@@ -375,12 +371,9 @@ pub(super) mod tests {
 
     #[test]
     fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
-        let config = Arc::new(config("max_concurrency = 1"));
-        let route = &config.routes[0];
-        let runtimes = Runtimes::new(&config, crate::clock::system());
+        let route = served(config("max_concurrency = 1"));
         let permits = Arc::new(Semaphore::new(2));
-        let guard = runtimes.guard_for(route);
-        let reserve = || reserve(&permits, &guard, &config);
+        let reserve = || reserve(&permits, route.guard());
         let first = reserve().expect("a worker and a place are free");
         assert!(reserve().is_none(), "the route's one place is taken");
         drop(first);

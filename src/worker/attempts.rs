@@ -3,7 +3,6 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::OwnedSemaphorePermit;
@@ -12,13 +11,13 @@ use tracing::{info_span, warn, Instrument};
 use super::lease::LeaseTrust;
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
-use crate::config::{Policy, Route};
+use crate::config::Policy;
 use crate::domain::{Class, StopReason};
 use crate::domain::{Holder, Timestamp};
 use crate::metrics::{self, Laps, Stage};
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
-use crate::runtime::{Charges, RouteGuard};
+use crate::runtime::{Charges, ServedRoute};
 use crate::store::{self, AttemptStarted, Lease};
 use crate::upstream::{self, Answer, Failure, Head, Outbound};
 
@@ -28,8 +27,9 @@ pub(super) struct Job<'a> {
     /// The claim it runs under: every write it makes names it, and is refused once the record
     /// has been claimed again.
     pub(super) holder: &'a Holder,
-    /// The route as the execution read it: a reload meanwhile changes nothing here.
-    pub(super) route: &'a Route,
+    /// The route as the execution read it, with its runtime: a reload meanwhile changes nothing
+    /// here, and its attempts count against the limits they started under to the end.
+    pub(super) route: &'a ServedRoute,
     /// The policy its attempts run under, and are stored with.
     pub(super) chosen: Policy<'a>,
     pub(super) url: url::Url,
@@ -38,9 +38,6 @@ pub(super) struct Job<'a> {
     pub(super) signal: &'a CancelSignal,
     /// How far this process trusts the claim's lease.
     pub(super) trust: &'a LeaseTrust,
-    /// The route's limits as they stood when the execution started: its attempts count
-    /// against them to the end, whatever a reload does to the route meanwhile.
-    pub(super) guard: Arc<RouteGuard>,
     /// The retry budgets its attempts are charged to: its route's, its upstream's, its tenant's.
     pub(super) charges: Charges,
     /// The request waiting for the outcome, if any: told early when the answer streams.
@@ -223,7 +220,7 @@ impl Inner {
             }
             None => {
                 // A place among the route's attempts in flight, held for this attempt only.
-                let place = self.renewing(job, job.guard.attempts.clone().acquire_owned()).await.ok();
+                let place = self.renewing(job, job.route.guard().attempts.clone().acquire_owned()).await.ok();
                 (self.clock.now(), place, None)
             }
         };
@@ -369,7 +366,7 @@ impl Inner {
                 elapsed: since(p.arrival, self.clock.now()),
                 cancelled: job.signal.raised.load(Ordering::SeqCst),
                 // An isolated route's upstream is as good as behind an open circuit.
-                circuit_open: switched.isolated || self.runtimes.circuit_open(route),
+                circuit_open: switched.isolated || route.circuit_open(),
                 retries_off: switched.retries_off,
             },
             rand::random::<f64>,
@@ -405,7 +402,7 @@ impl Inner {
         });
         p.unreachable = attempt.unreachable.clone();
         metrics::attempt(&route.name, chosen.version, class, took);
-        self.runtimes.observe(&route.name, took);
+        route.observe(took);
         p.last_response = answer.map(|a| a.response);
         match decision {
             Decision::Stop(stop) => Err(End::Stop(stop, Some(attempt))),

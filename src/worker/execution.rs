@@ -2,7 +2,6 @@
 //! credential it forwards, and the record's end (done, unknown or free) stored with its outcome.
 //! The attempts between are in `attempts`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::warn;
@@ -11,13 +10,14 @@ use super::admission::{Reservation, Start};
 use super::attempts::{since, HandBack, Job, Progress, Reserved};
 use super::lease::LeaseTrust;
 use super::{lock, Inner, Outcome, Reply};
-use crate::config::{Config, Policy, Route};
+use crate::config::{Policy, Route};
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Holder, Timestamp};
 use crate::domain::{Class, StopReason};
 use crate::metrics::{self, Laps, Stage};
 use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
+use crate::runtime::ServedRoute;
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 
@@ -56,20 +56,28 @@ impl Inner {
     /// A record is claimed only with a worker in hand: one held since admission, one taken
     /// before a bulk claim (see [`Worker::resume`](super::Worker::resume)), or one waited for
     /// before claiming a queued record. A lease never runs while its record waits for a worker.
-    pub(super) async fn execute(&self, record: &Record, start: Start, reply: &Reply) -> Option<Outcome> {
+    /// `route`: the record's route as the execution keeps it, `None` when it is no longer
+    /// configured.
+    pub(super) async fn execute(
+        &self,
+        record: &Record,
+        route: Option<&ServedRoute>,
+        start: Start,
+        reply: &Reply,
+    ) -> Option<Outcome> {
         let outcome = match start {
-            Start::Reserved { reservation: Reservation { worker, attempt, config }, marked, laps } => {
+            Start::Reserved { reservation: Reservation { worker, attempt }, marked, laps } => {
                 let _permit = worker;
                 let reserved = Reserved { place: attempt, marked };
-                self.run(record, &self.holder(record.claim), marked, Some((reserved, config, laps)), reply).await
+                self.run(record, route, &self.holder(record.claim), marked, Some((reserved, laps)), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
-                self.claim_and_run(record, reply).await
+                self.claim_and_run(record, route, reply).await
             }
             Start::Claimed { worker, granted } => {
                 let _permit = worker;
-                self.run(record, &self.holder(record.claim), granted, None, reply).await
+                self.run(record, route, &self.holder(record.claim), granted, None, reply).await
             }
         };
         Some(outcome)
@@ -82,13 +90,13 @@ impl Inner {
         marked.unwrap_or_else(|| self.switches.policy(route, &record.tenant, &record.key))
     }
 
-    pub(super) async fn claim_and_run(&self, record: &Record, reply: &Reply) -> Outcome {
+    pub(super) async fn claim_and_run(&self, record: &Record, route: Option<&ServedRoute>, reply: &Reply) -> Outcome {
         let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
         let claimed =
             self.store.claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease: self.lease, now }).await;
         lock(&self.mine).remove(&record.id);
         match claimed {
-            Ok(Some(token)) => self.run(record, &self.holder(token), sent, None, reply).await,
+            Ok(Some(token)) => self.run(record, route, &self.holder(token), sent, None, reply).await,
             Ok(None) => Outcome::Lost,
             Err(e) => {
                 warn!(error = %e, "could not claim a record; it stays queued");
@@ -98,23 +106,20 @@ impl Inner {
     }
 
     /// Runs attempts until the policy stops, storing each attempt before and after it is sent.
-    /// The route and its policy are read once, here, from the configuration the record was
-    /// admitted under when it was admitted claimed, else from the one in force now: a reload
-    /// during the execution changes neither, and a route removed since still lets it finish.
-    /// `granted`: when the write that claimed it was sent, from which its lease is trusted.
+    /// The route and its policy are the ones the execution was started with: those the request
+    /// was admitted under, or those in force when it was taken up. A reload during the execution
+    /// changes neither, and a route removed since still lets it finish. `granted`: when the write
+    /// that claimed it was sent, from which its lease is trusted.
     async fn run(
         &self,
         record: &Record,
+        route: Option<&ServedRoute>,
         holder: &Holder,
         granted: tokio::time::Instant,
-        reserved: Option<(Reserved, Arc<Config>, Option<Laps>)>,
+        reserved: Option<(Reserved, Option<Laps>)>,
         reply: &Reply,
     ) -> Outcome {
-        let (reserved, config) = match reserved {
-            Some((place, config, laps)) => (Some((place, laps)), config),
-            None => (None, self.config.current()),
-        };
-        let Some(route) = config.route_named(&record.route) else {
+        let Some(route) = route else {
             warn!(route = %record.route, "the record's route is no longer configured");
             return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };
@@ -148,8 +153,7 @@ impl Inner {
             credentials: &credentials,
             signal: &signal,
             trust: &trust,
-            guard: self.runtimes.guard_for(route),
-            charges: self.runtimes.charges_for(route, &record.tenant),
+            charges: route.charges(&record.tenant),
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
@@ -194,7 +198,7 @@ impl Inner {
             let status = p.last_response.as_ref().map(|r| r.status);
             let served = (matches!(class, Class::Success | Class::Final) && status.is_some_and(|s| s < 500))
                 || status.is_some_and(|s| route.refuses_the_tenant(s));
-            self.runtimes.record_outcome(route, served);
+            route.record_outcome(served);
         }
         metrics::stopped(&route.name, &record.tenant, stop, p.run.attempts(), since(p.arrival, self.clock.now()));
         match stop {

@@ -13,7 +13,8 @@ use tokio::sync::{Notify, Semaphore};
 use super::admission::tests::{request, NOW};
 use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
-use crate::config::{Config, Live};
+use crate::config::Config;
+use crate::runtime::Live;
 use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
 use crate::reconcile::Sweeper;
 use crate::record::Record;
@@ -109,7 +110,7 @@ impl Cluster {
         Worker::new(Parts {
             store: self.store.clone(),
             upstream: Upstream::new(),
-            config: Arc::new(Live::new((*self.config).clone())),
+            config: Arc::new(Live::new((*self.config).clone(), self.clock.clone())),
             owner: name.into(),
             settled: Arc::new(Settled::default()),
             switches: Arc::new(Switches::new(self.clock.clone())),
@@ -157,9 +158,9 @@ impl Cluster {
 impl Worker {
     /// Holds both of the route's places for attempts in flight until the permit is dropped:
     /// every execution of this node then waits before marking an attempt.
-    fn hold_places(&self, config: &Config) -> tokio::sync::OwnedSemaphorePermit {
-        let guard = self.inner.runtimes.guard_for(&config.routes[0]);
-        guard.attempts.clone().try_acquire_many_owned(2).expect("both places are free")
+    fn hold_places(&self) -> tokio::sync::OwnedSemaphorePermit {
+        let route = self.inner.config.served().route_named("payments").unwrap();
+        route.guard().attempts.clone().try_acquire_many_owned(2).expect("both places are free")
     }
 }
 
@@ -192,7 +193,7 @@ async fn a_busy_nodes_stale_claim_sends_nothing_once_it_claimed_the_record_again
     let cluster = Cluster::new(&ledger.clone().serve().await).await;
     let node = cluster.node("node-1");
     let x = cluster.queued("queued-1").await;
-    let places = node.hold_places(&cluster.config);
+    let places = node.hold_places();
 
     cluster.sweep(&node, LEASE + Duration::from_millis(1)).await;
     cluster.claimed(x, ClaimToken(1)).await;
@@ -219,7 +220,7 @@ async fn a_claim_taken_back_by_another_node_and_given_again_sends_only_under_the
     let cluster = Cluster::new(&ledger.clone().serve().await).await;
     let (node1, node2) = (cluster.node("node-1"), cluster.node("node-2"));
     let x = cluster.queued("queued-1").await;
-    let places = node1.hold_places(&cluster.config);
+    let places = node1.hold_places();
     let node2_busy = node2.free_workers(usize::MAX);
 
     cluster.sweep(&node1, LEASE + Duration::from_millis(1)).await;

@@ -25,7 +25,7 @@ use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, Instrument};
 
 use crate::clock::SharedClock;
-use crate::config::Live;
+use crate::runtime::Live;
 use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
@@ -33,7 +33,7 @@ use crate::domain::StopReason;
 use crate::domain::Timestamp;
 use crate::metrics::Laps;
 use crate::record::{HistoryEntry, Record, StoredResponse};
-use crate::runtime::Runtimes;
+use crate::runtime::ServedRoute;
 use crate::store::{Action, Cancel, Cancelled, Resolution, Resolve, Retry, Store, StoreError};
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
@@ -209,7 +209,6 @@ struct Inner {
     /// At most `worker.concurrency` records execute at once.
     permits: Arc<Semaphore>,
     settled: Arc<Settled>,
-    runtimes: Arc<Runtimes>,
     /// The operator's emergency switches: asked before every attempt and after it ends.
     switches: Arc<Switches>,
     clock: SharedClock,
@@ -229,6 +228,17 @@ struct Inner {
     unrecorded: Arc<AtomicUsize>,
 }
 
+impl Inner {
+    /// `record`'s route as it is served now, with a place on it for an execution that did not
+    /// come through the ingress (a take-over, an operator's retry, a queued record): counted,
+    /// never refused. `None` when the route is no longer configured.
+    fn route_of(&self, record: &Record) -> Option<(ServedRoute, Slot)> {
+        let route = self.config.served().route_named(&record.route)?;
+        let slot = route.slot();
+        Some((route, slot))
+    }
+}
+
 impl Worker {
     pub fn new(parts: Parts) -> Worker {
         let Parts { store, upstream, config, owner, settled, switches, clock } = parts;
@@ -236,7 +246,6 @@ impl Worker {
         Worker {
             inner: Arc::new(Inner {
                 permits: Arc::new(Semaphore::new(current.worker.concurrency)),
-                runtimes: Arc::new(Runtimes::new(&current, clock.clone())),
                 lease: current.worker.lease,
                 send_window: current.worker.send_window,
                 clock_margin: current.worker.clock_margin,
@@ -261,12 +270,6 @@ impl Worker {
         &self.inner.owner
     }
 
-    /// The routes' runtimes, shared with the ingress: admission control, breakers, the pace
-    /// of attempts and the answers counted.
-    pub fn runtimes(&self) -> Arc<Runtimes> {
-        self.inner.runtimes.clone()
-    }
-
     /// Outcomes the store could not take when they came, still being written again: each is an
     /// execution whose client was answered but whose record does not show it yet.
     pub fn unrecorded_outcomes(&self) -> usize {
@@ -276,9 +279,9 @@ impl Worker {
     /// Executes a queued record in the background (an operator's retry, a queued record found
     /// unclaimed). It takes a place on its route, counted but never refused.
     pub fn submit(&self, record: Record) {
-        let slot = self.inner.runtimes.slot(&record.route);
+        let route = self.inner.route_of(&record);
         lock(&self.inner.mine).insert(record.id);
-        self.spawn(Arc::new(record), slot, None, Start::Claim);
+        self.spawn(Arc::new(record), route, None, Start::Claim);
     }
 
     /// Sets aside up to `most` of the workers free right now, for records about to be claimed
@@ -296,11 +299,19 @@ impl Worker {
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
     /// record nobody claimed) by a write sent at `claimed`.
     pub fn resume(&self, record: Record, worker: FreeWorker, claimed: tokio::time::Instant) {
-        let slot = self.inner.runtimes.slot(&record.route);
-        self.spawn(Arc::new(record), slot, None, Start::Claimed { worker: worker.0, granted: claimed });
+        let route = self.inner.route_of(&record);
+        self.spawn(Arc::new(record), route, None, Start::Claimed { worker: worker.0, granted: claimed });
     }
 
-    fn spawn(&self, record: Arc<Record>, slot: Option<Slot>, reply: Option<oneshot::Sender<Told>>, start: Start) {
+    /// Runs `record` on `route` as it is served now (`None`: the route is no longer configured),
+    /// its place on the route held to the end.
+    fn spawn(
+        &self,
+        record: Arc<Record>,
+        route: Option<(ServedRoute, Slot)>,
+        reply: Option<oneshot::Sender<Told>>,
+        start: Start,
+    ) {
         let inner = self.inner.clone();
         let span = info_span!(
             "execution",
@@ -314,10 +325,10 @@ impl Worker {
         let running = inner.drain.running();
         tokio::spawn(
             async move {
-                let _slot = slot;
+                let (route, _slot) = route.unzip();
                 let _running = running;
                 let reply = Reply::to(reply);
-                let Some(outcome) = inner.execute(&record, start, &reply).await else { return };
+                let Some(outcome) = inner.execute(&record, route.as_ref(), start, &reply).await else { return };
                 reply.send(outcome);
             }
             .instrument(span),
@@ -344,9 +355,9 @@ impl Worker {
             if record.phase() != Phase::Queued {
                 return;
             }
-            let _slot = inner.runtimes.slot(&record.route);
+            let route = inner.route_of(&record);
             let _running = inner.drain.running();
-            inner.claim_and_run(&record, &Reply::default()).await;
+            inner.claim_and_run(&record, route.as_ref().map(|(route, _)| route), &Reply::default()).await;
         });
     }
 

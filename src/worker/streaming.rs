@@ -157,7 +157,7 @@ impl Inner {
         });
         metrics::attempt(&route.name, chosen.version, class, took);
         // The pace estimates when an outcome is due from how long answers take to start.
-        self.runtimes.observe(&route.name, first_byte);
+        route.observe(first_byte);
         let bytes = tap.received();
         let facts = StreamFacts {
             bytes,

@@ -12,7 +12,8 @@ use std::time::Duration;
 use crate::common::faulty::{Faults, Faulty, Renewals};
 use crate::common::{both_stores, Backend, Db, Gate, Reply, Upstream};
 use idem::clock::{Clock, ManualClock, SharedClock};
-use idem::config::{Config, Live};
+use idem::config::Config;
+use idem::runtime::Live;
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, Arrival, ClaimToken, Phase, RecordId, Timestamp};
@@ -46,6 +47,8 @@ struct Cluster {
 /// One node: its worker, its own connections to the database, and the faults in front of them.
 struct Node {
     worker: Worker,
+    /// What the node serves: the route its requests are admitted on.
+    live: Arc<Live>,
     store: Arc<dyn Store>,
     faults: Arc<Faults>,
 }
@@ -85,16 +88,17 @@ impl Cluster {
     fn node_on(&self, name: &str, store: Arc<dyn Store>, clock: SharedClock) -> Node {
         let faults = Arc::new(Faults::default());
         let store = Faulty::wrap(store, faults.clone());
+        let live = Arc::new(Live::new((*self.config).clone(), clock.clone()));
         let worker = Worker::new(Parts {
             store: store.clone(),
             upstream: Client::new(),
-            config: Arc::new(Live::new((*self.config).clone())),
+            config: live.clone(),
             owner: name.into(),
             settled: Arc::new(Settled::default()),
             switches: Arc::new(Switches::new(clock.clone())),
             clock,
         });
-        Node { worker, store, faults }
+        Node { worker, live, store, faults }
     }
 
     fn now(&self) -> Timestamp {
@@ -121,10 +125,9 @@ impl Cluster {
 
     /// `key` sent by a client to `node`, which waits for the outcome.
     async fn send(&self, node: &Node, key: &str) -> tokio::sync::oneshot::Receiver<Told> {
-        let route = &self.config.routes[0];
+        let route = node.live.served().route_named("payments").unwrap();
         let admit = worker::Admit {
-            config: &self.config,
-            route,
+            route: &route,
             policy: route.policy_for("default", key, true),
             request: self.request(key),
             headers: &http::HeaderMap::new(),
