@@ -28,7 +28,6 @@ use crate::metrics;
 use crate::prefer::Prefer;
 use crate::problem::Problem;
 use crate::records::Records;
-use crate::switch::SwitchAction;
 
 /// A recorded call, as read: its body (stored as the record's request) and its message.
 struct Recorded<'a> {
@@ -126,7 +125,6 @@ impl Ingress {
         watch: Watch,
     ) -> Response {
         if let Some(refusal) = self.isolation(&route.name) {
-            metrics::held_by_switch(&route.name, SwitchAction::Isolate);
             return self.refused(route, refusal).into_response();
         }
         let mut headers = crate::upstream::forwardable_request_headers(&parts.headers, true);

@@ -21,14 +21,14 @@ use crate::derived;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::AnswerKind;
-use crate::domain::{Arrival, Phase, State, Tenant, Timestamp};
+use crate::domain::{Arrival, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::metrics;
 use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
 use crate::records::Records;
-use crate::store::{Health, NewRecord};
+use crate::store::Health;
 use crate::switch::SwitchAction;
 use crate::switchboard::Switches;
 use crate::upstream::Upstream;
@@ -164,10 +164,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
         Ok(tenant) if keyed => app.keyed(&route, tenant, request, arrival).await,
         // An isolated route sends nothing upstream, recorded or not.
         Ok(_) => match app.isolation(&route.name) {
-            Some(refusal) => {
-                metrics::held_by_switch(&route.name, SwitchAction::Isolate);
-                app.refused(&route, refusal).into_response()
-            }
+            Some(refusal) => app.refused(&route, refusal).into_response(),
             None => {
                 access::kind(access::Kind::Passed);
                 app.plain(config, &route, request).await
@@ -346,25 +343,7 @@ impl Ingress {
                 self.executing(&record, outcome).await
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
-            Admitted::Refused(refusal, new) => self.shed(route, refusal, new, prefer).await,
-        }
-    }
-
-    /// A request the worker shed before recording it: refused, unless its key has a live record,
-    /// which answers it.
-    async fn shed(&self, route: &Route, refusal: Refusal, new: NewRecord, prefer: Prefer) -> Answer {
-        let existing = self.records.live(&new.tenant, &new.key).await.map_err(|e| Problem::store(&e))?;
-        match existing {
-            Some(record) if record.phase() != Phase::Free => {
-                self.answer_record(route, record, new.fingerprint, prefer).await
-            }
-            _ => {
-                // Counted only when the switch holds something back: a replay is not.
-                if self.switches.isolated(&route.name) {
-                    metrics::held_by_switch(&route.name, SwitchAction::Isolate);
-                }
-                Err(self.refused(route, refusal))
-            }
+            Admitted::Refused(refusal) => Err(self.refused(route, refusal)),
         }
     }
 
@@ -389,16 +368,21 @@ impl Ingress {
 
     /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's.
     fn isolation(&self, route: &str) -> Option<Refusal> {
-        self.switches.isolation(route).map(Refusal::CircuitOpen)
+        self.switches.isolation(route).map(Refusal::Isolated)
     }
 
+    /// The answer to a request shed before anything was recorded; one an operator's switch
+    /// held back is counted as such.
     fn refused(&self, route: &Route, refusal: Refusal) -> Problem {
-        match refusal {
-            Refusal::Overloaded => {
+        if let Refusal::Isolated(_) = refusal {
+            metrics::held_by_switch(&route.name, SwitchAction::Isolate);
+        }
+        match refusal.retry_after() {
+            None => {
                 metrics::answered(&route.name, AnswerKind::Overloaded);
                 Problem::overloaded()
             }
-            Refusal::CircuitOpen(wait) => {
+            Some(wait) => {
                 metrics::answered(&route.name, AnswerKind::CircuitOpen);
                 Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
             }

@@ -143,6 +143,19 @@ pub enum Refusal {
     Overloaded,
     /// The upstream's circuit is open; ask again after this long.
     CircuitOpen(Duration),
+    /// An operator's `isolate` switch holds the route, as an open circuit would; ask again
+    /// after this long.
+    Isolated(Duration),
+}
+
+impl Refusal {
+    /// How long the client is told to wait before it asks again, if anything is known.
+    pub fn retry_after(self) -> Option<Duration> {
+        match self {
+            Refusal::Overloaded => None,
+            Refusal::CircuitOpen(wait) | Refusal::Isolated(wait) => Some(wait),
+        }
+    }
 }
 
 /// Executions may queue behind a full route up to a quarter of `max_concurrency` (at least 4).

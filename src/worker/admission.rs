@@ -13,7 +13,7 @@ use super::{lock, Inner, Refusal, Told, Worker};
 use crate::config::{Policy, Route};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
-use crate::domain::{Arrival, RecordId, State, Tenant, Timestamp};
+use crate::domain::{Arrival, Phase, RecordId, State, Tenant, Timestamp};
 use crate::metrics::{Laps, Stage};
 use crate::record::{Record, StoredRequest};
 use crate::runtime::{RouteGuard, ServedRoute};
@@ -85,9 +85,8 @@ pub enum Admitted {
     Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Told>> },
     /// The key already has a record this request does not own: it decides the answer.
     Existing(Record),
-    /// Shed before anything was recorded; the record to insert is handed back, for the answer
-    /// to look the key up (an existing record still answers).
-    Refused(Refusal, NewRecord),
+    /// Shed before anything was recorded, and the key has no live record to answer instead.
+    Refused(Refusal),
 }
 
 /// A worker and a place among a route's attempts, set aside for an execution that starts at once.
@@ -128,12 +127,12 @@ impl Worker {
         let (new, retention_cutoff) = request.record(route);
         let inner = &self.inner;
         let entered = match inner.switches.isolation(&route.name) {
-            Some(wait) => Err(Refusal::CircuitOpen(wait)),
+            Some(wait) => Err(Refusal::Isolated(wait)),
             None => route.enter(),
         };
         let slot = match entered {
             Ok(slot) => slot,
-            Err(refusal) => return Ok(Admitted::Refused(refusal, new)),
+            Err(refusal) => return self.shed(refusal, new, retention_cutoff).await,
         };
         let reservation = reserve(&inner.permits, route.guard());
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
@@ -186,6 +185,21 @@ impl Worker {
         let record = Arc::new(record);
         self.spawn(record.clone(), Some((route.clone(), slot)), reply, start);
         Ok(Admitted::Executing { record, outcome })
+    }
+}
+
+impl Worker {
+    /// A request shed before anything is recorded: its key's live record answers it when it has
+    /// one (a duplicate of a done request is replayed whatever the route's load), else the
+    /// refusal does. A done record past `retention_cutoff` is read as gone, as the store's
+    /// admission reads it.
+    async fn shed(&self, refusal: Refusal, new: NewRecord, retention_cutoff: Timestamp) -> Result<Admitted, StoreError> {
+        let existing = self.inner.store.lookup(&new.tenant, &new.key).await?;
+        let expired = |r: &Record| r.state == State::Done && r.updated_at < retention_cutoff;
+        Ok(match existing.filter(|r| r.phase() != Phase::Free && !expired(r)) {
+            Some(record) => Admitted::Existing(record),
+            None => Admitted::Refused(refusal),
+        })
     }
 }
 
@@ -303,9 +317,11 @@ pub(super) mod tests {
     }
 
     #[tokio::test]
-    async fn an_isolated_route_sheds_before_recording_and_hands_the_request_back() {
+    async fn an_isolated_route_sheds_before_recording_unless_the_key_has_a_record_to_answer() {
         let dir = tempfile::TempDir::new().unwrap();
         let worker = worker_on_clock(&dir, "").await;
+        // A key recorded before the switch: its record answers its duplicates.
+        assert!(matches!(admit(&worker, "earlier", false).await, Admitted::Executing { .. }));
         let isolate = crate::switch::SetRequest {
             scope: Some("payments".into()),
             action: Some("isolate".into()),
@@ -317,10 +333,7 @@ pub(super) mod tests {
         inner.store.set_switch(switch).await.unwrap();
         inner.switches.refresh(&*inner.store).await.unwrap();
         match admit(&worker, "held", true).await {
-            Admitted::Refused(Refusal::CircuitOpen(wait), new) => {
-                assert_eq!(new.key, "held", "the request is handed back, to look its key up");
-                assert!(wait >= Duration::from_secs(1), "{wait:?}");
-            }
+            Admitted::Refused(Refusal::Isolated(wait)) => assert!(wait >= Duration::from_secs(1), "{wait:?}"),
             _ => panic!("an isolated route takes no new key"),
         }
         assert!(
@@ -332,6 +345,10 @@ pub(super) mod tests {
                 .is_none(),
             "nothing recorded"
         );
+        match admit(&worker, "earlier", true).await {
+            Admitted::Existing(record) => assert_eq!(record.key, "earlier"),
+            _ => panic!("a key with a live record is answered by it, isolated or not"),
+        }
     }
 
     #[test]

@@ -128,6 +128,8 @@ impl Inner {
             warn!(route = %record.route, "the record's path would not reach the upstream as recorded; not sending it");
             return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };
+        // Chosen once: its attempts are marked, and its end settled, under this one.
+        let chosen = self.policy_of(route, record);
         let credential = lock(&self.credentials).take(record.id);
         let mut credentials = route.upstream_headers.clone();
         if route.forward_authorization {
@@ -135,8 +137,7 @@ impl Inner {
                 // Reached here, a record that is not replay-safe has had no attempt that may have
                 // executed (a take-over makes those unknown), so settling frees it.
                 warn!("the client's credential is not held by this process; not sending");
-                let replay_safe = self.policy_of(route, record).replay_safe;
-                return self.settle_unsent(record, holder, replay_safe, StopReason::CredentialUnavailable).await;
+                return self.settle_unsent(record, holder, chosen.replay_safe, StopReason::CredentialUnavailable).await;
             };
             if let Some(credential) = sent {
                 credentials.insert(http::header::AUTHORIZATION, credential);
@@ -148,7 +149,7 @@ impl Inner {
             record,
             holder,
             route,
-            chosen: self.policy_of(route, record),
+            chosen,
             url,
             credentials: &credentials,
             signal: &signal,
@@ -209,7 +210,7 @@ impl Inner {
             _ => {}
         }
         let (outcome, laps) =
-            self.finish(record, holder, self.policy_of(route, record).replay_safe, attempt, stop, p).await;
+            self.finish(record, holder, job.chosen.replay_safe, attempt, stop, p).await;
         if let Some(laps) = laps {
             job.reply.keep_stages(laps);
         }

@@ -137,7 +137,7 @@ impl Cluster {
             Admitted::Executing { outcome: Some(outcome), .. } => outcome,
             Admitted::Executing { outcome: None, .. } => panic!("a client that waits is told"),
             Admitted::Existing(record) => panic!("{key} has a record already: {record:?}"),
-            Admitted::Refused(..) => panic!("{key} was shed"),
+            Admitted::Refused(_) => panic!("{key} was shed"),
         }
     }
 
