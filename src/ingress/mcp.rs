@@ -183,6 +183,8 @@ impl Ingress {
             body,
             route,
             parts: &parts,
+            // Built where the message is passed through; an execution builds its own.
+            url: None,
             arrival,
             prefer,
             replay_safe,

@@ -43,6 +43,8 @@ struct Read<'a> {
     body: Bytes,
     route: &'a ServedRoute,
     parts: &'a http::request::Parts,
+    /// Where its attempts go, as the ingress checked it; `None` when it was not built here.
+    url: Option<url::Url>,
     arrival: Arrival,
     /// What the client asked for: its `Prefer` header, or an MCP route's own wait.
     prefer: Prefer,
@@ -202,9 +204,10 @@ impl Ingress {
         };
         let query = parts.uri.query().unwrap_or("");
         // A path the upstream would not receive as matched is refused before anything is recorded.
-        if let Err(why) = route.upstream_url(parts.uri.path(), query) {
-            return self.keyed_answer(route, sent.as_ref(), Err(Problem::invalid_path(&why)));
-        }
+        let url = match route.upstream_url(parts.uri.path(), query) {
+            Ok(url) => url,
+            Err(why) => return self.keyed_answer(route, sent.as_ref(), Err(Problem::invalid_path(&why))),
+        };
         // Held until this request is answered: its body lives at least that long.
         let (body, _held) = match read_body(body, route, &self.bodies).await {
             Ok(read) => read,
@@ -233,7 +236,7 @@ impl Ingress {
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
         let read =
-            Read { tenant, key: &key, fingerprint, body, route, parts: &parts, arrival, prefer, replay_safe };
+            Read { tenant, key: &key, fingerprint, body, route, parts: &parts, url: Some(url), arrival, prefer, replay_safe };
         let span = |tenant: &Tenant| {
             let span = info_span!("request", %tenant, route = %route.name, method = %parts.method);
             crate::telemetry::continue_trace(&span, &parts.headers);
@@ -316,7 +319,7 @@ impl Ingress {
     /// A keyed request whose answer is not in memory: admitted, and executed or answered from
     /// its record.
     async fn execute_keyed(&self, read: Read<'_>) -> Answer {
-        let Read { tenant, key, fingerprint, body, route, parts, arrival, prefer, replay_safe } = read;
+        let Read { tenant, key, fingerprint, body, route, parts, url, arrival, prefer, replay_safe } = read;
         let query = parts.uri.query().unwrap_or("");
         let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
         let request = worker::Request {
@@ -336,7 +339,7 @@ impl Ingress {
         // A new execution is shed before anything is recorded if the route is saturated, its
         // upstream's circuit is open or an operator isolated it — unless the key exists: its
         // record answers then.
-        let admit = Admit { route, policy, request, headers: &parts.headers, awaits: !prefer.respond_async };
+        let admit = Admit { route, policy, request, url, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);

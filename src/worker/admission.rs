@@ -28,6 +28,9 @@ pub struct Admit<'a> {
     pub policy: Policy<'a>,
     /// What its record is made of; whether it is claimed at insert is decided here.
     pub request: Request,
+    /// Where its attempts go, when the ingress built it to check the path: an execution that
+    /// starts at once sends there; `None`, and the execution builds it from the record.
+    pub url: Option<url::Url>,
     /// The request's headers: its `Authorization` is held for the execution when the route
     /// forwards it.
     pub headers: &'a http::HeaderMap,
@@ -93,6 +96,8 @@ pub enum Admitted {
 pub(super) struct Reservation {
     pub(super) worker: OwnedSemaphorePermit,
     pub(super) attempt: OwnedSemaphorePermit,
+    /// Where its first attempt goes, as the ingress built it.
+    pub(super) url: Option<url::Url>,
 }
 
 pub(super) enum Start {
@@ -121,7 +126,7 @@ impl Worker {
     /// Admits a new request: sheds it, or records it and starts its execution. Per request this
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
     pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
-        let Admit { route, policy, request, headers, awaits } = admit;
+        let Admit { route, policy, request, url, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
         let mut laps = awaits.then(|| Laps::starting(request.arrival.monotonic));
         let (new, retention_cutoff) = request.record(route);
@@ -134,7 +139,7 @@ impl Worker {
             Ok(slot) => slot,
             Err(refusal) => return self.shed(refusal, new, retention_cutoff).await,
         };
-        let reservation = reserve(&inner.permits, route.guard());
+        let reservation = reserve(&inner.permits, route.guard(), url);
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
         // send window, are counted from these two readings of one instant, taken just before it.
         let (marked_at, marked) = (inner.clock.now(), tokio::time::Instant::now());
@@ -205,10 +210,10 @@ impl Worker {
 
 /// Sets aside one of the worker's `permits` and a place among the attempts of `guard`'s route,
 /// if both are free right now.
-fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard) -> Option<Reservation> {
+fn reserve(permits: &Arc<Semaphore>, guard: &RouteGuard, url: Option<url::Url>) -> Option<Reservation> {
     let worker = permits.clone().try_acquire_owned().ok()?;
     let attempt = guard.attempts.clone().try_acquire_owned().ok()?;
-    Some(Reservation { worker, attempt })
+    Some(Reservation { worker, attempt, url })
 }
 
 impl Inner {
@@ -294,6 +299,7 @@ pub(super) mod tests {
             route: &route,
             policy: route.policy_for("default", key, true),
             request: keyed(key),
+            url: None,
             headers: &http::HeaderMap::new(),
             awaits,
         };
@@ -390,7 +396,7 @@ pub(super) mod tests {
     fn a_reservation_needs_both_a_free_worker_and_a_free_place_on_the_route() {
         let route = served(config("max_concurrency = 1"));
         let permits = Arc::new(Semaphore::new(2));
-        let reserve = || reserve(&permits, route.guard());
+        let reserve = || reserve(&permits, route.guard(), None);
         let first = reserve().expect("a worker and a place are free");
         assert!(reserve().is_none(), "the route's one place is taken");
         drop(first);

@@ -21,6 +21,14 @@ use crate::runtime::ServedRoute;
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
 use crate::switch::SwitchAction;
 
+/// What an admission that claimed its record hands the execution: its first attempt's place
+/// and mark, where the ingress found that attempt goes, and the new key's stages so far.
+struct FirstAttempt {
+    reserved: Reserved,
+    url: Option<url::Url>,
+    laps: Option<Laps>,
+}
+
 impl Inner {
     /// The write that stores how an attempt of `record` (or the execution) ended, under `holder`'s
     /// claim.
@@ -66,10 +74,10 @@ impl Inner {
         reply: &Reply,
     ) -> Option<Outcome> {
         let outcome = match start {
-            Start::Reserved { reservation: Reservation { worker, attempt }, marked, laps } => {
+            Start::Reserved { reservation: Reservation { worker, attempt, url }, marked, laps } => {
                 let _permit = worker;
-                let reserved = Reserved { place: attempt, marked };
-                self.run(record, route, &self.holder(record.claim), marked, Some((reserved, laps)), reply).await
+                let first = FirstAttempt { reserved: Reserved { place: attempt, marked }, url, laps };
+                self.run(record, route, &self.holder(record.claim), marked, Some(first), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
@@ -116,15 +124,19 @@ impl Inner {
         route: Option<&ServedRoute>,
         holder: &Holder,
         granted: tokio::time::Instant,
-        reserved: Option<(Reserved, Option<Laps>)>,
+        first: Option<FirstAttempt>,
         reply: &Reply,
     ) -> Outcome {
+        let (url, reserved) = match first {
+            Some(FirstAttempt { reserved, url, laps }) => (url, Some((reserved, laps))),
+            None => (None, None),
+        };
         let Some(route) = route else {
             warn!(route = %record.route, "the record's route is no longer configured");
             return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };
         // Checked at ingress; only a route changed since then can make it fail here.
-        let Ok(url) = route.upstream_url(&record.path, &record.query) else {
+        let Ok(url) = url.map_or_else(|| route.upstream_url(&record.path, &record.query), Ok) else {
             warn!(route = %record.route, "the record's path would not reach the upstream as recorded; not sending it");
             return self.settle_unsent(record, holder, false, StopReason::Cancelled).await;
         };

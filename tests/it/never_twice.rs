@@ -130,6 +130,7 @@ impl Cluster {
             route: &route,
             policy: route.policy_for("default", key, true),
             request: self.request(key),
+            url: None,
             headers: &http::HeaderMap::new(),
             awaits: true,
         };
