@@ -95,7 +95,7 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
     let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
     let switch = Switch {
         id: Uuid::now_v7(),
-        scope: Scope::Route(route.name.to_string()),
+        scope: Scope::Route(route.name.clone()),
         action: SwitchAction::CanaryOff,
         reason: format!("canary {} stopped itself: {reason}", canary.policy_version),
         actor: ACTOR.to_string(),

@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 use crate::config::{KeySource, Route};
 use crate::domain::fingerprint::canonical_json;
 use crate::domain::key::IdempotencyKey;
+use crate::domain::Tenant;
 
 /// Derived keys carry this prefix, so they can never be mistaken for a client's own.
 pub const PREFIX: &str = "derived:";
@@ -22,7 +23,7 @@ pub struct MissingSource(pub String);
 /// The key of a request without one: a digest of the route, the tenant and each source's
 /// canonical value (a header's bytes; a JSON value with its object keys sorted), so that the same
 /// tool call with re-serialised arguments gets the same key, and two tenants never share one.
-pub fn key(route: &Route, tenant: &str, headers: &HeaderMap, body: &[u8]) -> Result<IdempotencyKey, MissingSource> {
+pub fn key(route: &Route, tenant: &Tenant, headers: &HeaderMap, body: &[u8]) -> Result<IdempotencyKey, MissingSource> {
     let missing = |source: &KeySource| MissingSource(source.to_string());
     let document = || serde_json::from_slice::<Value>(body).ok();
     let mut parsed: Option<Option<Value>> = None;
@@ -99,22 +100,22 @@ mod tests {
         let r = route(r#"key_from = ["header:x-agent-run", "json:/tool", "json:/arguments"]"#);
         let h = headers(&[("x-agent-run", "run-7")]);
         let a =
-            key(&r, "default", &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#).unwrap();
-        let b = key(&r, "default", &h, br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#)
+            key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#).unwrap();
+        let b = key(&r, &"default".into(), &h, br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#)
             .unwrap();
         assert_eq!(a, b, "another call id and key order: the same operation");
         assert!(a.as_str().starts_with(PREFIX) && a.as_str().len() == PREFIX.len() + 64, "{a}");
-        let other_args = key(&r, "default", &h, br#"{"tool":"refund","arguments":{"order":2,"amount":5}}"#).unwrap();
+        let other_args = key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":2,"amount":5}}"#).unwrap();
         assert_ne!(a, other_args);
         let other_run = key(
             &r,
-            "default",
+            &"default".into(),
             &headers(&[("x-agent-run", "run-8")]),
             br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#,
         )
         .unwrap();
         assert_ne!(a, other_run);
-        let other_tenant = key(&r, "acme", &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
+        let other_tenant = key(&r, &"acme".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
         assert_ne!(a, other_tenant);
     }
 
@@ -122,10 +123,10 @@ mod tests {
     fn a_missing_source_is_named() {
         let r = route(r#"key_from = ["header:x-agent-run", "json:/tool"]"#);
         let body = br#"{"tool":"refund"}"#;
-        assert_eq!(key(&r, "t", &HeaderMap::new(), body), Err(MissingSource("header:x-agent-run".into())));
+        assert_eq!(key(&r, &"t".into(), &HeaderMap::new(), body), Err(MissingSource("header:x-agent-run".into())));
         let h = headers(&[("x-agent-run", "r")]);
-        assert_eq!(key(&r, "t", &h, b"{}"), Err(MissingSource("json:/tool".into())));
-        assert_eq!(key(&r, "t", &h, b"not json"), Err(MissingSource("json:/tool".into())));
+        assert_eq!(key(&r, &"t".into(), &h, b"{}"), Err(MissingSource("json:/tool".into())));
+        assert_eq!(key(&r, &"t".into(), &h, b"not json"), Err(MissingSource("json:/tool".into())));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::domain::AnswerKind;
 use crate::domain::Phase;
-use crate::domain::{Class, PolicyVersion, StopReason};
+use crate::domain::{Class, PolicyVersion, RouteName, StopReason, Tenant};
 use crate::policy::{BreakerState, CanarySide, Cohort};
 use crate::switch::SwitchAction;
 
@@ -162,14 +162,14 @@ fn describe() {
 }
 
 /// Whether a route's canary runs (1) or was ended by a `canary_off` switch (0).
-pub fn canary_running(route: &str, version: &PolicyVersion, running: bool) {
+pub fn canary_running(route: &RouteName, version: &PolicyVersion, running: bool) {
     let (route, version) = (route.to_string(), version.to_string());
     gauge!("idem_canary_running", "route" => route, "policy_version" => version).set(f64::from(u8::from(running)));
 }
 
 /// One side of a canary (`canary`, or `control`: the route's own policy) as the store last
 /// counted it, cluster-wide: settled requests, attempts per request, final success.
-pub fn canary_side(route: &str, side: CanarySide, version: &PolicyVersion, cohort: Cohort) {
+pub fn canary_side(route: &RouteName, side: CanarySide, version: &PolicyVersion, cohort: Cohort) {
     let labels =
         [("route", route.to_string()), ("side", side.as_str().to_string()), ("policy_version", version.to_string())];
     gauge!("idem_canary_requests", &labels).set(cohort.requests as f64);
@@ -178,13 +178,13 @@ pub fn canary_side(route: &str, side: CanarySide, version: &PolicyVersion, cohor
 }
 
 /// A new execution was admitted: one logical request.
-pub fn request(route: &str) {
+pub fn request(route: &RouteName) {
     counter!("idem_requests_total", "route" => route.to_string()).increment(1);
 }
 
 /// One physical attempt, how it was classified, and the version of the policy it was sent under:
 /// two policies of one route, before and after a reload, are told apart on every graph.
-pub fn attempt(route: &str, version: &PolicyVersion, class: Class, took: Duration) {
+pub fn attempt(route: &RouteName, version: &PolicyVersion, class: Class, took: Duration) {
     let (route, class, version) = (route.to_string(), class.as_str(), version.to_string());
     counter!("idem_attempts_total", "route" => route.clone(), "class" => class, "policy_version" => version.clone())
         .increment(1);
@@ -205,7 +205,7 @@ pub fn config_loaded(at: std::time::SystemTime) {
 }
 
 /// An execution stopped. `attempts` it took; `took` from the request's arrival.
-pub fn stopped(route: &str, tenant: &str, stop: StopReason, attempts: u32, took: Duration) {
+pub fn stopped(route: &RouteName, tenant: &Tenant, stop: StopReason, attempts: u32, took: Duration) {
     let route = route.to_string();
     counter!("idem_stops_total", "route" => route.clone(), "reason" => stop.as_str()).increment(1);
     histogram!("idem_request_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
@@ -223,7 +223,7 @@ pub fn stopped(route: &str, tenant: &str, stop: StopReason, attempts: u32, took:
 }
 
 /// A streamed answer ended (docs/concepts.md): its time to first byte, its duration and its bytes.
-pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
+pub fn streamed(route: &RouteName, first_byte: Duration, took: Duration, bytes: u64) {
     let route = route.to_string();
     histogram!("idem_stream_first_byte_seconds", "route" => route.clone()).record(first_byte.as_secs_f64());
     histogram!("idem_stream_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
@@ -232,13 +232,13 @@ pub fn streamed(route: &str, first_byte: Duration, took: Duration, bytes: u64) {
 
 /// A take-over stopped a record whose worker died (docs/concepts.md): `unsafe_replay`, `deadline` or
 /// `takeover_cap`. Counted with the stops of executions, which it ended.
-pub fn stopped_by_take_over(route: &str, stop: StopReason) {
+pub fn stopped_by_take_over(route: &RouteName, stop: StopReason) {
     counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);
 }
 
 /// A request waits for a record of `route` to settle (`Prefer: wait`), until the guard is
 /// dropped: parked clients hold connections, which operators see before they run out.
-pub fn waiting(route: &str) -> Waiting {
+pub fn waiting(route: &RouteName) -> Waiting {
     let gauge = gauge!("idem_waiting_requests", "route" => route.to_string());
     gauge.increment(1.0);
     Waiting(gauge)
@@ -255,18 +255,18 @@ impl Drop for Waiting {
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
 /// `circuit_open` (503, shed before recording).
-pub fn answered(route: &str, kind: AnswerKind) {
+pub fn answered(route: &RouteName, kind: AnswerKind) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind.as_str()).increment(1);
 }
 
 /// An attempt was not started because the emergency switch `action` was on for `route`.
-pub fn held_by_switch(route: &str, action: SwitchAction) {
+pub fn held_by_switch(route: &RouteName, action: SwitchAction) {
     counter!("idem_switch_held_total", "route" => route.to_string(), "action" => action.as_str()).increment(1);
 }
 
 /// A request on a keyed method came without a key, on a route that does not require one: it
 /// was proxied unrecorded.
-pub fn unkeyed(route: &str) {
+pub fn unkeyed(route: &RouteName) {
     counter!("idem_unkeyed_requests_total", "route" => route.to_string()).increment(1);
 }
 
@@ -290,13 +290,13 @@ pub fn connection_refused(listener: &'static str) {
 }
 
 /// An execution's outcome the store could not take when it came.
-pub fn outcome_unrecorded(route: &str) {
+pub fn outcome_unrecorded(route: &RouteName) {
     counter!("idem_outcomes_unrecorded_total", "route" => route.to_string()).increment(1);
 }
 
 /// A lease renewal made while an attempt was in flight failed (`error`) or found the claim
 /// taken (`lost`).
-pub fn renewal_failed(route: &str, why: &'static str) {
+pub fn renewal_failed(route: &RouteName, why: &'static str) {
     counter!("idem_lease_renewals_failed_total", "route" => route.to_string(), "why" => why).increment(1);
 }
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::clock::SharedClock;
 use crate::runtime::Live;
 use crate::domain::key::IdempotencyKey;
-use crate::domain::{RecordId, State, Tenant, Timestamp};
+use crate::domain::{RecordId, RouteName, State, Tenant, Timestamp};
 use crate::problem::Problem;
 use crate::record::Record;
 use crate::store::{Store, StoreError};
@@ -45,7 +45,7 @@ impl Records {
 
     /// How long a route's done records are replayed, as configured now; a route no longer
     /// configured keeps the store's.
-    pub fn retention(&self, route: &str) -> Duration {
+    pub fn retention(&self, route: &RouteName) -> Duration {
         let config = self.config.current();
         config.route_named(route).map_or(config.store.retention, |r| r.retention)
     }
@@ -62,7 +62,7 @@ impl Records {
         record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
     }
 
-    fn retention_cutoff(&self, route: &str) -> Timestamp {
+    fn retention_cutoff(&self, route: &RouteName) -> Timestamp {
         self.clock.now() - self.retention(route)
     }
 }

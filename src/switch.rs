@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::domain::Timestamp;
+use crate::domain::{RouteName, Timestamp};
 
 /// What a switch applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -17,7 +17,7 @@ pub enum Scope {
     /// Every route, those configured later included.
     All,
     /// One route, by name.
-    Route(String),
+    Route(RouteName),
 }
 
 impl Scope {
@@ -36,11 +36,11 @@ impl Scope {
         if text == Scope::ALL {
             Scope::All
         } else {
-            Scope::Route(text.to_string())
+            Scope::Route(RouteName::from(text))
         }
     }
 
-    pub fn covers(&self, route: &str) -> bool {
+    pub fn covers(&self, route: &RouteName) -> bool {
         match self {
             Scope::All => true,
             Scope::Route(name) => name == route,
@@ -137,7 +137,7 @@ impl Switch {
     }
 
     /// Whether it is on for `route`, doing `action`, at `now`.
-    pub fn holds(&self, route: &str, action: SwitchAction, now: Timestamp) -> bool {
+    pub fn holds(&self, route: &RouteName, action: SwitchAction, now: Timestamp) -> bool {
         self.action == action && self.scope.covers(route) && self.is_active(now)
     }
 
@@ -204,7 +204,7 @@ impl SetRequest {
         let scope = match self.scope.as_deref().map(str::trim) {
             None | Some("") => return Err(invalid("scope", "is required: a route's name, or \"all\"")),
             Some(Scope::ALL) => Scope::All,
-            Some(name) if is_route(name) => Scope::Route(name.to_string()),
+            Some(name) if is_route(name) => Scope::Route(RouteName::from(name)),
             Some(name) => return Err(invalid("scope", format!("`{name}` is not a configured route (or \"all\")"))),
         };
         let action = match self.action.as_deref().map(str::trim) {
@@ -320,10 +320,10 @@ mod tests {
     #[test]
     fn a_switch_holds_for_its_scope_and_action_until_it_expires_or_is_cleared() {
         let mut s = parse(request("payments", "retries_off", "x", Some("1s"))).unwrap();
-        assert!(s.holds("payments", SwitchAction::RetriesOff, NOW));
-        assert!(!s.holds("orders", SwitchAction::RetriesOff, NOW));
-        assert!(!s.holds("payments", SwitchAction::Isolate, NOW));
-        assert!(!s.holds("payments", SwitchAction::RetriesOff, NOW + Duration::from_millis(1000)));
+        assert!(s.holds(&"payments".into(), SwitchAction::RetriesOff, NOW));
+        assert!(!s.holds(&"orders".into(), SwitchAction::RetriesOff, NOW));
+        assert!(!s.holds(&"payments".into(), SwitchAction::Isolate, NOW));
+        assert!(!s.holds(&"payments".into(), SwitchAction::RetriesOff, NOW + Duration::from_millis(1000)));
         assert_eq!(s.status(NOW + Duration::from_millis(1000)), Status::Expired);
         s.expires_at = None;
         s.cleared = Some(Clearing { at: NOW, actor: "bob".into(), reason: "over".into(), replaced_by: None });
@@ -331,6 +331,6 @@ mod tests {
         s.cleared.as_mut().unwrap().replaced_by = Some(Uuid::nil());
         assert_eq!(s.status(NOW), Status::Replaced);
         let all = parse(request("all", "isolate", "x", None)).unwrap();
-        assert!(all.holds("anything", SwitchAction::Isolate, NOW));
+        assert!(all.holds(&"anything".into(), SwitchAction::Isolate, NOW));
     }
 }

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use crate::clock::{self, SharedClock, Turns};
 use crate::config::{Policy, Route};
-use crate::domain::Timestamp;
+use crate::domain::key::IdempotencyKey;
+use crate::domain::{RouteName, Tenant, Timestamp};
 use crate::policy::Switched;
 use crate::store::{Store, StoreError};
 use crate::switch::{Scope, Switch, SwitchAction};
@@ -63,30 +64,30 @@ impl Switches {
     }
 
     /// The switch doing `action` on `route` at `now`, if one is on.
-    pub fn on(&self, route: &str, action: SwitchAction, now: Timestamp) -> Option<Switch> {
+    pub fn on(&self, route: &RouteName, action: SwitchAction, now: Timestamp) -> Option<Switch> {
         self.snapshot().iter().find(|s| s.holds(route, action, now)).cloned()
     }
 
-    fn is_on(&self, route: &str, action: SwitchAction) -> bool {
+    fn is_on(&self, route: &RouteName, action: SwitchAction) -> bool {
         let now = self.clock.now();
         self.snapshot().iter().any(|s| s.holds(route, action, now))
     }
 
-    pub fn retries_off(&self, route: &str) -> bool {
+    pub fn retries_off(&self, route: &RouteName) -> bool {
         self.is_on(route, SwitchAction::RetriesOff)
     }
 
-    pub fn isolated(&self, route: &str) -> bool {
+    pub fn isolated(&self, route: &RouteName) -> bool {
         self.is_on(route, SwitchAction::Isolate)
     }
 
     /// Whether `route`'s canary is ended by an operator: all its traffic uses the main policy.
-    pub fn canary_off(&self, route: &str) -> bool {
+    pub fn canary_off(&self, route: &RouteName) -> bool {
         self.is_on(route, SwitchAction::CanaryOff)
     }
 
     /// What the retry policy is told about `route` right now.
-    pub fn switched(&self, route: &str) -> Switched {
+    pub fn switched(&self, route: &RouteName) -> Switched {
         let now = self.clock.now();
         let active = self.snapshot();
         Switched {
@@ -97,7 +98,7 @@ impl Switches {
 
     /// How long an `isolate` switch on `route` asks a refused client to wait, if one is on: until
     /// the switch expires, or a few seconds, since it may be cleared sooner (one second at least).
-    pub fn isolation(&self, route: &str) -> Option<Duration> {
+    pub fn isolation(&self, route: &RouteName) -> Option<Duration> {
         let now = self.clock.now();
         let switch = self.on(route, SwitchAction::Isolate, now)?;
         let left = switch.expires_at.map_or(ISOLATED_RETRY_AFTER, |at| at - now);
@@ -106,7 +107,7 @@ impl Switches {
 
     /// The policy a request of `tenant` with `key` runs under on `route`: the route's own, or the
     /// canary's for a request in the slice of a canary that no `canary_off` switch has ended.
-    pub fn policy<'r>(&self, route: &'r Route, tenant: &str, key: &str) -> Policy<'r> {
+    pub fn policy<'r>(&self, route: &'r Route, tenant: &Tenant, key: &IdempotencyKey) -> Policy<'r> {
         route.policy_for(tenant, key, !self.canary_off(&route.name))
     }
 
@@ -209,9 +210,9 @@ mod tests {
             switch(Scope::All, SwitchAction::CanaryOff, None),
             switch(Scope::Route("orders".into()), SwitchAction::Isolate, Some(Timestamp::from_millis(1))),
         ]);
-        assert_eq!(switches.switched("payments"), Switched { retries_off: true, isolated: false });
-        assert_eq!(switches.switched("orders"), Switched::default(), "its isolation expired");
-        assert!(switches.canary_off("orders") && switches.canary_off("payments"));
+        assert_eq!(switches.switched(&"payments".into()), Switched { retries_off: true, isolated: false });
+        assert_eq!(switches.switched(&"orders".into()), Switched::default(), "its isolation expired");
+        assert!(switches.canary_off(&"orders".into()) && switches.canary_off(&"payments".into()));
         assert_eq!(switches.active(Timestamp::now()).len(), 2);
     }
 

@@ -4,7 +4,8 @@
 use super::raw::{positive, RawCanary, RawRetry};
 use super::Route;
 use super::{invalid, ConfigError};
-use crate::domain::PolicyVersion;
+use crate::domain::key::IdempotencyKey;
+use crate::domain::{PolicyVersion, RouteName, Tenant};
 use crate::policy::{in_canary, CanaryStop, RetryPolicy};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +42,7 @@ impl Route {
     /// The policy for a request of `tenant` with `key`: the canary's when the route has one,
     /// it is `running` (no `canary_off` switch), and the request falls in its slice; else the
     /// route's own.
-    pub fn policy_for(&self, tenant: &str, key: &str, running: bool) -> Policy<'_> {
+    pub fn policy_for(&self, tenant: &Tenant, key: &IdempotencyKey, running: bool) -> Policy<'_> {
         match &self.canary {
             Some(canary) if running && canary.includes(&self.name, tenant, key) => {
                 Policy { retry: &canary.retry, version: &canary.policy_version, replay_safe: self.replay_safe }
@@ -71,8 +72,8 @@ impl Route {
 }
 
 impl Canary {
-    pub fn includes(&self, route: &str, tenant: &str, key: &str) -> bool {
-        let key = (self.by == CanaryBy::Key).then_some(key);
+    pub fn includes(&self, route: &RouteName, tenant: &Tenant, key: &IdempotencyKey) -> bool {
+        let key = (self.by == CanaryBy::Key).then_some(key.as_str());
         in_canary(route, tenant, key, self.percent)
     }
 }
@@ -201,12 +202,14 @@ mod tests {
         let c = parse("[routes.canary]\npercent = 50\nretry = { max_attempts = 1 }\n").unwrap();
         let route = &c.routes[0];
         let canary = route.canary.as_ref().unwrap();
-        let inside = (0..100).map(|i| format!("k{i}")).find(|k| canary.includes("payments", "acme", k)).unwrap();
-        let outside = (0..100).map(|i| format!("k{i}")).find(|k| !canary.includes("payments", "acme", k)).unwrap();
-        assert_eq!(route.policy_for("acme", &inside, true).version, &canary.policy_version);
-        assert_eq!(route.policy_for("acme", &inside, true).retry.max_attempts, 1);
-        assert_eq!(route.policy_for("acme", &inside, false).version, &route.policy_version);
-        assert_eq!(route.policy_for("acme", &outside, true).version, &route.policy_version);
+        let (route_name, acme) = (RouteName::from("payments"), Tenant::from("acme"));
+        let keys = || (0..100).map(|i| IdempotencyKey::parse(&format!("k{i}")).unwrap());
+        let inside = keys().find(|k| canary.includes(&route_name, &acme, k)).unwrap();
+        let outside = keys().find(|k| !canary.includes(&route_name, &acme, k)).unwrap();
+        assert_eq!(route.policy_for(&acme, &inside, true).version, &canary.policy_version);
+        assert_eq!(route.policy_for(&acme, &inside, true).retry.max_attempts, 1);
+        assert_eq!(route.policy_for(&acme, &inside, false).version, &route.policy_version);
+        assert_eq!(route.policy_for(&acme, &outside, true).version, &route.policy_version);
         assert_ne!(canary.policy_version, route.policy_version);
     }
 

@@ -139,15 +139,15 @@ pub struct TenantQuotas {
 
 impl TenantQuotas {
     /// The quota of `tenant`; `None`: it has none.
-    pub fn of(&self, tenant: &str) -> Option<BudgetLimits> {
-        self.listed.get(tenant).copied().unwrap_or(self.default)
+    pub fn of(&self, tenant: &crate::domain::Tenant) -> Option<BudgetLimits> {
+        self.listed.get(tenant.as_str()).copied().unwrap_or(self.default)
     }
 
     /// These quotas with `changes` applied: a tenant's keys left out keep its current value.
     pub(super) fn changed(&self, changes: BTreeMap<String, RawQuota>) -> Result<TenantQuotas, ConfigError> {
         let mut quotas = self.clone();
         for (name, change) in changes {
-            let current = if name == "default" { self.default } else { self.of(&name) };
+            let current = if name == "default" { self.default } else { self.of(&name.as_str().into()) };
             let quota = budget_limits(
                 &format!("tenants.{name}."),
                 ("retry_budget_ratio", "retry_budget_min_per_sec"),
@@ -226,19 +226,19 @@ mod tests {
     #[test]
     fn tenants_have_no_quota_unless_one_is_set_and_a_tenants_keys_fall_back_to_the_default() {
         let none = parse(ROUTE).unwrap();
-        assert_eq!(none.tenant_quotas().of("anyone"), None);
+        assert_eq!(none.tenant_quotas().of(&"anyone".into()), None);
 
         let c = parse(&tenants("tenant_retry_budget_ratio = 0.05\ntenant_retry_budget_min_per_sec = 2")).unwrap();
         let quotas = c.tenant_quotas();
-        assert_eq!(quotas.of("acme"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 0.5 }), "its own floor");
-        assert_eq!(quotas.of("globex"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }), "the default");
-        assert_eq!(quotas.of("unlisted"), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }));
+        assert_eq!(quotas.of(&"acme".into()), Some(BudgetLimits { ratio: 0.05, min_per_sec: 0.5 }), "its own floor");
+        assert_eq!(quotas.of(&"globex".into()), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }), "the default");
+        assert_eq!(quotas.of(&"unlisted".into()), Some(BudgetLimits { ratio: 0.05, min_per_sec: 2.0 }));
         assert!(describe(&c).contains("tenant quota  5% of first attempts + 2/s"), "{}", describe(&c));
 
         // One key of its own and no default: the other key is a tenant's documented default.
         let c = parse(&tenants("")).unwrap();
-        assert_eq!(c.tenant_quotas().of("acme"), Some(BudgetLimits { ratio: TENANT_DEFAULT.ratio, min_per_sec: 0.5 }));
-        assert_eq!(c.tenant_quotas().of("globex"), None);
+        assert_eq!(c.tenant_quotas().of(&"acme".into()), Some(BudgetLimits { ratio: TENANT_DEFAULT.ratio, min_per_sec: 0.5 }));
+        assert_eq!(c.tenant_quotas().of(&"globex".into()), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::derived;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::AnswerKind;
-use crate::domain::{Arrival, State, Tenant, Timestamp};
+use crate::domain::{Arrival, RouteName, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::metrics;
 use crate::prefer::Prefer;
@@ -321,7 +321,7 @@ impl Ingress {
     async fn execute_keyed(&self, read: Read<'_>) -> Answer {
         let Read { tenant, key, fingerprint, body, route, parts, url, arrival, prefer, replay_safe } = read;
         let query = parts.uri.query().unwrap_or("");
-        let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key.as_str()), replay_safe);
+        let policy = route.policy_with_replay_safety(self.switches.policy(route, &tenant, key), replay_safe);
         let request = worker::Request {
             tenant,
             key: key.clone(),
@@ -370,7 +370,7 @@ impl Ingress {
     }
 
     /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's.
-    fn isolation(&self, route: &str) -> Option<Refusal> {
+    fn isolation(&self, route: &RouteName) -> Option<Refusal> {
         self.switches.isolation(route).map(Refusal::Isolated)
     }
 

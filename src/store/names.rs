@@ -1,6 +1,6 @@
-//! Where a name (a tenant, a key, a route, a policy version, a lease's owner) or a state crosses
-//! into a database: bound as the text both schemas store, by sqlx and by the SQLite writer's
-//! rusqlite, so that no query spells `.as_str()`. On PostgreSQL the text is written from the
+//! Where a name (a tenant, a key, a route, a policy version, a lease's owner), a state, or a
+//! switch's scope and action crosses into a database: bound as the text both schemas store, by
+//! sqlx and by the SQLite writer's rusqlite, so that no query spells `.as_str()`. On PostgreSQL the text is written from the
 //! name itself; sqlx's SQLite driver, which only reads here, takes its own copy.
 
 use std::borrow::Cow;
@@ -14,6 +14,7 @@ use sqlx::{Encode, Type};
 
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Owner, PolicyVersion, RouteName, State, Tenant};
+use crate::switch::{Scope, SwitchAction};
 
 macro_rules! bound_as_text {
     ($($name:ty),* $(,)?) => {$(
@@ -60,4 +61,4 @@ macro_rules! bound_as_text {
     )*};
 }
 
-bound_as_text!(Tenant, IdempotencyKey, RouteName, PolicyVersion, Owner, State);
+bound_as_text!(Tenant, IdempotencyKey, RouteName, PolicyVersion, Owner, State, Scope, SwitchAction);

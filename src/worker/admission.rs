@@ -100,6 +100,9 @@ pub(super) struct Reservation {
     pub(super) url: Option<url::Url>,
 }
 
+// One per execution, moved once into its task: boxing the larger variant would cost every new
+// key an allocation.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Start {
     /// Queued: claim it first.
     Claim,
@@ -297,7 +300,7 @@ pub(super) mod tests {
         let route = worker.inner.config.served().route_named("payments").unwrap();
         let admit = Admit {
             route: &route,
-            policy: route.policy_for("default", key, true),
+            policy: route.policy_for(&"default".into(), &crate::domain::key::IdempotencyKey::parse(key).unwrap(), true),
             request: keyed(key),
             url: None,
             headers: &http::HeaderMap::new(),

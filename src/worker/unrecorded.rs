@@ -16,6 +16,7 @@ use std::time::Duration;
 use tracing::{error, info, warn};
 
 use super::Inner;
+use crate::domain::RouteName;
 use crate::metrics;
 use crate::store::{AttemptEnded, Lease, Renew, StoreError};
 
@@ -27,10 +28,10 @@ const LONGEST_WAIT: Duration = Duration::from_secs(5);
 impl Inner {
     /// Writes `ended` again in the background until the store takes it; `error` is why it did
     /// not the first time.
-    pub(super) fn write_later(&self, ended: AttemptEnded, route: &str, status: Option<u16>, error: &StoreError) {
+    pub(super) fn write_later(&self, ended: AttemptEnded, route: &RouteName, status: Option<u16>, error: &StoreError) {
         let id = ended.id;
         error!(
-            record = %id, route, upstream_status = status, error = %error,
+            record = %id, %route, upstream_status = status, error = %error,
             "the upstream answered but the store could not take the outcome: the client was told it; \
              writing it again until the store takes it (until then the record shows in_progress, then unknown)"
         );

@@ -128,7 +128,7 @@ impl Cluster {
         let route = node.live.served().route_named("payments").unwrap();
         let admit = worker::Admit {
             route: &route,
-            policy: route.policy_for("default", key, true),
+            policy: route.policy_for(&"default".into(), &IdempotencyKey::parse(key).unwrap(), true),
             request: self.request(key),
             url: None,
             headers: &http::HeaderMap::new(),

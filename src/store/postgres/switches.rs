@@ -22,8 +22,8 @@ pub(super) async fn set(pool: &PgPool, new: &Switch) -> Result<Option<Switch>, S
          WHERE scope = $1 AND action = $2 AND cleared_at IS NULL AND (expires_at IS NULL OR expires_at > $3)
          RETURNING {COLUMNS}"
     ))
-    .bind(new.scope.as_str())
-    .bind(new.action.as_str())
+    .bind(&new.scope)
+    .bind(new.action)
     .bind(new.set_at)
     .bind(&new.actor)
     .bind(format!("replaced by switch {}: {}", new.id, new.reason))
@@ -35,8 +35,8 @@ pub(super) async fn set(pool: &PgPool, new: &Switch) -> Result<Option<Switch>, S
          VALUES ($1::uuid, $2, $3, $4, $5, $6, $7)",
     )
     .bind(new.id.to_string())
-    .bind(new.scope.as_str())
-    .bind(new.action.as_str())
+    .bind(&new.scope)
+    .bind(new.action)
     .bind(&new.reason)
     .bind(&new.actor)
     .bind(new.set_at)

@@ -41,8 +41,8 @@ pub(super) fn set(conn: &Connection, new: Switch) -> Result<Option<Switch>, Stor
     {
         let mut replace = conn.prepare_cached(REPLACE)?;
         let mut rows = replace.query(params![
-            new.scope.as_str(),
-            new.action.as_str(),
+            new.scope,
+            new.action,
             new.set_at,
             new.actor,
             replaced_because(&new),
@@ -54,8 +54,8 @@ pub(super) fn set(conn: &Connection, new: Switch) -> Result<Option<Switch>, Stor
     }
     conn.prepare_cached(INSERT)?.execute(params![
         new.id.to_string(),
-        new.scope.as_str(),
-        new.action.as_str(),
+        new.scope,
+        new.action,
         new.reason,
         new.actor,
         new.set_at,
