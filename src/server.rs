@@ -151,7 +151,7 @@ async fn start_on(
     let data = bind(config.server.listen).await?;
     let admin_listener = bind(config.server.admin_listen).await?;
     let certificates = Certificates::load(&config)?;
-    let store = store::open_with(&config.store.url, leases).await?;
+    let store = store::open_synced(&config.store.url, config.store.sync, leases).await?;
     let settled = Arc::new(Settled::default());
     let health = Arc::new(store::Health::default());
     // Read before the first request: a restarted node obeys the switches left on at once.

@@ -112,11 +112,15 @@ async fn ready(State(admin): State<Arc<Admin>>) -> Response {
     }
 }
 
-/// This node as it stands, whatever the store's state: what the console's banner shows.
+/// This node as it stands, whatever the store's state: what the console's banner shows. The
+/// store's durability is what its database reported when it opened, not what was asked: an
+/// operator checking `[store] sync` sees what holds.
 async fn node(State(admin): State<Arc<Admin>>) -> Response {
+    let durability = admin.store.durability();
     Json(serde_json::json!({
         "node": admin.worker.owner(),
         "unrecorded_outcomes": admin.worker.unrecorded_outcomes(),
+        "store": {"sync": durability.sync.as_str(), "setting": durability.setting},
     }))
     .into_response()
 }

@@ -32,6 +32,13 @@ pub fn describe(c: &Config) -> String {
         if c.server.access_log { "on" } else { "off" }
     );
     let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
+    let survives = match c.store.sync {
+        crate::store::Durability::Full => "every commit synced to disk: survives a power loss",
+        crate::store::Durability::Normal => {
+            "survives a crash of the process; the last commits may be lost on power loss"
+        }
+    };
+    let _ = writeln!(out, "store sync    {} ({survives})", c.store.sync);
     let _ = writeln!(
         out,
         "auth          {} tenant(s); admin token {}",

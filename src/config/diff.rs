@@ -14,7 +14,7 @@ use crate::domain::RouteName;
 /// slow one, and where its traces go. A file that changes one of them is refused whole: nothing
 /// of it is applied. (A listener's certificate files are read again at each reload: renaming
 /// them, or rewriting them in place, rotates the certificate without a restart.)
-pub const RESTART_ONLY: [&str; 17] = [
+pub const RESTART_ONLY: [&str; 18] = [
     "server.listen",
     "server.admin_listen",
     "server.tls_cert",
@@ -25,6 +25,7 @@ pub const RESTART_ONLY: [&str; 17] = [
     "server.admin_max_connections",
     "server.max_buffered_bodies",
     "store.url",
+    "store.sync",
     "worker.concurrency",
     "worker.lease",
     "worker.send_window",
@@ -125,6 +126,7 @@ pub fn changes(running: &Config, file: &Config) -> Result<Changes, ConfigError> 
         a.server.limits.admin_max_connections != b.server.limits.admin_max_connections,
         a.server.limits.max_buffered_bodies != b.server.limits.max_buffered_bodies,
         a.store.url != b.store.url,
+        a.store.sync != b.store.sync,
         a.worker.concurrency != b.worker.concurrency,
         a.worker.lease != b.worker.lease,
         a.worker.send_window != b.worker.send_window,
@@ -299,6 +301,10 @@ mod tests {
         moved.server.limits.max_buffered_bodies *= 2;
         let e = changes(&a, &moved).unwrap_err().to_string();
         assert!(e.contains("`server.max_buffered_bodies`") && e.contains("store.url"), "{e}");
+        let mut relaxed = config(&route("pay", ""), "");
+        relaxed.store.sync = crate::store::Durability::Normal;
+        let e = changes(&a, &relaxed).unwrap_err().to_string();
+        assert!(e.contains("`store.sync`") && e.contains("restart"), "{e}");
         let mut traced = config(&route("pay", ""), "");
         traced.telemetry.sampling_ratio = 0.5;
         let e = changes(&a, &traced).unwrap_err().to_string();

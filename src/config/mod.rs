@@ -16,6 +16,7 @@ mod canary;
 mod candidate;
 mod described;
 mod diff;
+mod durability;
 mod limits;
 mod mcp;
 mod quotas;
@@ -96,6 +97,9 @@ pub struct Forwarding {
 pub struct StoreConfig {
     /// `sqlite://…` or `postgres://…`; the scheme picks the backend.
     pub url: String,
+    /// What a commit survives before it counts: `store.sync`, or else a SQLite url's own
+    /// `synchronous=`.
+    pub sync: crate::store::Durability,
     /// How long `done` records are kept and replayed.
     pub retention: Duration,
 }

@@ -50,6 +50,8 @@ pub(super) struct RawServer {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawStore {
     pub(super) url: Option<String>,
+    /// Read as any value, so that one of the wrong type is refused by its key's name.
+    pub(super) sync: Option<toml::Value>,
     pub(super) retention: Option<String>,
 }
 
@@ -310,7 +312,9 @@ impl RawConfig {
         if !url.starts_with("sqlite:") {
             super::tls::check_postgres_url(&url)?;
         }
-        let store = StoreConfig { url, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
+        let sync = durability::validate(store.sync.as_ref(), &url)?;
+        let store =
+            StoreConfig { url, sync, retention: duration("store.retention", store.retention.as_deref(), "24h")? };
 
         let auth = validate_auth(self.auth.unwrap_or_default(), env)?;
 

@@ -2,6 +2,7 @@ use super::*;
 use secrecy::ExposeSecret;
 
 mod serving;
+mod store_sync;
 
 const MINIMAL: &str = r#"
     [[routes]]

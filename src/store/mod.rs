@@ -15,6 +15,7 @@ use crate::record::{transition, Event, Record, StoredRequest, StoredResponse};
 use crate::switch::Switch;
 
 mod command;
+mod durability;
 mod error;
 mod health;
 mod listing;
@@ -38,10 +39,11 @@ pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
     ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
 };
+pub use durability::{Durability, DurabilityInForce};
 pub use error::StoreError;
 pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};
-pub use opening::{migrate, open, open_with, status};
+pub use opening::{migrate, open, open_synced, open_with, status};
 pub(crate) use rows::{decode, Columns};
 pub(crate) use switches::decode_switch;
 pub use switches::{SwitchCleared, MAX_HISTORY};
@@ -402,6 +404,10 @@ pub trait Store: Send + Sync + 'static {
     /// by every node: the database answers, and (SQLite) its files are still the ones opened. A
     /// store that refuses work after a loss also finds out here whether it may resume.
     async fn ping(&self) -> Result<(), StoreError>;
+
+    /// What its commits survive, as its database reported it once the store had set it, at
+    /// opening (`/admin/node`): read then, so that asking works whatever the store's state.
+    fn durability(&self) -> DurabilityInForce;
 
     // ---- stats ------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{postgres, protocol, sqlite, LeaseClock, Store, StoreError};
+use super::{postgres, protocol, sqlite, Durability, LeaseClock, Store, StoreError};
 
 /// The two backends, as a `store.url` names them.
 enum Backend {
@@ -30,11 +30,19 @@ pub async fn open(url: &str) -> Result<Arc<dyn Store>, StoreError> {
 }
 
 /// Opens the store named by a `store.url`, keeping leases in `clock` where the backend can
-/// choose (PostgreSQL; SQLite's are always its host's, [`LeaseClock::Node`]).
+/// choose (PostgreSQL; SQLite's are always its host's, [`LeaseClock::Node`]). Commits are fully
+/// durable, unless a SQLite url's own `synchronous=` says otherwise.
 pub async fn open_with(url: &str, clock: LeaseClock) -> Result<Arc<dyn Store>, StoreError> {
+    open_synced(url, Durability::Full, clock).await
+}
+
+/// Opens the store named by a `store.url` as [`open_with`] does, its commits as durable as
+/// `sync` says: `[store] sync`. A SQLite url's own `synchronous=` is applied as written, so
+/// that one with `extra` keeps it; the configuration refuses one that disagrees with `sync`.
+pub async fn open_synced(url: &str, sync: Durability, clock: LeaseClock) -> Result<Arc<dyn Store>, StoreError> {
     let store: Arc<dyn Store> = match Backend::of(url)? {
-        Backend::Sqlite => Arc::new(sqlite::SqliteStore::open(url).await?),
-        Backend::Postgres => Arc::new(postgres::PostgresStore::open(url, clock).await?),
+        Backend::Sqlite => Arc::new(sqlite::SqliteStore::open(url, sync).await?),
+        Backend::Postgres => Arc::new(postgres::PostgresStore::open(url, sync, clock).await?),
     };
     Ok(store)
 }

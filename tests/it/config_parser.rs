@@ -17,6 +17,7 @@ admin_max_connections = 64
 max_buffered_bodies = "256MiB"
 [store]
 url = "sqlite://idem.db"
+sync = "full"
 retention = "24h"
 [auth]
 admin_token_env = "IDEM_ADMIN_TOKEN"
@@ -78,6 +79,7 @@ const KEYS: &[&str] = &[
     "server.admin_max_connections",
     "server.max_buffered_bodies",
     "store.url",
+    "store.sync",
     "store.retention",
     "auth.admin_token_env",
     "auth.token_header",
@@ -170,6 +172,10 @@ fn value(kind: char) -> BoxedStrategy<String> {
         "\"postgres://u:pw@h/db\"",
         "\"postgres://h/db\"",
         "\"mysql://x\"",
+        "\"sqlite://idem.db?synchronous=full\"",
+        "\"sqlite://idem.db?synchronous=off\"",
+        "\"normal\"",
+        "\"fast\"",
         "\"localhost\"",
         "\"[::1]:0\"",
         "\"0.0.0.0:8081\"",

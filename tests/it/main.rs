@@ -40,6 +40,7 @@ mod store;
 mod store_down;
 mod store_lost;
 mod store_recorded;
+mod store_sync;
 mod store_tls;
 mod streaming;
 mod switches;

@@ -49,8 +49,8 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, LeaseClock, ListFilter, Notice, Page, Probed, ProbesDue, Renew,
-    Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice,
+    Page, Probed, ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
 use crate::domain::RecordId;
@@ -73,7 +73,9 @@ pub struct PostgresStore {
     notices: broadcast::Sender<Notice>,
     /// The task relaying notifications and what stops it: [`Store::close`], or the store's drop.
     relay: std::sync::Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
-    url: String,
+    /// How the health checks connect: as the pool does.
+    connect: PgConnectOptions,
+    durability: DurabilityInForce,
     /// The health checks' own connection: a pool busy with requests must not pass for a
     /// database that is down, nor a pool's idle connection for one that is up.
     health_check: tokio::sync::Mutex<Option<PgConnection>>,
@@ -82,11 +84,14 @@ pub struct PostgresStore {
 impl PostgresStore {
     /// Connects to the database at `url` (`postgres://…`), applies migrations, and starts
     /// listening for changes made by other processes. Leases are kept in `clock`: the server's
-    /// ([`LeaseClock::Database`]) but for tests that hold time still.
-    pub async fn open(url: &str, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
-        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect_with(options(url)?).await?;
+    /// ([`LeaseClock::Database`]) but for tests that hold time still. Its sessions commit as
+    /// `sync` says.
+    pub async fn open(url: &str, sync: Durability, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
+        let connect = session(url, sync)?;
+        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect_with(connect.clone()).await?;
         protocol::check(stored_protocol(&pool).await?)?;
         migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+        let durability = durability_in_force(&pool, sync).await?;
         // Listen before returning, so no change made after `open` goes unannounced.
         let listener = notices::listen(url).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
@@ -101,7 +106,8 @@ impl PostgresStore {
             outcomes,
             notices,
             relay: std::sync::Mutex::new(Some((relay, relaying))),
-            url: url.to_string(),
+            connect,
+            durability,
             health_check,
         })
     }
@@ -113,6 +119,33 @@ fn options(url: &str) -> Result<PgConnectOptions, StoreError> {
     let options =
         PgConnectOptions::from_str(url).map_err(|e| StoreError::Unavailable(format!("bad postgres url: {e}")))?;
     Ok(options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())]))
+}
+
+/// How this node's store connects, committing as `sync` says. `normal` turns
+/// `synchronous_commit` off for these sessions only, not for the database: its other clients keep
+/// their own setting. The notification listener is left as it is: it commits nothing.
+fn session(url: &str, sync: Durability) -> Result<PgConnectOptions, StoreError> {
+    let options = options(url)?;
+    Ok(match sync {
+        Durability::Full => options,
+        Durability::Normal => options.options([("synchronous_commit", "off")]),
+    })
+}
+
+/// What the store's sessions commit with, as the server says: with `full`, whatever the
+/// server's own setting is (`remote_apply` for a standby, say), which an operator may have
+/// turned off for the database or role.
+async fn durability_in_force(pool: &PgPool, sync: Durability) -> Result<DurabilityInForce, StoreError> {
+    let setting: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(pool).await?;
+    let in_force = if setting == "off" { Durability::Normal } else { Durability::Full };
+    if in_force != sync {
+        tracing::warn!(
+            store.sync = %sync,
+            synchronous_commit = %setting,
+            "the database's synchronous_commit for Idem's sessions overrides [store] sync; /admin/node shows the one in force"
+        );
+    }
+    Ok(DurabilityInForce { sync: in_force, setting: format!("synchronous_commit={setting}") })
 }
 
 /// Migrations only, for `idem migrate`.
@@ -292,11 +325,15 @@ impl Store for PostgresStore {
         // connection in an unknown state behind; the next one connects afresh.
         let mut conn = match held.take() {
             Some(conn) => conn,
-            None => PgConnection::connect_with(&options(&self.url)?).await?,
+            None => PgConnection::connect_with(&self.connect).await?,
         };
         sqlx::query("SELECT 1").execute(&mut conn).await?;
         *held = Some(conn);
         Ok(())
+    }
+
+    fn durability(&self) -> DurabilityInForce {
+        self.durability.clone()
     }
 
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {

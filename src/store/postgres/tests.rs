@@ -23,6 +23,11 @@ impl Scratch {
 /// A [`Scratch`] store named after `prefix`, on the server that `IDEM_TEST_POSTGRES_URL` names;
 /// `None` (the test skipped) without one, except under CI.
 pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
+    scratch_store_synced(prefix, Durability::Full).await
+}
+
+/// A [`scratch_store`] whose sessions commit as `sync` says.
+pub(super) async fn scratch_store_synced(prefix: &str, sync: Durability) -> Option<Scratch> {
     let server = match std::env::var("IDEM_TEST_POSTGRES_URL") {
         Ok(url) if !url.is_empty() => url,
         _ if std::env::var_os("CI").is_some() => panic!("IDEM_TEST_POSTGRES_URL is not set under CI"),
@@ -36,7 +41,7 @@ pub(super) async fn scratch_store(prefix: &str) -> Option<Scratch> {
     sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await.unwrap();
     let mut url = url::Url::parse(&server).unwrap();
     url.set_path(&format!("/{name}"));
-    let store = PostgresStore::open(url.as_str(), LeaseClock::Database).await.unwrap();
+    let store = PostgresStore::open(url.as_str(), sync, LeaseClock::Database).await.unwrap();
     Some(Scratch { store, admin, name })
 }
 
@@ -89,4 +94,30 @@ async fn one_record_statements_go_through_the_primary_key() {
     assert_eq!(scans, [("records_pkey".to_string(), 1)], "idem_end_attempts scanned these indexes");
     drop(conn);
     scratch.remove().await;
+}
+
+/// `[store] sync = "normal"` holds on every session of the store, not only the one it read back:
+/// each of the pool's connections, and the health checks' own.
+#[tokio::test]
+async fn every_session_commits_as_store_sync_says() {
+    for (sync, setting) in [(Durability::Normal, "off"), (Durability::Full, "on")] {
+        let Some(scratch) = scratch_store_synced("idem_sync", sync).await else { return };
+        let store = &scratch.store;
+        assert_eq!(store.durability().sync, sync);
+        assert_eq!(store.durability().setting, format!("synchronous_commit={setting}"));
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let mut conn = store.pool.acquire().await.unwrap();
+            let shown: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut *conn).await.unwrap();
+            assert_eq!(shown, setting, "a pool connection of a store with sync {sync}");
+            held.push(conn);
+        }
+        drop(held);
+        store.ping().await.unwrap();
+        let mut check = store.health_check.lock().await.take().expect("the health check keeps its connection");
+        let shown: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut check).await.unwrap();
+        assert_eq!(shown, setting, "the health check's connection of a store with sync {sync}");
+        drop(check);
+        scratch.remove().await;
+    }
 }

@@ -12,6 +12,7 @@ pub(super) mod recorded;
 mod rows;
 mod stats;
 mod switches;
+mod synchronous;
 mod writer;
 mod writes;
 
@@ -25,13 +26,15 @@ use sqlx::{Connection, Row};
 
 use self::files::DatabaseFiles;
 pub use self::files::FileId;
+pub use self::synchronous::url_durability;
+use self::synchronous::{split_synchronous, Synchronous};
 use self::writer::{Write, Writer};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
-    StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, ListFilter, Page, Probed,
+    ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
 use crate::domain::RecordId;
@@ -46,11 +49,12 @@ pub struct SqliteStore {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the database at `url` and applies migrations. The url may end
-    /// in `?synchronous=normal` to trade the last commits on power loss for speed; the default,
-    /// `full`, makes every record durable before its request is sent upstream.
-    pub async fn open(url: &str) -> Result<SqliteStore, StoreError> {
-        let (url, synchronous) = split_synchronous(url)?;
+    /// Opens (creating if needed) the database at `url` and applies migrations. Its writer syncs
+    /// as `sync` says, or as the url's own `?synchronous=` does where it has one: `full` makes
+    /// every record durable before its request is sent upstream, `normal` trades the last commits
+    /// on power loss for speed.
+    pub async fn open(url: &str, sync: Durability) -> Result<SqliteStore, StoreError> {
+        let (url, asked) = split_synchronous(url)?;
         if url.contains(":memory:") || url.contains("mode=memory") {
             // The writer and the readers are separate connections: each would get its own empty
             // database, and no write would ever be read back.
@@ -88,7 +92,7 @@ impl SqliteStore {
             .connect_with(options.clone().read_only(true))
             .await?;
 
-        let writer = writer::start(options.get_filename(), synchronous, files.clone())?;
+        let writer = writer::start(options.get_filename(), Synchronous::chosen(asked, sync), files.clone())?;
         Ok(SqliteStore { writer, reads, files })
     }
 
@@ -106,7 +110,7 @@ impl SqliteStore {
 
 /// Migrations only, for `idem migrate`.
 pub async fn migrate(url: &str) -> Result<(), StoreError> {
-    SqliteStore::open(url).await.map(drop)
+    SqliteStore::open(url, Durability::Full).await.map(drop)
 }
 
 /// This build's migrations. Those applied by a later build that keeps the protocol are let be:
@@ -162,34 +166,6 @@ async fn stored_protocol(conn: &mut SqliteConnection) -> Result<Option<i64>, Sto
             .fetch_one(&mut *conn)
             .await?;
     Ok(Some(i64::from(tokens)))
-}
-
-/// Takes `synchronous=` out of the url (sqlx does not know it): the url left, and the setting.
-fn split_synchronous(url: &str) -> Result<(String, &'static str), StoreError> {
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_string(), "FULL"));
-    };
-    let mut synchronous = "FULL";
-    let mut rest = Vec::new();
-    for pair in query.split('&') {
-        match pair.split_once('=') {
-            Some(("synchronous", value)) => {
-                synchronous = match value.to_ascii_lowercase().as_str() {
-                    "full" => "FULL",
-                    "normal" => "NORMAL",
-                    "extra" => "EXTRA",
-                    _ => {
-                        return Err(StoreError::Unavailable(format!(
-                            "synchronous={value}: use full, normal or extra (off would lose acknowledged records)"
-                        )))
-                    }
-                }
-            }
-            _ => rest.push(pair),
-        }
-    }
-    let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
-    Ok((url, synchronous))
 }
 
 fn corrupt(what: &str) -> StoreError {
@@ -338,6 +314,10 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    fn durability(&self) -> DurabilityInForce {
+        self.writer.durability().clone()
+    }
+
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
         self.write(|r| Write::AddAnswerCounts(add, r)).await
     }
@@ -374,19 +354,8 @@ mod tests {
     #[tokio::test]
     async fn an_in_memory_database_is_refused_with_a_reason() {
         for url in ["sqlite::memory:", "sqlite://idem.db?mode=memory"] {
-            let Err(e) = SqliteStore::open(url).await else { panic!("{url} was accepted") };
+            let Err(e) = SqliteStore::open(url, Durability::Full).await else { panic!("{url} was accepted") };
             assert!(e.to_string().contains("give a file path"), "{e}");
         }
-    }
-
-    #[test]
-    fn the_synchronous_setting_is_taken_out_of_the_url() {
-        let (url, s) = split_synchronous("sqlite://idem.db").unwrap();
-        assert_eq!(url, "sqlite://idem.db");
-        assert_eq!(s, "FULL");
-        let (url, s) = split_synchronous("sqlite://idem.db?synchronous=normal&mode=rwc").unwrap();
-        assert_eq!(url, "sqlite://idem.db?mode=rwc");
-        assert_eq!(s, "NORMAL");
-        assert!(split_synchronous("sqlite://idem.db?synchronous=off").is_err());
     }
 }

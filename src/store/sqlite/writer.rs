@@ -22,12 +22,14 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{mpsc, oneshot};
 
 use super::files::{io_failure, DatabaseFiles};
+use super::synchronous::{self, Synchronous};
 use super::{actions, writes};
 use crate::domain::{ClaimToken, Timestamp};
 use crate::record::Record;
 use crate::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
-    ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep,
+    SwitchCleared, TakeOver,
 };
 use crate::switch::Switch;
 
@@ -123,14 +125,16 @@ fn declare_protocol(conn: &Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
-pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -> Result<Writer, StoreError> {
+pub(super) fn start(path: &Path, synchronous: Synchronous, files: Arc<DatabaseFiles>) -> Result<Writer, StoreError> {
     let conn = Connection::open(path)?;
     declare_protocol(&conn)?;
     conn.busy_timeout(Duration::from_secs(10))?;
     conn.execute_batch(&format!(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous}; PRAGMA foreign_keys = ON;
-         PRAGMA wal_autocheckpoint = {WAL_RESTART_PAGES};"
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;
+         PRAGMA wal_autocheckpoint = {WAL_RESTART_PAGES};",
+        synchronous.pragma()
     ))?;
+    let durability = synchronous::in_force(&conn)?;
     // A read makes this connection hold the log open, so no other connection's close deletes it.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
     files.learn_log()?;
@@ -160,7 +164,7 @@ pub(super) fn start(path: &Path, synchronous: &str, files: Arc<DatabaseFiles>) -
             move || write_loop(&committer, queued)
         })
         .map_err(cannot)?;
-    Ok(Writer { queue, committer })
+    Ok(Writer { queue, committer, durability })
 }
 
 /// The way into the one writing connection.
@@ -169,9 +173,15 @@ pub(super) struct Writer {
     queue: mpsc::Sender<Write>,
     /// The connection itself, for a write that finds the store idle.
     committer: Arc<Mutex<Committer>>,
+    /// What its commits survive, as the connection reported it once set.
+    durability: DurabilityInForce,
 }
 
 impl Writer {
+    pub(super) fn durability(&self) -> &DurabilityInForce {
+        &self.durability
+    }
+
     /// Commits the write `op` builds and returns its result, once the commit is durable.
     pub(super) async fn write<T>(&self, op: impl FnOnce(Reply<T>) -> Write) -> Result<T, StoreError> {
         let stopped = || StoreError::Unavailable("the sqlite writer has stopped".into());
@@ -433,7 +443,7 @@ mod tests {
             )
             .unwrap();
         let files = Arc::new(DatabaseFiles::opened(&path).unwrap());
-        Arc::new(start(&path, "FULL", files).unwrap())
+        Arc::new(start(&path, Synchronous::Full, files).unwrap())
     }
 
     async fn probe(writer: &Writer) -> Result<(), StoreError> {

@@ -13,8 +13,8 @@ use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
-    ClaimUnclaimed, ClearSwitch, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve, Retry, Store,
-    StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
+    Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use idem::switch::Switch;
 use tokio::sync::{Notify, Semaphore};
@@ -276,6 +276,10 @@ impl Store for Faulty {
     async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
         self.faults.reachable()?;
         self.inner.watch(id).await
+    }
+
+    fn durability(&self) -> DurabilityInForce {
+        self.inner.durability()
     }
 
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {

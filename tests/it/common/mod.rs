@@ -452,11 +452,13 @@ pub struct Broker {
 /// (`payments` at `/payments`) calls, the lines of that route's table, the tables after it (its
 /// `[routes.retry]`, more routes, `[auth]`), and the `[worker]` and `[server]` lines (the
 /// listeners' addresses are set by whoever starts the broker). The store is the test's
-/// database, set by whoever starts the broker on it.
+/// database, set by whoever starts the broker on it; the `[store]` table's other lines are the
+/// test's.
 #[derive(Debug, Clone, Default)]
 pub struct TestConfig {
     server: String,
     store: String,
+    store_lines: String,
     upstream: String,
     worker: String,
     route: String,
@@ -477,6 +479,13 @@ impl TestConfig {
     /// The store's URL (a broker started on a [`Db`] sets it).
     pub fn store(mut self, url: &str) -> TestConfig {
         self.store = url.to_string();
+        self
+    }
+
+    /// Lines of the `[store]` table besides its URL (`sync = "normal"`).
+    pub fn store_lines(mut self, lines: &str) -> TestConfig {
+        self.store_lines.push_str(lines);
+        self.store_lines.push('\n');
         self
     }
 
@@ -511,10 +520,10 @@ impl TestConfig {
     /// Everything but `[server]`'s header and listeners: it starts with the table's other
     /// lines, so that it follows them.
     pub fn body(&self) -> String {
-        let TestConfig { server, store, upstream, worker, route, tables } = self;
+        let TestConfig { server, store, store_lines, upstream, worker, route, tables } = self;
         let worker = if worker.is_empty() { String::new() } else { format!("[worker]\n{worker}") };
         format!(
-            "{server}\n[store]\nurl = \"{store}\"\n\n{worker}\n\n[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
+            "{server}\n[store]\nurl = \"{store}\"\n{store_lines}\n{worker}\n\n[[routes]]\nname = \"payments\"\npath_prefix = \"/payments\"\n\
              upstream = \"{upstream}\"\n{route}\n{tables}\n"
         )
     }
