@@ -193,7 +193,7 @@ impl RawRoute {
 fn broker_header(key: &str, name: &str, credentials: &http::HeaderMap) -> Result<http::HeaderName, ConfigError> {
     let parsed = http::HeaderName::from_bytes(name.as_bytes())
         .map_err(|_| invalid(key, format!("`{name}` is not a valid header name")))?;
-    if crate::upstream::is_reserved(parsed.as_str()) {
+    if crate::domain::headers::is_reserved(parsed.as_str()) {
         return Err(invalid(key, format!("`{name}` is a header the broker or the connection already uses")));
     }
     if credentials.contains_key(&parsed) {
@@ -212,7 +212,7 @@ fn attempt_header(
     deadline: Option<&http::HeaderName>,
 ) -> Result<Option<http::HeaderName>, ConfigError> {
     let name = match setting {
-        None | Some(RawHeaderSetting::On(true)) => crate::upstream::ATTEMPT_HEADER.to_string(),
+        None | Some(RawHeaderSetting::On(true)) => crate::domain::headers::ATTEMPT_HEADER.to_string(),
         Some(RawHeaderSetting::On(false)) => return Ok(None),
         Some(RawHeaderSetting::Name(name)) => name,
     };

@@ -7,6 +7,7 @@
 
 mod answer;
 pub mod fingerprint;
+pub mod headers;
 mod history;
 mod ids;
 pub mod key;

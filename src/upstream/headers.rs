@@ -6,34 +6,8 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::domain::headers::{CLIENT_ONLY, HOP_BY_HOP};
 use crate::record::{header_bytes, header_text};
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1): meaningful for one connection only, never forwarded or
-/// stored. `content-length` is recomputed from the body we send.
-const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "content-length",
-];
-
-/// Request headers that belong to the broker or to the client's session with it, not upstream.
-const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "prefer"];
-
-/// Is this a header the broker or the connection already sets or strips, which a header of the
-/// route's own (the deadline it tells the upstream) would clash with?
-pub fn is_reserved(name: &str) -> bool {
-    HOP_BY_HOP.contains(&name)
-        || CLIENT_ONLY.contains(&name)
-        || name == "content-type"
-        || name == crate::domain::key::HEADER
-}
 
 /// The request headers to send upstream (and to store, so a retry or take-over sends the same).
 /// The client's credentials and cookies are never forwarded nor stored; the Idempotency-Key goes
@@ -91,8 +65,6 @@ pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
     map
 }
 
-/// The header an attempt carries its claim in unless its route names another (docs/guarantees.md).
-pub const ATTEMPT_HEADER: &str = "idem-attempt";
 
 /// Puts an attempt's claim in the route's attempt header: `<record id>; claim=<token>;
 /// attempt=<n>`. An upstream that keeps the highest claim it has seen per key can refuse an

@@ -40,8 +40,7 @@ mod gate;
 mod headers;
 pub use forwarded::forward;
 pub use headers::{
-    client_deadline, forwardable_request_headers, is_reserved, storable_response_headers, tell_attempt, tell_deadline,
-    to_header_map, ATTEMPT_HEADER,
+    client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline, to_header_map,
 };
 
 use gate::{Outgoing, TimedConnect};
