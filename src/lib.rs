@@ -3,8 +3,9 @@
 //! A request's path through the crate:
 //!
 //! - [`domain`] — the ground floor: the words every layer shares (record id, tenant, route name,
-//!   claim token, state and phase, stop reason, attempt outcome and error, history action, answer
-//!   kind, policy version, timestamp), each one type with one spelling.
+//!   claim token, idempotency key and fingerprint, request path, state and phase, stop reason,
+//!   attempt outcome and error, history action, answer kind, policy version, timestamp, an
+//!   operator's switch, the header names the broker owns), each one type with one spelling.
 //! - [`config`] — the TOML file, validated into routes and policies, each policy named by its
 //!   `policy_version` (a digest of its values, see [`policy`]).
 //! - [`runtime`] — each configured route's state while it serves: its places and retry budget,
@@ -13,15 +14,15 @@
 //!   configuration in one snapshot, served replaceable ([`runtime::Live`]) and swapped whole on
 //!   reload: a request resolves its route there once ([`runtime::ServedRoute`]) and carries it
 //!   to its end, as do an execution and a background pass. It counts in the broker's [`clock`].
-//! - [`edge`] — what stands between the network and the handlers: each listener's accept loop
+//! - `edge` — what stands between the network and the handlers: each listener's accept loop
 //!   with its connection budget, header and body timeouts, and the bound on request bytes held
 //!   in memory, so that slow or idle clients cannot starve the others.
-//! - [`ingress`] — HTTP in: the [`path`] checked, route match, tenant ([`credentials`]),
-//!   [`domain::key`] (sent, or [`derived`]) and [`domain::fingerprint`], load shedding, and
-//!   the answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
-//!   [`prefer`]ences ask), written by [`problem`] when the broker answers itself. Done answers
-//!   are replayed from memory. It hands new requests (and a client's cancel) to the [`worker`],
-//!   and reads records through [`records`], which applies how long an answer lives.
+//! - [`ingress`] — HTTP in: the [`domain::path`] checked, route match, tenant (its
+//!   `credentials`), [`domain::key`] (sent, or `derived`) and [`domain::fingerprint`], and the
+//!   answers of docs/concepts.md (fresh execution, replay, 409, 422, 502, 202, as the client's
+//!   [`ingress::prefer`]ences ask), written by [`problem`] when the broker answers itself. Done
+//!   answers are replayed from memory. It hands new requests (and a client's cancel) to the
+//!   [`worker`], and reads records through its `reader`, which applies how long an answer lives.
 //! - [`mcp`] — a route of `kind = "mcp"` (docs/mcp.md): JSON-RPC over MCP's Streamable HTTP read
 //!   just far enough to pass every message through but `tools/call`, which the ingress records
 //!   like any keyed request, tool by tool as their annotations (or the operator) say; its
@@ -41,25 +42,24 @@
 //!   classification, backoff, jitter, `Retry-After`, deadlines, the retry budget and the breaker.
 //!   An execution keeps the route and policy it was claimed with, whatever a reload does, and
 //!   stores every attempt with its policy's version. An answer that arrives in parts is passed
-//!   through a [`stream`] tap to its client (and to duplicates that attach) as it arrives, and
+//!   through a `stream` tap to its client (and to duplicates that attach) as it arrives, and
 //!   read to its end and stored whatever the client does (docs/concepts.md).
-//! - [`reconcile`] — background upkeep on every node: take-over of expired leases, probes of
-//!   `unknown` records, the retention sweep. The store's own health checks, which refuse new
-//!   requests while the store cannot record them, live in [`store`].
-//! - [`reload`] — `SIGHUP` and `POST /admin/config/reload`: the file read again, validated like
-//!   `idem check`, then applied whole (routes added, changed, removed; the routes' runtimes
-//!   following) or refused whole, naming the key — restart-only keys included.
+//! - [`switches`] — an operator's emergency switches ([`domain::switch`], docs/operations.md:
+//!   `retries_off`, `isolate` or `canary_off` over one route or all, with a reason, an expiry
+//!   and an audit) as this node obeys them: kept by the [`store`], held in memory, refreshed
+//!   from the store twice a second, so that the worker and the ingress obey them without a
+//!   store round trip.
+//! - [`upkeep`] — the background loops on every node: take-over of expired leases, probes of
+//!   `unknown` records, the retention sweep; the reload on `SIGHUP` and `POST
+//!   /admin/config/reload` (the file validated like `idem check`, then applied whole or refused
+//!   whole, naming the key); the canaries judged from the store's figures, each ended by a
+//!   `canary_off` switch when it does harm (a stable slice of a route's requests runs the
+//!   candidate policy, chosen per request by `Route::policy_for`); and the replays and 409s
+//!   counted in memory, added to the store every second. The store's own health checks, which
+//!   refuse new requests while the store cannot record them, live in [`store`].
 //! - [`admin`] — the operator listener: the admin API (one record's actions, and the same
-//!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health; the
-//!   `/admin/stats` series, computed from the store (with the replays and 409s counted in memory,
-//!   which [`tally`] adds to it every second); [`metrics`] for `/metrics`.
-//! - [`switch`] — an operator's emergency switch (docs/operations.md): `retries_off`, `isolate` or
-//!   `canary_off` over one route or all, with its reason, expiry and audit; kept by the
-//!   [`store`], and held in memory by [`switchboard`], which every node refreshes from the store
-//!   twice a second, so that the worker and the ingress obey it without a store round trip.
-//! - [`canary`] — `[routes.canary]` at run time: a stable slice of a route's requests runs a
-//!   candidate policy (chosen per request by `Route::policy_for`); every node compares the two
-//!   sides in the store and ends a canary that does harm with a `canary_off` switch.
+//!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health;
+//!   the `/admin/stats` series, computed from the store; [`metrics`] for `/metrics`.
 //! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
 //!   runs it in front of a built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
@@ -74,34 +74,25 @@
 //!   the client through each attempt to the upstream.
 
 pub mod admin;
-pub mod canary;
 pub mod clock;
 pub mod config;
-pub mod credentials;
 pub mod demo;
-pub mod derived;
 pub mod domain;
-pub mod edge;
+pub(crate) mod edge;
 pub mod ingress;
 pub mod logs;
 pub mod mcp;
 pub mod metrics;
-pub mod path;
 pub mod policy;
-pub mod prefer;
 pub mod problem;
-pub mod reconcile;
 pub mod record;
-pub mod records;
-pub mod reload;
 pub mod runtime;
 pub mod server;
 pub mod simulate;
 pub mod store;
-pub mod stream;
-pub mod switch;
-pub mod switchboard;
-pub mod tally;
+pub(crate) mod stream;
+pub mod switches;
 pub mod telemetry;
+pub mod upkeep;
 pub mod upstream;
 pub mod worker;

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::domain::switch::SwitchAction;
 use crate::domain::AnswerKind;
 use crate::domain::Phase;
 use crate::domain::{Class, PolicyVersion, RouteName, StopReason, Tenant};
 use crate::policy::{BreakerState, CanarySide, Cohort};
-use crate::switch::SwitchAction;
 
 /// How often histogram samples are folded into their buckets when nobody scrapes.
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);

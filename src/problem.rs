@@ -94,7 +94,7 @@ impl Problem {
         )
     }
 
-    pub fn missing_key_source(missing: &crate::derived::MissingSource) -> Problem {
+    pub fn missing_key_source(missing: &crate::domain::key::MissingSource) -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "missing-idempotency-key",
@@ -115,7 +115,7 @@ impl Problem {
         )
     }
 
-    pub fn invalid_path(why: &crate::path::InvalidPath) -> Problem {
+    pub fn invalid_path(why: &crate::domain::path::InvalidPath) -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "invalid-path",

@@ -10,20 +10,18 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
-use crate::canary;
 use crate::clock::{self, SharedClock, Turns};
 use crate::config::Config;
-use crate::runtime::Live;
 use crate::edge::body::BodyBudget;
 use crate::edge::tls::Certificates;
 use crate::edge::{self, process, ListenerLimits};
+use crate::ingress::reader::Records;
 use crate::ingress::{self, Ingress};
-use crate::reconcile;
-use crate::records::Records;
-use crate::reload::Reloader;
+use crate::runtime::Live;
 use crate::store::{self, LeaseClock, StoreError};
-use crate::switchboard::{self, Switches};
-use crate::tally;
+use crate::switches::{self, Switches};
+use crate::upkeep;
+use crate::upkeep::reload::Reloader;
 use crate::upstream::Upstream;
 use crate::worker::{self, Settled, Worker};
 
@@ -204,17 +202,17 @@ async fn start_on(
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),
     ];
     let mut upkeep = Upkeep::new();
-    upkeep.start("retention sweep", |t| reconcile::retention_sweep(store.clone(), live.clone(), clock.clone(), t));
+    upkeep.start("retention sweep", |t| upkeep::retention_sweep(store.clone(), live.clone(), clock.clone(), t));
     upkeep.start("take-over sweep", |t| {
-        reconcile::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone(), t)
+        upkeep::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone(), t)
     });
-    upkeep.start("probes", |t| {
-        reconcile::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t)
-    });
+    upkeep.start("probes", |t| upkeep::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t));
     upkeep.start("store health", |t| store::watch_store(store.clone(), health, t));
-    upkeep.start("answer counts", |t| tally::flush_every_second(live.clone(), store.clone(), clock.clone(), t));
-    upkeep.start("canary watch", |t| canary::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t));
-    upkeep.start("switch refresh", |t| switchboard::keep_fresh(switches, store.clone(), t));
+    upkeep.start("answer counts", |t| upkeep::tally::flush_every_second(live.clone(), store.clone(), clock.clone(), t));
+    upkeep.start("canary watch", |t| {
+        upkeep::canaries::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t)
+    });
+    upkeep.start("switch refresh", |t| switches::keep_fresh(switches, store.clone(), t));
     upkeep.start("metrics upkeep", crate::metrics::upkeep);
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
@@ -288,7 +286,7 @@ impl Running {
                 tracing::warn!("a listener did not finish its answers in time");
             }
         }
-        if let Err(e) = tally::flush(&self.live.served(), &*self.store, self.clock.now()).await {
+        if let Err(e) = upkeep::tally::flush(&self.live.served(), &*self.store, self.clock.now()).await {
             tracing::warn!(error = %e, "the last replay and 409 counts could not be stored");
         }
         self.store.close().await;

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::Admin;
 use crate::problem::Problem;
-use crate::reload::{Applied, ReloadError};
+use crate::upkeep::reload::{Applied, ReloadError};
 
 /// Applied: what changed (routes added, changed with their old and new `policy_version`,
 /// removed; other settings), when the configuration in force was loaded, and its routes. Refused:

@@ -19,7 +19,6 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use crate::clock::SharedClock;
-use crate::runtime::Live;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RecordId;
@@ -27,10 +26,11 @@ use crate::domain::{RouteName, State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::record::{header_text, HistoryEntry, Record, StoredResponse, View};
-use crate::reload::Reloader;
+use crate::runtime::Live;
 use crate::store;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
-use crate::switchboard::Switches;
+use crate::switches::Switches;
+use crate::upkeep::reload::Reloader;
 use crate::worker::Worker;
 
 pub mod bulk;
@@ -148,8 +148,8 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
 async fn require_token(State(admin): State<Arc<Admin>>, request: Request, next: Next) -> Response {
     // The token of the configuration in force: a reload that changes it applies at once.
     if let Some(expected) = &admin.config.current().auth.admin_token {
-        let given = crate::credentials::bearer(request.headers());
-        let ok = given.is_some_and(|g| crate::credentials::same_secret(&g, expected.expose_secret()));
+        let given = crate::ingress::credentials::bearer(request.headers());
+        let ok = given.is_some_and(|g| crate::ingress::credentials::same_secret(&g, expected.expose_secret()));
         if !ok {
             return Problem::admin_unauthorized().into_response();
         }

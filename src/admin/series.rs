@@ -58,7 +58,7 @@ pub fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsR
         routes.iter().map(|r| (r.to_string(), RouteSeries::new(points))).collect();
     let index: BTreeMap<&str, usize> = routes.iter().enumerate().map(|(i, r)| (*r, i)).collect();
     let of = |route: &str| index.get(route).copied();
-    for c in &rows.cohorts {
+    for c in &rows.buckets {
         let (Some(r), true) = (of(&c.route), c.step < points) else { continue };
         let s = &mut series[r].1;
         let i = c.step;
@@ -285,7 +285,7 @@ impl RouteSeries {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::stats::{Answers, Cohort};
+    use crate::store::stats::{Answers, Bucket};
     use std::time::Duration;
 
     #[test]
@@ -321,8 +321,8 @@ mod tests {
         assert_eq!(depth(&[], spells.iter()), Vec::<u64>::new());
     }
 
-    fn cohort(route: &str, step: usize, took_ms: Option<u64>, requests: u64, attempts: u64) -> Cohort {
-        Cohort {
+    fn bucket(route: &str, step: usize, took_ms: Option<u64>, requests: u64, attempts: u64) -> Bucket {
+        Bucket {
             route: route.into(),
             step,
             took_ms,
@@ -340,16 +340,16 @@ mod tests {
     fn rows_are_sorted_into_steps_per_configured_route_and_curves_computed_from_them() {
         let span = StatsSpan { start: at(0), end: at(30_000), step: Duration::from_secs(10), route: None };
         let rows = StatsRows {
-            cohorts: vec![
+            buckets: vec![
                 // Step 0 of payments: 4 requests; 1 succeeded at once, 2 after a retry, 1 was
                 // stopped by the budget, in two duration groups.
-                Cohort { succeeded: 1, first_try: 1, ..cohort("payments", 0, Some(12), 1, 1) },
-                Cohort { succeeded: 2, budget_stopped: 1, ..cohort("payments", 0, Some(340), 3, 5) },
+                Bucket { succeeded: 1, first_try: 1, ..bucket("payments", 0, Some(12), 1, 1) },
+                Bucket { succeeded: 2, budget_stopped: 1, ..bucket("payments", 0, Some(340), 3, 5) },
                 // Step 2: one still running (not settled), one that ran into its deadline.
-                Cohort { settled: 0, ..cohort("payments", 2, None, 1, 1) },
-                Cohort { deadline_stopped: 1, ..cohort("payments", 2, Some(1000), 1, 1) },
-                Cohort { succeeded: 1, first_try: 1, ..cohort("ledger", 1, Some(5), 1, 1) },
-                cohort("removed-route", 0, Some(5), 9, 9),
+                Bucket { settled: 0, ..bucket("payments", 2, None, 1, 1) },
+                Bucket { deadline_stopped: 1, ..bucket("payments", 2, Some(1000), 1, 1) },
+                Bucket { succeeded: 1, first_try: 1, ..bucket("ledger", 1, Some(5), 1, 1) },
+                bucket("removed-route", 0, Some(5), 9, 9),
             ],
             unknown: vec![spell(15_000, None), UnknownSpell { route: "ledger".into(), ..spell(1, Some(2)) }],
             answers: vec![

@@ -19,7 +19,7 @@ use crate::runtime::BudgetView;
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.
-pub const MAX_WINDOW: Duration = crate::tally::KEEP;
+pub const MAX_WINDOW: Duration = crate::upkeep::tally::KEEP;
 pub const MIN_STEP: Duration = Duration::from_secs(1);
 /// Points per series at most: more than a chart can show, and each is a group in the query.
 pub const MAX_POINTS: u64 = 1000;

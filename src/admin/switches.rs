@@ -21,9 +21,9 @@ use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::{json_body, store_problem, Admin};
+use crate::domain::switch::{ClearRequest, Invalid, SetRequest, Switch};
 use crate::problem::Problem;
 use crate::store::{SwitchCleared, MAX_HISTORY};
-use crate::switch::{ClearRequest, Invalid, SetRequest, Switch};
 
 /// History rows shown unless the request asks for another number.
 const DEFAULT_HISTORY: u32 = 100;

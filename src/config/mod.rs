@@ -330,9 +330,9 @@ impl Route {
     }
 
     /// Where a request with this path and query goes upstream; refused unless the URL sent
-    /// has exactly the path matched (see [`crate::path`]).
-    pub fn upstream_url(&self, path: &str, query: &str) -> Result<url::Url, crate::path::InvalidPath> {
-        crate::path::upstream_url(&self.upstream_base, path, query)
+    /// has exactly the path matched (see [`crate::domain::path`]).
+    pub fn upstream_url(&self, path: &str, query: &str) -> Result<url::Url, crate::domain::path::InvalidPath> {
+        crate::domain::path::upstream_url(&self.upstream_base, path, query)
     }
 }
 

@@ -237,7 +237,10 @@ mod tests {
 
         // One key of its own and no default: the other key is a tenant's documented default.
         let c = parse(&tenants("")).unwrap();
-        assert_eq!(c.tenant_quotas().of(&"acme".into()), Some(BudgetLimits { ratio: TENANT_DEFAULT.ratio, min_per_sec: 0.5 }));
+        assert_eq!(
+            c.tenant_quotas().of(&"acme".into()),
+            Some(BudgetLimits { ratio: TENANT_DEFAULT.ratio, min_per_sec: 0.5 })
+        );
         assert_eq!(c.tenant_quotas().of(&"globex".into()), None);
     }
 

@@ -20,7 +20,7 @@ impl RawRoute {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Route, ConfigError> {
         let name = RouteName::parse(&self.name).map_err(|why| invalid(format!("{key}.name"), why))?;
-        if self.name == crate::switch::Scope::ALL {
+        if self.name == crate::domain::switch::Scope::ALL {
             return Err(invalid(
                 format!("{key}.name"),
                 "`all` means every route to an emergency switch: pick another name",
@@ -32,7 +32,8 @@ impl RawRoute {
         if prefix_matches("/_idem", &self.path_prefix) {
             return Err(invalid(format!("{key}.path_prefix"), "/_idem is the broker's own path"));
         }
-        crate::path::check(&self.path_prefix).map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
+        crate::domain::path::check(&self.path_prefix)
+            .map_err(|e| invalid(format!("{key}.path_prefix"), e.to_string()))?;
         let kind = RouteKind::parse(&format!("{key}.kind"), self.kind.as_deref())?;
         match kind {
             RouteKind::Mcp => check_mcp_route(key, &self)?,

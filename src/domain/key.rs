@@ -9,6 +9,15 @@ use serde::{Serialize, Serializer};
 
 pub const HEADER: &str = "idempotency-key";
 pub const MAX_LEN: usize = 255;
+/// Keys a route derives for clients that send none (docs/agents.md) carry this prefix, so they
+/// can never be mistaken for a client's own.
+pub const DERIVED_PREFIX: &str = "derived:";
+
+/// A source of a route's `key_from` that the request lacks: it has no key, and none can be
+/// derived.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the request has no Idempotency-Key, and its key cannot be derived: `{0}` is missing")]
+pub struct MissingSource(pub String);
 
 /// A client's idempotency key: 1 to 255 visible ASCII characters. Parsed once by the ingress,
 /// then shared, not copied, by the record, its lookups and its logs.

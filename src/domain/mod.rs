@@ -13,7 +13,9 @@ mod ids;
 pub mod key;
 mod origin;
 mod outcome;
+pub mod path;
 mod state;
+pub mod switch;
 mod time;
 
 pub use answer::AnswerKind;

@@ -2,7 +2,6 @@
 //! a recorded tool, which is keyed, fingerprinted and executed like any keyed request, by the
 //! same admission, and answered in JSON-RPC.
 
-
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
@@ -15,19 +14,19 @@ use super::answers::Answer;
 use super::reading::read_body;
 use super::{Ingress, Read, REPLAYED_HEADER};
 use crate::config::{Config, Route};
-use crate::credentials;
-use crate::derived;
-use crate::runtime::ServedRoute;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, State, Tenant};
+use crate::ingress::credentials;
+use crate::ingress::derived;
+use crate::ingress::prefer::Prefer;
+use crate::ingress::reader::Records;
 use crate::mcp::answers::{self, RecordRef};
 use crate::mcp::proxy::{self, json_answer, Watch};
 use crate::mcp::sse::{self, Events, Piece};
 use crate::mcp::{codes, message, Incoming, ToolCall, ToolClass};
 use crate::metrics;
-use crate::prefer::Prefer;
 use crate::problem::Problem;
-use crate::records::Records;
+use crate::runtime::ServedRoute;
 
 /// A recorded call, as read: its body (stored as the record's request) and its message.
 struct Recorded<'a> {
@@ -88,8 +87,7 @@ impl Ingress {
                 match class {
                     ToolClass::PassThrough => self.mcp_pass(config, route, &parts, body, watch).await,
                     ToolClass::Recorded { replay_safe } => {
-                        let recorded =
-                            Recorded { route, tenant, parts, body, call, replay_safe, arrival, watch };
+                        let recorded = Recorded { route, tenant, parts, body, call, replay_safe, arrival, watch };
                         self.mcp_recorded(recorded).await
                     }
                 }

@@ -15,22 +15,20 @@ use tracing::{info_span, Instrument, Span};
 
 use crate::clock::SharedClock;
 use crate::config::Route;
-use crate::runtime::{Live, ServedRoute};
-use crate::credentials;
-use crate::derived;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::{IdempotencyKey, KeyError};
+use crate::domain::switch::SwitchAction;
 use crate::domain::AnswerKind;
 use crate::domain::{Arrival, RouteName, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
+use crate::ingress::prefer::Prefer;
+use crate::ingress::reader::Records;
 use crate::metrics;
-use crate::prefer::Prefer;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
-use crate::records::Records;
+use crate::runtime::{Live, ServedRoute};
 use crate::store::Health;
-use crate::switch::SwitchAction;
-use crate::switchboard::Switches;
+use crate::switches::Switches;
 use crate::upstream::Upstream;
 use crate::worker::{self, Admit, Admitted, Refusal, Worker};
 
@@ -117,9 +115,14 @@ impl Ingress {
 
 mod access;
 mod answers;
+pub(crate) mod credentials;
+pub(crate) mod derived;
 mod mcp;
 mod outcomes;
+
 mod plain;
+pub mod prefer;
+pub(crate) mod reader;
 mod reading;
 mod replays;
 mod requests;
@@ -144,7 +147,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
     let config = served.config();
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
-    if let Err(why) = crate::path::check(&path) {
+    if let Err(why) = crate::domain::path::check(&path) {
         return Problem::invalid_path(&why).into_response();
     }
     let Some(route) = served.route_for(&path) else {
@@ -188,13 +191,7 @@ async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Re
 impl Ingress {
     /// A request on a keyed route: its key (sent, or derived from the request), then its
     /// answer, which says which key it was for and until when that key's result is replayed.
-    async fn keyed(
-        &self,
-        route: &ServedRoute,
-        tenant: Tenant,
-        request: Request,
-        arrival: Arrival,
-    ) -> Response {
+    async fn keyed(&self, route: &ServedRoute, tenant: Tenant, request: Request, arrival: Arrival) -> Response {
         let (parts, body) = request.into_parts();
         let sent = match IdempotencyKey::from_headers(&parts.headers) {
             Ok(key) => Some(key),
@@ -235,8 +232,18 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let read =
-            Read { tenant, key: &key, fingerprint, body, route, parts: &parts, url: Some(url), arrival, prefer, replay_safe };
+        let read = Read {
+            tenant,
+            key: &key,
+            fingerprint,
+            body,
+            route,
+            parts: &parts,
+            url: Some(url),
+            arrival,
+            prefer,
+            replay_safe,
+        };
         let span = |tenant: &Tenant| {
             let span = info_span!("request", %tenant, route = %route.name, method = %parts.method);
             crate::telemetry::continue_trace(&span, &parts.headers);

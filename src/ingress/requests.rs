@@ -10,12 +10,12 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::Ingress;
-use crate::credentials;
 use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::Phase;
-use crate::prefer::Prefer;
+use crate::ingress::credentials;
+use crate::ingress::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{HistoryEntry, Record, View};
 use crate::store::Cancelled;

@@ -289,7 +289,7 @@ impl AdminArgs {
 
 /// The actions a switch takes, as `--action` values.
 fn switch_actions() -> PossibleValuesParser {
-    PossibleValuesParser::new(idem::switch::SwitchAction::ALL.map(|a| a.as_str()))
+    PossibleValuesParser::new(idem::domain::switch::SwitchAction::ALL.map(|a| a.as_str()))
 }
 
 /// The actions a bulk call takes, as `--action` values.

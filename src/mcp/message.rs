@@ -129,7 +129,7 @@ impl ToolCall {
             digest.update((part.len() as u64).to_be_bytes());
             digest.update(part);
         }
-        let key = format!("{}{}", crate::derived::PREFIX, hex::encode(digest.finalize()));
+        let key = format!("{}{}", crate::domain::key::DERIVED_PREFIX, hex::encode(digest.finalize()));
         IdempotencyKey::parse(&key).expect("a prefix and 64 hex digits make a valid key")
     }
 }

@@ -7,16 +7,16 @@ use std::time::{Duration, SystemTime};
 
 mod breaker;
 mod budget;
-mod canary;
 mod execution;
 mod pace;
+mod sides;
 mod version;
 
 pub use breaker::{Breaker, BreakerSettings, BreakerState};
 pub use budget::{withdraw_from_all, Charge, RetryBudget, Window as BudgetWindow};
-pub use canary::{in_canary, stop_reason as canary_stop_reason, CanarySide, CanaryStop, Cohort};
 pub use execution::{Ended, Execution};
 pub use pace::{outcome_eta, Pending, RoutePace};
+pub use sides::{in_canary, stop_reason as canary_stop_reason, CanarySide, CanaryStop, Cohort};
 pub use version::Effective;
 
 use crate::domain::{AttemptError, BudgetScope, Class, StopReason};

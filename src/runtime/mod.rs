@@ -1,7 +1,7 @@
 //! Each configured route's runtime state, in one place: what it can take (attempts in flight,
 //! executions waiting for one, its retry budget), its upstream's circuit breaker, the pace of its
 //! attempts (for a 409's estimate) and its replays and 409s counted for `/admin/stats`; beside
-//! them, the retry budgets of tenants and named upstreams ([`budgets`]). Held with the
+//! them, the retry budgets of tenants and named upstreams (`budgets`). Held with the
 //! configuration it was built for in one [`Snapshot`], served by [`Live`] and swapped whole on
 //! reload; a route that went away is dropped with it. A request resolves its [`ServedRoute`]
 //! once and carries it to its end; admission control is checked there before anything is

@@ -9,6 +9,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
+use crate::domain::switch::Clearing;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RouteName;
@@ -18,7 +19,6 @@ use crate::domain::{PolicyVersion, StopReason};
 use crate::record::{admitted, transition, Attempt, Event, HistoryEntry, Lease, Refused};
 use crate::record::{StoredResponse, StreamFacts};
 use crate::store::stats::AnswerCount;
-use crate::switch::Clearing;
 
 /// Records a request unless its key exists (see [`Store::admit`](super::Store::admit)).
 #[derive(Debug, Clone)]

@@ -7,12 +7,12 @@ use async_trait::async_trait;
 
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
+use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::RouteName;
 use crate::domain::{ClaimToken, Owner, Phase, Tenant, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
 use crate::record::{transition, Event, Record, StoredRequest, StoredResponse};
-use crate::switch::Switch;
 
 mod command;
 mod durability;

@@ -13,8 +13,8 @@ use sqlx::sqlite::{Sqlite, SqliteArgumentValue, SqliteTypeInfo};
 use sqlx::{Encode, Type};
 
 use crate::domain::key::IdempotencyKey;
+use crate::domain::switch::{Scope, SwitchAction};
 use crate::domain::{Owner, PolicyVersion, RouteName, State, Tenant};
-use crate::switch::{Scope, SwitchAction};
 
 macro_rules! bound_as_text {
     ($($name:ty),* $(,)?) => {$(

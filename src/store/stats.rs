@@ -34,7 +34,7 @@ pub struct StatsSpan {
 /// taking that long (to two significant figures: enough for percentiles, few enough groups).
 /// Counts are over the requests of the group.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cohort {
+pub struct Bucket {
     pub route: RouteName,
     /// The step's index in the span.
     pub step: usize,
@@ -88,7 +88,7 @@ impl StatsSpan {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StatsRows {
-    pub cohorts: Vec<Cohort>,
+    pub buckets: Vec<Bucket>,
     pub unknown: Vec<UnknownSpell>,
     pub answers: Vec<Answers>,
 }
@@ -103,11 +103,11 @@ pub(crate) fn count(n: Option<i64>) -> u64 {
     n.unwrap_or(0).max(0) as u64
 }
 
-/// A cohort row of either backend: the requests of one route that arrived in one step.
-pub(crate) fn cohort(span: &StatsSpan, row: &impl Columns) -> Result<Option<Cohort>, StoreError> {
+/// A bucket row of either backend: the requests of one route that arrived in one step.
+pub(crate) fn bucket(span: &StatsSpan, row: &impl Columns) -> Result<Option<Bucket>, StoreError> {
     let n = |name: &str| -> Result<u64, StoreError> { Ok(count(row.integer(name)?)) };
     let Some(step) = step_index(span, required(row, "step")?) else { return Ok(None) };
-    Ok(Some(Cohort {
+    Ok(Some(Bucket {
         route: route(row)?,
         step,
         took_ms: row.integer("took_ms")?.map(|t| t.max(0) as u64),

@@ -4,7 +4,7 @@
 use uuid::Uuid;
 
 use super::{Columns, StoreError};
-use crate::switch::{Clearing, Scope, Switch, SwitchAction};
+use crate::domain::switch::{Clearing, Scope, Switch, SwitchAction};
 
 /// The most history rows one listing returns.
 pub const MAX_HISTORY: u32 = 1000;

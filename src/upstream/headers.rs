@@ -65,7 +65,6 @@ pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
     map
 }
 
-
 /// Puts an attempt's claim in the route's attempt header: `<record id>; claim=<token>;
 /// attempt=<n>`. An upstream that keeps the highest claim it has seen per key can refuse an
 /// attempt of an older claim that arrives late (docs/guarantees.md). Added at the send, never

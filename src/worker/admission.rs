@@ -23,7 +23,7 @@ use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 pub struct Admit<'a> {
     /// The route as the request was read under: an execution that starts at once keeps it.
     pub route: &'a ServedRoute,
-    /// The policy chosen for it (see [`crate::switchboard::Switches::policy`]); a record claimed
+    /// The policy chosen for it (see [`crate::switches::Switches::policy`]); a record claimed
     /// at insert has its first attempt marked with this policy's version.
     pub policy: Policy<'a>,
     /// What its record is made of; whether it is claimed at insert is decided here.
@@ -201,7 +201,12 @@ impl Worker {
     /// one (a duplicate of a done request is replayed whatever the route's load), else the
     /// refusal does. A done record past `retention_cutoff` is read as gone, as the store's
     /// admission reads it.
-    async fn shed(&self, refusal: Refusal, new: NewRecord, retention_cutoff: Timestamp) -> Result<Admitted, StoreError> {
+    async fn shed(
+        &self,
+        refusal: Refusal,
+        new: NewRecord,
+        retention_cutoff: Timestamp,
+    ) -> Result<Admitted, StoreError> {
         let existing = self.inner.store.lookup(&new.tenant, &new.key).await?;
         let expired = |r: &Record| r.state == State::Done && r.updated_at < retention_cutoff;
         Ok(match existing.filter(|r| r.phase() != Phase::Free && !expired(r)) {
@@ -237,7 +242,7 @@ pub(super) mod tests {
     use crate::clock::ManualClock;
     use crate::config::Config;
     use crate::runtime::{Live, ServedRoute};
-    use crate::switchboard::Switches;
+    use crate::switches::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -331,7 +336,7 @@ pub(super) mod tests {
         let worker = worker_on_clock(&dir, "").await;
         // A key recorded before the switch: its record answers its duplicates.
         assert!(matches!(admit(&worker, "earlier", false).await, Admitted::Executing { .. }));
-        let isolate = crate::switch::SetRequest {
+        let isolate = crate::domain::switch::SetRequest {
             scope: Some("payments".into()),
             action: Some("isolate".into()),
             reason: Some("upstream down".into()),

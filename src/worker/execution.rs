@@ -11,6 +11,7 @@ use super::attempts::{since, HandBack, Job, Progress, Reserved};
 use super::lease::LeaseTrust;
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
+use crate::domain::switch::SwitchAction;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Holder, Timestamp};
 use crate::domain::{Class, StopReason};
@@ -19,7 +20,6 @@ use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
 use crate::runtime::ServedRoute;
 use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
-use crate::switch::SwitchAction;
 
 /// What an admission that claimed its record hands the execution: its first attempt's place
 /// and mark, where the ingress found that attempt goes, and the new key's stages so far.
@@ -221,8 +221,7 @@ impl Inner {
             }
             _ => {}
         }
-        let (outcome, laps) =
-            self.finish(record, holder, job.chosen.replay_safe, attempt, stop, p).await;
+        let (outcome, laps) = self.finish(record, holder, job.chosen.replay_safe, attempt, stop, p).await;
         if let Some(laps) = laps {
             job.reply.keep_stages(laps);
         }

@@ -14,12 +14,12 @@ use super::admission::tests::{request, NOW};
 use super::{Parts, Settled, Worker};
 use crate::clock::{Clock, ManualClock};
 use crate::config::Config;
-use crate::runtime::Live;
 use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
-use crate::reconcile::Sweeper;
 use crate::record::Record;
+use crate::runtime::Live;
 use crate::store::{Admission, Admit, NewRecord, Store};
-use crate::switchboard::Switches;
+use crate::switches::Switches;
+use crate::upkeep::Sweeper;
 use crate::upstream::Upstream;
 
 const LEASE: Duration = Duration::from_secs(60);

@@ -25,7 +25,6 @@ use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, Instrument};
 
 use crate::clock::SharedClock;
-use crate::runtime::Live;
 use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
@@ -33,9 +32,10 @@ use crate::domain::StopReason;
 use crate::domain::Timestamp;
 use crate::metrics::Laps;
 use crate::record::{HistoryEntry, Record, StoredResponse};
+use crate::runtime::Live;
 use crate::runtime::ServedRoute;
 use crate::store::{Action, Cancel, Cancelled, Resolution, Resolve, Retry, Store, StoreError};
-use crate::switchboard::Switches;
+use crate::switches::Switches;
 use crate::upstream::Upstream;
 
 /// What the request that started an execution is told when it ends, or, for a streamed answer,

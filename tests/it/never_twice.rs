@@ -13,14 +13,14 @@ use crate::common::faulty::{Faults, Faulty, Renewals};
 use crate::common::{both_stores, Backend, Db, Gate, Reply, Upstream};
 use idem::clock::{Clock, ManualClock, SharedClock};
 use idem::config::Config;
-use idem::runtime::Live;
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, Arrival, ClaimToken, Phase, RecordId, Timestamp};
-use idem::reconcile::{probe_once, Sweeper};
 use idem::record::{Record, StoredRequest};
+use idem::runtime::Live;
 use idem::store::{Admission, Admit, NewRecord, Store};
-use idem::switchboard::Switches;
+use idem::switches::Switches;
+use idem::upkeep::{probe_once, Sweeper};
 use idem::upstream::Upstream as Client;
 use idem::worker::{self, Admitted, Outcome, Parts, Settled, Told, Worker};
 

@@ -53,10 +53,10 @@ use super::{
     Page, Probed, ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
+use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::record::Record;
-use crate::switch::Switch;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
 /// nodes fit in PostgreSQL's default `max_connections`.

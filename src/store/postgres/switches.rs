@@ -6,9 +6,9 @@
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
+use crate::domain::switch::{Clearing, Switch};
 use crate::domain::Timestamp;
 use crate::store::{decode_switch, StoreError, SwitchCleared};
-use crate::switch::{Clearing, Switch};
 
 /// Every column of `switches`, ids as text.
 const COLUMNS: &str = "id::text AS id, scope, action, reason, actor, set_at, expires_at, cleared_at, cleared_by,

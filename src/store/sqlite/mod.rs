@@ -37,10 +37,10 @@ use super::{
     ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
+use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::record::Record;
-use crate::switch::Switch;
 
 pub struct SqliteStore {
     writer: Writer,

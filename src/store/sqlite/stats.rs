@@ -6,7 +6,7 @@ use sqlx::sqlite::SqlitePool;
 
 use crate::domain::HistoryAction;
 use crate::domain::Timestamp;
-use crate::store::stats::{answer, cohort, side, spell, Side, StatsRows, StatsSpan};
+use crate::store::stats::{answer, bucket, side, spell, Side, StatsRows, StatsSpan};
 use crate::store::{AddAnswerCounts, StoreError};
 
 /// Requests by route, step of arrival and duration rounded down to two significant figures
@@ -71,13 +71,13 @@ pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Timestamp) -> 
 
 pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
-    let cohorts =
+    let buckets =
         sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(reads).await?;
     let answers =
         sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
     Ok(StatsRows {
-        cohorts: cohorts.iter().filter_map(|row| cohort(span, row).transpose()).collect::<Result<_, _>>()?,
+        buckets: buckets.iter().filter_map(|row| bucket(span, row).transpose()).collect::<Result<_, _>>()?,
         unknown: unknown.iter().map(spell).collect::<Result<_, _>>()?,
         answers: answers.iter().filter_map(|row| answer(span, row).transpose()).collect::<Result<_, _>>()?,
     })

@@ -6,9 +6,9 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use super::rows::WriterRow;
+use crate::domain::switch::Switch;
 use crate::domain::Timestamp;
 use crate::store::{decode_switch, ClearSwitch, StoreError, SwitchCleared};
-use crate::switch::Switch;
 
 /// A switch that is active at `?3`, of scope `?1` and action `?2`, is cleared as replaced.
 const REPLACE: &str = "

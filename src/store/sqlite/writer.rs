@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::files::{io_failure, DatabaseFiles};
 use super::synchronous::{self, Synchronous};
 use super::{actions, writes};
+use crate::domain::switch::Switch;
 use crate::domain::{ClaimToken, Timestamp};
 use crate::record::Record;
 use crate::store::{
@@ -31,7 +32,6 @@ use crate::store::{
     ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep,
     SwitchCleared, TakeOver,
 };
-use crate::switch::Switch;
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
 const MAX_BATCH: usize = 256;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use idem::domain::key::IdempotencyKey;
+use idem::domain::switch::Switch;
 use idem::domain::{ClaimToken, Phase, RecordId, Tenant, Timestamp};
 use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
@@ -16,7 +17,6 @@ use idem::store::{
     ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
     Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
-use idem::switch::Switch;
 use tokio::sync::{Notify, Semaphore};
 
 /// What a renewal does.

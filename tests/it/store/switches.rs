@@ -1,8 +1,8 @@
 //! The emergency switches: set, replaced, cleared, expired; the active ones and the history.
 
 use super::*;
+use idem::domain::switch::{Clearing, Scope, Switch, SwitchAction};
 use idem::store::{ClearSwitch, SwitchCleared};
-use idem::switch::{Clearing, Scope, Switch, SwitchAction};
 
 fn switch(scope: Scope, action: SwitchAction, actor: &str, set_at: Timestamp, expires_at: Option<Timestamp>) -> Switch {
     Switch {

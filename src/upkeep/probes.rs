@@ -7,10 +7,10 @@ use std::time::Duration;
 use super::BATCH;
 use crate::clock::{Clock, SharedClock, Turns};
 use crate::config::{Probe, Route};
-use crate::runtime::Live;
 use crate::domain::Actor;
 use crate::domain::{HistoryAction, Phase};
 use crate::record::{HistoryEntry, Record};
+use crate::runtime::Live;
 use crate::store::{Action, Probed, ProbesDue, Resolution, Store};
 use crate::upstream::{Outbound, Upstream};
 use crate::worker::Worker;
@@ -95,7 +95,7 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
     let asked = format!("{} {}", probe.method, path);
     // A key such as `..` would climb out of the probe's path and ask about another resource.
     let (path_only, query) = path.split_once('?').unwrap_or((&path, ""));
-    let url = match crate::path::check(path_only).and_then(|()| route.upstream_url(path_only, query)) {
+    let url = match crate::domain::path::check(path_only).and_then(|()| route.upstream_url(path_only, query)) {
         Ok(url) => url,
         Err(why) => return (None, format!("{asked} not sent: {why}")),
     };

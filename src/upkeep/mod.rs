@@ -1,10 +1,16 @@
-//! Background upkeep of the store, on every node:
+//! Background upkeep, on every node, each loop started by the server under its name:
 //! - take-over (`takeover`): records whose worker died (lease expired) are continued, freed or
 //!   moved to `unknown` by the take-over rule (docs/operations.md#surviving-crashes); queued
 //!   records nobody claimed are claimed here;
 //! - probes (`probes`): `unknown` records of routes with a `probe` are settled by asking the
 //!   upstream, "not executed" only once no attempt marked under them can still reach it;
-//! - retention: `done` records past retention are deleted in batches.
+//! - retention (here): `done` records past retention become tombstones or go, in batches;
+//! - reload (`reload`): the configuration file read again on `SIGHUP` or at the admin API's
+//!   asking, applied whole or refused whole;
+//! - canaries (`canaries`): every route's canary judged from the store's figures, and ended by a
+//!   `canary_off` switch when it does harm;
+//! - answer counts (`tally`): the replays and 409s counted in memory, added to the store once a
+//!   second.
 //!
 //! The store's own health check lives with the store (`store::watch_store`).
 
@@ -13,12 +19,15 @@ use std::time::Duration;
 
 use crate::clock::{SharedClock, Turns};
 use crate::config::Config;
-use crate::runtime::Live;
 use crate::domain::Timestamp;
+use crate::runtime::Live;
 use crate::store::{RouteSweep, Store, Sweep, SweepPlan};
 
+pub(crate) mod canaries;
 mod probes;
+pub(crate) mod reload;
 mod takeover;
+pub(crate) mod tally;
 
 pub use probes::{probe_backoff, probe_once, probes};
 pub use takeover::{after_lease_expiry, take_overs, Sweeper};

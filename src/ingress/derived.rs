@@ -9,16 +9,8 @@ use sha2::{Digest, Sha256};
 
 use crate::config::{KeySource, Route};
 use crate::domain::fingerprint::canonical_json;
-use crate::domain::key::IdempotencyKey;
+use crate::domain::key::{IdempotencyKey, MissingSource, DERIVED_PREFIX as PREFIX};
 use crate::domain::Tenant;
-
-/// Derived keys carry this prefix, so they can never be mistaken for a client's own.
-pub const PREFIX: &str = "derived:";
-
-/// A source of `key_from` that the request lacks.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the request has no Idempotency-Key, and its key cannot be derived: `{0}` is missing")]
-pub struct MissingSource(pub String);
 
 /// The key of a request without one: a digest of the route, the tenant and each source's
 /// canonical value (a header's bytes; a JSON value with its object keys sorted), so that the same
@@ -100,12 +92,19 @@ mod tests {
         let r = route(r#"key_from = ["header:x-agent-run", "json:/tool", "json:/arguments"]"#);
         let h = headers(&[("x-agent-run", "run-7")]);
         let a =
-            key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#).unwrap();
-        let b = key(&r, &"default".into(), &h, br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#)
-            .unwrap();
+            key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5},"call_id":"c1"}"#)
+                .unwrap();
+        let b = key(
+            &r,
+            &"default".into(),
+            &h,
+            br#"{ "call_id":"c2", "arguments": {"amount":5, "order":1}, "tool":"refund" }"#,
+        )
+        .unwrap();
         assert_eq!(a, b, "another call id and key order: the same operation");
         assert!(a.as_str().starts_with(PREFIX) && a.as_str().len() == PREFIX.len() + 64, "{a}");
-        let other_args = key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":2,"amount":5}}"#).unwrap();
+        let other_args =
+            key(&r, &"default".into(), &h, br#"{"tool":"refund","arguments":{"order":2,"amount":5}}"#).unwrap();
         assert_ne!(a, other_args);
         let other_run = key(
             &r,
@@ -115,7 +114,8 @@ mod tests {
         )
         .unwrap();
         assert_ne!(a, other_run);
-        let other_tenant = key(&r, &"acme".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
+        let other_tenant =
+            key(&r, &"acme".into(), &h, br#"{"tool":"refund","arguments":{"order":1,"amount":5}}"#).unwrap();
         assert_ne!(a, other_tenant);
     }
 

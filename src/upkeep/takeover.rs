@@ -7,9 +7,9 @@ use std::time::Duration;
 use super::BATCH;
 use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Route};
-use crate::runtime::Live;
 use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, StopReason, Timestamp};
 use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
+use crate::runtime::Live;
 use crate::store::{ClaimUnclaimed, Store, TakeOver, TakeOverTo};
 use crate::worker::Worker;
 
@@ -301,7 +301,7 @@ mod tests {
             config: Arc::new(Live::new(config.clone(), clock.clone())),
             owner: "alive".into(),
             settled: Arc::new(Settled::default()),
-            switches: Arc::new(crate::switchboard::Switches::new(clock.clone())),
+            switches: Arc::new(crate::switches::Switches::new(clock.clone())),
             clock: clock.clone(),
         });
         // Another node admitted it claimed, its first attempt marked as sent, and then died.

@@ -12,14 +12,14 @@ use uuid::Uuid;
 
 use crate::clock::{SharedClock, Turns};
 use crate::config::Route;
-use crate::runtime::Live;
+use crate::domain::switch::{Scope, Switch, SwitchAction};
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::policy::{canary_stop_reason, CanarySide, Cohort};
+use crate::runtime::Live;
 use crate::store::{Store, StoreError};
-use crate::switch::{Scope, Switch, SwitchAction};
-use crate::switchboard::Switches;
+use crate::switches::Switches;
 
 /// How often the sides are compared. Each look is one aggregate read per canary.
 const LOOK_EVERY: Duration = Duration::from_secs(5);

@@ -58,7 +58,8 @@ mod tests {
         };
         let config = Config::parse_with_env(&(route("payments") + &route("ledger")), |_| None).unwrap();
         let live = Live::new(config.clone(), crate::clock::system());
-        let (payments, ledger) = (live.served().route_named("payments").unwrap(), live.served().route_named("ledger").unwrap());
+        let (payments, ledger) =
+            (live.served().route_named("payments").unwrap(), live.served().route_named("ledger").unwrap());
         payments.count_replay();
         payments.count_replay();
         payments.count_conflict();

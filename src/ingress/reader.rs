@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::SharedClock;
-use crate::runtime::Live;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, RouteName, State, Tenant, Timestamp};
 use crate::problem::Problem;
 use crate::record::Record;
+use crate::runtime::Live;
 use crate::store::{Store, StoreError};
 
 #[derive(Clone)]

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::config::{self, Changes, Config, ConfigError};
-use crate::runtime::Live;
 use crate::edge::tls::Certificates;
 use crate::metrics;
+use crate::runtime::Live;
 use crate::upstream::Upstream;
 
 #[derive(Debug, thiserror::Error)]
@@ -66,12 +66,7 @@ pub struct Reloader {
 }
 
 impl Reloader {
-    pub fn new(
-        file: Option<PathBuf>,
-        config: Arc<Live>,
-        certificates: Certificates,
-        upstream: Upstream,
-    ) -> Reloader {
+    pub fn new(file: Option<PathBuf>, config: Arc<Live>, certificates: Certificates, upstream: Upstream) -> Reloader {
         metrics::config_loaded(config.loaded_at());
         Reloader { file, config, certificates, upstream, busy: tokio::sync::Mutex::new(()) }
     }

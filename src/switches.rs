@@ -10,10 +10,10 @@ use std::time::Duration;
 use crate::clock::{self, SharedClock, Turns};
 use crate::config::{Policy, Route};
 use crate::domain::key::IdempotencyKey;
+use crate::domain::switch::{Scope, Switch, SwitchAction};
 use crate::domain::{RouteName, Tenant, Timestamp};
 use crate::policy::Switched;
 use crate::store::{Store, StoreError};
-use crate::switch::{Scope, Switch, SwitchAction};
 
 /// How often every node reads the switches: twice within the two seconds docs/operations.md promises.
 pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
