@@ -421,7 +421,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// A route's requests that arrived since `since` and have settled, by the policy version
     /// their attempts ran under: the two sides of a canary, for its stop conditions.
-    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError>;
+    async fn sides(&self, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError>;
 
     // ---- emergency switches (docs/operations.md) ---------------------------------------------------------
 

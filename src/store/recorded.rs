@@ -4,6 +4,7 @@
 //! version) without touching what they share; each backend's SQL lives with that backend.
 
 use super::{postgres, sqlite, StoreError};
+use crate::domain::RouteName;
 use crate::domain::Timestamp;
 
 pub use super::rows::Recorded;
@@ -40,7 +41,7 @@ impl Reader {
     }
 
     /// The requests of `route` that arrived at or after `since`, oldest first, at most `limit`.
-    pub async fn recorded(&self, route: &str, since: Timestamp, limit: u32) -> Result<RecordedPage, StoreError> {
+    pub async fn recorded(&self, route: &RouteName, since: Timestamp, limit: u32) -> Result<RecordedPage, StoreError> {
         let limit = limit.clamp(1, MAX_RECORDED);
         let mut requests = match self {
             Reader::Sqlite(pool) => sqlite::recorded::read(pool, route, since, limit + 1).await?,

@@ -147,7 +147,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
 
     // Opened while the store that wrote them is still open.
     let reader = Reader::open(&db.url).await.unwrap();
-    let page = reader.recorded("payments", T0, 100).await.unwrap();
+    let page = reader.recorded(&"payments".into(), T0, 100).await.unwrap();
     assert!(!page.cut);
     let found: Vec<_> =
         page.requests.iter().map(|r| (r.created_at, r.state, r.stop_reason, r.in_flight, r.attempts.len())).collect();
@@ -165,7 +165,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     assert_eq!(page.requests[1].attempts, attempts, "attempts come back as stored, Retry-After included");
     assert_eq!(page.requests[1].deadline_at, T0 + ms(20) + ms(30_000));
 
-    let page = reader.recorded("payments", T0, 2).await.unwrap();
+    let page = reader.recorded(&"payments".into(), T0, 2).await.unwrap();
     assert_eq!((page.requests.len(), page.cut), (2, true), "over the limit, the latest are cut and it says so");
     reader.close().await;
 }
@@ -180,7 +180,7 @@ async fn the_reader_cannot_write(backend: Backend) {
         Reader::Postgres(pool) => sqlx::query("DELETE FROM records").execute(pool).await.map(drop),
     };
     assert!(deleted.is_err(), "a write through the reader went through");
-    assert_eq!(reader.recorded("payments", Timestamp::EPOCH, 10).await.unwrap().requests.len(), 1);
+    assert_eq!(reader.recorded(&"payments".into(), Timestamp::EPOCH, 10).await.unwrap().requests.len(), 1);
     reader.close().await;
 }
 

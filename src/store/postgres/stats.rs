@@ -4,6 +4,7 @@
 use sqlx::postgres::PgPool;
 
 use crate::domain::HistoryAction;
+use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::store::stats::{answer, bucket, side, spell, AnswerCount, Side, StatsRows, StatsSpan};
 use crate::store::StoreError;
@@ -69,7 +70,7 @@ FROM records
 WHERE created_at >= $2 AND route = $1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
 GROUP BY policy_version";
 
-pub(super) async fn sides(pool: &PgPool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
+pub(super) async fn sides(pool: &PgPool, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
     let requeued = HistoryAction::Requeued.to_string();
     let rows = sqlx::query(SIDES).bind(route).bind(since).bind(requeued).fetch_all(pool).await?;
     rows.iter().map(side).collect()

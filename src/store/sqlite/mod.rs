@@ -39,6 +39,7 @@ use super::{
 use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;
+use crate::domain::RouteName;
 use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
 use crate::record::Record;
 
@@ -326,7 +327,7 @@ impl Store for SqliteStore {
         stats::read(&self.reads, span).await
     }
 
-    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
+    async fn sides(&self, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.reads, route, since).await
     }
 

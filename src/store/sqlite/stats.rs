@@ -5,6 +5,7 @@ use rusqlite::{params, Connection};
 use sqlx::sqlite::SqlitePool;
 
 use crate::domain::HistoryAction;
+use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::store::stats::{answer, bucket, side, spell, Side, StatsRows, StatsSpan};
 use crate::store::{AddAnswerCounts, StoreError};
@@ -63,7 +64,7 @@ FROM records
 WHERE created_at >= ?2 AND route = ?1 AND stop_reason IS NOT NULL AND policy_version IS NOT NULL
 GROUP BY policy_version";
 
-pub(super) async fn sides(reads: &SqlitePool, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
+pub(super) async fn sides(reads: &SqlitePool, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
     let requeued = HistoryAction::Requeued.to_string();
     let rows = sqlx::query(SIDES).bind(route).bind(since).bind(requeued).fetch_all(reads).await?;
     rows.iter().map(side).collect()

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::switch::Switch;
-use idem::domain::{ClaimToken, Phase, RecordId, Tenant, Timestamp};
+use idem::domain::{ClaimToken, Phase, RecordId, RouteName, Tenant, Timestamp};
 use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
@@ -248,7 +248,7 @@ impl Store for Faulty {
         self.inner.stats(span).await
     }
 
-    async fn sides(&self, route: &str, since: Timestamp) -> Result<Vec<Side>, StoreError> {
+    async fn sides(&self, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         self.faults.reachable()?;
         self.inner.sides(route, since).await
     }

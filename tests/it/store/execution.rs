@@ -469,7 +469,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - ms(10_000))).await;
     sent(&store, early.id, 1, T0 + ms(10), canary, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
 
-    let mut sides = store.sides("payments", T0 - ms(1_000)).await.unwrap();
+    let mut sides = store.sides(&"payments".into(), T0 - ms(1_000)).await.unwrap();
     sides.sort_by(|a, b| a.policy_version.cmp(&b.policy_version));
     let figures: Vec<(&str, u64, u64, u64)> = sides
         .iter()
