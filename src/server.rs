@@ -354,24 +354,27 @@ mod tests {
         (finished, started)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_shutdown_lets_each_loop_finish_its_turn_and_start_no_other() {
+    /// A loop whose turns take `work`, told to stop within `bound` once its first turn began:
+    /// the turns it finished, and how long the stop took.
+    async fn stopped_mid_turn(work: Duration, bound: Duration) -> (u32, Duration) {
         let mut upkeep = Upkeep::new();
-        let (finished, started) = counting(&mut upkeep, Duration::from_secs(5));
+        let (finished, started) = counting(&mut upkeep, work);
         started.notified().await;
         let asked = tokio::time::Instant::now();
-        upkeep.stop(asked + Duration::from_secs(60)).await;
-        assert_eq!(finished.load(Ordering::SeqCst), 1, "the turn in progress was cut, or another began");
-        assert_eq!(asked.elapsed(), Duration::from_secs(5), "the stop did not wait for the turn alone");
+        upkeep.stop(asked + bound).await;
+        (finished.load(Ordering::SeqCst), asked.elapsed())
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shutdown_lets_each_loop_finish_its_turn_and_start_no_other() {
+        let (finished, took) = stopped_mid_turn(Duration::from_secs(5), Duration::from_secs(60)).await;
+        assert_eq!(finished, 1, "the turn in progress was cut, or another began");
+        assert_eq!(took, Duration::from_secs(5), "the stop did not wait for the turn alone");
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_turn_longer_than_the_shutdown_allows_is_cut_at_its_bound() {
-        let mut upkeep = Upkeep::new();
-        let (finished, started) = counting(&mut upkeep, Duration::from_secs(600));
-        started.notified().await;
-        let asked = tokio::time::Instant::now();
-        upkeep.stop(asked + Duration::from_secs(10)).await;
-        assert_eq!((finished.load(Ordering::SeqCst), asked.elapsed()), (0, Duration::from_secs(10)));
+        let (finished, took) = stopped_mid_turn(Duration::from_secs(600), Duration::from_secs(10)).await;
+        assert_eq!((finished, took), (0, Duration::from_secs(10)));
     }
 }

@@ -318,6 +318,16 @@ pub enum Action {
     Missing,
 }
 
+impl Action {
+    /// The record as the action left it, when it applied.
+    pub fn applied(&self) -> Option<&Record> {
+        match self {
+            Action::Applied(record) => Some(record),
+            _ => None,
+        }
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// Records a request unless its key exists. Atomic under any concurrency: of many requests

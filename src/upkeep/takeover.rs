@@ -225,7 +225,6 @@ mod tests {
     use crate::config::Config;
     use crate::domain::RecordId;
     use crate::store::NewRecord;
-    use crate::upstream::Upstream;
 
     const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -287,7 +286,7 @@ mod tests {
     async fn a_lease_is_taken_over_once_the_clock_passes_its_expiry_and_not_before() {
         use crate::clock::ManualClock;
         use crate::store::Claim;
-        use crate::worker::{Parts, Settled, Worker};
+        use crate::worker::Worker;
         let dir = tempfile::TempDir::new().unwrap();
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
         let text =
@@ -295,15 +294,7 @@ mod tests {
         let config = Config::parse_with_env(&text, |_| None).unwrap();
         let store = crate::store::open(&url).await.unwrap();
         let clock = Arc::new(ManualClock::new(NOW));
-        let worker = Worker::new(Parts {
-            store: store.clone(),
-            upstream: Upstream::new(),
-            config: Arc::new(Live::new(config.clone(), clock.clone())),
-            owner: "alive".into(),
-            settled: Arc::new(Settled::default()),
-            switches: Arc::new(crate::switches::Switches::new(clock.clone())),
-            clock: clock.clone(),
-        });
+        let worker = Worker::on(store.clone(), config.clone(), "alive", clock.clone());
         // Another node admitted it claimed, its first attempt marked as sent, and then died.
         let version = config.routes[0].policy_version.clone();
         let claim = Claim {

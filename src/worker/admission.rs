@@ -237,12 +237,11 @@ impl Inner {
 pub(super) mod tests {
     use std::time::Duration;
 
-    use super::super::{Parts, Settled, Slot};
+    use super::super::Slot;
     use super::*;
     use crate::clock::ManualClock;
     use crate::config::Config;
     use crate::runtime::{Live, ServedRoute};
-    use crate::switches::Switches;
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -269,16 +268,7 @@ pub(super) mod tests {
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
         let config = config_at(&url, route_extra);
         let clock = Arc::new(ManualClock::new(NOW));
-        let worker = Worker::new(Parts {
-            store: crate::store::open(&url).await.unwrap(),
-            upstream: crate::upstream::Upstream::new(),
-            config: Arc::new(Live::new(config, clock.clone())),
-            owner: "here".into(),
-            settled: Arc::new(Settled::default()),
-            switches: Arc::new(Switches::new(clock.clone())),
-            clock,
-        });
-        worker
+        Worker::on(crate::store::open(&url).await.unwrap(), config, "here", clock)
     }
 
     /// A request for `payments` under `key`, arriving at `NOW`, as the ingress reads it.

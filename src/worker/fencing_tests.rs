@@ -11,16 +11,13 @@ use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
 
 use super::admission::tests::{request, NOW};
-use super::{Parts, Settled, Worker};
+use super::Worker;
 use crate::clock::{Clock, ManualClock};
 use crate::config::Config;
 use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
 use crate::record::Record;
-use crate::runtime::Live;
 use crate::store::{Admission, Admit, NewRecord, Store};
-use crate::switches::Switches;
 use crate::upkeep::Sweeper;
-use crate::upstream::Upstream;
 
 const LEASE: Duration = Duration::from_secs(60);
 
@@ -107,15 +104,7 @@ impl Cluster {
     }
 
     fn node(&self, name: &str) -> Worker {
-        Worker::new(Parts {
-            store: self.store.clone(),
-            upstream: Upstream::new(),
-            config: Arc::new(Live::new((*self.config).clone(), self.clock.clone())),
-            owner: name.into(),
-            settled: Arc::new(Settled::default()),
-            switches: Arc::new(Switches::new(self.clock.clone())),
-            clock: self.clock.clone(),
-        })
+        Worker::on(self.store.clone(), (*self.config).clone(), name, self.clock.clone())
     }
 
     /// A new request for `payments`, recorded and queued at `NOW` by a node that then died.

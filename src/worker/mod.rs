@@ -266,6 +266,21 @@ impl Worker {
         }
     }
 
+    /// A worker named `owner` on `store`, serving `config` on `clock`, with a client and
+    /// switches of its own: a node as the crate's tests make one.
+    #[cfg(test)]
+    pub(crate) fn on(store: Arc<dyn Store>, config: crate::config::Config, owner: &str, clock: SharedClock) -> Worker {
+        Worker::new(Parts {
+            store,
+            upstream: Upstream::new(),
+            config: Arc::new(Live::new(config, clock.clone())),
+            owner: owner.into(),
+            settled: Arc::new(Settled::default()),
+            switches: Arc::new(Switches::new(clock.clone())),
+            clock,
+        })
+    }
+
     pub fn owner(&self) -> &str {
         &self.inner.owner
     }
@@ -402,9 +417,7 @@ impl Worker {
         entry: HistoryEntry,
     ) -> Result<Action, StoreError> {
         let action = self.inner.store.resolve(Resolve { id, resolution, entry }).await?;
-        if let Action::Applied(record) = &action {
-            self.settled(record.id);
-        }
+        action.applied().inspect(|record| self.settled(record.id));
         Ok(action)
     }
 
@@ -417,9 +430,7 @@ impl Worker {
         entry: HistoryEntry,
     ) -> Result<Action, StoreError> {
         let action = self.inner.store.retry(Retry { id, deadline_at, entry }).await?;
-        if let Action::Applied(record) = &action {
-            self.submit(record.clone());
-        }
+        action.applied().inspect(|record| self.submit((*record).clone()));
         Ok(action)
     }
 

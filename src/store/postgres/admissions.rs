@@ -10,15 +10,10 @@ use std::sync::LazyLock;
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use super::lanes::{Lanes, Reply};
+use super::lanes::{Lanes, Reply, LANES, MAX_BATCH};
 use super::rows::{record_id, COLUMNS};
 use crate::domain::Phase;
 use crate::store::{decode, span_ms, Admission, Admit, Fresh, LeaseClock, NewRecord, Overwrite, StoreError};
-
-/// The most admissions in one statement.
-const MAX_BATCH: usize = 128;
-/// Statements in flight at once.
-const LANES: usize = 4;
 
 struct Pending {
     admit: Admit,

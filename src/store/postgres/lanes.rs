@@ -11,6 +11,10 @@ use crate::store::StoreError;
 
 /// Items waiting for a lane before callers wait to queue theirs.
 const QUEUE: usize = 4096;
+/// The most items in one call.
+pub(super) const MAX_BATCH: usize = 128;
+/// Calls in flight at once.
+pub(super) const LANES: usize = 4;
 
 /// Where a lane sends an item's result.
 pub(super) type Reply<R> = oneshot::Sender<Result<R, StoreError>>;

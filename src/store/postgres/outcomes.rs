@@ -10,16 +10,11 @@ use std::collections::HashMap;
 
 use sqlx::PgPool;
 
-use super::lanes::{Lanes, Reply};
+use super::lanes::{Lanes, Reply, LANES, MAX_BATCH};
 use super::rows::{one_element, record_id};
 use crate::domain::RecordId;
 use crate::domain::StopReason;
 use crate::store::{AttemptEnded, Lease, StoreError, Stored};
-
-/// The most outcomes in one call.
-const MAX_BATCH: usize = 128;
-/// Calls in flight at once.
-const LANES: usize = 4;
 
 /// One attempt's outcome, waiting for its batch.
 struct Ending {
