@@ -12,13 +12,13 @@ use tracing_subscriber::{Layer, Registry};
 #[path = "main/args.rs"]
 mod args;
 
-/// Every request allocates its head, its record and its answer several times over; mimalloc's
-/// thread-local free lists serve that churn at about half the CPU of glibc's malloc
-/// (docs/performance.md).
+use args::{requests_command, switch_command, Cli, Command, LogFormat};
+
+/// Every request allocates its head, its record and its answer several times over; with
+/// mimalloc's thread-local free lists a new key costs 20–45 µs less CPU at c=8 than with glibc's
+/// malloc (docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-use args::{requests_command, switch_command, Cli, Command, LogFormat};
 
 /// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr in batches by
 /// a thread of their own (`idem::logs`), so a request never waits on the terminal or the

@@ -259,7 +259,8 @@ pub fn answered(route: &RouteName, kind: AnswerKind) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind.as_str()).increment(1);
 }
 
-/// An attempt was not started because the emergency switch `action` was on for `route`.
+/// The emergency switch `action`, on for `route`, held something back: a request refused, or an
+/// attempt not started.
 pub fn held_by_switch(route: &RouteName, action: SwitchAction) {
     counter!("idem_switch_held_total", "route" => route.to_string(), "action" => action.as_str()).increment(1);
 }

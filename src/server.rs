@@ -201,23 +201,23 @@ async fn start_on(
         tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),
     ];
-    let mut upkeep = Upkeep::new();
-    upkeep.start("retention sweep", |t| upkeep::retention_sweep(store.clone(), live.clone(), clock.clone(), t));
-    upkeep.start("take-over sweep", |t| {
+    let mut loops = Upkeep::new();
+    loops.start("retention sweep", |t| upkeep::retention_sweep(store.clone(), live.clone(), clock.clone(), t));
+    loops.start("take-over sweep", |t| {
         upkeep::take_overs(store.clone(), worker.clone(), live.clone(), clock.clone(), t)
     });
-    upkeep.start("probes", |t| upkeep::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t));
-    upkeep.start("store health", |t| store::watch_store(store.clone(), health, t));
-    upkeep.start("answer counts", |t| upkeep::tally::flush_every_second(live.clone(), store.clone(), clock.clone(), t));
-    upkeep.start("canary watch", |t| {
+    loops.start("probes", |t| upkeep::probes(store.clone(), upstream, live.clone(), worker.clone(), clock.clone(), t));
+    loops.start("store health", |t| store::watch_store(store.clone(), health, t));
+    loops.start("answer counts", |t| upkeep::tally::flush_every_second(live.clone(), store.clone(), clock.clone(), t));
+    loops.start("canary watch", |t| {
         upkeep::canaries::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t)
     });
-    upkeep.start("switch refresh", |t| switches::keep_fresh(switches, store.clone(), t));
-    upkeep.start("metrics upkeep", crate::metrics::upkeep);
+    loops.start("switch refresh", |t| switches::keep_fresh(switches, store.clone(), t));
+    loops.start("metrics upkeep", crate::metrics::upkeep);
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
         let worker = worker.clone();
-        upkeep.start("store notices", |mut turns| async move {
+        loops.start("store notices", |mut turns| async move {
             while let Some(notice) = turns.next(notices.recv()).await {
                 match notice {
                     Ok(store::Notice::Settled(id)) => worker.settled(id),
@@ -229,7 +229,7 @@ async fn start_on(
         });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, stop, servers, upkeep })
+    Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, stop, servers, upkeep: loops })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that

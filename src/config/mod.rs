@@ -296,6 +296,12 @@ impl Config {
         self.position_named(name).map(|i| &self.routes[i])
     }
 
+    /// How long the done records of the route called `route` are replayed: its `retention`, or
+    /// the store's for a route no longer configured.
+    pub fn retention_of(&self, route: &str) -> Duration {
+        self.route_named(route).map_or(self.store.retention, |r| r.retention)
+    }
+
     /// Where in `routes` the route for `path` is ([`Config::route_for`]).
     pub fn position_for(&self, path: &str) -> Option<usize> {
         (self.routes.iter().enumerate())

@@ -181,7 +181,7 @@ impl Ingress {
             body,
             route,
             parts: &parts,
-            // Built where the message is passed through; an execution builds its own.
+            // An MCP route's path is not checked here: the execution builds the URL from the record.
             url: None,
             arrival,
             prefer,

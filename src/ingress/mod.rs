@@ -316,9 +316,10 @@ impl Ingress {
         }
         metrics::answered(&replay.route, AnswerKind::Replay);
         // Counted on the route that recorded it, which is almost always the one asked.
-        match replay.route == route.name {
-            true => route.count_replay(),
-            false => route.snapshot().route_named(&replay.route).iter().for_each(ServedRoute::count_replay),
+        if replay.route == route.name {
+            route.count_replay();
+        } else if let Some(recorded_on) = route.snapshot().route_named(&replay.route) {
+            recorded_on.count_replay();
         }
         Some(Ok(replay.answer()))
     }
@@ -387,12 +388,12 @@ impl Ingress {
         if let Refusal::Isolated(_) = refusal {
             metrics::held_by_switch(&route.name, SwitchAction::Isolate);
         }
-        match refusal.retry_after() {
-            None => {
+        match refusal {
+            Refusal::Overloaded => {
                 metrics::answered(&route.name, AnswerKind::Overloaded);
                 Problem::overloaded()
             }
-            Some(wait) => {
+            Refusal::CircuitOpen(wait) | Refusal::Isolated(wait) => {
                 metrics::answered(&route.name, AnswerKind::CircuitOpen);
                 Problem::circuit_open(wait.as_secs_f64().ceil() as u64)
             }

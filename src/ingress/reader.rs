@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::domain::key::IdempotencyKey;
-use crate::domain::{RecordId, RouteName, State, Tenant, Timestamp};
+use crate::domain::{RecordId, RouteName, State, Tenant};
 use crate::problem::Problem;
 use crate::record::Record;
 use crate::runtime::Live;
@@ -46,8 +46,7 @@ impl Records {
     /// How long a route's done records are replayed, as configured now; a route no longer
     /// configured keeps the store's.
     pub fn retention(&self, route: &RouteName) -> Duration {
-        let config = self.config.current();
-        config.route_named(route).map_or(config.store.retention, |r| r.retention)
+        self.config.current().retention_of(route)
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
@@ -59,10 +58,6 @@ impl Records {
     }
 
     fn expired(&self, record: &Record) -> bool {
-        record.state == State::Done && record.updated_at < self.retention_cutoff(&record.route)
-    }
-
-    fn retention_cutoff(&self, route: &RouteName) -> Timestamp {
-        self.clock.now() - self.retention(route)
+        record.past_retention(self.retention(&record.route), self.clock.now())
     }
 }

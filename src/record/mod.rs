@@ -1,5 +1,7 @@
 //! A request's durable record and the state machine it moves through (docs/concepts.md).
 
+use std::time::Duration;
+
 use base64::Engine;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
@@ -164,6 +166,12 @@ pub struct Record {
 impl Record {
     pub fn phase(&self) -> Phase {
         Phase::of(self.state, self.queued)
+    }
+
+    /// A done record whose answer is past `retention` at `now`: read as gone by every reader,
+    /// whether or not the sweep has removed it yet (docs/agents.md, key lifetime).
+    pub fn past_retention(&self, retention: Duration, now: Timestamp) -> bool {
+        self.state == State::Done && self.updated_at < now - retention
     }
 
     pub fn path_and_query(&self) -> String {

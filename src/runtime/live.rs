@@ -50,12 +50,17 @@ impl Live {
     }
 
     /// Serves `config` to everything that starts from now on, its routes' runtimes keeping what
-    /// each may keep of the ones they replace (see [`Snapshot`]). One reload at a time: the
-    /// caller serialises them.
+    /// each may keep of the ones they replace (see [`Snapshot`]).
     pub fn reconfigure(&self, config: Arc<Config>) -> Arc<Snapshot> {
-        let next = Arc::new(self.served().next(config));
-        self.loaded.send_replace(Loaded { snapshot: next.clone(), at: SystemTime::now() });
-        next
+        let mut next = None;
+        // Built under the channel's lock, so that two reloads could not each build from the
+        // snapshot the other replaces.
+        self.loaded.send_modify(|loaded| {
+            let snapshot = Arc::new(loaded.snapshot.next(config));
+            next = Some(snapshot.clone());
+            *loaded = Loaded { snapshot, at: SystemTime::now() };
+        });
+        next.expect("send_modify runs its closure")
     }
 }
 

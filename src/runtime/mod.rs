@@ -148,16 +148,6 @@ pub enum Refusal {
     Isolated(Duration),
 }
 
-impl Refusal {
-    /// How long the client is told to wait before it asks again, if anything is known.
-    pub fn retry_after(self) -> Option<Duration> {
-        match self {
-            Refusal::Overloaded => None,
-            Refusal::CircuitOpen(wait) | Refusal::Isolated(wait) => Some(wait),
-        }
-    }
-}
-
 /// Executions may queue behind a full route up to a quarter of `max_concurrency` (at least 4).
 fn queue_bound(max_concurrency: usize) -> usize {
     (max_concurrency / 4).max(4)

@@ -19,8 +19,8 @@ pub const KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Adds what was counted to the store (and forgets counters older than [`KEEP`]). When the
 /// store refuses, the counts are kept for the next flush. `now` is the second they count in.
-pub async fn flush(runtimes: &Snapshot, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
-    let counts = runtimes.take_answer_counts(now);
+pub async fn flush(snapshot: &Snapshot, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
+    let counts = snapshot.take_answer_counts(now);
     if counts.is_empty() {
         return Ok(());
     }
@@ -28,7 +28,7 @@ pub async fn flush(runtimes: &Snapshot, store: &dyn Store, now: Timestamp) -> Re
     store
         .add_answer_counts(AddAnswerCounts { counts: counts.clone(), forget_before })
         .await
-        .inspect_err(|_| runtimes.restore_answer_counts(&counts))
+        .inspect_err(|_| snapshot.restore_answer_counts(&counts))
 }
 
 /// Flushes every [`FLUSH_EVERY`] until `turns` end (shutdown flushes a last time).

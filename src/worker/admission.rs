@@ -140,7 +140,7 @@ impl Worker {
         };
         let slot = match entered {
             Ok(slot) => slot,
-            Err(refusal) => return self.shed(refusal, new, retention_cutoff).await,
+            Err(refusal) => return self.shed(refusal, new).await,
         };
         let reservation = reserve(&inner.permits, route.guard(), url);
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
@@ -199,16 +199,12 @@ impl Worker {
 impl Worker {
     /// A request shed before anything is recorded: its key's live record answers it when it has
     /// one (a duplicate of a done request is replayed whatever the route's load), else the
-    /// refusal does. A done record past `retention_cutoff` is read as gone, as the store's
-    /// admission reads it.
-    async fn shed(
-        &self,
-        refusal: Refusal,
-        new: NewRecord,
-        retention_cutoff: Timestamp,
-    ) -> Result<Admitted, StoreError> {
+    /// refusal does. A done record past its route's retention is read as gone, as the record
+    /// reader reads it.
+    async fn shed(&self, refusal: Refusal, new: NewRecord) -> Result<Admitted, StoreError> {
         let existing = self.inner.store.lookup(&new.tenant, &new.key).await?;
-        let expired = |r: &Record| r.state == State::Done && r.updated_at < retention_cutoff;
+        let config = self.inner.config.current();
+        let expired = |r: &Record| r.past_retention(config.retention_of(&r.route), self.inner.clock.now());
         Ok(match existing.filter(|r| r.phase() != Phase::Free && !expired(r)) {
             Some(record) => Admitted::Existing(record),
             None => Admitted::Refused(refusal),
@@ -324,7 +320,9 @@ pub(super) mod tests {
     async fn an_isolated_route_sheds_before_recording_unless_the_key_has_a_record_to_answer() {
         let dir = tempfile::TempDir::new().unwrap();
         let worker = worker_on_clock(&dir, "").await;
-        // A key recorded before the switch: its record answers its duplicates.
+        // A key recorded before the switch, held queued (the test holds every worker, so it
+        // cannot run and free its key): its record answers its duplicates.
+        let _busy = worker.free_workers(usize::MAX);
         assert!(matches!(admit(&worker, "earlier", false).await, Admitted::Executing { .. }));
         let isolate = crate::domain::switch::SetRequest {
             scope: Some("payments".into()),

@@ -81,7 +81,10 @@ impl Inner {
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
-                self.claim_and_run(record, route, reply).await
+                // Queued behind other work, it runs under the route as served once a worker is
+                // free: a reload meanwhile applies to it, as to any execution not yet begun.
+                let route = self.config.served().route_named(&record.route);
+                self.claim_and_run(record, route.as_ref(), reply).await
             }
             Start::Claimed { worker, granted } => {
                 let _permit = worker;

@@ -183,7 +183,8 @@ pub struct Worker {
 pub struct Parts {
     pub store: Arc<dyn Store>,
     pub upstream: Upstream,
-    /// The configuration in force; an execution reads it once, when it starts.
+    /// What is served: the configuration and its routes' runtimes. An execution takes its
+    /// route from it once, when it starts, and keeps it to its end.
     pub config: Arc<Live>,
     /// This process's name in leases.
     pub owner: String,
@@ -196,7 +197,8 @@ pub struct Parts {
 struct Inner {
     store: Arc<dyn Store>,
     upstream: Upstream,
-    /// The configuration in force; an execution reads it once, when it starts.
+    /// What is served: the configuration and its routes' runtimes. An execution takes its
+    /// route from it once, when it starts, and keeps it to its end.
     config: Arc<Live>,
     /// `worker.lease`, fixed for the life of the process (a reload cannot change it).
     lease: Duration,

@@ -6,7 +6,7 @@
 //! `docs/guarantees.md`). Between tries the claim's lease is renewed, so a store that takes
 //! small writes but not this one does not let the claim lapse; and the waits never exceed a
 //! third of a lease, so that once the store answers again the outcome is written well within
-//! the lease during which no node takes anything over (`reconcile::Sweeper`). An outcome still
+//! the lease during which no node takes anything over (`upkeep::Sweeper`). An outcome still
 //! waiting when the process stops is lost with it, and its record stays in reconciliation, with
 //! the error line logged for it.
 

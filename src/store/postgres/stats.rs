@@ -12,7 +12,7 @@ use crate::store::StoreError;
 /// Requests by route, step of arrival and duration rounded down to two significant figures
 /// (`rpad(left(…, 2), …, '0')`). The range on `created_at` is served by `records_listing`; the
 /// attempts are counted from the stored list, plus one in flight.
-const COHORTS: &str = "
+const BUCKETS: &str = "
 SELECT route, step,
        CASE WHEN stop_reason_set THEN rpad(left(took::text, 2), length(took::text), '0')::bigint END AS took_ms,
        COUNT(*) AS requests,
@@ -79,7 +79,7 @@ pub(super) async fn sides(pool: &PgPool, route: &RouteName, since: Timestamp) ->
 pub(super) async fn read(pool: &PgPool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
     let buckets =
-        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(pool).await?;
+        sqlx::query(BUCKETS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(pool).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(pool).await?;
     let answers =
         sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(pool).await?;
@@ -125,7 +125,7 @@ mod tests {
         let mut conn = store.pool.acquire().await.unwrap();
         sqlx::query("SET enable_seqscan = off").execute(&mut *conn).await.unwrap();
         let statements = [
-            (COHORTS, "int8, int8, int8, text", "records_listing"),
+            (BUCKETS, "int8, int8, int8, text", "records_listing"),
             (UNKNOWN, "int8, int8, text", "records_went_unknown"),
             (ANSWERS, "int8, int8, int8, text", "answer_counts_pkey"),
         ];

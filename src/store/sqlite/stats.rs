@@ -13,7 +13,7 @@ use crate::store::{AddAnswerCounts, StoreError};
 /// Requests by route, step of arrival and duration rounded down to two significant figures
 /// (`substr(…, 1, 2)` and zeros for the other digits). The range on `created_at` is served by
 /// `records_listing`; the attempts are counted from the stored list, plus one in flight.
-const COHORTS: &str = "
+const BUCKETS: &str = "
 SELECT route, step,
        CAST(substr(took, 1, 2) || substr('0000000000000000000', 1, MAX(length(took) - 2, 0)) AS INTEGER) AS took_ms,
        COUNT(*) AS requests,
@@ -73,7 +73,7 @@ pub(super) async fn sides(reads: &SqlitePool, route: &RouteName, since: Timestam
 pub(super) async fn read(reads: &SqlitePool, span: &StatsSpan) -> Result<StatsRows, StoreError> {
     let route = span.route.as_deref();
     let buckets =
-        sqlx::query(COHORTS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
+        sqlx::query(BUCKETS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
     let unknown = sqlx::query(UNKNOWN).bind(span.start).bind(span.end).bind(route).fetch_all(reads).await?;
     let answers =
         sqlx::query(ANSWERS).bind(span.start).bind(span.end).bind(span.step_ms()).bind(route).fetch_all(reads).await?;
@@ -113,7 +113,7 @@ mod tests {
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
         let store = super::super::SqliteStore::open(&url, crate::store::Durability::Full).await.unwrap();
         for (sql, index) in [
-            (COHORTS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
+            (BUCKETS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
             (UNKNOWN, "USING INDEX records_went_unknown (created_at<?)"),
             (ANSWERS, "USING PRIMARY KEY (second_start>? AND second_start<?)"),
             (SIDES, "USING INDEX records_listing (created_at>?)"),
