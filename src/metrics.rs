@@ -73,93 +73,65 @@ fn build_info() {
 /// HELP text for every family, so `/metrics` explains itself (and passes `promtool check metrics`).
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
-    describe_counter!("idem_requests_total", "Logical requests: new executions admitted, per route.");
-    describe_counter!(
-        "idem_attempts_total",
-        "Physical attempts sent upstream, per route, outcome class and policy_version."
-    );
-    describe_histogram!(
-        "idem_attempt_duration_seconds",
-        Unit::Seconds,
-        "Duration of one upstream attempt, per route, outcome class and policy_version."
-    );
-    describe_counter!(
-        "idem_config_reloads_total",
-        "Configuration reloads (SIGHUP or POST /admin/config/reload), by result: applied or refused."
-    );
+    for (name, help) in COUNTERS {
+        describe_counter!(*name, *help);
+    }
+    for (name, help) in GAUGES {
+        describe_gauge!(*name, *help);
+    }
+    for (name, help) in HISTOGRAMS_IN_SECONDS {
+        describe_histogram!(*name, Unit::Seconds, *help);
+    }
     describe_gauge!(
         "idem_config_loaded_at_seconds",
         Unit::Seconds,
         "When the configuration in force was loaded, in seconds since the Unix epoch."
     );
-    describe_counter!("idem_stops_total", "Executions that ended, per route and stop reason.");
-    describe_histogram!(
-        "idem_stream_first_byte_seconds",
-        Unit::Seconds,
-        "Streamed answers: from the attempt's send to the first body byte, per route."
-    );
-    describe_histogram!(
-        "idem_stream_duration_seconds",
-        Unit::Seconds,
-        "Streamed answers: from the attempt's send to the stream's end, per route."
-    );
-    describe_counter!("idem_stream_bytes_total", "Streamed answers: body bytes passed through, per route.");
-    describe_histogram!(
-        "idem_request_duration_seconds",
-        Unit::Seconds,
-        "End-to-end time of an execution, from the request's arrival to its outcome."
-    );
-    describe_counter!("idem_success_total", "Executions that ended with a success.");
-    describe_counter!("idem_first_try_success_total", "Executions that succeeded on their first attempt.");
-    describe_counter!("idem_retry_salvaged_total", "Executions that succeeded only after a retry.");
-    describe_counter!("idem_retry_budget_exhausted_total", "Executions stopped because the retry budget was spent.");
-    describe_counter!(
-        "idem_answers_total",
-        "Answers given without executing, per route and kind (replay, in_progress, key_reused, ...)."
-    );
-    describe_counter!(
-        "idem_unkeyed_requests_total",
-        "Requests on a keyed method without a key, proxied unrecorded (routes with require_key = false)."
-    );
-    describe_gauge!("idem_records", "Records in the store by phase; phase=\"unknown\" is the reconciliation queue.");
-    describe_gauge!("idem_circuit_state", "Each upstream's circuit: 0 closed, 1 half-open, 2 open.");
-    describe_gauge!("idem_connections", "Open client connections, per listener (data, admin).");
-    describe_gauge!("idem_waiting_requests", "Requests waiting for a record to settle (Prefer: wait), per route.");
-    describe_counter!(
-        "idem_connections_refused_total",
-        "Connections past the listener's max_connections while every connection was busy with a request, answered 503 and closed."
-    );
-    describe_counter!(
-        "idem_connections_reclaimed_total",
-        "Idle connections (between keep-alive requests, or still waiting for a first head) closed to make room for new ones, per listener."
-    );
-    describe_gauge!("idem_canary_running", "1 while a route's canary runs, 0 once a canary_off switch ended it.");
-    describe_gauge!(
-        "idem_canary_requests",
-        "Settled requests on each side of a canary (canary, control) in its window."
-    );
-    describe_gauge!("idem_canary_amplification", "Attempts per settled request on each side of a canary.");
-    describe_gauge!("idem_canary_final_success", "Share of settled requests that succeeded, on each side of a canary.");
-    describe_counter!(
-        "idem_outcomes_unrecorded_total",
-        "Executions whose outcome the store could not take when the upstream answered, per route: the \
-         client was told the outcome, and it is written again until the store takes it."
-    );
-    describe_gauge!(
-        "idem_unrecorded_outcomes",
-        "Outcomes the store could not take, still being written again: executed requests whose record does not show it yet."
-    );
-    describe_counter!(
-        "idem_lease_renewals_failed_total",
-        "Lease renewals made while an attempt was in flight that failed (why=error) or found the claim taken \
-         (why=lost), per route: the attempt finished, and no other started under that claim."
-    );
-    describe_counter!(
-        "idem_switch_held_total",
-        "Attempts not started because an operator's emergency switch was on, per route and action: retries \
-         stopped by retries_off, and new keys refused or executions stopped by isolate."
-    );
 }
+
+/// Each counter family and its HELP text.
+const COUNTERS: &[(&str, &str)] = &[
+    ("idem_requests_total", "Logical requests: new executions admitted, per route."),
+    ("idem_attempts_total", "Physical attempts sent upstream, per route, outcome class and policy_version."),
+    ("idem_config_reloads_total", "Configuration reloads (SIGHUP or POST /admin/config/reload), by result: applied or refused."),
+    ("idem_stops_total", "Executions that ended, per route and stop reason."),
+    ("idem_stream_bytes_total", "Streamed answers: body bytes passed through, per route."),
+    ("idem_success_total", "Executions that ended with a success."),
+    ("idem_first_try_success_total", "Executions that succeeded on their first attempt."),
+    ("idem_retry_salvaged_total", "Executions that succeeded only after a retry."),
+    ("idem_retry_budget_exhausted_total", "Executions stopped because the retry budget was spent."),
+    ("idem_answers_total", "Answers given without executing, per route and kind (replay, in_progress, key_reused, ...)."),
+    ("idem_unkeyed_requests_total", "Requests on a keyed method without a key, proxied unrecorded (routes with require_key = false)."),
+    ("idem_connections_refused_total", "Connections past the listener's max_connections while every connection was busy with a request, answered 503 and closed."),
+    ("idem_connections_reclaimed_total", "Idle connections (between keep-alive requests, or still waiting for a first head) closed to make room for new ones, per listener."),
+    ("idem_outcomes_unrecorded_total", "Executions whose outcome the store could not take when the upstream answered, per route: the \
+         client was told the outcome, and it is written again until the store takes it."),
+    ("idem_lease_renewals_failed_total", "Lease renewals made while an attempt was in flight that failed (why=error) or found the claim taken \
+         (why=lost), per route: the attempt finished, and no other started under that claim."),
+    ("idem_switch_held_total", "Attempts not started because an operator's emergency switch was on, per route and action: retries \
+         stopped by retries_off, and new keys refused or executions stopped by isolate."),
+];
+
+/// Each gauge family counted in plain numbers, and its HELP text.
+const GAUGES: &[(&str, &str)] = &[
+    ("idem_records", "Records in the store by phase; phase=\"unknown\" is the reconciliation queue."),
+    ("idem_circuit_state", "Each upstream's circuit: 0 closed, 1 half-open, 2 open."),
+    ("idem_connections", "Open client connections, per listener (data, admin)."),
+    ("idem_waiting_requests", "Requests waiting for a record to settle (Prefer: wait), per route."),
+    ("idem_canary_running", "1 while a route's canary runs, 0 once a canary_off switch ended it."),
+    ("idem_canary_requests", "Settled requests on each side of a canary (canary, control) in its window."),
+    ("idem_canary_amplification", "Attempts per settled request on each side of a canary."),
+    ("idem_canary_final_success", "Share of settled requests that succeeded, on each side of a canary."),
+    ("idem_unrecorded_outcomes", "Outcomes the store could not take, still being written again: executed requests whose record does not show it yet."),
+];
+
+/// Each histogram family, all of them in seconds, and its HELP text.
+const HISTOGRAMS_IN_SECONDS: &[(&str, &str)] = &[
+    ("idem_attempt_duration_seconds", "Duration of one upstream attempt, per route, outcome class and policy_version."),
+    ("idem_stream_first_byte_seconds", "Streamed answers: from the attempt's send to the first body byte, per route."),
+    ("idem_stream_duration_seconds", "Streamed answers: from the attempt's send to the stream's end, per route."),
+    ("idem_request_duration_seconds", "End-to-end time of an execution, from the request's arrival to its outcome."),
+];
 
 /// Whether a route's canary runs (1) or was ended by a `canary_off` switch (0).
 pub fn canary_running(route: &RouteName, version: &PolicyVersion, running: bool) {
