@@ -7,6 +7,7 @@
 //! Both refuse to work once the database files are no longer the ones opened ([`files`]).
 
 mod actions;
+mod checkpointer;
 mod files;
 pub(super) mod recorded;
 mod rows;

@@ -13,7 +13,7 @@
 //! the probes that ask whether the store may resume.
 
 use std::path::Path;
-use std::sync::mpsc::{self as std_mpsc, RecvTimeoutError};
+use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use rusqlite::Connection;
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{mpsc, oneshot};
 
+use super::checkpointer;
 use super::files::{io_failure, DatabaseFiles};
 use super::synchronous::{self, Synchronous};
 use super::{actions, writes};
@@ -106,11 +107,7 @@ const IDLE_AFTER: Duration = LINGER;
 /// checkpointer has not copied yet, and a flush of the database file) in one commit per 2,048
 /// pages written.
 const WAL_RESTART_PAGES: u32 = 2_048;
-/// The longest the checkpointer sleeps without a nudge.
-const CHECKPOINT_IDLE: Duration = Duration::from_secs(1);
 
-/// Starts the writer thread, and the checkpointer beside it, on the database at `path` (which
-/// the migrations have prepared, and `files` watches); both stop when the [`Writer`] is dropped.
 /// Declares, on the writing connection, the store protocol this build speaks: the store's
 /// triggers refuse a write to `records` from a connection that declares another, or none
 /// (`migrations/sqlite`).
@@ -125,6 +122,8 @@ fn declare_protocol(conn: &Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Starts the writer thread, and the checkpointer beside it, on the database at `path` (which
+/// the migrations have prepared, and `files` watches); both stop when the [`Writer`] is dropped.
 pub(super) fn start(path: &Path, synchronous: Synchronous, files: Arc<DatabaseFiles>) -> Result<Writer, StoreError> {
     let conn = Connection::open(path)?;
     declare_protocol(&conn)?;
@@ -138,16 +137,8 @@ pub(super) fn start(path: &Path, synchronous: Synchronous, files: Arc<DatabaseFi
     // A read makes this connection hold the log open, so no other connection's close deletes it.
     conn.query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
     files.learn_log()?;
-    let checkpoints = Connection::open(path)?;
     let cannot = |e: std::io::Error| StoreError::Unavailable(format!("cannot start the sqlite writer: {e}"));
-    let (nudge, nudges) = std_mpsc::sync_channel(1);
-    std::thread::Builder::new()
-        .name("idem-sqlite-checkpoints".into())
-        .spawn({
-            let files = files.clone();
-            move || checkpoint_loop(checkpoints, nudges, &files)
-        })
-        .map_err(cannot)?;
+    let nudge = checkpointer::start(Connection::open(path)?, files.clone()).map_err(cannot)?;
     let committer = Arc::new(Mutex::new(Committer {
         conn,
         files,
@@ -222,29 +213,6 @@ impl Writer {
         }
         tokio::task::block_in_place(|| committer.commit(&mut vec![write]));
         Ok(())
-    }
-}
-
-/// Copies the WAL back into the database file on a thread of its own. Left to SQLite, that
-/// would run inside whichever commit crosses the threshold, and its fsyncs would be that
-/// request's latency. A passive checkpoint never blocks the writer. A checkpoint that fails with
-/// an I/O error loses the store; while it is lost, the probes check checkpoints instead.
-fn checkpoint_loop(conn: Connection, nudges: std_mpsc::Receiver<()>, files: &DatabaseFiles) {
-    loop {
-        let stopping = matches!(nudges.recv_timeout(CHECKPOINT_IDLE), Err(RecvTimeoutError::Disconnected));
-        if !stopping && !files.is_available() {
-            continue;
-        }
-        let mode = if stopping { "TRUNCATE" } else { "PASSIVE" };
-        let done = conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |_| Ok(()));
-        match done {
-            Err(e) if io_failure(&e) => drop(files.lose(format!("a checkpoint of the SQLite database failed: {e}"))),
-            Err(e) => tracing::warn!(error = %e, "sqlite checkpoint failed; the WAL keeps growing until one succeeds"),
-            Ok(()) => {}
-        }
-        if stopping {
-            return;
-        }
     }
 }
 
