@@ -287,11 +287,6 @@ impl Config {
         raw.validate(&env)
     }
 
-    /// The route whose `path_prefix` is the longest prefix of `path`, on a segment boundary.
-    pub fn route_for(&self, path: &str) -> Option<&Route> {
-        self.position_for(path).map(|i| &self.routes[i])
-    }
-
     pub fn route_named(&self, name: &str) -> Option<&Route> {
         self.position_named(name).map(|i| &self.routes[i])
     }
@@ -302,7 +297,8 @@ impl Config {
         self.route_named(route).map_or(self.store.retention, |r| r.retention)
     }
 
-    /// Where in `routes` the route for `path` is ([`Config::route_for`]).
+    /// Where in `routes` the route for `path` is: the one whose `path_prefix` is the longest
+    /// prefix of `path`, on a segment boundary.
     pub fn position_for(&self, path: &str) -> Option<usize> {
         (self.routes.iter().enumerate())
             .filter(|(_, r)| prefix_matches(&r.path_prefix, path))

@@ -304,14 +304,14 @@ fn the_longest_prefix_wins_on_segment_boundaries() {
         upstream = "http://127.0.0.1:3"
     "#;
     let c = Config::parse_with_env(text, no_env).unwrap();
-    let name = |p: &str| c.route_for(p).map(|r| r.name.as_str());
+    let name = |p: &str| c.position_for(p).map(|i| c.routes[i].name.as_str());
     assert_eq!(name("/payments"), Some("payments"));
     assert_eq!(name("/payments/42"), Some("payments"));
     assert_eq!(name("/payments/refunds/9"), Some("refunds"));
     assert_eq!(name("/paymentsX"), Some("everything"));
     assert_eq!(name("/other"), Some("everything"));
     let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
-    assert!(c.route_for("/other").is_none());
+    assert!(c.position_for("/other").is_none());
 }
 
 const MCP_ROUTE: &str = r#"

@@ -210,7 +210,7 @@ impl Snapshot {
         &self.config
     }
 
-    /// The route for `path` ([`Config::route_for`]), with its runtime.
+    /// The route for `path` ([`Config::position_for`]), with its runtime.
     pub fn route_for(self: &Arc<Self>, path: &str) -> Option<ServedRoute> {
         self.config.position_for(path).map(|index| ServedRoute::new(self.clone(), index))
     }
