@@ -155,7 +155,7 @@ pub(super) fn start(path: &Path, synchronous: Synchronous, files: Arc<DatabaseFi
             move || write_loop(&committer, queued)
         })
         .map_err(cannot)?;
-    Ok(Writer { queue, committer, durability })
+    Ok(Writer { queue, committer, durability, syncs_at_commit: synchronous != Synchronous::Normal })
 }
 
 /// The way into the one writing connection.
@@ -166,6 +166,9 @@ pub(super) struct Writer {
     committer: Arc<Mutex<Committer>>,
     /// What its commits survive, as the connection reported it once set.
     durability: DurabilityInForce,
+    /// Whether a commit waits for the disk (`FULL`, `EXTRA`) or only hands its pages to the
+    /// operating system (`NORMAL`): what decides where a write commits.
+    syncs_at_commit: bool,
 }
 
 impl Writer {
@@ -183,19 +186,27 @@ impl Writer {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Commits `write` on the calling thread if the store is idle, or gives it back. At low load
-    /// the writer thread has gone to sleep by the time a write comes, so a write handed to it
-    /// waits for it to wake, and then for its reply to wake the caller: two thread wake-ups on
-    /// the request's way, tens of microseconds each (more on a virtual machine). In place, the
-    /// only wake-up is the runtime's, off that way: `block_in_place` hands this thread's other
-    /// tasks to another thread while this one waits for the disk.
+    /// Commits `write` on the calling thread when the connection is free, or gives it back for
+    /// the writer thread. A write handed to the writer thread waits for it to wake, and then for
+    /// its reply to wake the caller: two thread wake-ups on the request's way, tens of
+    /// microseconds each (more on a virtual machine). Where it commits depends on what a commit
+    /// waits for:
     ///
-    /// Idle means: nothing in the queue, the connection free, and no commit for [`IDLE_AFTER`].
+    /// - Nothing but the CPU (`synchronous = NORMAL`: the log is synced only at checkpoints).
+    ///   The write commits right here, whenever the connection is free, with no hand-off at all:
+    ///   the worker thread is busy for the commit's own work, as it would be for any other
+    ///   step of the request. Only a write that finds the connection taken queues.
+    /// - The disk (`FULL`). A sync shared by a batch is cheaper than one each, so only a write
+    ///   that finds the store idle commits here: nothing in the queue, the connection free, and
+    ///   no commit for [`IDLE_AFTER`]. `block_in_place` hands this thread's other tasks to
+    ///   another thread while it waits for the disk. Under load writes come sooner, and gather
+    ///   into the writer thread's commits.
+    ///
     /// A batch the writer thread has taken from the queue but not yet started is not seen; the
-    /// write committed here then only goes first. Under load writes come sooner, and gather
-    /// into the writer thread's commits as before.
+    /// write committed here then only goes first.
     ///
-    /// Only on a multi-threaded runtime: `block_in_place` panics on any other.
+    /// Only on a multi-threaded runtime: `block_in_place` panics on any other, and a commit on
+    /// a single thread would stall all of its tasks.
     // The error is the write itself, handed back unboxed: boxing it would cost every write an
     // allocation to save a move.
     #[allow(clippy::result_large_err)]
@@ -208,6 +219,10 @@ impl Writer {
         let Ok(mut committer) = self.committer.try_lock() else {
             return Err(write);
         };
+        if !self.syncs_at_commit {
+            committer.commit(&mut vec![write]);
+            return Ok(());
+        }
         if committer.last_commit.elapsed() < IDLE_AFTER {
             return Err(write);
         }
