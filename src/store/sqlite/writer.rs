@@ -1,7 +1,8 @@
 //! The SQLite store's only writing connection. Under load, writes queue up for an OS thread
 //! that commits whatever has queued in one transaction (group commit), so one fsync covers many
-//! requests. When the store is idle, a caller on the multi-threaded runtime commits its write
-//! itself, on its own thread, instead of waking the writer and being woken back.
+//! requests. When nothing has queued, a caller on the multi-threaded runtime commits its write
+//! itself, on its own thread, instead of waking the writer and being woken back (with
+//! `synchronous = FULL`, only when the store is idle).
 //!
 //! It drives SQLite through rusqlite, synchronously, rather than through sqlx: sqlx runs every
 //! statement on a worker thread of its own and hands it over through a channel, which costs a
@@ -93,10 +94,10 @@ const CHECKPOINT_EVERY: u32 = 32;
 /// writes pays for its wake-up many times over: after a batch of several, the writer sleeps at
 /// once (measured: 8–10 % less CPU per new key at c=64, the same latency at c=1).
 const LINGER: Duration = Duration::from_micros(100);
-/// How long after a commit the store counts as busy: a write that comes sooner queues for the
-/// writer thread and may share its next commit; a later one, at low load, commits in place. As
-/// long as the writer thread lingers, which is when it would pick such a write up without a
-/// wake-up.
+/// How long after a commit a store that syncs at every commit counts as busy: a write that
+/// comes sooner queues for the writer thread and may share its next sync; a later one, at low
+/// load, commits in place. As long as the writer thread lingers, which is when it would pick
+/// such a write up without a wake-up.
 const IDLE_AFTER: Duration = LINGER;
 /// WAL pages past which the writer checkpoints by itself, in the commit that crosses the mark.
 /// SQLite writes the log from its start again only after a checkpoint has copied all of it, and
@@ -186,27 +187,28 @@ impl Writer {
         result.await.map_err(|_| stopped())?
     }
 
-    /// Commits `write` on the calling thread when the connection is free, or gives it back for
-    /// the writer thread. A write handed to the writer thread waits for it to wake, and then for
-    /// its reply to wake the caller: two thread wake-ups on the request's way, tens of
-    /// microseconds each (more on a virtual machine). Where it commits depends on what a commit
-    /// waits for:
+    /// Commits `write` on the calling thread, or gives it back for the writer thread. A write
+    /// handed to the writer thread waits for it to wake, and then for its reply to wake the
+    /// caller: two thread wake-ups on the request's way, tens of microseconds each (more on a
+    /// virtual machine). So a write commits here, with no hand-off at all, when the connection
+    /// is free and nothing has queued before it; and, if its commit waits for the disk
+    /// (`synchronous = FULL`), only when the store is idle too: no commit for [`IDLE_AFTER`]. A
+    /// sync shared by a batch costs less than one each, and under load writes come sooner and
+    /// gather into the writer thread's commits. With `NORMAL` a commit waits for nothing but
+    /// the CPU (the log is synced at checkpoints only), and the writer thread batches only what
+    /// queues while the connection is taken: fewer pages written per write.
     ///
-    /// - Nothing but the CPU (`synchronous = NORMAL`: the log is synced only at checkpoints).
-    ///   The write commits right here, whenever the connection is free, with no hand-off at all:
-    ///   the worker thread is busy for the commit's own work, as it would be for any other
-    ///   step of the request. Only a write that finds the connection taken queues.
-    /// - The disk (`FULL`). A sync shared by a batch is cheaper than one each, so only a write
-    ///   that finds the store idle commits here: nothing in the queue, the connection free, and
-    ///   no commit for [`IDLE_AFTER`]. `block_in_place` hands this thread's other tasks to
-    ///   another thread while it waits for the disk. Under load writes come sooner, and gather
-    ///   into the writer thread's commits.
+    /// Here, the runtime's worker thread does the commit's work itself, disk wait included,
+    /// rather than hand its other tasks over to another thread first (`block_in_place`): that
+    /// hand-off wakes a thread per commit, and measured, cost more than the wait (at c=8 with
+    /// `FULL`, 75 µs of CPU per new key and a sixth of the rate). The connection's lock bounds
+    /// the stall: one thread at a time commits, so at most one of the runtime's workers waits
+    /// for the disk, for one commit, and only at low load.
     ///
     /// A batch the writer thread has taken from the queue but not yet started is not seen; the
     /// write committed here then only goes first.
     ///
-    /// Only on a multi-threaded runtime: `block_in_place` panics on any other, and a commit on
-    /// a single thread would stall all of its tasks.
+    /// Only on a multi-threaded runtime: on a single thread, a commit would stall every task.
     // The error is the write itself, handed back unboxed: boxing it would cost every write an
     // allocation to save a move.
     #[allow(clippy::result_large_err)]
@@ -219,14 +221,10 @@ impl Writer {
         let Ok(mut committer) = self.committer.try_lock() else {
             return Err(write);
         };
-        if !self.syncs_at_commit {
-            committer.commit(&mut vec![write]);
-            return Ok(());
-        }
-        if committer.last_commit.elapsed() < IDLE_AFTER {
+        if self.syncs_at_commit && committer.last_commit.elapsed() < IDLE_AFTER {
             return Err(write);
         }
-        tokio::task::block_in_place(|| committer.commit(&mut vec![write]));
+        committer.commit(&mut vec![write]);
         Ok(())
     }
 }
@@ -466,7 +464,7 @@ mod tests {
         let dir = tempfile::TempDir::new().unwrap();
         let writer = writer(dir.path());
         let_the_store_go_idle().await;
-        // In place, `block_in_place` would panic on this runtime.
+        // In place, its commit would stall the runtime's only thread.
         probe(&writer).await.unwrap();
     }
 
