@@ -145,6 +145,7 @@ pub(super) fn start(path: &Path, synchronous: Synchronous, files: Arc<DatabaseFi
         files,
         checkpoint: nudge,
         commits: 0,
+        in_place: 0,
         last_commit: Instant::now(),
         done: Vec::new(),
     }));
@@ -208,13 +209,16 @@ impl Writer {
     /// A batch the writer thread has taken from the queue but not yet started is not seen; the
     /// write committed here then only goes first.
     ///
-    /// Only on a multi-threaded runtime: on a single thread, a commit would stall every task.
+    /// Only on a runtime of two worker threads or more (a machine of one core gets one): with
+    /// one, a commit here would stall every task (measured with `TOKIO_WORKER_THREADS=1`: half
+    /// the rate at c=64).
     // The error is the write itself, handed back unboxed: boxing it would cost every write an
     // allocation to save a move.
     #[allow(clippy::result_large_err)]
     fn commit_in_place(&self, write: Write) -> Result<(), Write> {
-        let multi_threaded = Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::MultiThread);
-        if !multi_threaded || self.queue.capacity() < self.queue.max_capacity() {
+        let workers = Handle::try_current()
+            .map_or(0, |h| if h.runtime_flavor() == RuntimeFlavor::MultiThread { h.metrics().num_workers() } else { 0 });
+        if workers < 2 || self.queue.capacity() < self.queue.max_capacity() {
             return Err(write);
         }
         // A poisoned lock is left to the writer thread, which recovers the connection first.
@@ -225,6 +229,7 @@ impl Writer {
             return Err(write);
         }
         committer.commit(&mut vec![write]);
+        committer.in_place += 1;
         Ok(())
     }
 }
@@ -264,6 +269,8 @@ struct Committer {
     /// Nudges the checkpointer every [`CHECKPOINT_EVERY`] commits.
     checkpoint: std_mpsc::SyncSender<()>,
     commits: u32,
+    /// Commits made by callers on their own thread rather than by the writer thread.
+    in_place: u64,
     /// When the last commit ended: what tells an idle store from a busy one.
     last_commit: Instant,
     /// Results held until the commit, kept between commits for its capacity.
@@ -415,6 +422,10 @@ mod tests {
 
     /// A writer on a fresh database holding the one table its probes write to.
     fn writer(dir: &Path) -> Arc<Writer> {
+        writer_syncing(dir, Synchronous::Full)
+    }
+
+    fn writer_syncing(dir: &Path, synchronous: Synchronous) -> Arc<Writer> {
         let path = dir.join("idem.db");
         Connection::open(&path)
             .unwrap()
@@ -424,7 +435,7 @@ mod tests {
             )
             .unwrap();
         let files = Arc::new(DatabaseFiles::opened(&path).unwrap());
-        Arc::new(start(&path, Synchronous::Full, files).unwrap())
+        Arc::new(start(&path, synchronous, files).unwrap())
     }
 
     async fn probe(writer: &Writer) -> Result<(), StoreError> {
@@ -459,6 +470,31 @@ mod tests {
         probe(&writer).await.unwrap();
     }
 
+    fn in_place(writer: &Writer) -> u64 {
+        writer.committer.lock().unwrap().in_place
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_on_an_idle_store_commits_on_its_own_thread() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let writer = writer(dir.path());
+        let_the_store_go_idle().await;
+        probe(&writer).await.unwrap();
+        assert_eq!(in_place(&writer), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_on_a_busy_store_commits_in_place_only_if_commits_are_not_synced() {
+        for (synchronous, in_place_expected) in [(Synchronous::Normal, 1), (Synchronous::Full, 0)] {
+            let dir = tempfile::TempDir::new().unwrap();
+            let writer = writer_syncing(dir.path(), synchronous);
+            // However slow this machine, the store is not idle when the write comes.
+            writer.committer.lock().unwrap().last_commit = Instant::now() + Duration::from_secs(3600);
+            probe(&writer).await.unwrap();
+            assert_eq!(in_place(&writer), in_place_expected, "{synchronous:?}");
+        }
+    }
+
     #[tokio::test]
     async fn on_a_single_threaded_runtime_a_write_on_an_idle_store_goes_to_the_writer_thread() {
         let dir = tempfile::TempDir::new().unwrap();
@@ -466,6 +502,16 @@ mod tests {
         let_the_store_go_idle().await;
         // In place, its commit would stall the runtime's only thread.
         probe(&writer).await.unwrap();
+        assert_eq!(in_place(&writer), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn on_a_runtime_of_one_worker_a_write_on_an_idle_store_goes_to_the_writer_thread() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let writer = writer(dir.path());
+        let_the_store_go_idle().await;
+        probe(&writer).await.unwrap();
+        assert_eq!(in_place(&writer), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
