@@ -484,13 +484,29 @@ mod tests {
         writer.committer.lock().unwrap().in_place
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_write_on_an_idle_store_commits_on_its_own_thread() {
+    /// How many commits in place one write on an idle store made, on the runtime it runs on.
+    async fn in_place_on_an_idle_store() -> u64 {
         let dir = tempfile::TempDir::new().unwrap();
         let writer = writer(dir.path());
         let_the_store_go_idle().await;
         probe(&writer).await.unwrap();
-        assert_eq!(in_place(&writer), 1);
+        in_place(&writer)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_on_an_idle_store_commits_on_its_own_thread() {
+        assert_eq!(in_place_on_an_idle_store().await, 1);
+    }
+
+    #[tokio::test]
+    async fn on_a_single_threaded_runtime_a_write_on_an_idle_store_goes_to_the_writer_thread() {
+        // In place, its commit would stall the runtime's only thread.
+        assert_eq!(in_place_on_an_idle_store().await, 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn on_a_runtime_of_one_worker_a_write_on_an_idle_store_goes_to_the_writer_thread() {
+        assert_eq!(in_place_on_an_idle_store().await, 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -503,25 +519,6 @@ mod tests {
             probe(&writer).await.unwrap();
             assert_eq!(in_place(&writer), in_place_expected, "{synchronous:?}");
         }
-    }
-
-    #[tokio::test]
-    async fn on_a_single_threaded_runtime_a_write_on_an_idle_store_goes_to_the_writer_thread() {
-        let dir = tempfile::TempDir::new().unwrap();
-        let writer = writer(dir.path());
-        let_the_store_go_idle().await;
-        // In place, its commit would stall the runtime's only thread.
-        probe(&writer).await.unwrap();
-        assert_eq!(in_place(&writer), 0);
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn on_a_runtime_of_one_worker_a_write_on_an_idle_store_goes_to_the_writer_thread() {
-        let dir = tempfile::TempDir::new().unwrap();
-        let writer = writer(dir.path());
-        let_the_store_go_idle().await;
-        probe(&writer).await.unwrap();
-        assert_eq!(in_place(&writer), 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
