@@ -207,7 +207,8 @@ impl Writer {
     /// hand-off wakes a thread per commit, and measured, cost more than the wait (at c=8 with
     /// `FULL`, 75 µs of CPU per new key and a sixth of the rate). The connection's lock bounds
     /// the stall: one thread at a time commits, so at most one of the runtime's workers waits
-    /// for the disk, for one commit, and only at low load.
+    /// for the disk, for one commit. With `FULL` that is only at low load; with `NORMAL`, only
+    /// in the commit that crosses [`WAL_RESTART_PAGES`] and checkpoints.
     ///
     /// A batch the writer thread has taken from the queue but not yet started is not seen; the
     /// write committed here then only goes first.
