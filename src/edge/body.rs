@@ -164,7 +164,10 @@ pub async fn read(mut body: Body, limit: usize, budget: &BodyBudget) -> Result<(
     let declared = body.size_hint().exact();
     let declared = match declared.map(usize::try_from) {
         Some(Ok(n)) if n <= limit => Some(n),
-        Some(_) => return Err(ReadError::TooLarge(limit)),
+        Some(_) => {
+            discard_the_rest(body);
+            return Err(ReadError::TooLarge(limit));
+        }
         None => None,
     };
     let mut held = budget.reserve(declared.unwrap_or(0)).ok_or(ReadError::Overloaded)?;
@@ -181,6 +184,7 @@ pub async fn read(mut body: Body, limit: usize, budget: &BodyBudget) -> Result<(
         let Ok(data) = frame.into_data() else { continue };
         let total = parts.len() + data.len();
         if total > limit {
+            discard_the_rest(body);
             return Err(ReadError::TooLarge(limit));
         }
         if !held.cover(total) {
@@ -189,6 +193,31 @@ pub async fn read(mut body: Body, limit: usize, budget: &BodyBudget) -> Result<(
         parts.push(data, declared);
     }
     Ok((parts.into_bytes(), held))
+}
+
+/// Most bytes of a refused body read and thrown away after its answer, and for how long.
+const DISCARD_AT_MOST: usize = 8 << 20;
+const DISCARD_FOR: Duration = Duration::from_secs(5);
+
+/// Reads what is left of a body refused as too large, and throws it away, in the background
+/// while its answer goes out: up to [`DISCARD_AT_MOST`] bytes, for up to [`DISCARD_FOR`]. A
+/// connection closed with bytes unread is reset by the kernel, and a client still sending its
+/// body then sees the reset, not the `413` that came before it (nginx's lingering close does
+/// the same). A body past either bound is cut, and its connection with it.
+fn discard_the_rest(mut body: Body) {
+    tokio::spawn(async move {
+        let mut left = DISCARD_AT_MOST;
+        let _ = tokio::time::timeout(DISCARD_FOR, async {
+            while let Some(Ok(frame)) = body.frame().await {
+                let Ok(data) = frame.into_data() else { continue };
+                match left.checked_sub(data.len()) {
+                    Some(still) => left = still,
+                    None => break,
+                }
+            }
+        })
+        .await;
+    });
 }
 
 /// A body's parts as they arrive: most bodies come in one part, kept as it is; more are copied

@@ -278,7 +278,28 @@ async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend
     broker.stop().await;
 }
 
+/// A client that sends its whole body before reading the answer (most do) hears the 413: the
+/// broker reads what follows its refusal and throws it away, rather than closing with bytes
+/// unread, which the kernel answers with a reset that the client sees instead. Pinned without a
+/// race: the answer is read first, and the body sent after it must still be taken, with the
+/// connection open for the next request.
+async fn a_body_refused_as_too_large_is_read_and_thrown_away_so_its_client_hears_413(b: Backend) {
+    let (upstream, broker) = start(b, "", "max_body = \"1KiB\"").await;
+    let mut client = connect(&broker.url).await;
+    let length = 64 * 1024;
+    client.write_all(head("too-big", length).as_bytes()).await.unwrap();
+    let refused = one_answer(&mut client).await;
+    assert!(refused.starts_with("HTTP/1.1 413 "), "{refused}");
+    client.write_all(&vec![b'x'; length]).await.unwrap();
+    client.write_all(format!("{}{BODY}", head("after-it", BODY.len())).as_bytes()).await.unwrap();
+    let next = one_answer(&mut client).await;
+    assert!(next.starts_with("HTTP/1.1 201 "), "{next}");
+    assert_eq!((upstream.hits("too-big"), upstream.hits("after-it")), (0, 1));
+    broker.stop().await;
+}
+
 both_stores!(
+    a_body_refused_as_too_large_is_read_and_thrown_away_so_its_client_hears_413,
     a_keep_alive_connection_serves_several_requests_and_is_cut_once_idle,
     a_table_full_of_idle_sockets_makes_room_for_a_normal_client_at_once,
     a_table_full_of_busy_connections_refuses_a_new_one_at_once,
