@@ -8,6 +8,7 @@
 
 mod actions;
 mod checkpointer;
+mod committer;
 mod files;
 pub(super) mod recorded;
 mod rows;
