@@ -7,6 +7,7 @@ use super::{invalid, ConfigError};
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{PolicyVersion, RouteName, Tenant};
 use crate::policy::{in_canary, CanaryStop, RetryPolicy};
+use crate::record::rules;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Canary {
@@ -47,15 +48,31 @@ impl Route {
             Some(canary) if running && canary.includes(&self.name, tenant, key) => {
                 Policy { retry: &canary.retry, version: &canary.policy_version, replay_safe: self.replay_safe }
             }
-            _ => Policy { retry: &self.retry, version: &self.policy_version, replay_safe: self.replay_safe },
+            _ => self.own_policy(),
         }
     }
 }
 
 impl Route {
+    /// The policy a record admitted under `version` runs under, wherever that is asked: by its
+    /// execution, a take-over, the estimate a duplicate is told, an MCP call's decision. The one
+    /// `version` names while this route still has it, whatever the route's policy is now; else
+    /// `now`, the route's choice today, held unsafe to repeat ([`rules::replay_safe`]): a reload
+    /// that removed the record's policy must not make an operation admitted as unsafe to repeat
+    /// safe to repeat.
+    pub fn policy_of<'r>(&'r self, version: Option<&PolicyVersion>, now: Policy<'r>) -> Policy<'r> {
+        let named = version.and_then(|version| self.policy_named(version.as_str()));
+        named.unwrap_or(Policy { replay_safe: rules::replay_safe(None), ..now })
+    }
+
+    /// The route's own policy (not its canary's).
+    pub fn own_policy(&self) -> Policy<'_> {
+        Policy { retry: &self.retry, version: &self.policy_version, replay_safe: self.replay_safe }
+    }
+
     /// The route's policy (its own, or its canary's) whose version is `version`, if either is.
     pub fn policy_named(&self, version: &str) -> Option<Policy<'_>> {
-        let own = Policy { retry: &self.retry, version: &self.policy_version, replay_safe: self.replay_safe };
+        let own = self.own_policy();
         let canary = self.canary.as_ref().map(|c| Policy {
             retry: &c.retry,
             version: &c.policy_version,

@@ -6,8 +6,21 @@ use crate::store::Durability;
 /// The durability `[store] sync` asks for. A SQLite url's own `synchronous=`, from before the
 /// key, decides where the key is not set, so that such a file keeps its meaning; where both are
 /// set they must agree, or one of them would be silently ignored.
+///
+/// `"normal"` is refused on PostgreSQL. There it could only mean `synchronous_commit = off`,
+/// whose commits are lost not with the machine alone but with any crash of the database server:
+/// one backend killed (by the OOM killer, say) restarts them all, and the WAL not yet written
+/// goes. A client told an answer would then find no record of it and execute it again.
 pub(super) fn validate(key: Option<&toml::Value>, url: &str) -> Result<Durability, ConfigError> {
     let asked = key.map(parse).transpose()?;
+    if asked == Some(Durability::Normal) && !url.starts_with("sqlite:") {
+        return Err(invalid(
+            "store.sync",
+            "`normal` is for SQLite only: on PostgreSQL it would turn synchronous_commit off, and any crash of \
+             the database server (one backend killed by the OOM killer is enough) would lose the last commits, \
+             answers told included, so that their keys execute again; remove the key (\"full\" is the default)",
+        ));
+    }
     let in_url = url_durability(url)?;
     match (asked, in_url) {
         (Some(asked), Some(in_url)) if asked != in_url => Err(invalid(

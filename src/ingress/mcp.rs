@@ -106,8 +106,8 @@ impl Ingress {
         match self.records.live(tenant, key).await {
             Ok(None) => ToolClass::PassThrough,
             Ok(Some(record)) => {
-                let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v.as_str()));
-                ToolClass::Recorded { replay_safe: policy.map_or(route.replay_safe, |p| p.replay_safe) }
+                let policy = route.policy_of(record.policy_version.as_ref(), route.own_policy());
+                ToolClass::Recorded { replay_safe: policy.replay_safe }
             }
             Err(_) => ToolClass::Recorded { replay_safe: false },
         }

@@ -137,8 +137,7 @@ impl Ingress {
                     in_flight_since: record.in_flight.map(|(_, started)| started),
                     // The limit of the policy the record runs under: a canary's, maybe.
                     attempt_limit: route.as_ref().map(|route| {
-                        let policy = record.policy_version.as_ref().and_then(|v| route.policy_named(v));
-                        policy.map_or(route.retry.per_try_timeout, |p| p.retry.per_try_timeout)
+                        route.policy_of(record.policy_version.as_ref(), route.own_policy()).retry.per_try_timeout
                     }),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,

@@ -15,6 +15,7 @@ use crate::domain::{
 use crate::domain::{ClaimToken, State, StopReason, Tenant, Timestamp, MCP_TOOLS_CALL};
 
 mod machine;
+pub mod rules;
 
 pub use machine::{admitted, transition, Event, Refused};
 

@@ -14,8 +14,9 @@ use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RouteName;
 use crate::domain::State;
-use crate::domain::{AttemptOutcome, ClaimToken, Holder, Owner, Phase, RecordId, Timestamp};
+use crate::domain::{ClaimToken, Holder, Owner, Phase, RecordId, Timestamp};
 use crate::domain::{PolicyVersion, StopReason};
+use crate::record::rules::{ends_attempt, late_event};
 use crate::record::{admitted, transition, Attempt, Event, HistoryEntry, Lease, Refused};
 use crate::record::{StoredResponse, StreamFacts};
 use crate::store::stats::AnswerCount;
@@ -169,6 +170,10 @@ pub struct Probed {
     /// has since replaced by another does not settle the new one.
     pub claim: ClaimToken,
     pub resolution: Option<Resolution>,
+    /// When the probe was sent, in the store's clock (see [`Store::store_time`](super::Store::store_time)):
+    /// a "not executed" speaks of what had reached the upstream by then, so it is judged against
+    /// the record's bound as of then, not as of when it is written.
+    pub asked_at: Timestamp,
     pub next_probe_at: Timestamp,
     pub entry: HistoryEntry,
 }
@@ -279,18 +284,23 @@ pub(crate) struct Late<'a> {
 }
 
 impl AttemptEnded {
+    /// Whether its attempt's outcome proves the request finished upstream ([`ends_attempt`]): only
+    /// then may the write bring the record's bound down to its own time.
+    pub(crate) fn ends_its_attempt(&self) -> bool {
+        self.attempt.as_ref().is_some_and(|attempt| ends_attempt(attempt.outcome))
+    }
+
     /// The late outcome this write is, should its claim have been taken over to `unknown` while
     /// its attempt was in flight; `None` when it carries no attempt (a stop before sending, a
     /// release), which tells nothing about what executed.
     pub(crate) fn late(&self) -> Option<Late<'_>> {
         let attempt = self.attempt.as_ref()?;
-        let (event, response) = match (&self.then, attempt.outcome) {
-            (AfterAttempt::Done(_, response), AttemptOutcome::Success | AttemptOutcome::Final) => {
-                (Event::ResolveExecuted, Some(response))
-            }
-            (_, AttemptOutcome::NotExecuted) => (Event::ResolveNotExecuted, None),
-            _ => (Event::ProbeInconclusive, None),
+        let answer = match &self.then {
+            AfterAttempt::Done(_, response) => Some(response),
+            _ => None,
         };
+        let event = late_event(answer.is_some(), attempt.outcome);
+        let response = answer.filter(|_| event == Event::ResolveExecuted);
         let to = transition(Phase::Unknown, event).ok()?;
         let entry = HistoryEntry {
             at: self.now,

@@ -292,19 +292,6 @@ pub(crate) fn decide(record: Option<Record>, event: Event) -> Result<(Record, Ph
     }
 }
 
-/// Whether `event` says an `unknown` record did not execute (it frees it) or sends it again: it
-/// must then wait until no attempt marked under the record can still reach the upstream.
-pub(crate) fn waits_for_attempts(event: Event) -> bool {
-    matches!(event, Event::ResolveNotExecuted | Event::OperatorRetry)
-}
-
-/// How long `event` must still wait for the attempts marked under `record`, at `now` in the
-/// clock its `in_flight_until` was set in; `None` when it need not.
-pub(crate) fn in_flight_left(record: &Record, event: Event, now: Timestamp) -> Option<Duration> {
-    let until = record.in_flight_until.filter(|until| *until > now)?;
-    waits_for_attempts(event).then(|| until - now)
-}
-
 /// The result of an operator action on one record.
 #[derive(Debug, Clone)]
 pub enum Action {
@@ -397,9 +384,15 @@ pub trait Store: Send + Sync + 'static {
     /// `settle` after the record became unknown.
     async fn probes_due(&self, due: ProbesDue) -> Result<Vec<Record>, StoreError>;
 
+    /// The time in the clock this store keeps leases and attempts' bounds in ([`LeaseClock`]):
+    /// `node_now` where that is the node's, else the database's own, read now. A probe is stamped
+    /// with it before it is sent.
+    async fn store_time(&self, node_now: Timestamp) -> Result<Timestamp, StoreError>;
+
     /// Records a probe: settles the record with `resolution`, or schedules the next probe — if
     /// it is still `unknown` under the claim the probe read. "Not executed" is refused as
-    /// `InFlight` (nothing written) until the record's `in_flight_until` has passed.
+    /// `InFlight` (nothing written) unless the record's `in_flight_until` had passed when the
+    /// probe was sent (`asked_at`).
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError>;
 
     /// How many records are in each phase (queued and free `not_started` counted apart).

@@ -10,13 +10,17 @@
 //! - 2: leases set and compared in the store's clock (PostgreSQL's own), every marked attempt
 //!   given a bound before which nothing frees its record, and a take-over guarded by the attempt
 //!   in flight it was decided on.
+//! - 3: only an outcome that proves its request finished upstream brings the bound down (an
+//!   ambiguous one keeps it); a probe's "not executed" judged against the bound as of its asking;
+//!   a done record's completion stamped, and its retention judged, in the store's clock; a
+//!   record kept to the policy it was admitted under.
 
 use std::fmt;
 
 use super::StoreError;
 
 /// The protocol this build speaks.
-pub const STORE_PROTOCOL: i64 = 2;
+pub const STORE_PROTOCOL: i64 = 3;
 
 /// A migration, by its version and description.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,7 +9,8 @@ use crate::clock::{Clock, SharedClock, Turns};
 use crate::config::{Probe, Route};
 use crate::domain::Actor;
 use crate::domain::{HistoryAction, Phase};
-use crate::record::{HistoryEntry, Record};
+use crate::record::rules::probe_event;
+use crate::record::{Event, HistoryEntry, Record};
 use crate::runtime::Live;
 use crate::store::{Action, Probed, ProbesDue, Resolution, Store};
 use crate::upstream::{Outbound, Upstream};
@@ -44,9 +45,11 @@ pub async fn probes(
 }
 
 /// Probes the `unknown` records of `route` that are due, once. A probe's "executed" settles a
-/// record at once; its "not executed" only once no attempt marked under the record can still
-/// reach the upstream (its `in_flight_until`): before that, the record is asked about again when
-/// that time has come.
+/// record at once; its "not executed" only if no attempt marked under the record could still
+/// reach the upstream when the probe was sent (its `in_flight_until`, against the store's time
+/// read just before the probe went out): the upstream speaks of what had reached it when it was
+/// asked, whenever its answer arrives or is written. Otherwise the record is asked about again
+/// once the bound has passed.
 pub async fn probe_once(
     store: &dyn Store,
     upstream: &Upstream,
@@ -59,21 +62,25 @@ pub async fn probe_once(
     for record in
         store.probes_due(ProbesDue { route: route.name.clone(), settle: probe.settle, now, limit: BATCH }).await?
     {
+        let asked_at = store.store_time(clock.now()).await?;
         let (resolution, answered) = ask(upstream, route, probe, &record).await;
         let next = clock.now() + probe_backoff(probe.settle, record.probe_count + 1);
         let entry = |note| HistoryEntry { at: clock.now(), actor: Actor::Probe, action: HistoryAction::Probe, note };
         let (id, claim) = (record.id, record.claim);
-        let probed = Probed { id, claim, resolution, next_probe_at: next, entry: entry(Some(answered.clone())) };
+        let note = Some(answered.clone());
+        let probed = Probed { id, claim, resolution, asked_at, next_probe_at: next, entry: entry(note) };
         let action = match store.probed(probed).await? {
             Action::InFlight(read, left) => {
                 let attempt = read.attempts.last().map_or(0, |a| a.number);
                 let later = format!(
-                    "{answered}, but attempt {attempt} may still reach the upstream for another {} ms: asked again after that",
+                    "{answered}, but attempt {attempt} may still reach the upstream: when the probe was asked its \
+                     bound was {} ms away; asked again after that",
                     left.as_millis()
                 );
-                // Asked again as soon as the bound has passed.
+                // Asked again as soon as the bound has passed (`left` counts from the asking).
                 let next_probe_at = clock.now() + left + Duration::from_millis(1);
-                store.probed(Probed { id, claim, resolution: None, next_probe_at, entry: entry(Some(later)) }).await?
+                let again = Probed { id, claim, resolution: None, asked_at, next_probe_at, entry: entry(Some(later)) };
+                store.probed(again).await?
             }
             action => action,
         };
@@ -111,9 +118,9 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
         Ok(answer) => {
             let status = answer.response.status;
             let note = format!("{asked} → {status}");
-            match status {
-                200..=299 => (Some(Resolution::Executed(answer.response)), note),
-                404 => (Some(Resolution::NotExecuted), note),
+            match probe_event(Some(status)) {
+                Event::ResolveExecuted => (Some(Resolution::Executed(answer.response)), note),
+                Event::ResolveNotExecuted => (Some(Resolution::NotExecuted), note),
                 _ => (None, note),
             }
         }

@@ -7,38 +7,30 @@ use std::time::Duration;
 use super::BATCH;
 use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Route};
-use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, Phase, StopReason, Timestamp};
-use crate::record::{transition, Attempt, Event, HistoryEntry, Record};
+use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, StopReason, Timestamp};
+use crate::record::rules::{self, expiry_event, Expiry};
+use crate::record::{Attempt, HistoryEntry, Record};
 use crate::runtime::Live;
 use crate::store::{ClaimUnclaimed, Store, TakeOver, TakeOverTo};
 use crate::worker::Worker;
 
-/// Where a record whose lease expired goes (docs/concepts.md): `unknown` if an attempt may have been sent
-/// and the route is not replay-safe; otherwise queued again, or freed if its deadline passed.
-///
-/// A record that would be queued again after `max_takeovers` take-overs is stopped instead
-/// (`takeover_cap`): its workers keep dying on it, perhaps because of it. It goes to `unknown`
-/// if any attempt may have run — even on a replay-safe route, where the rule above would free
-/// it: sent again by the client's next request, it would crash its worker again, while in the
-/// reconciliation queue an operator sees it — and is freed otherwise.
+/// Where a record whose lease expired goes (docs/concepts.md), as [`expiry_event`] decides on
+/// what was read of it: `unknown` if an attempt may have been sent and its policy is not
+/// replay-safe; otherwise queued again, or freed if its deadline passed; stopped at the
+/// take-over cap rather than queued once more. Its policy is the one it was admitted under
+/// ([`Route::policy_of`]); a record whose route is gone is treated as unsafe: nothing is re-sent
+/// blindly.
 pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp, max_takeovers: u32) -> TakeOverTo {
-    let expiry = Event::LeaseExpired {
+    let admitted_under = route.map(|r| r.policy_of(record.policy_version.as_ref(), r.own_policy()).replay_safe);
+    let event = expiry_event(Expiry {
         attempt_unrecorded: record.in_flight.is_some(),
-        // A record whose route is gone is treated as unsafe: nothing is re-sent blindly.
-        // The policy the record ran under says: an MCP route's replay-safe tools have their own.
-        replay_safe: route.is_some_and(|r| {
-            let policy = record.policy_version.as_ref().and_then(|v| r.policy_named(v.as_str()));
-            policy.map_or(r.replay_safe, |p| p.replay_safe)
-        }),
+        replay_safe: rules::replay_safe(admitted_under),
         deadline_passed: now >= record.deadline_at,
-    };
-    let event = match transition(Phase::InProgress, expiry) {
-        Ok(Phase::Queued) if record.takeovers >= max_takeovers => Event::TakeoverCapReached {
-            attempt_may_have_run: record.in_flight.is_some()
-                || record.attempts.iter().any(|a| a.outcome != AttemptOutcome::NotExecuted),
-        },
-        _ => expiry,
-    };
+        takeovers: record.takeovers,
+        max_takeovers,
+        attempt_may_have_run: record.in_flight.is_some()
+            || record.attempts.iter().any(|a| a.outcome != AttemptOutcome::NotExecuted),
+    });
     // Both events apply to every in-progress record; should the table ever refuse one, the
     // record waits for reconciliation rather than being sent again.
     TakeOverTo::after(event).unwrap_or(TakeOverTo::Unknown(StopReason::UnsafeReplay))
@@ -262,6 +254,12 @@ mod tests {
         record
     }
 
+    /// `record` as admitted under `route`'s policy.
+    fn under(route: &Route, mut record: Record) -> Record {
+        record.policy_version = Some(route.policy_version.clone());
+        record
+    }
+
     /// A request to route `p`, arriving at `NOW`.
     fn new_record() -> NewRecord {
         NewRecord {
@@ -317,7 +315,7 @@ mod tests {
         sweeper.pass(&config, clock.now()).await.unwrap();
         let record = store.get(id).await.unwrap().unwrap();
         // Not replay-safe, with an attempt that may have gone out: unknown, the attempt lost.
-        assert_eq!(record.phase(), Phase::Unknown);
+        assert_eq!(record.phase(), crate::domain::Phase::Unknown);
         assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
         let entry = record.history.last().unwrap();
         assert_eq!((entry.at, entry.actor.to_string()), (NOW + Duration::from_millis(10_001), "node:alive".into()));
@@ -328,21 +326,38 @@ mod tests {
         let safe = route(true);
         for takeovers in 0..3 {
             assert_eq!(
-                after_lease_expiry(&leased(takeovers, &["lost"], true), Some(&safe), NOW, 3),
+                after_lease_expiry(&under(&safe, leased(takeovers, &["lost"], true)), Some(&safe), NOW, 3),
                 TakeOverTo::Queued
             );
         }
-        let capped = after_lease_expiry(&leased(3, &["lost"], true), Some(&safe), NOW, 3);
+        let capped = after_lease_expiry(&under(&safe, leased(3, &["lost"], true)), Some(&safe), NOW, 3);
         assert_eq!(capped, TakeOverTo::Unknown(StopReason::TakeoverCap), "an attempt may have run");
-        let never = after_lease_expiry(&leased(0, &[], false), Some(&safe), NOW, 0);
+        let never = after_lease_expiry(&under(&safe, leased(0, &[], false)), Some(&safe), NOW, 0);
         assert_eq!(never, TakeOverTo::Free(StopReason::TakeoverCap), "0: never continued");
+    }
+
+    /// A record keeps the policy it was admitted under. Admitted as not replay-safe, a reload
+    /// that makes its route replay-safe (and so its policy another) does not make its attempt in
+    /// flight safe to send again: unknown. Admitted as replay-safe, it is continued as such while
+    /// the route still has its policy; once a reload has removed that policy, it is judged on
+    /// the safe side.
+    #[test]
+    fn a_record_keeps_the_replay_safety_it_was_admitted_under_whatever_a_reload_does() {
+        let (unsafe_route, safe) = (route(false), route(true));
+        let admitted_unsafe = under(&unsafe_route, leased(0, &[], true));
+        let unknown = TakeOverTo::Unknown(StopReason::UnsafeReplay);
+        assert_eq!(after_lease_expiry(&admitted_unsafe, Some(&unsafe_route), NOW, 3), unknown);
+        assert_eq!(after_lease_expiry(&admitted_unsafe, Some(&safe), NOW, 3), unknown, "reloaded as replay-safe");
+        let admitted_safe = under(&safe, leased(0, &[], true));
+        assert_eq!(after_lease_expiry(&admitted_safe, Some(&safe), NOW, 3), TakeOverTo::Queued);
+        assert_eq!(after_lease_expiry(&admitted_safe, Some(&unsafe_route), NOW, 3), unknown, "its policy removed");
     }
 
     #[test]
     fn a_capped_record_is_freed_only_if_no_attempt_may_have_run() {
         let unsafe_route = route(false);
         let safe = route(true);
-        let stop = |record: &Record, route: &Route| after_lease_expiry(record, Some(route), NOW, 1);
+        let stop = |record: &Record, route: &Route| after_lease_expiry(&under(route, record.clone()), Some(route), NOW, 1);
         assert_eq!(stop(&leased(1, &[], false), &unsafe_route), TakeOverTo::Free(StopReason::TakeoverCap));
         assert_eq!(
             stop(&leased(1, &["not_executed", "not_executed"], false), &unsafe_route),

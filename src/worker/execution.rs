@@ -94,11 +94,11 @@ impl Inner {
         Some(outcome)
     }
 
-    /// The policy a record executes under: the one its attempts were marked with when it has
-    /// any (so a canary switched off or on meanwhile moves no record across), else a fresh choice.
+    /// The policy a record executes under: the one it was admitted with (so a canary switched
+    /// off or on meanwhile moves no record across), or where a reload removed that one, the
+    /// choice made now, unsafe to repeat ([`Route::policy_of`]).
     pub(super) fn policy_of<'r>(&self, route: &'r Route, record: &Record) -> Policy<'r> {
-        let marked = record.policy_version.as_ref().and_then(|v| route.policy_named(v.as_str()));
-        marked.unwrap_or_else(|| self.switches.policy(route, &record.tenant, &record.key))
+        route.policy_of(record.policy_version.as_ref(), self.switches.policy(route, &record.tenant, &record.key))
     }
 
     pub(super) async fn claim_and_run(&self, record: &Record, route: Option<&ServedRoute>, reply: &Reply) -> Outcome {

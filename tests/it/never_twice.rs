@@ -223,7 +223,6 @@ async fn told(outcome: tokio::sync::oneshot::Receiver<Told>) -> Outcome {
 /// sends nothing.
 async fn a_probes_404_frees_a_record_only_once_its_marked_attempt_can_no_longer_be_sent(b: Backend) {
     let cluster = Cluster::new(b, "", LEASE).await;
-    cluster.upstream.script("/payments/by-key/frozen", vec![Reply::status(404), Reply::status(404)]);
     let (frozen, survivor) = (cluster.node("frozen").await, cluster.node("survivor").await);
     let id = cluster.queued(&survivor.store, "frozen").await;
 
@@ -293,6 +292,84 @@ async fn a_thawed_attempt_is_sent_within_its_window_and_given_up_after_it(b: Bac
             }
         }
     }
+}
+
+/// An upstream's gateway answers 504 at once, while the service behind it may still execute the
+/// request within the attempt's time limit: the answer is ambiguous, the record `unknown`. It
+/// ends nothing of the attempt's life, so the record keeps its whole bound (mark + `send_window`
+/// + the attempt's limit + `clock_margin`), and a probe's 404 within it frees nothing; past it,
+/// the 404 frees the key. Had the 504 brought the bound down to its own time, the first 404
+/// would have freed the key while the original could still execute, and the client's retry
+/// would have executed it a second time.
+async fn an_ambiguous_answer_keeps_its_attempts_whole_bound_so_a_404_within_it_frees_nothing(b: Backend) {
+    let cluster = Cluster::new(b, "", LEASE).await;
+    cluster.upstream.script("gateway", vec![Reply::status(504)]);
+    let node = cluster.node("node").await;
+    let marked_at = cluster.now();
+    let outcome = cluster.send(&node, "gateway").await;
+    assert!(matches!(told(outcome).await, Outcome::Unknown(_)), "a 504 on a route that is not replay-safe");
+    let id = cluster.until_key("gateway").await;
+    let unknown = cluster.record(id).await;
+    assert_eq!(unknown.attempts.last().map(|a| (a.outcome.as_str(), a.status)), Some(("ambiguous", Some(504))));
+    let bound = marked_at + SEND_WINDOW + PER_TRY + MARGIN;
+    assert_eq!(unknown.in_flight_until, Some(bound), "the 504 kept the attempt's whole bound");
+
+    cluster.probe(&node, SETTLE).await;
+    let asked = cluster.record(id).await;
+    assert_eq!(asked.phase(), Phase::Unknown, "a 404 within the bound frees nothing");
+    let note = asked.history.last().and_then(|h| h.note.clone()).unwrap_or_default();
+    assert!(note.contains("404") && note.contains("may still reach the upstream"), "{note}");
+
+    cluster.probe(&node, PER_TRY + SEND_WINDOW + MARGIN + SETTLE).await;
+    assert_eq!(cluster.record(id).await.phase(), Phase::Free, "past the bound, a 404 frees the key");
+    assert_eq!(cluster.upstream.hits("gateway"), 1);
+}
+
+/// A probe's 404 speaks of what had reached the upstream when it was asked, so it is judged
+/// against the bound as of then, however late its answer comes. A node marks attempt 1 and
+/// freezes before sending it; a survivor makes the record `unknown` and probes it within the
+/// bound; the upstream decides 404 as the probe arrives, but answers only long past the bound.
+/// The 404 frees nothing: when it was asked, the frozen attempt could still be sent. The frozen
+/// node thaws within its (long) send window, sends, and its answer settles the record: one
+/// execution. Had the 404 been judged when it came back, it would have freed the key, and the
+/// client's retry would have executed it a second time.
+async fn a_probes_404_counts_as_of_its_asking_however_late_it_comes_back(b: Backend) {
+    let cluster = Cluster::sending_within(b, "", LEASE, Duration::from_secs(20)).await;
+    let gate = Gate::closed();
+    cluster.upstream.hold_probe_answers(&gate);
+    let (frozen, survivor) = (cluster.node("frozen").await, cluster.node("survivor").await);
+    let id = cluster.queued(&survivor.store, "late").await;
+
+    frozen.faults.hold_marks();
+    cluster.sweep(&frozen, LEASE + Duration::from_millis(1)).await;
+    frozen.faults.until("marks", 1, |f| f.marks.load(Ordering::SeqCst)).await;
+    let bound = cluster.record(id).await.in_flight_until.expect("a marked attempt has a bound");
+    cluster.sweep(&survivor, LEASE + Duration::from_millis(1)).await;
+    assert_eq!(cluster.record(id).await.phase(), Phase::Unknown);
+
+    // The probe is asked within the bound; its 404 comes back long after it.
+    cluster.clock.advance(SETTLE);
+    assert!(cluster.now() < bound, "asked within the bound");
+    let probing = {
+        let (store, worker, clock, route) =
+            (survivor.store.clone(), survivor.worker.clone(), cluster.clock.clone(), cluster.config.routes[0].clone());
+        tokio::spawn(async move { probe_once(&*store, &Client::new(), &route, &worker, &*clock).await.unwrap() })
+    };
+    cluster.until_received("GET /payments/by-key/late").await;
+    cluster.clock.set(bound + Duration::from_secs(60));
+    gate.open();
+    probing.await.unwrap();
+    let answered = cluster.record(id).await;
+    assert_eq!(answered.phase(), Phase::Unknown, "a 404 asked within the bound frees nothing, however late");
+    let note = answered.history.last().and_then(|h| h.note.clone()).unwrap_or_default();
+    assert!(note.contains("404") && note.contains("when the probe was asked"), "{note}");
+
+    // The frozen node thaws within its window: its attempt goes out, and its answer settles it.
+    frozen.faults.release_marks();
+    frozen.worker.idle().await;
+    let settled = cluster.until(id, "settled by the late outcome", |r| r.phase() == Phase::Done).await;
+    assert_eq!(settled.attempts.last().and_then(|a| a.status), Some(201));
+    assert_eq!(cluster.upstream.hits("late"), 1, "executed once");
 }
 
 /// A renewal that hangs while an attempt is in flight holds nothing back: the answer comes,
@@ -383,6 +460,16 @@ async fn an_answer_told_but_not_recorded_is_never_executed_again_after_its_lease
 }
 
 impl Cluster {
+    /// Waits, ten seconds at most, until the upstream has received `request`.
+    async fn until_received(&self, request: &str) {
+        let wait = async {
+            while !self.upstream.received().iter().any(|r| r == request) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait).await.unwrap_or_else(|_| panic!("{request}: not within 10 s"))
+    }
+
     /// The id of `key`'s record, once it has one.
     async fn until_key(&self, key: &str) -> RecordId {
         let store = self.db.store().await;
@@ -401,6 +488,8 @@ impl Cluster {
 
 both_stores!(
     a_probes_404_frees_a_record_only_once_its_marked_attempt_can_no_longer_be_sent,
+    an_ambiguous_answer_keeps_its_attempts_whole_bound_so_a_404_within_it_frees_nothing,
+    a_probes_404_counts_as_of_its_asking_however_late_it_comes_back,
     a_thawed_attempt_is_sent_within_its_window_and_given_up_after_it,
     a_renewal_that_hangs_never_holds_back_the_attempt_it_serves,
     a_renewal_that_fails_mid_attempt_ends_the_claim_after_that_attempt,
@@ -452,6 +541,52 @@ mod postgres_only {
         ahead.set(now - 10 * lease);
         sweeper.pass(&cluster.config, ahead.now()).await.unwrap();
         assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Unknown, "its attempt may have run: unknown");
+    }
+
+    /// A probe's 404 is judged as of its asking in the database's clock, not as of its write. A
+    /// record is `unknown`, its attempt's bound still running in the database's clock; a probe
+    /// asks, the upstream answers 404 at once, and the prober pauses before it writes, until the
+    /// bound has passed. Written then, the 404 frees nothing; asked again past the bound, it does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paused_probers_404_is_judged_as_of_its_asking_in_the_databases_clock() {
+        if crate::common::backend::postgres_server_url().is_none() {
+            return crate::common::backend::skipped("a_paused_probers_404_is_judged_as_of_its_asking_in_the_databases_clock");
+        }
+        let cluster = Cluster::new(Backend::Postgres, "", LEASE).await;
+        let store = cluster.db.deployed_store().await;
+        let (lease, reach) = (Duration::from_millis(200), Duration::from_millis(1_500));
+        let claim = Claim { owner: "gone".into(), marked_at: Timestamp::EPOCH, lease, reach };
+        let new = NewRecord { claim: Some(claim), ..cluster.new_record("paused-prober") };
+        let Admission::Created(admitted) =
+            store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap()
+        else {
+            panic!("a new key is created")
+        };
+        let marked = tokio::time::Instant::now();
+        tokio::time::sleep(lease + Duration::from_millis(50)).await;
+        let prober = cluster.node_on("prober", cluster.db.deployed_store().await, cluster.clock.clone());
+        cluster.sweep(&prober, Duration::ZERO).await;
+        assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Unknown, "its attempt may have run");
+
+        prober.faults.hold_probes();
+        cluster.clock.advance(SETTLE);
+        let probing = {
+            let (store, worker, clock, route) =
+                (prober.store.clone(), prober.worker.clone(), cluster.clock.clone(), cluster.config.routes[0].clone());
+            tokio::spawn(async move { probe_once(&*store, &Client::new(), &route, &worker, &*clock).await.unwrap() })
+        };
+        prober.faults.until("probe writes", 1, |f| f.probes.load(Ordering::SeqCst)).await;
+        assert!(marked.elapsed() < reach, "asked within the bound");
+        tokio::time::sleep_until(marked + reach + Duration::from_millis(200)).await;
+        prober.faults.release_probes();
+        probing.await.unwrap();
+        let written = cluster.record(admitted.id).await;
+        assert_eq!(written.phase(), Phase::Unknown, "asked within the bound, written past it: frees nothing");
+        let note = written.history.last().and_then(|h| h.note.clone()).unwrap_or_default();
+        assert!(note.contains("404") && note.contains("when the probe was asked"), "{note}");
+
+        cluster.probe(&prober, Duration::from_secs(60)).await;
+        assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Free, "asked past the bound, a 404 frees it");
     }
 
     /// The bound of a marked attempt is kept in the database's clock too: an operator's

@@ -119,8 +119,8 @@ async fn a_store_of_a_later_protocol_is_refused_at_start_and_the_status_says_why
 async fn a_store_of_the_previous_protocol_needs_every_node_stopped_and_is_then_migrated(b: Backend) {
     let db = Db::new(b).await;
     let (folder, last) = match b {
-        Backend::Sqlite => ("sqlite", 10),
-        Backend::Postgres => ("postgres", 12),
+        Backend::Sqlite => ("sqlite", 11),
+        Backend::Postgres => ("postgres", 13),
     };
     let previous = tempfile::TempDir::new().unwrap();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations").join(folder);

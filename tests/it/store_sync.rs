@@ -21,8 +21,16 @@ fn reported(backend: Backend, sync: Durability) -> DurabilityInForce {
     DurabilityInForce { sync, setting: setting.into() }
 }
 
+/// The settings `backend` takes: `normal` is for SQLite only.
+fn settings(backend: Backend) -> &'static [Durability] {
+    match backend {
+        Backend::Sqlite => &[Durability::Normal, Durability::Full],
+        Backend::Postgres => &[Durability::Full],
+    }
+}
+
 async fn the_store_commits_as_store_sync_says(backend: Backend) {
-    for sync in [Durability::Normal, Durability::Full] {
+    for &sync in settings(backend) {
         let db = Db::new(backend).await;
         let opened = store::open_synced(&db.url, sync, LeaseClock::Node).await.unwrap();
         assert_eq!(opened.durability(), reported(backend, sync), "opened with sync {sync}");
@@ -39,7 +47,8 @@ async fn a_store_opened_without_a_setting_is_fully_durable(backend: Backend) {
 async fn admin_node_shows_the_sync_in_force(backend: Backend) {
     let upstream = Upstream::start().await;
     let db = Db::new(backend).await;
-    for (lines, sync) in [("sync = \"normal\"", Durability::Normal), ("", Durability::Full)] {
+    let both = [("sync = \"normal\"", Durability::Normal), ("", Durability::Full)];
+    for (lines, sync) in both.into_iter().filter(|(_, sync)| settings(backend).contains(sync)) {
         let config = TestConfig::new(&upstream.url()).store_lines(lines);
         let broker = Broker::start(&db, config).await;
         let node: serde_json::Value = send(broker.http.get(format!("{}/admin/node", broker.admin))).await.json();
@@ -86,7 +95,7 @@ fn idem_check_shows_the_sync_in_force_and_refuses_a_bad_one_by_its_key() {
         ("sqlite://idem.db", "sync = \"normal\"", "store sync    normal"),
         ("sqlite://idem.db", "", "store sync    full"),
         ("sqlite://idem.db?synchronous=normal", "", "store sync    normal"),
-        ("postgres://idem@db.internal/idem", "sync = \"normal\"", "store sync    normal"),
+        ("postgres://idem@db.internal/idem", "", "store sync    full"),
     ] {
         let (ok, stdout, stderr) = idem_check(&config(url, lines));
         assert!(ok, "{url} {lines:?}: {stderr}");
@@ -96,8 +105,12 @@ fn idem_check_shows_the_sync_in_force_and_refuses_a_bad_one_by_its_key() {
         ("sqlite://idem.db", "sync = \"fast\""),
         ("sqlite://idem.db", "sync = 1"),
         ("sqlite://idem.db?synchronous=full", "sync = \"normal\""),
+        ("postgres://idem@db.internal/idem", "sync = \"normal\""),
     ] {
         let (ok, _, stderr) = idem_check(&config(url, lines));
         assert!(!ok && stderr.contains("store.sync"), "{url} {lines:?}: {stderr}");
     }
+    // What `normal` would lose on PostgreSQL is said.
+    let (_, _, stderr) = idem_check(&config("postgres://idem@db.internal/idem", "sync = \"normal\""));
+    assert!(stderr.contains("crash of the database server") && stderr.contains("OOM killer"), "{stderr}");
 }

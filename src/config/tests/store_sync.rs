@@ -16,7 +16,6 @@ fn store_sync_is_full_unless_set_to_normal_and_idem_check_shows_it() {
     assert_eq!(Config::parse_with_env(MINIMAL, no_env).unwrap().store.sync, Durability::Full);
     assert_eq!(sync_of("sync = \"full\""), Durability::Full);
     assert_eq!(sync_of("sync = \"normal\""), Durability::Normal);
-    assert_eq!(sync_of("url = \"postgres://idem@db/idem\"\nsync = \"normal\""), Durability::Normal);
     let said = describe(&Config::parse_with_env(&with_store("sync = \"normal\""), no_env).unwrap());
     assert!(said.contains("store sync    normal (survives a crash of the process"), "{said}");
     let said = describe(&Config::parse_with_env(MINIMAL, no_env).unwrap());
@@ -30,6 +29,14 @@ fn a_bad_store_sync_is_refused_by_its_key() {
         assert!(e.starts_with("config key `store.sync`: "), "{bad}: {e}");
         assert!(e.contains("\"full\", \"normal\""), "{bad}: {e}");
     }
+}
+
+#[test]
+fn normal_is_refused_on_postgresql_saying_what_it_would_lose() {
+    assert_eq!(sync_of("url = \"postgres://idem@db/idem\"\nsync = \"full\""), Durability::Full);
+    let e = error_of(&with_store("url = \"postgres://idem@db/idem\"\nsync = \"normal\""));
+    assert!(e.starts_with("config key `store.sync`: `normal` is for SQLite only"), "{e}");
+    assert!(e.contains("crash of the database server") && e.contains("execute again"), "{e}");
 }
 
 #[test]

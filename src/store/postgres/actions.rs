@@ -1,42 +1,39 @@
 //! The operator's actions and the probes: settle, re-drive or cancel one record. Each reads the
 //! record before it decides, so each locks the row for its one transaction.
 
-use std::time::Duration;
-
 use sqlx::{PgPool, Row};
 
 use super::rows::{one_element, COLUMNS};
 use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
+use crate::record::rules::bound_left;
 use crate::record::{transition, Event, HistoryEntry, Record, Refused};
 use crate::store::{
-    decide, decode, retried, waits_for_attempts, Action, Cancel, Cancelled, LeaseClock, Probed, Resolution, Resolve,
-    Retry, StoreError,
+    decide, decode, retried, Action, Cancel, Cancelled, LeaseClock, Probed, Resolution, Resolve, Retry, StoreError,
 };
 
 /// Reads a record and locks it until `tx` ends: the read-then-write actions decide on what they
 /// read, so nothing may change it in between.
 async fn lock(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, id: RecordId) -> Result<Option<Record>, StoreError> {
-    Ok(lock_with_bound(tx, id, None).await?.map(|(record, _)| record))
+    Ok(lock_as_of(tx, id, None).await?.map(|(record, _)| record))
 }
 
-/// [`lock`], with how long an attempt marked under the record may still reach the upstream, in
-/// the store's clock: `at` is the node's time when the store keeps leases in it, else `None`.
-async fn lock_with_bound(
+/// [`lock`], with the store's time to judge the record's attempts' bound by: `as_of` when the
+/// evidence carries its own time (a probe's asking) or the store keeps leases in the node's
+/// clock, else the database's time now.
+async fn lock_as_of(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     id: RecordId,
-    at: Option<Timestamp>,
-) -> Result<Option<(Record, Duration)>, StoreError> {
+    as_of: Option<Timestamp>,
+) -> Result<Option<(Record, Timestamp)>, StoreError> {
     let row = sqlx::query(&format!(
-        "SELECT {COLUMNS}, GREATEST(COALESCE(in_flight_until, 0) - COALESCE($2::bigint, idem_now()), 0) AS in_flight_left
-         FROM records WHERE id = $1::uuid FOR UPDATE"
+        "SELECT {COLUMNS}, COALESCE($2::bigint, idem_now()) AS as_of FROM records WHERE id = $1::uuid FOR UPDATE"
     ))
     .bind(id.to_string())
-    .bind(at)
+    .bind(as_of)
     .fetch_optional(&mut **tx)
     .await?;
     let Some(row) = row else { return Ok(None) };
-    let left: i64 = row.try_get("in_flight_left")?;
-    Ok(Some((decode(&row)?, Duration::from_millis(left.max(0) as u64))))
+    Ok(Some((decode(&row)?, row.try_get("as_of")?)))
 }
 
 /// A cancel as [`transition`] decides it from the locked record's phase, persisted guarded by
@@ -71,25 +68,29 @@ pub(super) async fn cancel(pool: &PgPool, cancel: Cancel) -> Result<Cancelled, S
 }
 
 pub(super) async fn resolve(pool: &PgPool, clock: LeaseClock, resolve: Resolve) -> Result<Action, StoreError> {
-    settle(pool, clock, resolve.id, resolve.resolution, None, resolve.entry).await
+    let as_of = clock.bind_now(resolve.entry.at);
+    settle(pool, clock, as_of, resolve.id, resolve.resolution, None, resolve.entry).await
 }
 
 /// Settles an `unknown` record as an operator or a probe decided. A probe names the claim it
 /// read the record under (`probe`), and is counted; an operator's word holds whatever the claim.
-/// A streamed answer's facts go, as in the SQLite store: the record's answer is the resolution's.
+/// Either frees the record only past its attempts' bound as of `as_of` (see [`lock_as_of`]): a
+/// probe's asking, or the operator's word. A streamed answer's facts go, as in the SQLite store:
+/// the record's answer is the resolution's.
 async fn settle(
     pool: &PgPool,
     clock: LeaseClock,
+    as_of: Option<Timestamp>,
     id: RecordId,
     resolution: Resolution,
     probe: Option<ClaimToken>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let (state, response) = resolution.stored()?;
-    let at = clock.bind_now(entry.at);
     let sql = unknown_update(
         "state = $2, queued = FALSE, response_status = $3, response_headers = $4::jsonb,
-         response_body = $5, done_at = CASE WHEN $2 = 'done' THEN $6 END, updated_at = $6,
+         response_body = $5, done_at = CASE WHEN $2 = 'done' THEN COALESCE($10::bigint, idem_now()) END,
+         updated_at = $6,
          next_probe_at = NULL, probe_count = probe_count + $7, stream = NULL,
          history = history || $8::jsonb",
         "($9::bigint IS NULL OR claim_token = $9)",
@@ -103,8 +104,9 @@ async fn settle(
         .bind(entry.at)
         .bind(i32::from(probe.is_some()))
         .bind(one_element(&entry)?)
-        .bind(probe.map(|claim| claim.0));
-    on_unknown(pool, at, id, resolution.event(), update).await
+        .bind(probe.map(|claim| claim.0))
+        .bind(clock.bind_now(entry.at));
+    on_unknown(pool, as_of, id, resolution.event(), update).await
 }
 
 /// An update of one `unknown` record (`$1`) that sets `set`, if `guard` holds too, and returns
@@ -120,26 +122,26 @@ fn unknown_update(set: &str, guard: &str) -> String {
 /// Runs `update` (made by [`unknown_update`]) on record `id`, locked first, if the transition
 /// table lets the record as it stands take `event`; otherwise, or when the update's own guard
 /// (a probe's claim) does not hold, it is refused, as it stands. An event that frees the record
-/// or sends it again waits for its attempts' bound, in the store's clock (`at`, as in
-/// [`lock_with_bound`]).
+/// or sends it again waits for its attempts' bound, judged in the store's clock as of `as_of`
+/// (see [`lock_as_of`]).
 async fn on_unknown(
     pool: &PgPool,
-    at: Option<Timestamp>,
+    as_of: Option<Timestamp>,
     id: RecordId,
     event: Event,
     update: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
 ) -> Result<Action, StoreError> {
     let mut tx = pool.begin().await?;
-    let locked = lock_with_bound(&mut tx, id, at).await?;
-    let (record, left) = match locked {
-        Some((record, left)) => (Some(record), left),
-        None => (None, Duration::ZERO),
+    let locked = lock_as_of(&mut tx, id, as_of).await?;
+    let (record, as_of) = match locked {
+        Some((record, as_of)) => (Some(record), Some(as_of)),
+        None => (None, None),
     };
     let record = match decide(record, event) {
         Ok((record, _)) => record,
         Err(answer) => return Ok(answer),
     };
-    if waits_for_attempts(event) && !left.is_zero() {
+    if let Some(left) = as_of.and_then(|as_of| bound_left(record.in_flight_until, event, as_of)) {
         return Ok(Action::InFlight(record, left));
     }
     let row = update.fetch_optional(&mut *tx).await?;
@@ -152,7 +154,7 @@ async fn on_unknown(
 
 pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Result<Action, StoreError> {
     let Retry { id, deadline_at, entry } = retry;
-    let at = clock.bind_now(entry.at);
+    let as_of = clock.bind_now(entry.at);
     let to = retried()?;
     let sql = unknown_update(
         "state = $5, queued = $6, deadline_at = $2, stop_reason = NULL,
@@ -167,15 +169,15 @@ pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Res
         .bind(one_element(&entry)?)
         .bind(to.state())
         .bind(to == Phase::Queued);
-    on_unknown(pool, at, id, Event::OperatorRetry, update).await
+    on_unknown(pool, as_of, id, Event::OperatorRetry, update).await
 }
 
 pub(super) async fn probed(pool: &PgPool, clock: LeaseClock, probed: Probed) -> Result<Action, StoreError> {
-    let Probed { id, claim, resolution, next_probe_at, entry } = probed;
+    let Probed { id, claim, resolution, asked_at, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
-        return settle(pool, clock, id, resolution, Some(claim), entry).await;
+        return settle(pool, clock, Some(asked_at), id, resolution, Some(claim), entry).await;
     }
-    let at = clock.bind_now(entry.at);
+    let as_of = clock.bind_now(entry.at);
     let sql = unknown_update(
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
         "claim_token = $5",
@@ -186,5 +188,5 @@ pub(super) async fn probed(pool: &PgPool, clock: LeaseClock, probed: Probed) -> 
         .bind(entry.at)
         .bind(one_element(&entry)?)
         .bind(claim.0);
-    on_unknown(pool, at, id, Event::ProbeInconclusive, update).await
+    on_unknown(pool, as_of, id, Event::ProbeInconclusive, update).await
 }

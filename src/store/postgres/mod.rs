@@ -98,7 +98,7 @@ impl PostgresStore {
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
         let relaying = tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
-        let (admissions, outcomes) = (Admissions::start(pool.clone(), clock), Outcomes::start(pool.clone()));
+        let (admissions, outcomes) = (Admissions::start(pool.clone(), clock), Outcomes::start(pool.clone(), clock));
         let health_check = tokio::sync::Mutex::new(None);
         Ok(PostgresStore {
             pool,
@@ -122,15 +122,19 @@ fn options(url: &str) -> Result<PgConnectOptions, StoreError> {
     Ok(options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())]))
 }
 
-/// How this node's store connects, committing as `sync` says. `normal` turns
-/// `synchronous_commit` off for these sessions only, not for the database: its other clients keep
-/// their own setting. The notification listener is left as it is: it commits nothing.
+/// How this node's store connects, committing as the database does. `normal` is refused: on
+/// PostgreSQL it could only turn `synchronous_commit` off, whose commits any crash of the server
+/// loses (one backend killed by the OOM killer restarts them all), answers told included
+/// (docs/guarantees.md#power-loss-and-store-sync). The configuration refuses it first.
 fn session(url: &str, sync: Durability) -> Result<PgConnectOptions, StoreError> {
-    let options = options(url)?;
-    Ok(match sync {
-        Durability::Full => options,
-        Durability::Normal => options.options([("synchronous_commit", "off")]),
-    })
+    match sync {
+        Durability::Full => options(url),
+        Durability::Normal => Err(StoreError::Unavailable(
+            "[store] sync = \"normal\" is for SQLite only: on PostgreSQL a crash of the database server would lose \
+             the last commits"
+                .into(),
+        )),
+    }
 }
 
 /// What the store's sessions commit with, as the server says: with `full`, whatever the
@@ -306,6 +310,13 @@ impl Store for PostgresStore {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(decode).collect()
+    }
+
+    async fn store_time(&self, node_now: Timestamp) -> Result<Timestamp, StoreError> {
+        Ok(match self.clock {
+            LeaseClock::Node => node_now,
+            LeaseClock::Database => sqlx::query_scalar("SELECT idem_now()").fetch_one(&self.pool).await?,
+        })
     }
 
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {

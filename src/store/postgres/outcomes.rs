@@ -14,7 +14,7 @@ use super::lanes::{Lanes, Reply, LANES, MAX_BATCH};
 use super::rows::{one_element, record_id};
 use crate::domain::RecordId;
 use crate::domain::StopReason;
-use crate::store::{AttemptEnded, Lease, StoreError, Stored};
+use crate::store::{AttemptEnded, Lease, LeaseClock, StoreError, Stored};
 
 /// One attempt's outcome, waiting for its batch.
 struct Ending {
@@ -27,8 +27,8 @@ pub(super) struct Outcomes {
 }
 
 impl Outcomes {
-    pub(super) fn start(pool: PgPool) -> Outcomes {
-        Outcomes { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| store(pool.clone(), batch)) }
+    pub(super) fn start(pool: PgPool, clock: LeaseClock) -> Outcomes {
+        Outcomes { lanes: Lanes::start(LANES, MAX_BATCH, move |batch| store(pool.clone(), clock, batch)) }
     }
 
     /// Stores where the record goes after the attempt, if its owner still holds its lease.
@@ -41,32 +41,32 @@ impl Outcomes {
 
 /// Stores a batch; should the call fail, each outcome is tried alone, so that one bad outcome
 /// does not fail the others and each gets its own error.
-async fn store(pool: PgPool, batch: Vec<Ending>) {
-    let ended = match call(&pool, &batch).await {
+async fn store(pool: PgPool, clock: LeaseClock, batch: Vec<Ending>) {
+    let ended = match call(&pool, clock, &batch).await {
         Err(_) if batch.len() > 1 => {
             for ending in batch {
                 let pool = pool.clone();
-                tokio::spawn(store_alone(pool, ending));
+                tokio::spawn(store_alone(pool, clock, ending));
             }
             return;
         }
         ended => ended,
     };
     for ending in batch {
-        answer(&pool, ending, &ended).await;
+        answer(&pool, clock, ending, &ended).await;
     }
 }
 
-async fn store_alone(pool: PgPool, ending: Ending) {
-    let ended = call(&pool, std::slice::from_ref(&ending)).await;
-    answer(&pool, ending, &ended).await;
+async fn store_alone(pool: PgPool, clock: LeaseClock, ending: Ending) {
+    let ended = call(&pool, clock, std::slice::from_ref(&ending)).await;
+    answer(&pool, clock, ending, &ended).await;
 }
 
 /// Answers an outcome as its batch stored it, after trying a refused one as a late outcome.
-async fn answer(pool: &PgPool, ending: Ending, ended: &Result<HashMap<RecordId, bool>, StoreError>) {
+async fn answer(pool: &PgPool, clock: LeaseClock, ending: Ending, ended: &Result<HashMap<RecordId, bool>, StoreError>) {
     let lease = lease(ended, ending.ended.id);
     if let Ok(Lease::Lost) = lease {
-        if let Err(e) = late_outcome(pool, &ending.ended).await {
+        if let Err(e) = late_outcome(pool, clock, &ending.ended).await {
             let _ = ending.reply.send(Err(e));
             return;
         }
@@ -79,13 +79,13 @@ async fn answer(pool: &PgPool, ending: Ending, ended: &Result<HashMap<RecordId, 
 pub(super) const LATE_OUTCOME: &str = "
 UPDATE records SET attempts = jsonb_set(attempts, '{-1}', $4::jsonb), state = $5, queued = FALSE,
                    response_status = $6, response_headers = $7::jsonb, response_body = $8,
-                   done_at = CASE WHEN $5 = 'done' THEN $9 END,
+                   done_at = CASE WHEN $5 = 'done' THEN COALESCE($12::bigint, idem_now()) END,
                    next_probe_at = CASE WHEN $5 = 'unknown' THEN next_probe_at END,
                    stream = COALESCE($10::jsonb, stream), history = history || $11::jsonb, updated_at = $9
 WHERE id = $1::uuid AND state IS NOT DISTINCT FROM 'unknown' AND claim_token = $2
   AND (attempts -> -1 ->> 'number')::bigint = $3 AND attempts -> -1 ->> 'outcome' = 'lost'";
 
-async fn late_outcome(pool: &PgPool, ended: &AttemptEnded) -> Result<bool, StoreError> {
+async fn late_outcome(pool: &PgPool, clock: LeaseClock, ended: &AttemptEnded) -> Result<bool, StoreError> {
     let Some(late) = ended.late() else { return Ok(false) };
     let response = late.response;
     let done = sqlx::query(LATE_OUTCOME)
@@ -100,6 +100,7 @@ async fn late_outcome(pool: &PgPool, ended: &AttemptEnded) -> Result<bool, Store
         .bind(ended.now)
         .bind(ended.stream.as_ref().map(serde_json::to_string).transpose()?)
         .bind(one_element(&late.entry)?)
+        .bind(clock.bind_now(ended.now))
         .execute(pool)
         .await?;
     Ok(done.rows_affected() == 1)
@@ -117,7 +118,7 @@ fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> R
 
 /// Calls `idem_end_attempts`: the records whose lease was still held, and whether each was asked
 /// to cancel. The function takes one array per column, each outcome at the same index in all.
-async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>, StoreError> {
+async fn call(pool: &PgPool, clock: LeaseClock, batch: &[Ending]) -> Result<HashMap<RecordId, bool>, StoreError> {
     let ended: Vec<&AttemptEnded> = batch.iter().map(|e| &e.ended).collect();
     let stored = ended.iter().map(|e| e.then.stored()).collect::<Result<Vec<Stored>, _>>()?;
     let attempts =
@@ -132,18 +133,21 @@ async fn call(pool: &PgPool, batch: &[Ending]) -> Result<HashMap<RecordId, bool>
         .collect::<Result<Vec<_>, _>>()?;
     let rows: Vec<(String, bool)> = sqlx::query_as(
         "SELECT ended::text, cancel_requested FROM idem_end_attempts(
-             $1::text[]::uuid[], $2::int8[], $3::text[]::jsonb[], $4::text[], $5::text[], $6::int4[],
-             $7::text[]::jsonb[], $8::bytea[], $9::int8[], $10::bool[], $11::int8[], $12::text[]::jsonb[])",
+             $1::text[]::uuid[], $2::int8[], $3::text[]::jsonb[], $4::bool[], $5::text[], $6::text[],
+             $7::int4[], $8::text[]::jsonb[], $9::bytea[], $10::int8[], $11::int8[], $12::bool[],
+             $13::int8[], $14::text[]::jsonb[])",
     )
     .bind(ended.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
     .bind(ended.iter().map(|e| e.holder.token.0).collect::<Vec<_>>())
     .bind(attempts)
+    .bind(ended.iter().map(|e| e.ends_its_attempt()).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.state).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.stop.map(StopReason::as_str)).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.response.map(|r| i32::from(r.status))).collect::<Vec<_>>())
     .bind(headers)
     .bind(stored.iter().map(|s| s.response.map(|r| &r.body[..])).collect::<Vec<_>>())
     .bind(ended.iter().map(|e| e.now).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| clock.bind_now(e.now)).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.queued).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.not_before).collect::<Vec<_>>())
     .bind(streams)

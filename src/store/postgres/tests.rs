@@ -61,7 +61,7 @@ async fn one_record_statements_go_through_the_primary_key() {
         (ATTEMPT_STARTED, "text, int8, int8, int8, int8, text, int8, int8"),
         (RENEW, "text, int8, int8, int8, int8"),
         (TAKE_OVER, "text, int8, int8, text, bool, text, text, text, int8, int8"),
-        (LATE_OUTCOME, "text, int8, int8, text, text, int4, text, bytea, int8, text, text"),
+        (LATE_OUTCOME, "text, int8, int8, text, text, int4, text, bytea, int8, text, text, int8"),
     ];
     for (i, (sql, types)) in statements.into_iter().enumerate() {
         sqlx::query(&format!("PREPARE statement_{i} ({types}) AS {sql}")).execute(&mut *conn).await.unwrap();
@@ -77,8 +77,9 @@ async fn one_record_statements_go_through_the_primary_key() {
     sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
     sqlx::query(
         "SELECT * FROM idem_end_attempts(ARRAY[gen_random_uuid()], ARRAY[1::int8], ARRAY[NULL]::jsonb[],
-             ARRAY['done'], ARRAY[NULL], ARRAY[NULL]::int4[], ARRAY[NULL]::jsonb[], ARRAY[NULL]::bytea[],
-             ARRAY[1::int8], ARRAY[FALSE], ARRAY[NULL]::int8[], ARRAY[NULL]::jsonb[])",
+             ARRAY[TRUE], ARRAY['done'], ARRAY[NULL], ARRAY[NULL]::int4[], ARRAY[NULL]::jsonb[],
+             ARRAY[NULL]::bytea[], ARRAY[1::int8], ARRAY[NULL]::int8[], ARRAY[FALSE], ARRAY[NULL]::int8[],
+             ARRAY[NULL]::jsonb[])",
     )
     .execute(&mut *conn)
     .await
@@ -96,11 +97,14 @@ async fn one_record_statements_go_through_the_primary_key() {
     scratch.remove().await;
 }
 
-/// `[store] sync = "normal"` holds on every session of the store, not only the one it read back:
-/// each of the pool's connections, and the health checks' own.
+/// Every session of the store commits as the database does, `synchronous_commit` on: each of
+/// the pool's connections, and the health checks' own. `normal` is refused, before anything is
+/// opened: on PostgreSQL it would lose commits to any crash of the server.
 #[tokio::test]
-async fn every_session_commits_as_store_sync_says() {
-    for (sync, setting) in [(Durability::Normal, "off"), (Durability::Full, "on")] {
+async fn every_session_commits_durably_and_normal_is_refused() {
+    let refused = session("postgres://idem@127.0.0.1/idem", Durability::Normal).unwrap_err().to_string();
+    assert!(refused.contains("for SQLite only"), "{refused}");
+    for (sync, setting) in [(Durability::Full, "on")] {
         let Some(scratch) = scratch_store_synced("idem_sync", sync).await else { return };
         let store = &scratch.store;
         assert_eq!(store.durability().sync, sync);

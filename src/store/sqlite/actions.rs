@@ -5,9 +5,10 @@
 use rusqlite::{params, Connection};
 
 use super::writes::get;
-use crate::domain::{ClaimToken, Phase, RecordId};
+use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
+use crate::record::rules::bound_left;
 use crate::record::{Event, HistoryEntry};
-use crate::store::{decide, in_flight_left, Action, Probed, Resolution, Resolve, Retry, StoreError};
+use crate::store::{decide, Action, Probed, Resolution, Resolve, Retry, StoreError};
 
 /// The record as `changed` rows (0 or 1) of a guarded update left it: applied, or refused when
 /// the guard no longer matched.
@@ -20,22 +21,31 @@ pub(super) fn resolve(conn: &Connection, resolve: Resolve) -> Result<Action, Sto
     settle(conn, resolve.id, resolve.resolution, None, resolve.entry)
 }
 
+/// What a probe asked, of which claim, and when (in the store's clock, as its bound is).
+struct Asked {
+    claim: ClaimToken,
+    at: Timestamp,
+}
+
 /// Settles an `unknown` record as an operator or a probe decided. A probe names the claim it
-/// read the record under (`probe`), and is counted; an operator's word holds whatever the claim.
+/// read the record under and when it asked (`probe`), and is counted; an operator's word holds
+/// whatever the claim. Either frees the record only past its attempts' bound: as of the probe's
+/// asking, or of the operator's word.
 /// A streamed answer's facts go: the record's answer, if any, is now the resolution's (a stream
 /// too long to keep must not make the operator's answer unreplayable); its attempts keep the cut.
 fn settle(
     conn: &Connection,
     id: RecordId,
     resolution: Resolution,
-    probe: Option<ClaimToken>,
+    probe: Option<Asked>,
     entry: HistoryEntry,
 ) -> Result<Action, StoreError> {
     let record = match decide(get(conn, id)?, resolution.event()) {
         Ok((record, _)) => record,
         Err(answer) => return Ok(answer),
     };
-    if let Some(left) = in_flight_left(&record, resolution.event(), entry.at) {
+    let as_of = probe.as_ref().map_or(entry.at, |asked| asked.at);
+    if let Some(left) = bound_left(record.in_flight_until, resolution.event(), as_of) {
         return Ok(Action::InFlight(record, left));
     }
     let (state, response) = resolution.stored()?;
@@ -56,7 +66,7 @@ fn settle(
             entry.at,
             probe.is_some(),
             serde_json::to_string(&entry)?,
-            probe.map(|claim| claim.0),
+            probe.map(|asked| asked.claim.0),
         ])?;
     answer(conn, id, changed)
 }
@@ -67,7 +77,7 @@ pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreErro
         Ok(decided) => decided,
         Err(answer) => return Ok(answer),
     };
-    if let Some(left) = in_flight_left(&record, Event::OperatorRetry, entry.at) {
+    if let Some(left) = bound_left(record.in_flight_until, Event::OperatorRetry, entry.at) {
         return Ok(Action::InFlight(record, left));
     }
     let changed = conn
@@ -89,9 +99,9 @@ pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreErro
 }
 
 pub(super) fn probed(conn: &Connection, probed: Probed) -> Result<Action, StoreError> {
-    let Probed { id, claim, resolution, next_probe_at, entry } = probed;
+    let Probed { id, claim, resolution, asked_at, next_probe_at, entry } = probed;
     if let Some(resolution) = resolution {
-        return settle(conn, id, resolution, Some(claim), entry);
+        return settle(conn, id, resolution, Some(Asked { claim, at: asked_at }), entry);
     }
     if let Err(answer) = decide(get(conn, id)?, Event::ProbeInconclusive) {
         return Ok(answer);

@@ -283,6 +283,11 @@ impl Store for SqliteStore {
         rows.iter().map(decode).collect()
     }
 
+    /// One host's clock for every node sharing the file: the node's.
+    async fn store_time(&self, node_now: Timestamp) -> Result<Timestamp, StoreError> {
+        Ok(node_now)
+    }
+
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
         self.write(|r| Write::Probed(probed, r)).await
     }

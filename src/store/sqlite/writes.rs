@@ -178,12 +178,15 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
     Ok(lease)
 }
 
-/// Stores an outcome under its claim. An outcome that carries its attempt ends that attempt's
-/// life (its node saw it end), so the record's bound need not run on past now — unless the
-/// record was ever taken over, when an attempt of an earlier claim may still be on its way:
-/// the bound covers that one too, and stays. (Any time not later than the bound will do for an
-/// attempt that has ended, so the node's clock serves, whichever clock the bound is kept in.)
+/// Stores an outcome under its claim. An outcome that proves its request finished upstream
+/// ([`AttemptEnded::ends_its_attempt`]: an answer of the upstream's own, or a request never sent)
+/// ends that attempt's life, so the record's bound need not run on past now — unless the record
+/// was ever taken over, when an attempt of an earlier claim may still be on its way: the bound
+/// covers that one too, and stays. An ambiguous outcome (a gateway's 504, a timeout, a cut
+/// connection) keeps the whole bound: the request may still take effect within it. (Any time not
+/// later than the bound will do for an attempt that has ended, so the node's clock serves.)
 fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError> {
+    let ends = ended.ends_its_attempt();
     let AttemptEnded { id, holder, attempt, then, stream, now } = ended;
     let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
     let stream = stream.as_ref().map(serde_json::to_string).transpose()?;
@@ -194,7 +197,7 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError>
         "UPDATE records SET
             attempts = CASE WHEN ?3 IS NULL THEN attempts ELSE json_insert(attempts, '$[#]', json(?3)) END,
             in_flight_number = NULL, in_flight_started_at = NULL,
-            in_flight_until = CASE WHEN ?3 IS NOT NULL AND takeovers = 0 AND in_flight_until > ?9 THEN ?9
+            in_flight_until = CASE WHEN ?13 AND takeovers = 0 AND in_flight_until > ?9 THEN ?9
                                    ELSE in_flight_until END,
             state = ?4, queued = ?10, not_before = CASE WHEN ?10 = 1 THEN not_before ELSE ?11 END,
             lease_owner = CASE WHEN ?4 = 'in_progress' THEN lease_owner END,
@@ -217,6 +220,7 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError>
             queued,
             not_before,
             stream,
+            ends,
         ],
         &id,
     )

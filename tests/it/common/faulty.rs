@@ -1,7 +1,8 @@
 //! A store with faults the test turns on and off: the real store underneath (SQLite or
 //! PostgreSQL), and in front of it the faults of a real deployment, played at the very call a
 //! node makes. A mark that is committed and then held (the node paused between its mark and
-//! its send), renewals that hang or fail, and the whole store out of reach. Each node of a test gets its own, on its own connections to the one database.
+//! its send), a probe's answer held before it is written (the prober paused), renewals that
+//! hang or fail, and the whole store out of reach. Each node of a test gets its own, on its own connections to the one database.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,10 +38,13 @@ pub struct Faults {
     renewals: Mutex<Renewals>,
     /// While set, a mark is committed and then held here before the node hears of it.
     marks_held: Mutex<Option<Arc<Semaphore>>>,
+    /// While set, a probe's answer is held here before it is written.
+    probes_held: Mutex<Option<Arc<Semaphore>>>,
     /// Calls of each kind, for the test to wait on or count.
     pub marks: AtomicUsize,
     pub renews: AtomicUsize,
     pub outcomes: AtomicUsize,
+    pub probes: AtomicUsize,
     news: Notify,
 }
 
@@ -50,9 +54,11 @@ impl Default for Faults {
             outage: AtomicBool::new(false),
             renewals: Mutex::new(Renewals::Pass),
             marks_held: Mutex::new(None),
+            probes_held: Mutex::new(None),
             marks: AtomicUsize::new(0),
             renews: AtomicUsize::new(0),
             outcomes: AtomicUsize::new(0),
+            probes: AtomicUsize::new(0),
             news: Notify::new(),
         }
     }
@@ -76,6 +82,18 @@ impl Faults {
     /// Lets the held marks (and every later one) answer their node.
     pub fn release_marks(&self) {
         if let Some(gate) = self.marks_held.lock().unwrap().take() {
+            gate.add_permits(Semaphore::MAX_PERMITS / 2);
+        }
+    }
+
+    /// From now on, each probe's answer is held before it is written, until
+    /// [`Faults::release_probes`]: the prober paused between its answer and its write.
+    pub fn hold_probes(&self) {
+        *self.probes_held.lock().unwrap() = Some(Arc::new(Semaphore::new(0)));
+    }
+
+    pub fn release_probes(&self) {
+        if let Some(gate) = self.probes_held.lock().unwrap().take() {
             gate.add_permits(Semaphore::MAX_PERMITS / 2);
         }
     }
@@ -218,7 +236,17 @@ impl Store for Faulty {
         self.inner.probes_due(due).await
     }
 
+    async fn store_time(&self, node_now: Timestamp) -> Result<Timestamp, StoreError> {
+        self.faults.reachable()?;
+        self.inner.store_time(node_now).await
+    }
+
     async fn probed(&self, probed: Probed) -> Result<Action, StoreError> {
+        self.faults.counted(&self.faults.probes);
+        let held = self.faults.probes_held.lock().unwrap().clone();
+        if let Some(gate) = held {
+            let _ = gate.acquire().await;
+        }
         self.faults.reachable()?;
         self.inner.probed(probed).await
     }

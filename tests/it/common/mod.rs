@@ -104,6 +104,9 @@ struct Seen {
     scripts: HashMap<String, VecDeque<Reply>>,
     /// Every request's method and path (with its query), in order of arrival.
     received: Vec<String>,
+    /// While set, a probe's answer is decided as the probe arrives and given only once the
+    /// gate opens: an upstream slow to answer what it already knows.
+    probe_gate: Option<Gate>,
 }
 
 /// A fake upstream that counts every request per operation. By default it answers
@@ -160,9 +163,14 @@ async fn answer(
     let asked = format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str()));
     if method == axum::http::Method::GET {
         if let Some((_, key)) = uri.path().trim_start_matches('/').split_once("/by-key/") {
-            let mut seen = seen.lock().unwrap();
-            seen.received.push(asked);
-            let answer = seen.answers.get(key).cloned();
+            let (answer, gate) = {
+                let mut seen = seen.lock().unwrap();
+                seen.received.push(asked);
+                (seen.answers.get(key).cloned(), seen.probe_gate.clone())
+            };
+            if let Some(gate) = gate {
+                gate.pass().await;
+            }
             return match answer {
                 Some((status, body)) => (StatusCode::from_u16(status).unwrap(), body).into_response(),
                 None => StatusCode::NOT_FOUND.into_response(),
@@ -309,6 +317,12 @@ impl Upstream {
     /// The `Idem-Attempt` of every request of `op` that carried one, in order of arrival.
     pub fn attempts(&self, op: &str) -> Vec<String> {
         self.seen.lock().unwrap().attempts.get(op).cloned().unwrap_or_default()
+    }
+
+    /// From now on, a probe (`GET /<route>/by-key/<key>`) is answered as things stand when it
+    /// arrives, but only once `gate` opens.
+    pub fn hold_probe_answers(&self, gate: &Gate) {
+        self.seen.lock().unwrap().probe_gate = Some(gate.clone());
     }
 
     pub fn script(&self, op: &str, replies: Vec<Reply>) {

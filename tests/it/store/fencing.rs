@@ -249,6 +249,7 @@ pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_executio
         id: read.id,
         claim,
         resolution,
+        asked_at: T0 + LEASE + ms(200),
         next_probe_at: T0 + ms(99_000),
         entry: entry("probe", HistoryAction::Probe, T0 + LEASE + ms(200)),
     };

@@ -140,7 +140,8 @@ pub(super) async fn a_mark_landing_between_a_sweeps_read_and_its_write_refuses_t
 }
 
 /// The same record's worker dies again and again while an attempt is in flight, on a replay-safe
-/// route: each take-over continues it, and is counted, until the one past the cap stops it.
+/// route (its attempts marked with the route's policy): each take-over continues it, and is
+/// counted, until the one past the cap stops it.
 pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_over_cap(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     const MAX_TAKEOVERS: u32 = 2;
@@ -165,7 +166,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
                 started_at: now + ms(1),
                 lease: until - (now + ms(1)),
                 reach: REACH,
-                policy_version: VERSION.into()
+                policy_version: route.policy_version.clone()
             })
             .await
             .unwrap()
@@ -382,6 +383,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
                 id: record.id,
                 claim: record.claim,
                 resolution: None,
+                asked_at: asked.at,
                 next_probe_at: next,
                 entry: asked.clone(),
             })
@@ -400,6 +402,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
                 id: record.id,
                 claim: record.claim,
                 resolution: Some(Resolution::Executed(response(200, b"{}"))),
+                asked_at: answered.at,
                 next_probe_at: next + ms(1),
                 entry: answered.clone(),
             })
@@ -415,6 +418,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
                 id: record.id,
                 claim: record.claim,
                 resolution: None,
+                asked_at: answered.at,
                 next_probe_at: next + ms(1),
                 entry: answered.clone(),
             })
@@ -427,6 +431,7 @@ pub(super) async fn probes_are_due_after_settle_and_then_at_the_next_probe_time(
                 id: RecordId::new(),
                 claim: record.claim,
                 resolution: None,
+                asked_at: answered.at,
                 next_probe_at: next,
                 entry: answered,
             })
