@@ -31,7 +31,7 @@ impl State {
 }
 
 /// Where a record stands: its state, and for `not_started` whether work is queued for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
     Queued,
     Free,

@@ -12,6 +12,7 @@ mod agents;
 mod canary;
 mod canonical_json;
 mod config_parser;
+mod conformance;
 mod console;
 mod conventions;
 mod crash;
