@@ -207,3 +207,49 @@ impl Model for Protocol {
         properties::all()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use stateright::{Checker, HasDiscoveries, Model};
+
+    use super::*;
+
+    /// Small bounds, for a check that ends within seconds unoptimised.
+    fn small(mutant: Option<Mutant>) -> Protocol {
+        let mut scenario = scenarios::named("three-nodes").unwrap();
+        scenario.bounds = scenario.bounds.with("nodes=2,horizon=5,faults=0").unwrap();
+        Protocol::new(&scenario, mutant)
+    }
+
+    #[test]
+    fn the_protocol_holds_within_small_bounds() {
+        let model = small(None);
+        let checker = model.clone().checker().spawn_bfs().join();
+        for property in model.properties() {
+            let found = checker.discovery(property.name);
+            match property.expectation {
+                stateright::Expectation::Sometimes => assert!(found.is_some(), "{} never reached", property.name),
+                _ => assert!(found.is_none(), "{} fails: {}", property.name, found.unwrap()),
+            }
+        }
+        assert!(checker.unique_state_count() > 1_000, "{} states", checker.unique_state_count());
+    }
+
+    #[test]
+    fn a_gateways_504_that_cut_the_bound_would_execute_a_key_twice_within_small_bounds() {
+        let model = small(Some(Mutant::AmbiguousCutsBound));
+        let checker = model.checker().finish_when(HasDiscoveries::AnyFailures).spawn_bfs().join();
+        let path = checker.discovery(properties::NEVER_TWICE).expect("a counterexample");
+        assert!(path.into_actions().contains(&Action::AnswerGateway(0)), "through a gateway's answer");
+    }
+
+    #[test]
+    fn every_mutant_is_named_once_and_read_back_by_its_name() {
+        for mutant in Mutant::ALL {
+            assert_eq!(Mutant::parse(mutant.name()), Some(mutant));
+            assert!(scenarios::named(mutant.scenario()).is_some(), "{}", mutant.name());
+        }
+        let names: std::collections::BTreeSet<_> = Mutant::ALL.iter().map(|m| m.name()).collect();
+        assert_eq!(names.len(), Mutant::ALL.len());
+    }
+}

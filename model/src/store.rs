@@ -469,3 +469,67 @@ impl Store {
 pub fn ticks(tick: Tick) -> Timestamp {
     Timestamp::from_millis(i64::from(tick) * 1_000)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenarios;
+
+    fn bounds() -> Bounds {
+        scenarios::named("three-nodes").unwrap().bounds
+    }
+
+    /// A store whose record was admitted claimed at tick 0, attempt 1 marked.
+    fn marked() -> Store {
+        let mut store = Store::default();
+        let admit = Op::Admit { node: 0, claim: true, version: 0, replay_safe: false, judged: 0 };
+        assert_eq!(store.apply(&admit, 0, &bounds(), None), Answer::Created { claimed: true });
+        store
+    }
+
+    #[test]
+    fn only_an_outcome_that_ends_its_attempt_brings_the_bound_down() {
+        let b = bounds();
+        for (class, then, until) in [
+            (Class::Ambiguous, Then::Unknown, b.reach()),
+            (Class::NotExecuted, Then::Free, 1),
+            (Class::Success, Then::Done(resp(1, 1)), 1),
+        ] {
+            let mut store = marked();
+            let ended = Op::Ended { claim: 1, attempt: Some((1, class)), then };
+            assert_eq!(store.apply(&ended, 1, &b, None), Answer::Held { cancel: false });
+            assert_eq!(store.rec.unwrap().until, Some(until), "{class:?}");
+        }
+        let mut store = marked();
+        let ended = Op::Ended { claim: 1, attempt: Some((1, Class::Ambiguous)), then: Then::Unknown };
+        store.apply(&ended, 1, &b, Some(Mutant::AmbiguousCutsBound));
+        assert_eq!(store.rec.unwrap().until, Some(1), "as protocol 2 stood");
+    }
+
+    #[test]
+    fn a_probes_404_is_judged_as_of_its_asking() {
+        let b = bounds();
+        let mut store = marked();
+        let ended = Op::Ended { claim: 1, attempt: Some((1, Class::Ambiguous)), then: Then::Unknown };
+        store.apply(&ended, 0, &b, None);
+        let asked = Op::Probed { claim: 1, executed: None, asked_at: b.reach() - 1 };
+        assert_eq!(store.clone().apply(&asked, b.reach() + 5, &b, None), Answer::InFlight(1));
+        assert_eq!(store.clone().apply(&asked, b.reach() + 5, &b, Some(Mutant::ProbeJudgedAtWrite)), Answer::Applied);
+        let past = Op::Probed { claim: 1, executed: None, asked_at: b.reach() };
+        assert_eq!(store.apply(&past, b.reach(), &b, None), Answer::Applied);
+        assert_eq!(store.rec.unwrap().phase, PhaseKey::Free);
+    }
+
+    #[test]
+    fn a_take_over_is_refused_once_what_it_read_has_changed() {
+        let b = bounds();
+        let mut store = marked();
+        let read = Op::TakeOver { claim: 1, expires: b.lease, in_flight: None, to: PhaseKey::Queued };
+        assert_eq!(store.clone().apply(&read, b.lease + 1, &b, None), Answer::Refused, "an attempt is in flight");
+        assert_eq!(store.clone().apply(&read, b.lease + 1, &b, Some(Mutant::TakeoverIgnoresInFlight)), Answer::Applied);
+        let read = Op::TakeOver { claim: 1, expires: b.lease, in_flight: Some(1), to: PhaseKey::Unknown };
+        assert_eq!(store.apply(&read, b.lease + 1, &b, None), Answer::Applied);
+        let rec = store.rec.unwrap();
+        assert_eq!((rec.phase, rec.last, rec.takeovers), (PhaseKey::Unknown, Some(Last { number: 1, lost: true }), 1));
+    }
+}
