@@ -11,6 +11,7 @@ use http::Method;
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 use crate::policy::{BreakerSettings, Jitter, RetryPolicy};
+use crate::record::Lifetime;
 
 mod canary;
 mod candidate;
@@ -291,10 +292,10 @@ impl Config {
         self.position_named(name).map(|i| &self.routes[i])
     }
 
-    /// How long the done records of the route called `route` are replayed: its `retention`, or
-    /// the store's for a route no longer configured.
-    pub fn retention_of(&self, route: &str) -> Duration {
-        self.route_named(route).map_or(self.store.retention, |r| r.retention)
+    /// How long the done records of the route called `route` live: its own lifetime, or for a
+    /// route no longer configured the store's retention, and no tombstone.
+    pub fn lifetime_of(&self, route: &str) -> Lifetime {
+        self.route_named(route).map_or(Lifetime { retention: self.store.retention, tombstone: Duration::ZERO }, Route::lifetime)
     }
 
     /// Where in `routes` the route for `path` is: the one whose `path_prefix` is the longest
@@ -323,6 +324,11 @@ impl Config {
 }
 
 impl Route {
+    /// How long its done records live: its `retention`, then its `tombstone`.
+    pub fn lifetime(&self) -> Lifetime {
+        Lifetime { retention: self.retention, tombstone: self.tombstone }
+    }
+
     pub fn kind(&self) -> RouteKind {
         if self.mcp.is_some() {
             RouteKind::Mcp

@@ -45,7 +45,7 @@ impl Ingress {
         };
         let id = record.id;
         // The record becomes done after it arrived, so its retention ends later than this entry's.
-        let expires_at = record.created_at + self.records.retention(&record.route);
+        let expires_at = self.records.lifetime(&record.route).expires_at(record.created_at);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(Told { outcome, laps, attempts })) if !matches!(outcome, Outcome::Lost) => {
@@ -121,8 +121,7 @@ impl Ingress {
                 // Streamed past `max_stored_body`: done, but there is nothing to replay.
                 Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
                 Some(response) => {
-                    // A done record is not updated again: this is when it became done.
-                    let expires_at = record.updated_at + self.records.retention(&record.route);
+                    let expires_at = self.records.lifetime(&record.route).expires_at(record.completed());
                     self.keep_for_replays(&record, response, expires_at);
                     let mut answer = stored_response(response, replay);
                     answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));

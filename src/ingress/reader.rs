@@ -5,13 +5,12 @@
 //! that refuses the same request instead of executing it again.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, RouteName, State, Tenant};
 use crate::problem::Problem;
-use crate::record::Record;
+use crate::record::{Lifetime, Record};
 use crate::runtime::Live;
 use crate::store::{Store, StoreError};
 
@@ -43,10 +42,10 @@ impl Records {
         self.store.watch(id).await
     }
 
-    /// How long a route's done records are replayed, as configured now; a route no longer
-    /// configured keeps the store's.
-    pub fn retention(&self, route: &RouteName) -> Duration {
-        self.config.current().retention_of(route)
+    /// How long a route's done records live, as configured now; a route no longer configured
+    /// keeps the store's retention.
+    pub fn lifetime(&self, route: &RouteName) -> Lifetime {
+        self.config.current().lifetime_of(route)
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
@@ -58,6 +57,6 @@ impl Records {
     }
 
     fn expired(&self, record: &Record) -> bool {
-        record.past_retention(self.retention(&record.route), self.clock.now())
+        record.past_retention(self.lifetime(&record.route), self.clock.now())
     }
 }

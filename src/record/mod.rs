@@ -105,6 +105,44 @@ pub struct StoredRequest {
     pub body: Bytes,
 }
 
+/// How long a done record's answer lives (docs/agents.md, key lifetime): replayed for
+/// `retention` after the record became done, then remembered by a tombstone for `tombstone` more
+/// (none when it is zero). One value, which the admission, the retention sweep and every reader
+/// judge a record's age by, always from its completion (`done_at`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lifetime {
+    pub retention: Duration,
+    pub tombstone: Duration,
+}
+
+impl Lifetime {
+    /// Done records that finished before this are past their retention at `now`.
+    pub fn cutoff(self, now: Timestamp) -> Timestamp {
+        now - self.retention
+    }
+
+    /// Whether a record done at `done_at` is past its retention at `now`.
+    pub fn expired(self, done_at: Timestamp, now: Timestamp) -> bool {
+        done_at < self.cutoff(now)
+    }
+
+    /// When the answer of a record done at `done_at` stops being replayed.
+    pub fn expires_at(self, done_at: Timestamp) -> Timestamp {
+        done_at + self.retention
+    }
+
+    /// How long after its completion a record's tombstone goes, if it leaves one.
+    pub fn tombstone_after(self) -> Option<Duration> {
+        (!self.tombstone.is_zero()).then(|| self.retention + self.tombstone)
+    }
+
+    /// Done records that finished at or after this are still remembered at `now`, by their
+    /// tombstone; `None` when none is kept.
+    pub fn tombstone_cutoff(self, now: Timestamp) -> Option<Timestamp> {
+        self.tombstone_after().map(|after| now - after)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Lease {
     pub owner: Owner,
@@ -154,6 +192,8 @@ pub struct Record {
     /// A tombstone: a done record past its retention, its bodies dropped, kept until then so a
     /// late retry of the same request is answered 410 rather than executed again.
     pub tombstone_until: Option<Timestamp>,
+    /// When it became done, in the store's clock: its lifetime counts from then.
+    pub done_at: Option<Timestamp>,
     /// The policy version of the latest attempt, written with its "may have been sent" mark:
     /// an attempt whose worker died before storing its outcome is still known by its policy.
     pub policy_version: Option<PolicyVersion>,
@@ -169,10 +209,16 @@ impl Record {
         Phase::of(self.state, self.queued)
     }
 
-    /// A done record whose answer is past `retention` at `now`: read as gone by every reader,
+    /// A done record whose answer is past its retention at `now`: read as gone by every reader,
     /// whether or not the sweep has removed it yet (docs/agents.md, key lifetime).
-    pub fn past_retention(&self, retention: Duration, now: Timestamp) -> bool {
-        self.state == State::Done && self.updated_at < now - retention
+    pub fn past_retention(&self, lifetime: Lifetime, now: Timestamp) -> bool {
+        self.state == State::Done && lifetime.expired(self.completed(), now)
+    }
+
+    /// When a done record became done: its `done_at` (its last update, for a record stored
+    /// without one).
+    pub fn completed(&self) -> Timestamp {
+        self.done_at.unwrap_or(self.updated_at)
     }
 
     pub fn path_and_query(&self) -> String {

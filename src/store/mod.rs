@@ -112,6 +112,7 @@ impl NewRecord {
             takeovers: 0,
             not_before: None,
             tombstone_until: None,
+            done_at: None,
             policy_version: self.policy_version,
             stream: None,
             created_at: self.now,
@@ -128,6 +129,21 @@ pub struct SweepPlan {
     /// Done records of routes no longer configured end their retention before this; no
     /// tombstone is kept for them.
     pub others_cutoff: Timestamp,
+}
+
+impl SweepPlan {
+    /// The same plan as of `now` rather than its own: every cutoff moved with it. A store that
+    /// keeps time in its own clock judges a done record's age there, as its completion was
+    /// stamped.
+    pub(crate) fn as_of(self, now: Timestamp) -> SweepPlan {
+        let shift = now.as_millis() - self.now.as_millis();
+        let moved = |at: Timestamp| Timestamp::from_millis(at.as_millis().saturating_add(shift));
+        SweepPlan {
+            now,
+            routes: self.routes.into_iter().map(|r| RouteSweep { cutoff: moved(r.cutoff), ..r }).collect(),
+            others_cutoff: moved(self.others_cutoff),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -114,6 +114,7 @@ pub(crate) fn decode(row: &impl Columns) -> Result<Record, StoreError> {
         stream: row.text("stream")?.map(|s| serde_json::from_str(&s)).transpose()?,
         created_at: required_time("created_at")?,
         updated_at: required_time("updated_at")?,
+        done_at: time("done_at")?,
     })
 }
 

@@ -50,8 +50,8 @@ pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
         .iter()
         .map(|r| RouteSweep {
             route: r.name.clone(),
-            cutoff: now - r.retention,
-            tombstone_after: (!r.tombstone.is_zero()).then(|| r.retention + r.tombstone),
+            cutoff: r.lifetime().cutoff(now),
+            tombstone_after: r.lifetime().tombstone_after(),
         })
         .collect();
     SweepPlan { now, routes, others_cutoff: now - config.store.retention }

@@ -50,7 +50,7 @@ pub async fn take_overs(
     let every = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(5));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut sweeper = Sweeper::new(store, worker);
+    let mut sweeper = Sweeper::starting(store, worker, lease);
     while turns.next(tick.tick()).await.is_some() {
         if let Err(e) = sweeper.pass(&config.current(), clock.now()).await {
             e.log("take-over sweep failed; will try again");
@@ -64,7 +64,9 @@ pub async fn take_overs(
 /// as the store answers (every third of a lease at the most), so once a pass finds the store
 /// failing, this sweep takes nothing over until a pass succeeds and for a lease after that: a
 /// take-over then could send again what a client was already answered. Meanwhile it still reads
-/// the expired leases, which is how it finds out that the store answers again.
+/// the expired leases, which is how it finds out that the store answers again. A node that has
+/// just started cannot know of an outage it did not see, so it holds back for its first lease
+/// too ([`Sweeper::starting`]).
 pub struct Sweeper {
     store: Arc<dyn Store>,
     worker: Worker,
@@ -82,8 +84,16 @@ enum Hold {
 }
 
 impl Sweeper {
+    /// A sweep that takes over from its first pass: for tests that play a node already running.
     pub fn new(store: Arc<dyn Store>, worker: Worker) -> Sweeper {
         Sweeper { store, worker, hold: Hold::No }
+    }
+
+    /// The sweep of a node starting now, which takes nothing over for its first `lease`: a
+    /// node elsewhere may hold an answer it told during an outage this one never saw, and it
+    /// writes it within that lease once the store answers.
+    pub fn starting(store: Arc<dyn Store>, worker: Worker, lease: Duration) -> Sweeper {
+        Sweeper { store, worker, hold: Hold::Until(tokio::time::Instant::now() + lease) }
     }
 
     /// One pass, as of `now` (just read): expired leases taken over (unless held since the store
@@ -319,6 +329,39 @@ mod tests {
         assert_eq!(record.attempts.last().map(|a| a.outcome.as_str()), Some("lost"));
         let entry = record.history.last().unwrap();
         assert_eq!((entry.at, entry.actor.to_string()), (NOW + Duration::from_millis(10_001), "node:alive".into()));
+    }
+
+    /// A node that has just started takes nothing over for its first lease, whatever the store
+    /// says: elsewhere a node may hold an answer it told during an outage this one never saw.
+    #[tokio::test]
+    async fn a_node_that_has_just_started_takes_nothing_over_for_its_first_lease() {
+        use crate::clock::ManualClock;
+        use crate::store::Claim;
+        use crate::worker::Worker;
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let text =
+            format!("[store]\nurl = \"{url}\"\n[worker]\nlease = \"10s\"\n{}", ROUTE_P.replace("{safe}", "false"));
+        let config = Config::parse_with_env(&text, |_| None).unwrap();
+        let store = crate::store::open(&url).await.unwrap();
+        let clock = Arc::new(ManualClock::new(NOW));
+        let worker = Worker::on(store.clone(), config.clone(), "started", clock.clone());
+        let lease = Duration::from_secs(10);
+        let claim = Claim { owner: "teller".into(), marked_at: NOW, lease, reach: Duration::from_secs(12) };
+        let new = NewRecord { claim: Some(claim), ..new_record() };
+        let id = new.id;
+        store.admit(crate::store::Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap();
+        clock.set(NOW + 2 * lease);
+
+        // The hold runs on the monotonic clock: a short one, for the test to wait out.
+        let hold = Duration::from_millis(200);
+        let mut sweeper = Sweeper::starting(store.clone(), worker.clone(), hold);
+        sweeper.pass(&config, clock.now()).await.unwrap();
+        let held = store.get(id).await.unwrap().unwrap();
+        assert_eq!(held.phase(), crate::domain::Phase::InProgress, "held back in its first lease");
+        tokio::time::sleep(hold).await;
+        sweeper.pass(&config, clock.now()).await.unwrap();
+        assert_eq!(store.get(id).await.unwrap().unwrap().phase(), crate::domain::Phase::Unknown, "taken over after it");
     }
 
     #[test]

@@ -73,9 +73,9 @@ impl Request {
             now: arrival,
             policy_version: None,
             claim: None,
-            tombstone_cutoff: (!route.tombstone.is_zero()).then(|| arrival - (route.retention + route.tombstone)),
+            tombstone_cutoff: route.lifetime().tombstone_cutoff(arrival),
         };
-        (new, arrival - route.retention)
+        (new, route.lifetime().cutoff(arrival))
     }
 }
 
@@ -204,7 +204,7 @@ impl Worker {
     async fn shed(&self, refusal: Refusal, new: NewRecord) -> Result<Admitted, StoreError> {
         let existing = self.inner.store.lookup(&new.tenant, &new.key).await?;
         let config = self.inner.config.current();
-        let expired = |r: &Record| r.past_retention(config.retention_of(&r.route), self.inner.clock.now());
+        let expired = |r: &Record| r.past_retention(config.lifetime_of(&r.route), self.inner.clock.now());
         Ok(match existing.filter(|r| r.phase() != Phase::Free && !expired(r)) {
             Some(record) => Admitted::Existing(record),
             None => Admitted::Refused(refusal),

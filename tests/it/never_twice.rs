@@ -589,6 +589,51 @@ mod postgres_only {
         assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Free, "asked past the bound, a 404 frees it");
     }
 
+    /// A done record's age is judged in the database's clock, where its completion was stamped.
+    /// A node whose clock runs a day ahead neither admits the same key as a new record nor sweeps
+    /// the done one away, within its retention of a minute by the database's clock: its answer
+    /// is replayed, never executed again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early() {
+        if crate::common::backend::postgres_server_url().is_none() {
+            return crate::common::backend::skipped("a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early");
+        }
+        use idem::store::{AfterAttempt, AttemptEnded, RouteSweep, Sweep, SweepPlan};
+        let cluster = Cluster::new(Backend::Postgres, "", LEASE).await;
+        let store = cluster.db.deployed_store().await;
+        let now = Timestamp::now();
+        let lease = Duration::from_secs(60);
+        let claim = Claim { owner: "holder".into(), marked_at: now, lease, reach: Duration::from_secs(1) };
+        let new = NewRecord { now, claim: Some(claim), ..cluster.new_record("aged") };
+        let Admission::Created(admitted) =
+            store.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap()
+        else {
+            panic!("a new key is created")
+        };
+        let response = idem::record::StoredResponse { status: 201, headers: vec![], body: "paid".into() };
+        let done = AttemptEnded {
+            id: admitted.id,
+            holder: idem::domain::Holder { owner: "holder".into(), token: ClaimToken::FIRST },
+            attempt: None,
+            then: AfterAttempt::Done(StopReason::Success, response),
+            stream: None,
+            now,
+        };
+        assert!(store.attempt_ended(done).await.unwrap().is_held());
+
+        let retention = Duration::from_secs(60);
+        let ahead = now + Duration::from_secs(86_400);
+        let again = NewRecord { now: ahead, ..cluster.new_record("aged") };
+        match store.admit(Admit { new: again, retention_cutoff: ahead - retention }).await.unwrap() {
+            Admission::Existing(record) => assert_eq!(record.id, admitted.id, "the done record answers"),
+            other => panic!("within its retention by the database's clock, the record stays: {other:?}"),
+        }
+        let payments = RouteSweep { route: "payments".into(), cutoff: ahead - retention, tombstone_after: None };
+        let plan = SweepPlan { now: ahead, routes: vec![payments], others_cutoff: ahead - retention };
+        assert_eq!(store.sweep_done(Sweep { plan, limit: 10 }).await.unwrap(), 0, "nothing swept");
+        assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Done);
+    }
+
     /// The bound of a marked attempt is kept in the database's clock too: an operator's
     /// `not_executed` is refused while it runs, told how long is left, and applied after.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -158,8 +158,9 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
             response_headers = NULL, response_body = NULL, done_at = NULL,
             cancel_requested = FALSE, probe_count = 0, next_probe_at = NULL, not_before = NULL,
             tombstone_until = NULL, updated_at = excluded.updated_at
-         WHERE (records.state = 'done' AND records.done_at < $14
-                AND NOT ($17::bigint IS NOT NULL AND records.done_at >= $17::bigint
+         WHERE (records.state = 'done' AND records.done_at < COALESCE($14::bigint, idem_now() - $30::bigint)
+                AND NOT ($31::bigint IS NOT NULL
+                         AND records.done_at >= COALESCE($17::bigint, idem_now() - $31::bigint)
                          AND records.fingerprint = excluded.fingerprint))
             OR (records.state = 'not_started' AND NOT records.queued
                 AND records.fingerprint = excluded.fingerprint)
@@ -172,8 +173,10 @@ static ADMIT: LazyLock<String> = LazyLock::new(|| {
 static EXISTING: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT {COLUMNS},
-                COALESCE((state = 'done' AND done_at < $3
-                          AND NOT ($5::bigint IS NOT NULL AND done_at >= $5::bigint AND fingerprint = $4))
+                COALESCE((state = 'done' AND done_at < COALESCE($3::bigint, idem_now() - $6::bigint)
+                          AND NOT ($7::bigint IS NOT NULL
+                                   AND done_at >= COALESCE($5::bigint, idem_now() - $7::bigint)
+                                   AND fingerprint = $4))
                          OR (state = 'not_started' AND NOT queued AND fingerprint = $4),
                          FALSE) AS admissible
          FROM records WHERE tenant = $1 AND key = $2"
@@ -181,7 +184,13 @@ static EXISTING: LazyLock<String> = LazyLock::new(|| {
 });
 
 pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Result<Admission, StoreError> {
-    let Admit { new, retention_cutoff: cutoff } = admit;
+    let Admit { new, retention_cutoff } = admit;
+    // A done record's age is judged in the store's clock, as its completion was stamped: the
+    // cutoffs go as spans back from the server's time, or as the node's times where the store
+    // keeps time in the node's clock.
+    let (cutoff, retention) = (clock.bind_now(retention_cutoff), span_ms(new.now - retention_cutoff));
+    let tombstone = new.tombstone_cutoff.map(|at| span_ms(new.now - at));
+    let tombstone_cutoff = new.tombstone_cutoff.and_then(|at| clock.bind_now(at));
     let fresh = new.fresh();
     let Overwrite { replaced, requeued, entry } = Overwrite::at(new.now)?;
     let entry = serde_json::to_string(&[entry])?;
@@ -204,7 +213,7 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(cutoff)
             .bind(new.claim.as_ref().map(|c| &c.owner))
             .bind(new.claim.as_ref().map(|c| span_ms(c.lease)))
-            .bind(new.tombstone_cutoff)
+            .bind(tombstone_cutoff)
             .bind(new.policy_version.as_ref())
             .bind(fresh.state)
             .bind(fresh.queued)
@@ -217,6 +226,8 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(replaced == Phase::Queued)
             .bind(requeued.state())
             .bind(requeued == Phase::Queued)
+            .bind(retention)
+            .bind(tombstone)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {
@@ -232,7 +243,9 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
             .bind(&new.key)
             .bind(cutoff)
             .bind(&new.fingerprint.as_bytes()[..])
-            .bind(new.tombstone_cutoff)
+            .bind(tombstone_cutoff)
+            .bind(retention)
+            .bind(tombstone)
             .fetch_optional(pool)
             .await?;
         if let Some(row) = row {

@@ -328,7 +328,7 @@ impl Store for PostgresStore {
     }
 
     async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
-        upkeep::sweep_done(&self.pool, sweep).await
+        upkeep::sweep_done(&self.pool, self.clock, sweep).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -17,7 +17,7 @@ pub(super) const COLUMNS: &str = "id::text AS id, tenant, key, route, method, pa
     response_headers::text AS response_headers, response_body, history::text AS history,
     cancel_requested, probe_count::bigint AS probe_count, next_probe_at, not_before, created_at, updated_at,
     takeovers::bigint AS takeovers, tombstone_until, policy_version, stream::text AS stream, claim_token,
-    in_flight_until";
+    in_flight_until, done_at";
 
 pub(super) async fn get(pool: &PgPool, id: RecordId) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))

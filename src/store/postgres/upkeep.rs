@@ -70,8 +70,14 @@ pub(super) async fn claim_unclaimed(
     rows.iter().map(decode).collect()
 }
 
-pub(super) async fn sweep_done(pool: &PgPool, sweep: Sweep) -> Result<u64, StoreError> {
+/// Ends retention by the plan, judged in the store's clock, where done records were stamped
+/// as done: the plan is moved to the server's time unless the store keeps the node's.
+pub(super) async fn sweep_done(pool: &PgPool, clock: LeaseClock, sweep: Sweep) -> Result<u64, StoreError> {
     let Sweep { plan, limit } = sweep;
+    let plan = match clock {
+        LeaseClock::Node => plan,
+        LeaseClock::Database => plan.as_of(sqlx::query_scalar("SELECT idem_now()").fetch_one(pool).await?),
+    };
     let limit = i64::from(limit);
     let mut changed = 0;
     for route in &plan.routes {
