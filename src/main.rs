@@ -122,7 +122,9 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
         }
         Command::Migrate { config, status: false } => {
             let (config, _unset) = Config::load_offline(&config)?;
-            idem::store::migrate(&config.store.url).await.with_context(|| format!("migrating {}", config.store.url))?;
+            idem::store::migrate(&config.store.url, config.longest_reach())
+                .await
+                .with_context(|| format!("migrating {}", config.store.url))?;
             println!("migrations applied to {}", config.store.url);
         }
         Command::Check { config } => {

@@ -292,6 +292,20 @@ impl Config {
         self.position_named(name).map(|i| &self.routes[i])
     }
 
+    /// The longest an attempt marked under this configuration may still reach the upstream after
+    /// its mark: the send window, the longest attempt limit of any route's policies (a canary's
+    /// included), and the clock margin.
+    pub fn longest_reach(&self) -> Duration {
+        let limit = self
+            .routes
+            .iter()
+            .flat_map(|r| [Some(r.retry.per_try_timeout), r.canary.as_ref().map(|c| c.retry.per_try_timeout)])
+            .flatten()
+            .max()
+            .unwrap_or_default();
+        self.worker.send_window + limit + self.worker.clock_margin
+    }
+
     /// How long the done records of the route called `route` live: its own lifetime, or for a
     /// route no longer configured the store's retention, and no tombstone.
     pub fn lifetime_of(&self, route: &str) -> Lifetime {

@@ -2,6 +2,7 @@
 //! stands against this build.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::{postgres, protocol, sqlite, Durability, LeaseClock, Store, StoreError};
 
@@ -48,11 +49,15 @@ pub async fn open_synced(url: &str, sync: Durability, clock: LeaseClock) -> Resu
 }
 
 /// Applies the migrations of the store named by a `store.url`, and nothing else: `idem migrate`.
-/// Refused, changing nothing, when the store speaks a later protocol than this build.
-pub async fn migrate(url: &str) -> Result<(), StoreError> {
+/// Refused, changing nothing, when the store speaks a later protocol than this build, or when
+/// the migrations move it to this build's protocol while a lease of the older one is live. A
+/// store moved on has the bound of every record whose attempt may be on its way raised to at
+/// least `reach` from now: the longest any attempt may still reach the upstream
+/// ([`Config::longest_reach`](crate::config::Config::longest_reach)).
+pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
     match Backend::of(url)? {
-        Backend::Sqlite => sqlite::migrate(url).await,
-        Backend::Postgres => postgres::migrate(url).await,
+        Backend::Sqlite => sqlite::migrate(url, reach).await,
+        Backend::Postgres => postgres::migrate(url, reach).await,
     }
 }
 

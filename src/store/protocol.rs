@@ -108,6 +108,42 @@ impl fmt::Display for Status {
     }
 }
 
+/// Refuses to serve a store of an earlier protocol: moving it on is `idem migrate`'s, which waits
+/// for the nodes of that protocol to be gone ([`live_leases`]) and settles what they left behind.
+pub(crate) fn startable(store: Option<i64>) -> Result<(), StoreError> {
+    match store {
+        Some(store) if store < STORE_PROTOCOL => Err(StoreError::Unavailable(format!(
+            "the store speaks protocol {store}, and this build speaks protocol {STORE_PROTOCOL}: stop every node of \
+             protocol {store}, then run `idem migrate` (it waits for their leases to end), then start this build"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a migration that moves the store to another protocol while a node of the old one may
+/// still act on it: `leases` are the claims still live, each as its record's id, its holder and
+/// its expiry; up to five are named.
+pub(crate) fn live_leases(from: i64, leases: &[(String, String, i64)]) -> Result<(), StoreError> {
+    if leases.is_empty() {
+        return Ok(());
+    }
+    let named: Vec<String> = leases
+        .iter()
+        .take(5)
+        .map(|(id, owner, expires)| {
+            let expires = crate::domain::Timestamp::from_millis(*expires).rfc3339();
+            format!("record {id} held by {owner} until {expires}")
+        })
+        .collect();
+    let more = if leases.len() > 5 { format!(" and {} more", leases.len() - 5) } else { String::new() };
+    Err(StoreError::Unavailable(format!(
+        "the migration moves the store from protocol {from} to {STORE_PROTOCOL}, but {} lease(s) of protocol {from} are \
+         live: {}{more}. Stop every node of protocol {from}, wait for their leases to end, and run it again",
+        leases.len(),
+        named.join(", ")
+    )))
+}
+
 /// Refuses to run against a store whose protocol is later than this build's: its guards would
 /// mean something this node does not keep.
 pub(crate) fn check(store: Option<i64>) -> Result<(), StoreError> {

@@ -4,6 +4,7 @@
 //! tells which upgrades roll node by node and which need every node stopped. Each on both stores.
 
 use std::path::Path;
+use std::time::Duration;
 
 use crate::common::{both_stores, Backend, Db};
 use idem::domain::{RecordId, Timestamp};
@@ -113,10 +114,47 @@ async fn a_store_of_a_later_protocol_is_refused_at_start_and_the_status_says_why
     assert!(status.to_string().contains(&format!("run a build that speaks protocol {later}")), "{status}");
 }
 
-/// A store at the previous protocol (the migrations of the previous build): the status says the
-/// upgrade moves it on and needs every node stopped; a node of this build migrates it, and then
-/// it is up to date.
-async fn a_store_of_the_previous_protocol_needs_every_node_stopped_and_is_then_migrated(b: Backend) {
+/// A record as a node of the previous protocol leaves it: `state`, with a lease until
+/// `lease_until` and a bound at `bound` (ms since the epoch), attempt 1 in flight when in
+/// progress.
+async fn an_old_record(db: &Db, b: Backend, key: &str, state: &str, lease_until: i64, bound: i64) -> RecordId {
+    let id = RecordId::new();
+    let in_flight = if state == "in_progress" { "1" } else { "NULL" };
+    let sql = format!(
+        "INSERT INTO records (id, tenant, key, route, method, path, query, fingerprint, request_headers,
+             request_body, state, queued, deadline_at, created_at, updated_at, lease_owner, lease_expires_at,
+             in_flight_number, in_flight_started_at, claim_token, in_flight_until)
+         VALUES ('{id}', 'default', '{key}', 'payments', 'POST', '/payments', '', {digest}, '[]', {blob}, '{state}',
+             {no}, 1, 1, 1, 'old-node', {lease_until}, {in_flight}, 1, 1, {bound})",
+        digest = if b == Backend::Sqlite { "zeroblob(32)" } else { "decode(repeat('00', 32), 'hex')" },
+        blob = if b == Backend::Sqlite { "X''" } else { "''::bytea" },
+        no = if b == Backend::Sqlite { "0" } else { "FALSE" },
+    );
+    match b {
+        Backend::Sqlite => {
+            let old = rusqlite::Connection::open(sqlite_path(db)).unwrap();
+            old.create_scalar_function("idem_store_protocol", 0, rusqlite::functions::FunctionFlags::SQLITE_UTF8, |_| {
+                Ok(STORE_PROTOCOL - 1)
+            })
+            .unwrap();
+            old.execute(&sql, []).unwrap();
+        }
+        Backend::Postgres => {
+            let mut old = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            sqlx::query(&format!("SET idem.protocol = '{}'", STORE_PROTOCOL - 1)).execute(&mut old).await.unwrap();
+            sqlx::query(&sql.replace(&format!("'{id}'"), &format!("'{id}'::uuid"))).execute(&mut old).await.unwrap();
+        }
+    }
+    id
+}
+
+/// A store at the previous protocol (the migrations of the previous build). The status says the
+/// upgrade moves it on and needs every node stopped; a node of this build refuses to serve it
+/// and names `idem migrate`; the migration refuses while a lease of the previous protocol is live,
+/// naming it, and once none is, moves the store on and raises the bounds the previous protocol
+/// may have cut short (an ambiguous answer brought them down to its own time) to at least the
+/// longest reach from now.
+async fn a_store_of_the_previous_protocol_is_migrated_explicitly_once_its_leases_end(b: Backend) {
     let db = Db::new(b).await;
     let (folder, last) = match b {
         Backend::Sqlite => ("sqlite", 11),
@@ -146,11 +184,42 @@ async fn a_store_of_the_previous_protocol_needs_every_node_stopped_and_is_then_m
     let status = idem::store::status(&db.url).await.unwrap();
     assert_eq!(status.upgrade(), Upgrade::StopEveryNode { from: STORE_PROTOCOL - 1, to: STORE_PROTOCOL });
     assert!(status.to_string().contains("stop every node first"), "{status}");
+    let Err(refused) = idem::store::open(&db.url).await else { panic!("a node served a store of the previous protocol") };
+    assert!(refused.to_string().contains("run `idem migrate`"), "{refused}");
 
-    idem::store::migrate(&db.url).await.unwrap();
+    let now = Timestamp::now().as_millis();
+    let live = an_old_record(&db, b, "live", "in_progress", now + 60_000, now + 1_000).await;
+    let cut = an_old_record(&db, b, "cut", "unknown", 0, now - 1_000).await;
+    let reach = Duration::from_secs(30);
+    let refused = idem::store::migrate(&db.url, reach).await.unwrap_err().to_string();
+    assert!(refused.contains(&format!("record {live} held by old-node")), "{refused}");
+    assert_eq!(idem::store::status(&db.url).await.unwrap().store, Some(STORE_PROTOCOL - 1), "nothing migrated");
+
+    // Its node stopped and its lease ran out: the migration goes ahead.
+    let expire = format!("UPDATE records SET lease_expires_at = {} WHERE key = 'live'", now - 1);
+    match b {
+        Backend::Sqlite => {
+            let old = rusqlite::Connection::open(sqlite_path(&db)).unwrap();
+            old.create_scalar_function("idem_store_protocol", 0, rusqlite::functions::FunctionFlags::SQLITE_UTF8, |_| {
+                Ok(STORE_PROTOCOL - 1)
+            })
+            .unwrap();
+            old.execute(&expire, []).unwrap();
+        }
+        Backend::Postgres => {
+            let mut old = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            sqlx::query(&format!("SET idem.protocol = '{}'", STORE_PROTOCOL - 1)).execute(&mut old).await.unwrap();
+            sqlx::query(&expire).execute(&mut old).await.unwrap();
+        }
+    }
+    idem::store::migrate(&db.url, reach).await.unwrap();
     let status = idem::store::status(&db.url).await.unwrap();
     assert_eq!((status.store, status.upgrade()), (Some(STORE_PROTOCOL), Upgrade::UpToDate), "{status}");
-    assert!(status.pending.is_empty());
+    let store = db.store().await;
+    for id in [live, cut] {
+        let bound = store.get(id).await.unwrap().unwrap().in_flight_until.unwrap();
+        assert!(bound.as_millis() >= now + reach.as_millis() as i64, "{id}: the bound raised to the reach from now");
+    }
 }
 
 /// `idem migrate --status` prints the same, for an operator, and changes nothing.
@@ -189,5 +258,5 @@ async fn idem_migrate_status_tells_an_empty_store_from_a_current_one_and_changes
 both_stores!(
     a_node_of_an_older_protocol_is_refused_at_its_next_write,
     a_store_of_a_later_protocol_is_refused_at_start_and_the_status_says_why,
-    a_store_of_the_previous_protocol_needs_every_node_stopped_and_is_then_migrated,
+    a_store_of_the_previous_protocol_is_migrated_explicitly_once_its_leases_end,
 );

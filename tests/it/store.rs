@@ -315,3 +315,17 @@ fn holder(record: &Record, owner: &str) -> Holder {
 fn intruder(record: &Record, owner: &str) -> Holder {
     Holder { owner: owner.into(), token: ClaimToken(record.claim.0 + 1) }
 }
+
+/// Nodes started together on a fresh SQLite file all open it: the one that loses the race to a
+/// migration finds it applied by the other, and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_started_together_on_a_fresh_sqlite_file_all_open_it() {
+    for round in 0..20 {
+        let dir = tempfile::TempDir::new().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("idem.db").display());
+        let opened = futures_util::future::join_all((0..3).map(|_| store::open(&url))).await;
+        for store in opened {
+            assert!(store.is_ok(), "round {round}: {:?}", store.err());
+        }
+    }
+}

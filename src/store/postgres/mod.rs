@@ -37,6 +37,8 @@ mod upkeep;
 
 use std::str::FromStr;
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
@@ -90,7 +92,9 @@ impl PostgresStore {
     pub async fn open(url: &str, sync: Durability, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
         let connect = session(url, sync)?;
         let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect_with(connect.clone()).await?;
-        protocol::check(stored_protocol(&pool).await?)?;
+        let store = stored_protocol(&pool).await?;
+        protocol::check(store)?;
+        protocol::startable(store)?;
         migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         let durability = durability_in_force(&pool, sync).await?;
         // Listen before returning, so no change made after `open` goes unannounced.
@@ -153,11 +157,36 @@ async fn durability_in_force(pool: &PgPool, sync: Durability) -> Result<Durabili
     Ok(DurabilityInForce { sync: in_force, setting: format!("synchronous_commit={setting}") })
 }
 
-/// Migrations only, for `idem migrate`.
-pub async fn migrate(url: &str) -> Result<(), StoreError> {
+/// Migrations only, for `idem migrate`. A migration that moves the store to this build's
+/// protocol waits for every lease of the older one to end, and raises the bound of every record
+/// whose attempt may be on its way to at least `reach` from now, in the server's clock: the
+/// older protocol may have cut one short (docs/operations.md#upgrading).
+pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
     let pool = PgPoolOptions::new().max_connections(1).connect_with(options(url)?).await?;
-    protocol::check(stored_protocol(&pool).await?)?;
+    let from = stored_protocol(&pool).await?;
+    protocol::check(from)?;
+    let moving = from.filter(|&from| from < protocol::STORE_PROTOCOL);
+    if let Some(from) = moving {
+        // A schema before protocol 2 has no clock of its own: its leases were the nodes'.
+        let leases: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT id::text, lease_owner, lease_expires_at FROM records
+             WHERE state = 'in_progress' AND lease_expires_at >= (extract(epoch FROM now()) * 1000)::bigint
+             ORDER BY lease_expires_at",
+        )
+        .fetch_all(&pool)
+        .await?;
+        protocol::live_leases(from, &leases)?;
+    }
     migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+    if moving.is_some() {
+        sqlx::query(
+            "UPDATE records SET in_flight_until = GREATEST(COALESCE(in_flight_until, 0), idem_now() + $1)
+             WHERE state = 'unknown' OR in_flight_number IS NOT NULL",
+        )
+        .bind(span_ms(reach))
+        .execute(&pool)
+        .await?;
+    }
     pool.close().await;
     Ok(())
 }

@@ -10,6 +10,7 @@ mod actions;
 mod checkpointer;
 mod committer;
 mod files;
+mod migrating;
 pub(super) mod recorded;
 mod rows;
 mod stats;
@@ -27,6 +28,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, Sq
 use sqlx::{Connection, Row};
 
 use self::files::DatabaseFiles;
+use self::migrating::MigrationLock;
 pub use self::files::FileId;
 pub use self::synchronous::url_durability;
 use self::synchronous::{split_synchronous, Synchronous};
@@ -57,25 +59,15 @@ impl SqliteStore {
     /// every record durable before its request is sent upstream, `normal` trades the last commits
     /// on power loss for speed.
     pub async fn open(url: &str, sync: Durability) -> Result<SqliteStore, StoreError> {
-        let (url, asked) = split_synchronous(url)?;
-        if url.contains(":memory:") || url.contains("mode=memory") {
-            // The writer and the readers are separate connections: each would get its own empty
-            // database, and no write would ever be read back.
-            return Err(StoreError::Unavailable(format!(
-                "`{url}`: an in-memory SQLite database cannot be shared by the writer and the readers; give a file path"
-            )));
-        }
-        let options = SqliteConnectOptions::from_str(&url)
-            .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
-
+        let (options, asked) = connect_options(url)?;
+        let migrating = MigrationLock::take(options.get_filename()).await?;
         let mut migrator = SqliteConnection::connect_with(&options).await?;
-        protocol::check(stored_protocol(&mut migrator).await?)?;
-        migrations().run(&mut migrator).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
+        let store = stored_protocol(&mut migrator).await?;
+        protocol::check(store)?;
+        protocol::startable(store)?;
+        run_migrations(&mut migrator).await?;
         migrator.close().await?;
+        drop(migrating);
         let files = Arc::new(DatabaseFiles::opened(options.get_filename())?);
 
         let reads = SqlitePoolOptions::new()
@@ -111,9 +103,65 @@ impl SqliteStore {
     }
 }
 
-/// Migrations only, for `idem migrate`.
-pub async fn migrate(url: &str) -> Result<(), StoreError> {
-    SqliteStore::open(url, Durability::Full).await.map(drop)
+/// How the store at `url` is opened, and the `synchronous=` its url asks for, if any.
+fn connect_options(url: &str) -> Result<(SqliteConnectOptions, Option<Synchronous>), StoreError> {
+    let (url, asked) = split_synchronous(url)?;
+    if url.contains(":memory:") || url.contains("mode=memory") {
+        // The writer and the readers are separate connections: each would get its own empty
+        // database, and no write would ever be read back.
+        return Err(StoreError::Unavailable(format!(
+            "`{url}`: an in-memory SQLite database cannot be shared by the writer and the readers; give a file path"
+        )));
+    }
+    let options = SqliteConnectOptions::from_str(&url)
+        .map_err(|e| StoreError::Unavailable(format!("bad sqlite url `{url}`: {e}")))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(10))
+        .foreign_keys(true);
+    Ok((options, asked))
+}
+
+/// Applies this build's migrations, under the [`MigrationLock`].
+async fn run_migrations(conn: &mut SqliteConnection) -> Result<(), StoreError> {
+    migrations().run(&mut *conn).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))
+}
+
+/// Migrations only, for `idem migrate`. A migration that moves the store to this build's
+/// protocol waits for every lease of the older one to end, and raises the bound of every record
+/// whose attempt may be on its way to at least `reach` from now: the older protocol may have cut
+/// one short (docs/operations.md#upgrading).
+pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
+    let (options, _) = connect_options(url)?;
+    let _migrating = MigrationLock::take(options.get_filename()).await?;
+    let mut conn = SqliteConnection::connect_with(&options).await?;
+    let from = stored_protocol(&mut conn).await?;
+    protocol::check(from)?;
+    let now = Timestamp::now();
+    let moving = from.filter(|&from| from < protocol::STORE_PROTOCOL);
+    if let Some(from) = moving {
+        let leases: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT id, lease_owner, lease_expires_at FROM records
+             WHERE state = 'in_progress' AND lease_expires_at >= ?1 ORDER BY lease_expires_at",
+        )
+        .bind(now)
+        .fetch_all(&mut conn)
+        .await?;
+        protocol::live_leases(from, &leases)?;
+    }
+    run_migrations(&mut conn).await?;
+    conn.close().await?;
+    if moving.is_some() {
+        let conn = rusqlite::Connection::open(options.get_filename())?;
+        writer::declare_protocol(&conn)?;
+        conn.busy_timeout(Duration::from_secs(10))?;
+        conn.execute(
+            "UPDATE records SET in_flight_until = MAX(COALESCE(in_flight_until, 0), ?1)
+             WHERE state = 'unknown' OR in_flight_number IS NOT NULL",
+            [now + reach],
+        )?;
+    }
+    Ok(())
 }
 
 /// This build's migrations. Those applied by a later build that keeps the protocol are let be:

@@ -57,7 +57,7 @@ const WAL_RESTART_PAGES: u32 = 2_048;
 /// Declares, on the writing connection, the store protocol this build speaks: the store's
 /// triggers refuse a write to `records` from a connection that declares another, or none
 /// (`migrations/sqlite`).
-fn declare_protocol(conn: &Connection) -> Result<(), StoreError> {
+pub(super) fn declare_protocol(conn: &Connection) -> Result<(), StoreError> {
     use rusqlite::functions::FunctionFlags;
     conn.create_scalar_function(
         "idem_store_protocol",
