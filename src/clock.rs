@@ -19,6 +19,70 @@ pub trait Clock: Send + Sync {
     }
 }
 
+/// A moment on this process's own clocks, for the deadlines a node keeps to itself: how long it
+/// trusts a lease, and until when it may send an attempt it marked (docs/guarantees.md). Read on
+/// tokio's clock, the monotonic one its timers use (and tests pause), and on Linux on the boot
+/// clock as well: the monotonic clock stops while the host is suspended (a laptop's lid, a
+/// hypervisor's suspend), the boot clock does not, and a node thawing from a suspend must find
+/// its deadlines past. A deadline has passed when either clock says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Moment {
+    at: tokio::time::Instant,
+    boot: Option<Duration>,
+}
+
+impl Moment {
+    pub fn now() -> Moment {
+        Moment { at: tokio::time::Instant::now(), boot: boot_clock() }
+    }
+
+    /// The moment on tokio's clock, for its timers.
+    pub fn instant(self) -> tokio::time::Instant {
+        self.at
+    }
+
+    /// Whether it has passed, by either clock.
+    pub fn passed(self) -> bool {
+        tokio::time::Instant::now() >= self.at || self.boot.zip(boot_clock()).is_some_and(|(by, now)| now >= by)
+    }
+
+    /// The earlier of two moments, clock by clock.
+    pub fn min(self, other: Moment) -> Moment {
+        let boot = match (self.boot, other.boot) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Moment { at: self.at.min(other.at), boot }
+    }
+}
+
+impl std::ops::Add<Duration> for Moment {
+    type Output = Moment;
+    fn add(self, d: Duration) -> Moment {
+        Moment { at: self.at + d, boot: self.boot.map(|b| b + d) }
+    }
+}
+
+/// A moment on tokio's clock alone: a test's, or a timer's.
+impl From<tokio::time::Instant> for Moment {
+    fn from(at: tokio::time::Instant) -> Moment {
+        Moment { at, boot: None }
+    }
+}
+
+/// The time since the host booted, suspends included (`CLOCK_BOOTTIME`), where there is one.
+fn boot_clock() -> Option<Duration> {
+    #[cfg(target_os = "linux")]
+    {
+        let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime writes one timespec through a pointer to a local one.
+        if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut now) } == 0 {
+            return Some(Duration::new(now.tv_sec as u64, now.tv_nsec as u32));
+        }
+    }
+    None
+}
+
 /// The clock shared by a broker's parts.
 pub type SharedClock = Arc<dyn Clock>;
 
@@ -122,5 +186,26 @@ impl Turns {
             _ = self.0.wait_for(|stopping| *stopping) => None,
             out = next => Some(out),
         }
+    }
+}
+
+#[cfg(test)]
+mod moment_tests {
+    use super::*;
+
+    /// A host suspended past a deadline: its monotonic clock, which tokio reads, stood still,
+    /// while its boot clock went on. The deadline has passed.
+    #[test]
+    fn a_deadline_passed_on_the_boot_clock_has_passed_whatever_the_monotonic_clock_says() {
+        let Some(booted) = boot_clock() else { return };
+        let later = tokio::time::Instant::now() + Duration::from_secs(3_600);
+        let slept_past = Moment { at: later, boot: Some(booted) };
+        assert!(slept_past.passed(), "past on the boot clock");
+        let ahead = Moment { at: later, boot: Some(booted + Duration::from_secs(3_600)) };
+        assert!(!ahead.passed(), "ahead on both clocks");
+        let monotonic_only = Moment::from(tokio::time::Instant::now() - Duration::from_millis(1));
+        assert!(monotonic_only.passed(), "past on the monotonic clock");
+        assert_eq!(slept_past.min(ahead).boot, Some(booted), "the earlier on each clock");
+        assert!((Moment::now() + Duration::from_secs(1)).boot > boot_clock(), "both clocks move on");
     }
 }

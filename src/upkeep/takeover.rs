@@ -99,11 +99,11 @@ impl Sweeper {
     /// One pass, as of `now` (just read): expired leases taken over (unless held since the store
     /// failed), then queued records nobody claimed.
     pub async fn pass(&mut self, config: &Config, now: Timestamp) -> Result<(), crate::store::StoreError> {
-        let read = tokio::time::Instant::now();
+        let read = crate::clock::Moment::now();
         let holding = match self.hold {
             Hold::No => false,
             Hold::UntilAnswered => true,
-            Hold::Until(until) => read < until,
+            Hold::Until(until) => read.instant() < until,
         };
         let passed = async {
             let expired = self.store.expired_leases(now, BATCH).await?;
@@ -201,7 +201,7 @@ async fn claim_orphans(
     worker: &Worker,
     config: &Config,
     now: Timestamp,
-    read: tokio::time::Instant,
+    read: crate::clock::Moment,
 ) -> Result<(), crate::store::StoreError> {
     let free = worker.free_workers((BATCH as usize).min(worker.idle_workers().div_ceil(2)));
     if free.is_empty() {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::{Client, Failure, Unreachable};
+use crate::clock::Moment;
 use crate::policy::Observed;
 
 /// Hands `request` to the client if its window (`send_by`) has not passed yet, with the window
@@ -19,9 +20,9 @@ use crate::policy::Observed;
 pub(super) async fn send_within(
     client: &Client,
     request: http::Request<Outgoing>,
-    send_by: Option<tokio::time::Instant>,
+    send_by: Option<Moment>,
 ) -> Result<http::Response<hyper::body::Incoming>, Failure> {
-    if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) {
+    if send_by.is_some_and(Moment::passed) {
         return Err(Observed::NotSent.into());
     }
     SEND_BY.scope(send_by, client.request(request)).await.map_err(|e| failure(&e))
@@ -175,9 +176,9 @@ where
         let send_by = SEND_BY.try_with(|by| *by).ok().flatten();
         Box::pin(async move {
             let limit_at = tokio::time::Instant::now() + limit;
-            let until = send_by.map_or(limit_at, |by| by.min(limit_at));
+            let until = send_by.map_or(limit_at, |by| by.instant().min(limit_at));
             match tokio::time::timeout_at(until, connecting).await {
-                Ok(Ok(_)) if send_by.is_some_and(|by| tokio::time::Instant::now() >= by) => {
+                Ok(Ok(_)) if send_by.is_some_and(Moment::passed) => {
                     Err(BoxError::from(TooLate))
                 }
                 Ok(connected) => connected.map_err(Into::into),
@@ -191,11 +192,11 @@ where
 tokio::task_local! {
     /// The send window of the attempt whose request is being sent from this task, for the
     /// connector the pool calls on its behalf.
-    static SEND_BY: Option<tokio::time::Instant>;
+    static SEND_BY: Option<Moment>;
 }
 
 impl Outgoing {
-    pub(super) fn new(body: Bytes, send_by: Option<tokio::time::Instant>) -> Outgoing {
+    pub(super) fn new(body: Bytes, send_by: Option<Moment>) -> Outgoing {
         Outgoing { data: Some(body), send_by }
     }
 }
@@ -206,7 +207,7 @@ impl Outgoing {
 /// nothing of the request leave, and the connection is closed unused.
 pub(crate) struct Outgoing {
     data: Option<Bytes>,
-    send_by: Option<tokio::time::Instant>,
+    send_by: Option<Moment>,
 }
 
 /// The send window of an attempt had passed when its connection was ready to write it.
@@ -230,7 +231,7 @@ impl hyper::body::Body for Outgoing {
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, TooLate>>> {
         if let Some(by) = self.send_by.take() {
-            if tokio::time::Instant::now() >= by {
+            if by.passed() {
                 return std::task::Poll::Ready(Some(Err(TooLate)));
             }
         }
@@ -318,7 +319,7 @@ mod tests {
     async fn an_attempt_past_its_send_window_when_handed_over_is_not_sent() {
         let (url, (received, _)) = recording_server().await;
         let upstream = Upstream::new();
-        let send = |send_by: tokio::time::Instant, body: &'static [u8]| {
+        let send = |send_by: Moment, body: &'static [u8]| {
             let until = tokio::time::Instant::now() + Duration::from_secs(5);
             let (upstream, url) = (upstream.clone(), url.clone());
             async move {
@@ -329,10 +330,10 @@ mod tests {
                 head.whole(until).await
             }
         };
-        let past = tokio::time::Instant::now() - Duration::from_millis(1);
+        let past = Moment::from(tokio::time::Instant::now() - Duration::from_millis(1));
         assert_eq!(send(past, b"{}").await.unwrap_err(), Observed::NotSent, "no connection yet");
         // A request within its window goes, and leaves its connection in the pool.
-        let later = tokio::time::Instant::now() + Duration::from_secs(5);
+        let later = Moment::now() + Duration::from_secs(5);
         assert_eq!(send(later, b"{\"n\":1}").await.unwrap().response.status, 201);
         assert_eq!(send(past, b"").await.unwrap_err(), Observed::NotSent, "a connection pooled, an empty body");
         let received = received.lock().unwrap().clone();
@@ -355,7 +356,7 @@ mod tests {
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.unwrap();
         let driven = tokio::spawn(connection);
-        let past = tokio::time::Instant::now() - Duration::from_millis(1);
+        let past = Moment::from(tokio::time::Instant::now() - Duration::from_millis(1));
         let body = Outgoing { data: Some(Bytes::from_static(b"{}")), send_by: Some(past) };
         let request = http::Request::post(&url).header("host", &authority).body(body).unwrap();
         let refused = sender.send_request(request).await.unwrap_err();
@@ -373,7 +374,7 @@ mod tests {
         let url = format!("https://{}/payments", listener.local_addr().unwrap());
         let held = tokio::spawn(async move { listener.accept().await.unwrap() });
         let started = tokio::time::Instant::now();
-        let (until, send_by) = (started + Duration::from_secs(10), started + Duration::from_millis(200));
+        let (until, send_by) = (started + Duration::from_secs(10), Moment::from(started) + Duration::from_millis(200));
         let sent = Upstream::new().send_head(post(&url, b""), until, Some(send_by)).await;
         assert_eq!(sent.unwrap_err().observed, Observed::NotSent);
         assert!(started.elapsed() < Duration::from_secs(2), "given up at its window: {:?}", started.elapsed());

@@ -151,7 +151,7 @@ impl Upstream {
         &self,
         request: Outbound<'_>,
         until: tokio::time::Instant,
-        send_by: Option<tokio::time::Instant>,
+        send_by: Option<crate::clock::Moment>,
     ) -> Result<Head, Failure> {
         let Outbound { method, url, headers, tls, added, body } = request;
         let client = self.client_for(tls);

@@ -111,14 +111,14 @@ pub(super) enum Start {
     Claimed {
         worker: OwnedSemaphorePermit,
         /// When the write that claimed it was sent: its lease is trusted from then.
-        granted: tokio::time::Instant,
+        granted: crate::clock::Moment,
     },
     /// Admitted claimed, first attempt marked, capacity in hand.
     Reserved {
         reservation: Reservation,
         /// When the insert that claimed it and marked its first attempt was sent: its lease is
         /// trusted, and that attempt's send window runs, from then.
-        marked: tokio::time::Instant,
+        marked: crate::clock::Moment,
         /// The stages of the new key so far, up to its durable record, when its client waits
         /// for the outcome.
         laps: Option<Laps>,
@@ -145,7 +145,7 @@ impl Worker {
         let reservation = reserve(&inner.permits, route.guard(), url);
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
         // send window, are counted from these two readings of one instant, taken just before it.
-        let (marked_at, marked) = (inner.clock.now(), tokio::time::Instant::now());
+        let (marked_at, marked) = (inner.clock.now(), crate::clock::Moment::now());
         let new = NewRecord {
             claim: reservation.as_ref().map(|_| inner.claim(marked_at, &policy)),
             policy_version: Some(policy.version.clone()),

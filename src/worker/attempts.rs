@@ -11,6 +11,7 @@ use tracing::{info_span, warn, Instrument};
 use super::lease::LeaseTrust;
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
+use crate::clock::Moment;
 use crate::config::Policy;
 use crate::domain::{Class, StopReason};
 use crate::domain::{Holder, Timestamp};
@@ -116,7 +117,7 @@ struct Begun {
     started: Timestamp,
     in_flight: Option<OwnedSemaphorePermit>,
     limit: Duration,
-    send_by: tokio::time::Instant,
+    send_by: Moment,
 }
 
 /// An attempt that ended: what the upstream answered (or what went wrong), and how long it took
@@ -226,7 +227,7 @@ impl Inner {
         };
         // `started` is the mark's time in the node's clock; this is the same instant on its
         // monotonic one, from which the mark's lease is trusted and its send window runs.
-        let started_here = tokio::time::Instant::now();
+        let started_here = Moment::now();
         let cancelled = job.signal.raised.load(Ordering::SeqCst);
         let switched = self.switches.switched(&route.name);
         let limit = p
@@ -453,7 +454,7 @@ impl Inner {
 /// the write that marked it was sent, which starts its send window.
 pub(super) struct Reserved {
     pub(super) place: OwnedSemaphorePermit,
-    pub(super) marked: tokio::time::Instant,
+    pub(super) marked: Moment,
 }
 
 /// The attempt as it is stored with the record.

@@ -102,7 +102,7 @@ impl Inner {
     }
 
     pub(super) async fn claim_and_run(&self, record: &Record, route: Option<&ServedRoute>, reply: &Reply) -> Outcome {
-        let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
+        let (now, sent) = (self.clock.now(), crate::clock::Moment::now());
         let claimed =
             self.store.claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease: self.lease, now }).await;
         lock(&self.mine).remove(&record.id);
@@ -126,7 +126,7 @@ impl Inner {
         record: &Record,
         route: Option<&ServedRoute>,
         holder: &Holder,
-        granted: tokio::time::Instant,
+        granted: crate::clock::Moment,
         first: Option<FirstAttempt>,
         reply: &Reply,
     ) -> Outcome {

@@ -1,6 +1,7 @@
 //! A claim's lease as this process holds it (docs/guarantees.md). The store keeps the lease's
 //! expiry in its own clock; this process trusts it only for `lease - clock_margin`, counted on
-//! its monotonic clock from just before it sent the write that granted or renewed it, and sends
+//! its own clocks ([`Moment`]: the monotonic one, and the boot clock, which counts a suspended
+//! host's sleep) from just before it sent the write that granted or renewed it, and sends
 //! nothing outside that trust. The lease is renewed beside the attempt it keeps alive, so a slow
 //! store never holds an attempt back; a renewal that fails, or finds the claim lost, is acted on:
 //! no further attempt is made under that claim.
@@ -10,18 +11,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tokio::time::Instant;
 use tracing::{error, warn};
 
 use super::attempts::Job;
 use super::{lock, Inner};
+use crate::clock::Moment;
 use crate::metrics;
 use crate::store::{Lease, StoreError};
 
 /// How far this process trusts a claim's lease, and whether a renewal cast doubt on it.
 pub(super) struct LeaseTrust {
     /// The lease is trusted before this instant, and only before it.
-    trusted_until: Mutex<Instant>,
+    trusted_until: Mutex<Moment>,
     /// A renewal made beside the execution (during an attempt, or while it waited for a place to
     /// send one) failed, or found the claim taken: the attempt in flight finishes, and no other
     /// starts under this claim.
@@ -30,17 +31,21 @@ pub(super) struct LeaseTrust {
 
 impl LeaseTrust {
     /// A claim granted by a write sent at `sent`, trusted for `trust` from then.
-    pub(super) fn granted(sent: Instant, trust: Duration) -> LeaseTrust {
+    pub(super) fn granted(sent: Moment, trust: Duration) -> LeaseTrust {
         LeaseTrust { trusted_until: Mutex::new(sent + trust), in_doubt: AtomicBool::new(false) }
     }
 
     /// A write sent at `sent` renewed the lease (a renewal, or an attempt's mark).
-    pub(super) fn renewed(&self, sent: Instant, trust: Duration) {
+    pub(super) fn renewed(&self, sent: Moment, trust: Duration) {
         let mut until = lock(&self.trusted_until);
-        *until = (*until).max(sent + trust);
+        let renewed = sent + trust;
+        // The later of the two, on each clock: a renewal sent later reaches further on both.
+        if renewed.instant() > until.instant() {
+            *until = renewed;
+        }
     }
 
-    pub(super) fn trusted_until(&self) -> Instant {
+    pub(super) fn trusted_until(&self) -> Moment {
         *lock(&self.trusted_until)
     }
 
@@ -55,7 +60,7 @@ impl LeaseTrust {
 
 /// How a renewal made beside an attempt ended.
 enum Renewed {
-    Held(Instant),
+    Held(Moment),
     Lost,
     Failed(StoreError),
 }
@@ -72,7 +77,7 @@ impl Inner {
     pub(super) async fn renewing<F: Future>(&self, job: &Job<'_>, attempt: F) -> F::Output {
         tokio::pin!(attempt);
         let every = self.lease / 3;
-        let mut next = Instant::now() + every;
+        let mut next = tokio::time::Instant::now() + every;
         let mut renewal: Option<tokio::task::JoinHandle<Renewed>> = None;
         loop {
             tokio::select! {
@@ -82,7 +87,7 @@ impl Inner {
                 }
                 renewed = async { renewal.as_mut().expect("guarded by the branch").await }, if renewal.is_some() => {
                     renewal = None;
-                    next = Instant::now() + every;
+                    next = tokio::time::Instant::now() + every;
                     match renewed {
                         Ok(Renewed::Held(sent)) => job.trust.renewed(sent, self.trust()),
                         Ok(Renewed::Lost) => {
@@ -112,7 +117,7 @@ impl Inner {
     /// from the first is never shorter than the trust counted from the second.
     fn renew_beside(&self, job: &Job<'_>) -> tokio::task::JoinHandle<Renewed> {
         let store = self.store.clone();
-        let (renew, sent) = (self.renewal(job.record.id, job.holder, self.clock.now()), Instant::now());
+        let (renew, sent) = (self.renewal(job.record.id, job.holder, self.clock.now()), Moment::now());
         tokio::spawn(async move {
             match store.renew(renew).await {
                 Ok(Lease::Held { .. }) => Renewed::Held(sent),

@@ -315,7 +315,7 @@ impl Worker {
 
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
     /// record nobody claimed) by a write sent at `claimed`.
-    pub fn resume(&self, record: Record, worker: FreeWorker, claimed: tokio::time::Instant) {
+    pub fn resume(&self, record: Record, worker: FreeWorker, claimed: crate::clock::Moment) {
         let route = self.inner.route_of(&record);
         self.spawn(Arc::new(record), route, None, Start::Claimed { worker: worker.0, granted: claimed });
     }

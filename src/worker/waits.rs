@@ -68,7 +68,7 @@ impl Inner {
                 _ = stopping.changed() => return WaitEnd::Stopping,
             }
             if tokio::time::Instant::now() < until {
-                let (now, sent) = (self.clock.now(), tokio::time::Instant::now());
+                let (now, sent) = (self.clock.now(), crate::clock::Moment::now());
                 match self.store.renew(self.renewal(id, job.holder, now)).await {
                     Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
                     Ok(Lease::Held { cancel_requested: false }) => job.trust.renewed(sent, self.trust()),

@@ -20,6 +20,12 @@ use tokio::net::TcpListener;
 
 const BODY: &str = r#"{"amount":42}"#;
 const SETTLE: Duration = Duration::from_millis(200);
+/// How long after its mark an attempt may still reach the upstream: `send_window` +
+/// `per_try_timeout` + `clock_margin`, as the routes here set them. Longer than `SETTLE`: the
+/// first probe comes while the 504's attempt could still execute.
+const SEND_WINDOW: Duration = Duration::from_millis(50);
+const PER_TRY: Duration = Duration::from_millis(600);
+const MARGIN: Duration = Duration::from_millis(50);
 
 /// One request that reached the upstream.
 #[derive(Clone, Debug)]
@@ -121,21 +127,26 @@ async fn setup(b: Backend) -> (Payments, Broker) {
 async fn setup_with(b: Backend, settle: Duration, clock: Option<Arc<ManualClock>>) -> (Payments, Broker) {
     let upstream = Payments::start().await;
     let extra = format!(
-        "[routes.retry]\nbase = \"10ms\"\n\n[routes.probe]\nmethod = \"GET\"\n\
+        "[routes.retry]\nbase = \"10ms\"\nper_try_timeout = \"{}ms\"\nmin_try = \"10ms\"\n\n[routes.probe]\nmethod = \"GET\"\n\
          path = \"/payments/by-key/{{idempotency_key}}\"\nsettle = \"{}ms\"\n",
+        PER_TRY.as_millis(),
         settle.as_millis()
     );
+    let worker = format!("send_window = \"{}ms\"\nclock_margin = \"{}ms\"", SEND_WINDOW.as_millis(), MARGIN.as_millis());
     let db = Db::new(b).await;
     let broker = match clock {
         Some(clock) => {
             Broker::start_with_clock(
                 &db,
-                TestConfig::new(&upstream.url()).route("replay_safe = false").tables(&extra),
+                TestConfig::new(&upstream.url()).route("replay_safe = false").worker(&worker).tables(&extra),
                 clock,
             )
             .await
         }
-        None => Broker::start(&db, TestConfig::new(&upstream.url()).route("replay_safe = false").tables(&extra)).await,
+        None => {
+            let config = TestConfig::new(&upstream.url()).route("replay_safe = false").worker(&worker).tables(&extra);
+            Broker::start(&db, config).await
+        }
     };
     (upstream, broker)
 }
@@ -188,16 +199,26 @@ async fn a_probe_answering_2xx_settles_the_record_done_with_the_probes_answer(b:
     assert_eq!(upstream.posts().len(), 1);
 }
 
-async fn a_probe_answering_404_frees_the_key_and_the_next_request_executes(b: Backend) {
+/// A 504 is a gateway's answer: the service behind it may still execute the request within the
+/// attempt's limit. The record keeps its attempt's whole bound, so the probe's first 404, asked
+/// within it, frees nothing; asked again once the bound has passed, a 404 frees the key, and
+/// the client's next request executes.
+async fn a_probe_answering_404_frees_the_key_only_past_the_attempts_bound(b: Backend) {
     let (upstream, broker) = setup(b).await;
+    let sent = Instant::now();
     make_unknown(&upstream, &broker, "absent", vec![Reply::status(201)]).await;
 
     let record = broker.await_record("absent", Duration::from_secs(5), |r| r["state"] != "unknown").await;
     assert_eq!(record["state"], "not_started", "{record:#}");
     assert_eq!(record["queued"], false, "freed, not queued: nothing is sent until the client asks");
     let probes = probe_entries(&record);
-    assert_eq!(probes.len(), 1, "{record:#}");
-    assert!(probes[0]["note"].as_str().unwrap().contains("→ 404"), "{record:#}");
+    assert_eq!(probes.len(), 2, "{record:#}");
+    let within = probes[0]["note"].as_str().unwrap();
+    assert!(within.contains("→ 404") && within.contains("may still reach the upstream"), "{record:#}");
+    assert!(probes[1]["note"].as_str().unwrap().contains("→ 404"), "{record:#}");
+    let asked = upstream.probes("absent");
+    assert!(asked[0] < sent + SEND_WINDOW + PER_TRY + MARGIN, "the first was asked within the bound");
+    assert!(asked[1] >= sent + SEND_WINDOW + PER_TRY, "the one believed was asked past it: {:?}", asked[1] - sent);
     assert_eq!(upstream.posts().len(), 1, "a freed key is not sent before the client asks again");
 
     let again = crate::common::send(broker.post("/payments", "absent", BODY)).await;
@@ -285,6 +306,6 @@ async fn a_key_that_would_climb_out_of_the_probe_path_is_never_probed(b: Backend
 both_stores!(
     a_key_that_would_climb_out_of_the_probe_path_is_never_probed,
     a_probe_answering_2xx_settles_the_record_done_with_the_probes_answer,
-    a_probe_answering_404_frees_the_key_and_the_next_request_executes,
+    a_probe_answering_404_frees_the_key_only_past_the_attempts_bound,
     a_probe_answering_500_leaves_the_record_unknown_and_asks_again_with_backoff,
 );
