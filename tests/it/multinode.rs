@@ -252,3 +252,54 @@ async fn a_switch_set_on_one_node_is_obeyed_by_every_node_within_two_seconds() {
         obeys(node, since, 201, "cleared").await;
     }
 }
+
+/// A node paused (SIGSTOP) with its attempt in the upstream's own queue, past its lease: the
+/// survivors make the record `unknown`, and the route's probe asks the upstream, which has not
+/// executed the request yet: 404. That 404 is asked within the attempt's bound, so it frees
+/// nothing, and the client's retry is told the outcome is unknown rather than executed again.
+/// The upstream then executes the queued request; the paused node goes on, hears its answer, and
+/// settles the record with it as a late outcome: one execution, and the answer replayed. A
+/// killed node can never send late; a paused one can, which is what the bound is for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_nodes_queued_attempt_is_never_executed_twice() {
+    let Some(_) = backend::postgres_server_url() else {
+        return backend::skipped("a_paused_nodes_queued_attempt_is_never_executed_twice");
+    };
+    let upstream = Upstream::start().await;
+    let db = Db::new(Backend::Postgres).await;
+    let probe = "[routes.retry]\nper_try_timeout = \"8s\"\n\n[routes.probe]\nmethod = \"GET\"\n\
+                 path = \"/payments/by-key/{idempotency_key}\"\nsettle = \"300ms\"\n";
+    let worker = "send_window = \"200ms\"\nclock_margin = \"200ms\"";
+    let mut nodes = Vec::new();
+    for i in 0..3 {
+        let config = TestConfig::new(&upstream.url()).worker(worker).route("replay_safe = false").tables(probe);
+        nodes.push(Node::start(&format!("node{i}"), &node_config(&db.url, config).body()).await);
+    }
+    let (paused, survivor) = (&nodes[0], &nodes[1]);
+
+    const QUEUED: &str = "/payments?queue_ms=3500";
+    let waiting = tokio::spawn(crate::common::send(paused.post(QUEUED, "paused", &body_of("p"))));
+    await_until("the attempt reaches the upstream's queue", Duration::from_secs(5), || upstream.queued("paused") == 1)
+        .await;
+    paused.pause();
+
+    let unknown = survivor.await_record("paused", Duration::from_secs(5), |r| r["state"] == "unknown").await;
+    assert_eq!(unknown["attempts"][0]["outcome"], "lost", "{unknown:#}");
+    let asked = survivor
+        .await_record("paused", Duration::from_secs(5), |r| !history_entries(r, "probe").is_empty())
+        .await;
+    let note = history_entries(&asked, "probe")[0]["note"].as_str().unwrap().to_string();
+    assert!(note.contains("404") && note.contains("may still reach the upstream"), "{note}");
+    let retried = crate::common::send(survivor.post(QUEUED, "paused", &body_of("p"))).await;
+    retried.assert_problem(502, "outcome-unknown");
+
+    await_until("the upstream executes the queued request", Duration::from_secs(5), || upstream.hits("paused") == 1)
+        .await;
+    paused.resume();
+    let done = survivor.await_record("paused", Duration::from_secs(10), |r| r["state"] == "done").await;
+    assert_eq!(done["response"]["status"], 201, "{done:#}");
+    let replay = crate::common::send(survivor.post(QUEUED, "paused", &body_of("p"))).await;
+    assert_eq!((replay.status, replay.header("idempotent-replayed")), (201, Some("true")));
+    assert_eq!(upstream.hits("paused"), 1, "executed once");
+    waiting.abort();
+}

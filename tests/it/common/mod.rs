@@ -107,6 +107,9 @@ struct Seen {
     /// While set, a probe's answer is decided as the probe arrives and given only once the
     /// gate opens: an upstream slow to answer what it already knows.
     probe_gate: Option<Gate>,
+    /// Requests that arrived with `?queue_ms=`, per operation, whether or not they have left
+    /// the queue to execute yet.
+    queued: HashMap<String, u32>,
 }
 
 /// A fake upstream that counts every request per operation. By default it answers
@@ -178,6 +181,7 @@ async fn answer(
         }
     }
     if let Some(ms) = knobs.queue_ms {
+        *seen.lock().unwrap().queued.entry(op.clone()).or_default() += 1;
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
     if knobs.dedupe == Some(1) {
@@ -293,6 +297,11 @@ impl Upstream {
             assert!(Instant::now() < until, "the upstream saw {op} {} times, never {n}", self.hits(op));
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+
+    /// How many requests of `op` arrived in its own queue (`?queue_ms=`), executed or not yet.
+    pub fn queued(&self, op: &str) -> u32 {
+        self.seen.lock().unwrap().queued.get(op).copied().unwrap_or(0)
     }
 
     /// Every request that reached it, as `METHOD /path?query`.

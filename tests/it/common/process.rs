@@ -153,6 +153,23 @@ impl Node {
         std::fs::write(&self.config, format!("{}{body}", self.server)).unwrap();
     }
 
+    /// SIGSTOP: the process freezes where it stands, its connections open (a stop-the-world
+    /// stall, a frozen VM); see [`Node::resume`].
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT: the paused process goes on from where it stood.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.pid().unwrap_or_else(|| panic!("{} is not running", self.name));
+        let sent = Command::new("kill").arg(signal).arg(pid.to_string()).status().unwrap();
+        assert!(sent.success(), "could not send {signal} to {}", self.name);
+    }
+
     /// SIGHUP: asks the process to read its config file again.
     pub fn hangup(&self) {
         let pid = self.pid().unwrap_or_else(|| panic!("{} is not running", self.name));
