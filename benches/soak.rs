@@ -22,15 +22,21 @@
 //! The clients: each operation is a new key, one in five on `refunds`, the rest on `payments`,
 //! its upstream call taking from a few milliseconds to 2.5 s; one in eight is first held in the
 //! upstream's own queue for 1.2–3 s (past the probe's settle, within `per_try_timeout`) before it
-//! executes. A client waits 1 s for an answer, then sends the same request again (to the next
+//! executes. One `payments` operation in ten meets a gateway that answers 504 at once while the
+//! service behind it executes the request 1–4 s later, and its client insists: it retries
+//! through `outcome-unknown` until it hears the outcome, as an agent would, so a record freed
+//! before its attempt's bound would be executed again. Every third probe's answer comes back
+//! 1.5 s late. A client waits 1 s for an answer, then sends the same request again (to the next
 //! node), and so on until it gets the outcome (201, or `outcome-unknown`); one operation in six
 //! is sent by two clients at once. The faults, in turn, one every few seconds: a node killed
 //! (SIGKILL) and started again; a node paused (SIGSTOP) for two and a half leases and resumed;
 //! every worker of every node held by slow calls for longer than two leases; the store stalled
-//! for two leases (an exclusive lock held on it); and on PostgreSQL a restart of the server. On
-//! PostgreSQL the nodes' clocks disagree all along, by libfaketime (`FAKETIME_LIB`, Debian's
-//! package by default): one runs two leases ahead, one a lease behind. (Every node on one SQLite
-//! file shares its host, and so its clock: an offset between them cannot arise there.)
+//! for two leases (an exclusive lock held on it); a node paused for longer than an attempt's
+//! bound (its prober with it); and on PostgreSQL a restart of the server and one of its backends
+//! killed (SIGKILL), which makes the server restart every backend. On PostgreSQL the nodes'
+//! clocks disagree all along, by libfaketime (`FAKETIME_LIB`, Debian's package by default): one
+//! runs two leases ahead, one a lease behind. (Every node on one SQLite file shares its host, and
+//! so its clock: an offset between them cannot arise there.)
 //!
 //! It prints operations (keys: the clients' and the slow calls'), executions, duplicate executions (must be 0),
 //! acknowledged answers lost (must be 0: a client got a 201 that the record does not keep byte
@@ -60,6 +66,9 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(1);
 const CLIENTS: usize = 10;
 /// How long clients keep retrying their last operations once the faults stopped.
 const SETTLE: Duration = Duration::from_secs(60);
+/// How long a long pause holds a node: past an attempt's bound (`per_try_timeout`, 10 s, plus the
+/// send window and the clock margin), so that a probe it asked before is written after it.
+const LONG_PAUSE: Duration = Duration::from_millis(12_500);
 /// The library that offsets a node's clock (Debian's `faketime` package), unless
 /// `FAKETIME_LIB` names another.
 const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
@@ -177,6 +186,7 @@ async fn store_for(backend: Backend) -> Store {
 
 async fn soak(backend: Backend, secs: Duration) -> Report {
     let upstream = Upstream::start().await;
+    upstream.answer_probes_late(3, Duration::from_millis(1_500));
     let store = store_for(backend).await;
     let worker = format!("concurrency = {CONCURRENCY}\n");
     let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n\
@@ -220,7 +230,9 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
                 };
                 let copies = if rng.gen_range(0..6) == 0 { 2 } else { 1 };
                 let route = if rng.gen_range(0..5) == 0 { "/refunds?dedupe=1&" } else { "/payments?" };
+                let gateway = route == "/payments?" && rng.gen_range(0..10) == 0;
                 let queue = match rng.gen_range(0..8) {
+                    _ if gateway => format!("gateway_ms={}&", rng.gen_range(1_000..4_000)),
                     0 => format!("queue_ms={}&", rng.gen_range(1_200..3_000)),
                     _ => String::new(),
                 };
@@ -234,6 +246,7 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
                             body: format!(r#"{{"op":"{key}","amount":42}}"#),
                             release: Instant::now(),
                             nodes,
+                            insists: gateway,
                         };
                         tokio::spawn(send_until_settled(http.clone(), k, give_up))
                     })
@@ -311,8 +324,10 @@ async fn faults(
     let mut injected = BTreeMap::new();
     let mut slow = Vec::new();
     let kinds: &[&'static str] = match backend {
-        Backend::Postgres => &["kill", "pause", "saturate", "stall store", "restart store"],
-        Backend::Sqlite => &["kill", "pause", "saturate", "stall store"],
+        Backend::Postgres => {
+            &["kill", "pause", "saturate", "stall store", "restart store", "long pause", "kill backend"]
+        }
+        Backend::Sqlite => &["kill", "pause", "saturate", "stall store", "long pause"],
     };
     let mut turn = 0;
     while Instant::now() + 2 * LEASE < stop_at {
@@ -332,6 +347,13 @@ async fn faults(
                 tokio::time::sleep(LEASE * 5 / 2).await;
                 signal("-CONT", pid);
             }
+            "long pause" => {
+                let pid = nodes.lock().await[victim].pid().unwrap();
+                signal("-STOP", pid);
+                tokio::time::sleep(LONG_PAUSE).await;
+                signal("-CONT", pid);
+            }
+            "kill backend" => kill_backend(&store).await,
             "saturate" => slow.extend(saturate(&urls, &mut rng).await),
             "stall store" => stall(backend, &store, 2 * LEASE).await,
             "restart store" => restart_postgres(&store).await,
@@ -392,6 +414,29 @@ async fn stall(backend: Backend, store: &str, how_long: Duration) {
             sqlx::query("COMMIT").execute(&mut conn).await.unwrap();
         }
     }
+}
+
+/// Kills (SIGKILL) one backend serving the run's database: the server then ends every backend
+/// and recovers from its log, as it does when the OOM killer takes one. The server runs on this
+/// machine, as the soak's does.
+async fn kill_backend(store: &str) {
+    use sqlx::Connection;
+    let server = backend::postgres_server_url().unwrap();
+    let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+    let name = store.rsplit('/').next().unwrap().to_string();
+    let pid: Option<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid() ORDER BY backend_start LIMIT 1",
+    )
+    .bind(name)
+    .fetch_optional(&mut admin)
+    .await
+    .unwrap();
+    drop(admin);
+    if let Some(pid) = pid {
+        signal("-KILL", pid as u32);
+    }
+    // The server refuses connections while it recovers.
+    tokio::time::sleep(Duration::from_secs(2)).await;
 }
 
 /// Restarts the PostgreSQL server with `IDEM_SOAK_PG_RESTART`, or, without it, ends every

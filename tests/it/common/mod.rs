@@ -110,6 +110,10 @@ struct Seen {
     /// Requests that arrived with `?queue_ms=`, per operation, whether or not they have left
     /// the queue to execute yet.
     queued: HashMap<String, u32>,
+    /// Every `n`-th probe's answer is held this long after it is decided: an upstream slow to
+    /// answer what it already knows.
+    late_probes: Option<(u32, Duration)>,
+    probes_asked: u32,
 }
 
 /// A fake upstream that counts every request per operation. By default it answers
@@ -119,8 +123,10 @@ struct Seen {
 /// client that leaves meanwhile executes nothing); `?dedupe=1` makes it deduplicate by key, as a
 /// replay-safe route's upstream must (a key executed before gets that answer again, not a second
 /// execution), and fence by the broker's claim (`Idem-Attempt`: an attempt of an older claim of
-/// the record than one seen is refused 409, not executed). `GET /<route>/by-key/<key>` answers what that key's
-/// first execution answered, or 404: what a probe asks.
+/// the record than one seen is refused 409, not executed); `?gateway_ms=N` is a gateway in
+/// front of it that answers 504 at once while the service behind it executes the request N ms
+/// later all the same. `GET /<route>/by-key/<key>` answers what that key's first execution
+/// answered, or 404: what a probe asks.
 #[derive(Clone)]
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -135,6 +141,7 @@ struct Knobs {
     status: Option<u16>,
     queue_ms: Option<u64>,
     dedupe: Option<u8>,
+    gateway_ms: Option<u64>,
 }
 
 /// The record and claim an `Idem-Attempt` header names: `<record>; claim=<n>; attempt=<m>`.
@@ -166,13 +173,18 @@ async fn answer(
     let asked = format!("{method} {}", uri.path_and_query().map_or("", |p| p.as_str()));
     if method == axum::http::Method::GET {
         if let Some((_, key)) = uri.path().trim_start_matches('/').split_once("/by-key/") {
-            let (answer, gate) = {
+            let (answer, gate, late) = {
                 let mut seen = seen.lock().unwrap();
                 seen.received.push(asked);
-                (seen.answers.get(key).cloned(), seen.probe_gate.clone())
+                seen.probes_asked += 1;
+                let late = seen.late_probes.filter(|(every, _)| seen.probes_asked % every == 0).map(|(_, by)| by);
+                (seen.answers.get(key).cloned(), seen.probe_gate.clone(), late)
             };
             if let Some(gate) = gate {
                 gate.pass().await;
+            }
+            if let Some(late) = late {
+                tokio::time::sleep(late).await;
             }
             return match answer {
                 Some((status, body)) => (StatusCode::from_u16(status).unwrap(), body).into_response(),
@@ -183,6 +195,24 @@ async fn answer(
     if let Some(ms) = knobs.queue_ms {
         *seen.lock().unwrap().queued.entry(op.clone()).or_default() += 1;
         tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(ms) = knobs.gateway_ms {
+        // The gateway gives up on the service at once and says so; the service executes the
+        // request later all the same, as a 201 the probe will find.
+        let seen = seen.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let mut seen = seen.lock().unwrap();
+            seen.received.push(asked);
+            let n = {
+                let hits = seen.hits.entry(op.clone()).or_default();
+                *hits += 1;
+                *hits
+            };
+            let body = json!({"key": op, "n": n, "echo": String::from_utf8_lossy(&body)}).to_string();
+            seen.answers.entry(op).or_insert((201, body));
+        });
+        return (StatusCode::GATEWAY_TIMEOUT, "the gateway gave up on the service").into_response();
     }
     if knobs.dedupe == Some(1) {
         let mut seen = seen.lock().unwrap();
@@ -326,6 +356,12 @@ impl Upstream {
     /// The `Idem-Attempt` of every request of `op` that carried one, in order of arrival.
     pub fn attempts(&self, op: &str) -> Vec<String> {
         self.seen.lock().unwrap().attempts.get(op).cloned().unwrap_or_default()
+    }
+
+    /// From now on, every `every`-th probe (`GET /<route>/by-key/<key>`) is answered as things
+    /// stand when it arrives, but `by` later.
+    pub fn answer_probes_late(&self, every: u32, by: Duration) {
+        self.seen.lock().unwrap().late_probes = Some((every, by));
     }
 
     /// From now on, a probe (`GET /<route>/by-key/<key>`) is answered as things stand when it

@@ -321,6 +321,7 @@ pub async fn kill_loop(plan: KillLoop, nodes: &mut [Node], upstream: &Upstream) 
             body: serde_json::json!({"order": i, "memo": "m".repeat(200)}).to_string(),
             release: started + plan.spacing * i as u32,
             nodes: (0..urls.len()).map(|n| urls[(i + n) % urls.len()].clone()).collect(),
+            insists: false,
         })
         .collect();
     let clients = start_clients(keys, started + Duration::from_secs(40));
@@ -360,6 +361,9 @@ pub struct LoopKey {
     pub release: Instant,
     /// Data-plane URLs; the client moves to the next one after each failed try.
     pub nodes: Vec<String>,
+    /// An agent that retries through `outcome-unknown` too, until it hears the outcome: the
+    /// client of a record freed too early would execute it again.
+    pub insists: bool,
 }
 
 /// How a client's retries for one key ended.
@@ -400,7 +404,13 @@ pub async fn send_until_settled(http: reqwest::Client, k: LoopKey, give_up: Inst
                     Err(e) => last = format!("{status} cut short: {e}"),
                     Ok(bytes) => match status {
                         201 => return Ended::Acknowledged(bytes),
-                        502 if String::from_utf8_lossy(&bytes).contains("outcome-unknown") => return Ended::Unknown,
+                        502 if String::from_utf8_lossy(&bytes).contains("outcome-unknown") && !k.insists => {
+                            return Ended::Unknown
+                        }
+                        502 if String::from_utf8_lossy(&bytes).contains("outcome-unknown") => {
+                            last = "502 outcome-unknown".into();
+                            tokio::time::sleep(Duration::from_millis(400)).await;
+                        }
                         409 | 503 | 504 => last = format!("{status}: {}", String::from_utf8_lossy(&bytes)),
                         _ => return Ended::Unexpected(status, bytes),
                     },
