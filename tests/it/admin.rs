@@ -4,10 +4,27 @@ use crate::common::{both_stores, setup, Backend};
 
 use std::time::{Duration, Instant};
 
-use crate::common::{send, Answer, Broker, Reply, Upstream};
+use crate::common::{send, Answer, Broker, Db, Reply, TestConfig, Upstream};
 use serde_json::{json, Value};
 
 const BODY: &str = r#"{"amount":42}"#;
+
+/// How long after its mark a 504's attempt may still reach the upstream (its bound), on the
+/// routes of [`setup_short`]: `send_window` + `per_try_timeout` + `clock_margin`.
+const BOUND: Duration = Duration::from_millis(50 + 500 + 50);
+
+/// A broker whose attempts have a short bound ([`BOUND`]), so that an operator's "not executed"
+/// or retry, refused while a 504's attempt may still reach the upstream, can be seen applied
+/// once it cannot.
+async fn setup_short(b: Backend, tables: &str) -> (Upstream, Broker) {
+    let upstream = Upstream::start().await;
+    let tables = format!("[routes.retry]\nper_try_timeout = \"500ms\"\nmin_try = \"10ms\"\n{tables}");
+    let config = TestConfig::new(&upstream.url())
+        .worker("send_window = \"50ms\"\nclock_margin = \"50ms\"")
+        .tables(&tables);
+    let broker = Broker::start(&Db::new(b).await, config).await;
+    (upstream, broker)
+}
 
 /// Makes `key` unknown: the upstream answers 504 (ambiguous) on a route that is not replay-safe.
 async fn unknown(upstream: &Upstream, broker: &Broker, key: &str) -> String {
@@ -86,11 +103,21 @@ async fn resolving_executed_makes_duplicates_replay_the_operators_response(b: Ba
     assert_eq!(upstream.hits("settle-me"), 1);
 }
 
+/// An operator's "not executed" frees the key, once the 504's attempt can no longer reach the
+/// upstream: before that, it is refused, saying for how long (the service behind a gateway may
+/// still execute it).
 async fn resolving_not_executed_frees_the_key_for_a_fresh_execution(b: Backend) {
-    let (upstream, broker) = setup(b, "", "").await;
+    let (upstream, broker) = setup_short(b, "").await;
     let id = unknown(&upstream, &broker, "free-me").await;
-    let r = admin_post(&broker, &format!("/admin/requests/{id}/resolve"), json!({"outcome": "not_executed"})).await;
-    assert_eq!(r.status, 200);
+    // The attempt was marked before its answer came: its bound has passed once this has.
+    let answered = Instant::now();
+    let path = format!("/admin/requests/{id}/resolve");
+    let early = admin_post(&broker, &path, json!({"outcome": "not_executed"})).await;
+    early.assert_problem(409, "attempt-in-flight");
+    assert!(early.header("retry-after").is_some(), "says when to come back");
+    tokio::time::sleep_until((answered + BOUND).into()).await;
+    let r = admin_post(&broker, &path, json!({"outcome": "not_executed"})).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
     assert_eq!(r.json()["state"], "not_started");
     let again = send(broker.post("/payments", "free-me", BODY)).await;
     assert_eq!(again.status, 201);
@@ -98,13 +125,17 @@ async fn resolving_not_executed_frees_the_key_for_a_fresh_execution(b: Backend) 
     assert_eq!(upstream.hits("free-me"), 2);
 }
 
+/// An operator's retry re-drives an `unknown` record, once its attempt can no longer reach the
+/// upstream; before that it is refused.
 async fn an_operator_retry_redrives_an_unknown_record(b: Backend) {
-    let (upstream, broker) = setup(b, "", "").await;
+    let (upstream, broker) = setup_short(b, "").await;
     let id = unknown(&upstream, &broker, "again").await;
-    let r =
-        admin_post(&broker, &format!("/admin/requests/{id}/retry"), json!({"note": "provider confirmed no charge"}))
-            .await;
-    assert_eq!(r.status, 202);
+    let answered = Instant::now();
+    let path = format!("/admin/requests/{id}/retry");
+    admin_post(&broker, &path, json!({})).await.assert_problem(409, "attempt-in-flight");
+    tokio::time::sleep_until((answered + BOUND).into()).await;
+    let r = admin_post(&broker, &path, json!({"note": "provider confirmed no charge"})).await;
+    assert_eq!(r.status, 202, "{:?}", r.body);
     let record = broker.await_record("again", std::time::Duration::from_secs(10), |v| v["state"] == "done").await;
     assert_eq!(record["response"]["status"], 201);
     assert_eq!(upstream.hits("again"), 2);
@@ -225,11 +256,13 @@ async fn the_cli_lists_shows_and_settles_the_queue(b: Backend) {
 }
 
 async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_history(b: Backend) {
-    let (upstream, broker) = setup(b, "", "[routes.circuit]\nfailures = 100\n").await;
+    let (upstream, broker) = setup_short(b, "[routes.circuit]\nfailures = 100\n").await;
     let mut ids = Vec::new();
     for i in 0..4 {
         ids.push(unknown(&upstream, &broker, &format!("bulk{i}")).await);
     }
+    // Every 504's attempt past its bound: "not executed" may be said of them all.
+    let answered = Instant::now();
     send(broker.post("/payments", "bulk-done", BODY)).await;
 
     let filter = json!({"state": "unknown", "route": "payments", "tenant": "default"});
@@ -265,6 +298,7 @@ async fn a_bulk_action_is_planned_then_applied_to_each_record_with_its_own_histo
         admin_post(&broker, "/admin/requests/bulk", json!({"filter": early, "action": "retry", "dry_run": true}));
     assert_eq!(none.await.json()["count"], 0);
 
+    tokio::time::sleep_until((answered + BOUND).into()).await;
     let applied = admin_post(
         &broker,
         "/admin/requests/bulk",
