@@ -114,13 +114,21 @@ async fn ready(State(admin): State<Arc<Admin>>) -> Response {
 
 /// This node as it stands, whatever the store's state: what the console's banner shows. The
 /// store's durability is what its database reported when it opened, not what was asked: an
-/// operator checking `[store] sync` sees what holds.
+/// operator checking `[store] sync` sees what holds. On PostgreSQL, the host serving the store,
+/// its timeline and start, and how often the serving server changed (a failover) since the node started.
 async fn node(State(admin): State<Arc<Admin>>) -> Response {
     let durability = admin.store.durability();
+    let mut store = serde_json::json!({"sync": durability.sync.as_str(), "setting": durability.setting});
+    if let Some(serving) = admin.store.serving() {
+        store["host"] = serving.host.into();
+        store["timeline"] = serving.timeline.into();
+        store["started"] = serving.started.into();
+        store["changes"] = serving.changes.into();
+    }
     Json(serde_json::json!({
         "node": admin.worker.owner(),
         "unrecorded_outcomes": admin.worker.unrecorded_outcomes(),
-        "store": {"sync": durability.sync.as_str(), "setting": durability.setting},
+        "store": store,
     }))
     .into_response()
 }

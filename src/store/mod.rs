@@ -428,6 +428,11 @@ pub trait Store: Send + Sync + 'static {
     /// opening (`/admin/node`): read then, so that asking works whatever the store's state.
     fn durability(&self) -> DurabilityInForce;
 
+    /// The server it is connected to, where it names one; `None` for SQLite's file.
+    fn serving(&self) -> Option<Serving> {
+        None
+    }
+
     // ---- stats ------------------------------------------------------------------------------
 
     /// Adds replays and 409s counted in memory to the per-second counters every node shares,
@@ -474,6 +479,21 @@ pub trait Store: Send + Sync + 'static {
     /// Stops what the store runs in the background beside its writes (PostgreSQL's relay of
     /// notices) and waits for it: a node's last step in a shutdown.
     async fn close(&self) {}
+}
+
+/// The server a store is connected to, where it can name one (PostgreSQL's): `GET /admin/node`
+/// and `idem check --connect` show it, and the take-over sweep holds back after it changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Serving {
+    /// The host serving it, as `host:port`.
+    pub host: String,
+    /// Its timeline: a promotion starts a new one. `None` until a health check has read it.
+    pub timeline: Option<String>,
+    /// When it started (UTC): a server started afresh on another machine keeps its timeline.
+    pub started: Option<String>,
+    /// How often the serving server changed (another host, a new timeline or start) since the store
+    /// opened: leases and bounds set in one server's clock are judged in another's after it.
+    pub changes: u64,
 }
 
 /// A change to a record, announced to every process that shares the store.

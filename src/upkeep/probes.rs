@@ -34,8 +34,19 @@ pub async fn probes(
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // After the store's server changed (a failover), the bounds read were set in another
+    // server's clock: no probe is judged against them for a lease and the clock margin.
+    let (mut changes, mut held_until) = (store.serving().map(|s| s.changes), None);
     while turns.next(tick.tick()).await.is_some() {
         let config = config.current();
+        let now = store.serving().map(|s| s.changes);
+        if now != changes {
+            changes = now;
+            held_until = Some(tokio::time::Instant::now() + config.worker.lease + config.worker.clock_margin);
+        }
+        if held_until.is_some_and(|until| tokio::time::Instant::now() < until) {
+            continue;
+        }
         for route in config.routes.iter().filter(|r| r.probe.is_some()) {
             if let Err(e) = probe_once(&*store, &upstream, route, &worker, &*clock).await {
                 e.log(&format!("probing the records of route {} failed; will try again", route.name));

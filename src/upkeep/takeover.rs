@@ -71,6 +71,10 @@ pub struct Sweeper {
     store: Arc<dyn Store>,
     worker: Worker,
     hold: Hold,
+    /// How often the store's server had changed (a failover) when last seen: a change holds
+    /// take-overs back for a lease and the clock margin, since the leases were set in the old
+    /// server's clock and are now judged in the new one's.
+    changes: Option<u64>,
 }
 
 /// Whether a sweep takes leases over.
@@ -86,20 +90,33 @@ enum Hold {
 impl Sweeper {
     /// A sweep that takes over from its first pass: for tests that play a node already running.
     pub fn new(store: Arc<dyn Store>, worker: Worker) -> Sweeper {
-        Sweeper { store, worker, hold: Hold::No }
+        let changes = store.serving().map(|s| s.changes);
+        Sweeper { store, worker, hold: Hold::No, changes }
     }
 
     /// The sweep of a node starting now, which takes nothing over for its first `lease`: a
     /// node elsewhere may hold an answer it told during an outage this one never saw, and it
     /// writes it within that lease once the store answers.
     pub fn starting(store: Arc<dyn Store>, worker: Worker, lease: Duration) -> Sweeper {
-        Sweeper { store, worker, hold: Hold::Until(tokio::time::Instant::now() + lease) }
+        Sweeper { hold: Hold::Until(tokio::time::Instant::now() + lease), ..Sweeper::new(store, worker) }
     }
 
     /// One pass, as of `now` (just read): expired leases taken over (unless held since the store
     /// failed), then queued records nobody claimed.
     pub async fn pass(&mut self, config: &Config, now: Timestamp) -> Result<(), crate::store::StoreError> {
         let read = crate::clock::Moment::now();
+        let changes = self.store.serving().map(|s| s.changes);
+        if changes != self.changes {
+            // A failover: the leases read now were set in another server's clock.
+            let until = read.instant() + config.worker.lease + config.worker.clock_margin;
+            self.hold = match self.hold {
+                Hold::Until(held) if held > until => Hold::Until(held),
+                Hold::UntilAnswered => Hold::UntilAnswered,
+                _ => Hold::Until(until),
+            };
+            self.changes = changes;
+            tracing::warn!("the store's server changed: no take-over for a lease and the clock margin");
+        }
         let holding = match self.hold {
             Hold::No => false,
             Hold::UntilAnswered => true,

@@ -158,7 +158,13 @@ impl Worker {
             lock(&inner.mine).insert(id);
         }
         let queued = Instant::now();
-        let admitted = inner.store.admit(store::Admit { new, retention_cutoff }).await;
+        let (tenant, key) = (new.tenant.clone(), new.key.clone());
+        let admitted = match inner.store.admit(store::Admit { new, retention_cutoff }).await {
+            // Its answer was lost: the insert may or may not be committed. Read back, the key's
+            // record says which; never taken as "not written".
+            Err(e) => admission_in_doubt(&*inner.store, inner.lease, &tenant, &key, id, e).await,
+            admitted => admitted,
+        };
         if !matches!(&admitted, Ok(Admission::Created(_))) {
             lock(&inner.mine).remove(&id);
         }
@@ -209,6 +215,27 @@ impl Worker {
             Some(record) => Admitted::Existing(record),
             None => Admitted::Refused(refusal),
         })
+    }
+}
+
+/// Settles an admission whose answer was lost (`error`) by reading the key's record back: this
+/// request's own record (`id`) was inserted, claimed or queued as the insert said; another
+/// record answers the request; none, and the request was not recorded: the error stands.
+async fn admission_in_doubt(
+    store: &dyn store::Store,
+    lease: std::time::Duration,
+    tenant: &crate::domain::Tenant,
+    key: &crate::domain::IdempotencyKey,
+    id: crate::domain::RecordId,
+    error: store::StoreError,
+) -> Result<Admission, store::StoreError> {
+    match super::read_back(lease, || store.lookup(tenant, key)).await {
+        Ok(Some(record)) if record.id == id => {
+            tracing::warn!(error = %error, "the answer to an admission was lost; read back, it is recorded");
+            Ok(Admission::Created(record))
+        }
+        Ok(Some(record)) => Ok(Admission::Existing(record)),
+        _ => Err(error),
     }
 }
 

@@ -258,15 +258,16 @@ impl Inner {
                     reach: self.reach(limit),
                     policy_version: chosen.version.clone(),
                 };
-                match self.store.attempt_started(mark).await {
-                    Ok(Lease::Held { cancel_requested: false }) => job.trust.renewed(started_here, self.trust()),
-                    Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
-                    Ok(Lease::Lost) => return Err(End::Lost),
-                    Err(e) => {
-                        // Without a durable "may have been sent" mark the attempt must not go out.
-                        warn!(error = %e, "could not record an attempt; not sending it");
-                        return Err(End::Lost);
-                    }
+                let marked = match self.store.attempt_started(mark).await {
+                    Ok(lease) => lease,
+                    // Its answer was lost (the connection died under it, the primary failed over):
+                    // the mark may or may not be committed. Never taken as "not written".
+                    Err(e) => self.mark_in_doubt(job, p.number, &e).await?,
+                };
+                match marked {
+                    Lease::Held { cancel_requested: false } => job.trust.renewed(started_here, self.trust()),
+                    Lease::Held { cancel_requested: true } => return Err(End::Stop(StopReason::Cancelled, None)),
+                    Lease::Lost => return Err(End::Lost),
                 }
                 started_here
             }
@@ -276,6 +277,32 @@ impl Inner {
         }
         let send_by = (marked + self.send_window).min(job.trust.trusted_until());
         Ok(Begun { started, in_flight, limit, send_by })
+    }
+
+    /// Settles a mark whose answer was lost by reading the record back under its claim, before
+    /// anything is sent: found marked, the attempt goes (within its send window, counted from
+    /// before the write, which has likely passed); found without the mark, nothing was written
+    /// and the record is handed back for a claim of its own. When it cannot be read either
+    /// ([`super::read_back`]), nothing is sent, and the claim's lease runs out.
+    async fn mark_in_doubt(&self, job: &Job<'_>, number: u32, error: &store::StoreError) -> Result<Lease, End> {
+        let held = |r: &Record| r.claim == job.holder.token && r.state == crate::domain::State::InProgress;
+        let read = super::read_back(self.lease, || self.store.get(job.record.id)).await;
+        match read {
+            Ok(Some(r)) if held(&r) && r.in_flight.map(|(n, _)| n) == Some(number) => {
+                warn!(error = %error, "the answer to an attempt's mark was lost; read back, the mark is there: sending it");
+                Ok(Lease::Held { cancel_requested: r.cancel_requested })
+            }
+            Ok(Some(r)) if held(&r) => {
+                warn!(error = %error, "the answer to an attempt's mark was lost; read back, it is not there: not sending it");
+                Err(End::HandBack(HandBack::ClaimInDoubt))
+            }
+            Ok(_) => Ok(Lease::Lost),
+            Err(again) => {
+                // Without a durable "may have been sent" mark known, the attempt must not go out.
+                warn!(error = %error, read = %again, "could not record an attempt, nor read it back; not sending it");
+                Err(End::Lost)
+            }
+        }
     }
 
     /// Sends the attempt, keeping the lease alive while it is in flight. An answer that streams

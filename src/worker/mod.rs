@@ -456,3 +456,24 @@ impl Worker {
         }
     }
 }
+
+/// Reads back, with `read`, what a write whose answer was lost left in the store: the store that
+/// just failed to answer is asked again while it is out (a failover takes seconds), for up to a
+/// third of `lease`, so that the claim it was made under is still held when the answer comes.
+/// Its last error, if it never answers.
+async fn read_back<T, F>(lease: Duration, read: impl Fn() -> F) -> Result<T, StoreError>
+where
+    F: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let give_up = tokio::time::Instant::now() + lease / 3;
+    let mut wait = Duration::from_millis(50);
+    loop {
+        match read().await {
+            Err(e) if e.is_outage() && tokio::time::Instant::now() + wait < give_up => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(1));
+            }
+            read => return read,
+        }
+    }
+}

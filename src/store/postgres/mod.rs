@@ -23,10 +23,12 @@
 
 mod actions;
 mod admissions;
+mod hosts;
 mod lanes;
 mod leases;
 mod notices;
 mod outcomes;
+mod primary;
 pub(super) mod recorded;
 mod rows;
 mod stats;
@@ -35,23 +37,24 @@ mod switches;
 mod tests;
 mod upkeep;
 
-use std::str::FromStr;
-
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 use sqlx::Connection;
 use tokio::sync::{broadcast, oneshot};
 
 use self::admissions::Admissions;
+use self::hosts::Hosts;
+use self::primary::{Found, Primary};
 use self::outcomes::Outcomes;
 use self::rows::{get, COLUMNS};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice, Serving,
     Page, Probed, ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
@@ -69,6 +72,9 @@ const MAX_CONNECTIONS: u32 = 16;
 const NOTICE_BACKLOG: usize = 1024;
 pub struct PostgresStore {
     pool: PgPool,
+    /// The server it writes to, among the hosts its URL names: the pool connects there, and
+    /// follows a failover to the new primary.
+    primary: Arc<Primary>,
     /// Whose clock leases and attempt bounds are kept in: the server's, but for tests.
     clock: LeaseClock,
     admissions: Admissions,
@@ -76,8 +82,6 @@ pub struct PostgresStore {
     notices: broadcast::Sender<Notice>,
     /// The task relaying notifications and what stops it: [`Store::close`], or the store's drop.
     relay: std::sync::Mutex<Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>>,
-    /// How the health checks connect: as the pool does.
-    connect: PgConnectOptions,
     durability: DurabilityInForce,
     /// The health checks' own connection: a pool busy with requests must not pass for a
     /// database that is down, nor a pool's idle connection for one that is up.
@@ -90,47 +94,96 @@ impl PostgresStore {
     /// ([`LeaseClock::Database`]) but for tests that hold time still. Its sessions commit as
     /// `sync` says.
     pub async fn open(url: &str, sync: Durability, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
-        let connect = session(url, sync)?;
-        let pool = PgPoolOptions::new().max_connections(MAX_CONNECTIONS).connect_with(connect.clone()).await?;
+        let primary = Primary::connect(session(url, sync)?).await?;
+        let pool = primary.pool().clone();
         let store = stored_protocol(&pool).await?;
         protocol::check(store)?;
         protocol::startable(store)?;
         migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         let durability = durability_in_force(&pool, sync).await?;
+        warn_without_synchronous_standby(&pool, &primary.serving().host).await;
         // Listen before returning, so no change made after `open` goes unannounced.
-        let listener = notices::listen(url).await?;
+        let listener = notices::listen(&pool).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
         let (relay, stop) = oneshot::channel();
-        let relaying = tokio::spawn(notices::relay_notices(url.to_string(), listener, notices.clone(), stop));
+        let relaying = tokio::spawn(notices::relay_notices(pool.clone(), listener, notices.clone(), stop));
         let (admissions, outcomes) = (Admissions::start(pool.clone(), clock), Outcomes::start(pool.clone(), clock));
         let health_check = tokio::sync::Mutex::new(None);
         Ok(PostgresStore {
             pool,
+            primary,
             clock,
             admissions,
             outcomes,
             notices,
             relay: std::sync::Mutex::new(Some((relay, relaying))),
-            connect,
             durability,
             health_check,
         })
     }
+
 }
 
-/// How this node connects: as `url` says, declaring on every connection the store protocol it
-/// speaks, which the store's trigger checks on every write to `records` (`migrations/postgres`).
-fn options(url: &str) -> Result<PgConnectOptions, StoreError> {
-    let options =
-        PgConnectOptions::from_str(url).map_err(|e| StoreError::Unavailable(format!("bad postgres url: {e}")))?;
-    Ok(options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())]))
+/// Warns when the primary at `host` replicates to no synchronous standby: a failover may then
+/// lose commits it acknowledged, answers told and claims acted on included
+/// (docs/high-availability.md).
+async fn warn_without_synchronous_standby(pool: &PgPool, host: &str) {
+    if let Ok(Some(replication)) = replication(pool).await {
+        if let Some(warning) = replication.warning() {
+            tracing::warn!(host, "{warning}");
+        }
+    }
+}
+
+/// How the primary replicates, as far as a failover's losses go: its `synchronous_standby_names`
+/// and how many standbys stream from it. `None` when the server is a standby itself.
+pub(crate) async fn replication(pool: &PgPool) -> Result<Option<Replication>, StoreError> {
+    let (standby, names): (bool, String) =
+        sqlx::query_as("SELECT pg_is_in_recovery(), current_setting('synchronous_standby_names')")
+            .fetch_one(pool)
+            .await?;
+    if standby {
+        return Ok(None);
+    }
+    // Only a superuser, or a role of `pg_read_all_stats`, sees the standbys streaming.
+    let streaming: Option<i64> = sqlx::query_scalar("SELECT count(*) FROM pg_stat_replication")
+        .fetch_one(pool)
+        .await
+        .ok();
+    Ok(Some(Replication { synchronous_standby_names: names, streaming }))
+}
+
+/// See [`replication`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Replication {
+    pub(crate) synchronous_standby_names: String,
+    pub(crate) streaming: Option<i64>,
+}
+
+impl Replication {
+    /// What a failover may lose, when it may lose anything acknowledged.
+    pub(crate) fn warning(&self) -> Option<String> {
+        self.synchronous_standby_names.trim().is_empty().then(|| {
+            "the store's primary has no synchronous standby (synchronous_standby_names is empty): a failover to an \
+             asynchronous standby may lose commits it acknowledged, and a key whose claim or answer is lost then \
+             executes again (docs/high-availability.md)"
+                .to_string()
+        })
+    }
+}
+
+/// The hosts this node's store connects to, as `url` names them, each connection declaring the
+/// store protocol it speaks, which the store's trigger checks on every write to `records`
+/// (`migrations/postgres`).
+fn options(url: &str) -> Result<Hosts, StoreError> {
+    Ok(Hosts::parse(url)?.map(|options| options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())])))
 }
 
 /// How this node's store connects, committing as the database does. `normal` is refused: on
 /// PostgreSQL it could only turn `synchronous_commit` off, whose commits any crash of the server
 /// loses (one backend killed by the OOM killer restarts them all), answers told included
 /// (docs/guarantees.md#power-loss-and-store-sync). The configuration refuses it first.
-fn session(url: &str, sync: Durability) -> Result<PgConnectOptions, StoreError> {
+fn session(url: &str, sync: Durability) -> Result<Hosts, StoreError> {
     match sync {
         Durability::Full => options(url),
         Durability::Normal => Err(StoreError::Unavailable(
@@ -162,7 +215,8 @@ async fn durability_in_force(pool: &PgPool, sync: Durability) -> Result<Durabili
 /// whose attempt may be on its way to at least `reach` from now, in the server's clock: the
 /// older protocol may have cut one short (docs/operations.md#upgrading).
 pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(options(url)?).await?;
+    let (_, primary) = options(url)?.pick().await?;
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
     let from = stored_protocol(&pool).await?;
     protocol::check(from)?;
     let moving = from.filter(|&from| from < protocol::STORE_PROTOCOL);
@@ -202,7 +256,8 @@ fn migrations() -> sqlx::migrate::Migrator {
 /// The protocol the database at `url` speaks, its migrations and this build's, changing nothing:
 /// `idem migrate --status`.
 pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(options(url)?).await?;
+    let (_, primary) = options(url)?.pick().await?;
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
     let store = stored_protocol(&pool).await?;
     let has_migrations: bool =
         sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&pool).await?;
@@ -360,17 +415,42 @@ impl Store for PostgresStore {
         upkeep::sweep_done(&self.pool, self.clock, sweep).await
     }
 
+    /// The server answers and takes writes. A server that fails or has become a standby, where the
+    /// URL names several, sends the store looking for the new primary; a new timeline or start
+    /// behind the same address (a promotion, a managed service's failover) counts as a change of
+    /// server (docs/high-availability.md).
     async fn ping(&self) -> Result<(), StoreError> {
         let mut held = self.health_check.lock().await;
         // Taken out while in use: a check that fails, or is abandoned halfway, leaves no
-        // connection in an unknown state behind; the next one connects afresh.
-        let mut conn = match held.take() {
-            Some(conn) => conn,
-            None => PgConnection::connect_with(&self.connect).await?,
+        // connection in an unknown state behind; the next one connects afresh, where the pool
+        // connects now.
+        let checked = async {
+            let mut conn = match held.take() {
+                Some(conn) => conn,
+                None => PgConnection::connect_with(&self.pool.connect_options()).await?,
+            };
+            let found = primary::ask(&mut conn).await?;
+            Ok::<_, StoreError>((conn, found))
+        }
+        .await;
+        let (conn, found) = match checked {
+            Ok((conn, found)) => (Some(conn), Ok(found)),
+            Err(e) => (None, Err(e)),
         };
-        sqlx::query("SELECT 1").execute(&mut conn).await?;
-        *held = Some(conn);
-        Ok(())
+        self.primary.checked(&found);
+        match found? {
+            Found::Primary(_) => {
+                *held = conn;
+                Ok(())
+            }
+            Found::Standby => {
+                Err(StoreError::Unavailable("the store's server is a standby: looking for the primary".into()))
+            }
+        }
+    }
+
+    fn serving(&self) -> Option<Serving> {
+        Some(self.primary.serving())
     }
 
     fn durability(&self) -> DurabilityInForce {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgListener, PgPool};
 use tokio::sync::{broadcast, oneshot};
 use uuid::Uuid;
 
@@ -14,8 +14,9 @@ use crate::store::{Notice, StoreError};
 /// The channel the trigger of `migrations/postgres` notifies on.
 const CHANNEL: &str = "idem_records";
 
-pub(super) async fn listen(url: &str) -> Result<PgListener, StoreError> {
-    let mut listener = PgListener::connect(url).await?;
+/// A listener on the server `pool` connects to now: it follows the pool to a new primary.
+pub(super) async fn listen(pool: &PgPool) -> Result<PgListener, StoreError> {
+    let mut listener = PgListener::connect_with(pool).await?;
     listener.listen(CHANNEL).await?;
     Ok(listener)
 }
@@ -24,7 +25,7 @@ pub(super) async fn listen(url: &str) -> Result<PgListener, StoreError> {
 /// dropped connection; when that fails too, the listener is rebuilt after a growing pause.
 /// Notifications sent while disconnected are lost: subscribers must not rely on them alone.
 pub(super) async fn relay_notices(
-    url: String,
+    pool: PgPool,
     mut listener: PgListener,
     notices: broadcast::Sender<Notice>,
     mut stop: oneshot::Receiver<()>,
@@ -42,7 +43,7 @@ pub(super) async fn relay_notices(
                 _ = tokio::time::sleep(pause) => {}
             }
             pause = (pause * 2).min(Duration::from_secs(10));
-            match listen(&url).await {
+            match listen(&pool).await {
                 Ok(fresh) => {
                     listener = fresh;
                     pause = Duration::from_millis(100);

@@ -360,6 +360,7 @@ impl Upstream {
 
     /// From now on, every `every`-th probe (`GET /<route>/by-key/<key>`) is answered as things
     /// stand when it arrives, but `by` later.
+    #[allow(dead_code)] // the soak's
     pub fn answer_probes_late(&self, every: u32, by: Duration) {
         self.seen.lock().unwrap().late_probes = Some((every, by));
     }

@@ -1,0 +1,187 @@
+//! The hosts a PostgreSQL store URL names, libpq's way: `postgres://user@h1:5432,h2:5432/db?
+//! target_session_attrs=read-write` (docs/high-availability.md). sqlx takes one host and ignores
+//! `target_session_attrs`, so the store picks the host itself: it asks each in turn, in the
+//! order given, whether it takes writes, and connects its pool there. When the connections die
+//! (a failover), it asks again and points the pool at the new primary, without a restart.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::Connection;
+
+use crate::store::StoreError;
+
+/// Which host of several the store connects to: libpq's `target_session_attrs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// The first host that accepts a connection (`any`): one endpoint that always leads to the
+    /// primary, as a managed service's does.
+    Any,
+    /// The first that takes writes (`read-write`, or `primary`: the same to a store that only
+    /// ever writes).
+    ReadWrite,
+}
+
+/// The hosts of a store URL, each with the URL's other settings, and which one to pick.
+#[derive(Debug, Clone)]
+pub(crate) struct Hosts {
+    /// Each host's connection options, in the URL's order, with its name as `host:port`.
+    hosts: Vec<(String, PgConnectOptions)>,
+    pub(crate) target: Target,
+}
+
+/// How long asking one host may take before the next is asked.
+const ASK_WITHIN: Duration = Duration::from_secs(5);
+
+impl Hosts {
+    /// Reads a store URL with one host or several (`h1:5432,h2:5432`), and its
+    /// `target_session_attrs` (`read-write` when there are several and it says nothing).
+    pub(crate) fn parse(url: &str) -> Result<Hosts, StoreError> {
+        let bad = |why: String| StoreError::Unavailable(format!("bad postgres url: {why}"));
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no `postgres://`".into()))?;
+        let (authority, tail) = match rest.find(['/', '?']) {
+            Some(at) => rest.split_at(at),
+            None => (rest, ""),
+        };
+        let (user, hostlist) = match authority.rsplit_once('@') {
+            Some((user, hosts)) => (Some(user), hosts),
+            None => (None, authority),
+        };
+        let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
+        let mut target = None;
+        let mut kept = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("target_session_attrs", value)) => target = Some(target_of(value)?),
+                _ => kept.push(pair),
+            }
+        }
+        let names = split_hosts(hostlist);
+        if names.iter().any(|h| h.is_empty()) {
+            return Err(bad(format!("an empty host in `{hostlist}`")));
+        }
+        let several = names.len() > 1;
+        let query = if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) };
+        let hosts = names
+            .into_iter()
+            .map(|host| {
+                let user = user.map(|u| format!("{u}@")).unwrap_or_default();
+                let one = format!("{scheme}://{user}{host}{path}{query}");
+                let options = PgConnectOptions::from_str(&one).map_err(|e| bad(e.to_string()))?;
+                let name = format!("{}:{}", options.get_host(), options.get_port());
+                Ok((name, options))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let target = target.unwrap_or(if several { Target::ReadWrite } else { Target::Any });
+        Ok(Hosts { hosts, target })
+    }
+
+    /// Each host's options with `change` made to them (the protocol each connection declares, say).
+    pub(crate) fn map(mut self, change: impl Fn(PgConnectOptions) -> PgConnectOptions) -> Hosts {
+        self.hosts = self.hosts.into_iter().map(|(name, options)| (name, change(options))).collect();
+        self
+    }
+
+    /// The first host's options: where a single-host URL connects.
+    pub(crate) fn first(&self) -> (&str, &PgConnectOptions) {
+        let (name, options) = &self.hosts[0];
+        (name, options)
+    }
+
+    pub(crate) fn several(&self) -> bool {
+        self.hosts.len() > 1
+    }
+
+    /// The host to connect to: with one host, it; with several, the first (in the URL's order)
+    /// that accepts a connection and, for [`Target::ReadWrite`], is not a standby. Each refusal is
+    /// named in the error when none will do.
+    pub(crate) async fn pick(&self) -> Result<(String, PgConnectOptions), StoreError> {
+        if !self.several() && self.target == Target::Any {
+            let (name, options) = self.first();
+            return Ok((name.to_string(), options.clone()));
+        }
+        // Every host is asked at once, so that one that does not answer delays nothing beyond
+        // ASK_WITHIN; the answers are taken in the URL's order.
+        let asks: Vec<_> = self
+            .hosts
+            .iter()
+            .map(|(_, options)| tokio::spawn(tokio::time::timeout(ASK_WITHIN, takes_writes(options.clone()))))
+            .collect();
+        let mut refusals = Vec::new();
+        for ((name, options), ask) in self.hosts.iter().zip(asks) {
+            match ask.await {
+                Ok(Ok(Ok(true))) => return Ok((name.clone(), options.clone())),
+                Ok(Ok(Ok(false))) if self.target == Target::Any => return Ok((name.clone(), options.clone())),
+                Ok(Ok(Ok(false))) => refusals.push(format!("{name} is a standby")),
+                Ok(Ok(Err(e))) => refusals.push(format!("{name}: {e}")),
+                Ok(Err(_)) => refusals.push(format!("{name} did not answer within {ASK_WITHIN:?}")),
+                Err(e) => refusals.push(format!("{name}: {e}")),
+            }
+        }
+        Err(StoreError::Unavailable(format!("no host of the store takes writes: {}", refusals.join("; "))))
+    }
+}
+
+/// Whether the server at `options` takes writes: not a standby in recovery.
+async fn takes_writes(options: PgConnectOptions) -> Result<bool, StoreError> {
+    let mut conn = PgConnection::connect_with(&options).await?;
+    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()").fetch_one(&mut conn).await?;
+    let _ = conn.close().await;
+    Ok(!standby)
+}
+
+/// `target_session_attrs`, as a store that writes can take it.
+fn target_of(value: &str) -> Result<Target, StoreError> {
+    match value {
+        "any" => Ok(Target::Any),
+        "read-write" | "primary" => Ok(Target::ReadWrite),
+        other => Err(StoreError::Unavailable(format!(
+            "bad postgres url: target_session_attrs={other}: Idem writes to its store, so it takes `read-write` \
+             (or `primary`), or `any` for one endpoint that always leads to the primary"
+        ))),
+    }
+}
+
+/// `h1:5432,[::1]:5433,h3` → each host, with its port if it has one (brackets kept for sqlx).
+fn split_hosts(list: &str) -> Vec<&str> {
+    list.split(',').collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_url_of_several_hosts_is_one_url_per_host_with_the_rest_kept() {
+        let hosts = Hosts::parse(
+            "postgres://idem:secret@db1:5432,db2:6543,[::1]/idem?sslmode=disable&target_session_attrs=read-write",
+        )
+        .unwrap();
+        let names: Vec<&str> = hosts.hosts.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["db1:5432", "db2:6543", "[::1]:5432"]);
+        assert_eq!(hosts.target, Target::ReadWrite);
+        for (_, options) in &hosts.hosts {
+            assert_eq!((options.get_username(), options.get_database()), ("idem", Some("idem")));
+        }
+    }
+
+    #[test]
+    fn target_session_attrs_defaults_to_read_write_for_several_hosts_and_any_for_one() {
+        assert_eq!(Hosts::parse("postgres://u@a,b/db").unwrap().target, Target::ReadWrite);
+        assert_eq!(Hosts::parse("postgres://u@a/db").unwrap().target, Target::Any);
+        assert_eq!(Hosts::parse("postgres://u@a/db?target_session_attrs=primary").unwrap().target, Target::ReadWrite);
+        assert_eq!(Hosts::parse("postgres://u@a,b/db?target_session_attrs=any").unwrap().target, Target::Any);
+        assert!(!Hosts::parse("postgresql://u@a").unwrap().several());
+    }
+
+    #[test]
+    fn a_target_that_cannot_take_writes_or_an_empty_host_is_refused_saying_why() {
+        let standby = Hosts::parse("postgres://u@a,b/db?target_session_attrs=standby").unwrap_err().to_string();
+        assert!(standby.contains("target_session_attrs=standby") && standby.contains("read-write"), "{standby}");
+        let prefer = Hosts::parse("postgres://u@a,b/db?target_session_attrs=prefer-standby").unwrap_err().to_string();
+        assert!(prefer.contains("prefer-standby"), "{prefer}");
+        let empty = Hosts::parse("postgres://u@a,,b/db").unwrap_err().to_string();
+        assert!(empty.contains("an empty host"), "{empty}");
+    }
+}
