@@ -204,10 +204,9 @@ impl ListenerTls {
 /// the authority `sslrootcert` names readable PEM, so that a typo is refused by `idem check`
 /// rather than at the first connection.
 pub(super) fn check_postgres_url(url: &str) -> Result<(), ConfigError> {
-    use std::str::FromStr;
-    sqlx::postgres::PgConnectOptions::from_str(url).map_err(|e| invalid("store.url", e.to_string()))?;
-    let parsed = url::Url::parse(url).map_err(|e| invalid("store.url", e.to_string()))?;
-    for (name, value) in parsed.query_pairs() {
+    crate::store::postgres::check_url(url).map_err(|why| invalid("store.url", why))?;
+    let query = url.split_once('?').map_or("", |(_, query)| query);
+    for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
         if name == "sslrootcert" {
             certificates("store.url", Path::new(value.as_ref()))?;
         }

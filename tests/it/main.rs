@@ -22,6 +22,7 @@ mod demo;
 mod deploy;
 mod edge;
 mod engine;
+mod failover;
 mod logs;
 mod mcp;
 mod metrics;

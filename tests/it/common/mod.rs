@@ -4,6 +4,7 @@ pub mod faulty;
 pub mod pki;
 pub mod process;
 pub mod sse;
+pub mod wire;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
