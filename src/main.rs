@@ -127,11 +127,29 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
                 .with_context(|| format!("migrating {}", config.store.url))?;
             println!("migrations applied to {}", config.store.url);
         }
-        Command::Check { config } => {
+        Command::Check { config, connect } => {
             let (config, unset) = Config::load_offline(&config)?;
             print!("{}", idem::config::describe(&config));
             for var in unset {
                 eprintln!("warning: the environment variable {var} is not set (or empty); `idem serve` refuses this config until it is");
+            }
+            if connect {
+                let found = idem::store::inspect(&config.store.url)
+                    .await
+                    .with_context(|| format!("connecting to the store {}", config.store.url))?;
+                println!("\nstore            {}", config.store.url);
+                if let Some(serving) = &found.serving {
+                    let timeline = serving.timeline.as_deref().unwrap_or("none: a standby");
+                    let started = serving.started.as_deref().unwrap_or("-");
+                    println!("serving host     {} (timeline {timeline}, started {started})", serving.host);
+                }
+                if let Some(replication) = &found.replication {
+                    println!("replication      {replication}");
+                }
+                print!("{}", found.status);
+                for warning in found.warnings {
+                    eprintln!("warning: {warning}");
+                }
             }
         }
         Command::Simulate { config, route, outcomes, history, since, candidate, unobserved, limit, draw, json } => {

@@ -54,10 +54,15 @@ pub(super) enum Command {
         #[arg(long)]
         status: bool,
     },
-    /// Validate a config and print the effective routes and policies.
+    /// Validate a config and print the effective routes and policies. With --connect, connect
+    /// to its store too, changing nothing: the host serving it, its protocol and migrations, and
+    /// a warning when a failover of its PostgreSQL server may lose acknowledged commits.
     Check {
         #[arg(long, short)]
         config: PathBuf,
+        /// Connect to the store and say what serves it.
+        #[arg(long)]
+        connect: bool,
     },
     /// Run a route's retry policy against a scripted upstream on a logical clock: no network,
     /// no sleeping. One row per step, then the stop reason and the state the record would end in.

@@ -61,6 +61,30 @@ pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
     }
 }
 
+/// What `idem check --connect` finds at `url`, changing nothing: see [`Inspection`].
+pub async fn inspect(url: &str) -> Result<Inspection, StoreError> {
+    match Backend::of(url)? {
+        Backend::Sqlite => {
+            let status = sqlite::status(url).await?;
+            Ok(Inspection { serving: None, replication: None, status, warnings: Vec::new() })
+        }
+        Backend::Postgres => postgres::inspect(url).await,
+    }
+}
+
+/// A store as `idem check --connect` finds it.
+#[derive(Debug)]
+pub struct Inspection {
+    /// The server that serves it (PostgreSQL).
+    pub serving: Option<super::Serving>,
+    /// How that server replicates, in a line (PostgreSQL's primary).
+    pub replication: Option<String>,
+    /// Its protocol and migrations.
+    pub status: protocol::Status,
+    /// What an operator should hear: a primary without a synchronous standby, a standby.
+    pub warnings: Vec<String>,
+}
+
 /// Where the store named by a `store.url` stands against this build, changing nothing:
 /// `idem migrate --status`.
 pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {

@@ -34,15 +34,18 @@ pub async fn probes(
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // After the store's server changed (a failover), the bounds read were set in another
-    // server's clock: no probe is judged against them for a lease and the clock margin.
+    // After the store's server changed (a failover), the attempts' bounds read were set in
+    // another server's clock, which may have run behind this one's by more than the clock
+    // margin. No probe is asked until every attempt marked before the change is past reaching
+    // the upstream by this node's own clock (the longest reach any route gives one): a 404 then
+    // frees nothing that could still execute, whatever the step between the two clocks.
     let (mut changes, mut held_until) = (store.serving().map(|s| s.changes), None);
     while turns.next(tick.tick()).await.is_some() {
         let config = config.current();
         let now = store.serving().map(|s| s.changes);
         if now != changes {
             changes = now;
-            held_until = Some(tokio::time::Instant::now() + config.worker.lease + config.worker.clock_margin);
+            held_until = Some(tokio::time::Instant::now() + config.longest_reach());
         }
         if held_until.is_some_and(|until| tokio::time::Instant::now() < until) {
             continue;

@@ -162,3 +162,53 @@ async fn an_admission_committed_whose_answer_is_lost_is_read_back_and_executed_o
     assert_eq!(broker.record_json("admitted").await["state"], "done");
     broker.stop().await;
 }
+
+/// `idem check --connect` connects, changing nothing: it names the host of several that
+/// serves, that server's timeline, the store's protocol, and warns, naming the setting, that a
+/// primary without a synchronous standby (the test server's) may lose acknowledged commits in a
+/// failover. A store it cannot reach fails it.
+#[tokio::test]
+async fn check_connect_names_the_serving_host_and_warns_of_a_primary_without_a_synchronous_standby() {
+    let Some(db) = postgres("failover::check_connect_names_the_serving_host").await else { return };
+    let (first, second) = (Wire::start(&server_of(&db)).await, Wire::start(&server_of(&db)).await);
+    first.set_down(true);
+    let url = url_with_hosts(&db, &[first.addr.to_string(), second.addr.to_string()], "");
+    let dir = tempfile::TempDir::new().unwrap();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(&config, TestConfig::new("http://127.0.0.1:9").store(&url).text()).unwrap();
+    // Run without blocking: the proxies serve on this test's runtime.
+    let check = |args: &[&str]| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+        command.args(args);
+        async move {
+            let out = command.output().await.unwrap();
+            let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+            (out.status.success(), text(&out.stdout), text(&out.stderr))
+        }
+    };
+    let path = config.to_str().unwrap();
+
+    let (ok, stdout, stderr) = check(&["check", "--config", path]).await;
+    assert!(ok && !stdout.contains("serving host"), "without --connect nothing connects:\n{stdout}{stderr}");
+
+    let (ok, stdout, stderr) = check(&["check", "--config", path, "--connect"]).await;
+    assert!(ok, "{stdout}{stderr}");
+    assert!(stdout.contains(&format!("serving host     {} (timeline 0000000", second.addr)), "{stdout}");
+    assert!(stdout.contains("replication      synchronous_standby_names (empty)"), "{stdout}");
+    assert!(stdout.contains("protocol"), "{stdout}");
+    assert!(stderr.contains("warning:") && stderr.contains("synchronous_standby_names is empty"), "{stderr}");
+    // Nothing was changed: the database has no schema yet.
+    let tables: i64 = {
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    };
+    assert_eq!(tables, 0, "check --connect created nothing");
+
+    second.set_down(true);
+    let (ok, _, stderr) = check(&["check", "--config", path, "--connect"]).await;
+    assert!(!ok && stderr.contains("no host of the store takes writes"), "{stderr}");
+}

@@ -494,7 +494,33 @@ both_stores!(
     a_renewal_that_hangs_never_holds_back_the_attempt_it_serves,
     a_renewal_that_fails_mid_attempt_ends_the_claim_after_that_attempt,
     an_answer_told_but_not_recorded_is_never_executed_again_after_its_lease_runs_out,
+    after_the_stores_server_changed_nothing_is_taken_over_for_a_lease_and_the_clock_margin,
 );
+
+/// After the store's server changed under a node (a failover to a standby: the leases it reads
+/// were set in the old primary's clock, and are judged in the new one's), the node takes nothing
+/// over for a lease and the clock margin, however far past its expiry a lease reads; then it
+/// does. The hold runs on the node's monotonic clock: the test waits it out.
+async fn after_the_stores_server_changed_nothing_is_taken_over_for_a_lease_and_the_clock_margin(b: Backend) {
+    use idem::store::Claim;
+    let cluster = Cluster::new(b, "", SHORT_LEASE).await;
+    let node = cluster.node("survivor").await;
+    let claim = Claim { owner: "gone".into(), marked_at: cluster.now(), lease: SHORT_LEASE, reach: MARGIN };
+    let new = NewRecord { claim: Some(claim), ..cluster.new_record("failed-over") };
+    let Admission::Created(admitted) =
+        cluster.db.store().await.admit(Admit { new, retention_cutoff: Timestamp::EPOCH }).await.unwrap()
+    else {
+        panic!("a new key is created")
+    };
+    let mut sweeper = Sweeper::new(node.store.clone(), node.worker.clone());
+    node.faults.serve_another();
+    cluster.clock.advance(10 * SHORT_LEASE);
+    sweeper.pass(&cluster.config, cluster.now()).await.unwrap();
+    assert_eq!(cluster.record(admitted.id).await.phase(), Phase::InProgress, "held back after the change");
+    tokio::time::sleep(SHORT_LEASE + MARGIN).await;
+    sweeper.pass(&cluster.config, cluster.now()).await.unwrap();
+    assert_eq!(cluster.record(admitted.id).await.phase(), Phase::Unknown, "taken over once the hold is past");
+}
 
 /// What only PostgreSQL has: a clock of its own for every node to share.
 mod postgres_only {

@@ -268,19 +268,57 @@ fn migrations() -> sqlx::migrate::Migrator {
 pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
     let (_, primary) = options(url)?.pick().await?;
     let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
-    let store = stored_protocol(&pool).await?;
+    let status = status_on(&pool).await;
+    pool.close().await;
+    status
+}
+
+async fn status_on(pool: &PgPool) -> Result<protocol::Status, StoreError> {
+    let store = stored_protocol(pool).await?;
     let has_migrations: bool =
-        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(&pool).await?;
+        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
     let applied = match has_migrations {
         false => Vec::new(),
         true => {
             sqlx::query_as("SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version")
-                .fetch_all(&pool)
+                .fetch_all(pool)
                 .await?
         }
     };
-    pool.close().await;
     Ok(protocol::status(store, applied, &migrations()))
+}
+
+/// What `idem check --connect` finds at `url`, changing nothing: the host that serves it and
+/// that server's timeline and start, the store's protocol and migrations, and what a failover
+/// may lose there (docs/high-availability.md).
+pub async fn inspect(url: &str) -> Result<super::Inspection, StoreError> {
+    let (host, primary) = options(url)?.pick().await?;
+    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
+    let (timeline, started) = match primary::ask(&mut *pool.acquire().await?).await? {
+        Found::Primary(identity) => (Some(identity.timeline), Some(identity.started)),
+        Found::Standby => (None, None),
+    };
+    let status = status_on(&pool).await?;
+    let replication = replication(&pool).await?;
+    pool.close().await;
+    let mut warnings = Vec::new();
+    if timeline.is_none() {
+        warnings.push(format!("{host} is a standby: the store cannot write there"));
+    }
+    warnings.extend(replication.as_ref().and_then(Replication::warning));
+    let replication = replication.map(|r| {
+        let names = if r.synchronous_standby_names.trim().is_empty() { "(empty)" } else { &r.synchronous_standby_names };
+        match r.streaming {
+            Some(n) => format!("synchronous_standby_names {names}; {n} standby streaming"),
+            None => format!("synchronous_standby_names {names}"),
+        }
+    });
+    Ok(super::Inspection {
+        serving: Some(Serving { host, timeline, started, changes: 0 }),
+        replication,
+        status,
+        warnings,
+    })
 }
 
 /// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,

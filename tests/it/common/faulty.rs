@@ -4,7 +4,7 @@
 //! its send), a probe's answer held before it is written (the prober paused), renewals that
 //! hang or fail, and the whole store out of reach. Each node of a test gets its own, on its own connections to the one database.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -16,7 +16,7 @@ use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
     ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
-    Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -45,6 +45,8 @@ pub struct Faults {
     pub renews: AtomicUsize,
     pub outcomes: AtomicUsize,
     pub probes: AtomicUsize,
+    /// How often the store's server changed (a failover), as the node is told.
+    server_changes: AtomicU64,
     news: Notify,
 }
 
@@ -59,12 +61,19 @@ impl Default for Faults {
             renews: AtomicUsize::new(0),
             outcomes: AtomicUsize::new(0),
             probes: AtomicUsize::new(0),
+            server_changes: AtomicU64::new(0),
             news: Notify::new(),
         }
     }
 }
 
 impl Faults {
+    /// The store's server changes under the node, as in a failover to a standby: another
+    /// machine, another clock.
+    pub fn serve_another(&self) {
+        self.server_changes.fetch_add(1, Ordering::SeqCst);
+    }
+
     pub fn outage(&self, on: bool) {
         self.outage.store(on, Ordering::SeqCst);
     }
@@ -308,6 +317,16 @@ impl Store for Faulty {
 
     fn durability(&self) -> DurabilityInForce {
         self.inner.durability()
+    }
+
+    fn serving(&self) -> Option<Serving> {
+        let changes = self.faults.server_changes.load(Ordering::SeqCst);
+        let serving = self.inner.serving();
+        if changes == 0 {
+            return serving;
+        }
+        let serving = serving.unwrap_or_else(|| Serving { host: "the file".into(), timeline: None, started: None, changes: 0 });
+        Some(Serving { changes: serving.changes + changes, ..serving })
     }
 
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
