@@ -4,14 +4,22 @@
 //! audited against the ledger.
 //!
 //! ```text
-//! cargo bench --bench soak -- [--store sqlite|postgres]… [--secs N]
+//! cargo bench --bench soak -- [--store sqlite|postgres|failover]… [--secs N]
 //! ```
 //!
 //! `--secs` (60 by default) is how long clients start new operations and faults keep coming;
-//! the run then lets every client settle its key. Both stores by default; PostgreSQL is the
-//! server `IDEM_TEST_POSTGRES_URL` names (a database of its own is made for the run). With
-//! `IDEM_SOAK_PG_RESTART` set to a shell command (`.ci/run` gives one), the PostgreSQL fault
-//! restarts the server with it; without, it ends every connection of the run's database.
+//! the run then lets every client settle its key. Both stores by default, and the failover too
+//! when `IDEM_SOAK_PG_PAIR` is set; PostgreSQL is the server `IDEM_TEST_POSTGRES_URL` names (a
+//! database of its own is made for the run). With `IDEM_SOAK_PG_RESTART` set to a shell command
+//! (`.ci/run` gives one), the PostgreSQL fault restarts the server with it; without, it ends
+//! every connection of the run's database.
+//!
+//! `failover` runs a PostgreSQL primary and its synchronous standby on loopback with the command
+//! `IDEM_SOAK_PG_PAIR` names (`.ci/pg-pair`), the nodes' store URL naming both hosts
+//! (`target_session_attrs=read-write`). Among the other faults, the primary is stopped at once
+//! (`pg_ctl -m immediate stop`) mid-traffic and the standby promoted; new keys are then sent
+//! until one is answered, and the time from the promotion to that answer is printed; the old
+//! primary is rebuilt as the new one's synchronous standby, ready for the next failover.
 //!
 //! The routes: `payments`, not replay-safe, with a probe that asks the upstream about a key
 //! (`GET /payments/by-key/{key}`: what that key's execution answered, or 404), one second after
@@ -51,7 +59,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::backend::{self, Backend};
+use common::backend;
 use common::process::{node_config, send_until_settled, Ended, LoopKey, Node, LEASE};
 use common::{TestConfig, Upstream};
 use rand::rngs::StdRng;
@@ -73,6 +81,29 @@ const LONG_PAUSE: Duration = Duration::from_millis(12_500);
 /// `FAKETIME_LIB` names another.
 const FAKETIME_LIB: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
+/// The command that runs a PostgreSQL primary and its synchronous standby for the failover
+/// soak (`.ci/pg-pair`: `start`, which prints their URL, `failover`, `rebuild`, `stop`).
+const PAIR_VAR: &str = "IDEM_SOAK_PG_PAIR";
+
+/// What a run soaks: one SQLite file; one PostgreSQL server; or a PostgreSQL primary with a
+/// synchronous standby, failed over mid-traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    Sqlite,
+    Postgres,
+    Failover,
+}
+
+impl Run {
+    fn name(self) -> &'static str {
+        match self {
+            Run::Sqlite => "sqlite",
+            Run::Postgres => "postgres",
+            Run::Failover => "postgres failing over",
+        }
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
@@ -82,9 +113,10 @@ async fn main() {
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--store" => match it.next().map(String::as_str) {
-                Some("sqlite") => stores.push(Backend::Sqlite),
-                Some("postgres") => stores.push(Backend::Postgres),
-                other => fail(&format!("--store takes sqlite or postgres, not {other:?}")),
+                Some("sqlite") => stores.push(Run::Sqlite),
+                Some("postgres") => stores.push(Run::Postgres),
+                Some("failover") => stores.push(Run::Failover),
+                other => fail(&format!("--store takes sqlite, postgres or failover, not {other:?}")),
             },
             "--secs" => {
                 secs = it.next().and_then(|s| s.parse().ok()).unwrap_or_else(|| fail("--secs takes a whole number"))
@@ -93,7 +125,10 @@ async fn main() {
         }
     }
     if stores.is_empty() {
-        stores = vec![Backend::Sqlite, Backend::Postgres];
+        stores = vec![Run::Sqlite, Run::Postgres];
+        if std::env::var_os(PAIR_VAR).is_some() {
+            stores.push(Run::Failover);
+        }
     }
     let mut clean = true;
     for store in stores {
@@ -133,6 +168,8 @@ struct Report {
     faults: BTreeMap<&'static str, u32>,
     /// Each node's clock offset, where one was set.
     clocks: Vec<String>,
+    /// For each failover, the time from the standby's promotion to the next new key answered.
+    failovers: Vec<Duration>,
     problems: Vec<String>,
 }
 
@@ -142,6 +179,10 @@ impl std::fmt::Display for Report {
         writeln!(f, "soak on {} ({} nodes, {} s of faults: {})", self.store, self.nodes, self.secs, faults.join(", "))?;
         if !self.clocks.is_empty() {
             writeln!(f, "clocks: {}", self.clocks.join(", "))?;
+        }
+        if !self.failovers.is_empty() {
+            let each: Vec<String> = self.failovers.iter().map(|d| format!("{} ms", d.as_millis())).collect();
+            writeln!(f, "from promotion to the next new key answered: {}", each.join(", "))?;
         }
         writeln!(f, "| operations | executions | duplicate executions | acknowledged lost | done | unknown | free | never recorded | unsettled |")?;
         writeln!(f, "|---|---|---|---|---|---|---|---|---|")?;
@@ -171,23 +212,38 @@ struct Store {
     sqlite: Option<tempfile::TempDir>,
 }
 
-async fn store_for(backend: Backend) -> Store {
-    match backend {
-        Backend::Sqlite => {
+async fn store_for(run: Run) -> Store {
+    match run {
+        Run::Sqlite => {
             let dir = tempfile::TempDir::new().unwrap();
             Store { url: format!("sqlite://{}", dir.path().join("idem.db").display()), sqlite: Some(dir) }
         }
-        Backend::Postgres => match backend::postgres_url_for_new_db().await {
+        Run::Postgres => match backend::postgres_url_for_new_db().await {
             Some(url) => Store { url, sqlite: None },
             None => fail("set IDEM_TEST_POSTGRES_URL to soak PostgreSQL"),
         },
+        Run::Failover => {
+            let said = pair("start").await;
+            let url = said.lines().last().unwrap_or_default().to_string();
+            Store { url, sqlite: None }
+        }
     }
 }
 
-async fn soak(backend: Backend, secs: Duration) -> Report {
+/// Runs `IDEM_SOAK_PG_PAIR` with `what`; what it printed.
+async fn pair(what: &'static str) -> String {
+    let Ok(command) = std::env::var(PAIR_VAR) else { fail(&format!("set {PAIR_VAR} (.ci/pg-pair) to soak a failover")) };
+    let out = tokio::task::spawn_blocking(move || Command::new(&command).arg(what).output().unwrap()).await.unwrap();
+    if !out.status.success() {
+        fail(&format!("{PAIR_VAR} {what} failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn soak(run: Run, secs: Duration) -> Report {
     let upstream = Upstream::start().await;
     upstream.answer_probes_late(3, Duration::from_millis(1_500));
-    let store = store_for(backend).await;
+    let store = store_for(run).await;
     let worker = format!("concurrency = {CONCURRENCY}\n");
     let route = "replay_safe = false\n[routes.retry]\ndeadline = \"30s\"\nper_try_timeout = \"10s\"\n\
                  [routes.probe]\nmethod = \"GET\"\npath = \"/payments/by-key/{idempotency_key}\"\nsettle = \"1s\"\n";
@@ -198,21 +254,20 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
     );
     let config = TestConfig::new(&upstream.url()).worker(&worker).route(route).tables(&refunds);
     let body = node_config(&store.url, config).body();
-    let count = if backend == Backend::Postgres { 3 } else { 2 };
+    let count = if run == Run::Sqlite { 2 } else { 3 };
     let mut nodes = Vec::new();
     for i in 0..count {
-        nodes.push(Node::start_with_env(&format!("node{i}"), &body, clock_offset(backend, i)).await);
+        nodes.push(Node::start_with_env(&format!("node{i}"), &body, clock_offset(run, i)).await);
     }
     let urls: Vec<String> = nodes.iter().map(|n| n.url.clone()).collect();
     let nodes = Arc::new(Mutex::new(nodes));
-    let name = if backend == Backend::Postgres { "postgres" } else { "sqlite" };
 
     let start = Instant::now();
     let stop_at = start + secs;
     let give_up = stop_at + SETTLE;
     let http = reqwest::Client::builder().no_proxy().timeout(CLIENT_TIMEOUT).build().unwrap();
 
-    let faults = tokio::spawn(faults(nodes.clone(), backend, store.url.clone(), urls.clone(), stop_at));
+    let faults = tokio::spawn(faults(nodes.clone(), run, store.url.clone(), urls.clone(), stop_at));
     let mut clients = Vec::new();
     for c in 0..CLIENTS {
         let (http, urls) = (http.clone(), urls.clone());
@@ -264,26 +319,29 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
             ended.entry(key).or_default().push(end);
         }
     }
-    let (injected, slow) = faults.await.unwrap();
+    let Injected { counts, slow, failovers } = faults.await.unwrap();
     for key in slow {
         ended.entry(key).or_default();
     }
 
     let nodes = nodes.lock().await;
     let mut report = audit(&nodes[0], &upstream, &ended).await;
-    report.store = name;
+    report.store = run.name();
     report.nodes = count;
     report.secs = secs.as_secs();
-    report.faults = injected;
+    report.faults = counts;
+    report.failovers = failovers;
     report.clocks = (0..count)
         .filter_map(|i| {
-            let env = clock_offset(backend, i);
+            let env = clock_offset(run, i);
             env.iter().find(|(k, _)| k == "FAKETIME").map(|(_, offset)| format!("node{i} {offset} s"))
         })
         .collect();
     drop(nodes);
-    if backend == Backend::Postgres {
-        backend::drop_postgres_db(&store.url).await;
+    match run {
+        Run::Postgres => backend::drop_postgres_db(&store.url).await,
+        Run::Failover => drop(pair("stop").await),
+        Run::Sqlite => {}
     }
     drop(store.sqlite);
     report
@@ -291,10 +349,10 @@ async fn soak(backend: Backend, secs: Duration) -> Report {
 
 /// The environment that offsets node `i`'s clock: on PostgreSQL, node 0 runs two leases ahead
 /// and node 1 a lease behind; none elsewhere.
-fn clock_offset(backend: Backend, i: usize) -> Vec<(String, String)> {
-    let offset = match (backend, i) {
-        (Backend::Postgres, 0) => format!("+{}ms", (2 * LEASE).as_millis()),
-        (Backend::Postgres, 1) => format!("-{}ms", LEASE.as_millis()),
+fn clock_offset(run: Run, i: usize) -> Vec<(String, String)> {
+    let offset = match (run, i) {
+        (Run::Postgres | Run::Failover, 0) => format!("+{}ms", (2 * LEASE).as_millis()),
+        (Run::Postgres | Run::Failover, 1) => format!("-{}ms", LEASE.as_millis()),
         _ => return Vec::new(),
     };
     let lib = std::env::var("FAKETIME_LIB").unwrap_or_else(|_| FAKETIME_LIB.into());
@@ -311,23 +369,23 @@ fn clock_offset(backend: Backend, i: usize) -> Vec<(String, String)> {
     ]
 }
 
-/// Injects one fault after another until `stop_at`, then leaves every node running; the faults
-/// injected, counted by kind, and the keys of the slow calls that saturated the workers.
-async fn faults(
-    nodes: Arc<Mutex<Vec<Node>>>,
-    backend: Backend,
-    store: String,
-    urls: Vec<String>,
-    stop_at: Instant,
-) -> (BTreeMap<&'static str, u32>, Vec<String>) {
+/// What the faults did: how many of each kind, the keys of the slow calls that saturated the
+/// workers and of the calls that timed a failover, and how long each failover kept new keys
+/// from being answered.
+struct Injected {
+    counts: BTreeMap<&'static str, u32>,
+    slow: Vec<String>,
+    failovers: Vec<Duration>,
+}
+
+/// Injects one fault after another until `stop_at`, then leaves every node running.
+async fn faults(nodes: Arc<Mutex<Vec<Node>>>, run: Run, store: String, urls: Vec<String>, stop_at: Instant) -> Injected {
     let mut rng = StdRng::seed_from_u64(7);
-    let mut injected = BTreeMap::new();
-    let mut slow = Vec::new();
-    let kinds: &[&'static str] = match backend {
-        Backend::Postgres => {
-            &["kill", "pause", "saturate", "stall store", "restart store", "long pause", "kill backend"]
-        }
-        Backend::Sqlite => &["kill", "pause", "saturate", "stall store", "long pause"],
+    let mut injected = Injected { counts: BTreeMap::new(), slow: Vec::new(), failovers: Vec::new() };
+    let kinds: &[&'static str] = match run {
+        Run::Postgres => &["kill", "pause", "saturate", "stall store", "restart store", "long pause", "kill backend"],
+        Run::Sqlite => &["kill", "pause", "saturate", "stall store", "long pause"],
+        Run::Failover => &["kill", "failover", "pause", "saturate", "long pause"],
     };
     let mut turn = 0;
     while Instant::now() + 2 * LEASE < stop_at {
@@ -354,14 +412,42 @@ async fn faults(
                 signal("-CONT", pid);
             }
             "kill backend" => kill_backend(&store).await,
-            "saturate" => slow.extend(saturate(&urls, &mut rng).await),
-            "stall store" => stall(backend, &store, 2 * LEASE).await,
+            "saturate" => injected.slow.extend(saturate(&urls, &mut rng).await),
+            "stall store" => stall(run, &store, 2 * LEASE).await,
             "restart store" => restart_postgres(&store).await,
+            "failover" => {
+                pair("failover").await;
+                let (took, keys) = next_new_key(&urls, injected.failovers.len()).await;
+                injected.failovers.push(took);
+                injected.slow.extend(keys);
+                // The old primary back as the new one's synchronous standby, for the next.
+                pair("rebuild").await;
+            }
             _ => unreachable!(),
         }
-        *injected.entry(kind).or_insert(0) += 1;
+        *injected.counts.entry(kind).or_insert(0) += 1;
     }
-    (injected, slow)
+    injected
+}
+
+/// Sends new keys, one after another to each node in turn, until one is answered 201: how long
+/// that took from now (just after a promotion), and the keys sent.
+async fn next_new_key(urls: &[String], failover: usize) -> (Duration, Vec<String>) {
+    let http = reqwest::Client::builder().no_proxy().timeout(CLIENT_TIMEOUT).build().unwrap();
+    let start = Instant::now();
+    let mut keys = Vec::new();
+    for n in 0.. {
+        let key = format!("after-failover-{failover}-{n}");
+        let url = &urls[n % urls.len()];
+        let answer = common::keyed_post(&http, url, "/payments?delay_ms=0", &key, "{}").send().await;
+        keys.push(key);
+        if answer.is_ok_and(|a| a.status() == 201) {
+            break;
+        }
+        assert!(start.elapsed() < SETTLE, "no new key answered within {SETTLE:?} of a promotion");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (start.elapsed(), keys)
 }
 
 fn signal(which: &str, pid: u32) {
@@ -391,9 +477,9 @@ async fn saturate(urls: &[String], rng: &mut StdRng) -> Vec<String> {
 /// Holds the store still for `how_long`: SQLite's file under an exclusive lock, PostgreSQL's
 /// `records` table under an access-exclusive one. Every write (and on PostgreSQL, every read)
 /// waits for it.
-async fn stall(backend: Backend, store: &str, how_long: Duration) {
-    match backend {
-        Backend::Sqlite => {
+async fn stall(run: Run, store: &str, how_long: Duration) {
+    match run {
+        Run::Sqlite => {
             let path = store.trim_start_matches("sqlite://").to_string();
             tokio::task::spawn_blocking(move || {
                 let conn = rusqlite::Connection::open(path).unwrap();
@@ -405,7 +491,7 @@ async fn stall(backend: Backend, store: &str, how_long: Duration) {
             .await
             .unwrap();
         }
-        Backend::Postgres => {
+        Run::Postgres | Run::Failover => {
             use sqlx::Connection;
             let mut conn = sqlx::PgConnection::connect(store).await.unwrap();
             sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
