@@ -309,7 +309,7 @@ pub async fn inspect(url: &str) -> Result<super::Inspection, StoreError> {
     let replication = replication.map(|r| {
         let names = if r.synchronous_standby_names.trim().is_empty() { "(empty)" } else { &r.synchronous_standby_names };
         match r.streaming {
-            Some(n) => format!("synchronous_standby_names {names}; {n} standby streaming"),
+            Some(n) => format!("synchronous_standby_names {names}; standbys streaming: {n}"),
             None => format!("synchronous_standby_names {names}"),
         }
     });
