@@ -232,10 +232,18 @@ async fn record(http: &reqwest::Client, base: &str, key: &str) -> serde_json::Va
 pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), StartError> {
     let upstream_listener = TcpListener::bind("127.0.0.1:0")
         .await
-        .map_err(|source| StartError::Bind { addr: "127.0.0.1:0".parse().expect("a literal address"), source })?;
+        .map_err(|cause| StartError::Bind {
+            addr: "127.0.0.1:0".parse().expect("a literal address"),
+            setting: "the demo's own upstream",
+            cause,
+        })?;
     let upstream = upstream_listener
         .local_addr()
-        .map_err(|source| StartError::Bind { addr: "127.0.0.1:0".parse().expect("a literal address"), source })?;
+        .map_err(|cause| StartError::Bind {
+            addr: "127.0.0.1:0".parse().expect("a literal address"),
+            setting: "the demo's own upstream",
+            cause,
+        })?;
     tokio::spawn(async move {
         let _ = axum::serve(upstream_listener, payments_router(Arc::new(Payments::default()))).await;
     });
@@ -275,6 +283,11 @@ Serving until Ctrl-C."#,
     );
     server::termination().await;
     running.shutdown().await;
-    let _ = std::fs::remove_file(&db);
+    // The database and the write-ahead log and index WAL mode keeps beside it.
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = db.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
     Ok(())
 }

@@ -147,12 +147,16 @@ pub fn in_one_line(error: &(dyn std::error::Error + 'static)) -> String {
     let mut next = Some(error);
     while let Some(e) = next {
         let said = e.to_string();
+        next = e.source();
+        // Said already, by a wrapper or by an earlier cause: not again.
+        if words.iter().any(|w| w.contains(&said)) {
+            continue;
+        }
+        // A cause that says all its wrapper said and more replaces it.
         match words.last_mut() {
-            Some(last) if last.contains(&said) => {}
             Some(last) if said.contains(last.as_str()) => *last = said,
             _ => words.push(said),
         }
-        next = e.source();
     }
     words.join(": ")
 }

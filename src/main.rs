@@ -30,8 +30,10 @@ fn init_logging(
     level: &str,
     spans: Option<Box<dyn Layer<Registry> + Send + Sync>>,
 ) -> anyhow::Result<idem::logs::Flushed> {
+    // PostgreSQL's notices (`relation "_sqlx_migrations" already exists, skipping`) are the
+    // driver's business unless they warn.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},sqlx::postgres::notice=warn")));
     let (writer, flushed) = idem::logs::batched(std::io::stderr()).context("cannot start the log writer")?;
     // Colours for a person at a terminal; a file, a pipe or the journal gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -77,7 +79,7 @@ fn main() -> ExitCode {
     };
     let flushed = match init_logging(cli.log_format, level, telemetry.as_ref().map(Telemetry::layer)) {
         Ok(flushed) => flushed,
-        Err(e) => return fail(&format!("{e:#}")),
+        Err(e) => return fail(&idem::logs::in_one_line(e.as_ref())),
     };
     let ran = runtime.block_on(run(cli.command, serving));
     // The last spans go out while the runtime that sends them still runs.
@@ -88,7 +90,7 @@ fn main() -> ExitCode {
     drop(flushed);
     match ran {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(&format!("{e:#}")),
+        Err(e) => fail(&idem::logs::in_one_line(e.as_ref())),
     }
 }
 
@@ -130,8 +132,15 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
         Command::Check { config, connect } => {
             let (config, unset) = Config::load_offline(&config)?;
             print!("{}", idem::config::describe(&config));
-            for var in unset {
-                eprintln!("warning: the environment variable {var} is not set (or empty); `idem serve` refuses this config until it is");
+            // What `idem serve` would refuse on this host, though the file is right: said here,
+            // so that a unit's `ExecStartPre=idem check` stops the start rather than a loop.
+            let mut refusals: Vec<String> = unset
+                .iter()
+                .map(|var| format!("the environment variable {var} is not set (or empty): `idem serve` refuses this config until it is"))
+                .collect();
+            refusals.extend(idem::store::missing_directory(&config.store.url));
+            if !refusals.is_empty() {
+                anyhow::bail!("{}", refusals.join("; "));
             }
             if connect {
                 let found = idem::store::inspect(&config.store.url)

@@ -27,8 +27,10 @@ use crate::worker::{self, Settled, Worker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    /// Said once, with the setting that named the address and what to do: the cause is in the
+    /// message, not repeated as a source.
+    #[error("cannot listen on {addr} ({setting}): {}", bind_failure(cause))]
+    Bind { addr: SocketAddr, setting: &'static str, cause: std::io::Error },
     #[error(transparent)]
     Store(#[from] StoreError),
     /// A listener's certificate, read when the configuration was, cannot be read again.
@@ -101,8 +103,24 @@ impl Upkeep {
     }
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })
+/// The data listener's setting, and the admin listener's, as an error names them.
+pub(crate) const LISTEN: &str = "`server.listen`, or `--listen` for `idem demo`";
+pub(crate) const ADMIN_LISTEN: &str = "`server.admin_listen`, or `--admin-listen` for `idem demo`";
+
+async fn bind(addr: SocketAddr, setting: &'static str) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr).await.map_err(|cause| StartError::Bind { addr, setting, cause })
+}
+
+/// Why an address could not be listened on, and what to do.
+fn bind_failure(cause: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    let remedy = match cause.kind() {
+        ErrorKind::AddrInUse => "another process listens there: stop it, or give another address",
+        ErrorKind::AddrNotAvailable => "no interface of this host has that address: give one it has, or 0.0.0.0",
+        ErrorKind::PermissionDenied => "a port below 1024 needs CAP_NET_BIND_SERVICE: give a higher one, or grant it",
+        _ => return cause.to_string(),
+    };
+    format!("{cause}; {remedy}")
 }
 
 /// A name for this process in leases: unique even for two processes with the same pid.
@@ -146,8 +164,8 @@ async fn start_on(
     // The settings a reload cannot change are read here, once.
     let config = live.current();
     let (data_limits, admin_limits) = listener_limits(&config);
-    let data = bind(config.server.listen).await?;
-    let admin_listener = bind(config.server.admin_listen).await?;
+    let data = bind(config.server.listen, LISTEN).await?;
+    let admin_listener = bind(config.server.admin_listen, ADMIN_LISTEN).await?;
     let certificates = Certificates::load(&config)?;
     let store = store::open_synced(&config.store.url, config.store.sync, leases).await?;
     let settled = Arc::new(Settled::default());
@@ -194,9 +212,9 @@ async fn start_on(
     }));
 
     let (stop, stopped) = watch::channel(false);
-    let listen = data.local_addr().map_err(|source| StartError::Bind { addr: config.server.listen, source })?;
+    let listen = data.local_addr().map_err(|cause| StartError::Bind { addr: config.server.listen, setting: LISTEN, cause })?;
     let admin_listen =
-        admin_listener.local_addr().map_err(|source| StartError::Bind { addr: config.server.admin_listen, source })?;
+        admin_listener.local_addr().map_err(|cause| StartError::Bind { addr: config.server.admin_listen, setting: ADMIN_LISTEN, cause })?;
     let servers = vec![
         tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),

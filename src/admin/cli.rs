@@ -9,14 +9,26 @@ use serde_json::{json, Value};
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// Said with its causes (a refused connection, an untrusted certificate), which reqwest's
-    /// own words leave out.
-    #[error("cannot reach the admin API at {url}: {}", crate::logs::in_one_line(source))]
-    Unreachable { url: String, source: reqwest::Error },
+    /// own words leave out, each once, and what to do about an authority it does not know.
+    #[error("cannot reach the admin API at {url}: {}{}", crate::logs::in_one_line(cause), remedy(cause))]
+    Unreachable { url: String, cause: reqwest::Error },
     /// The API answered with a problem; its title and detail say what to do.
     #[error("{status} {title}: {detail}")]
     Refused { status: u16, title: String, detail: String },
     #[error("{0}")]
     Usage(String),
+}
+
+/// What to do when the admin listener's certificate is not trusted: name its authority.
+fn remedy(cause: &reqwest::Error) -> &'static str {
+    let said = crate::logs::in_one_line(cause);
+    if said.contains("UnknownIssuer") || said.contains("certificate") {
+        "; an admin listener whose certificate a private authority issued needs --ca-file naming that authority's PEM"
+    } else if said.contains("Connection refused") {
+        "; is the node running, and is --admin (or IDEM_ADMIN_URL) its admin_listen?"
+    } else {
+        ""
+    }
 }
 
 /// How to reach the admin API, and who is acting.
@@ -120,9 +132,9 @@ impl Client {
         if let Some(body) = body {
             request = request.json(&body);
         }
-        let response = request.send().await.map_err(|source| CliError::Unreachable { url: url.clone(), source })?;
+        let response = request.send().await.map_err(|cause| CliError::Unreachable { url: url.clone(), cause })?;
         let status = response.status().as_u16();
-        let bytes = response.bytes().await.map_err(|source| CliError::Unreachable { url, source })?;
+        let bytes = response.bytes().await.map_err(|cause| CliError::Unreachable { url, cause })?;
         let value: Value =
             serde_json::from_slice(&bytes).unwrap_or_else(|_| json!({"detail": String::from_utf8_lossy(&bytes)}));
         if status >= 400 {

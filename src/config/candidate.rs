@@ -42,7 +42,7 @@ pub struct Candidate {
 impl Candidate {
     /// A candidate for the route `current`, whose tenants have the quotas `quotas` now.
     pub fn parse(text: &str, current: &Route, quotas: &TenantQuotas) -> Result<Candidate, ConfigError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let table: toml::Table = toml::from_str(text).map_err(|e| super::syntax(text, &e))?;
         if WHOLE.iter().any(|key| table.contains_key(*key)) {
             // Only the route's policy is read: the secrets the file names are not needed.
             let (config, _unset) = Config::parse_offline(text, |name| std::env::var(name).ok())?;
@@ -62,8 +62,9 @@ impl Candidate {
         }
         let change: RawChange = toml::from_str(text).map_err(|e| {
             ConfigError::Syntax(format!(
-                "{e}\na candidate is a whole config (with [[routes]]) or a change: [retry] with keys of \
-                 [routes.retry], optionally replay_safe, and [tenants.<name>] quotas"
+                "{}; a candidate is a whole config (with [[routes]]) or a change: [retry] with keys of \
+                 [routes.retry], optionally replay_safe, and [tenants.<name>] quotas",
+                super::syntax(text, &e)
             ))
         })?;
         if change.retry.is_none() && change.replay_safe.is_none() && change.tenants.is_none() {
@@ -159,7 +160,7 @@ mod tests {
             ("[retry]\nmax_attemps = 2\n", "unknown field `max_attemps`"),
             ("retries = 2\n", "unknown field `retries`"),
             ("", "`retry`: is missing"),
-            ("[retry\n", "TOML"),
+            ("[retry\n", "line 1, column 7 (`[retry`): invalid table header"),
             (
                 "[[routes]]\nname = \"orders\"\npath_prefix = \"/o\"\nupstream = \"http://127.0.0.1:9\"\n",
                 "`routes`: no route named `payments` (routes: orders)",

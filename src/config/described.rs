@@ -43,7 +43,7 @@ pub fn describe(c: &Config) -> String {
         out,
         "auth          {} tenant(s); admin token {}",
         c.auth.tenants.len(),
-        if c.auth.admin_token.is_some() { "set" } else { "not required" }
+        if c.auth.admin_token.is_some() { "required (read from the environment)" } else { "not required" }
     );
     let quota = |b: Option<BudgetLimits>| match b {
         Some(b) => format!("{}% of first attempts + {}/s", b.ratio * 100.0, b.min_per_sec),

@@ -44,10 +44,48 @@ pub enum ConfigError {
     /// The reason is the error's source, so that a report of the whole chain states it once.
     #[error("cannot read {path}")]
     Read { path: String, source: std::io::Error },
+    /// Not TOML, or not the config's shape: where (the file, when read from one; the line and
+    /// column) and what, in one line.
     #[error("{0}")]
     Syntax(String),
     #[error("config key `{key}`: {problem}")]
     Invalid { key: String, problem: String },
+}
+
+/// A TOML error of `text` in one line: `line L, column C: what` (the `toml` crate's own words
+/// span several lines, with a drawing of the spot).
+pub(crate) fn syntax(text: &str, error: &toml::de::Error) -> ConfigError {
+    let message = error.message().trim().replace('\n', " ");
+    match error.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.len() - before.rfind('\n').map_or(0, |at| at + 1) + 1;
+            // The line itself, which names the key (`replay_safe = "yes"`) or the table.
+            let said: String = text.lines().nth(line - 1).unwrap_or_default().trim().chars().take(80).collect();
+            ConfigError::Syntax(format!("line {line}, column {column} (`{said}`): {message}"))
+        }
+        None => ConfigError::Syntax(message),
+    }
+}
+
+impl ConfigError {
+    /// This error as read from the file at `path`: a syntax error names it.
+    pub fn in_file(self, path: &Path) -> ConfigError {
+        match self {
+            ConfigError::Syntax(said) => ConfigError::Syntax(format!("{}: {said}", path.display())),
+            other => other,
+        }
+    }
+
+    /// The key at fault, when there is one: the key of an invalid value, or an unknown one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { key, .. } => Some(key),
+            ConfigError::Syntax(said) => said.split("unknown field `").nth(1).and_then(|rest| rest.split('`').next()),
+            ConfigError::Read { .. } => None,
+        }
+    }
 }
 
 fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
@@ -250,7 +288,7 @@ impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        Config::parse(&text)
+        Config::parse(&text).map_err(|e| e.in_file(path))
     }
 
     /// Parses and validates a config, reading secrets from the process environment.
@@ -265,7 +303,7 @@ impl Config {
     pub fn load_offline(path: &Path) -> Result<(Config, Vec<String>), ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
-        Config::parse_offline(&text, |name| std::env::var(name).ok())
+        Config::parse_offline(&text, |name| std::env::var(name).ok()).map_err(|e| e.in_file(path))
     }
 
     /// [`Config::load_offline`] on a text, with `env` as the environment.
@@ -284,7 +322,7 @@ impl Config {
     }
 
     pub fn parse_with_env(text: &str, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Syntax(e.to_string()))?;
+        let raw: RawConfig = toml::from_str(text).map_err(|e| syntax(text, &e))?;
         raw.validate(&env)
     }
 

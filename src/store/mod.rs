@@ -43,7 +43,7 @@ pub use durability::{Durability, DurabilityInForce};
 pub use error::StoreError;
 pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};
-pub use opening::{inspect, migrate, open, open_synced, open_with, status, Inspection};
+pub use opening::{inspect, migrate, missing_directory, open, open_synced, open_with, status, Inspection};
 pub(crate) use rows::{decode, Columns};
 pub(crate) use switches::decode_switch;
 pub use switches::{SwitchCleared, MAX_HISTORY};

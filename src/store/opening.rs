@@ -61,6 +61,15 @@ pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
     }
 }
 
+/// For a SQLite store, what is wrong with the directory its file goes in, if anything: it must
+/// exist (the file is created in it, not the directories above).
+pub fn missing_directory(url: &str) -> Option<String> {
+    match Backend::of(url) {
+        Ok(Backend::Sqlite) => sqlite::missing_directory(url),
+        _ => None,
+    }
+}
+
 /// What `idem check --connect` finds at `url`, changing nothing: see [`Inspection`].
 pub async fn inspect(url: &str) -> Result<Inspection, StoreError> {
     match Backend::of(url)? {

@@ -30,8 +30,8 @@ impl ReloadError {
     /// The configuration key at fault, when there is one.
     pub fn key(&self) -> Option<&str> {
         match self {
-            ReloadError::Config(ConfigError::Invalid { key, .. }) => Some(key),
-            _ => None,
+            ReloadError::Config(e) => e.key(),
+            ReloadError::NoFile => None,
         }
     }
 
@@ -99,7 +99,7 @@ impl Reloader {
         let text = tokio::fs::read_to_string(file)
             .await
             .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
-        let new = Config::parse(&text)?;
+        let new = Config::parse(&text).map_err(|e| e.in_file(file))?;
         let mut changes = config::changes(&self.config.current(), &new)?;
         // Read again even when the paths are the same: rotation rewrites the files in place.
         changes.settings.extend(self.certificates.reload(&new)?);

@@ -8,8 +8,15 @@ use std::process::Command;
 use crate::common::pki::Authority;
 
 /// `idem` with `args`: its exit status, stdout and stderr.
+/// The secrets the samples read from the environment, as their service would have them.
+const SAMPLE_SECRETS: [&str; 3] = ["IDEM_ADMIN_TOKEN", "PAYMENTS_UPSTREAM_AUTH", "LEDGER_UPSTREAM_AUTH"];
+
 fn idem(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_idem")).args(args).output().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    for secret in SAMPLE_SECRETS {
+        command.env(secret, "set-by-the-service");
+    }
+    let out = command.args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
@@ -34,8 +41,10 @@ fn every_sample_config_passes_idem_check() {
     for sample in samples {
         let dir = tempfile::TempDir::new().unwrap();
         certificate_files(dir.path());
-        let text =
-            std::fs::read_to_string(&sample).unwrap().replace("/etc/idem/tls/", &format!("{}/", dir.path().display()));
+        let text = std::fs::read_to_string(&sample)
+            .unwrap()
+            .replace("/etc/idem/tls/", &format!("{}/", dir.path().display()))
+            .replace("/var/lib/idem/", &format!("{}/", dir.path().display()));
         let config = dir.path().join("idem.toml");
         std::fs::write(&config, text).unwrap();
         let (ok, stdout, stderr) = idem(&["check", "--config", config.to_str().unwrap()]);
@@ -75,4 +84,39 @@ fn completions_and_the_manual_page_come_from_the_binary() {
     assert!(ok, "{stderr}");
     assert!(stdout.starts_with(".ie") || stdout.contains(".TH idem"), "{}", &stdout[..stdout.len().min(200)]);
     assert!(stdout.contains("serve"), "the manual names the commands");
+}
+
+/// What `idem serve` would refuse on this host though the file is right fails `idem check` too,
+/// each named: a secret's environment variable unset, and a SQLite file whose directory does not
+/// exist. A unit's `ExecStartPre=idem check` then stops the start instead of a start loop.
+#[test]
+fn idem_check_fails_on_what_serve_would_refuse_on_this_host_naming_each() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let missing = dir.path().join("missing");
+    let store = format!("sqlite://{}/idem.db", missing.display());
+    let text = crate::common::TestConfig::new("http://127.0.0.1:9")
+        .store(&store)
+        .tables("[auth]\nadmin_token_env = \"IDEM_TEST_CHECK_UNSET_TOKEN\"")
+        .text();
+    let config = dir.path().join("idem.toml");
+    std::fs::write(&config, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["check", "--config", config.to_str().unwrap()])
+        .env_remove("IDEM_TEST_CHECK_UNSET_TOKEN")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("IDEM_TEST_CHECK_UNSET_TOKEN is not set"), "{stderr}");
+    assert!(stderr.contains(&format!("the directory {} of the SQLite file", missing.display())), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+
+    std::fs::create_dir(&missing).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["check", "--config", config.to_str().unwrap()])
+        .env("IDEM_TEST_CHECK_UNSET_TOKEN", "s3cret")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("admin token required"));
 }

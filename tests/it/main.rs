@@ -22,6 +22,7 @@ mod demo;
 mod deploy;
 mod edge;
 mod engine;
+mod errors;
 mod failover;
 mod logs;
 mod mcp;

@@ -85,6 +85,18 @@ async fn a_bad_file_is_refused_and_a_good_one_adds_changes_and_removes_routes(b:
     let text = broker.metrics().await;
     assert!(sample(&text, "idem_config_reloads_total{result=\"refused\"}") > refused_before, "{text}");
 
+    // A key the loader does not know: refused in one line that names the file, the line and the
+    // key, with the key in the problem's `key` member.
+    broker.write_config(&config(&db, "", &(route("payments", &up, 3) + "retries = 3\n")));
+    let refused = broker.reload(None).await;
+    refused.assert_problem(422, "config-refused");
+    let problem = refused.json();
+    let detail = problem["detail"].as_str().unwrap();
+    assert_eq!(problem["key"], "retries", "{problem}");
+    assert!(!detail.contains('\n') && detail.contains(&broker.config_file.display().to_string()), "{detail}");
+    assert!(detail.contains("(`retries = 3`): unknown field `retries`"), "{detail}");
+    assert_eq!(detail.matches("unknown field").count(), 1, "{detail}");
+
     // A good one: payments changes its policy, ledger goes, tickets comes.
     let good = route("payments", &up, 2) + &route("tickets", &up, 3);
     broker.write_config(&config(&db, "", &good));

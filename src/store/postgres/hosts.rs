@@ -29,7 +29,13 @@ pub(crate) struct Hosts {
     /// Each host's connection options, in the URL's order, with its name as `host:port`.
     hosts: Vec<(String, PgConnectOptions)>,
     pub(crate) target: Target,
+    /// The authority the URL trusts for the servers' certificates (`sslrootcert`), named when
+    /// a certificate is refused.
+    authority: Option<String>,
 }
+
+/// `sslmode` as libpq spells it.
+const SSL_MODES: [&str; 6] = ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"];
 
 /// How long asking one host may take before the next is asked.
 const ASK_WITHIN: Duration = Duration::from_secs(5);
@@ -49,11 +55,18 @@ impl Hosts {
             None => (None, authority),
         };
         let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
-        let mut target = None;
+        let (mut target, mut authority) = (None, None);
         let mut kept = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("target_session_attrs", value)) => target = Some(target_of(value)?),
+                Some(("sslrootcert", value)) => {
+                    authority = Some(value.to_string());
+                    kept.push(pair);
+                }
+                Some(("sslmode", value)) if !SSL_MODES.contains(&value) => {
+                    return Err(bad(format!("sslmode={value} is not a mode: give one of {}", SSL_MODES.join(", "))));
+                }
                 _ => kept.push(pair),
             }
         }
@@ -74,7 +87,7 @@ impl Hosts {
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
         let target = target.unwrap_or(if several { Target::ReadWrite } else { Target::Any });
-        Ok(Hosts { hosts, target })
+        Ok(Hosts { hosts, target, authority })
     }
 
     /// Each host's options with `change` made to them (the protocol each connection declares, say).
@@ -83,24 +96,14 @@ impl Hosts {
         self
     }
 
-    /// The first host's options: where a single-host URL connects.
-    pub(crate) fn first(&self) -> (&str, &PgConnectOptions) {
-        let (name, options) = &self.hosts[0];
-        (name, options)
-    }
-
     pub(crate) fn several(&self) -> bool {
         self.hosts.len() > 1
     }
 
-    /// The host to connect to: with one host, it; with several, the first (in the URL's order)
-    /// that accepts a connection and, for [`Target::ReadWrite`], is not a standby. Each refusal is
-    /// named in the error when none will do.
+    /// The host to connect to: the first (in the URL's order) that accepts a connection and, for
+    /// [`Target::ReadWrite`], is not a standby. Each refusal is named in the error when none will
+    /// do, with its cause (refused, not found, a certificate, a password) and what to do.
     pub(crate) async fn pick(&self) -> Result<(String, PgConnectOptions), StoreError> {
-        if !self.several() && self.target == Target::Any {
-            let (name, options) = self.first();
-            return Ok((name.to_string(), options.clone()));
-        }
         // Every host is asked at once, so that one that does not answer delays nothing beyond
         // ASK_WITHIN; the answers are taken in the URL's order.
         let asks: Vec<_> = self
@@ -114,17 +117,42 @@ impl Hosts {
                 Ok(Ok(Ok(true))) => return Ok((name.clone(), options.clone())),
                 Ok(Ok(Ok(false))) if self.target == Target::Any => return Ok((name.clone(), options.clone())),
                 Ok(Ok(Ok(false))) => refusals.push(format!("{name} is a standby")),
-                Ok(Ok(Err(e))) => refusals.push(format!("{name}: {e}")),
+                Ok(Ok(Err(e))) => refusals.push(format!("{name}: {}", self.explain(&e))),
                 Ok(Err(_)) => refusals.push(format!("{name} did not answer within {ASK_WITHIN:?}")),
                 Err(e) => refusals.push(format!("{name}: {e}")),
             }
         }
-        Err(StoreError::Unavailable(format!("no host of the store takes writes: {}", refusals.join("; "))))
+        Err(StoreError::Unavailable(match refusals.as_slice() {
+            [one] if !self.several() => format!("cannot connect to the store at {one}"),
+            _ => format!("no host of the store takes writes: {}", refusals.join("; ")),
+        }))
+    }
+
+    /// A failed connection's cause, once, and what to do about it.
+    fn explain(&self, error: &sqlx::Error) -> String {
+        let said = crate::logs::in_one_line(error);
+        let remedy = if said.contains("UnknownIssuer") || said.contains("invalid peer certificate") {
+            match &self.authority {
+                Some(file) => format!("the server's certificate is not issued by the authority in {file} (sslrootcert), or names another host"),
+                None => "the server's certificate is not issued by a public authority: name its authority with sslrootcert=/path/ca.crt in the store URL".to_string(),
+            }
+        } else if said.contains("password authentication failed") {
+            "check the role's password (PGPASSWORD or ~/.pgpass)".to_string()
+        } else if said.contains("no pg_hba.conf entry") {
+            "the server's pg_hba.conf admits no such connection: add a line for this host, role and database (hostssl with TLS)".to_string()
+        } else if said.contains("lookup address") || said.contains("Name or service not known") {
+            "the host name does not resolve".to_string()
+        } else if said.contains("Connection refused") {
+            "nothing listens there: is the server running, on that port?".to_string()
+        } else {
+            return said;
+        };
+        format!("{said}; {remedy}")
     }
 }
 
 /// Whether the server at `options` takes writes: not a standby in recovery.
-async fn takes_writes(options: PgConnectOptions) -> Result<bool, StoreError> {
+async fn takes_writes(options: PgConnectOptions) -> Result<bool, sqlx::Error> {
     let mut conn = PgConnection::connect_with(&options).await?;
     let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()").fetch_one(&mut conn).await?;
     let _ = conn.close().await;
@@ -183,5 +211,32 @@ mod tests {
         assert!(prefer.contains("prefer-standby"), "{prefer}");
         let empty = Hosts::parse("postgres://u@a,,b/db").unwrap_err().to_string();
         assert!(empty.contains("an empty host"), "{empty}");
+        let mode = Hosts::parse("postgres://u@a/db?sslmode=verify_full").unwrap_err().to_string();
+        assert!(mode.contains("sslmode=verify_full is not a mode") && mode.contains("verify-full"), "{mode}");
+        assert_eq!(mode.matches("verify_full").count(), 1, "said once: {mode}");
+    }
+
+    proptest::proptest! {
+        /// Whatever follows the scheme, reading a URL answers (an error or hosts), never panics.
+        #[test]
+        fn any_url_is_read_or_refused_never_a_panic(rest in "\\PC{0,80}") {
+            let _ = Hosts::parse(&format!("postgres://{rest}"));
+        }
+
+        /// Every host of a list comes back, in its order, with its port or 5432.
+        #[test]
+        fn every_host_of_a_list_is_kept_in_order(
+            hosts in proptest::collection::vec(("[a-z][a-z0-9]{0,7}", proptest::option::of(1u16..)), 1..5)
+        ) {
+            let list: Vec<String> = hosts
+                .iter()
+                .map(|(h, p)| p.map_or_else(|| h.clone(), |p| format!("{h}:{p}")))
+                .collect();
+            let parsed = Hosts::parse(&format!("postgres://idem@{}/db?sslmode=disable", list.join(","))).unwrap();
+            let names: Vec<String> = parsed.hosts.iter().map(|(n, _)| n.clone()).collect();
+            let want: Vec<String> = hosts.iter().map(|(h, p)| format!("{h}:{}", p.unwrap_or(5432))).collect();
+            proptest::prop_assert_eq!(names, want);
+            proptest::prop_assert_eq!(parsed.several(), hosts.len() > 1);
+        }
     }
 }

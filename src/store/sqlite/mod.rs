@@ -60,6 +60,9 @@ impl SqliteStore {
     /// on power loss for speed.
     pub async fn open(url: &str, sync: Durability) -> Result<SqliteStore, StoreError> {
         let (options, asked) = connect_options(url)?;
+        if let Some(missing) = missing_directory(url) {
+            return Err(StoreError::Unavailable(missing));
+        }
         let migrating = MigrationLock::take(options.get_filename()).await?;
         let mut migrator = SqliteConnection::connect_with(&options).await?;
         let store = stored_protocol(&mut migrator).await?;
@@ -101,6 +104,24 @@ impl SqliteStore {
     async fn write<T>(&self, op: impl FnOnce(writer::Reply<T>) -> Write) -> Result<T, StoreError> {
         self.writer.write(op).await
     }
+}
+
+/// What is wrong with the directory the file at `url` goes in: it must exist.
+pub(crate) fn missing_directory(url: &str) -> Option<String> {
+    let (options, _) = connect_options(url).ok()?;
+    let file = options.get_filename();
+    let dir = match file.parent() {
+        Some(dir) if dir.as_os_str().is_empty() => return None,
+        Some(dir) => dir,
+        None => return None,
+    };
+    (!dir.is_dir()).then(|| {
+        format!(
+            "store.url: the directory {} of the SQLite file {} does not exist: create it, writable by the user idem runs as",
+            dir.display(),
+            file.display()
+        )
+    })
 }
 
 /// How the store at `url` is opened, and the `synchronous=` its url asks for, if any.
