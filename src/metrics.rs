@@ -41,6 +41,7 @@ pub fn handle() -> &'static PrometheusHandle {
         if metrics::set_global_recorder(recorder).is_ok() {
             describe();
             build_info();
+            process().describe();
         }
         handle
     })
@@ -55,6 +56,15 @@ pub async fn upkeep(mut turns: crate::clock::Turns) {
     while turns.next(tick.tick()).await.is_some() {
         handle().run_upkeep();
     }
+}
+
+/// The process's own figures, as every Prometheus client library exports them and every
+/// dashboard expects: `process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_virtual_memory_bytes`, `process_open_fds`, `process_max_fds`,
+/// `process_start_time_seconds`, `process_threads`. Read at each scrape.
+fn process() -> &'static metrics_process::Collector {
+    static COLLECTOR: OnceLock<metrics_process::Collector> = OnceLock::new();
+    COLLECTOR.get_or_init(metrics_process::Collector::default)
 }
 
 /// The version this binary is, and the commit it was built from (`unknown` when it was not
@@ -435,6 +445,7 @@ pub fn render(
         };
         gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
     }
+    process().collect();
     // Written here rather than through the process-wide recorder: it is this broker's own
     // figure, even when one process runs several brokers.
     let mut text = handle().render();

@@ -62,6 +62,16 @@ async fn the_metrics_add_up_after_a_scripted_run() {
     let commit = version.trim().rsplit_once('(').and_then(|(_, c)| c.strip_suffix(')')).expect("idem X (commit)");
     assert_eq!(sample(&text, "idem_build_info", &[("commit", commit)]), 1.0, "{version}");
 
+    // The process's own figures, as dashboards expect them: memory, CPU, descriptors, start.
+    assert!(sample(&text, "process_resident_memory_bytes", &[]) > 1e6, "{text}");
+    // (Whole seconds: the metrics facade's counters count in integers.)
+    assert!(text.lines().any(|l| l.starts_with("process_cpu_seconds_total ")), "{text}");
+    let (open, max) = (sample(&text, "process_open_fds", &[]), sample(&text, "process_max_fds", &[]));
+    assert!(open >= 3.0 && max >= open, "{open} of {max}");
+    let started = sample(&text, "process_start_time_seconds", &[]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(started > now - 3600.0 && started <= now, "{started} vs {now}");
+
     // Logical requests: six executions; physical attempts: one per stored attempt.
     assert_eq!(m("idem_requests_total", &[]), 6.0, "{text}");
     let mut stored_attempts = 0;
