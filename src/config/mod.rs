@@ -19,6 +19,7 @@ mod described;
 mod diff;
 mod durability;
 mod limits;
+mod overrides;
 mod mcp;
 mod quotas;
 mod raw;
@@ -50,6 +51,18 @@ pub enum ConfigError {
     Syntax(String),
     #[error("config key `{key}`: {problem}")]
     Invalid { key: String, problem: String },
+}
+
+/// The file at `path` with the environment's overrides applied: what every command reads.
+pub fn read(path: &Path) -> Result<String, ConfigError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+    overridden(&text, path)
+}
+
+/// `text`, read from `path`, with the environment's overrides applied (`IDEM_STORE__URL`).
+pub fn overridden(text: &str, path: &Path) -> Result<String, ConfigError> {
+    overrides::apply(text, std::env::vars()).map_err(|e| e.in_file(path))
 }
 
 /// A TOML error of `text` in one line: `line L, column C: what` (the `toml` crate's own words
@@ -286,8 +299,7 @@ const UNSET_SECRET: &str = "unset";
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        let text = read(path)?;
         Config::parse(&text).map_err(|e| e.in_file(path))
     }
 
@@ -301,8 +313,7 @@ impl Config {
     /// here, since nothing is served with it: a placeholder stands in, and the variables missing
     /// are returned so that `idem check` can warn that `idem serve` would refuse the config.
     pub fn load_offline(path: &Path) -> Result<(Config, Vec<String>), ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        let text = read(path)?;
         Config::parse_offline(&text, |name| std::env::var(name).ok()).map_err(|e| e.in_file(path))
     }
 

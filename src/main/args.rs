@@ -17,7 +17,7 @@ pub(super) struct Cli {
     #[command(subcommand)]
     pub(super) command: Command,
     /// Log format on stderr.
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    #[arg(long, env = "IDEM_LOG_FORMAT", global = true, value_enum, default_value_t = LogFormat::Text)]
     pub(super) log_format: LogFormat,
 }
 
@@ -31,7 +31,9 @@ pub(super) enum LogFormat {
 pub(super) enum Command {
     /// Run the broker.
     Serve {
-        #[arg(long, short)]
+        /// The configuration file (TOML); keys of its tables may be overridden from the
+        /// environment (`IDEM_STORE__URL`).
+        #[arg(long, short, env = "IDEM_CONFIG")]
         config: PathBuf,
     },
     /// Run the broker on a fresh SQLite file in front of a built-in flaky upstream.
@@ -47,7 +49,8 @@ pub(super) enum Command {
     },
     /// Apply the store's schema migrations.
     Migrate {
-        #[arg(long, short)]
+        /// The configuration file: its store is migrated.
+        #[arg(long, short, env = "IDEM_CONFIG")]
         config: PathBuf,
         /// Apply nothing: show the store's protocol and migrations against this build's, and
         /// whether upgrading to this build rolls node by node or needs every node stopped.
@@ -58,7 +61,9 @@ pub(super) enum Command {
     /// to its store too, changing nothing: the host serving it, its protocol and migrations, and
     /// a warning when a failover of its PostgreSQL server may lose acknowledged commits.
     Check {
-        #[arg(long, short)]
+        /// The configuration file to check, as `idem serve` would read it (with the
+        /// environment's overrides).
+        #[arg(long, short, env = "IDEM_CONFIG")]
         config: PathBuf,
         /// Connect to the store and say what serves it.
         #[arg(long)]
@@ -70,7 +75,7 @@ pub(super) enum Command {
     /// candidate one instead, and compare them.
     Simulate {
         /// The config file: the route's policy is read from it, and with --history its store.
-        #[arg(long, short)]
+        #[arg(long, short, env = "IDEM_CONFIG")]
         config: PathBuf,
         /// The route whose policy (`[routes.retry]`, `replay_safe`) is simulated.
         #[arg(long)]

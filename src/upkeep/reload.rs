@@ -99,6 +99,7 @@ impl Reloader {
         let text = tokio::fs::read_to_string(file)
             .await
             .map_err(|source| ConfigError::Read { path: file.display().to_string(), source })?;
+        let text = config::overridden(&text, file)?;
         let new = Config::parse(&text).map_err(|e| e.in_file(file))?;
         let mut changes = config::changes(&self.config.current(), &new)?;
         // Read again even when the paths are the same: rotation rewrites the files in place.

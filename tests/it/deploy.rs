@@ -120,3 +120,33 @@ fn idem_check_fails_on_what_serve_would_refuse_on_this_host_naming_each() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("admin token required"));
 }
+
+/// The configuration file may come from `IDEM_CONFIG`, and a key of its tables from
+/// `IDEM_<TABLE>__<KEY>`, over the file: `idem check` shows what `idem serve` would run.
+#[test]
+fn the_environment_names_the_file_and_overrides_its_keys() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let config = dir.path().join("idem.toml");
+    let file_store = format!("sqlite://{}/file.db", dir.path().display());
+    std::fs::write(&config, crate::common::TestConfig::new("http://127.0.0.1:9").store(&file_store).worker("lease = \"15s\"").text()).unwrap();
+    let env_store = format!("sqlite://{}/env.db", dir.path().display());
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("check")
+        .env("IDEM_CONFIG", &config)
+        .env("IDEM_STORE__URL", &env_store)
+        .env("IDEM_WORKER__CONCURRENCY", "7")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(&env_store) && !stdout.contains(&file_store), "{stdout}");
+    assert!(stdout.contains("concurrency 7, lease 15s"), "{stdout}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["check", "--config", config.to_str().unwrap()])
+        .env("IDEM_WORKER__NO_SUCH_KEY", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("unknown field `no_such_key`"), "{stderr}");
+}
