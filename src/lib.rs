@@ -83,6 +83,7 @@ pub mod ingress;
 pub mod logs;
 pub mod mcp;
 pub mod metrics;
+pub mod notify;
 pub mod policy;
 pub mod problem;
 pub mod record;

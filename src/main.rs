@@ -195,6 +195,10 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
             let json = client.json;
             print!("{}", client.connect()?.run(switch_command(action), json).await?);
         }
+        Command::Reload { client } => {
+            let json = client.json;
+            print!("{}", client.connect()?.run(idem::admin::cli::Command::Reload, json).await?);
+        }
     }
     Ok(())
 }

@@ -43,6 +43,8 @@ const REPLAY_CACHE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// A running broker. Dropping it does not stop it; call [`Running::shutdown`].
 pub struct Running {
+    /// Set when the node starts leaving: `/readyz` fails from then on.
+    leaving: admin::Leaving,
     /// The data plane's bound address (useful when the config asked for port 0).
     pub listen: SocketAddr,
     pub admin_listen: SocketAddr,
@@ -201,6 +203,7 @@ async fn start_on(
         clock: clock.clone(),
         replay_cache_bytes: REPLAY_CACHE_BYTES,
     }));
+    let leaving = admin::Leaving::default();
     let admin = Arc::new(Admin::new(admin::Parts {
         config: live.clone(),
         reloader: reloader.clone(),
@@ -209,6 +212,7 @@ async fn start_on(
         bodies,
         switches: switches.clone(),
         clock: clock.clone(),
+        leaving: leaving.clone(),
     }));
 
     let (stop, stopped) = watch::channel(false);
@@ -247,7 +251,7 @@ async fn start_on(
         });
     }
     tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
-    Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, stop, servers, upkeep: loops })
+    Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, leaving, stop, servers, upkeep: loops })
 }
 
 /// Each listener's connection budget and timeouts. The open-file limit is raised first, so that
@@ -289,6 +293,19 @@ fn listener_limits(config: &Config) -> (ListenerLimits, ListenerLimits) {
 }
 
 impl Running {
+    /// Leaves in the order a load balancer needs: `/readyz` fails at once, for `[server]
+    /// drain_readiness`, while requests are still served, so that the balancer stops sending
+    /// new ones; then the listeners close and the drain begins ([`Running::shutdown`]).
+    pub async fn leave(self) {
+        let readiness = self.live.current().server.drain_readiness;
+        if !readiness.is_zero() {
+            tracing::info!(?readiness, "leaving: /readyz fails from now on; the listeners close after it");
+            self.leaving.start(readiness);
+            tokio::time::sleep(readiness).await;
+        }
+        self.shutdown().await;
+    }
+
     /// Graceful shutdown: stops accepting connections, hands back records waiting between
     /// attempts, gives attempts in flight up to `[server] drain` to finish and be stored, lets
     /// their answers go out, and stops background upkeep.
@@ -311,23 +328,42 @@ impl Running {
     }
 }
 
+/// How the process was asked to stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Termination {
+    /// Ctrl-C (SIGINT): a person at a terminal, who wants it gone now.
+    Interrupt,
+    /// SIGTERM: a service manager or an orchestrator, behind which a load balancer may still
+    /// send requests: the node leaves in its order ([`Running::leave`]).
+    Terminate,
+}
+
 /// Runs a broker on `config`, read from `file`, until `shutdown` resolves; each `SIGHUP` reads
 /// the file again and applies it (or keeps the running configuration and logs why).
-pub async fn serve(config: Config, file: PathBuf, shutdown: impl Future<Output = ()>) -> Result<(), StartError> {
+pub async fn serve(
+    config: Config,
+    file: PathBuf,
+    shutdown: impl Future<Output = Termination>,
+) -> Result<(), StartError> {
     let mut running = start_reloadable(config, file).await?;
     #[cfg(unix)]
     {
         let reloader = running.reloader.clone();
         running.upkeep.start("reload on SIGHUP", |turns| reloader.on_hangup(turns));
     }
-    shutdown.await;
-    tracing::info!("shutting down");
-    running.shutdown().await;
+    crate::notify::ready();
+    let how = shutdown.await;
+    tracing::info!(?how, "shutting down");
+    crate::notify::stopping();
+    match how {
+        Termination::Terminate => running.leave().await,
+        Termination::Interrupt => running.shutdown().await,
+    }
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-pub async fn termination() {
+/// Resolves on Ctrl-C or SIGTERM, saying which.
+pub async fn termination() -> Termination {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -343,8 +379,8 @@ pub async fn termination() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+        _ = ctrl_c => Termination::Interrupt,
+        _ = term => Termination::Terminate,
     }
 }
 

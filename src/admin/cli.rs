@@ -48,6 +48,9 @@ pub enum Command {
     Cancel { id: String, note: Option<String> },
     Bulk(Bulk),
     Switch(SwitchCommand),
+    /// The node reads its configuration file again (`POST /admin/config/reload`): applied, or
+    /// refused (an error, so that `systemctl reload` fails with the reason).
+    Reload,
 }
 
 /// `idem switch …`: the emergency switches.
@@ -152,6 +155,7 @@ impl Client {
         let attribution = |note: Option<String>| json!({"actor": self.actor, "note": note});
         let (value, render): (Value, fn(&Value) -> String) = match command {
             Command::Switch(command) => self.switch(command).await?,
+            Command::Reload => (self.call(reqwest::Method::POST, "/admin/config/reload", Some(json!({}))).await?, render_reload),
             Command::List { state, route, tenant, limit, cursor } => {
                 let mut query = vec![format!("limit={limit}")];
                 for (name, value) in [("state", state), ("route", route), ("tenant", tenant), ("cursor", cursor)] {
@@ -251,6 +255,29 @@ impl Client {
             }
         })
     }
+}
+
+fn render_reload(v: &Value) -> String {
+    let routes: Vec<String> = v["routes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| format!("{} {}", text(&r["name"]), text(&r["policy_version"])))
+        .collect();
+    let changes = &v["changes"];
+    let count = |k: &str| changes[k].as_array().map_or(0, Vec::len);
+    format!(
+        "applied (loaded at {}): {} route(s) added, {} changed, {} removed, settings changed: {}\nroutes: {}\n",
+        text(&v["loaded_at"]),
+        count("added"),
+        count("changed"),
+        count("removed"),
+        changes["settings"].as_array().map_or_else(|| "none".into(), |s| {
+            let s: Vec<String> = s.iter().map(text).collect();
+            if s.is_empty() { "none".into() } else { s.join(", ") }
+        }),
+        routes.join(", ")
+    )
 }
 
 fn render_switch(v: &Value) -> String {

@@ -60,6 +60,26 @@ pub struct Admin {
     switches: Arc<Switches>,
     /// What time it is: for the audit trail, a retry's fresh deadline, the series and switches.
     clock: SharedClock,
+    /// Set when the node starts leaving: `/readyz` then fails, while requests are still served.
+    leaving: Leaving,
+}
+
+/// When the node's listeners close, once it has started leaving (SIGTERM): until then it serves,
+/// and `/readyz` says it is draining, so that load balancers stop sending it new requests first.
+#[derive(Clone, Default)]
+pub struct Leaving(Arc<std::sync::Mutex<Option<tokio::time::Instant>>>);
+
+impl Leaving {
+    /// The node leaves: its listeners close in `closes_in`.
+    pub fn start(&self, closes_in: std::time::Duration) {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now() + closes_in);
+    }
+
+    /// How long until the listeners close, once leaving.
+    fn closes_in(&self) -> Option<std::time::Duration> {
+        let at = *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        at.map(|at| at.saturating_duration_since(tokio::time::Instant::now()))
+    }
 }
 
 /// What an [`Admin`] is built on: the parts of the broker it shares with the others.
@@ -71,12 +91,13 @@ pub struct Parts {
     pub bodies: Arc<BodyBudget>,
     pub switches: Arc<Switches>,
     pub clock: SharedClock,
+    pub leaving: Leaving,
 }
 
 impl Admin {
     pub fn new(parts: Parts) -> Admin {
-        let Parts { config, reloader, store, worker, bodies, switches, clock } = parts;
-        Admin { config, reloader, store, worker, bodies, switches, clock }
+        let Parts { config, reloader, store, worker, bodies, switches, clock, leaving } = parts;
+        Admin { config, reloader, store, worker, bodies, switches, clock, leaving }
     }
 }
 
@@ -104,8 +125,12 @@ pub fn router(admin: Arc<Admin>) -> Router {
 }
 
 /// Ready when the store can be trusted with a request: without it no request can be recorded
-/// safely. Bounded in time, like the health check every node runs.
+/// safely. Bounded in time, like the health check every node runs. Not ready once the node has
+/// started leaving ([`Leaving`]).
 async fn ready(State(admin): State<Arc<Admin>>) -> Response {
+    if let Some(closes_in) = admin.leaving.closes_in() {
+        return Problem::draining(closes_in).into_response();
+    }
     match store::store_health(&*admin.store).await {
         Ok(()) => "ready\n".into_response(),
         Err(e) => Problem::not_ready(&e).into_response(),

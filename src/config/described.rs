@@ -27,8 +27,9 @@ pub fn describe(c: &Config) -> String {
     };
     let _ = writeln!(
         out,
-        "serving       drain {}; access log {}; forwarded {forwarded}",
+        "serving       drain {} (after {} of failing readiness on SIGTERM); access log {}; forwarded {forwarded}",
         h(c.server.drain),
+        h(c.server.drain_readiness),
         if c.server.access_log { "on" } else { "off" }
     );
     let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));

@@ -128,6 +128,9 @@ pub struct ServerConfig {
     pub admin_tls: Option<ListenerTls>,
     /// How long a shutdown (SIGTERM) lets attempts in flight finish and be stored.
     pub drain: Duration,
+    /// How long a node leaving on SIGTERM keeps serving with `/readyz` failing, before its
+    /// listeners close and the drain begins: the time a load balancer takes to see it go.
+    pub drain_readiness: Duration,
     /// A log line per answered request on the data plane (docs/operations.md#logs).
     pub access_log: bool,
     /// How the client's address is passed upstream.

@@ -40,6 +40,7 @@ pub(super) struct RawServer {
     pub(super) admin_tls_cert: Option<std::path::PathBuf>,
     pub(super) admin_tls_key: Option<std::path::PathBuf>,
     pub(super) drain: Option<String>,
+    pub(super) drain_readiness: Option<String>,
     pub(super) access_log: Option<bool>,
     pub(super) forwarded: Option<bool>,
     #[serde(default)]
@@ -234,6 +235,14 @@ pub(super) fn duration(key: &str, value: Option<&str>, default: &str) -> Result<
     Ok(d)
 }
 
+/// As [`duration`], where zero means "none" (`server.drain_readiness = "0s"`: no readiness phase).
+pub(super) fn duration_or_none(key: &str, value: Option<&str>, default: &str) -> Result<Duration, ConfigError> {
+    match value.unwrap_or(default).trim() {
+        "0" | "0s" | "0ms" => Ok(Duration::ZERO),
+        _ => duration(key, value, default),
+    }
+}
+
 /// No setting is meant to last longer than this; a longer one is a typo (`1000years`) whose
 /// arithmetic in milliseconds would overflow.
 pub(super) const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
@@ -387,6 +396,7 @@ fn validate_server(server: RawServer) -> Result<ServerConfig, ConfigError> {
         tls,
         admin_tls,
         drain: duration("server.drain", server.drain.as_deref(), "10s")?,
+        drain_readiness: duration_or_none("server.drain_readiness", server.drain_readiness.as_deref(), "0s")?,
         access_log: server.access_log.unwrap_or(true),
         forwarded: Forwarding { enabled: server.forwarded.unwrap_or(true), trusted_proxies },
     })

@@ -409,3 +409,18 @@ fn a_marked_attempt_has_a_send_window_and_clocks_a_margin_within_the_lease() {
         assert!(e.contains(&format!("worker.{key}")), "{e}");
     }
 }
+
+/// `[server] drain_readiness`: none by default (SIGTERM drains at once, as before), a duration
+/// when set, zero spelt as "0s", and a bad value refused naming the key.
+#[test]
+fn drain_readiness_is_none_by_default_and_a_duration_when_set() {
+    let c = Config::parse_with_env(MINIMAL, no_env).unwrap();
+    assert_eq!(c.server.drain_readiness, Duration::ZERO);
+    let with = |value: &str| format!("[server]\ndrain_readiness = \"{value}\"\n{MINIMAL}");
+    let c = Config::parse_with_env(&with("5s"), no_env).unwrap();
+    assert_eq!(c.server.drain_readiness, Duration::from_secs(5));
+    assert!(describe(&c).contains("(after 5s of failing readiness on SIGTERM)"), "{}", describe(&c));
+    assert_eq!(Config::parse_with_env(&with("0s"), no_env).unwrap().server.drain_readiness, Duration::ZERO);
+    let e = error_of(&with("soon"));
+    assert!(e.contains("server.drain_readiness") && e.contains("not a duration"), "{e}");
+}

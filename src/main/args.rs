@@ -128,6 +128,12 @@ pub(super) enum Command {
         #[command(subcommand)]
         action: SwitchAction,
     },
+    /// Make a running node read its configuration file again, and wait for its answer: exits
+    /// non-zero, with the reason, when the file is refused (`systemctl reload` runs it).
+    Reload {
+        #[command(flatten)]
+        client: AdminArgs,
+    },
     /// Print a completion script for a shell: `idem completions bash >
     /// /usr/share/bash-completion/completions/idem`.
     Completions {

@@ -29,6 +29,20 @@ impl Problem {
         .retryable()
     }
 
+    /// The node is leaving (SIGTERM): it still answers, but a load balancer should send new
+    /// requests elsewhere before its listeners close.
+    pub fn draining(closes_in: std::time::Duration) -> Problem {
+        Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "draining",
+            "Draining",
+            format!(
+                "This node is shutting down: it still serves, but its listeners close in {closes_in:?}. Send new requests to another node."
+            ),
+        )
+        .retryable()
+    }
+
     /// An operator's action that the record's state does not allow: only `unknown` records are
     /// resolved or retried. `action` is the participle ("resolved", "retried").
     pub fn invalid_transition(state: State, action: &str) -> Problem {

@@ -314,7 +314,37 @@ async fn sigterm_waits_no_longer_than_the_configured_drain(b: Backend) {
     assert!(took >= Duration::from_secs(1), "the broker left after {took:?}, before its drain of 1s");
 }
 
+/// SIGTERM with `[server] drain_readiness`: `/readyz` fails at once, saying the node drains,
+/// while new requests are still served, for that long; only then do the listeners close, the
+/// drain run and the process exit. A load balancer stops sending before anything is refused.
+async fn sigterm_fails_readiness_first_while_still_serving(b: Backend) {
+    let readiness = Duration::from_millis(1_500);
+    let mut rig = rig_with(b, TestConfig::default().server("drain_readiness = \"1500ms\"")).await;
+    let ready = |node: &Node| node.http.get(format!("{}/readyz", node.admin)).send();
+    assert_eq!(ready(&rig.node).await.unwrap().status(), 200);
+
+    let asked = Instant::now();
+    rig.node.terminate();
+    loop {
+        let answer = ready(&rig.node).await.unwrap();
+        if answer.status() == 503 {
+            assert!(answer.text().await.unwrap().contains("draining"));
+            break;
+        }
+        assert!(asked.elapsed() < readiness / 2, "/readyz still ready {:?} after SIGTERM", asked.elapsed());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let served = rig.node.post("/payments", "after-sigterm", BODY).send().await.unwrap();
+    assert_eq!(served.status(), 201, "still served while leaving");
+    assert!(asked.elapsed() < readiness, "the request came within the readiness phase");
+
+    let status = rig.node.wait_exit(DRAIN).await.expect("exited after the readiness phase and the drain");
+    assert!(status.success(), "{status}");
+    assert!(asked.elapsed() >= readiness, "not before its readiness phase: {:?}", asked.elapsed());
+}
+
 both_stores!(
+    sigterm_fails_readiness_first_while_still_serving,
     sigterm_waits_no_longer_than_the_configured_drain,
     a_kill_during_an_unsafe_attempt_makes_the_record_unknown_and_never_sends_it_again,
     a_kill_during_an_attempt_on_a_replay_safe_route_sends_it_again_after_the_lease,

@@ -150,3 +150,69 @@ fn the_environment_names_the_file_and_overrides_its_keys() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("unknown field `no_such_key`"), "{stderr}");
 }
+
+/// The systemd unit as shipped: `systemd-analyze verify` finds nothing wrong with it (its
+/// binary put where the unit says), and `systemd-analyze security` rates its exposure OK or
+/// better (below 2.0 of 10). From Debian's systemd package, which `.ci/run` installs.
+#[test]
+fn the_unit_verifies_and_its_exposure_is_rated_ok() {
+    let Ok(analyze) = which("systemd-analyze") else {
+        assert!(std::env::var_os("CI").is_none(), "systemd-analyze is missing under CI");
+        eprintln!("skipped the_unit_verifies_and_its_exposure_is_rated_ok: no systemd-analyze");
+        return;
+    };
+    let dir = tempfile::TempDir::new().unwrap();
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/idem.service"))
+        .unwrap()
+        .replace("/usr/local/bin/idem", env!("CARGO_BIN_EXE_idem"));
+    let path = dir.path().join("idem.service");
+    std::fs::write(&path, unit).unwrap();
+    let verify = Command::new(&analyze).args(["verify", "--man=no"]).arg(&path).output().unwrap();
+    let said = String::from_utf8_lossy(&verify.stderr);
+    assert!(verify.status.success() && said.trim().is_empty(), "{said}");
+    let security = Command::new(&analyze).args(["security", "--offline=true", "--no-pager"]).arg(&path).output().unwrap();
+    let report = String::from_utf8_lossy(&security.stdout);
+    let level: f64 = report
+        .split("Overall exposure level for idem.service: ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level in:\n{report}{}", String::from_utf8_lossy(&security.stderr)));
+    assert!(level < 2.0, "exposure {level}:\n{report}");
+}
+
+fn which(program: &str) -> Result<std::path::PathBuf, ()> {
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|paths| std::env::split_paths(&paths).collect::<Vec<_>>())
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+        .ok_or(())
+}
+
+/// `Type=notify`: a node tells the service manager it is ready once its store is open and its
+/// listeners bound (its `/readyz` answers by then), and that it is stopping when SIGTERM comes.
+#[tokio::test]
+async fn the_node_tells_the_service_manager_when_it_is_ready_and_when_it_stops() {
+    use crate::common::process::{node_config, Node};
+    let dir = tempfile::TempDir::new().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = tokio::net::UnixDatagram::bind(&socket_path).unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let body = node_config(&store, crate::common::TestConfig::new("http://127.0.0.1:9")).body();
+    let env = vec![("NOTIFY_SOCKET".to_string(), socket_path.display().to_string())];
+    let mut node = Node::start_with_env("notified", &body, env).await;
+    let mut buf = [0u8; 512];
+    let said = |n: usize, buf: &[u8]| String::from_utf8_lossy(&buf[..n]).into_owned();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), socket.recv(&mut buf)).await.unwrap().unwrap();
+    let ready = said(n, &buf);
+    assert!(ready.lines().any(|l| l == "READY=1"), "{ready}");
+    let answer = node.http.get(format!("{}/readyz", node.admin)).send().await.unwrap();
+    assert_eq!(answer.status(), 200, "ready, as told");
+
+    node.terminate();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), socket.recv(&mut buf)).await.unwrap().unwrap();
+    let stopping = said(n, &buf);
+    assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping}");
+    assert!(node.wait_exit(std::time::Duration::from_secs(15)).await.is_some_and(|s| s.success()));
+}

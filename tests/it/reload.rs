@@ -314,3 +314,34 @@ both_stores!(
     sighup_makes_a_running_idem_serve_read_its_file_again,
     a_broker_started_without_a_file_says_it_has_nothing_to_reload,
 );
+
+/// `idem reload` asks a running node to read its file again and waits for the answer: it exits
+/// 0 saying what changed when the file is applied, and non-zero with the key and reason when it
+/// is refused, so that `systemctl reload` (its `ExecReload`) tells the truth.
+#[tokio::test]
+async fn idem_reload_exits_non_zero_with_the_reason_when_the_file_is_refused() {
+    let upstream = Upstream::start().await;
+    let db = Db::new(Backend::Sqlite).await;
+    let up = upstream.url();
+    let broker = Broker::start_with(&db, config(&db, "", &route("payments", &up, 3))).await;
+    // Run without blocking: the broker serves on this test's runtime.
+    let reload = || {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+        command.args(["reload", "--admin", &broker.admin]);
+        async move {
+            let out = command.output().await.unwrap();
+            (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    };
+
+    broker.write_config(&config(&db, "", &(route("payments", &up, 2) + &route("tickets", &up, 3))));
+    let (ok, stdout, stderr) = reload().await;
+    assert!(ok, "{stderr}");
+    assert!(stdout.starts_with("applied") && stdout.contains("1 route(s) added, 1 changed"), "{stdout}");
+
+    broker.write_config(&config(&db, "", &route("payments", &up, 0)));
+    let (ok, stdout, stderr) = reload().await;
+    assert!(!ok && stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("routes[0].retry.max_attempts") && stderr.contains("nothing of the file was applied"), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+}
