@@ -3,11 +3,39 @@
 
 use super::*;
 
+/// A duration as a file spells one: `24h`, `90s`, `250ms`, `1h30m` (not humantime's `1day`).
+pub(super) fn span(d: Duration) -> String {
+    if d.is_zero() {
+        return "0s".into();
+    }
+    if d.subsec_millis() != 0 || d.as_secs() == 0 {
+        return format!("{}ms", d.as_millis());
+    }
+    let (h, m, s) = (d.as_secs() / 3600, d.as_secs() / 60 % 60, d.as_secs() % 60);
+    let mut out = String::new();
+    for (n, unit) in [(h, "h"), (m, "m"), (s, "s")] {
+        if n > 0 {
+            out.push_str(&format!("{n}{unit}"));
+        }
+    }
+    out
+}
+
+/// A size as a file spells one: `256MiB`, `512KiB`, `1000B`.
+pub(super) fn size(bytes: u64) -> String {
+    for (unit, name) in [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")] {
+        if bytes >= unit && bytes % unit == 0 {
+            return format!("{}{name}", bytes / unit);
+        }
+    }
+    format!("{bytes}B")
+}
+
 /// The effective configuration, as `idem check` prints it.
 pub fn describe(c: &Config) -> String {
     use std::fmt::Write;
     let mut out = String::new();
-    let h = humantime::format_duration;
+    let h = span;
     let _ = writeln!(out, "config ok");
     let _ = writeln!(out, "listen        {}", c.server.listen);
     let _ = writeln!(out, "admin_listen  {}", c.server.admin_listen);
@@ -108,12 +136,12 @@ pub fn describe(c: &Config) -> String {
         }
         let _ = writeln!(
             out,
-            "  keyed methods {}; replay_safe {}; forward key {}; max_body {} B; max_stored_body {} B; max_concurrency {}",
+            "  keyed methods {}; replay_safe {}; forward key {}; max_body {}; max_stored_body {}; max_concurrency {}",
             methods.join(","),
             r.replay_safe,
             r.forward_idempotency_key,
-            r.max_body,
-            r.max_stored_body,
+            size(r.max_body as u64),
+            size(r.max_stored_body as u64),
             r.max_concurrency
         );
         let _ = writeln!(

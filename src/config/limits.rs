@@ -68,17 +68,17 @@ impl EdgeLimits {
 
     /// One line for `idem check`.
     pub fn describe(&self) -> String {
-        let h = humantime::format_duration;
+        let h = super::described::span;
         let connections = match self.max_connections {
             Some(n) => n.to_string(),
             None => "auto (from the open-file limit)".into(),
         };
         format!(
-            "header_timeout {}, body_timeout {}; max_connections {connections}, admin {}; max_buffered_bodies {} B",
+            "header_timeout {}, body_timeout {}; max_connections {connections}, admin {}; max_buffered_bodies {}",
             h(self.header_timeout),
             h(self.body_timeout),
             self.admin_max_connections,
-            self.max_buffered_bodies
+            super::described::size(self.max_buffered_bodies as u64)
         )
     }
 }
@@ -174,7 +174,7 @@ mod tests {
         let out = describe(&with_server("max_connections = 20").unwrap());
         assert!(out.contains("header_timeout 10s, body_timeout 30s"), "{out}");
         assert!(out.contains("max_connections 20, admin 64"), "{out}");
-        assert!(out.contains("max_buffered_bodies 268435456 B"), "{out}");
+        assert!(out.contains("max_buffered_bodies 256MiB"), "{out}");
         let out = describe(&with_server("").unwrap());
         assert!(out.contains("max_connections auto"), "{out}");
     }

@@ -424,3 +424,20 @@ fn drain_readiness_is_none_by_default_and_a_duration_when_set() {
     let e = error_of(&with("soon"));
     assert!(e.contains("server.drain_readiness") && e.contains("not a duration"), "{e}");
 }
+
+/// `idem check` spells durations and sizes as a file does: `24h`, not `1day`; `256MiB`, not
+/// `268435456 B`.
+#[test]
+fn durations_and_sizes_are_printed_as_a_file_spells_them() {
+    use super::described::{size, span};
+    assert_eq!(span(Duration::from_secs(24 * 3600)), "24h");
+    assert_eq!(span(Duration::from_secs(5400)), "1h30m");
+    assert_eq!(span(Duration::from_millis(250)), "250ms");
+    assert_eq!(span(Duration::from_millis(1500)), "1500ms");
+    assert_eq!(span(Duration::ZERO), "0s");
+    assert_eq!(size(256 << 20), "256MiB");
+    assert_eq!(size(512 << 10), "512KiB");
+    assert_eq!(size(1000), "1000B");
+    let described = describe(&Config::parse_with_env(MINIMAL, no_env).unwrap());
+    assert!(described.contains("(retention 24h)") && described.contains("max_buffered_bodies 256MiB"), "{described}");
+}

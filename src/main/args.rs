@@ -135,7 +135,7 @@ pub(super) enum Command {
         client: AdminArgs,
     },
     /// Print a completion script for a shell: `idem completions bash >
-    /// /usr/share/bash-completion/completions/idem`.
+    /// /usr/local/share/bash-completion/completions/idem`.
     Completions {
         #[arg(value_enum)]
         shell: clap_complete::Shell,

@@ -22,7 +22,7 @@ fn serving_settings_have_defaults_and_idem_check_shows_them() {
     let said = describe(&c);
     for line in [
         "tls           data off; admin off",
-        "drain 10s; access log on; forwarded on, no trusted proxy",
+        "drain 10s (after 0s of failing readiness on SIGTERM); access log on; forwarded on, no trusted proxy",
         "telemetry     off",
     ] {
         assert!(said.contains(line), "{line:?} not in:\n{said}");
