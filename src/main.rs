@@ -11,6 +11,8 @@ use tracing_subscriber::{Layer, Registry};
 
 #[path = "main/args.rs"]
 mod args;
+#[path = "main/manual.rs"]
+mod manual;
 
 use args::{requests_command, switch_command, Cli, Command, LogFormat};
 
@@ -105,10 +107,10 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
                 &mut std::io::stdout(),
             );
         }
-        Command::Man => {
-            clap_mangen::Man::new(<Cli as clap::CommandFactory>::command())
-                .render(&mut std::io::stdout())
-                .context("cannot write the manual page")?;
+        Command::Man { dir: None } => manual::page(&mut std::io::stdout()).context("cannot write the manual page")?,
+        Command::Man { dir: Some(dir) } => {
+            manual::pages(&dir).with_context(|| format!("cannot write the manual pages into {}", dir.display()))?;
+            println!("manual pages written into {}", dir.display());
         }
         Command::Serve { config } => {
             let loaded = serving.context("the configuration is read before the runtime starts")?;

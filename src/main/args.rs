@@ -9,10 +9,21 @@ use clap::{Parser, Subcommand, ValueEnum};
 use idem::admin::bulk::BulkAction;
 use idem::admin::cli;
 
-/// Idem, an idempotency-aware request broker: every keyed request is recorded before it is sent,
-/// executed once, and replayed byte for byte to duplicates.
+/// What idem(1)'s NAME says, and `idem --help` first.
+const ABOUT: &str = "An idempotency-aware request broker";
+/// What idem(1)'s DESCRIPTION says, and `idem --help` after it.
+const LONG_ABOUT: &str = "Idem sits in front of HTTP APIs with side effects. Every request carrying an \
+Idempotency-Key is recorded durably before it is sent upstream, executed once under a deadline with \
+classified retries, and replayed byte for byte to duplicates; a request whose outcome cannot be known \
+goes to a reconciliation queue.";
+
 #[derive(Parser)]
-#[command(name = "idem", version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEM_COMMIT"), ")"))]
+#[command(
+    name = "idem",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("IDEM_COMMIT"), ")"),
+    about = ABOUT,
+    long_about = LONG_ABOUT
+)]
 pub(super) struct Cli {
     #[command(subcommand)]
     pub(super) command: Command,
@@ -57,9 +68,12 @@ pub(super) enum Command {
         #[arg(long)]
         status: bool,
     },
-    /// Validate a config and print the effective routes and policies. With --connect, connect
-    /// to its store too, changing nothing: the host serving it, its protocol and migrations, and
-    /// a warning when a failover of its PostgreSQL server may lose acknowledged commits.
+    /// Validate a config and print the effective routes and policies.
+    ///
+    /// Fails, naming each, on what `idem serve` would refuse on this host: an unset secret, a
+    /// SQLite directory that does not exist. With --connect, connects to its store too, changing
+    /// nothing: the host serving it, its protocol and migrations, and a warning when a failover
+    /// of its PostgreSQL server may lose acknowledged commits.
     Check {
         /// The configuration file to check, as `idem serve` would read it (with the
         /// environment's overrides).
@@ -69,10 +83,11 @@ pub(super) enum Command {
         #[arg(long)]
         connect: bool,
     },
-    /// Run a route's retry policy against a scripted upstream on a logical clock: no network,
-    /// no sleeping. One row per step, then the stop reason and the state the record would end in.
-    /// With --history, replay the route's recorded requests through its current policy and a
-    /// candidate one instead, and compare them.
+    /// Run a route's retry policy against a scripted upstream, or replay its history.
+    ///
+    /// On a logical clock: no network, no sleeping. One row per step, then the stop reason and
+    /// the state the record would end in. With --history, replay the route's recorded requests
+    /// through its current policy and a candidate one instead, and compare them.
     Simulate {
         /// The config file: the route's policy is read from it, and with --history its store.
         #[arg(long, short, env = "IDEM_CONFIG")]
@@ -120,16 +135,19 @@ pub(super) enum Command {
         #[command(subcommand)]
         action: RequestsAction,
     },
-    /// Emergency switches through the admin API: retries off, or a route isolated, without a
-    /// release; obeyed by every node within two seconds.
+    /// Emergency switches through the admin API: retries off, or a route isolated.
+    ///
+    /// Without a release; obeyed by every node within two seconds.
     Switch {
         #[command(flatten)]
         client: AdminArgs,
         #[command(subcommand)]
         action: SwitchAction,
     },
-    /// Make a running node read its configuration file again, and wait for its answer: exits
-    /// non-zero, with the reason, when the file is refused (`systemctl reload` runs it).
+    /// Make a running node read its configuration file again, and wait for its answer.
+    ///
+    /// Exits non-zero, with the key and the reason, when the file is refused; the running
+    /// configuration is then kept (`systemctl reload` runs it).
     Reload {
         #[command(flatten)]
         client: AdminArgs,
@@ -140,8 +158,16 @@ pub(super) enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
-    /// Print the manual page, in roff: `idem man > /usr/local/share/man/man1/idem.1`.
-    Man,
+    /// Print the manual page, or write every command's page into a directory.
+    ///
+    /// `idem man > /usr/local/share/man/man1/idem.1` prints idem(1); `idem man --dir
+    /// /usr/local/share/man/man1` writes it and the page of each command it refers to
+    /// (idem-serve(1), idem-check(1), …).
+    Man {
+        /// Write idem.1 and idem-<command>.1 for every command into this directory.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -185,12 +211,16 @@ pub(super) enum SwitchAction {
 pub(super) enum RequestsAction {
     /// List records, oldest first (the reconciliation queue: `--state unknown`).
     List {
-        #[arg(long)]
+        /// Only records in this state.
+        #[arg(long, value_parser = states())]
         state: Option<String>,
+        /// Only the records of this route.
         #[arg(long)]
         route: Option<String>,
+        /// Only the records of this tenant.
         #[arg(long)]
         tenant: Option<String>,
+        /// At most this many records per page.
         #[arg(long, default_value_t = 50)]
         limit: u32,
         /// Continue a listing where the previous page ended.
@@ -230,13 +260,18 @@ pub(super) enum RequestsAction {
         #[arg(long)]
         note: Option<String>,
     },
-    /// Apply one action to every record a filter matches, each audited on its own. Try it with
-    /// --dry-run first: that prints how many match and a sample, and changes nothing.
+    /// Apply one action to every record a filter matches, each audited on its own.
+    ///
+    /// Try it with --dry-run first: that prints how many match and a sample, and changes
+    /// nothing.
     Bulk {
-        #[arg(long)]
+        /// The records' state (`unknown`: the reconciliation queue).
+        #[arg(long, value_parser = states())]
         state: String,
+        /// Only the records of this route.
         #[arg(long)]
         route: Option<String>,
+        /// Only the records of this tenant.
         #[arg(long)]
         tenant: Option<String>,
         /// Only records created after this RFC 3339 UTC time (2024-05-01T12:00:00Z).
@@ -245,8 +280,10 @@ pub(super) enum RequestsAction {
         /// Only records created before this RFC 3339 UTC time.
         #[arg(long)]
         created_before: Option<String>,
+        /// What to do to each record.
         #[arg(long, value_parser = bulk_actions())]
         action: String,
+        /// Say how many match, with a sample, and change nothing.
         #[arg(long)]
         dry_run: bool,
         /// At most this many records (the API's default is 1000).
@@ -309,6 +346,11 @@ fn switch_actions() -> PossibleValuesParser {
 }
 
 /// The actions a bulk call takes, as `--action` values.
+/// A record's states, as the admin API names them.
+fn states() -> PossibleValuesParser {
+    PossibleValuesParser::new(idem::domain::State::ALL.map(|s| s.as_str()))
+}
+
 fn bulk_actions() -> PossibleValuesParser {
     PossibleValuesParser::new(BulkAction::ALL.map(|a| a.flag()))
 }

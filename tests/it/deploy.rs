@@ -84,6 +84,35 @@ fn completions_and_the_manual_page_come_from_the_binary() {
     assert!(ok, "{stderr}");
     assert!(stdout.starts_with(".ie") || stdout.contains(".TH idem"), "{}", &stdout[..stdout.len().min(200)]);
     assert!(stdout.contains("serve"), "the manual names the commands");
+    for section in ["NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "ENVIRONMENT", "FILES", "EXIT STATUS", "EXAMPLES"] {
+        assert!(stdout.contains(&format!(".SH {section}")), "no {section}");
+    }
+    // NAME does not repeat DESCRIPTION.
+    let name = stdout.split(".SH NAME").nth(1).unwrap().split(".SH").next().unwrap();
+    let description = stdout.split(".SH DESCRIPTION").nth(1).unwrap().split(".SH").next().unwrap();
+    let summary = name.trim().trim_start_matches("idem \\- ");
+    assert!(!description.contains(summary), "{summary:?} in {description:?}");
+
+    // Every page idem(1) refers to is written beside it.
+    let dir = tempfile::TempDir::new().unwrap();
+    let (ok, _, stderr) = idem(&["man", "--dir", dir.path().to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+    let page = std::fs::read_to_string(dir.path().join("idem.1")).unwrap();
+    // `idem\-serve(1)`, or `\fBidem\-check\fR(1)`.
+    let referred: Vec<String> = page
+        .match_indices("idem\\-")
+        .filter_map(|(at, _)| {
+            let rest = &page[at + "idem\\-".len()..];
+            let name = &rest[..rest.find('(')?];
+            let name = name.trim_end_matches("\\fR");
+            rest[name.len()..].trim_start_matches("\\fR").starts_with("(1)").then(|| name.replace("\\-", "-"))
+        })
+        .collect();
+    assert!(referred.len() >= 8, "{referred:?}");
+    for name in referred {
+        let file = dir.path().join(format!("idem-{name}.1"));
+        assert!(file.is_file(), "idem(1) refers to {} but it was not written", file.display());
+    }
 }
 
 /// What `idem serve` would refuse on this host though the file is right fails `idem check` too,
