@@ -8,7 +8,7 @@ use axum::response::Response;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
-use idem::domain::{RouteName, Timestamp};
+use idem::domain::{RecordId, RouteName, Timestamp};
 use idem::ingress::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
 use idem::problem::{SHOULD_RETRY_HEADER, STATUS_HEADER};
 use idem::record::StoredResponse;
@@ -98,7 +98,7 @@ fn replay_answers(c: &mut Criterion) {
         })
     });
     let fingerprint = Fingerprint::of("payments", "POST", "/payments", "", None, b"{}");
-    let replay = Replay::new(fingerprint, RouteName::from("payments"), &stored, expires_at);
+    let replay = Replay::new(RecordId(uuid::Uuid::nil()), fingerprint, RouteName::from("payments"), &stored, expires_at);
     g.bench_function("prebuilt", |b| b.iter(|| black_box(&replay).answer()));
     g.finish();
 }

@@ -1,11 +1,15 @@
 //! The access log (docs/operations.md#logs): one line per answered request on the data plane,
-//! the client's own `/_idem` endpoints included, at the moment its head is ready. Target `idem::access`, so that `RUST_LOG` can keep or drop
-//! it apart from the rest; `[server] access_log = false` turns it off.
+//! the client's own `/_idem` endpoints included, at the moment its head is ready. Target
+//! `idem::access`, so that `RUST_LOG` can keep or drop it apart from the rest; `[server]
+//! access_log = false` turns it off. Its fields are named as OpenTelemetry's semantic
+//! conventions name them (`http.request.method`, `url.path`, `http.response.status_code`,
+//! `client.address`, …), Idem's own under `idem.`: a JSON log (`--log-format json`) is read by a
+//! collector as it is.
 //!
 //! What the line says beyond the request's head is noted while the request is served, in a
-//! task-local [`Note`]: its route, a hash of its key (never the key, which may carry what a
-//! client would not log), the attempts of the execution it drove, its trace. Everything else
-//! is read from the answer.
+//! task-local [`Note`]: its route and tenant, a hash of its key (never the key, which may carry
+//! what a client would not log), its record, the attempts of the execution it drove, its trace.
+//! Everything else is read from the request and the answer.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
@@ -18,7 +22,7 @@ use sha2::{Digest, Sha256};
 
 use super::{Ingress, REPLAYED_HEADER};
 use crate::domain::key::IdempotencyKey;
-use crate::domain::RouteName;
+use crate::domain::{Origin, RecordId, RouteName, Tenant};
 
 tokio::task_local! {
     static NOTE: Note;
@@ -28,7 +32,9 @@ tokio::task_local! {
 #[derive(Default)]
 pub(super) struct Note {
     route: RefCell<Option<RouteName>>,
+    tenant: RefCell<Option<Tenant>>,
     key: Cell<Option<[u8; 8]>>,
+    record: Cell<Option<RecordId>>,
     attempts: Cell<u32>,
     trace: RefCell<Option<String>>,
     kind: Cell<Option<Kind>>,
@@ -71,6 +77,18 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
     }
     let started = Instant::now();
     let method = request.method().clone();
+    // The client's own endpoints name a key in their path: never logged as it is.
+    let path = match request.uri().path() {
+        own if own.starts_with(OWN_RECORD) => {
+            let after_key = own[OWN_RECORD.len()..].find('/').map_or("", |at| &own[OWN_RECORD.len() + at..]);
+            format!("{OWN_RECORD}{{key}}{after_key}")
+        }
+        path => path.to_string(),
+    };
+    let client = request.extensions().get::<Origin>().map(|origin| {
+        crate::upstream::forwarded::client_address(request.headers(), origin, &app.config.current().server.forwarded)
+    });
+    let bytes_in = body_size(request.headers());
     // For a request whose serving makes no span of its own.
     let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
     let (response, note) = NOTE
@@ -86,21 +104,42 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
         None => note.kind.get().unwrap_or_else(|| read_kind(&response)),
     };
     let route = note.route.into_inner();
+    let tenant = note.tenant.into_inner();
     let key = note.key.get().map(hex);
+    let record = note.record.get().map(|id| id.to_string());
     let trace = note.trace.into_inner().or(client_trace);
-    tracing::info!(
+    // A streamed answer's size is not known when its head goes: absent then.
+    let bytes_out = body_size(response.headers())
+        .or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
+    tracing::event!(
         target: "idem::access",
-        method = %method,
-        route = route.as_ref().map(RouteName::as_str).unwrap_or("-"),
-        key = key.as_deref().unwrap_or("-"),
-        status = response.status().as_u16(),
-        answer = kind.as_str(),
-        attempts = note.attempts.get(),
+        tracing::Level::INFO,
+        client.address = client.as_deref().unwrap_or("-"),
+        http.request.method = %method,
+        url.path = %path,
+        http.response.status_code = response.status().as_u16(),
+        http.request.body.size = bytes_in,
+        http.response.body.size = bytes_out,
         duration_ms = started.elapsed().as_secs_f64() * 1000.0,
+        idem.route = route.as_ref().map(RouteName::as_str).unwrap_or("-"),
+        idem.tenant = tenant.as_ref().map(Tenant::as_str).unwrap_or("-"),
+        idem.key = key.as_deref().unwrap_or("-"),
+        idem.record = record.as_deref().unwrap_or("-"),
+        idem.answer = kind.as_str(),
+        idem.replay = kind == Kind::Replay,
+        idem.attempts = note.attempts.get(),
         trace_id = trace.as_deref().unwrap_or("-"),
         "answered"
     );
     response
+}
+
+/// Where the client's own endpoint of a key starts: the key follows.
+const OWN_RECORD: &str = "/_idem/requests/";
+
+/// A body's size, where its `Content-Length` says it.
+fn body_size(headers: &axum::http::HeaderMap) -> Option<u64> {
+    headers.get(axum::http::header::CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 impl Note {
@@ -108,7 +147,9 @@ impl Note {
     fn moved_out(&self) -> Note {
         Note {
             route: RefCell::new(self.route.take()),
+            tenant: RefCell::new(self.tenant.take()),
             key: Cell::new(self.key.get()),
+            record: Cell::new(self.record.get()),
             attempts: Cell::new(self.attempts.get()),
             trace: RefCell::new(self.trace.take()),
             kind: Cell::new(self.kind.get()),
@@ -141,6 +182,15 @@ pub(super) fn key(key: &IdempotencyKey) {
         let digest = Sha256::digest(key.as_str().as_bytes());
         n.key.set(Some(digest[..8].try_into().expect("a SHA-256 is 32 bytes")));
     });
+}
+
+pub(super) fn tenant(tenant: &Tenant) {
+    note(|n| *n.tenant.borrow_mut() = Some(tenant.clone()));
+}
+
+/// The record that answered the request: the one it created, or the one it was a duplicate of.
+pub(super) fn record(id: RecordId) {
+    note(|n| n.record.set(Some(id)));
 }
 
 pub(super) fn attempts(attempts: u32) {

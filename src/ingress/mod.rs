@@ -283,7 +283,7 @@ impl Ingress {
     /// Keeps a done record's answer in memory, so that its duplicates on this node are replayed
     /// without the database until `expires_at`.
     fn keep_for_replays(&self, record: &Record, response: &StoredResponse, expires_at: Timestamp) {
-        let replay = Replay::new(record.fingerprint, record.route.clone(), response, expires_at);
+        let replay = Replay::new(record.id, record.fingerprint, record.route.clone(), response, expires_at);
         self.replays.keep(&record.tenant, &record.key, replay);
     }
 
@@ -292,6 +292,7 @@ impl Ingress {
     /// request, made by `span`; its executions and attempts are logged beneath it. A replay
     /// logs nothing, and goes without: making the span is most of what it would cost.
     async fn answer_keyed(&self, read: Read<'_>, span: impl FnOnce(&Tenant) -> Span) -> Answer {
+        access::tenant(&read.tenant);
         if let Some(replayed) = self.replayed(read.route, &read.tenant, read.key, read.fingerprint, read.arrival.at) {
             return replayed;
         }
@@ -315,6 +316,7 @@ impl Ingress {
             return Some(Err(Problem::key_reused().state(State::Done)));
         }
         metrics::answered(&replay.route, AnswerKind::Replay);
+        access::record(replay.record);
         // Counted on the route that recorded it, which is almost always the one asked.
         if replay.route == route.name {
             route.count_replay();

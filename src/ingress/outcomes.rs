@@ -30,6 +30,7 @@ impl Ingress {
     /// recorded with the whole way (`metrics::Stage`) once the answer is built. A streamed answer
     /// tells none: it is told at its first byte, before the execution keeps any.
     pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
+        super::access::record(record.id);
         let Some(outcome) = outcome else {
             super::access::kind(super::access::Kind::Accepted);
             let location = format!("/_idem/requests/{}", crate::domain::key::path_segment(&record.key));
@@ -81,6 +82,7 @@ impl Ingress {
     /// Answers from the record, after waiting up to `wait` for it to settle. A `done` answer is
     /// marked as a replay unless this request is the one whose execution produced it.
     async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
+        super::access::record(record.id);
         if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
             if let Some(attached) = self.attached(&record) {
                 return Ok(attached);

@@ -11,7 +11,7 @@ use super::answers::{http_date, mark_done, response_of};
 use super::EXPIRES_HEADER;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
-use crate::domain::{RouteName, Tenant, Timestamp};
+use crate::domain::{RecordId, RouteName, Tenant, Timestamp};
 use crate::record::StoredResponse;
 
 /// Answers of `done` records, kept in memory. A done record never changes until retention
@@ -26,6 +26,8 @@ pub struct Replays {
 type Entry = (Tenant, IdempotencyKey);
 
 pub struct Replay {
+    /// The record whose answer it is, for the access log.
+    pub(super) record: RecordId,
     pub(super) fingerprint: Fingerprint,
     pub(super) route: RouteName,
     /// The stored answer, its headers checked once, when it is kept: a replay copies them
@@ -44,7 +46,13 @@ pub struct Replay {
 impl Replay {
     /// The answer `response` of the request fingerprinted `fingerprint` on `route`, replayed
     /// until `expires_at`.
-    pub fn new(fingerprint: Fingerprint, route: RouteName, response: &StoredResponse, expires_at: Timestamp) -> Replay {
+    pub fn new(
+        record: RecordId,
+        fingerprint: Fingerprint,
+        route: RouteName,
+        response: &StoredResponse,
+        expires_at: Timestamp,
+    ) -> Replay {
         let (parts, _) = response_of(response).into_parts();
         let mut headers = Vec::with_capacity(parts.headers.len());
         // A name's further values come without it.
@@ -54,7 +62,7 @@ impl Replay {
             Some((name.clone()?, value))
         }));
         let (status, body, expires) = (parts.status, response.body.clone(), http_date(expires_at));
-        Replay { fingerprint, route, status, headers, body, expires_at, expires }
+        Replay { record, fingerprint, route, status, headers, body, expires_at, expires }
     }
 
     /// The answer to a duplicate: the stored one, marked as a replay, with the key's end of
@@ -137,7 +145,8 @@ mod tests {
 
     fn replay(body: &'static [u8]) -> Replay {
         let fingerprint = Fingerprint::of("payments", "POST", "/payments", "", None, b"{}");
-        Replay::new(fingerprint, RouteName::from("payments"), &stored(body), Timestamp::from_millis(1_800_000_000_000))
+        let record = RecordId(uuid::Uuid::nil());
+        Replay::new(record, fingerprint, RouteName::from("payments"), &stored(body), Timestamp::from_millis(1_800_000_000_000))
     }
 
     #[test]

@@ -40,6 +40,12 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
         true => (sent(FOR), sent(FORWARDED), first_proto(sent(PROTO))),
         false => (None, None, None),
     };
+    // A trusted proxy that sent only `X-Forwarded-For`: `Forwarded` says the same addresses, so
+    // that the two never contradict each other.
+    let forwarded = forwarded.or_else(|| {
+        let chain = chain.as_ref()?;
+        Some(chain.split(',').map(|hop| format!("for={}", node_text(hop.trim()))).collect::<Vec<_>>().join(", "))
+    });
     let element = format!("for={};proto={proto}", node(peer));
     let joined = |before: Option<String>, this: String| match before {
         Some(before) => format!("{before}, {this}"),
@@ -49,6 +55,33 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
     headers.push((FOR.into(), joined(chain, peer.to_string())));
     headers.push((PROTO.into(), sent_proto.unwrap_or_else(|| proto.into())));
     headers.push((FORWARDED.into(), joined(forwarded, element)));
+}
+
+/// The client's address, as the access log names it: the first address a trusted proxy in
+/// front of Idem forwarded for (`X-Forwarded-For`, or `Forwarded`'s first `for=`), or the
+/// peer's own when it is no trusted proxy (or forwarding is off).
+pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: &Forwarding) -> String {
+    let peer = origin.peer.ip().to_canonical();
+    let trusted = config.enabled && config.trusted_proxies.iter().any(|net| net.contains(&peer));
+    let first = |name: &str| headers.get(name)?.to_str().ok()?.split(',').next().map(|v| v.trim().to_string());
+    let forwarded_for = || {
+        let element = first(FORWARDED)?;
+        let value = element.split(';').find_map(|pair| pair.trim().strip_prefix("for="))?;
+        Some(value.trim_matches('"').trim_start_matches('[').trim_end_matches(']').to_string())
+    };
+    match trusted {
+        true => first(FOR).filter(|v| !v.is_empty()).or_else(forwarded_for).unwrap_or_else(|| peer.to_string()),
+        false => peer.to_string(),
+    }
+}
+
+/// A hop of `X-Forwarded-For` as RFC 7239 writes a node: an address as [`node`] does, anything
+/// else (a name, `unknown`) quoted.
+fn node_text(hop: &str) -> String {
+    match hop.parse::<IpAddr>() {
+        Ok(ip) => node(ip),
+        Err(_) => format!("\"{}\"", hop.replace(['"', '\\'], "")),
+    }
 }
 
 /// An address as RFC 7239 writes a node: an IPv6 address in brackets, quoted.

@@ -35,7 +35,7 @@ pub struct Upstream {
 
 type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
 
-mod forwarded;
+pub mod forwarded;
 mod gate;
 mod headers;
 pub use forwarded::forward;

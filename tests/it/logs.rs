@@ -145,11 +145,11 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
             let f = &l["fields"];
             let text = |name: &str| f[name].as_str().unwrap_or_else(|| panic!("no {name} in {l}"));
             (
-                text("method"),
-                text("route"),
-                f["status"].as_u64().unwrap(),
-                text("answer"),
-                f["attempts"].as_u64().unwrap(),
+                text("http.request.method"),
+                text("idem.route"),
+                f["http.response.status_code"].as_u64().unwrap(),
+                text("idem.answer"),
+                f["idem.attempts"].as_u64().unwrap(),
             )
         })
         .collect();
@@ -168,10 +168,21 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
         ]
     );
     // The key's hash, the same on every line of one key, and never the key.
-    let key_hash = lines[0]["fields"]["key"].as_str().unwrap();
+    let key_hash = lines[0]["fields"]["idem.key"].as_str().unwrap();
     assert_eq!(key_hash.len(), 16, "{key_hash}");
-    assert!(lines[..3].iter().all(|l| l["fields"]["key"] == key_hash), "{lines:#?}");
-    assert_eq!(lines[3]["fields"]["key"], "-");
+    assert!(lines[..3].iter().all(|l| l["fields"]["idem.key"] == key_hash), "{lines:#?}");
+    assert_eq!(lines[3]["fields"]["idem.key"], "-");
+    // Where it came from and what it was, as OpenTelemetry names them.
+    let first = &lines[0]["fields"];
+    assert_eq!((&first["client.address"], &first["url.path"]), (&"127.0.0.1".into(), &"/payments".into()), "{first}");
+    assert_eq!((&first["http.request.body.size"], &first["idem.tenant"]), (&7.into(), &"default".into()), "{first}");
+    assert!(first["http.response.body.size"].as_u64().is_some(), "{first}");
+    // The record that answered: the one the first request made, which its replay and the
+    // client's own endpoint read.
+    let record = first["idem.record"].as_str().unwrap();
+    assert_eq!(record.len(), 36, "{record}");
+    assert_eq!((&lines[1]["fields"]["idem.record"], &lines[1]["fields"]["idem.replay"]), (&record.into(), &true.into()));
+    assert_eq!(lines[3]["fields"]["idem.record"], "-", "a pass-through records nothing");
     assert!(!lines.iter().any(|l| l.to_string().contains("access-key")), "the key itself was logged");
     assert_eq!(lines[0]["fields"]["trace_id"], trace, "the client's trace");
     assert_eq!(lines[1]["fields"]["trace_id"], "-");
