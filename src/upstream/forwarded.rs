@@ -66,8 +66,14 @@ pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: 
     let first = |name: &str| headers.get(name)?.to_str().ok()?.split(',').next().map(|v| v.trim().to_string());
     let forwarded_for = || {
         let element = first(FORWARDED)?;
-        let value = element.split(';').find_map(|pair| pair.trim().strip_prefix("for="))?;
-        Some(value.trim_matches('"').trim_start_matches('[').trim_end_matches(']').to_string())
+        let value = element.split(';').find_map(|pair| pair.trim().strip_prefix("for="))?.trim_matches('"');
+        // `[2001:db8::1]:4711`, `192.0.2.1:4711`: the address without its port.
+        let host = match value.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or(v6),
+            None if value.matches(':').count() == 1 => value.split(':').next().unwrap_or(value),
+            None => value,
+        };
+        Some(host.to_string())
     };
     match trusted {
         true => first(FOR).filter(|v| !v.is_empty()).or_else(forwarded_for).unwrap_or_else(|| peer.to_string()),
@@ -169,5 +175,38 @@ mod tests {
         let mut headers = sent(&[("x-forwarded-proto", "https, http")]);
         forward(&mut headers, Some(&origin("10.1.2.3", false)), &config(&["10.0.0.0/8"]));
         assert_eq!(value(&headers, "x-forwarded-proto"), ["https"]);
+    }
+
+    /// A trusted proxy that sends only `X-Forwarded-For`: `Forwarded` names the same hops, so the
+    /// two never contradict each other.
+    #[test]
+    fn a_trusted_proxys_x_forwarded_for_alone_is_said_in_forwarded_too() {
+        let mut headers = sent(&[("x-forwarded-for", "203.0.113.9, 2001:db8::1, unknown")]);
+        forward(&mut headers, Some(&origin("10.1.2.3", true)), &config(&["10.0.0.0/8"]));
+        assert_eq!(value(&headers, "x-forwarded-for"), ["203.0.113.9, 2001:db8::1, unknown, 10.1.2.3"]);
+        assert_eq!(
+            value(&headers, "forwarded"),
+            ["for=203.0.113.9, for=\"[2001:db8::1]\", for=\"unknown\", for=10.1.2.3;proto=https"]
+        );
+    }
+
+    /// The access log's client: the first hop a trusted proxy forwarded for, else the peer.
+    #[test]
+    fn the_client_address_is_the_first_hop_behind_a_trusted_proxy_and_the_peer_otherwise() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut map = axum::http::HeaderMap::new();
+            for (name, value) in pairs {
+                map.append(axum::http::HeaderName::from_bytes(name.as_bytes()).unwrap(), value.parse().unwrap());
+            }
+            map
+        };
+        let trusted = config(&["10.0.0.0/8"]);
+        let via = origin("10.1.2.3", false);
+        let xff = headers(&[("x-forwarded-for", "203.0.113.9, 10.9.9.9")]);
+        assert_eq!(client_address(&xff, &via, &trusted), "203.0.113.9");
+        let rfc = headers(&[("forwarded", "for=\"[2001:db8::1]:4711\";proto=https, for=10.9.9.9")]);
+        assert_eq!(client_address(&rfc, &via, &trusted), "2001:db8::1");
+        assert_eq!(client_address(&xff, &origin("192.0.2.7", false), &trusted), "192.0.2.7", "not a trusted proxy");
+        assert_eq!(client_address(&headers(&[]), &via, &trusted), "10.1.2.3", "nothing forwarded");
     }
 }
