@@ -250,7 +250,15 @@ async fn start_on(
             }
         });
     }
-    tracing::info!(%listen, %admin_listen, node = worker.owner(), "idem is serving");
+    tracing::info!(
+        version = crate::metrics::VERSION,
+        commit = crate::metrics::COMMIT,
+        %listen,
+        %admin_listen,
+        node = worker.owner(),
+        instance = crate::telemetry::instance_id(),
+        "idem is serving"
+    );
     Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, leaving, stop, servers, upkeep: loops })
 }
 

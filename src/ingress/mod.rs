@@ -245,7 +245,19 @@ impl Ingress {
             replay_safe,
         };
         let span = |tenant: &Tenant| {
-            let span = info_span!("request", %tenant, route = %route.name, method = %parts.method);
+            // A SERVER span, with OpenTelemetry's HTTP attributes; its status is recorded once
+            // the request is answered.
+            let span = info_span!(
+                "request",
+                otel.kind = "server",
+                http.request.method = %parts.method,
+                url.path = parts.uri.path(),
+                http.route = %route.path_prefix,
+                http.response.status_code = tracing::field::Empty,
+                %tenant,
+                route = %route.name,
+                method = %parts.method,
+            );
             crate::telemetry::continue_trace(&span, &parts.headers);
             access::trace(&span);
             span
@@ -297,7 +309,13 @@ impl Ingress {
             return replayed;
         }
         let span = span(&read.tenant);
-        self.execute_keyed(read).instrument(span).await
+        let answer = self.execute_keyed(read).instrument(span.clone()).await;
+        let status = match &answer {
+            Ok(response) => response.status(),
+            Err(problem) => problem.status,
+        };
+        span.record("http.response.status_code", status.as_u16());
+        answer
     }
 
     /// The answer to a duplicate whose key's answer this node keeps in memory: replayed with no

@@ -341,8 +341,17 @@ impl Inner {
                 Err(_) => Err(Failure::from(Observed::TimedOut)),
             }
         };
+        // A CLIENT span, with OpenTelemetry's HTTP attributes: what a trace backend shows of a
+        // call to another service.
         let span = info_span!(
             "attempt",
+            otel.kind = "client",
+            http.request.method = %record.method,
+            server.address = job.url.host_str().unwrap_or("-"),
+            server.port = job.url.port_or_known_default(),
+            url.path = job.url.path(),
+            http.request.resend_count = p.number.saturating_sub(1),
+            http.response.status_code = tracing::field::Empty,
             number = p.number,
             wait_ms = p.wait_before.as_millis() as u64,
             class = tracing::field::Empty,
@@ -404,6 +413,7 @@ impl Inner {
         span.record("class", class.as_str());
         if let Some(status) = attempt.status {
             span.record("status", status);
+            span.record("http.response.status_code", status);
         }
         // Why the upstream could not be reached, for the record and for the answer that says so.
         // The connection's own words for the record's operator view and the log; the kind of

@@ -17,11 +17,14 @@ use prost::Message;
 use crate::common::process::{await_until, node_config, Node};
 use crate::common::{Backend, Db, Reply, TestConfig, Upstream};
 
-/// What an OTLP/HTTP collector got: every span, and the `service.name` of each batch.
+/// What an OTLP/HTTP collector got: every span, and the `service.name` of each batch, with the
+/// other resource attributes and the headers each export came with.
 #[derive(Default)]
 struct Received {
     spans: Vec<Span>,
     services: Vec<String>,
+    resource: HashMap<String, String>,
+    headers: Vec<axum::http::HeaderMap>,
 }
 
 /// A collector on 127.0.0.1 that decodes each `POST /v1/traces`.
@@ -30,10 +33,16 @@ async fn collector() -> (String, Arc<Mutex<Received>>) {
     let app = axum::Router::new()
         .route(
             "/v1/traces",
-            axum::routing::post(|State(received): State<Arc<Mutex<Received>>>, body: Bytes| async move {
+            axum::routing::post(|State(received): State<Arc<Mutex<Received>>>, headers: axum::http::HeaderMap, body: Bytes| async move {
                 let batch = ExportTraceServiceRequest::decode(body).expect("an OTLP trace export in protobuf");
                 let mut received = received.lock().unwrap();
+                received.headers.push(headers);
                 for resource in batch.resource_spans {
+                    for a in resource.resource.iter().flat_map(|r| &r.attributes) {
+                        if let Some(Any::StringValue(v)) = a.value.as_ref().and_then(|v| v.value.as_ref()) {
+                            received.resource.insert(a.key.clone(), v.clone());
+                        }
+                    }
                     let service = resource
                         .resource
                         .iter()
@@ -172,4 +181,50 @@ async fn a_sampling_ratio_of_zero_exports_no_new_trace_but_keeps_a_clients_sampl
     // Not sampled, the untraced request still tells the upstream nothing it would follow.
     let sent = upstream.headers("not-sampled").unwrap();
     assert!(sent.get("traceparent").is_none_or(|v| v.to_str().unwrap().ends_with("-00")), "{sent:?}");
+}
+
+/// With no `[telemetry]` in the file, OpenTelemetry's own environment variables send the spans:
+/// the endpoint, the headers (a collector's token), the service's name. The resource says the
+/// version and the instance; the request's span is a SERVER span and each attempt's a CLIENT
+/// span, with the HTTP attributes a trace backend reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_opentelemetry_environment_sends_spans_of_the_standard_kinds_and_attributes() {
+    let (endpoint, received) = collector().await;
+    let upstream = Upstream::start().await;
+    let db = Db::new(Backend::Sqlite).await;
+    upstream.script("env-traced", vec![Reply::status(503), Reply::status(201)]);
+    let config = TestConfig::new(&upstream.url()).tables("[routes.retry]\nbase = \"10ms\"\n");
+    let env = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), endpoint),
+        ("OTEL_EXPORTER_OTLP_HEADERS".to_string(), "authorization=Bearer%20collector-token".to_string()),
+        ("OTEL_SERVICE_NAME".to_string(), "payments-gateway".to_string()),
+        ("OTEL_TRACES_SAMPLER".to_string(), "parentbased_always_on".to_string()),
+    ];
+    let mut node = Node::start_with_env("env-traced", &node_config(&db.url, config).body(), env).await;
+    let answer = node.post("/payments", "env-traced", r#"{"amount":1}"#).send().await.unwrap();
+    assert_eq!(answer.status(), 201);
+    node.terminate();
+    node.wait_exit(Duration::from_secs(15)).await;
+    await_until("the spans exported", Duration::from_secs(10), || received.lock().unwrap().spans.len() >= 4).await;
+
+    let received = received.lock().unwrap();
+    assert!(received.services.iter().all(|s| s == "payments-gateway"), "{:?}", received.services);
+    assert_eq!(received.resource.get("service.version").map(String::as_str), Some(env!("CARGO_PKG_VERSION")));
+    assert!(received.resource.get("service.instance.id").is_some_and(|id| id.len() == 36), "{:?}", received.resource);
+    assert!(received.headers.iter().all(|h| h["authorization"] == "Bearer collector-token"));
+    // OTLP's span kinds: 2 is SERVER, 3 is CLIENT.
+    let request = received.spans.iter().find(|s| s.name == "request").expect("the request's span");
+    assert_eq!(request.kind, 2);
+    assert_eq!(attribute(request, "http.request.method").as_deref(), Some("POST"));
+    assert_eq!(attribute(request, "url.path").as_deref(), Some("/payments"));
+    assert_eq!(attribute(request, "http.response.status_code").as_deref(), Some("201"));
+    let mut attempts: Vec<&Span> = received.spans.iter().filter(|s| s.name == "attempt").collect();
+    attempts.sort_by_key(|s| attribute(s, "http.request.resend_count"));
+    assert_eq!(attempts.len(), 2);
+    for (n, (attempt, status)) in attempts.iter().zip(["503", "201"]).enumerate() {
+        assert_eq!(attempt.kind, 3);
+        assert_eq!(attribute(attempt, "http.response.status_code").as_deref(), Some(status));
+        assert_eq!(attribute(attempt, "http.request.resend_count"), Some(n.to_string()));
+        assert_eq!(attribute(attempt, "server.address").as_deref(), Some("127.0.0.1"));
+    }
 }
