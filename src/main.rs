@@ -197,6 +197,11 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
             let json = client.json;
             print!("{}", client.connect()?.run(switch_command(action), json).await?);
         }
+        Command::Health { config, ready } => {
+            let (config, _unset) = Config::load_offline(&config)?;
+            let said = idem::admin::health::ask(&config, ready).await?;
+            println!("{said}");
+        }
         Command::Reload { client } => {
             let json = client.json;
             print!("{}", client.connect()?.run(idem::admin::cli::Command::Reload, json).await?);

@@ -35,6 +35,7 @@ use crate::worker::Worker;
 
 pub mod bulk;
 pub mod cli;
+pub mod health;
 mod config;
 mod series;
 pub mod stats;

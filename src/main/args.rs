@@ -144,6 +144,19 @@ pub(super) enum Command {
         #[command(subcommand)]
         action: SwitchAction,
     },
+    /// Ask the node this config describes whether it is alive (or ready), on its admin listener.
+    ///
+    /// For a container's health check: it reads the admin address and scheme from the config
+    /// (`server.admin_listen`, TLS when `admin_tls_cert` is set), asks `/healthz` (or `/readyz`
+    /// with --ready) on this host, and exits 0 if the node answers 200, 1 otherwise.
+    Health {
+        /// The configuration file the node runs.
+        #[arg(long, short, env = "IDEM_CONFIG")]
+        config: PathBuf,
+        /// Ask whether it is ready for requests (the store answers), not only alive.
+        #[arg(long)]
+        ready: bool,
+    },
     /// Make a running node read its configuration file again, and wait for its answer.
     ///
     /// Exits non-zero, with the key and the reason, when the file is refused; the running

@@ -245,3 +245,38 @@ async fn the_node_tells_the_service_manager_when_it_is_ready_and_when_it_stops()
     assert!(stopping.lines().any(|l| l == "STOPPING=1"), "{stopping}");
     assert!(node.wait_exit(std::time::Duration::from_secs(15)).await.is_some_and(|s| s.success()));
 }
+
+/// `idem health`, a container's health check: it finds the node's admin listener in the config
+/// it runs (an address on every interface asked on loopback), and exits 0 while the node
+/// answers, 1 with the reason once it does not.
+#[tokio::test]
+async fn idem_health_asks_the_admin_listener_the_config_names() {
+    use crate::common::process::{node_config, Node};
+    let dir = tempfile::TempDir::new().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("idem.db").display());
+    let body = node_config(&store, crate::common::TestConfig::new("http://127.0.0.1:9")).body();
+    let mut node = Node::start("health", &body).await;
+    // As a container's config says it: the admin listener on every interface.
+    let config = std::fs::read_to_string(node.config_file()).unwrap().replace("admin_listen = \"127.0.0.1:", "admin_listen = \"0.0.0.0:");
+    let file = dir.path().join("as-in-the-container.toml");
+    std::fs::write(&file, config).unwrap();
+    let health = |ready: bool| {
+        let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+        command.args(["health", "--config", file.to_str().unwrap()]);
+        if ready {
+            command.arg("--ready");
+        }
+        async move {
+            let out = command.output().await.unwrap();
+            (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    };
+    assert_eq!(health(false).await.0, Some(0));
+    let (code, stdout, _) = health(true).await;
+    assert_eq!((code, stdout.trim()), (Some(0), "ready"));
+    node.terminate();
+    node.wait_exit(std::time::Duration::from_secs(15)).await;
+    let (code, _, stderr) = health(false).await;
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("did not answer") && stderr.contains("/healthz"), "{stderr}");
+}

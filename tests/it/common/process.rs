@@ -178,6 +178,11 @@ impl Node {
     }
 
     /// SIGTERM: asks for a graceful shutdown; see [`Node::wait_exit`].
+    /// The configuration file the node was started from.
+    pub fn config_file(&self) -> &std::path::Path {
+        &self.config
+    }
+
     pub fn terminate(&mut self) {
         let pid = self.pid().unwrap_or_else(|| panic!("{} is not running", self.name));
         let sent = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().unwrap();
