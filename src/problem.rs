@@ -340,17 +340,40 @@ impl Problem {
         )
     }
 
+    /// What a store error means to the client, told as what it is: an outage is worth waiting
+    /// out; a record another request or an operator changed first is answered by sending the
+    /// request again; a record that cannot be read back is an operator's to look at, and no
+    /// retry will help. In each, nothing was sent upstream by this request.
     pub fn store(e: &StoreError) -> Problem {
         e.log("a request was refused: the store failed");
-        Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            STORE_UNAVAILABLE,
-            "Store unavailable",
-            "The broker cannot reach its database, so it cannot record the request safely; nothing was sent \
-             upstream. Retry later with the same key.",
-        )
-        .retry_after(1)
-        .retryable()
+        match e {
+            StoreError::Unavailable(_) | StoreError::Failed { .. } => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                STORE_UNAVAILABLE,
+                "Store unavailable",
+                "The broker cannot reach its database, so it cannot record the request safely; nothing was sent \
+                 upstream. Retry later with the same key.",
+            )
+            .retry_after(1)
+            .retryable(),
+            StoreError::Refused(_) => Problem::new(
+                StatusCode::CONFLICT,
+                "record-changed",
+                "Record changed",
+                "The key's record changed while this request was being written (another request with the same \
+                 key, or an operator, got there first); this request sent nothing upstream. Send it again with \
+                 the same key: you get the record as it stands now.",
+            )
+            .retryable(),
+            StoreError::Corrupt(_) | StoreError::Unreadable { .. } => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "record-unreadable",
+                "Record unreadable",
+                "The key's stored record cannot be read back, so the broker cannot tell what it holds; nothing \
+                 was sent upstream. This needs an operator (the broker logged it); sending the request again \
+                 will not help.",
+            ),
+        }
     }
 
     pub fn bad_request(name: &'static str, detail: impl Into<String>) -> Problem {
@@ -415,5 +438,30 @@ impl IntoResponse for Problem {
             headers.insert(STATUS_HEADER, HeaderValue::from_static(state.as_str()));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::Phase;
+    use crate::record::{Event, Refused};
+
+    /// A store error is told as what it is: an outage to wait out, a record changed first to
+    /// send again for, a record that cannot be read to call an operator for.
+    #[test]
+    fn a_store_error_is_told_as_an_outage_a_changed_record_or_an_unreadable_one() {
+        let outage = Problem::store(&StoreError::Unavailable("connection refused".into()));
+        assert_eq!((outage.status, outage.name, outage.retryable), (StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", true));
+        assert_eq!(outage.retry_after_ms, Some(1000));
+        assert!(outage.is_store_unavailable());
+
+        let changed = Problem::store(&StoreError::Refused(Refused { from: Phase::Done, event: Event::Claim }));
+        assert_eq!((changed.status, changed.name, changed.retryable), (StatusCode::CONFLICT, "record-changed", true));
+        assert!(!changed.is_store_unavailable() && changed.detail.contains("Send it again with the same key"));
+
+        let corrupt = Problem::store(&StoreError::Corrupt("state `sideways`".into()));
+        assert_eq!((corrupt.status, corrupt.name, corrupt.retryable), (StatusCode::INTERNAL_SERVER_ERROR, "record-unreadable", false));
+        assert!(corrupt.retry_after_ms.is_none() && corrupt.detail.contains("will not help"));
     }
 }

@@ -308,3 +308,28 @@ mod postgres {
         .await
     }
 }
+
+/// A record that cannot be read back (a row edited by hand) is told as what it is: 500
+/// `record-unreadable`, which no retry helps, never 503 `store-unavailable`, which a client
+/// would wait out and retry for ever; the broker's store is up meanwhile.
+#[tokio::test]
+async fn an_unreadable_record_is_told_as_such_not_as_an_outage() {
+    let rig = rig(Backend::Sqlite).await;
+    assert_eq!(send(rig.node.post("/payments", "hand-edited", BODY)).await.status, 201);
+    let file = rig.db.url.trim_start_matches("sqlite://").to_string();
+    let conn = rusqlite::Connection::open(&file).unwrap();
+    // An operator's shell declares the protocol the store's trigger asks every writer for.
+    let protocol = idem::store::protocol::STORE_PROTOCOL;
+    conn.create_scalar_function("idem_store_protocol", 0, rusqlite::functions::FunctionFlags::SQLITE_UTF8, move |_| {
+        Ok(protocol)
+    })
+    .unwrap();
+    let edited = conn.execute("UPDATE records SET attempts = 'not json' WHERE key = 'hand-edited'", []).unwrap();
+    assert_eq!(edited, 1);
+    let answer = send(rig.node.http.get(format!("{}/_idem/requests/hand-edited", rig.node.url))).await;
+    answer.assert_problem(500, "record-unreadable");
+    assert_eq!(answer.header("x-should-retry"), Some("false"));
+    assert_eq!(answer.header("retry-after"), None);
+    let ready = rig.node.http.get(format!("{}/readyz", rig.node.admin)).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "the store itself is up");
+}
