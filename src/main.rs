@@ -161,6 +161,22 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
                 for warning in found.warnings {
                     eprintln!("warning: {warning}");
                 }
+                // Each route's upstream, reached as an attempt would reach it: its address
+                // resolved and a connection opened (TLS is the attempt's business).
+                let mut unreached = Vec::new();
+                for route in &config.routes {
+                    let reached = reach(&route.upstream).await;
+                    match &reached {
+                        Ok(addr) => println!("upstream         {} {} ok ({addr})", route.name, route.upstream),
+                        Err(why) => println!("upstream         {} {} failed: {why}", route.name, route.upstream),
+                    }
+                    if let Err(why) = reached {
+                        unreached.push(format!("{} ({}): {why}", route.name, route.upstream));
+                    }
+                }
+                if !unreached.is_empty() {
+                    anyhow::bail!("cannot reach the upstream of {}", unreached.join("; "));
+                }
             }
         }
         Command::Simulate { config, route, outcomes, history, since, candidate, unobserved, limit, draw, json } => {
@@ -208,4 +224,18 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Opens a connection to the host and port of `upstream` (a URL), within a few seconds: the
+/// address it reached, or why not.
+async fn reach(upstream: &str) -> Result<std::net::SocketAddr, String> {
+    let url = url::Url::parse(upstream).map_err(|e| e.to_string())?;
+    let host = url.host_str().ok_or("no host")?.trim_start_matches('[').trim_end_matches(']').to_string();
+    let port = url.port_or_known_default().ok_or("no port")?;
+    let connect = tokio::net::TcpStream::connect((host.as_str(), port));
+    match tokio::time::timeout(std::time::Duration::from_secs(3), connect).await {
+        Ok(Ok(stream)) => stream.peer_addr().map_err(|e| e.to_string()),
+        Ok(Err(e)) => Err(format!("{host}:{port}: {e}")),
+        Err(_) => Err(format!("{host}:{port}: no answer within 3s")),
+    }
 }

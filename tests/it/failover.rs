@@ -175,7 +175,8 @@ async fn check_connect_names_the_serving_host_and_warns_of_a_primary_without_a_s
     let url = url_with_hosts(&db, &[first.addr.to_string(), second.addr.to_string()], "");
     let dir = tempfile::TempDir::new().unwrap();
     let config = dir.path().join("idem.toml");
-    std::fs::write(&config, TestConfig::new("http://127.0.0.1:9").store(&url).text()).unwrap();
+    let upstream = Upstream::start().await;
+    std::fs::write(&config, TestConfig::new(&upstream.url()).store(&url).text()).unwrap();
     // Run without blocking: the proxies serve on this test's runtime.
     let check = |args: &[&str]| {
         let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
@@ -197,6 +198,7 @@ async fn check_connect_names_the_serving_host_and_warns_of_a_primary_without_a_s
     assert!(stdout.contains("replication      synchronous_standby_names (empty)"), "{stdout}");
     assert!(stdout.contains("protocol"), "{stdout}");
     assert!(stderr.contains("warning:") && stderr.contains("synchronous_standby_names is empty"), "{stderr}");
+    assert!(stdout.contains(&format!("upstream         payments {} ok", upstream.url())), "{stdout}");
     // Nothing was changed: the database has no schema yet.
     let tables: i64 = {
         use sqlx::Connection;
@@ -207,6 +209,13 @@ async fn check_connect_names_the_serving_host_and_warns_of_a_primary_without_a_s
             .unwrap()
     };
     assert_eq!(tables, 0, "check --connect created nothing");
+
+    // An upstream nothing listens for is reported, and fails the check.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    std::fs::write(&config, TestConfig::new(&format!("http://{closed}")).store(&url).text()).unwrap();
+    let (ok, stdout, stderr) = check(&["check", "--config", path, "--connect"]).await;
+    assert!(!ok && stdout.contains("upstream         payments") && stdout.contains("failed"), "{stdout}");
+    assert!(stderr.contains(&format!("cannot reach the upstream of payments (http://{closed})")), "{stderr}");
 
     second.set_down(true);
     let (ok, _, stderr) = check(&["check", "--config", path, "--connect"]).await;
