@@ -72,22 +72,19 @@ impl Kind {
 
 /// Serves `request` and logs its access line, unless `[server] access_log` is off.
 pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, next: Next) -> Response {
-    if !app.config.current().server.access_log {
+    let config = app.config.current();
+    if !config.server.access_log {
         return next.run(request).await;
     }
     let started = Instant::now();
     let method = request.method().clone();
-    // The client's own endpoints name a key in their path: never logged as it is.
-    let path = match request.uri().path() {
-        own if own.starts_with(OWN_RECORD) => {
-            let after_key = own[OWN_RECORD.len()..].find('/').map_or("", |at| &own[OWN_RECORD.len() + at..]);
-            format!("{OWN_RECORD}{{key}}{after_key}")
-        }
-        path => path.to_string(),
-    };
-    let client = request.extensions().get::<Origin>().map(|origin| {
-        crate::upstream::forwarded::client_address(request.headers(), origin, &app.config.current().server.forwarded)
-    });
+    // Kept as they are (a reference count, no copy) and written out only if the line is.
+    let uri = request.uri().clone();
+    let client = request
+        .extensions()
+        .get::<Origin>()
+        .map(|origin| crate::upstream::forwarded::client_address(request.headers(), origin, &config.server.forwarded));
+    drop(config);
     let bytes_in = body_size(request.headers());
     // For a request whose serving makes no span of its own.
     let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
@@ -105,8 +102,6 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
     };
     let route = note.route.into_inner();
     let tenant = note.tenant.into_inner();
-    let key = note.key.get().map(hex);
-    let record = note.record.get().map(|id| id.to_string());
     let trace = note.trace.into_inner().or(client_trace);
     // A streamed answer's size is not known when its head goes: absent then.
     let bytes_out = body_size(response.headers())
@@ -114,17 +109,17 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
     tracing::event!(
         target: "idem::access",
         tracing::Level::INFO,
-        client.address = client.as_deref().unwrap_or("-"),
+        client.address = %OrDash(client),
         http.request.method = %method,
-        url.path = %path,
+        url.path = %LoggedPath(&uri),
         http.response.status_code = response.status().as_u16(),
         http.request.body.size = bytes_in,
         http.response.body.size = bytes_out,
         duration_ms = started.elapsed().as_secs_f64() * 1000.0,
         idem.route = route.as_ref().map(RouteName::as_str).unwrap_or("-"),
         idem.tenant = tenant.as_ref().map(Tenant::as_str).unwrap_or("-"),
-        idem.key = key.as_deref().unwrap_or("-"),
-        idem.record = record.as_deref().unwrap_or("-"),
+        idem.key = %OrDash(note.key.get().map(Hex)),
+        idem.record = %OrDash(note.record.get()),
         idem.answer = kind.as_str(),
         idem.replay = kind == Kind::Replay,
         idem.attempts = note.attempts.get(),
@@ -132,6 +127,35 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
         "answered"
     );
     response
+}
+
+/// A value, or `-` without one.
+struct OrDash<T>(Option<T>);
+
+impl<T: std::fmt::Display> std::fmt::Display for OrDash<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Some(value) => value.fmt(f),
+            None => f.write_str("-"),
+        }
+    }
+}
+
+/// A request's path as the line says it: the client's own endpoints name a key in theirs,
+/// which is never logged as it is.
+struct LoggedPath<'a>(&'a axum::http::Uri);
+
+impl std::fmt::Display for LoggedPath<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let path = self.0.path();
+        match path.strip_prefix(OWN_RECORD) {
+            Some(rest) => {
+                let after_key = rest.find('/').map_or("", |at| &rest[at..]);
+                write!(f, "{OWN_RECORD}{{key}}{after_key}")
+            }
+            None => f.write_str(path),
+        }
+    }
 }
 
 /// Where the client's own endpoint of a key starts: the key follows.
@@ -210,6 +234,12 @@ pub(super) fn trace(span: &tracing::Span) {
     });
 }
 
-fn hex(bytes: [u8; 8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// A key's hash, in hex.
+#[derive(Clone, Copy)]
+struct Hex([u8; 8]);
+
+impl std::fmt::Display for Hex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
 }

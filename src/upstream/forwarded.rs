@@ -59,25 +59,43 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
 
 /// The client's address, as the access log names it: the first address a trusted proxy in
 /// front of Idem forwarded for (`X-Forwarded-For`, or `Forwarded`'s first `for=`), or the
-/// peer's own when it is no trusted proxy (or forwarding is off).
-pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: &Forwarding) -> String {
+/// peer's own when it is no trusted proxy (or forwarding is off). Read only when written.
+pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: &Forwarding) -> ClientAddress {
     let peer = origin.peer.ip().to_canonical();
     let trusted = config.enabled && config.trusted_proxies.iter().any(|net| net.contains(&peer));
-    let first = |name: &str| headers.get(name)?.to_str().ok()?.split(',').next().map(|v| v.trim().to_string());
-    let forwarded_for = || {
-        let element = first(FORWARDED)?;
-        let value = element.split(';').find_map(|pair| pair.trim().strip_prefix("for="))?.trim_matches('"');
-        // `[2001:db8::1]:4711`, `192.0.2.1:4711`: the address without its port.
-        let host = match value.strip_prefix('[') {
-            Some(v6) => v6.split(']').next().unwrap_or(v6),
-            None if value.matches(':').count() == 1 => value.split(':').next().unwrap_or(value),
-            None => value,
+    let forwarded = trusted.then(|| (headers.get(FOR).cloned(), headers.get(FORWARDED).cloned()));
+    ClientAddress { peer, forwarded }
+}
+
+/// See [`client_address`].
+pub struct ClientAddress {
+    peer: IpAddr,
+    /// A trusted proxy's `X-Forwarded-For` and `Forwarded`, as it sent them.
+    forwarded: Option<(Option<axum::http::HeaderValue>, Option<axum::http::HeaderValue>)>,
+}
+
+impl std::fmt::Display for ClientAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let first = |value: &Option<axum::http::HeaderValue>| -> Option<String> {
+            let first = value.as_ref()?.to_str().ok()?.split(',').next()?.trim();
+            (!first.is_empty()).then(|| first.to_string())
         };
-        Some(host.to_string())
-    };
-    match trusted {
-        true => first(FOR).filter(|v| !v.is_empty()).or_else(forwarded_for).unwrap_or_else(|| peer.to_string()),
-        false => peer.to_string(),
+        let forwarded_for = |value: &Option<axum::http::HeaderValue>| -> Option<String> {
+            let element = first(value)?;
+            let value = element.split(';').find_map(|pair| pair.trim().strip_prefix("for="))?.trim_matches('"');
+            // `[2001:db8::1]:4711`, `192.0.2.1:4711`: the address without its port.
+            let host = match value.strip_prefix('[') {
+                Some(v6) => v6.split(']').next().unwrap_or(v6),
+                None if value.matches(':').count() == 1 => value.split(':').next().unwrap_or(value),
+                None => value,
+            };
+            Some(host.to_string())
+        };
+        let told = self.forwarded.as_ref().and_then(|(xff, rfc)| first(xff).or_else(|| forwarded_for(rfc)));
+        match told {
+            Some(client) => f.write_str(&client),
+            None => self.peer.fmt(f),
+        }
     }
 }
 
@@ -203,10 +221,10 @@ mod tests {
         let trusted = config(&["10.0.0.0/8"]);
         let via = origin("10.1.2.3", false);
         let xff = headers(&[("x-forwarded-for", "203.0.113.9, 10.9.9.9")]);
-        assert_eq!(client_address(&xff, &via, &trusted), "203.0.113.9");
+        assert_eq!(client_address(&xff, &via, &trusted).to_string(), "203.0.113.9");
         let rfc = headers(&[("forwarded", "for=\"[2001:db8::1]:4711\";proto=https, for=10.9.9.9")]);
-        assert_eq!(client_address(&rfc, &via, &trusted), "2001:db8::1");
-        assert_eq!(client_address(&xff, &origin("192.0.2.7", false), &trusted), "192.0.2.7", "not a trusted proxy");
-        assert_eq!(client_address(&headers(&[]), &via, &trusted), "10.1.2.3", "nothing forwarded");
+        assert_eq!(client_address(&rfc, &via, &trusted).to_string(), "2001:db8::1");
+        assert_eq!(client_address(&xff, &origin("192.0.2.7", false), &trusted).to_string(), "192.0.2.7", "not a trusted proxy");
+        assert_eq!(client_address(&headers(&[]), &via, &trusted).to_string(), "10.1.2.3", "nothing forwarded");
     }
 }
