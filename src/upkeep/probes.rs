@@ -73,6 +73,9 @@ pub async fn probe_once(
 ) -> Result<(), crate::store::StoreError> {
     let Some(probe) = &route.probe else { return Ok(()) };
     let now = clock.now();
+    // A change of server (a failover) during the pass ends it before it writes: a 404 asked of
+    // one server's clock is not judged in another's; the loop holds after the change.
+    let changes = store.serving().map(|s| s.changes);
     for record in
         store.probes_due(ProbesDue { route: route.name.clone(), settle: probe.settle, now, limit: BATCH }).await?
     {
@@ -83,6 +86,9 @@ pub async fn probe_once(
         let (id, claim) = (record.id, record.claim);
         let note = Some(answered.clone());
         let probed = Probed { id, claim, resolution, asked_at, next_probe_at: next, entry: entry(note) };
+        if store.serving().map(|s| s.changes) != changes {
+            return Ok(());
+        }
         let action = match store.probed(probed).await? {
             Action::InFlight(read, left) => {
                 let attempt = read.attempts.last().map_or(0, |a| a.number);

@@ -75,6 +75,8 @@ pub struct Sweeper {
     /// take-overs back for a lease and the clock margin, since the leases were set in the old
     /// server's clock and are now judged in the new one's.
     changes: Option<u64>,
+    /// Until when the last change holds take-overs back, whatever the store's answers do.
+    after_change: Option<tokio::time::Instant>,
 }
 
 /// Whether a sweep takes leases over.
@@ -91,7 +93,7 @@ impl Sweeper {
     /// A sweep that takes over from its first pass: for tests that play a node already running.
     pub fn new(store: Arc<dyn Store>, worker: Worker) -> Sweeper {
         let changes = store.serving().map(|s| s.changes);
-        Sweeper { store, worker, hold: Hold::No, changes }
+        Sweeper { store, worker, hold: Hold::No, changes, after_change: None }
     }
 
     /// The sweep of a node starting now, which takes nothing over for its first `lease`: a
@@ -108,12 +110,7 @@ impl Sweeper {
         let changes = self.store.serving().map(|s| s.changes);
         if changes != self.changes {
             // A failover: the leases read now were set in another server's clock.
-            let until = read.instant() + config.worker.lease + config.worker.clock_margin;
-            self.hold = match self.hold {
-                Hold::Until(held) if held > until => Hold::Until(held),
-                Hold::UntilAnswered => Hold::UntilAnswered,
-                _ => Hold::Until(until),
-            };
+            self.after_change = Some(read.instant() + config.worker.lease + config.worker.clock_margin);
             self.changes = changes;
             tracing::warn!("the store's server changed: no take-over for a lease and the clock margin");
         }
@@ -121,10 +118,13 @@ impl Sweeper {
             Hold::No => false,
             Hold::UntilAnswered => true,
             Hold::Until(until) => read.instant() < until,
-        };
+        } || self.after_change.is_some_and(|until| read.instant() < until);
         let passed = async {
             let expired = self.store.expired_leases(now, BATCH).await?;
-            if !holding {
+            // A change of server under the read (a pass that waited out a failover and was
+            // answered by the new primary): nothing taken over; the next pass holds.
+            let moved = self.store.serving().map(|s| s.changes) != changes;
+            if !holding && !moved {
                 take_over_expired(&*self.store, &self.worker, config, now, expired).await?;
             }
             claim_orphans(&*self.store, &self.worker, config, now, read).await

@@ -219,8 +219,8 @@ impl Worker {
 }
 
 /// Settles an admission whose answer was lost (`error`) by reading the key's record back: this
-/// request's own record (`id`) was inserted, claimed or queued as the insert said; another
-/// record answers the request; none, and the request was not recorded: the error stands.
+/// request's own record (`id`) was inserted, claimed or queued as the insert said; anything
+/// else, and the error stands (a retry of the request reads the key anew).
 async fn admission_in_doubt(
     store: &dyn store::Store,
     lease: std::time::Duration,
@@ -234,7 +234,8 @@ async fn admission_in_doubt(
             tracing::warn!(error = %error, "the answer to an admission was lost; read back, it is recorded");
             Ok(Admission::Created(record))
         }
-        Ok(Some(record)) => Ok(Admission::Existing(record)),
+        // Another record (one that was there, or a requeue of it): what this request's insert did
+        // cannot be told apart; its client is told the error, and its retry reads the key anew.
         _ => Err(error),
     }
 }

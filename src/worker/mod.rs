@@ -468,7 +468,13 @@ where
     let give_up = tokio::time::Instant::now() + lease / 3;
     let mut wait = Duration::from_millis(50);
     loop {
-        match read().await {
+        // Each read within what is left: a read that hangs on a dead connection must not hold
+        // the claim past its lease.
+        let read = match tokio::time::timeout_at(give_up, read()).await {
+            Ok(read) => read,
+            Err(_) => Err(StoreError::Unavailable("the store did not answer the read-back in time".into())),
+        };
+        match read {
             Err(e) if e.is_outage() && tokio::time::Instant::now() + wait < give_up => {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(1));

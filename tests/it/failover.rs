@@ -221,3 +221,33 @@ async fn check_connect_names_the_serving_host_and_warns_of_a_primary_without_a_s
     let (ok, _, stderr) = check(&["check", "--config", path, "--connect"]).await;
     assert!(!ok && stderr.contains("no host of the store takes writes"), "{stderr}");
 }
+
+/// A serving host that goes silent (powered off, cut off by the network: nothing refused,
+/// nothing answered) is left as one that refuses is: the health check gives up on it within its
+/// own bound, and the node moves to the next host and is ready again, without a restart. (What
+/// it does not yet do: statements already sent to the silent server hold their connections
+/// until the operating system gives up on them; see docs/high-availability.md.)
+#[tokio::test]
+async fn when_the_serving_host_goes_silent_the_node_moves_to_the_next() {
+    let Some(db) = postgres("failover::when_the_serving_host_goes_silent").await else { return };
+    let (first, second) = (Wire::start(&server_of(&db)).await, Wire::start(&server_of(&db)).await);
+    let url = url_with_hosts(&db, &[first.addr.to_string(), second.addr.to_string()], "");
+    let upstream = Upstream::start().await;
+    let broker = Broker::start_with(&db, TestConfig::new(&upstream.url()).store(&url).text()).await;
+    created_within(&broker, "before-silence", Duration::from_secs(1)).await;
+
+    first.set_silent();
+    let start = Instant::now();
+    loop {
+        let store = node(&broker).await["store"].clone();
+        let ready = broker.http.get(format!("{}/readyz", broker.admin)).send().await.unwrap().status();
+        if store["host"] == second.addr.to_string() && ready == 200 {
+            assert_eq!(store["changes"], 1, "{store}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "still on the silent host: {store}, /readyz {ready}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("moved and ready {:?} after the serving host went silent", start.elapsed());
+    broker.stop().await;
+}

@@ -38,7 +38,7 @@ pub(crate) struct Hosts {
 const SSL_MODES: [&str; 6] = ["disable", "allow", "prefer", "require", "verify-ca", "verify-full"];
 
 /// How long asking one host may take before the next is asked.
-const ASK_WITHIN: Duration = Duration::from_secs(5);
+pub(super) const ASK_WITHIN: Duration = Duration::from_secs(5);
 
 impl Hosts {
     /// Reads a store URL with one host or several (`h1:5432,h2:5432`), and its
@@ -55,13 +55,13 @@ impl Hosts {
             None => (None, authority),
         };
         let (path, query) = tail.split_once('?').unwrap_or((tail, ""));
-        let (mut target, mut authority) = (None, None);
+        let (mut target, mut tls_authority) = (None, None);
         let mut kept = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             match pair.split_once('=') {
                 Some(("target_session_attrs", value)) => target = Some(target_of(value)?),
                 Some(("sslrootcert", value)) => {
-                    authority = Some(value.to_string());
+                    tls_authority = Some(value.to_string());
                     kept.push(pair);
                 }
                 Some(("sslmode", value)) if !SSL_MODES.contains(&value) => {
@@ -69,6 +69,14 @@ impl Hosts {
                 }
                 _ => kept.push(pair),
             }
+        }
+        if !hostlist.contains(',') {
+            // One host, or none (a socket, `?host=/run/postgresql`): the URL as the driver reads it.
+            let query = if kept.is_empty() { String::new() } else { format!("?{}", kept.join("&")) };
+            let options = PgConnectOptions::from_str(&format!("{scheme}://{authority}{path}{query}"))
+                .map_err(|e| bad(e.to_string()))?;
+            let name = name_of(&options);
+            return Ok(Hosts { hosts: vec![(name, options)], target: target.unwrap_or(Target::Any), authority: tls_authority });
         }
         let names = split_hosts(hostlist);
         if names.iter().any(|h| h.is_empty()) {
@@ -82,12 +90,12 @@ impl Hosts {
                 let user = user.map(|u| format!("{u}@")).unwrap_or_default();
                 let one = format!("{scheme}://{user}{host}{path}{query}");
                 let options = PgConnectOptions::from_str(&one).map_err(|e| bad(e.to_string()))?;
-                let name = format!("{}:{}", options.get_host(), options.get_port());
+                let name = name_of(&options);
                 Ok((name, options))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
         let target = target.unwrap_or(if several { Target::ReadWrite } else { Target::Any });
-        Ok(Hosts { hosts, target, authority })
+        Ok(Hosts { hosts, target, authority: tls_authority })
     }
 
     /// Each host's options with `change` made to them (the protocol each connection declares, say).
@@ -112,15 +120,23 @@ impl Hosts {
             .map(|(_, options)| tokio::spawn(tokio::time::timeout(ASK_WITHIN, takes_writes(options.clone()))))
             .collect();
         let mut refusals = Vec::new();
+        // With `any`, a standby that answers serves only if no host takes writes: a store that
+        // writes is better served by a primary, and one found on a standby looks again.
+        let mut standby = None;
         for ((name, options), ask) in self.hosts.iter().zip(asks) {
             match ask.await {
                 Ok(Ok(Ok(true))) => return Ok((name.clone(), options.clone())),
-                Ok(Ok(Ok(false))) if self.target == Target::Any => return Ok((name.clone(), options.clone())),
+                Ok(Ok(Ok(false))) if self.target == Target::Any => {
+                    standby.get_or_insert_with(|| (name.clone(), options.clone()));
+                }
                 Ok(Ok(Ok(false))) => refusals.push(format!("{name} is a standby")),
                 Ok(Ok(Err(e))) => refusals.push(format!("{name}: {}", self.explain(&e))),
                 Ok(Err(_)) => refusals.push(format!("{name} did not answer within {ASK_WITHIN:?}")),
                 Err(e) => refusals.push(format!("{name}: {e}")),
             }
+        }
+        if let Some(standby) = standby {
+            return Ok(standby);
         }
         Err(StoreError::Unavailable(match refusals.as_slice() {
             [one] if !self.several() => format!("cannot connect to the store at {one}"),
@@ -157,6 +173,14 @@ async fn takes_writes(options: PgConnectOptions) -> Result<bool, sqlx::Error> {
     let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()").fetch_one(&mut conn).await?;
     let _ = conn.close().await;
     Ok(!standby)
+}
+
+/// A host as the store names it: `host:port`, or a socket's directory.
+fn name_of(options: &PgConnectOptions) -> String {
+    match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    }
 }
 
 /// `target_session_attrs`, as a store that writes can take it.
@@ -209,6 +233,9 @@ mod tests {
         assert!(standby.contains("target_session_attrs=standby") && standby.contains("read-write"), "{standby}");
         let prefer = Hosts::parse("postgres://u@a,b/db?target_session_attrs=prefer-standby").unwrap_err().to_string();
         assert!(prefer.contains("prefer-standby"), "{prefer}");
+        // A socket, as the driver reads one: its directory percent-encoded as the host.
+        let socket = Hosts::parse("postgres://idem@%2Frun%2Fpostgresql/idem").unwrap();
+        assert!(!socket.several() && socket.hosts[0].0.starts_with("/run/postgresql"), "{:?}", socket.hosts[0].0);
         let empty = Hosts::parse("postgres://u@a,,b/db").unwrap_err().to_string();
         assert!(empty.contains("an empty host"), "{empty}");
         let mode = Hosts::parse("postgres://u@a/db?sslmode=verify_full").unwrap_err().to_string();

@@ -70,6 +70,8 @@ const MAX_CONNECTIONS: u32 = 16;
 /// Notices held for a slow subscriber before it starts missing some (it then sees `Lagged` and
 /// re-reads what it waits for).
 const NOTICE_BACKLOG: usize = 1024;
+/// How long a health check may wait for the server, within the health check's own bound.
+const PING_WITHIN: Duration = Duration::from_millis(800);
 pub struct PostgresStore {
     pool: PgPool,
     /// The server it writes to, among the hosts its URL names: the pool connects there, and
@@ -472,15 +474,21 @@ impl Store for PostgresStore {
         // Taken out while in use: a check that fails, or is abandoned halfway, leaves no
         // connection in an unknown state behind; the next one connects afresh, where the pool
         // connects now.
-        let checked = async {
+        // Within a bound of its own, shorter than the health check's: a server that died
+        // silently (powered off, cut off) never answers, and the check that waits for it must
+        // still send the store looking for another.
+        let checked = tokio::time::timeout(PING_WITHIN, async {
             let mut conn = match held.take() {
                 Some(conn) => conn,
                 None => PgConnection::connect_with(&self.pool.connect_options()).await?,
             };
             let found = primary::ask(&mut conn).await?;
             Ok::<_, StoreError>((conn, found))
-        }
-        .await;
+        })
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::Unavailable(format!("the store's server did not answer within {PING_WITHIN:?}")))
+        });
         let (conn, found) = match checked {
             Ok((conn, found)) => (Some(conn), Ok(found)),
             Err(e) => (None, Err(e)),

@@ -124,9 +124,17 @@ impl Primary {
             serving.changes += 1;
             from
         };
-        *lock(&self.moved) = Some(Instant::now());
         self.pool.set_connect_options(options);
+        *lock(&self.moved) = Some(Instant::now());
         tracing::warn!(%from, to = %host, "the store's primary moved: connecting there from now on");
+        // A connection to the old server that was being made as the pool moved is made by now:
+        // no connection older than this is used again either (those to the new server are made
+        // again, once).
+        let moved = self.moved.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(super::hosts::ASK_WITHIN).await;
+            *lock(&moved) = Some(Instant::now());
+        });
         Ok(())
     }
 }

@@ -26,6 +26,7 @@ pub struct Wire {
     armed: Arc<Mutex<Option<(String, Cut)>>>,
     cuts: Arc<Mutex<u32>>,
     down: watch::Sender<bool>,
+    silent: watch::Sender<bool>,
 }
 
 impl Wire {
@@ -35,17 +36,24 @@ impl Wire {
         let addr = listener.local_addr().unwrap();
         let (armed, cuts) = (Arc::new(Mutex::new(None)), Arc::new(Mutex::new(0)));
         let (down, _) = watch::channel(false);
-        let (server, a, c, d) = (server.to_string(), armed.clone(), cuts.clone(), down.clone());
+        let (silent, _) = watch::channel(false);
+        let (server, a, c, d, q) = (server.to_string(), armed.clone(), cuts.clone(), down.clone(), silent.clone());
         tokio::spawn(async move {
+            let mut held = Vec::new();
             while let Ok((client, _)) = listener.accept().await {
                 if *d.borrow() {
                     continue;
                 }
+                if *q.borrow() {
+                    // Accepted, and never answered: a host gone silent.
+                    held.push(client);
+                    continue;
+                }
                 let Ok(upstream) = TcpStream::connect(&server).await else { continue };
-                tokio::spawn(relay(client, upstream, a.clone(), c.clone(), d.subscribe()));
+                tokio::spawn(relay(client, upstream, a.clone(), c.clone(), d.subscribe(), q.subscribe()));
             }
         });
-        Wire { addr, armed, cuts, down }
+        Wire { addr, armed, cuts, down, silent }
     }
 
     /// Cuts the connection that next executes a statement whose text contains `needle`, as
@@ -57,6 +65,12 @@ impl Wire {
     /// How many connections were cut at a chosen statement.
     pub fn cuts(&self) -> u32 {
         *self.cuts.lock().unwrap()
+    }
+
+    /// Silent, as a host powered off or cut off by the network: connections stay open and new
+    /// ones are accepted, but nothing passes either way, and nothing is refused.
+    pub fn set_silent(&self) {
+        self.silent.send_replace(true);
     }
 
     /// Down: every open connection is cut and new ones are closed at once; or up again.
@@ -106,6 +120,7 @@ async fn relay(
     armed: Arc<Mutex<Option<(String, Cut)>>>,
     cuts: Arc<Mutex<u32>>,
     mut down: watch::Receiver<bool>,
+    mut silent: watch::Receiver<bool>,
 ) {
     let (mut client_read, mut client_write) = client.split();
     let (mut server_read, mut server_write) = server.split();
@@ -118,6 +133,10 @@ async fn relay(
     loop {
         tokio::select! {
             _ = async { down.wait_for(|d| *d).await.map(|_| ()) } => return,
+            // Silent: the connection is held open, and nothing more passes.
+            _ = async { silent.wait_for(|s| *s).await.map(|_| ()) } => {
+                std::future::pending::<()>().await;
+            }
             read = client_read.read(&mut from_client) => {
                 let n = match read { Ok(0) | Err(_) => return, Ok(n) => n };
                 buf.extend_from_slice(&from_client[..n]);
