@@ -98,7 +98,8 @@ fn replay_answers(c: &mut Criterion) {
         })
     });
     let fingerprint = Fingerprint::of("payments", "POST", "/payments", "", None, b"{}");
-    let replay = Replay::new(RecordId(uuid::Uuid::nil()), fingerprint, RouteName::from("payments"), &stored, expires_at);
+    let replay =
+        Replay::new(RecordId(uuid::Uuid::nil()), fingerprint, RouteName::from("payments"), &stored, expires_at);
     g.bench_function("prebuilt", |b| b.iter(|| black_box(&replay).answer()));
     g.finish();
 }

@@ -232,7 +232,9 @@ async fn store_for(run: Run) -> Store {
 
 /// Runs `IDEM_SOAK_PG_PAIR` with `what`; what it printed.
 async fn pair(what: &'static str) -> String {
-    let Ok(command) = std::env::var(PAIR_VAR) else { fail(&format!("set {PAIR_VAR} (.ci/pg-pair) to soak a failover")) };
+    let Ok(command) = std::env::var(PAIR_VAR) else {
+        fail(&format!("set {PAIR_VAR} (.ci/pg-pair) to soak a failover"))
+    };
     let out = tokio::task::spawn_blocking(move || Command::new(&command).arg(what).output().unwrap()).await.unwrap();
     if !out.status.success() {
         fail(&format!("{PAIR_VAR} {what} failed: {}", String::from_utf8_lossy(&out.stderr)));
@@ -379,7 +381,13 @@ struct Injected {
 }
 
 /// Injects one fault after another until `stop_at`, then leaves every node running.
-async fn faults(nodes: Arc<Mutex<Vec<Node>>>, run: Run, store: String, urls: Vec<String>, stop_at: Instant) -> Injected {
+async fn faults(
+    nodes: Arc<Mutex<Vec<Node>>>,
+    run: Run,
+    store: String,
+    urls: Vec<String>,
+    stop_at: Instant,
+) -> Injected {
     let mut rng = StdRng::seed_from_u64(7);
     let mut injected = Injected { counts: BTreeMap::new(), slow: Vec::new(), failovers: Vec::new() };
     let kinds: &[&'static str] = match run {

@@ -230,20 +230,16 @@ async fn record(http: &reqwest::Client, base: &str, key: &str) -> serde_json::Va
 }
 
 pub async fn run(listen: SocketAddr, admin_listen: SocketAddr) -> Result<(), StartError> {
-    let upstream_listener = TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|cause| StartError::Bind {
-            addr: "127.0.0.1:0".parse().expect("a literal address"),
-            setting: "the demo's own upstream",
-            cause,
-        })?;
-    let upstream = upstream_listener
-        .local_addr()
-        .map_err(|cause| StartError::Bind {
-            addr: "127.0.0.1:0".parse().expect("a literal address"),
-            setting: "the demo's own upstream",
-            cause,
-        })?;
+    let upstream_listener = TcpListener::bind("127.0.0.1:0").await.map_err(|cause| StartError::Bind {
+        addr: "127.0.0.1:0".parse().expect("a literal address"),
+        setting: "the demo's own upstream",
+        cause,
+    })?;
+    let upstream = upstream_listener.local_addr().map_err(|cause| StartError::Bind {
+        addr: "127.0.0.1:0".parse().expect("a literal address"),
+        setting: "the demo's own upstream",
+        cause,
+    })?;
     tokio::spawn(async move {
         let _ = axum::serve(upstream_listener, payments_router(Arc::new(Payments::default()))).await;
     });

@@ -452,7 +452,10 @@ mod tests {
     #[test]
     fn a_store_error_is_told_as_an_outage_a_changed_record_or_an_unreadable_one() {
         let outage = Problem::store(&StoreError::Unavailable("connection refused".into()));
-        assert_eq!((outage.status, outage.name, outage.retryable), (StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", true));
+        assert_eq!(
+            (outage.status, outage.name, outage.retryable),
+            (StatusCode::SERVICE_UNAVAILABLE, "store-unavailable", true)
+        );
         assert_eq!(outage.retry_after_ms, Some(1000));
         assert!(outage.is_store_unavailable());
 
@@ -461,7 +464,10 @@ mod tests {
         assert!(!changed.is_store_unavailable() && changed.detail.contains("Send it again with the same key"));
 
         let corrupt = Problem::store(&StoreError::Corrupt("state `sideways`".into()));
-        assert_eq!((corrupt.status, corrupt.name, corrupt.retryable), (StatusCode::INTERNAL_SERVER_ERROR, "record-unreadable", false));
+        assert_eq!(
+            (corrupt.status, corrupt.name, corrupt.retryable),
+            (StatusCode::INTERNAL_SERVER_ERROR, "record-unreadable", false)
+        );
         assert!(corrupt.retry_after_ms.is_none() && corrupt.detail.contains("will not help"));
     }
 }

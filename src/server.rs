@@ -216,9 +216,13 @@ async fn start_on(
     }));
 
     let (stop, stopped) = watch::channel(false);
-    let listen = data.local_addr().map_err(|cause| StartError::Bind { addr: config.server.listen, setting: LISTEN, cause })?;
-    let admin_listen =
-        admin_listener.local_addr().map_err(|cause| StartError::Bind { addr: config.server.admin_listen, setting: ADMIN_LISTEN, cause })?;
+    let listen =
+        data.local_addr().map_err(|cause| StartError::Bind { addr: config.server.listen, setting: LISTEN, cause })?;
+    let admin_listen = admin_listener.local_addr().map_err(|cause| StartError::Bind {
+        addr: config.server.admin_listen,
+        setting: ADMIN_LISTEN,
+        cause,
+    })?;
     let servers = vec![
         tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),

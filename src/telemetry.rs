@@ -60,7 +60,9 @@ impl Telemetry {
         let mut http = reqwest::Client::builder().no_proxy().timeout(EXPORT_TIMEOUT);
         if let Some(path) = env("OTEL_EXPORTER_OTLP_CERTIFICATE") {
             let pem = read_pem("OTEL_EXPORTER_OTLP_CERTIFICATE", &path)?;
-            for cert in reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| named("OTEL_EXPORTER_OTLP_CERTIFICATE", e))? {
+            for cert in
+                reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| named("OTEL_EXPORTER_OTLP_CERTIFICATE", e))?
+            {
                 http = http.add_root_certificate(cert);
             }
         }
@@ -135,9 +137,16 @@ struct Otlp {
 }
 
 impl Otlp {
-    fn resolve(config: &TelemetryConfig, env: &impl Fn(&str) -> Option<String>) -> Result<Option<Otlp>, TelemetryError> {
+    fn resolve(
+        config: &TelemetryConfig,
+        env: &impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Otlp>, TelemetryError> {
         let base = |url: &str| format!("{}/v1/traces", url.trim_end_matches('/'));
-        let url = match (env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), env("OTEL_EXPORTER_OTLP_ENDPOINT"), &config.otlp_endpoint) {
+        let url = match (
+            env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            env("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            &config.otlp_endpoint,
+        ) {
             (Some(traces), _, _) => traces,
             (None, Some(endpoint), _) => base(&endpoint),
             (None, None, Some(endpoint)) => base(endpoint.as_str()),
@@ -151,12 +160,9 @@ impl Otlp {
         let ratio = |what: &str| -> Result<f64, TelemetryError> {
             match env("OTEL_TRACES_SAMPLER_ARG") {
                 None => Ok(1.0),
-                Some(arg) => arg
-                    .trim()
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|r| (0.0..=1.0).contains(r))
-                    .ok_or_else(|| TelemetryError(format!("OTEL_TRACES_SAMPLER_ARG={arg}: {what} takes a ratio from 0 to 1"))),
+                Some(arg) => arg.trim().parse::<f64>().ok().filter(|r| (0.0..=1.0).contains(r)).ok_or_else(|| {
+                    TelemetryError(format!("OTEL_TRACES_SAMPLER_ARG={arg}: {what} takes a ratio from 0 to 1"))
+                }),
             }
         };
         let parent = |root: Sampler| Sampler::ParentBased(Box::new(root));
@@ -186,9 +192,9 @@ fn headers(list: &str) -> Result<std::collections::HashMap<String, String>, Tele
     list.split(',')
         .filter(|pair| !pair.trim().is_empty())
         .map(|pair| {
-            let (key, value) = pair.split_once('=').ok_or_else(|| {
-                TelemetryError(format!("OTEL_EXPORTER_OTLP_HEADERS: `{pair}` is not key=value"))
-            })?;
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| TelemetryError(format!("OTEL_EXPORTER_OTLP_HEADERS: `{pair}` is not key=value")))?;
             let value = percent_encoding::percent_decode_str(value.trim()).decode_utf8_lossy().into_owned();
             Ok((key.trim().to_ascii_lowercase(), value))
         })
@@ -306,9 +312,22 @@ mod tests {
         let traces = env(&[("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://c:4318/custom")]);
         assert_eq!(Otlp::resolve(&config(), &traces).unwrap().unwrap().url, "http://c:4318/custom", "as it is");
         for (pairs, said) in [
-            (&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_TRACES_SAMPLER", "sometimes")][..], "OTEL_TRACES_SAMPLER=sometimes"),
-            (&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_TRACES_SAMPLER", "traceidratio"), ("OTEL_TRACES_SAMPLER_ARG", "2")][..], "OTEL_TRACES_SAMPLER_ARG=2"),
-            (&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_EXPORTER_OTLP_HEADERS", "novalue")][..], "OTEL_EXPORTER_OTLP_HEADERS"),
+            (
+                &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_TRACES_SAMPLER", "sometimes")][..],
+                "OTEL_TRACES_SAMPLER=sometimes",
+            ),
+            (
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"),
+                    ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", "2"),
+                ][..],
+                "OTEL_TRACES_SAMPLER_ARG=2",
+            ),
+            (
+                &[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://c"), ("OTEL_EXPORTER_OTLP_HEADERS", "novalue")][..],
+                "OTEL_EXPORTER_OTLP_HEADERS",
+            ),
         ] {
             let pairs: &'static [(&'static str, &'static str)] = Box::leak(pairs.to_vec().into_boxed_slice());
             let e = Otlp::resolve(&config(), &env(pairs)).err().expect("refused").to_string();

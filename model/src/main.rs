@@ -49,7 +49,9 @@ fn main() -> ExitCode {
             }
             None => usage(&format!("no mutant is called `{name}`; `idem-model mutants` lists them")),
         },
-        _ => usage("usage: idem-model check [--scenario NAME | --mutant NAME] | idem-model mutants | idem-model scenarios"),
+        _ => usage(
+            "usage: idem-model check [--scenario NAME | --mutant NAME] | idem-model mutants | idem-model scenarios",
+        ),
     }
 }
 
@@ -145,6 +147,10 @@ fn describe(scenario: &Scenario) -> String {
         b.operator,
         b.probes,
         b.gens,
-        if b.liveness { format!("; settled within {} ticks of the last disturbance", b.settles_within) } else { String::new() }
+        if b.liveness {
+            format!("; settled within {} ticks of the last disturbance", b.settles_within)
+        } else {
+            String::new()
+        }
     )
 }

@@ -109,7 +109,9 @@ impl Mutant {
             Mutant::LeasesOnNodeClocks => "leases are set and compared in each node's own clock",
             Mutant::TakeoverIgnoresInFlight => "a take-over is not guarded by the attempt in flight it read",
             Mutant::ProbeTrustedBeforeBound => "a probe's 404 frees a record before its attempts' bound",
-            Mutant::UnrecordedOutcomeNotRenewed => "a claim is not renewed while its unrecorded outcome is written again",
+            Mutant::UnrecordedOutcomeNotRenewed => {
+                "a claim is not renewed while its unrecorded outcome is written again"
+            }
             Mutant::PolicyFromCurrentRoute => "a record whose policy a reload removed takes the route's replay_safe",
             Mutant::RetentionOnNodeClocks => "a done record's retention is judged by the admitting node's clock",
             Mutant::NoTakeoverHoldAtStart => "a node takes over as soon as it starts",

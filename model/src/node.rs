@@ -47,22 +47,49 @@ pub enum Exec {
     /// ([`Bounds::stamped`](crate::Bounds::stamped)): read before the write is sent, it is stale
     /// by however long the node stalls in between.
     /// The stamp is the store's time and the monotonic time read together.
-    Claimed { job: Job, next: u8, stop: bool, stamp: Option<(Tick, Tick)> },
+    Claimed {
+        job: Job,
+        next: u8,
+        stop: bool,
+        stamp: Option<(Tick, Tick)>,
+    },
     /// Attempt `number` marked: it is sent before `send_by`, or never.
-    Marked { job: Job, number: u8, send_by: Tick },
+    Marked {
+        job: Job,
+        number: u8,
+        send_by: Tick,
+    },
     /// Sent, awaiting its answer.
-    Sent { job: Job, number: u8 },
+    Sent {
+        job: Job,
+        number: u8,
+    },
     /// Its answer (or its failure) in hand, not stored yet.
-    Ended { job: Job, number: u8, class: Class, resp: Option<Resp> },
+    Ended {
+        job: Job,
+        number: u8,
+        class: Class,
+        resp: Option<Resp>,
+    },
     /// An outcome the store could not take, told to its client all the same, written again.
-    Unrecorded { job: Job, number: u8, class: Class, then: Then },
+    Unrecorded {
+        job: Job,
+        number: u8,
+        class: Class,
+        then: Then,
+    },
 }
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Sweep {
     Idle,
     /// An expired lease read, and what the transition table decided for it: the write follows.
-    Read { claim: u8, expires: Tick, in_flight: Option<u8>, to: PhaseKey },
+    Read {
+        claim: u8,
+        expires: Tick,
+        in_flight: Option<u8>,
+        to: PhaseKey,
+    },
 }
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -71,9 +98,19 @@ pub enum Probe {
     /// Asked at `asked_at` (the store's time read before sending) about the record `gen` under
     /// `claim`; once it reaches the upstream, `arrived` holds its verdict: executed (with that
     /// answer) or not.
-    Asked { gen: u8, claim: u8, asked_at: Tick, arrived: Option<Option<Resp>> },
+    Asked {
+        gen: u8,
+        claim: u8,
+        asked_at: Tick,
+        arrived: Option<Option<Resp>>,
+    },
     /// Its answer came back: written next.
-    Answered { gen: u8, claim: u8, asked_at: Tick, executed: Option<Resp> },
+    Answered {
+        gen: u8,
+        claim: u8,
+        asked_at: Tick,
+        executed: Option<Resp>,
+    },
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
@@ -117,7 +154,14 @@ pub fn admit(model: &Protocol, s: &mut State, n: u8) {
                 s.early = true;
             }
             if claimed {
-                let job = Job { gen, claim: 1, trust: s.t + b.trust(), replay_safe: route.replay_safe, base: 0, doubt: false };
+                let job = Job {
+                    gen,
+                    claim: 1,
+                    trust: s.t + b.trust(),
+                    replay_safe: route.replay_safe,
+                    base: 0,
+                    doubt: false,
+                };
                 s.nodes[n as usize].exec = Exec::Marked { job, number: 1, send_by: s.t + b.window };
             }
         }
@@ -156,10 +200,19 @@ pub fn step(model: &Protocol, s: &mut State, n: u8) {
             let rec = s.rec().expect("claimed");
             let base = rec.base;
             let next = rec.last.map_or(1, |last| last.number + 1);
-            let job = Job { gen: rec.gen, claim, trust: t + b.trust(), replay_safe: s.policy_of(model, rec), base, doubt: false };
+            let job = Job {
+                gen: rec.gen,
+                claim,
+                trust: t + b.trust(),
+                replay_safe: s.policy_of(model, rec),
+                base,
+                doubt: false,
+            };
             Exec::Claimed { job, next, stop: false, stamp: None }
         }
-        Exec::Claimed { job, next, stop: false, stamp: None } if b.stamped && !job.doubt && next - job.base <= b.max_attempts => {
+        Exec::Claimed { job, next, stop: false, stamp: None }
+            if b.stamped && !job.doubt && next - job.base <= b.max_attempts =>
+        {
             Exec::Claimed { job, next, stop: false, stamp: Some((s.store_time(), t)) }
         }
         Exec::Claimed { job, next, stop, stamp } => {
@@ -186,7 +239,8 @@ pub fn step(model: &Protocol, s: &mut State, n: u8) {
         }
         Exec::Marked { job, number, send_by } => {
             if t < send_by || model.broken(Mutant::SendWindowUnchecked) {
-                let req = Req { gen: job.gen, claim: job.claim, number, sent: t, effect: Effect::Pending, answer: None };
+                let req =
+                    Req { gen: job.gen, claim: job.claim, number, sent: t, effect: Effect::Pending, answer: None };
                 s.reqs.push(req);
                 let life = &mut s.lives[job.gen as usize];
                 if life.told.is_some() {

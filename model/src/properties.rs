@@ -71,7 +71,6 @@ pub fn summary(s: &State) -> String {
         ),
         None => "no record".into(),
     };
-    let lives: Vec<String> =
-        s.lives.iter().map(|l| format!("{} effect(s), told {:?}", l.effects, l.told)).collect();
+    let lives: Vec<String> = s.lives.iter().map(|l| format!("{} effect(s), told {:?}", l.effects, l.told)).collect();
     format!("t={} {rec}; {}", s.t, lives.join("; "))
 }

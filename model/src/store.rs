@@ -174,7 +174,9 @@ pub enum Op {
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Answer {
     /// A new record (`Created`), claimed by the admitting node or queued.
-    Created { claimed: bool },
+    Created {
+        claimed: bool,
+    },
     /// A free record queued again (`Requeued`).
     Requeued,
     /// The key's record decides (`Existing`).
@@ -182,9 +184,13 @@ pub enum Answer {
     /// A claim's token, or none (`Option<ClaimToken>`).
     Claimed(Option<u8>),
     /// `Lease::Held`.
-    Held { cancel: bool },
+    Held {
+        cancel: bool,
+    },
     /// `Lease::Lost`; `late`: it was taken as the late outcome of its attempt.
-    Lost { late: bool },
+    Lost {
+        late: bool,
+    },
     /// `Action::Applied`, or a take-over (`true`).
     Applied,
     /// `Action::Refused`, a take-over refused (`false`), a cancel with nothing to cancel.
@@ -278,7 +284,9 @@ impl Store {
         };
         match rec.phase {
             // `records.done_at < $cutoff`, the cutoff being the judge's time less the retention.
-            PhaseKey::Done if rec.done_at.is_some_and(|done| u16::from(done) + u16::from(b.retention) < u16::from(judged)) => {
+            PhaseKey::Done
+                if rec.done_at.is_some_and(|done| u16::from(done) + u16::from(b.retention) < u16::from(judged)) =>
+            {
                 // The claim token is not reset: the new record's claims go on counting.
                 let claim = rec.claim;
                 *rec = Rec { claim, ..fresh(self.gens, false) };
@@ -338,7 +346,14 @@ impl Store {
 
     /// `attempt_ended`: the outcome under its claim; refused, it may be the late outcome of the
     /// attempt its claim's take-over left lost.
-    fn ended(&mut self, claim: u8, attempt: Option<(u8, Class)>, then: Then, now: Tick, mutant: Option<Mutant>) -> Answer {
+    fn ended(
+        &mut self,
+        claim: u8,
+        attempt: Option<(u8, Class)>,
+        then: Then,
+        now: Tick,
+        mutant: Option<Mutant>,
+    ) -> Answer {
         let ends = match mutant {
             // As protocol 2 stood: any outcome that carried its attempt brought the bound down.
             Some(Mutant::AmbiguousCutsBound) => attempt.is_some(),
@@ -391,7 +406,14 @@ impl Store {
 
     /// `take_over`: guarded by the claim, the expired lease and the attempt in flight it was
     /// decided on.
-    fn take_over(&mut self, claim: u8, expires: Tick, in_flight: Option<u8>, to: PhaseKey, mutant: Option<Mutant>) -> Answer {
+    fn take_over(
+        &mut self,
+        claim: u8,
+        expires: Tick,
+        in_flight: Option<u8>,
+        to: PhaseKey,
+        mutant: Option<Mutant>,
+    ) -> Answer {
         let Some(rec) = &mut self.rec else { return Answer::Refused };
         let same_attempt = mutant == Some(Mutant::TakeoverIgnoresInFlight) || rec.in_flight == in_flight;
         let guard = rec.phase == PhaseKey::InProgress
@@ -414,7 +436,14 @@ impl Store {
     /// `settle` (a probe's verdict, `claim` naming the claim it read, or an operator's word):
     /// the transition from the phase as read, then for "not executed" the bound as of `as_of`,
     /// then the update guarded by the claim.
-    fn settle(&mut self, claim: Option<u8>, executed: Option<Resp>, as_of: Tick, now: Tick, mutant: Option<Mutant>) -> Answer {
+    fn settle(
+        &mut self,
+        claim: Option<u8>,
+        executed: Option<Resp>,
+        as_of: Tick,
+        now: Tick,
+        mutant: Option<Mutant>,
+    ) -> Answer {
         let Some(rec) = &mut self.rec else { return Answer::Missing };
         let event = if executed.is_some() { Event::ResolveExecuted } else { Event::ResolveNotExecuted };
         let Ok(to) = transition(rec.phase.phase(), event) else { return Answer::Refused };

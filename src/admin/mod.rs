@@ -35,11 +35,12 @@ use crate::worker::Worker;
 
 pub mod bulk;
 pub mod cli;
-pub mod health;
 mod config;
+pub mod health;
 mod series;
 pub mod stats;
 mod switches;
+mod tables;
 
 /// The operator console: one static page that calls this API with the operator's token and
 /// draws its charts itself. It needs no build step, fetches nothing from elsewhere and holds no
@@ -73,7 +74,8 @@ pub struct Leaving(Arc<std::sync::Mutex<Option<tokio::time::Instant>>>);
 impl Leaving {
     /// The node leaves: its listeners close in `closes_in`.
     pub fn start(&self, closes_in: std::time::Duration) {
-        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now() + closes_in);
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(tokio::time::Instant::now() + closes_in);
     }
 
     /// How long until the listeners close, once leaving.

@@ -19,8 +19,8 @@ mod described;
 mod diff;
 mod durability;
 mod limits;
-mod overrides;
 mod mcp;
+mod overrides;
 mod quotas;
 mod raw;
 use raw::RawConfig;
@@ -55,8 +55,8 @@ pub enum ConfigError {
 
 /// The file at `path` with the environment's overrides applied: what every command reads.
 pub fn read(path: &Path) -> Result<String, ConfigError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
     overridden(&text, path)
 }
 
@@ -361,7 +361,8 @@ impl Config {
     /// How long the done records of the route called `route` live: its own lifetime, or for a
     /// route no longer configured the store's retention, and no tombstone.
     pub fn lifetime_of(&self, route: &str) -> Lifetime {
-        self.route_named(route).map_or(Lifetime { retention: self.store.retention, tombstone: Duration::ZERO }, Route::lifetime)
+        self.route_named(route)
+            .map_or(Lifetime { retention: self.store.retention, tombstone: Duration::ZERO }, Route::lifetime)
     }
 
     /// Where in `routes` the route for `path` is: the one whose `path_prefix` is the longest

@@ -102,7 +102,10 @@ mod tests {
     fn an_override_through_a_value_that_is_not_a_table_is_refused_naming_the_variable() {
         let e = apply("[store]\nurl = \"sqlite://a.db\"\n", vars(&[("IDEM_STORE__URL__HOST", "x")])).unwrap_err();
         let said = e.to_string();
-        assert!(said.contains("store.url.host") && said.contains("IDEM_STORE__URL__HOST") && said.contains("not a table"), "{said}");
+        assert!(
+            said.contains("store.url.host") && said.contains("IDEM_STORE__URL__HOST") && said.contains("not a table"),
+            "{said}"
+        );
         let e = apply("", vars(&[("IDEM_STORE____URL", "x")])).unwrap_err().to_string();
         assert!(e.contains("an empty name"), "{e}");
     }

@@ -104,8 +104,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
     let tenant = note.tenant.into_inner();
     let trace = note.trace.into_inner().or(client_trace);
     // A streamed answer's size is not known when its head goes: absent then.
-    let bytes_out = body_size(response.headers())
-        .or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
+    let bytes_out = body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
     tracing::event!(
         target: "idem::access",
         tracing::Level::INFO,

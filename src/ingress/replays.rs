@@ -146,7 +146,13 @@ mod tests {
     fn replay(body: &'static [u8]) -> Replay {
         let fingerprint = Fingerprint::of("payments", "POST", "/payments", "", None, b"{}");
         let record = RecordId(uuid::Uuid::nil());
-        Replay::new(record, fingerprint, RouteName::from("payments"), &stored(body), Timestamp::from_millis(1_800_000_000_000))
+        Replay::new(
+            record,
+            fingerprint,
+            RouteName::from("payments"),
+            &stored(body),
+            Timestamp::from_millis(1_800_000_000_000),
+        )
     }
 
     #[test]

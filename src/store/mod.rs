@@ -43,7 +43,7 @@ pub use durability::{Durability, DurabilityInForce};
 pub use error::StoreError;
 pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};
-pub use opening::{inspect, migrate, missing_directory, open, open_synced, open_with, status, Inspection};
+pub use opening::{inspect, migrate, missing_directory, open, open_synced, open_with, status, Inspection, Serving};
 pub(crate) use rows::{decode, Columns};
 pub(crate) use switches::decode_switch;
 pub use switches::{SwitchCleared, MAX_HISTORY};
@@ -479,21 +479,6 @@ pub trait Store: Send + Sync + 'static {
     /// Stops what the store runs in the background beside its writes (PostgreSQL's relay of
     /// notices) and waits for it: a node's last step in a shutdown.
     async fn close(&self) {}
-}
-
-/// The server a store is connected to, where it can name one (PostgreSQL's): `GET /admin/node`
-/// and `idem check --connect` show it, and the take-over sweep holds back after it changes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Serving {
-    /// The host serving it, as `host:port`.
-    pub host: String,
-    /// Its timeline: a promotion starts a new one. `None` until a health check has read it.
-    pub timeline: Option<String>,
-    /// When it started (UTC): a server started afresh on another machine keeps its timeline.
-    pub started: Option<String>,
-    /// How often the serving server changed (another host, a new timeline or start) since the store
-    /// opened: leases and bounds set in one server's clock are judged in another's after it.
-    pub changes: u64,
 }
 
 /// A change to a record, announced to every process that shares the store.

@@ -85,7 +85,7 @@ pub async fn inspect(url: &str) -> Result<Inspection, StoreError> {
 #[derive(Debug)]
 pub struct Inspection {
     /// The server that serves it (PostgreSQL).
-    pub serving: Option<super::Serving>,
+    pub serving: Option<Serving>,
     /// How that server replicates, in a line (PostgreSQL's primary).
     pub replication: Option<String>,
     /// Its protocol and migrations.
@@ -101,4 +101,19 @@ pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
         Backend::Sqlite => sqlite::status(url).await,
         Backend::Postgres => postgres::status(url).await,
     }
+}
+
+/// The server a store is connected to, where it can name one (PostgreSQL's): `GET /admin/node`
+/// and `idem check --connect` show it, and the take-over sweep holds back after it changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Serving {
+    /// The host serving it, as `host:port`.
+    pub host: String,
+    /// Its timeline: a promotion starts a new one. `None` until a health check has read it.
+    pub timeline: Option<String>,
+    /// When it started (UTC): a server started afresh on another machine keeps its timeline.
+    pub started: Option<String>,
+    /// How often the serving server changed (another host, a new timeline or start) since the store
+    /// opened: leases and bounds set in one server's clock are judged in another's after it.
+    pub changes: u64,
 }

@@ -417,7 +417,8 @@ mod tests {
     fn a_capped_record_is_freed_only_if_no_attempt_may_have_run() {
         let unsafe_route = route(false);
         let safe = route(true);
-        let stop = |record: &Record, route: &Route| after_lease_expiry(&under(route, record.clone()), Some(route), NOW, 1);
+        let stop =
+            |record: &Record, route: &Route| after_lease_expiry(&under(route, record.clone()), Some(route), NOW, 1);
         assert_eq!(stop(&leased(1, &[], false), &unsafe_route), TakeOverTo::Free(StopReason::TakeoverCap));
         assert_eq!(
             stop(&leased(1, &["not_executed", "not_executed"], false), &unsafe_route),

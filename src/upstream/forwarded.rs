@@ -224,7 +224,11 @@ mod tests {
         assert_eq!(client_address(&xff, &via, &trusted).to_string(), "203.0.113.9");
         let rfc = headers(&[("forwarded", "for=\"[2001:db8::1]:4711\";proto=https, for=10.9.9.9")]);
         assert_eq!(client_address(&rfc, &via, &trusted).to_string(), "2001:db8::1");
-        assert_eq!(client_address(&xff, &origin("192.0.2.7", false), &trusted).to_string(), "192.0.2.7", "not a trusted proxy");
+        assert_eq!(
+            client_address(&xff, &origin("192.0.2.7", false), &trusted).to_string(),
+            "192.0.2.7",
+            "not a trusted proxy"
+        );
         assert_eq!(client_address(&headers(&[]), &via, &trusted).to_string(), "10.1.2.3", "nothing forwarded");
     }
 }

@@ -178,9 +178,7 @@ where
             let limit_at = tokio::time::Instant::now() + limit;
             let until = send_by.map_or(limit_at, |by| by.instant().min(limit_at));
             match tokio::time::timeout_at(until, connecting).await {
-                Ok(Ok(_)) if send_by.is_some_and(Moment::passed) => {
-                    Err(BoxError::from(TooLate))
-                }
+                Ok(Ok(_)) if send_by.is_some_and(Moment::passed) => Err(BoxError::from(TooLate)),
                 Ok(connected) => connected.map_err(Into::into),
                 Err(_) if until < limit_at => Err(BoxError::from(TooLate)),
                 Err(_) => Err(format!("{NO_CONNECTION} {limit:?}").into()),

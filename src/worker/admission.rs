@@ -162,7 +162,7 @@ impl Worker {
         let admitted = match inner.store.admit(store::Admit { new, retention_cutoff }).await {
             // Its answer was lost: the insert may or may not be committed. Read back, the key's
             // record says which; never taken as "not written".
-            Err(e) => admission_in_doubt(&*inner.store, inner.lease, &tenant, &key, id, e).await,
+            Err(e) => super::in_doubt::admission(&*inner.store, inner.lease, &tenant, &key, id, e).await,
             admitted => admitted,
         };
         if !matches!(&admitted, Ok(Admission::Created(_))) {
@@ -215,28 +215,6 @@ impl Worker {
             Some(record) => Admitted::Existing(record),
             None => Admitted::Refused(refusal),
         })
-    }
-}
-
-/// Settles an admission whose answer was lost (`error`) by reading the key's record back: this
-/// request's own record (`id`) was inserted, claimed or queued as the insert said; anything
-/// else, and the error stands (a retry of the request reads the key anew).
-async fn admission_in_doubt(
-    store: &dyn store::Store,
-    lease: std::time::Duration,
-    tenant: &crate::domain::Tenant,
-    key: &crate::domain::IdempotencyKey,
-    id: crate::domain::RecordId,
-    error: store::StoreError,
-) -> Result<Admission, store::StoreError> {
-    match super::read_back(lease, || store.lookup(tenant, key)).await {
-        Ok(Some(record)) if record.id == id => {
-            tracing::warn!(error = %error, "the answer to an admission was lost; read back, it is recorded");
-            Ok(Admission::Created(record))
-        }
-        // Another record (one that was there, or a requeue of it): what this request's insert did
-        // cannot be told apart; its client is told the error, and its retry reads the key anew.
-        _ => Err(error),
     }
 }
 

@@ -279,32 +279,6 @@ impl Inner {
         Ok(Begun { started, in_flight, limit, send_by })
     }
 
-    /// Settles a mark whose answer was lost by reading the record back under its claim, before
-    /// anything is sent: found marked, the attempt goes (within its send window, counted from
-    /// before the write, which has likely passed); found without the mark, nothing was written
-    /// and the record is handed back for a claim of its own. When it cannot be read either
-    /// ([`super::read_back`]), nothing is sent, and the claim's lease runs out.
-    async fn mark_in_doubt(&self, job: &Job<'_>, number: u32, error: &store::StoreError) -> Result<Lease, End> {
-        let held = |r: &Record| r.claim == job.holder.token && r.state == crate::domain::State::InProgress;
-        let read = super::read_back(self.lease, || self.store.get(job.record.id)).await;
-        match read {
-            Ok(Some(r)) if held(&r) && r.in_flight.map(|(n, _)| n) == Some(number) => {
-                warn!(error = %error, "the answer to an attempt's mark was lost; read back, the mark is there: sending it");
-                Ok(Lease::Held { cancel_requested: r.cancel_requested })
-            }
-            Ok(Some(r)) if held(&r) => {
-                warn!(error = %error, "the answer to an attempt's mark was lost; read back, it is not there: not sending it");
-                Err(End::HandBack(HandBack::ClaimInDoubt))
-            }
-            Ok(_) => Ok(Lease::Lost),
-            Err(again) => {
-                // Without a durable "may have been sent" mark known, the attempt must not go out.
-                warn!(error = %error, read = %again, "could not record an attempt, nor read it back; not sending it");
-                Err(End::Lost)
-            }
-        }
-    }
-
     /// Sends the attempt, keeping the lease alive while it is in flight. An answer that streams
     /// (docs/concepts.md) and whose status ends the execution is read up to its first body byte only,
     /// within the attempt's limit: until then the policy holds; after it, the stream is read

@@ -151,6 +151,7 @@ mod drain;
 mod execution;
 #[cfg(test)]
 mod fencing_tests;
+mod in_doubt;
 mod lease;
 mod running;
 mod streaming;
@@ -453,33 +454,6 @@ impl Worker {
         if let Some(s) = self.inner.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();
-        }
-    }
-}
-
-/// Reads back, with `read`, what a write whose answer was lost left in the store: the store that
-/// just failed to answer is asked again while it is out (a failover takes seconds), for up to a
-/// third of `lease`, so that the claim it was made under is still held when the answer comes.
-/// Its last error, if it never answers.
-async fn read_back<T, F>(lease: Duration, read: impl Fn() -> F) -> Result<T, StoreError>
-where
-    F: std::future::Future<Output = Result<T, StoreError>>,
-{
-    let give_up = tokio::time::Instant::now() + lease / 3;
-    let mut wait = Duration::from_millis(50);
-    loop {
-        // Each read within what is left: a read that hangs on a dead connection must not hold
-        // the claim past its lease.
-        let read = match tokio::time::timeout_at(give_up, read()).await {
-            Ok(read) => read,
-            Err(_) => Err(StoreError::Unavailable("the store did not answer the read-back in time".into())),
-        };
-        match read {
-            Err(e) if e.is_outage() && tokio::time::Instant::now() + wait < give_up => {
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(1));
-            }
-            read => return read,
         }
     }
 }

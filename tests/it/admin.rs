@@ -19,9 +19,8 @@ const BOUND: Duration = Duration::from_millis(50 + 500 + 50);
 async fn setup_short(b: Backend, tables: &str) -> (Upstream, Broker) {
     let upstream = Upstream::start().await;
     let tables = format!("[routes.retry]\nper_try_timeout = \"500ms\"\nmin_try = \"10ms\"\n{tables}");
-    let config = TestConfig::new(&upstream.url())
-        .worker("send_window = \"50ms\"\nclock_margin = \"50ms\"")
-        .tables(&tables);
+    let config =
+        TestConfig::new(&upstream.url()).worker("send_window = \"50ms\"\nclock_margin = \"50ms\"").tables(&tables);
     let broker = Broker::start(&Db::new(b).await, config).await;
     (upstream, broker)
 }

@@ -110,7 +110,8 @@ impl Replay<'_> {
                 }
             }
             Op::Claim { node } => {
-                let claim = ClaimQueued { id: self.id(), owner: format!("node-{node}").into(), lease: ticks(b.lease), now };
+                let claim =
+                    ClaimQueued { id: self.id(), owner: format!("node-{node}").into(), lease: ticks(b.lease), now };
                 Answer::Claimed(self.store.claim(claim).await.unwrap().map(|token| token.0 as u8))
             }
             Op::Mark { claim, number } => {
@@ -150,7 +151,8 @@ impl Replay<'_> {
                     Then::Free => AfterAttempt::Free(StopReason::AttemptCap),
                     Then::Release => AfterAttempt::Release,
                 };
-                let ended = AttemptEnded { id: self.id(), holder: Self::holder(claim), attempt, then, stream: None, now };
+                let ended =
+                    AttemptEnded { id: self.id(), holder: Self::holder(claim), attempt, then, stream: None, now };
                 let before = self.store.get(self.id()).await.unwrap().map(|r| seen(&r));
                 let answered = self.store.attempt_ended(ended).await.unwrap();
                 let after = self.store.get(self.id()).await.unwrap().map(|r| seen(&r));

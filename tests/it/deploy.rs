@@ -157,7 +157,11 @@ fn the_environment_names_the_file_and_overrides_its_keys() {
     let dir = tempfile::TempDir::new().unwrap();
     let config = dir.path().join("idem.toml");
     let file_store = format!("sqlite://{}/file.db", dir.path().display());
-    std::fs::write(&config, crate::common::TestConfig::new("http://127.0.0.1:9").store(&file_store).worker("lease = \"15s\"").text()).unwrap();
+    std::fs::write(
+        &config,
+        crate::common::TestConfig::new("http://127.0.0.1:9").store(&file_store).worker("lease = \"15s\"").text(),
+    )
+    .unwrap();
     let env_store = format!("sqlite://{}/env.db", dir.path().display());
     let out = Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("check")
@@ -199,7 +203,8 @@ fn the_unit_verifies_and_its_exposure_is_rated_ok() {
     let verify = Command::new(&analyze).args(["verify", "--man=no"]).arg(&path).output().unwrap();
     let said = String::from_utf8_lossy(&verify.stderr);
     assert!(verify.status.success() && said.trim().is_empty(), "{said}");
-    let security = Command::new(&analyze).args(["security", "--offline=true", "--no-pager"]).arg(&path).output().unwrap();
+    let security =
+        Command::new(&analyze).args(["security", "--offline=true", "--no-pager"]).arg(&path).output().unwrap();
     let report = String::from_utf8_lossy(&security.stdout);
     let level: f64 = report
         .split("Overall exposure level for idem.service: ")
@@ -257,7 +262,9 @@ async fn idem_health_asks_the_admin_listener_the_config_names() {
     let body = node_config(&store, crate::common::TestConfig::new("http://127.0.0.1:9")).body();
     let mut node = Node::start("health", &body).await;
     // As a container's config says it: the admin listener on every interface.
-    let config = std::fs::read_to_string(node.config_file()).unwrap().replace("admin_listen = \"127.0.0.1:", "admin_listen = \"0.0.0.0:");
+    let config = std::fs::read_to_string(node.config_file())
+        .unwrap()
+        .replace("admin_listen = \"127.0.0.1:", "admin_listen = \"0.0.0.0:");
     let file = dir.path().join("as-in-the-container.toml");
     std::fs::write(&file, config).unwrap();
     let health = |ready: bool| {
@@ -268,7 +275,11 @@ async fn idem_health_asks_the_admin_listener_the_config_names() {
         }
         async move {
             let out = command.output().await.unwrap();
-            (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
         }
     };
     assert_eq!(health(false).await.0, Some(0));

@@ -42,10 +42,11 @@ fn a_taken_port_is_named_with_its_setting_and_the_cause_said_once() {
     let addr = taken.local_addr().unwrap();
     let dir = tempfile::TempDir::new().unwrap();
     let store = format!("sqlite://{}", dir.path().join("idem.db").display());
-    let text = TestConfig::new("http://127.0.0.1:9")
-        .store(&store)
-        .text()
-        .replacen("\nlisten = \"127.0.0.1:0\"", &format!("\nlisten = \"{addr}\""), 1);
+    let text = TestConfig::new("http://127.0.0.1:9").store(&store).text().replacen(
+        "\nlisten = \"127.0.0.1:0\"",
+        &format!("\nlisten = \"{addr}\""),
+        1,
+    );
     let (failed, _, said) = serve(&text);
     assert!(failed, "{said}");
     assert!(said.contains(&format!("cannot listen on {addr} (`server.listen`")), "{said}");
@@ -80,7 +81,8 @@ fn a_store_nothing_listens_for_fails_at_once_naming_its_host_and_port() {
 
 #[test]
 fn a_misspelt_sslmode_is_refused_with_the_modes_listed() {
-    let text = TestConfig::new("http://127.0.0.1:9").store("postgres://idem@db.internal/idem?sslmode=verify_full").text();
+    let text =
+        TestConfig::new("http://127.0.0.1:9").store("postgres://idem@db.internal/idem?sslmode=verify_full").text();
     let (failed, _, said) = serve(&text);
     assert!(failed, "{said}");
     assert!(said.contains("store.url") && said.contains("sslmode=verify_full is not a mode"), "{said}");

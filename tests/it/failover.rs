@@ -136,9 +136,10 @@ async fn a_mark_the_server_never_saw_sends_nothing_and_the_record_is_handed_back
     wire.cut_at(MARK, Cut::Before);
     // Handed back, it is claimed again and its attempt marked and sent: well before the lease
     // (30 s) would run out, as it must without the read-back.
-    let r = tokio::time::timeout(Duration::from_secs(10), send(broker.post("/payments", "unmarked", r#"{"amount":1}"#)))
-        .await
-        .expect("answered within a third of the lease");
+    let r =
+        tokio::time::timeout(Duration::from_secs(10), send(broker.post("/payments", "unmarked", r#"{"amount":1}"#)))
+            .await
+            .expect("answered within a third of the lease");
     assert_eq!(r.status, 201, "{r:?}");
     assert_eq!(wire.cuts(), 1);
     assert_eq!(upstream.hits("unmarked"), 2, "the 503, then one attempt: the unmarked one was never sent");

@@ -181,7 +181,10 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
     // client's own endpoint read.
     let record = first["idem.record"].as_str().unwrap();
     assert_eq!(record.len(), 36, "{record}");
-    assert_eq!((&lines[1]["fields"]["idem.record"], &lines[1]["fields"]["idem.replay"]), (&record.into(), &true.into()));
+    assert_eq!(
+        (&lines[1]["fields"]["idem.record"], &lines[1]["fields"]["idem.replay"]),
+        (&record.into(), &true.into())
+    );
     assert_eq!(lines[3]["fields"]["idem.record"], "-", "a pass-through records nothing");
     assert!(!lines.iter().any(|l| l.to_string().contains("access-key")), "the key itself was logged");
     assert_eq!(lines[0]["fields"]["trace_id"], trace, "the client's trace");

@@ -285,9 +285,8 @@ async fn a_paused_nodes_queued_attempt_is_never_executed_twice() {
 
     let unknown = survivor.await_record("paused", Duration::from_secs(5), |r| r["state"] == "unknown").await;
     assert_eq!(unknown["attempts"][0]["outcome"], "lost", "{unknown:#}");
-    let asked = survivor
-        .await_record("paused", Duration::from_secs(5), |r| !history_entries(r, "probe").is_empty())
-        .await;
+    let asked =
+        survivor.await_record("paused", Duration::from_secs(5), |r| !history_entries(r, "probe").is_empty()).await;
     let note = history_entries(&asked, "probe")[0]["note"].as_str().unwrap().to_string();
     assert!(note.contains("404") && note.contains("may still reach the upstream"), "{note}");
     let retried = crate::common::send(survivor.post(QUEUED, "paused", &body_of("p"))).await;

@@ -467,7 +467,9 @@ impl Cluster {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         };
-        tokio::time::timeout(Duration::from_secs(10), wait).await.unwrap_or_else(|_| panic!("{request}: not within 10 s"))
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("{request}: not within 10 s"))
     }
 
     /// The id of `key`'s record, once it has one.
@@ -576,7 +578,9 @@ mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_paused_probers_404_is_judged_as_of_its_asking_in_the_databases_clock() {
         if crate::common::backend::postgres_server_url().is_none() {
-            return crate::common::backend::skipped("a_paused_probers_404_is_judged_as_of_its_asking_in_the_databases_clock");
+            return crate::common::backend::skipped(
+                "a_paused_probers_404_is_judged_as_of_its_asking_in_the_databases_clock",
+            );
         }
         let cluster = Cluster::new(Backend::Postgres, "", LEASE).await;
         let store = cluster.db.deployed_store().await;
@@ -622,7 +626,9 @@ mod postgres_only {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early() {
         if crate::common::backend::postgres_server_url().is_none() {
-            return crate::common::backend::skipped("a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early");
+            return crate::common::backend::skipped(
+                "a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early",
+            );
         }
         use idem::store::{AfterAttempt, AttemptEnded, RouteSweep, Sweep, SweepPlan};
         let cluster = Cluster::new(Backend::Postgres, "", LEASE).await;

@@ -132,7 +132,8 @@ async fn setup_with(b: Backend, settle: Duration, clock: Option<Arc<ManualClock>
         PER_TRY.as_millis(),
         settle.as_millis()
     );
-    let worker = format!("send_window = \"{}ms\"\nclock_margin = \"{}ms\"", SEND_WINDOW.as_millis(), MARGIN.as_millis());
+    let worker =
+        format!("send_window = \"{}ms\"\nclock_margin = \"{}ms\"", SEND_WINDOW.as_millis(), MARGIN.as_millis());
     let db = Db::new(b).await;
     let broker = match clock {
         Some(clock) => {

@@ -133,9 +133,12 @@ async fn an_old_record(db: &Db, b: Backend, key: &str, state: &str, lease_until:
     match b {
         Backend::Sqlite => {
             let old = rusqlite::Connection::open(sqlite_path(db)).unwrap();
-            old.create_scalar_function("idem_store_protocol", 0, rusqlite::functions::FunctionFlags::SQLITE_UTF8, |_| {
-                Ok(STORE_PROTOCOL - 1)
-            })
+            old.create_scalar_function(
+                "idem_store_protocol",
+                0,
+                rusqlite::functions::FunctionFlags::SQLITE_UTF8,
+                |_| Ok(STORE_PROTOCOL - 1),
+            )
             .unwrap();
             old.execute(&sql, []).unwrap();
         }
@@ -184,7 +187,9 @@ async fn a_store_of_the_previous_protocol_is_migrated_explicitly_once_its_leases
     let status = idem::store::status(&db.url).await.unwrap();
     assert_eq!(status.upgrade(), Upgrade::StopEveryNode { from: STORE_PROTOCOL - 1, to: STORE_PROTOCOL });
     assert!(status.to_string().contains("stop every node first"), "{status}");
-    let Err(refused) = idem::store::open(&db.url).await else { panic!("a node served a store of the previous protocol") };
+    let Err(refused) = idem::store::open(&db.url).await else {
+        panic!("a node served a store of the previous protocol")
+    };
     assert!(refused.to_string().contains("run `idem migrate`"), "{refused}");
 
     let now = Timestamp::now().as_millis();
@@ -200,9 +205,12 @@ async fn a_store_of_the_previous_protocol_is_migrated_explicitly_once_its_leases
     match b {
         Backend::Sqlite => {
             let old = rusqlite::Connection::open(sqlite_path(&db)).unwrap();
-            old.create_scalar_function("idem_store_protocol", 0, rusqlite::functions::FunctionFlags::SQLITE_UTF8, |_| {
-                Ok(STORE_PROTOCOL - 1)
-            })
+            old.create_scalar_function(
+                "idem_store_protocol",
+                0,
+                rusqlite::functions::FunctionFlags::SQLITE_UTF8,
+                |_| Ok(STORE_PROTOCOL - 1),
+            )
             .unwrap();
             old.execute(&expire, []).unwrap();
         }

@@ -330,7 +330,11 @@ async fn idem_reload_exits_non_zero_with_the_reason_when_the_file_is_refused() {
         command.args(["reload", "--admin", &broker.admin]);
         async move {
             let out = command.output().await.unwrap();
-            (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
         }
     };
 
@@ -342,6 +346,9 @@ async fn idem_reload_exits_non_zero_with_the_reason_when_the_file_is_refused() {
     broker.write_config(&config(&db, "", &route("payments", &up, 0)));
     let (ok, stdout, stderr) = reload().await;
     assert!(!ok && stdout.is_empty(), "{stdout}");
-    assert!(stderr.contains("routes[0].retry.max_attempts") && stderr.contains("nothing of the file was applied"), "{stderr}");
+    assert!(
+        stderr.contains("routes[0].retry.max_attempts") && stderr.contains("nothing of the file was applied"),
+        "{stderr}"
+    );
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
 }

@@ -33,30 +33,32 @@ async fn collector() -> (String, Arc<Mutex<Received>>) {
     let app = axum::Router::new()
         .route(
             "/v1/traces",
-            axum::routing::post(|State(received): State<Arc<Mutex<Received>>>, headers: axum::http::HeaderMap, body: Bytes| async move {
-                let batch = ExportTraceServiceRequest::decode(body).expect("an OTLP trace export in protobuf");
-                let mut received = received.lock().unwrap();
-                received.headers.push(headers);
-                for resource in batch.resource_spans {
-                    for a in resource.resource.iter().flat_map(|r| &r.attributes) {
-                        if let Some(Any::StringValue(v)) = a.value.as_ref().and_then(|v| v.value.as_ref()) {
-                            received.resource.insert(a.key.clone(), v.clone());
+            axum::routing::post(
+                |State(received): State<Arc<Mutex<Received>>>, headers: axum::http::HeaderMap, body: Bytes| async move {
+                    let batch = ExportTraceServiceRequest::decode(body).expect("an OTLP trace export in protobuf");
+                    let mut received = received.lock().unwrap();
+                    received.headers.push(headers);
+                    for resource in batch.resource_spans {
+                        for a in resource.resource.iter().flat_map(|r| &r.attributes) {
+                            if let Some(Any::StringValue(v)) = a.value.as_ref().and_then(|v| v.value.as_ref()) {
+                                received.resource.insert(a.key.clone(), v.clone());
+                            }
                         }
+                        let service = resource
+                            .resource
+                            .iter()
+                            .flat_map(|r| &r.attributes)
+                            .find(|a| a.key == "service.name")
+                            .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                                Any::StringValue(name) => Some(name.clone()),
+                                _ => None,
+                            });
+                        received.services.extend(service);
+                        received.spans.extend(resource.scope_spans.into_iter().flat_map(|s| s.spans));
                     }
-                    let service = resource
-                        .resource
-                        .iter()
-                        .flat_map(|r| &r.attributes)
-                        .find(|a| a.key == "service.name")
-                        .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
-                            Any::StringValue(name) => Some(name.clone()),
-                            _ => None,
-                        });
-                    received.services.extend(service);
-                    received.spans.extend(resource.scope_spans.into_iter().flat_map(|s| s.spans));
-                }
-                axum::http::StatusCode::OK
-            }),
+                    axum::http::StatusCode::OK
+                },
+            ),
         )
         .with_state(received.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -76,7 +76,11 @@ impl Hosts {
             let options = PgConnectOptions::from_str(&format!("{scheme}://{authority}{path}{query}"))
                 .map_err(|e| bad(e.to_string()))?;
             let name = name_of(&options);
-            return Ok(Hosts { hosts: vec![(name, options)], target: target.unwrap_or(Target::Any), authority: tls_authority });
+            return Ok(Hosts {
+                hosts: vec![(name, options)],
+                target: target.unwrap_or(Target::Any),
+                authority: tls_authority,
+            });
         }
         let names = split_hosts(hostlist);
         if names.iter().any(|h| h.is_empty()) {

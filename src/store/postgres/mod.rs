@@ -30,6 +30,7 @@ mod notices;
 mod outcomes;
 mod primary;
 pub(super) mod recorded;
+mod replication;
 mod rows;
 mod stats;
 mod switches;
@@ -47,15 +48,16 @@ use tokio::sync::{broadcast, oneshot};
 
 use self::admissions::Admissions;
 use self::hosts::Hosts;
-use self::primary::{Found, Primary};
 use self::outcomes::Outcomes;
+use self::primary::{Found, Primary};
+pub use self::replication::inspect;
 use self::rows::{get, COLUMNS};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice, Serving,
-    Page, Probed, ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice,
+    Page, Probed, ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
@@ -103,7 +105,7 @@ impl PostgresStore {
         protocol::startable(store)?;
         migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
         let durability = durability_in_force(&pool, sync).await?;
-        warn_without_synchronous_standby(&pool, &primary.serving().host).await;
+        replication::warn_without_synchronous_standby(&pool, &primary.serving().host).await;
         // Listen before returning, so no change made after `open` goes unannounced.
         let listener = notices::listen(&pool).await?;
         let (notices, _) = broadcast::channel(NOTICE_BACKLOG);
@@ -121,55 +123,6 @@ impl PostgresStore {
             relay: std::sync::Mutex::new(Some((relay, relaying))),
             durability,
             health_check,
-        })
-    }
-
-}
-
-/// Warns when the primary at `host` replicates to no synchronous standby: a failover may then
-/// lose commits it acknowledged, answers told and claims acted on included
-/// (docs/high-availability.md).
-async fn warn_without_synchronous_standby(pool: &PgPool, host: &str) {
-    if let Ok(Some(replication)) = replication(pool).await {
-        if let Some(warning) = replication.warning() {
-            tracing::warn!(host, "{warning}");
-        }
-    }
-}
-
-/// How the primary replicates, as far as a failover's losses go: its `synchronous_standby_names`
-/// and how many standbys stream from it. `None` when the server is a standby itself.
-pub(crate) async fn replication(pool: &PgPool) -> Result<Option<Replication>, StoreError> {
-    let (standby, names): (bool, String) =
-        sqlx::query_as("SELECT pg_is_in_recovery(), current_setting('synchronous_standby_names')")
-            .fetch_one(pool)
-            .await?;
-    if standby {
-        return Ok(None);
-    }
-    // Only a superuser, or a role of `pg_read_all_stats`, sees the standbys streaming.
-    let streaming: Option<i64> = sqlx::query_scalar("SELECT count(*) FROM pg_stat_replication")
-        .fetch_one(pool)
-        .await
-        .ok();
-    Ok(Some(Replication { synchronous_standby_names: names, streaming }))
-}
-
-/// See [`replication`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Replication {
-    pub(crate) synchronous_standby_names: String,
-    pub(crate) streaming: Option<i64>,
-}
-
-impl Replication {
-    /// What a failover may lose, when it may lose anything acknowledged.
-    pub(crate) fn warning(&self) -> Option<String> {
-        self.synchronous_standby_names.trim().is_empty().then(|| {
-            "the store's primary has no synchronous standby (synchronous_standby_names is empty): a failover to an \
-             asynchronous standby may lose commits it acknowledged, and a key whose claim or answer is lost then \
-             executes again (docs/high-availability.md)"
-                .to_string()
         })
     }
 }
@@ -288,39 +241,6 @@ async fn status_on(pool: &PgPool) -> Result<protocol::Status, StoreError> {
         }
     };
     Ok(protocol::status(store, applied, &migrations()))
-}
-
-/// What `idem check --connect` finds at `url`, changing nothing: the host that serves it and
-/// that server's timeline and start, the store's protocol and migrations, and what a failover
-/// may lose there (docs/high-availability.md).
-pub async fn inspect(url: &str) -> Result<super::Inspection, StoreError> {
-    let (host, primary) = options(url)?.pick().await?;
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
-    let (timeline, started) = match primary::ask(&mut *pool.acquire().await?).await? {
-        Found::Primary(identity) => (Some(identity.timeline), Some(identity.started)),
-        Found::Standby => (None, None),
-    };
-    let status = status_on(&pool).await?;
-    let replication = replication(&pool).await?;
-    pool.close().await;
-    let mut warnings = Vec::new();
-    if timeline.is_none() {
-        warnings.push(format!("{host} is a standby: the store cannot write there"));
-    }
-    warnings.extend(replication.as_ref().and_then(Replication::warning));
-    let replication = replication.map(|r| {
-        let names = if r.synchronous_standby_names.trim().is_empty() { "(empty)" } else { &r.synchronous_standby_names };
-        match r.streaming {
-            Some(n) => format!("synchronous_standby_names {names}; standbys streaming: {n}"),
-            None => format!("synchronous_standby_names {names}"),
-        }
-    });
-    Ok(super::Inspection {
-        serving: Some(Serving { host, timeline, started, changes: 0 }),
-        replication,
-        status,
-        warnings,
-    })
 }
 
 /// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,

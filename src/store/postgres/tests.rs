@@ -130,9 +130,13 @@ async fn every_session_commits_durably_and_normal_is_refused() {
 /// with any synchronous standby named is not.
 #[test]
 fn a_primary_without_a_synchronous_standby_is_warned_about_naming_the_setting() {
-    let replication = |names: &str| Replication { synchronous_standby_names: names.into(), streaming: Some(1) };
+    let replication =
+        |names: &str| super::replication::Replication { synchronous_standby_names: names.into(), streaming: Some(1) };
     let warning = replication(" ").warning().expect("an empty setting is warned about");
-    assert!(warning.contains("synchronous_standby_names is empty") && warning.contains("high-availability"), "{warning}");
+    assert!(
+        warning.contains("synchronous_standby_names is empty") && warning.contains("high-availability"),
+        "{warning}"
+    );
     assert_eq!(replication("*").warning(), None);
     assert_eq!(replication("FIRST 1 (standby1)").warning(), None);
 }

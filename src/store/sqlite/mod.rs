@@ -28,8 +28,8 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, Sq
 use sqlx::{Connection, Row};
 
 use self::files::DatabaseFiles;
-use self::migrating::MigrationLock;
 pub use self::files::FileId;
+use self::migrating::MigrationLock;
 pub use self::synchronous::url_durability;
 use self::synchronous::{split_synchronous, Synchronous};
 use self::writer::{Write, Writer};

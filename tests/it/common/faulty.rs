@@ -325,7 +325,8 @@ impl Store for Faulty {
         if changes == 0 {
             return serving;
         }
-        let serving = serving.unwrap_or_else(|| Serving { host: "the file".into(), timeline: None, started: None, changes: 0 });
+        let serving =
+            serving.unwrap_or_else(|| Serving { host: "the file".into(), timeline: None, started: None, changes: 0 });
         Some(Serving { changes: serving.changes + changes, ..serving })
     }
 
