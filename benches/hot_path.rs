@@ -9,8 +9,8 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{RecordId, RouteName, Timestamp};
-use idem::ingress::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
-use idem::problem::{SHOULD_RETRY_HEADER, STATUS_HEADER};
+use idem::test_support::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
+use idem::test_support::{SHOULD_RETRY_HEADER, STATUS_HEADER};
 use idem::record::StoredResponse;
 use sha2::{Digest, Sha256};
 
@@ -87,7 +87,7 @@ fn replay_answers(c: &mut Criterion) {
             let stored = black_box(&stored);
             let mut response = Response::new(Body::from(stored.body.clone()));
             *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
-            *response.headers_mut() = idem::upstream::to_header_map(&stored.headers);
+            *response.headers_mut() = idem::test_support::to_header_map(&stored.headers);
             let headers = response.headers_mut();
             headers.insert(STATUS_HEADER, HeaderValue::from_static("done"));
             headers.insert(SHOULD_RETRY_HEADER, HeaderValue::from_static("false"));

@@ -73,27 +73,54 @@
 //! - [`telemetry`] — the spans exported over OTLP/HTTP, and the W3C trace context carried from
 //!   the client through each attempt to the upstream.
 
+// Everything below the face (the modules declared `pub`, and `test_support`) is `pub(crate)`.
+// The lint is judged where the face is widest, with `test-support`, which every `cargo test`
+// builds: an item that only the tests reach is `pub` for them, not a leak.
+#![cfg_attr(feature = "test-support", warn(unreachable_pub))]
+
 pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod domain;
 pub(crate) mod edge;
-pub mod ingress;
+pub(crate) mod ingress;
 pub mod logs;
-pub mod mcp;
-pub mod metrics;
-pub mod notify;
-pub mod policy;
-pub mod problem;
+pub(crate) mod mcp;
+pub(crate) mod metrics;
+pub(crate) mod notify;
+pub(crate) mod policy;
+pub(crate) mod problem;
 pub mod record;
-pub mod runtime;
+pub(crate) mod runtime;
 pub mod server;
 pub mod simulate;
 pub mod store;
 pub(crate) mod stream;
-pub mod switches;
+pub(crate) mod switches;
 pub mod telemetry;
-pub mod upkeep;
-pub mod upstream;
-pub mod worker;
+pub(crate) mod upkeep;
+pub(crate) mod upstream;
+pub(crate) mod worker;
+
+/// What the tests that drive a node below HTTP reach (a node assembled from its parts on a
+/// manual clock, the parsers' property tests, the hot path's benchmark), and nothing else does:
+/// built only with the `test-support` feature, which the crate's own tests and benches turn on.
+#[cfg(feature = "test-support")]
+pub mod test_support {
+    pub mod worker {
+        pub use crate::worker::{Admit, Admitted, Outcome, Parts, Request, Settled, Told, Worker};
+    }
+    pub mod upkeep {
+        pub use crate::upkeep::{after_lease_expiry, probe_once, Sweeper};
+    }
+    pub use crate::ingress::prefer::{Prefer, MAX_WAIT_SECS};
+    pub use crate::ingress::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
+    pub use crate::mcp::{message::read as read_mcp_message, Incoming};
+    pub use crate::metrics::handle as metrics_handle;
+    pub use crate::policy::{parse_retry_after, MAX_RETRY_AFTER};
+    pub use crate::problem::{SHOULD_RETRY_HEADER, STATUS_HEADER};
+    pub use crate::runtime::Live;
+    pub use crate::switches::Switches;
+    pub use crate::upstream::{to_header_map, Upstream};
+}

@@ -50,7 +50,7 @@ pub fn handle() -> &'static PrometheusHandle {
 /// Histogram samples pile up in the recorder until drained, which a scrape does; with nobody
 /// scraping they would grow without bound. This drains them every few seconds anyway, until
 /// `turns` end.
-pub async fn upkeep(mut turns: crate::clock::Turns) {
+pub(crate) async fn upkeep(mut turns: crate::clock::Turns) {
     let mut tick = tokio::time::interval(UPKEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while turns.next(tick.tick()).await.is_some() {
@@ -69,8 +69,8 @@ fn process() -> &'static metrics_process::Collector {
 
 /// The version this binary is, and the commit it was built from (`unknown` when it was not
 /// built from a git checkout): always 1, for dashboards to join on and to see a rollout.
-pub const VERSION: &str = env!("CARGO_PKG_VERSION");
-pub const COMMIT: &str = env!("IDEM_COMMIT");
+pub(crate) const VERSION: &str = env!("CARGO_PKG_VERSION");
+pub(crate) const COMMIT: &str = env!("IDEM_COMMIT");
 
 fn build_info() {
     describe_gauge!(
@@ -144,14 +144,14 @@ const HISTOGRAMS_IN_SECONDS: &[(&str, &str)] = &[
 ];
 
 /// Whether a route's canary runs (1) or was ended by a `canary_off` switch (0).
-pub fn canary_running(route: &RouteName, version: &PolicyVersion, running: bool) {
+pub(crate) fn canary_running(route: &RouteName, version: &PolicyVersion, running: bool) {
     let (route, version) = (route.to_string(), version.to_string());
     gauge!("idem_canary_running", "route" => route, "policy_version" => version).set(f64::from(u8::from(running)));
 }
 
 /// One side of a canary (`canary`, or `control`: the route's own policy) as the store last
 /// counted it, cluster-wide: settled requests, attempts per request, final success.
-pub fn canary_side(route: &RouteName, side: CanarySide, version: &PolicyVersion, cohort: Cohort) {
+pub(crate) fn canary_side(route: &RouteName, side: CanarySide, version: &PolicyVersion, cohort: Cohort) {
     let labels =
         [("route", route.to_string()), ("side", side.as_str().to_string()), ("policy_version", version.to_string())];
     gauge!("idem_canary_requests", &labels).set(cohort.requests as f64);
@@ -160,13 +160,13 @@ pub fn canary_side(route: &RouteName, side: CanarySide, version: &PolicyVersion,
 }
 
 /// A new execution was admitted: one logical request.
-pub fn request(route: &RouteName) {
+pub(crate) fn request(route: &RouteName) {
     counter!("idem_requests_total", "route" => route.to_string()).increment(1);
 }
 
 /// One physical attempt, how it was classified, and the version of the policy it was sent under:
 /// two policies of one route, before and after a reload, are told apart on every graph.
-pub fn attempt(route: &RouteName, version: &PolicyVersion, class: Class, took: Duration) {
+pub(crate) fn attempt(route: &RouteName, version: &PolicyVersion, class: Class, took: Duration) {
     let (route, class, version) = (route.to_string(), class.as_str(), version.to_string());
     counter!("idem_attempts_total", "route" => route.clone(), "class" => class, "policy_version" => version.clone())
         .increment(1);
@@ -175,19 +175,19 @@ pub fn attempt(route: &RouteName, version: &PolicyVersion, class: Class, took: D
 }
 
 /// A reload was applied or refused.
-pub fn config_reload(applied: bool) {
+pub(crate) fn config_reload(applied: bool) {
     let result = if applied { "applied" } else { "refused" };
     counter!("idem_config_reloads_total", "result" => result).increment(1);
 }
 
 /// The configuration in force was loaded at `at`.
-pub fn config_loaded(at: std::time::SystemTime) {
+pub(crate) fn config_loaded(at: std::time::SystemTime) {
     let seconds = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
     gauge!("idem_config_loaded_at_seconds").set(seconds);
 }
 
 /// An execution stopped. `attempts` it took; `took` from the request's arrival.
-pub fn stopped(route: &RouteName, tenant: &Tenant, stop: StopReason, attempts: u32, took: Duration) {
+pub(crate) fn stopped(route: &RouteName, tenant: &Tenant, stop: StopReason, attempts: u32, took: Duration) {
     let route = route.to_string();
     counter!("idem_stops_total", "route" => route.clone(), "reason" => stop.as_str()).increment(1);
     histogram!("idem_request_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
@@ -205,7 +205,7 @@ pub fn stopped(route: &RouteName, tenant: &Tenant, stop: StopReason, attempts: u
 }
 
 /// A streamed answer ended (docs/concepts.md): its time to first byte, its duration and its bytes.
-pub fn streamed(route: &RouteName, first_byte: Duration, took: Duration, bytes: u64) {
+pub(crate) fn streamed(route: &RouteName, first_byte: Duration, took: Duration, bytes: u64) {
     let route = route.to_string();
     histogram!("idem_stream_first_byte_seconds", "route" => route.clone()).record(first_byte.as_secs_f64());
     histogram!("idem_stream_duration_seconds", "route" => route.clone()).record(took.as_secs_f64());
@@ -214,19 +214,19 @@ pub fn streamed(route: &RouteName, first_byte: Duration, took: Duration, bytes: 
 
 /// A take-over stopped a record whose worker died (docs/concepts.md): `unsafe_replay`, `deadline` or
 /// `takeover_cap`. Counted with the stops of executions, which it ended.
-pub fn stopped_by_take_over(route: &RouteName, stop: StopReason) {
+pub(crate) fn stopped_by_take_over(route: &RouteName, stop: StopReason) {
     counter!("idem_stops_total", "route" => route.to_string(), "reason" => stop.as_str()).increment(1);
 }
 
 /// A request waits for a record of `route` to settle (`Prefer: wait`), until the guard is
 /// dropped: parked clients hold connections, which operators see before they run out.
-pub fn waiting(route: &RouteName) -> Waiting {
+pub(crate) fn waiting(route: &RouteName) -> Waiting {
     let gauge = gauge!("idem_waiting_requests", "route" => route.to_string());
     gauge.increment(1.0);
     Waiting(gauge)
 }
 
-pub struct Waiting(metrics::Gauge);
+pub(crate) struct Waiting(metrics::Gauge);
 
 impl Drop for Waiting {
     fn drop(&mut self) {
@@ -237,54 +237,54 @@ impl Drop for Waiting {
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
 /// `circuit_open` (503, shed before recording).
-pub fn answered(route: &RouteName, kind: AnswerKind) {
+pub(crate) fn answered(route: &RouteName, kind: AnswerKind) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind.as_str()).increment(1);
 }
 
 /// The emergency switch `action`, on for `route`, held something back: a request refused, or an
 /// attempt not started.
-pub fn held_by_switch(route: &RouteName, action: SwitchAction) {
+pub(crate) fn held_by_switch(route: &RouteName, action: SwitchAction) {
     counter!("idem_switch_held_total", "route" => route.to_string(), "action" => action.as_str()).increment(1);
 }
 
 /// A request on a keyed method came without a key, on a route that does not require one: it
 /// was proxied unrecorded.
-pub fn unkeyed(route: &RouteName) {
+pub(crate) fn unkeyed(route: &RouteName) {
     counter!("idem_unkeyed_requests_total", "route" => route.to_string()).increment(1);
 }
 
 /// A client connection was accepted on `listener` (`data` or `admin`).
-pub fn connection_opened(listener: &'static str) {
+pub(crate) fn connection_opened(listener: &'static str) {
     gauge!("idem_connections", "listener" => listener).increment(1.0);
 }
 
-pub fn connection_closed(listener: &'static str) {
+pub(crate) fn connection_closed(listener: &'static str) {
     gauge!("idem_connections", "listener" => listener).decrement(1.0);
 }
 
 /// A connection past the listener's budget was answered 503 and closed.
 /// Idle connections closed to make room for new ones in a full table.
-pub fn connections_reclaimed(listener: &'static str, n: usize) {
+pub(crate) fn connections_reclaimed(listener: &'static str, n: usize) {
     counter!("idem_connections_reclaimed_total", "listener" => listener).increment(n as u64);
 }
 
-pub fn connection_refused(listener: &'static str) {
+pub(crate) fn connection_refused(listener: &'static str) {
     counter!("idem_connections_refused_total", "listener" => listener).increment(1);
 }
 
 /// An execution's outcome the store could not take when it came.
-pub fn outcome_unrecorded(route: &RouteName) {
+pub(crate) fn outcome_unrecorded(route: &RouteName) {
     counter!("idem_outcomes_unrecorded_total", "route" => route.to_string()).increment(1);
 }
 
 /// A lease renewal made while an attempt was in flight failed (`error`) or found the claim
 /// taken (`lost`).
-pub fn renewal_failed(route: &RouteName, why: &'static str) {
+pub(crate) fn renewal_failed(route: &RouteName, why: &'static str) {
     counter!("idem_lease_renewals_failed_total", "route" => route.to_string(), "why" => why).increment(1);
 }
 
 /// One more outcome the store could not take is being written again (`true`), or one less.
-pub fn unrecorded_outcome_waits(more: bool) {
+pub(crate) fn unrecorded_outcome_waits(more: bool) {
     match more {
         true => gauge!("idem_unrecorded_outcomes").increment(1.0),
         false => gauge!("idem_unrecorded_outcomes").decrement(1.0),
@@ -293,7 +293,7 @@ pub fn unrecorded_outcome_waits(more: bool) {
 
 /// Whether the store takes requests: 1, or 0 while new keys are refused with 503
 /// `store-unavailable` (a lost SQLite file, an unreachable database).
-pub fn store_available(available: bool) {
+pub(crate) fn store_available(available: bool) {
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
     DESCRIBED.call_once(|| {
         describe_gauge!(
@@ -308,7 +308,7 @@ pub fn store_available(available: bool) {
 /// flush to disk) and how many writes it carried. Under load many writes share one commit; the
 /// two together say whether new keys wait on the disk or on the rest. Writes refused while the
 /// store is lost are not commits.
-pub fn store_commit(took: Duration, writes: usize) {
+pub(crate) fn store_commit(took: Duration, writes: usize) {
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
     DESCRIBED.call_once(|| {
         describe_histogram!(
@@ -365,7 +365,7 @@ impl Stage {
 }
 
 /// A new key spent `took` in `stage`.
-pub fn stage(stage: Stage, took: Duration) {
+pub(crate) fn stage(stage: Stage, took: Duration) {
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
     DESCRIBED.call_once(|| {
         describe_histogram!(
@@ -425,7 +425,7 @@ const STAGES: [Stage; 6] =
 /// `idem_records{phase="unknown"}`), each upstream's circuit, the request body bytes held in
 /// memory and the emergency switches' family (already written), read at scrape time. Without `phases` (the store could not count them), the records
 /// keep the last counts seen: zero would say the reconciliation queue is empty.
-pub fn render(
+pub(crate) fn render(
     phases: Option<&[(Phase, u64)]>,
     circuits: &[(String, BreakerState)],
     buffered_body_bytes: usize,

@@ -6,12 +6,12 @@
 use sd_notify::NotifyState;
 
 /// The broker serves: its store is open and its listeners accept connections.
-pub fn ready() {
+pub(crate) fn ready() {
     send(&[NotifyState::Ready, NotifyState::Status("serving")]);
 }
 
 /// The broker is shutting down: its drain has begun.
-pub fn stopping() {
+pub(crate) fn stopping() {
     send(&[NotifyState::Stopping, NotifyState::Status("draining")]);
 }
 

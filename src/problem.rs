@@ -14,7 +14,7 @@ pub const STATUS_HEADER: &str = "idempotency-status";
 /// Whether the client's own retry logic should send the request again (`true`/`false`).
 pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
 /// `Retry-After` in milliseconds, for clients that can wait less than a second.
-pub const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
+pub(crate) const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
 
 /// The names of [`Problem::outcome_unknown`] and [`Problem::store`], which some answers tell
 /// apart from every other.
@@ -417,7 +417,7 @@ impl Problem {
 /// Marks an answer the broker made itself, in the response's extensions: the access log tells
 /// it from the upstream's, which may be a problem document too.
 #[derive(Debug, Clone, Copy)]
-pub struct Made;
+pub(crate) struct Made;
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {

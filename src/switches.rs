@@ -16,7 +16,7 @@ use crate::policy::Switched;
 use crate::store::{Store, StoreError};
 
 /// How often every node reads the switches: twice within the two seconds docs/operations.md promises.
-pub const REFRESH_EVERY: Duration = Duration::from_millis(500);
+pub(crate) const REFRESH_EVERY: Duration = Duration::from_millis(500);
 
 /// The switches in force, shared by the ingress, the worker and the admin API.
 pub struct Switches {
@@ -174,7 +174,7 @@ impl Switches {
 }
 
 /// Reads the switches every [`REFRESH_EVERY`] until `turns` end.
-pub async fn keep_fresh(switches: Arc<Switches>, store: Arc<dyn Store>, mut turns: Turns) {
+pub(crate) async fn keep_fresh(switches: Arc<Switches>, store: Arc<dyn Store>, mut turns: Turns) {
     let mut tick = tokio::time::interval(REFRESH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while turns.next(tick.tick()).await.is_some() {

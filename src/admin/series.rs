@@ -16,7 +16,7 @@ use crate::store::stats::{StatsRows, StatsSpan, UnknownSpell};
 
 /// One route's series, a value per step.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct RouteSeries {
+pub(super) struct RouteSeries {
     requests: Vec<u64>,
     attempts: Vec<u64>,
     settled: Vec<u64>,
@@ -52,7 +52,7 @@ impl RouteSeries {
 
 /// Sorts the store's rows into a series per route of `routes` (rows of other routes are left
 /// out). `now` is when the queue's depth of the last step is read.
-pub fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsRows) -> Vec<(String, RouteSeries)> {
+pub(super) fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsRows) -> Vec<(String, RouteSeries)> {
     let points = span.points() as usize;
     let mut series: Vec<(String, RouteSeries)> =
         routes.iter().map(|r| (r.to_string(), RouteSeries::new(points))).collect();
@@ -114,7 +114,7 @@ fn depth<'a>(samples: &[Timestamp], spells: impl Iterator<Item = &'a UnknownSpel
 }
 
 /// The `q`-quantile (nearest rank) of a histogram of values and their counts.
-pub fn quantile(histogram: &BTreeMap<u64, u64>, q: f64) -> Option<u64> {
+pub(super) fn quantile(histogram: &BTreeMap<u64, u64>, q: f64) -> Option<u64> {
     let total: u64 = histogram.values().sum();
     if total == 0 {
         return None;
@@ -134,7 +134,7 @@ fn ratio(part: u64, whole: u64) -> Option<f64> {
 
 /// The curves, each a series per route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Curve {
+pub(super) enum Curve {
     /// Logical requests: records created.
     Requests,
     /// Physical attempts those requests made.
@@ -158,7 +158,7 @@ pub enum Curve {
 
 impl Curve {
     /// In the order the answer lists them.
-    pub const ALL: [Curve; 14] = [
+    pub(super) const ALL: [Curve; 14] = [
         Curve::Requests,
         Curve::Attempts,
         Curve::Amplification,
@@ -175,7 +175,7 @@ impl Curve {
         Curve::Settled,
     ];
 
-    pub fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Curve::Requests => "requests",
             Curve::Attempts => "attempts",
@@ -252,7 +252,7 @@ impl RouteSeries {
 
     /// The series as `/admin/stats` shows them, and `totals`: the same curves over the whole
     /// window (the queue's depth as it is now).
-    pub fn to_json(&self) -> Value {
+    pub(super) fn to_json(&self) -> Value {
         let steps: Vec<Figures> = (0..self.requests.len()).map(|i| self.at(i)).collect();
         let sum = |v: &Vec<u64>| v.iter().sum::<u64>();
         let mut took = BTreeMap::new();

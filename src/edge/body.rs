@@ -18,7 +18,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// Why a body could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum ReadError {
+pub(crate) enum ReadError {
     #[error("the body is larger than {0} bytes")]
     TooLarge(usize),
     #[error("the body stopped arriving")]
@@ -32,7 +32,7 @@ pub enum ReadError {
 /// The error a [`TimedBody`] ends with when its client falls silent.
 #[derive(Debug, thiserror::Error)]
 #[error("no body bytes arrived for {0:?}")]
-pub struct BodyTimedOut(Duration);
+pub(crate) struct BodyTimedOut(Duration);
 
 pin_project_lite::pin_project! {
     /// A body that fails when no part of it arrives for `idle`. The clock runs only while the
@@ -50,7 +50,7 @@ pin_project_lite::pin_project! {
 }
 
 impl<B> TimedBody<B> {
-    pub fn new(inner: B, idle: Duration) -> TimedBody<B> {
+    pub(crate) fn new(inner: B, idle: Duration) -> TimedBody<B> {
         TimedBody { inner, idle, timer: None, waiting: false }
     }
 }
@@ -160,7 +160,7 @@ impl Drop for Held<'_> {
 /// Reads a whole body of at most `limit` bytes under `budget`. A declared length is reserved
 /// before the first byte is read (and refused at once when too large); a body of unknown length
 /// reserves as it arrives. The bytes and their share of the budget are returned together.
-pub async fn read(mut body: Body, limit: usize, budget: &BodyBudget) -> Result<(Bytes, Held<'_>), ReadError> {
+pub(crate) async fn read(mut body: Body, limit: usize, budget: &BodyBudget) -> Result<(Bytes, Held<'_>), ReadError> {
     let declared = body.size_hint().exact();
     let declared = match declared.map(usize::try_from) {
         Some(Ok(n)) if n <= limit => Some(n),

@@ -27,17 +27,17 @@ use crate::domain::Origin;
 use crate::metrics;
 use crate::problem::Problem;
 
-pub mod body;
-pub mod process;
+pub(crate) mod body;
+pub(crate) mod process;
 mod table;
-pub mod tls;
+pub(crate) mod tls;
 
 use body::TimedBody;
 use table::{Handled, Table};
 
 /// How one listener treats its clients.
 #[derive(Debug, Clone, Copy)]
-pub struct ListenerLimits {
+pub(crate) struct ListenerLimits {
     /// Names the listener in logs and metrics: `data` or `admin`.
     pub name: &'static str,
     pub max_connections: usize,
@@ -64,7 +64,7 @@ const RECLAIM_WAIT: Duration = Duration::from_millis(100);
 
 /// Serves `router` on `listener`, over TLS when `tls` is given, until `stopped` turns true (or
 /// its sender goes), then waits for the open connections to finish their answers.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: Router,
     limits: ListenerLimits,

@@ -14,7 +14,7 @@ const MIN_DERIVED_CONNECTIONS: usize = 16;
 
 /// The open-file limit before and after [`raise_open_file_limit`].
 #[derive(Debug, Clone, Copy)]
-pub struct OpenFiles {
+pub(crate) struct OpenFiles {
     pub soft_before: u64,
     pub hard: u64,
     /// The soft limit in force now.
@@ -23,7 +23,7 @@ pub struct OpenFiles {
 
 /// Raises the soft open-file limit to the hard one: the usual soft limit (1024) is meant for
 /// interactive programs, and a proxy holds two descriptors per request in flight.
-pub fn raise_open_file_limit() -> std::io::Result<OpenFiles> {
+pub(crate) fn raise_open_file_limit() -> std::io::Result<OpenFiles> {
     let (soft_before, hard) = rlimit::getrlimit(rlimit::Resource::NOFILE)?;
     let soft = rlimit::increase_nofile_limit(hard)?;
     Ok(OpenFiles { soft_before, hard, soft })
@@ -32,14 +32,14 @@ pub fn raise_open_file_limit() -> std::io::Result<OpenFiles> {
 /// The data listener's connection budget when the config sets none, like HAProxy's `maxconn`:
 /// half the open files left once the reserve and the admin listener's budget are set aside,
 /// because each client connection may hold one upstream connection as well.
-pub fn derived_max_connections(open_files: u64, admin_connections: usize) -> usize {
+pub(crate) fn derived_max_connections(open_files: u64, admin_connections: usize) -> usize {
     let spare = open_files.saturating_sub(RESERVED_FILES + admin_connections as u64) / 2;
     usize::try_from(spare).unwrap_or(usize::MAX).clamp(MIN_DERIVED_CONNECTIONS, MAX_DERIVED_CONNECTIONS)
 }
 
 /// Whether `connections` client connections (and as many upstream ones) fit in `open_files`
 /// beside the reserve: when they do not, accepts and upstream calls will fail near the budget.
-pub fn fits(connections: usize, admin_connections: usize, open_files: u64) -> bool {
+pub(crate) fn fits(connections: usize, admin_connections: usize, open_files: u64) -> bool {
     (2 * connections as u64).saturating_add(admin_connections as u64 + RESERVED_FILES) <= open_files
 }
 

@@ -14,7 +14,7 @@ use crate::problem::Problem;
 
 /// The tenant of a request: "default" without tenants (or, when keys are scoped by credential,
 /// the digest of the client's `Authorization`); else the tenant whose token digest matches.
-pub fn tenant(config: &Config, headers: &HeaderMap) -> Result<Tenant, Problem> {
+pub(crate) fn tenant(config: &Config, headers: &HeaderMap) -> Result<Tenant, Problem> {
     if !config.uses_tenants() {
         if config.scopes_by_credential() {
             if let Some(credential) = headers.get(header::AUTHORIZATION) {
@@ -51,7 +51,7 @@ fn tokens<'a>(config: &Config, headers: &'a HeaderMap) -> impl Iterator<Item = S
 
 /// The tokens an `Authorization` value may carry: a bearer token, or a Basic pair's user name
 /// and password (SDKs put an API key in either).
-pub fn authorization_tokens(value: &str) -> Vec<String> {
+pub(crate) fn authorization_tokens(value: &str) -> Vec<String> {
     let Some((scheme, rest)) = scheme_and_credentials(value) else { return vec![] };
     if scheme.eq_ignore_ascii_case("bearer") {
         return vec![rest.to_string()];
@@ -66,7 +66,7 @@ pub fn authorization_tokens(value: &str) -> Vec<String> {
 }
 
 /// The bearer token of a request, if it has one.
-pub fn bearer(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<String> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = scheme_and_credentials(value)?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.to_string())
@@ -80,7 +80,7 @@ fn scheme_and_credentials(value: &str) -> Option<(&str, &str)> {
 
 /// Compares two secrets in time that depends on neither: their digests are compared, so a
 /// length mismatch does not return early either.
-pub fn same_secret(given: &str, expected: &str) -> bool {
+pub(crate) fn same_secret(given: &str, expected: &str) -> bool {
     let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
     let expected: [u8; 32] = Sha256::digest(expected.as_bytes()).into();
     given.ct_eq(&expected).into()

@@ -15,7 +15,7 @@ use crate::domain::Tenant;
 /// The key of a request without one: a digest of the route, the tenant and each source's
 /// canonical value (a header's bytes; a JSON value with its object keys sorted), so that the same
 /// tool call with re-serialised arguments gets the same key, and two tenants never share one.
-pub fn key(route: &Route, tenant: &Tenant, headers: &HeaderMap, body: &[u8]) -> Result<IdempotencyKey, MissingSource> {
+pub(crate) fn key(route: &Route, tenant: &Tenant, headers: &HeaderMap, body: &[u8]) -> Result<IdempotencyKey, MissingSource> {
     let missing = |source: &KeySource| MissingSource(source.to_string());
     let document = || serde_json::from_slice::<Value>(body).ok();
     let mut parsed: Option<Option<Value>> = None;
@@ -43,7 +43,7 @@ pub fn key(route: &Route, tenant: &Tenant, headers: &HeaderMap, body: &[u8]) -> 
 
 /// The body with every `pointers` member removed, re-serialised; `None` when nothing changes
 /// (no pointer given, the body is not JSON, or none of them is there).
-pub fn without_ignored(body: &[u8], pointers: &[String]) -> Option<Vec<u8>> {
+pub(crate) fn without_ignored(body: &[u8], pointers: &[String]) -> Option<Vec<u8>> {
     if pointers.is_empty() {
         return None;
     }

@@ -55,7 +55,7 @@ pub const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// Until when the answer's key has its result replayed (an HTTP-date).
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
 
-pub struct Ingress {
+pub(crate) struct Ingress {
     /// What is served: each request reads it once, when it arrives (its route's configuration
     /// and runtime together), and is served by that snapshot to its end.
     config: Arc<Live>,
@@ -80,7 +80,7 @@ pub struct Ingress {
 }
 
 /// What an [`Ingress`] is built on: the parts of the broker it shares with the others.
-pub struct Parts {
+pub(crate) struct Parts {
     pub config: Arc<Live>,
     pub records: Records,
     /// The worker it hands executions to; its shutdown comes with it.
@@ -95,7 +95,7 @@ pub struct Parts {
 }
 
 impl Ingress {
-    pub fn new(parts: Parts) -> Ingress {
+    pub(crate) fn new(parts: Parts) -> Ingress {
         let Parts { config, records, worker, upstream, bodies, health, switches, clock, replay_cache_bytes } = parts;
         Ingress {
             stopping: worker.stopping(),
@@ -121,7 +121,7 @@ mod mcp;
 mod outcomes;
 
 mod plain;
-pub mod prefer;
+pub(crate) mod prefer;
 pub(crate) mod reader;
 mod reading;
 mod replays;
@@ -129,10 +129,11 @@ mod requests;
 
 use answers::{http_date, Answer};
 use reading::{deadline, read_body, stored_headers};
-pub use replays::{ByteWeight, Replay, Replays};
+pub use replays::Replay;
+pub(crate) use replays::Replays;
 use requests::{cancel_request, list_routes, show_request};
 
-pub fn router(ingress: Arc<Ingress>) -> Router {
+pub(crate) fn router(ingress: Arc<Ingress>) -> Router {
     Router::new()
         .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
         .route("/_idem/routes", get(list_routes))

@@ -15,7 +15,7 @@ use crate::runtime::Live;
 use crate::store::{Store, StoreError};
 
 #[derive(Clone)]
-pub struct Records {
+pub(crate) struct Records {
     store: Arc<dyn Store>,
     /// The configuration in force: each route's retention, as configured now.
     config: Arc<Live>,
@@ -23,34 +23,34 @@ pub struct Records {
 }
 
 impl Records {
-    pub fn new(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) -> Records {
+    pub(crate) fn new(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) -> Records {
         Records { store, config, clock }
     }
 
     /// The record of `tenant`'s `key`, unless it is a done record past its retention that the
     /// sweep has not removed yet: that one is read as gone.
-    pub async fn live(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+    pub(crate) async fn live(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         Ok(self.store.lookup(tenant, key).await?.filter(|record| !self.expired(record)))
     }
 
-    pub async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
+    pub(crate) async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         self.store.get(id).await
     }
 
     /// Asks the store to announce `id`'s settlement, should another node settle it.
-    pub async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
+    pub(crate) async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
         self.store.watch(id).await
     }
 
     /// How long a route's done records live, as configured now; a route no longer configured
     /// keeps the store's retention.
-    pub fn lifetime(&self, route: &RouteName) -> Lifetime {
+    pub(crate) fn lifetime(&self, route: &RouteName) -> Lifetime {
         self.config.current().lifetime_of(route)
     }
 
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
     /// yet swept. The same request is refused, never executed again (docs/agents.md).
-    pub fn spent(&self, record: &Record) -> Option<Problem> {
+    pub(crate) fn spent(&self, record: &Record) -> Option<Problem> {
         let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
         let status = record.response.as_ref().map(|r| r.status);
         spent.then(|| Problem::result_expired(status, &record.updated_at.rfc3339()).state(State::Done))

@@ -17,7 +17,7 @@ use crate::record::StoredResponse;
 /// Answers of `done` records, kept in memory. A done record never changes until retention
 /// deletes it — on every node alike — so its answer can be replayed without reading the
 /// database, provided the entry expires no later than the record does.
-pub struct Replays {
+pub(crate) struct Replays {
     cache: quick_cache::sync::Cache<Entry, Arc<Replay>, ByteWeight>,
 }
 
@@ -82,7 +82,7 @@ impl Replay {
 }
 
 #[derive(Clone)]
-pub struct ByteWeight;
+pub(crate) struct ByteWeight;
 
 /// What the allocator adds to each block it hands out: its header, and rounding to 16 bytes.
 const PER_ALLOCATION: usize = 24;
@@ -110,7 +110,7 @@ impl quick_cache::Weighter<Entry, Arc<Replay>> for ByteWeight {
 
 impl Replays {
     /// At most `bytes` of answers are kept; the least recently useful go first.
-    pub fn new(bytes: u64) -> Replays {
+    pub(crate) fn new(bytes: u64) -> Replays {
         Replays { cache: quick_cache::sync::Cache::with_weighter(16 * 1024, bytes, ByteWeight) }
     }
 

@@ -14,7 +14,7 @@ use crate::problem::Problem;
 /// body's, or the last of a stored event stream), its `result` unchanged but for the replay
 /// mark in `result._meta`. An operator's settlement may also be a bare `CallToolResult`.
 /// `None` when the stored body holds no JSON-RPC response: the HTTP answer is replayed as it is.
-pub fn replayed(body: &[u8], event_stream: bool, id: &Value) -> Option<Value> {
+pub(crate) fn replayed(body: &[u8], event_stream: bool, id: &Value) -> Option<Value> {
     let messages = match event_stream {
         true => sse::messages(body),
         false => vec![serde_json::from_slice::<Value>(body).ok()?],
@@ -44,7 +44,7 @@ pub fn replayed(body: &[u8], event_stream: bool, id: &Value) -> Option<Value> {
 
 /// The record a call's answer names, for an operator and for the agent's log.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordRef {
+pub(crate) struct RecordRef {
     pub key: IdempotencyKey,
     /// The record's id, when it could be read.
     pub id: Option<RecordId>,
@@ -65,7 +65,7 @@ impl RecordRef {
 /// The answer for a call whose outcome is `unknown`: a tool result with `isError`, whose text
 /// tells the model the effect may have happened and not to repeat it blindly, and whose
 /// structured content names the record an operator settles.
-pub fn unknown(id: &Value, record: &RecordRef) -> Value {
+pub(crate) fn unknown(id: &Value, record: &RecordRef) -> Value {
     let text = format!(
         "The outcome of this tool call is unknown: it may have taken effect, or not. Do not call the tool \
          again to find out, and do not repeat it with a new idempotency key: an operator settles record {} \
@@ -88,7 +88,7 @@ pub fn unknown(id: &Value, record: &RecordRef) -> Value {
 }
 
 /// The JSON-RPC error for a problem the broker answered a recorded call with.
-pub fn problem(id: &Value, problem: &Problem, record: Option<&RecordRef>) -> Value {
+pub(crate) fn problem(id: &Value, problem: &Problem, record: Option<&RecordRef>) -> Value {
     let code = match problem.name {
         "idempotency-key-reused" => codes::KEY_REUSED,
         "request-in-progress" => codes::IN_PROGRESS,
@@ -132,7 +132,7 @@ pub fn problem(id: &Value, problem: &Problem, record: Option<&RecordRef>) -> Val
 /// The message that ends a call's event stream cut after its first byte, in place of the
 /// broker's `idem-error` event (whose problem document is `problem`): the call's outcome is
 /// `unknown` when its tool is not replay-safe; else its key is free again, a retryable error.
-pub fn cut(id: &Value, problem: &Value, record: &RecordRef, replay_safe: bool) -> Value {
+pub(crate) fn cut(id: &Value, problem: &Value, record: &RecordRef, replay_safe: bool) -> Value {
     if !replay_safe {
         return unknown(id, record);
     }
@@ -150,7 +150,7 @@ pub fn cut(id: &Value, problem: &Value, record: &RecordRef, replay_safe: bool) -
 }
 
 /// A JSON-RPC error response.
-pub fn error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Value {
+pub(crate) fn error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Value {
     let mut error = json!({"code": code, "message": message});
     if let Some(data) = data {
         error["data"] = data;
@@ -160,7 +160,7 @@ pub fn error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Value
 
 /// Adds `capabilities.tools.idempotency` to an `initialize` result, when the server offers
 /// tools at all; true if it did.
-pub fn with_idempotency(message: &mut Value) -> bool {
+pub(crate) fn with_idempotency(message: &mut Value) -> bool {
     let tools = message.get_mut("result").and_then(|r| r.get_mut("capabilities")).and_then(|c| c.get_mut("tools"));
     match tools {
         Some(Value::Object(tools)) => {

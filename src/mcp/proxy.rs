@@ -22,7 +22,7 @@ use crate::upstream::{self, Head, Outbound, Upstream};
 
 /// What the broker looks at in an answer passing through.
 #[derive(Clone)]
-pub struct Watch {
+pub(crate) struct Watch {
     pub route: String,
     /// The request's session: its tools are learned or forgotten.
     pub session: String,
@@ -61,7 +61,7 @@ impl Watch {
 
 /// Sends a request upstream as it came and passes its answer back as it arrives.
 /// `headers` are the request's as they go upstream (the client's address among them).
-pub async fn pass(
+pub(crate) async fn pass(
     upstream: &Upstream,
     route: &Route,
     parts: &http::request::Parts,
@@ -183,7 +183,7 @@ fn pass_events(events: &mut Events, watch: &Watch, part: &[u8]) -> Vec<u8> {
 }
 
 /// A JSON-RPC message the broker answers with itself, as `application/json`.
-pub fn json_answer(status: StatusCode, message: &Value) -> Response {
+pub(crate) fn json_answer(status: StatusCode, message: &Value) -> Response {
     let mut response = Response::new(Body::from(message.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -11,7 +11,7 @@ const MAX_EVENT: usize = 4 * 1024 * 1024;
 
 /// Splits a stream's bytes into whole events (each with the blank line that ends it).
 #[derive(Default)]
-pub struct Events {
+pub(crate) struct Events {
     pending: Vec<u8>,
     /// Bytes still to pass unread, until the end of an event too long to read.
     skipping: bool,
@@ -22,14 +22,14 @@ pub struct Events {
 
 /// A piece of the stream: a whole event to read, or bytes to pass on as they are.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Piece {
+pub(crate) enum Piece {
     Event(Vec<u8>),
     Raw(Vec<u8>),
 }
 
 impl Events {
     /// The pieces that `bytes` completes.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<Piece> {
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> Vec<Piece> {
         self.pending.extend_from_slice(bytes);
         let mut pieces = Vec::new();
         // A blank line may straddle the parts: search again from a few bytes back.
@@ -48,7 +48,7 @@ impl Events {
     }
 
     /// What is left at the stream's end: an unfinished event, passed on as it is.
-    pub fn rest(&mut self) -> Option<Vec<u8>> {
+    pub(crate) fn rest(&mut self) -> Option<Vec<u8>> {
         (!self.pending.is_empty()).then(|| std::mem::take(&mut self.pending))
     }
 }
@@ -71,7 +71,7 @@ fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// The JSON-RPC message an event carries: its `data` lines joined, parsed as JSON.
-pub fn message(event: &[u8]) -> Option<Value> {
+pub(crate) fn message(event: &[u8]) -> Option<Value> {
     let mut data = Vec::new();
     for line in lines(event) {
         let value = match line.strip_prefix(b"data:") {
@@ -87,7 +87,7 @@ pub fn message(event: &[u8]) -> Option<Value> {
 }
 
 /// The event with its data replaced by `message`; its other fields (`id`, `event`) kept.
-pub fn with_message(event: &[u8], message: &Value) -> Vec<u8> {
+pub(crate) fn with_message(event: &[u8], message: &Value) -> Vec<u8> {
     let mut out = Vec::with_capacity(event.len() + 64);
     let mut data_written = false;
     for line in lines(event) {
@@ -108,17 +108,17 @@ pub fn with_message(event: &[u8], message: &Value) -> Vec<u8> {
 }
 
 /// An event of the broker's own: `event: idem-error`, which ends a cut stream (docs/concepts.md).
-pub fn is_broker_error(event: &[u8]) -> bool {
+pub(crate) fn is_broker_error(event: &[u8]) -> bool {
     lines(event).any(|line| line == b"event: idem-error" || line == b"event:idem-error")
 }
 
 /// A message as an event of its own.
-pub fn event(message: &Value) -> Vec<u8> {
+pub(crate) fn event(message: &Value) -> Vec<u8> {
     format!("event: message\ndata: {message}\n\n").into_bytes()
 }
 
 /// Every message of a whole stream, in order.
-pub fn messages(stream: &[u8]) -> Vec<Value> {
+pub(crate) fn messages(stream: &[u8]) -> Vec<Value> {
     let mut events = Events::default();
     let mut pieces = events.push(stream);
     pieces.extend(events.rest().map(Piece::Event));

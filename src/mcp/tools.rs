@@ -11,7 +11,7 @@ use crate::config::{Route, ToolRule};
 
 /// What a tool's annotations say, as far as recording goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Annotations {
+pub(crate) struct Annotations {
     /// `readOnlyHint: true`: the tool changes nothing, and its calls need no record.
     pub read_only: bool,
     /// `idempotentHint: true`: calling it again with the same arguments changes nothing more.
@@ -36,7 +36,7 @@ impl Annotations {
 
 /// What becomes of a call to a tool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ToolClass {
+pub(crate) enum ToolClass {
     /// Passed through unrecorded: a read-only tool, or one the operator says is not recorded.
     PassThrough,
     /// Recorded; `replay_safe` says whether an attempt that may have executed is sent again.
@@ -47,7 +47,7 @@ pub enum ToolClass {
 /// (its session never listed tools through the broker, or listed them before a
 /// `notifications/tools/list_changed`) is recorded and not replay-safe: the side that can never
 /// execute a call twice.
-pub fn classify(rule: Option<ToolRule>, annotations: Option<Annotations>) -> ToolClass {
+pub(crate) fn classify(rule: Option<ToolRule>, annotations: Option<Annotations>) -> ToolClass {
     let rule = rule.unwrap_or_default();
     let annotations = annotations.unwrap_or_default();
     match rule.recorded.unwrap_or(!annotations.read_only) {
@@ -62,14 +62,14 @@ const MAX_SESSIONS: usize = 10_000;
 
 /// Tools per session, as their `tools/list` answers passed through the broker.
 #[derive(Default)]
-pub struct Catalog {
+pub(crate) struct Catalog {
     /// By route and `Mcp-Session-Id` (empty for a server that assigns none).
     sessions: Mutex<HashMap<(String, String), HashMap<String, Annotations>>>,
 }
 
 impl Catalog {
     /// Learns the tools of a `tools/list` result (one page of it: pages add up).
-    pub fn learn(&self, route: &str, session: &str, result: &Value) {
+    pub(crate) fn learn(&self, route: &str, session: &str, result: &Value) {
         let Some(tools) = result.get("tools").and_then(Value::as_array) else { return };
         let mut sessions = lock(&self.sessions);
         let id = (route.to_string(), session.to_string());
@@ -83,12 +83,12 @@ impl Catalog {
 
     /// Forgets a session's tools: they changed (`notifications/tools/list_changed`), or the
     /// session ended.
-    pub fn forget(&self, route: &str, session: &str) {
+    pub(crate) fn forget(&self, route: &str, session: &str) {
         lock(&self.sessions).remove(&(route.to_string(), session.to_string()));
     }
 
     /// What becomes of a call to `tool` in `session` on `route`.
-    pub fn class(&self, route: &Route, session: &str, tool: &str) -> ToolClass {
+    pub(crate) fn class(&self, route: &Route, session: &str, tool: &str) -> ToolClass {
         let rule = route.mcp.as_ref().and_then(|mcp| mcp.tools.get(tool)).copied();
         let annotations = {
             let sessions = lock(&self.sessions);

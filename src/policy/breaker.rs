@@ -45,7 +45,7 @@ impl BreakerState {
 }
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     settings: BreakerSettings,
     state: BreakerState,
     consecutive_failures: u32,
@@ -60,11 +60,11 @@ pub struct Breaker {
 
 impl Breaker {
     /// What it was built with: a reload keeps a breaker, and its state, while these hold.
-    pub fn settings(&self) -> BreakerSettings {
+    pub(crate) fn settings(&self) -> BreakerSettings {
         self.settings
     }
 
-    pub fn new(settings: BreakerSettings) -> Breaker {
+    pub(crate) fn new(settings: BreakerSettings) -> Breaker {
         Breaker {
             settings,
             state: BreakerState::Closed,
@@ -76,7 +76,7 @@ impl Breaker {
         }
     }
 
-    pub fn state(&mut self, now: Instant) -> BreakerState {
+    pub(crate) fn state(&mut self, now: Instant) -> BreakerState {
         if self.state == BreakerState::Open && self.open_until.is_some_and(|t| now >= t) {
             self.state = BreakerState::HalfOpen;
             self.trials_in_flight = 0;
@@ -86,7 +86,7 @@ impl Breaker {
 
     /// May a new request go to the upstream? In half-open, only `trials` at a time.
     /// `Err` carries how long until it may be asked again.
-    pub fn admit(&mut self, now: Instant) -> Result<(), Duration> {
+    pub(crate) fn admit(&mut self, now: Instant) -> Result<(), Duration> {
         match self.state(now) {
             BreakerState::Closed => Ok(()),
             BreakerState::Open => Err(self.open_until.map(|t| t - now).unwrap_or(self.settings.open_for)),
@@ -107,12 +107,12 @@ impl Breaker {
     }
 
     /// Is the circuit open right now (for a retry between attempts)?
-    pub fn is_open(&mut self, now: Instant) -> bool {
+    pub(crate) fn is_open(&mut self, now: Instant) -> bool {
         self.state(now) == BreakerState::Open
     }
 
     /// The logical outcome of a request that was admitted.
-    pub fn record(&mut self, success: bool, now: Instant) {
+    pub(crate) fn record(&mut self, success: bool, now: Instant) {
         let state = self.state(now);
         if state == BreakerState::HalfOpen {
             self.trials_in_flight = self.trials_in_flight.saturating_sub(1);

@@ -12,7 +12,7 @@ const BUCKETS: usize = 10;
 const BUCKET: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
-pub struct RetryBudget {
+pub(crate) struct RetryBudget {
     ratio: f64,
     min_per_sec: f64,
     /// (first attempts, retries) per one-second bucket, a ring indexed by second modulo BUCKETS.
@@ -23,7 +23,7 @@ pub struct RetryBudget {
 }
 
 impl RetryBudget {
-    pub fn new(ratio: f64, min_per_sec: f64, now: Instant) -> RetryBudget {
+    pub(crate) fn new(ratio: f64, min_per_sec: f64, now: Instant) -> RetryBudget {
         RetryBudget { ratio, min_per_sec, buckets: [(0, 0); BUCKETS], newest: 0, origin: now }
     }
 
@@ -41,13 +41,13 @@ impl RetryBudget {
     }
 
     /// A first attempt: earns `ratio` of a retry.
-    pub fn deposit(&mut self, now: Instant) {
+    pub(crate) fn deposit(&mut self, now: Instant) {
         let i = self.advance(now);
         self.buckets[i].0 += 1;
     }
 
     /// Takes one retry from the budget if it allows one.
-    pub fn try_withdraw(&mut self, now: Instant) -> bool {
+    pub(crate) fn try_withdraw(&mut self, now: Instant) -> bool {
         let allowed = self.allows(now);
         if allowed {
             self.withdraw(now);
@@ -56,7 +56,7 @@ impl RetryBudget {
     }
 
     /// Whether one more retry fits in the window that ends at `now`.
-    pub fn allows(&mut self, now: Instant) -> bool {
+    pub(crate) fn allows(&mut self, now: Instant) -> bool {
         self.advance(now);
         let window = self.window();
         (window.retries + 1) as f64 <= window.allowed
@@ -69,19 +69,19 @@ impl RetryBudget {
 
     /// The window as of the last deposit or withdrawal: first attempts, retries and what the
     /// retries may reach.
-    pub fn window(&self) -> Window {
+    pub(crate) fn window(&self) -> Window {
         let (firsts, retries) = self.buckets.iter().fold((0u64, 0u64), |(f, r), (bf, br)| (f + bf, r + br));
         Window { firsts, retries, allowed: self.min_per_sec * BUCKETS as f64 + self.ratio * firsts as f64 }
     }
 
     /// The window as of `now`.
-    pub fn window_at(&mut self, now: Instant) -> Window {
+    pub(crate) fn window_at(&mut self, now: Instant) -> Window {
         self.advance(now);
         self.window()
     }
 
     /// The budget's settings: its ratio and its floor per second.
-    pub fn limits(&self) -> (f64, f64) {
+    pub(crate) fn limits(&self) -> (f64, f64) {
         (self.ratio, self.min_per_sec)
     }
 }
@@ -107,7 +107,7 @@ impl Charge for RetryBudget {
 
 /// A budget's sliding window: what its first attempts earned and its retries spent.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Window {
+pub(crate) struct Window {
     pub firsts: u64,
     pub retries: u64,
     /// Retries the window allows: the floor plus the ratio's share of the first attempts.
@@ -116,7 +116,7 @@ pub struct Window {
 
 /// Charges one retry to every budget it must fit, or to none: the first budget (in the order
 /// given) with no retry left is named, and nothing is taken from the others.
-pub fn withdraw_from_all(budgets: &mut [(BudgetScope, &mut RetryBudget)], now: Instant) -> Result<(), BudgetScope> {
+pub(crate) fn withdraw_from_all(budgets: &mut [(BudgetScope, &mut RetryBudget)], now: Instant) -> Result<(), BudgetScope> {
     for (scope, budget) in budgets.iter_mut() {
         if !budget.allows(now) {
             return Err(*scope);

@@ -10,7 +10,7 @@ use crate::domain::BudgetScope;
 
 /// What an execution has learned so far that the policy's next decisions depend on.
 #[derive(Debug, Clone, Default)]
-pub struct Execution {
+pub(crate) struct Execution {
     /// Attempts of this execution, including any an earlier worker made before a take-over:
     /// they count against `max_attempts`, as the deadline they spent does.
     made: u32,
@@ -24,7 +24,7 @@ pub struct Execution {
 
 /// What is known when an attempt ends.
 #[derive(Debug, Clone, Copy)]
-pub struct Ended {
+pub(crate) struct Ended {
     pub observed: Observed,
     /// The upstream's `Retry-After`, parsed; only from a response that arrived within the limit.
     pub retry_after: Option<Duration>,
@@ -38,19 +38,19 @@ pub struct Ended {
 
 impl Execution {
     /// An execution that starts with `made` attempts already spent on the same deadline.
-    pub fn resumed(made: u32) -> Execution {
+    pub(crate) fn resumed(made: u32) -> Execution {
         Execution { made, ..Execution::default() }
     }
 
-    pub fn attempts(&self) -> u32 {
+    pub(crate) fn attempts(&self) -> u32 {
         self.made
     }
 
-    pub fn last(&self) -> Option<Class> {
+    pub(crate) fn last(&self) -> Option<Class> {
         self.last
     }
 
-    pub fn previous_wait(&self) -> Option<Duration> {
+    pub(crate) fn previous_wait(&self) -> Option<Duration> {
         self.previous_wait
     }
 
@@ -59,7 +59,7 @@ impl Execution {
     /// spent deadline is reported as such. The operator's switches, set since the last decision,
     /// stop it too: an isolated route sends nothing more (stopping as an open circuit does), and
     /// with retries off only a first attempt starts.
-    pub fn next_attempt(
+    pub(crate) fn next_attempt(
         &self,
         policy: &RetryPolicy,
         elapsed: Duration,
@@ -80,14 +80,14 @@ impl Execution {
     }
 
     /// The attempt is about to be sent: from here on it counts. Returns how many have been made.
-    pub fn sending(&mut self) -> u32 {
+    pub(crate) fn sending(&mut self) -> u32 {
         self.made += 1;
         self.made
     }
 
     /// The attempt ended: classifies what it produced and asks the policy what follows. `draw`
     /// is called only when a wait is computed, `take_budget` only when a retry would happen.
-    pub fn ended(
+    pub(crate) fn ended(
         &mut self,
         policy: &RetryPolicy,
         replay_safe: bool,
@@ -117,12 +117,12 @@ impl Execution {
     }
 
     /// A wait before the next attempt is over (or, after a take-over, known to have been owed).
-    pub fn waited(&mut self, wait: Duration) {
+    pub(crate) fn waited(&mut self, wait: Duration) {
         self.previous_wait = Some(wait);
     }
 
     /// Where the record lands when execution stops for `stop`.
-    pub fn settle(&self, stop: StopReason, replay_safe: bool) -> Settlement {
+    pub(crate) fn settle(&self, stop: StopReason, replay_safe: bool) -> Settlement {
         super::settle(stop, self.last, self.any_ambiguous, replay_safe)
     }
 }

@@ -12,12 +12,12 @@ mod pace;
 mod sides;
 mod version;
 
-pub use breaker::{Breaker, BreakerSettings, BreakerState};
-pub use budget::{withdraw_from_all, Charge, RetryBudget, Window as BudgetWindow};
-pub use execution::{Ended, Execution};
-pub use pace::{outcome_eta, Pending, RoutePace};
-pub use sides::{in_canary, stop_reason as canary_stop_reason, CanarySide, CanaryStop, Cohort};
-pub use version::Effective;
+pub(crate) use breaker::{Breaker, BreakerSettings, BreakerState};
+pub(crate) use budget::{withdraw_from_all, Charge, RetryBudget};
+pub(crate) use execution::{Ended, Execution};
+pub(crate) use pace::{outcome_eta, Pending, RoutePace};
+pub(crate) use sides::{in_canary, stop_reason as canary_stop_reason, CanarySide, CanaryStop, Cohort};
+pub(crate) use version::Effective;
 
 use crate::domain::{AttemptError, BudgetScope, Class, StopReason};
 
@@ -252,7 +252,7 @@ pub enum Settlement {
 /// Decides the record's fate from why execution stopped and what the attempts showed.
 /// `last` is the class of the last attempt, if one ran; `any_ambiguous` says whether any attempt
 /// of this execution may have executed.
-pub fn settle(stop: StopReason, last: Option<Class>, any_ambiguous: bool, replay_safe: bool) -> Settlement {
+pub(crate) fn settle(stop: StopReason, last: Option<Class>, any_ambiguous: bool, replay_safe: bool) -> Settlement {
     match stop {
         StopReason::Success | StopReason::FinalResponse => Settlement::Done,
         StopReason::UnsafeReplay => Settlement::Unknown,

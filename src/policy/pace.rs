@@ -34,7 +34,7 @@ impl RoutePace {
 
 /// Where a record that is not settled yet stands, as far as its timing goes.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Pending {
+pub(crate) struct Pending {
     pub now: Timestamp,
     /// The attempt in flight started then.
     pub in_flight_since: Option<Timestamp>,
@@ -59,7 +59,7 @@ const SOONEST: Duration = Duration::from_millis(50);
 ///   upstream is slow); never past the attempt's limit, when it ends whatever the upstream does;
 /// - a record waiting to retry is expected after its next attempt, at the typical pace;
 /// - never past the deadline, by which time there is an outcome whatever happens.
-pub fn outcome_eta(pending: Pending, pace: Option<RoutePace>) -> Duration {
+pub(crate) fn outcome_eta(pending: Pending, pace: Option<RoutePace>) -> Duration {
     let RoutePace { typical, slowest } = pace.unwrap_or(RoutePace { typical: UNSEEN, slowest: UNSEEN });
     let now = pending.now;
     let at = match (pending.in_flight_since, pending.next_attempt_at) {

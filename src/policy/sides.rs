@@ -20,7 +20,7 @@ pub struct CanaryStop {
 /// `percent`. The bucket is a digest of the route and those names, so it is the same on every
 /// node, across restarts, and whatever the candidate policy is: changing the candidate does not
 /// reshuffle, and widening the slice only adds to it.
-pub fn in_canary(route: &str, tenant: &str, key: Option<&str>, percent: f64) -> bool {
+pub(crate) fn in_canary(route: &str, tenant: &str, key: Option<&str>, percent: f64) -> bool {
     let mut digest = Sha256::new().chain_update(route).chain_update([0]).chain_update(tenant);
     if let Some(key) = key {
         digest = digest.chain_update([0]).chain_update(key);
@@ -33,13 +33,13 @@ pub fn in_canary(route: &str, tenant: &str, key: Option<&str>, percent: f64) -> 
 
 /// The two sides of a canary: the route's own policy, and the one on trial.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CanarySide {
+pub(crate) enum CanarySide {
     Control,
     Canary,
 }
 
 impl CanarySide {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             CanarySide::Control => "control",
             CanarySide::Canary => "canary",
@@ -68,7 +68,7 @@ impl Cohort {
 
 /// Why the canary should stop now, or `None` while it may go on. A condition is judged only once
 /// the sides it compares have each seen `min_requests`.
-pub fn stop_reason(stop: &CanaryStop, control: Cohort, canary: Cohort) -> Option<String> {
+pub(crate) fn stop_reason(stop: &CanaryStop, control: Cohort, canary: Cohort) -> Option<String> {
     if canary.requests < stop.min_requests {
         return None;
     }

@@ -22,11 +22,11 @@ use crate::domain::PolicyVersion;
 const DIGITS: usize = 12;
 
 /// `[routes.retry] stream_idle_timeout` when it is not set.
-pub const STREAM_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+pub(super) const STREAM_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
 
 /// The values that decide a record's attempts, borrowed from wherever they are configured.
 #[derive(Debug, Clone, Copy)]
-pub struct Effective<'a> {
+pub(crate) struct Effective<'a> {
     pub retry: &'a RetryPolicy,
     pub replay_safe: bool,
     /// The header that tells the upstream each attempt's milliseconds, if any.
@@ -35,7 +35,7 @@ pub struct Effective<'a> {
 }
 
 impl Effective<'_> {
-    pub fn version(&self) -> PolicyVersion {
+    pub(crate) fn version(&self) -> PolicyVersion {
         let digest = Sha256::digest(self.canonical().as_bytes());
         PolicyVersion::from(&hex::encode(digest)[..DIGITS])
     }

@@ -10,11 +10,11 @@
 mod budgets;
 mod live;
 mod route;
-pub use budgets::BudgetView;
+pub(crate) use budgets::BudgetView;
 pub(crate) use budgets::Charges;
 use budgets::{SharedBudget, TenantBudgets};
 pub use live::Live;
-pub use route::ServedRoute;
+pub(crate) use route::ServedRoute;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 /// A driver's error, kept as the source of a [`StoreError`]. Shared, because one failed commit
 /// answers every write of its batch with the same error.
-pub type Cause = Arc<dyn Error + Send + Sync>;
+pub(super) type Cause = Arc<dyn Error + Send + Sync>;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

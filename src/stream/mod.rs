@@ -9,20 +9,20 @@ use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::HeaderMap;
 
-pub mod tap;
+pub(crate) mod tap;
 
-pub use tap::{End, Next, Reader, Tap};
+pub(crate) use tap::{End, Next, Reader, Tap};
 
 /// Answers up to this long, with their length announced, are read whole before the client sees
 /// them: waiting for a few kilobytes costs less than passing them on part by part.
-pub const BUFFERED_MAX: u64 = 64 * 1024;
+pub(crate) const BUFFERED_MAX: u64 = 64 * 1024;
 
 /// How far the upstream is read ahead of the slowest reader once an answer is past storing.
-pub const WINDOW: u64 = 256 * 1024;
+pub(crate) const WINDOW: u64 = 256 * 1024;
 
 /// Is this answer passed to the client as it arrives? Server-sent events always; any other body
 /// without an announced length (chunked), or longer than [`BUFFERED_MAX`].
-pub fn is_streamed(headers: &HeaderMap) -> bool {
+pub(crate) fn is_streamed(headers: &HeaderMap) -> bool {
     if is_event_stream(headers) {
         return true;
     }
@@ -33,7 +33,7 @@ pub fn is_streamed(headers: &HeaderMap) -> bool {
 }
 
 /// `text/event-stream`, whatever its parameters and case.
-pub fn is_event_stream(headers: &HeaderMap) -> bool {
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -43,7 +43,7 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
 
 /// The event a server-sent-events client reads last when its stream is cut: `idem-error`, whose
 /// data is the problem document, one `data:` line per line of it.
-pub fn error_event(problem: &str) -> Bytes {
+pub(crate) fn error_event(problem: &str) -> Bytes {
     let mut event = String::from("event: idem-error\n");
     for line in problem.lines() {
         event.push_str("data: ");
@@ -58,12 +58,12 @@ pub fn error_event(problem: &str) -> Bytes {
 /// ended as though it were whole.
 #[derive(Debug, thiserror::Error)]
 #[error("the upstream's stream was cut")]
-pub struct StreamCut;
+pub(crate) struct StreamCut;
 
 /// The body a client is sent from `reader`: every part as it comes; at a cut, the `idem-error`
 /// event for server-sent events, then an error that aborts the response (chunked encoding
 /// without its last chunk), so no client takes a partial body for a whole one.
-pub fn client_body(reader: Reader, event_stream: bool) -> Body {
+pub(crate) fn client_body(reader: Reader, event_stream: bool) -> Body {
     enum Step {
         Reading(Reader),
         Failing,
@@ -94,7 +94,7 @@ async fn cut_after_flush() -> StreamCut {
 }
 
 /// The problem text a cut carries, shared by every reader of the tap.
-pub fn cut(problem: String) -> End {
+pub(crate) fn cut(problem: String) -> End {
     End::Cut(Arc::from(problem))
 }
 

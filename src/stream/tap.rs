@@ -25,7 +25,7 @@ pub enum End {
     Cut(Arc<str>),
 }
 
-pub struct Tap {
+pub(crate) struct Tap {
     inner: Mutex<Inner>,
     /// Bumped on every part and at the end: readers wait on it.
     grown: watch::Sender<u64>,
@@ -70,7 +70,7 @@ impl Inner {
 impl Tap {
     /// A tap for one answer whose body is kept whole while within `max_stored` bytes, and read
     /// at most `window` bytes ahead of its slowest reader past that.
-    pub fn new(max_stored: u64, window: u64) -> Arc<Tap> {
+    pub(crate) fn new(max_stored: u64, window: u64) -> Arc<Tap> {
         Arc::new(Tap {
             inner: Mutex::new(Inner {
                 parts: VecDeque::new(),
@@ -96,7 +96,7 @@ impl Tap {
 
     /// Adds the next part of the body. Past `max_stored`, waits first while the readers lag more
     /// than the window behind.
-    pub async fn push(&self, part: Bytes) {
+    pub(crate) async fn push(&self, part: Bytes) {
         if part.is_empty() {
             return;
         }
@@ -122,18 +122,18 @@ impl Tap {
     }
 
     /// Ends the stream; later pushes are ignored by readers.
-    pub fn finish(&self, end: End) {
+    pub(crate) fn finish(&self, end: End) {
         self.lock().end.get_or_insert(end);
         self.grown.send_modify(|n| *n += 1);
     }
 
     /// Bytes received from the upstream so far.
-    pub fn received(&self) -> u64 {
+    pub(crate) fn received(&self) -> u64 {
         self.lock().received
     }
 
     /// The whole body, if it ended within `max_stored` bytes: what the record stores.
-    pub fn body(&self) -> Option<Bytes> {
+    pub(crate) fn body(&self) -> Option<Bytes> {
         let inner = self.lock();
         if !inner.stored(self.max_stored) {
             return None;
@@ -145,7 +145,7 @@ impl Tap {
 
     /// A reader from the first byte, while the body is still whole (within `max_stored`);
     /// `None` once it is not, as nobody could then be given the same bytes.
-    pub fn attach(self: &Arc<Self>) -> Option<Reader> {
+    pub(crate) fn attach(self: &Arc<Self>) -> Option<Reader> {
         let mut inner = self.lock();
         if !inner.stored(self.max_stored) || inner.first != 0 {
             return None;

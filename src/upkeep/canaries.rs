@@ -29,10 +29,10 @@ const LOOK_EVERY: Duration = Duration::from_secs(5);
 const WINDOW: Duration = Duration::from_secs(3600);
 
 /// Who a canary's own stop is recorded as, in the switch's audit trail.
-pub const ACTOR: &str = "idem canary";
+pub(crate) const ACTOR: &str = "idem canary";
 
 /// Watches the canaries of the configuration in force until `turns` end.
-pub async fn watch(
+pub(crate) async fn watch(
     store: Arc<dyn Store>,
     live: Arc<Live>,
     switches: Arc<Switches>,

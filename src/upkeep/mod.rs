@@ -29,22 +29,26 @@ pub(crate) mod reload;
 mod takeover;
 pub(crate) mod tally;
 
-pub use probes::{probe_backoff, probe_once, probes};
-pub use takeover::{after_lease_expiry, take_overs, Sweeper};
+#[cfg(feature = "test-support")]
+pub use probes::probe_once;
+pub(crate) use probes::probes;
+#[cfg(feature = "test-support")]
+pub use takeover::{after_lease_expiry, Sweeper};
+pub(crate) use takeover::take_overs;
 
 const SWEEP_BATCH: u32 = 1000;
 /// Records read (and acted on) at once by a take-over or probe pass.
 const BATCH: u32 = 64;
 
 /// How often the retention sweep runs: a tenth of the retention, between 1 s and 1 min.
-pub fn sweep_interval(retention: Duration) -> Duration {
+pub(crate) fn sweep_interval(retention: Duration) -> Duration {
     (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60))
 }
 
 /// What the sweep does at `now`: each route's done records past its retention become tombstones
 /// (or go, when the route keeps none); those of routes no longer configured go after the store's
 /// retention.
-pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
+pub(crate) fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
     let routes = config
         .routes
         .iter()
@@ -58,7 +62,7 @@ pub fn sweep_plan(config: &Config, now: Timestamp) -> SweepPlan {
 }
 
 /// Sweeps by the configuration in force at each pass, and paces itself by it, until `turns` end.
-pub async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock, mut turns: Turns) {
+pub(crate) async fn retention_sweep(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock, mut turns: Turns) {
     loop {
         let config = config.current();
         let plan = sweep_plan(&config, clock.now());

@@ -17,14 +17,14 @@ use crate::upstream::{Outbound, Upstream};
 use crate::worker::Worker;
 
 /// The wait before probe `n + 1` of a record: `settle` doubled per probe, at most 5 minutes.
-pub fn probe_backoff(settle: Duration, probes: u32) -> Duration {
+pub(crate) fn probe_backoff(settle: Duration, probes: u32) -> Duration {
     let factor = 1u32.checked_shl(probes.min(16)).unwrap_or(u32::MAX);
     settle.saturating_mul(factor).min(Duration::from_secs(300))
 }
 
 /// Probes the upstream about `unknown` records of routes that declare how, as the configuration
 /// in force at each pass declares it, until `turns` end.
-pub async fn probes(
+pub(crate) async fn probes(
     store: Arc<dyn Store>,
     upstream: Upstream,
     config: Arc<Live>,

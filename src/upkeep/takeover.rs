@@ -38,7 +38,7 @@ pub fn after_lease_expiry(record: &Record, route: Option<&Route>, now: Timestamp
 
 /// Takes over what dead workers left, and claims orphaned queued records, every `every`, until
 /// `turns` end.
-pub async fn take_overs(
+pub(crate) async fn take_overs(
     store: Arc<dyn Store>,
     worker: Worker,
     config: Arc<Live>,

@@ -13,13 +13,13 @@ use crate::runtime::{Live, Snapshot};
 use crate::store::{AddAnswerCounts, Store, StoreError};
 
 /// How often counts go to the store: the resolution of the replay and 409 series.
-pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// Counters older than this are deleted: the longest window `/admin/stats` shows.
-pub const KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
+pub(crate) const KEEP: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// Adds what was counted to the store (and forgets counters older than [`KEEP`]). When the
 /// store refuses, the counts are kept for the next flush. `now` is the second they count in.
-pub async fn flush(snapshot: &Snapshot, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
+pub(crate) async fn flush(snapshot: &Snapshot, store: &dyn Store, now: Timestamp) -> Result<(), StoreError> {
     let counts = snapshot.take_answer_counts(now);
     if counts.is_empty() {
         return Ok(());
@@ -32,7 +32,7 @@ pub async fn flush(snapshot: &Snapshot, store: &dyn Store, now: Timestamp) -> Re
 }
 
 /// Flushes every [`FLUSH_EVERY`] until `turns` end (shutdown flushes a last time).
-pub async fn flush_every_second(live: Arc<Live>, store: Arc<dyn Store>, clock: SharedClock, mut turns: Turns) {
+pub(crate) async fn flush_every_second(live: Arc<Live>, store: Arc<dyn Store>, clock: SharedClock, mut turns: Turns) {
     let mut ticks = tokio::time::interval(FLUSH_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while turns.next(ticks.tick()).await.is_some() {

@@ -19,7 +19,7 @@ const FORWARDED: &str = "forwarded";
 /// `headers` (the request's, as forwarded upstream) with the forwarding headers set for a
 /// request from `origin`. With forwarding off they are left as the client sent them; a request
 /// with no origin (made in-process, never through a listener) has the client's removed.
-pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, config: &Forwarding) {
+pub(crate) fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, config: &Forwarding) {
     if !config.enabled {
         return;
     }
@@ -60,7 +60,7 @@ pub fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, con
 /// The client's address, as the access log names it: the first address a trusted proxy in
 /// front of Idem forwarded for (`X-Forwarded-For`, or `Forwarded`'s first `for=`), or the
 /// peer's own when it is no trusted proxy (or forwarding is off). Read only when written.
-pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: &Forwarding) -> ClientAddress {
+pub(crate) fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: &Forwarding) -> ClientAddress {
     let peer = origin.peer.ip().to_canonical();
     let trusted = config.enabled && config.trusted_proxies.iter().any(|net| net.contains(&peer));
     let forwarded = trusted.then(|| (headers.get(FOR).cloned(), headers.get(FORWARDED).cloned()));
@@ -68,7 +68,7 @@ pub fn client_address(headers: &axum::http::HeaderMap, origin: &Origin, config: 
 }
 
 /// See [`client_address`].
-pub struct ClientAddress {
+pub(crate) struct ClientAddress {
     peer: IpAddr,
     /// A trusted proxy's `X-Forwarded-For` and `Forwarded`, as it sent them.
     forwarded: Option<(Option<axum::http::HeaderValue>, Option<axum::http::HeaderValue>)>,

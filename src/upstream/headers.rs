@@ -12,7 +12,7 @@ use crate::record::{header_bytes, header_text};
 /// The request headers to send upstream (and to store, so a retry or take-over sends the same).
 /// The client's credentials and cookies are never forwarded nor stored; the Idempotency-Key goes
 /// along only when the route says so.
-pub fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool) -> Vec<(String, String)> {
+pub(crate) fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool) -> Vec<(String, String)> {
     let listed = connection_listed(headers);
     headers
         .iter()
@@ -28,7 +28,7 @@ pub fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool) -> Ve
 }
 
 /// The response headers to store and return: everything end-to-end.
-pub fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+pub(crate) fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, String)> {
     let listed = connection_listed(headers);
     headers
         .iter()
@@ -69,7 +69,7 @@ pub fn to_header_map(pairs: &[(String, String)]) -> HeaderMap {
 /// attempt=<n>`. An upstream that keeps the highest claim it has seen per key can refuse an
 /// attempt of an older claim that arrives late (docs/guarantees.md). Added at the send, never
 /// stored.
-pub fn tell_attempt(
+pub(crate) fn tell_attempt(
     headers: &mut HeaderMap,
     name: Option<&HeaderName>,
     record: crate::domain::RecordId,
@@ -84,7 +84,7 @@ pub fn tell_attempt(
 
 /// Puts an attempt's limit, in whole milliseconds, in the route's deadline header: added at the
 /// send like the credentials, never stored, since every attempt has a limit of its own.
-pub fn tell_deadline(headers: &mut HeaderMap, name: Option<&HeaderName>, limit: Duration) {
+pub(crate) fn tell_deadline(headers: &mut HeaderMap, name: Option<&HeaderName>, limit: Duration) {
     if let Some(name) = name {
         let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
         headers.insert(name.clone(), HeaderValue::from(ms));
@@ -94,7 +94,7 @@ pub fn tell_deadline(headers: &mut HeaderMap, name: Option<&HeaderName>, limit: 
 /// The time a client gives its request in the route's deadline header: whole milliseconds, as
 /// ASCII digits. Anything else (a sign, a fraction, several values) is not understood and is
 /// ignored, so a client's typo never shortens its deadline to nothing.
-pub fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) -> Option<Duration> {
+pub(crate) fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) -> Option<Duration> {
     let mut values = headers.get_all(name?).iter();
     let value = values.next()?;
     if values.next().is_some() {

@@ -35,13 +35,12 @@ pub struct Upstream {
 
 type Client = hyper_util::client::legacy::Client<TimedConnect<HttpsConnector<HttpConnector>>, Outgoing>;
 
-pub mod forwarded;
+pub(crate) mod forwarded;
 mod gate;
 mod headers;
-pub use forwarded::forward;
-pub use headers::{
-    client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline, to_header_map,
-};
+pub(crate) use forwarded::forward;
+pub use headers::to_header_map;
+pub(crate) use headers::{client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline};
 
 use gate::{Outgoing, TimedConnect};
 

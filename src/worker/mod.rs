@@ -160,7 +160,7 @@ mod unrecorded;
 mod waiters;
 mod waits;
 
-pub use crate::runtime::{Refusal, Slot};
+pub(crate) use crate::runtime::{Refusal, Slot};
 use admission::Start;
 pub use admission::{Admit, Admitted, Request};
 use credentials::HeldCredentials;

@@ -17,12 +17,12 @@ use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, Arrival, ClaimToken, Phase, RecordId, Timestamp};
 use idem::record::{Record, StoredRequest};
-use idem::runtime::Live;
+use idem::test_support::Live;
 use idem::store::{Admission, Admit, NewRecord, Store};
-use idem::switches::Switches;
-use idem::upkeep::{probe_once, Sweeper};
-use idem::upstream::Upstream as Client;
-use idem::worker::{self, Admitted, Outcome, Parts, Settled, Told, Worker};
+use idem::test_support::Switches;
+use idem::test_support::upkeep::{probe_once, Sweeper};
+use idem::test_support::Upstream as Client;
+use idem::test_support::worker::{self, Admitted, Outcome, Parts, Settled, Told, Worker};
 
 /// The lease every node trusts and renews. A minute of the manual clock, so no lease runs out
 /// but when the test moves the clock; its renewals come every 20 s of tokio's time, after
@@ -393,7 +393,7 @@ async fn a_renewal_that_hangs_never_holds_back_the_attempt_it_serves(b: Backend)
 /// retry its 503 asked for goes under a new claim, as the upstream can see.
 async fn a_renewal_that_fails_mid_attempt_ends_the_claim_after_that_attempt(b: Backend) {
     // The process's metrics recorder, installed before anything is counted.
-    let metrics = idem::metrics::handle();
+    let metrics = idem::test_support::metrics_handle();
     let cluster = Cluster::new(b, "", SHORT_LEASE).await;
     let node = cluster.node("node").await;
     let gate = Gate::closed();

@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::mutate::{edits, mutated};
 use idem::domain::key::{IdempotencyKey, KeyError, MAX_LEN};
-use idem::ingress::prefer::{Prefer, MAX_WAIT_SECS};
-use idem::policy::{parse_retry_after, MAX_RETRY_AFTER};
+use idem::test_support::{Prefer, MAX_WAIT_SECS};
+use idem::test_support::{parse_retry_after, MAX_RETRY_AFTER};
 use proptest::prelude::*;
 
 // ---- Idempotency-Key --------------------------------------------------------------------------
@@ -280,7 +280,7 @@ proptest! {
     /// No body panics the reader; a refusal is one of the three codes documented.
     #[test]
     fn the_json_rpc_reader_never_panics_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
-        if let Err(refused) = idem::mcp::message::read(&bytes) {
+        if let Err(refused) = idem::test_support::read_mcp_message(&bytes) {
             prop_assert!([-32700, -32600, -32602].contains(&refused.code), "{refused:?}");
         }
         let _ = idem::record::tool_called(&bytes);
@@ -290,8 +290,8 @@ proptest! {
     /// with the request's id whenever it reads one, so that the client can match it.
     #[test]
     fn a_tool_call_is_read_as_sent_and_its_mutations_never_panic(call in tool_call(), edits in edits()) {
-        match idem::mcp::message::read(call.as_bytes()) {
-            Ok(idem::mcp::Incoming::ToolCall(read)) => {
+        match idem::test_support::read_mcp_message(call.as_bytes()) {
+            Ok(idem::test_support::Incoming::ToolCall(read)) => {
                 let sent: serde_json::Value = serde_json::from_str(&call).unwrap();
                 prop_assert_eq!(&read.tool, &sent["params"]["name"]);
                 prop_assert_eq!(&read.id, &sent["id"]);
@@ -300,7 +300,7 @@ proptest! {
             other => prop_assert!(false, "{call}: {other:?}"),
         }
         let mutated = mutated(call.as_bytes(), &edits);
-        if let Err(refused) = idem::mcp::message::read(&mutated) {
+        if let Err(refused) = idem::test_support::read_mcp_message(&mutated) {
             prop_assert!([-32700, -32600, -32602].contains(&refused.code), "{refused:?}");
         }
     }

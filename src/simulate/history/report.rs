@@ -78,7 +78,7 @@ fn draws_text(c: &Comparison) -> String {
     c.draws.values().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
 }
 
-pub fn human(c: &Comparison) -> String {
+pub(super) fn human(c: &Comparison) -> String {
     let mut out = String::new();
     let replayed = c.recorded.requests;
     let l = &c.left_out;
@@ -204,7 +204,7 @@ fn replayed(r: &Replayed) -> Value {
     })
 }
 
-pub fn json(c: &Comparison) -> Value {
+pub(super) fn json(c: &Comparison) -> Value {
     let mut candidate = replayed(&c.candidate);
     if let Value::Object(fields) = &mut candidate {
         fields.insert("file".into(), c.source.candidate_file.clone().into());

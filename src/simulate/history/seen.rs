@@ -13,7 +13,7 @@ use crate::simulate::{Outcome, Scripted, Upstream};
 
 /// One recorded attempt: when it started after the request's arrival, and what it met.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Seen {
+pub(super) struct Seen {
     pub start: Duration,
     pub outcome: Outcome,
     /// No answer came within its limit: what would have come later is unknown.
@@ -83,7 +83,7 @@ impl Unobserved {
 
 /// The request's recorded attempts as a script. A request cancelled by its caller carries the
 /// cancel on its last attempt, where the worker heard it.
-pub fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: bool) -> Vec<Seen> {
+pub(super) fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: bool) -> Vec<Seen> {
     let last = attempts.len().saturating_sub(1);
     attempts
         .iter()
@@ -124,7 +124,7 @@ fn outcome(after: Duration, result: Scripted, retry_after: Option<Duration>, can
 }
 
 /// A recorded request's attempts as the simulator's upstream, counting what it had to assume.
-pub struct History<'a> {
+pub(super) struct History<'a> {
     pub seen: &'a [Seen],
     pub assume: Assume,
     pub unobserved: &'a mut Unobserved,

@@ -175,7 +175,7 @@ pub(super) async fn a_record_whose_worker_keeps_dying_is_stopped_at_the_take_ove
         let expired = store.expired_leases(until + ms(1), 10).await.unwrap();
         let seen = expired.iter().find(|r| r.id == record.id).expect("its lease expired");
         assert_eq!(seen.takeovers, round);
-        let to = idem::upkeep::after_lease_expiry(seen, Some(&route), until + ms(1), MAX_TAKEOVERS);
+        let to = idem::test_support::upkeep::after_lease_expiry(seen, Some(&route), until + ms(1), MAX_TAKEOVERS);
         let note = entry(&format!("node-{}", round + 1), HistoryAction::TakeOver(Phase::Unknown), until + ms(1));
         let lost = attempt(round + 1, now + ms(1), "lost", None);
         assert!(store
