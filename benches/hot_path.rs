@@ -9,9 +9,9 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{RecordId, RouteName, Timestamp};
+use idem::record::StoredResponse;
 use idem::test_support::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
 use idem::test_support::{SHOULD_RETRY_HEADER, STATUS_HEADER};
-use idem::record::StoredResponse;
 use sha2::{Digest, Sha256};
 
 fn json_body(approx_bytes: usize) -> Vec<u8> {

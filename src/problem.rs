@@ -22,7 +22,7 @@ const OUTCOME_UNKNOWN: &str = "outcome-unknown";
 const STORE_UNAVAILABLE: &str = "store-unavailable";
 
 #[derive(Debug, Clone)]
-pub struct Problem {
+pub(crate) struct Problem {
     pub status: StatusCode,
     pub name: &'static str,
     pub title: &'static str,
@@ -44,7 +44,12 @@ pub struct Problem {
 }
 
 impl Problem {
-    pub fn new(status: StatusCode, name: &'static str, title: &'static str, detail: impl Into<String>) -> Problem {
+    pub(crate) fn new(
+        status: StatusCode,
+        name: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Problem {
         Problem {
             status,
             name,
@@ -58,33 +63,33 @@ impl Problem {
         }
     }
 
-    pub fn retry_after(self, seconds: u64) -> Problem {
+    pub(crate) fn retry_after(self, seconds: u64) -> Problem {
         self.retry_after_ms(seconds.max(1) * 1000)
     }
 
-    pub fn retry_after_ms(mut self, ms: u64) -> Problem {
+    pub(crate) fn retry_after_ms(mut self, ms: u64) -> Problem {
         self.retry_after_ms = Some(ms);
         self
     }
 
     /// Names the key the answer is for, and so the record a client can poll.
-    pub fn for_key(mut self, key: &str) -> Problem {
+    pub(crate) fn for_key(mut self, key: &str) -> Problem {
         self.idempotency_key = Some(key.into());
         self
     }
 
     /// Sending the same request again later may succeed.
-    pub fn retryable(mut self) -> Problem {
+    pub(crate) fn retryable(mut self) -> Problem {
         self.retryable = true;
         self
     }
 
-    pub fn state(mut self, state: State) -> Problem {
+    pub(crate) fn state(mut self, state: State) -> Problem {
         self.idempotency_status = Some(state);
         self
     }
 
-    pub fn missing_key() -> Problem {
+    pub(crate) fn missing_key() -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "missing-idempotency-key",
@@ -94,7 +99,7 @@ impl Problem {
         )
     }
 
-    pub fn missing_key_source(missing: &crate::domain::key::MissingSource) -> Problem {
+    pub(crate) fn missing_key_source(missing: &crate::domain::key::MissingSource) -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "missing-idempotency-key",
@@ -106,7 +111,7 @@ impl Problem {
         )
     }
 
-    pub fn invalid_key(why: &str) -> Problem {
+    pub(crate) fn invalid_key(why: &str) -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "invalid-idempotency-key",
@@ -115,7 +120,7 @@ impl Problem {
         )
     }
 
-    pub fn invalid_path(why: &crate::domain::path::InvalidPath) -> Problem {
+    pub(crate) fn invalid_path(why: &crate::domain::path::InvalidPath) -> Problem {
         Problem::new(
             StatusCode::BAD_REQUEST,
             "invalid-path",
@@ -124,7 +129,7 @@ impl Problem {
         )
     }
 
-    pub fn too_large(limit: usize) -> Problem {
+    pub(crate) fn too_large(limit: usize) -> Problem {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload-too-large",
@@ -133,7 +138,7 @@ impl Problem {
         )
     }
 
-    pub fn unauthorized() -> Problem {
+    pub(crate) fn unauthorized() -> Problem {
         Problem::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
@@ -142,7 +147,7 @@ impl Problem {
         )
     }
 
-    pub fn no_route(path: &str) -> Problem {
+    pub(crate) fn no_route(path: &str) -> Problem {
         Problem::new(
             StatusCode::NOT_FOUND,
             "no-route",
@@ -151,7 +156,7 @@ impl Problem {
         )
     }
 
-    pub fn in_progress(retry_after: std::time::Duration) -> Problem {
+    pub(crate) fn in_progress(retry_after: std::time::Duration) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "request-in-progress",
@@ -163,7 +168,7 @@ impl Problem {
         .retryable()
     }
 
-    pub fn key_reused() -> Problem {
+    pub(crate) fn key_reused() -> Problem {
         Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "idempotency-key-reused",
@@ -173,7 +178,7 @@ impl Problem {
         )
     }
 
-    pub fn result_expired(status: Option<u16>, completed_at: &str) -> Problem {
+    pub(crate) fn result_expired(status: Option<u16>, completed_at: &str) -> Problem {
         let said = status.map_or("an answer".to_string(), |s| format!("status {s}"));
         let mut problem = Problem::new(
             StatusCode::GONE,
@@ -190,7 +195,7 @@ impl Problem {
         problem
     }
 
-    pub fn outcome_unknown() -> Problem {
+    pub(crate) fn outcome_unknown() -> Problem {
         Problem::new(
             StatusCode::BAD_GATEWAY,
             OUTCOME_UNKNOWN,
@@ -202,16 +207,16 @@ impl Problem {
     }
 
     /// Whether this says the store could not be asked.
-    pub fn is_store_unavailable(&self) -> bool {
+    pub(crate) fn is_store_unavailable(&self) -> bool {
         self.name == STORE_UNAVAILABLE
     }
 
     /// Whether this says the upstream may or may not have executed the request.
-    pub fn is_outcome_unknown(&self) -> bool {
+    pub(crate) fn is_outcome_unknown(&self) -> bool {
         self.name == OUTCOME_UNKNOWN
     }
 
-    pub fn upstream_unavailable(reason: &str) -> Problem {
+    pub(crate) fn upstream_unavailable(reason: &str) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "upstream-unavailable",
@@ -225,7 +230,7 @@ impl Problem {
 
     /// A streamed answer that ended short after its first byte reached the client (docs/concepts.md):
     /// `why` says what ended it; `replay_safe` decides what became of the key.
-    pub fn stream_cut(why: &str, replay_safe: bool) -> Problem {
+    pub(crate) fn stream_cut(why: &str, replay_safe: bool) -> Problem {
         let then = if replay_safe {
             "The route is replay-safe, so the key is free: send it again with the same key and it will be \
              executed afresh."
@@ -242,7 +247,7 @@ impl Problem {
     }
 
     /// A duplicate of a done request whose streamed answer was longer than the route stores.
-    pub fn response_not_stored() -> Problem {
+    pub(crate) fn response_not_stored() -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "response-not-stored",
@@ -254,7 +259,7 @@ impl Problem {
         .state(State::Done)
     }
 
-    pub fn deadline_exceeded() -> Problem {
+    pub(crate) fn deadline_exceeded() -> Problem {
         Problem::new(
             StatusCode::GATEWAY_TIMEOUT,
             "deadline-exceeded",
@@ -264,7 +269,7 @@ impl Problem {
         )
     }
 
-    pub fn cancelled() -> Problem {
+    pub(crate) fn cancelled() -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "request-cancelled",
@@ -274,7 +279,7 @@ impl Problem {
         )
     }
 
-    pub fn not_cancellable(state: State) -> Problem {
+    pub(crate) fn not_cancellable(state: State) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "request-not-cancellable",
@@ -284,7 +289,7 @@ impl Problem {
         .state(state)
     }
 
-    pub fn overloaded() -> Problem {
+    pub(crate) fn overloaded() -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "overloaded",
@@ -296,7 +301,7 @@ impl Problem {
         .retryable()
     }
 
-    pub fn buffers_full() -> Problem {
+    pub(crate) fn buffers_full() -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "overloaded",
@@ -308,7 +313,7 @@ impl Problem {
         .retryable()
     }
 
-    pub fn request_timeout() -> Problem {
+    pub(crate) fn request_timeout() -> Problem {
         Problem::new(
             StatusCode::REQUEST_TIMEOUT,
             "request-timeout",
@@ -319,7 +324,7 @@ impl Problem {
         )
     }
 
-    pub fn circuit_open(retry_after: u64) -> Problem {
+    pub(crate) fn circuit_open(retry_after: u64) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "circuit-open",
@@ -331,7 +336,7 @@ impl Problem {
         .retryable()
     }
 
-    pub fn not_found() -> Problem {
+    pub(crate) fn not_found() -> Problem {
         Problem::new(
             StatusCode::NOT_FOUND,
             "request-not-found",
@@ -344,7 +349,7 @@ impl Problem {
     /// out; a record another request or an operator changed first is answered by sending the
     /// request again; a record that cannot be read back is an operator's to look at, and no
     /// retry will help. In each, nothing was sent upstream by this request.
-    pub fn store(e: &StoreError) -> Problem {
+    pub(crate) fn store(e: &StoreError) -> Problem {
         e.log("a request was refused: the store failed");
         match e {
             StoreError::Unavailable(_) | StoreError::Failed { .. } => Problem::new(
@@ -376,12 +381,12 @@ impl Problem {
         }
     }
 
-    pub fn bad_request(name: &'static str, detail: impl Into<String>) -> Problem {
+    pub(crate) fn bad_request(name: &'static str, detail: impl Into<String>) -> Problem {
         Problem::new(StatusCode::BAD_REQUEST, name, "Bad request", detail)
     }
 
     /// The same problem, told with a detail that fits where it arose.
-    pub fn with_detail(mut self, detail: impl Into<String>) -> Problem {
+    pub(crate) fn with_detail(mut self, detail: impl Into<String>) -> Problem {
         self.detail = detail.into();
         self
     }
@@ -389,7 +394,7 @@ impl Problem {
 
 impl Problem {
     /// The problem document (RFC 9457), as sent.
-    pub fn document(&self) -> String {
+    pub(crate) fn document(&self) -> String {
         let mut body = json!({
             "type": format!("urn:idem:problem:{}", self.name),
             "title": self.title,

@@ -38,7 +38,7 @@ pub mod cli;
 mod config;
 pub mod health;
 mod series;
-pub mod stats;
+pub(crate) mod stats;
 mod switches;
 mod tables;
 

@@ -52,7 +52,12 @@ impl RouteSeries {
 
 /// Sorts the store's rows into a series per route of `routes` (rows of other routes are left
 /// out). `now` is when the queue's depth of the last step is read.
-pub(super) fn assemble(span: &StatsSpan, now: Timestamp, routes: &[&str], rows: &StatsRows) -> Vec<(String, RouteSeries)> {
+pub(super) fn assemble(
+    span: &StatsSpan,
+    now: Timestamp,
+    routes: &[&str],
+    rows: &StatsRows,
+) -> Vec<(String, RouteSeries)> {
     let points = span.points() as usize;
     let mut series: Vec<(String, RouteSeries)> =
         routes.iter().map(|r| (r.to_string(), RouteSeries::new(points))).collect();

@@ -19,17 +19,17 @@ use crate::runtime::BudgetView;
 use crate::store::stats::StatsSpan;
 
 /// The longest window: the answer counters are kept this long.
-pub const MAX_WINDOW: Duration = crate::upkeep::tally::KEEP;
-pub const MIN_STEP: Duration = Duration::from_secs(1);
+pub(crate) const MAX_WINDOW: Duration = crate::upkeep::tally::KEEP;
+pub(crate) const MIN_STEP: Duration = Duration::from_secs(1);
 /// Points per series at most: more than a chart can show, and each is a group in the query.
-pub const MAX_POINTS: u64 = 1000;
+pub(crate) const MAX_POINTS: u64 = 1000;
 const DEFAULT_WINDOW: Duration = Duration::from_secs(3600);
 /// Without a step, the window is cut into about this many.
 const DEFAULT_POINTS: u64 = 360;
 
 /// A query parameter that cannot be honoured, and why; the answer names it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BadStatsQuery {
+pub(crate) enum BadStatsQuery {
     #[error("`window` {0}")]
     Window(String),
     #[error("`step` {0}")]
@@ -37,7 +37,7 @@ pub enum BadStatsQuery {
 }
 
 impl BadStatsQuery {
-    pub fn problem(&self) -> Problem {
+    pub(crate) fn problem(&self) -> Problem {
         let name = match self {
             BadStatsQuery::Window(_) => "invalid-window",
             BadStatsQuery::Step(_) => "invalid-step",
@@ -49,7 +49,7 @@ impl BadStatsQuery {
 /// A window and a step that can be drawn: the step a whole number of seconds, at least
 /// [`MIN_STEP`]; the window at most [`MAX_WINDOW`] and at most [`MAX_POINTS`] steps long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Resolution {
+pub(crate) struct Resolution {
     window: Duration,
     step: Duration,
 }
@@ -60,7 +60,7 @@ fn duration(text: &str) -> Result<Duration, String> {
 }
 
 impl Resolution {
-    pub fn parse(window: Option<&str>, step: Option<&str>) -> Result<Resolution, BadStatsQuery> {
+    pub(crate) fn parse(window: Option<&str>, step: Option<&str>) -> Result<Resolution, BadStatsQuery> {
         let window = match window.filter(|w| !w.trim().is_empty()) {
             None => DEFAULT_WINDOW,
             Some(text) => duration(text).map_err(BadStatsQuery::Window)?,
@@ -93,7 +93,7 @@ impl Resolution {
 
     /// The span to query at `now`: whole steps aligned on multiples of the step, the last one
     /// holding `now` (and still filling).
-    pub fn span(&self, now: Timestamp, route: Option<RouteName>) -> StatsSpan {
+    pub(crate) fn span(&self, now: Timestamp, route: Option<RouteName>) -> StatsSpan {
         let step = self.step.as_secs() as i64 * 1000;
         let end = (now.as_millis().div_euclid(step) + 1) * step;
         let start = end - points(self.window, self.step) as i64 * step;

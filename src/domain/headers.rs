@@ -21,9 +21,9 @@ pub(crate) const CLIENT_ONLY: [&str; 4] = ["authorization", "cookie", "host", "p
 
 /// Is this a header the broker or the connection already sets or strips, which a header of the
 /// route's own (the deadline it tells the upstream) would clash with?
-pub fn is_reserved(name: &str) -> bool {
+pub(crate) fn is_reserved(name: &str) -> bool {
     HOP_BY_HOP.contains(&name) || CLIENT_ONLY.contains(&name) || name == "content-type" || name == super::key::HEADER
 }
 
 /// The header an attempt carries its claim in unless its route names another (docs/guarantees.md).
-pub const ATTEMPT_HEADER: &str = "idem-attempt";
+pub(crate) const ATTEMPT_HEADER: &str = "idem-attempt";

@@ -7,13 +7,13 @@
 
 mod answer;
 pub mod fingerprint;
-pub mod headers;
+pub(crate) mod headers;
 mod history;
 mod ids;
 pub mod key;
 mod origin;
 mod outcome;
-pub mod path;
+pub(crate) mod path;
 mod state;
 pub mod switch;
 mod time;

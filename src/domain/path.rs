@@ -21,7 +21,7 @@ pub enum InvalidPath {
 /// Refuses a path with a dot-segment in any spelling that some parser on the way resolves:
 /// `..`, `.`, `%2e%2E`, `.%2e`; one hidden behind an encoded or back slash (`%2e%2e%2f`,
 /// `..\`); and one followed by a matrix parameter (`..;x`), which servlet containers strip.
-pub fn check(path: &str) -> Result<(), InvalidPath> {
+pub(crate) fn check(path: &str) -> Result<(), InvalidPath> {
     if path.split('/').any(segment_may_climb) {
         return Err(InvalidPath::DotSegment);
     }
@@ -44,7 +44,7 @@ fn segment_may_climb(segment: &str) -> bool {
 /// replaced by its own path (without its trailing slash) followed by `path`, and the query set.
 /// Refused if the URL's path is not then exactly that: the HTTP client would send something
 /// other than what was matched and recorded.
-pub fn upstream_url(base: &url::Url, path: &str, query: &str) -> Result<url::Url, InvalidPath> {
+pub(crate) fn upstream_url(base: &url::Url, path: &str, query: &str) -> Result<url::Url, InvalidPath> {
     let base_path = base.path().trim_end_matches('/');
     let mut url = base.clone();
     url.set_path(&format!("{base_path}{path}"));

@@ -15,7 +15,12 @@ use crate::domain::Tenant;
 /// The key of a request without one: a digest of the route, the tenant and each source's
 /// canonical value (a header's bytes; a JSON value with its object keys sorted), so that the same
 /// tool call with re-serialised arguments gets the same key, and two tenants never share one.
-pub(crate) fn key(route: &Route, tenant: &Tenant, headers: &HeaderMap, body: &[u8]) -> Result<IdempotencyKey, MissingSource> {
+pub(crate) fn key(
+    route: &Route,
+    tenant: &Tenant,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<IdempotencyKey, MissingSource> {
     let missing = |source: &KeySource| MissingSource(source.to_string());
     let document = || serde_json::from_slice::<Value>(body).ok();
     let mut parsed: Option<Option<Value>> = None;

@@ -116,7 +116,10 @@ pub(crate) struct Window {
 
 /// Charges one retry to every budget it must fit, or to none: the first budget (in the order
 /// given) with no retry left is named, and nothing is taken from the others.
-pub(crate) fn withdraw_from_all(budgets: &mut [(BudgetScope, &mut RetryBudget)], now: Instant) -> Result<(), BudgetScope> {
+pub(crate) fn withdraw_from_all(
+    budgets: &mut [(BudgetScope, &mut RetryBudget)],
+    now: Instant,
+) -> Result<(), BudgetScope> {
     for (scope, budget) in budgets.iter_mut() {
         if !budget.allows(now) {
             return Err(*scope);

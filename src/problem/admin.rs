@@ -8,7 +8,7 @@ use super::Problem;
 use crate::domain::State;
 
 impl Problem {
-    pub fn admin_unauthorized() -> Problem {
+    pub(crate) fn admin_unauthorized() -> Problem {
         Problem::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
@@ -18,7 +18,7 @@ impl Problem {
     }
 
     /// `/readyz` while the store cannot be trusted with a request.
-    pub fn not_ready(why: &dyn std::fmt::Display) -> Problem {
+    pub(crate) fn not_ready(why: &dyn std::fmt::Display) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "not-ready",
@@ -31,7 +31,7 @@ impl Problem {
 
     /// The node is leaving (SIGTERM): it still answers, but a load balancer should send new
     /// requests elsewhere before its listeners close.
-    pub fn draining(closes_in: std::time::Duration) -> Problem {
+    pub(crate) fn draining(closes_in: std::time::Duration) -> Problem {
         Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "draining",
@@ -45,7 +45,7 @@ impl Problem {
 
     /// An operator's action that the record's state does not allow: only `unknown` records are
     /// resolved or retried. `action` is the participle ("resolved", "retried").
-    pub fn invalid_transition(state: State, action: &str) -> Problem {
+    pub(crate) fn invalid_transition(state: State, action: &str) -> Problem {
         let why = match state {
             State::Done => "it is done: its response is final and replayed to every duplicate",
             State::InProgress => "it is in progress: wait for its outcome (or cancel it)",
@@ -63,7 +63,7 @@ impl Problem {
 
     /// An operator's `not_executed` or retry of an `unknown` record while an attempt marked under
     /// it may still reach the upstream (docs/guarantees.md). `action` is the participle.
-    pub fn attempt_in_flight(action: &str, left: std::time::Duration) -> Problem {
+    pub(crate) fn attempt_in_flight(action: &str, left: std::time::Duration) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "attempt-in-flight",
@@ -81,7 +81,7 @@ impl Problem {
     }
 
     /// A retry of a record whose route the configuration in force no longer has.
-    pub fn route_gone(route: &str) -> Problem {
+    pub(crate) fn route_gone(route: &str) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "route-gone",
@@ -90,7 +90,7 @@ impl Problem {
         )
     }
 
-    pub fn route_not_found(route: &str) -> Problem {
+    pub(crate) fn route_not_found(route: &str) -> Problem {
         Problem::new(
             StatusCode::NOT_FOUND,
             "route-not-found",
@@ -99,12 +99,12 @@ impl Problem {
         )
     }
 
-    pub fn switch_not_found() -> Problem {
+    pub(crate) fn switch_not_found() -> Problem {
         Problem::new(StatusCode::NOT_FOUND, "switch-not-found", "No such switch", "No switch has this id.")
     }
 
     /// A clear of a switch that is no longer on; `status` is what it is instead.
-    pub fn switch_not_active(status: &str) -> Problem {
+    pub(crate) fn switch_not_active(status: &str) -> Problem {
         Problem::new(
             StatusCode::CONFLICT,
             "switch-not-active",
@@ -114,20 +114,20 @@ impl Problem {
     }
 
     /// A switch request refused: 422, naming the field (also as the document's `field` member).
-    pub fn invalid_switch(field: &str, detail: impl Into<String>) -> Problem {
+    pub(crate) fn invalid_switch(field: &str, detail: impl Into<String>) -> Problem {
         let mut problem = Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid-switch", "Invalid switch", detail);
         problem.extensions.push(("field", json!(field)));
         problem
     }
 
     /// A reload asked of a broker started without a file to read again.
-    pub fn reload_unavailable(detail: impl Into<String>) -> Problem {
+    pub(crate) fn reload_unavailable(detail: impl Into<String>) -> Problem {
         Problem::new(StatusCode::CONFLICT, "reload-unavailable", "Nothing to reload", detail)
     }
 
     /// A configuration a reload refused whole: 422, naming the key at fault (also as the
     /// document's `key` member) when there is one.
-    pub fn config_refused(detail: impl Into<String>, key: Option<&str>) -> Problem {
+    pub(crate) fn config_refused(detail: impl Into<String>, key: Option<&str>) -> Problem {
         let mut problem =
             Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "config-refused", "Configuration refused", detail);
         if let Some(key) = key {

@@ -21,7 +21,7 @@ mod health;
 mod listing;
 mod names;
 mod opening;
-pub mod postgres;
+pub(crate) mod postgres;
 pub mod protocol;
 pub mod recorded;
 mod rows;

@@ -32,9 +32,9 @@ pub(crate) mod tally;
 #[cfg(feature = "test-support")]
 pub use probes::probe_once;
 pub(crate) use probes::probes;
+pub(crate) use takeover::take_overs;
 #[cfg(feature = "test-support")]
 pub use takeover::{after_lease_expiry, Sweeper};
-pub(crate) use takeover::take_overs;
 
 const SWEEP_BATCH: u32 = 1000;
 /// Records read (and acted on) at once by a take-over or probe pass.

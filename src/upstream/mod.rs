@@ -40,7 +40,9 @@ mod gate;
 mod headers;
 pub(crate) use forwarded::forward;
 pub use headers::to_header_map;
-pub(crate) use headers::{client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline};
+pub(crate) use headers::{
+    client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline,
+};
 
 use gate::{Outgoing, TimedConnect};
 

@@ -17,12 +17,12 @@ use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, Arrival, ClaimToken, Phase, RecordId, Timestamp};
 use idem::record::{Record, StoredRequest};
-use idem::test_support::Live;
 use idem::store::{Admission, Admit, NewRecord, Store};
-use idem::test_support::Switches;
 use idem::test_support::upkeep::{probe_once, Sweeper};
-use idem::test_support::Upstream as Client;
 use idem::test_support::worker::{self, Admitted, Outcome, Parts, Settled, Told, Worker};
+use idem::test_support::Live;
+use idem::test_support::Switches;
+use idem::test_support::Upstream as Client;
 
 /// The lease every node trusts and renews. A minute of the manual clock, so no lease runs out
 /// but when the test moves the clock; its renewals come every 20 s of tokio's time, after

@@ -6,8 +6,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::mutate::{edits, mutated};
 use idem::domain::key::{IdempotencyKey, KeyError, MAX_LEN};
-use idem::test_support::{Prefer, MAX_WAIT_SECS};
 use idem::test_support::{parse_retry_after, MAX_RETRY_AFTER};
+use idem::test_support::{Prefer, MAX_WAIT_SECS};
 use proptest::prelude::*;
 
 // ---- Idempotency-Key --------------------------------------------------------------------------

@@ -50,7 +50,7 @@ use self::admissions::Admissions;
 use self::hosts::Hosts;
 use self::outcomes::Outcomes;
 use self::primary::{Found, Primary};
-pub use self::replication::inspect;
+pub(crate) use self::replication::inspect;
 use self::rows::{get, COLUMNS};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
@@ -74,7 +74,7 @@ const MAX_CONNECTIONS: u32 = 16;
 const NOTICE_BACKLOG: usize = 1024;
 /// How long a health check may wait for the server, within the health check's own bound.
 const PING_WITHIN: Duration = Duration::from_millis(800);
-pub struct PostgresStore {
+pub(crate) struct PostgresStore {
     pool: PgPool,
     /// The server it writes to, among the hosts its URL names: the pool connects there, and
     /// follows a failover to the new primary.
@@ -97,7 +97,7 @@ impl PostgresStore {
     /// listening for changes made by other processes. Leases are kept in `clock`: the server's
     /// ([`LeaseClock::Database`]) but for tests that hold time still. Its sessions commit as
     /// `sync` says.
-    pub async fn open(url: &str, sync: Durability, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
+    pub(crate) async fn open(url: &str, sync: Durability, clock: LeaseClock) -> Result<PostgresStore, StoreError> {
         let primary = Primary::connect(session(url, sync)?).await?;
         let pool = primary.pool().clone();
         let store = stored_protocol(&pool).await?;
@@ -136,7 +136,7 @@ fn options(url: &str) -> Result<Hosts, StoreError> {
 
 /// Whether `url` is a store URL this store can connect with, one host or several
 /// (docs/high-availability.md), changing nothing: `idem check`.
-pub fn check_url(url: &str) -> Result<(), String> {
+pub(crate) fn check_url(url: &str) -> Result<(), String> {
     match Hosts::parse(url) {
         Ok(_) => Ok(()),
         Err(StoreError::Unavailable(why)) => Err(why),
@@ -179,7 +179,7 @@ async fn durability_in_force(pool: &PgPool, sync: Durability) -> Result<Durabili
 /// protocol waits for every lease of the older one to end, and raises the bound of every record
 /// whose attempt may be on its way to at least `reach` from now, in the server's clock: the
 /// older protocol may have cut one short (docs/operations.md#upgrading).
-pub async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
+pub(crate) async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
     let (_, primary) = options(url)?.pick().await?;
     let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
     let from = stored_protocol(&pool).await?;
@@ -220,7 +220,7 @@ fn migrations() -> sqlx::migrate::Migrator {
 
 /// The protocol the database at `url` speaks, its migrations and this build's, changing nothing:
 /// `idem migrate --status`.
-pub async fn status(url: &str) -> Result<protocol::Status, StoreError> {
+pub(crate) async fn status(url: &str) -> Result<protocol::Status, StoreError> {
     let (_, primary) = options(url)?.pick().await?;
     let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
     let status = status_on(&pool).await;

@@ -56,7 +56,7 @@ impl Replication {
 /// What `idem check --connect` finds at `url`, changing nothing: the host that serves it and
 /// that server's timeline and start, the store's protocol and migrations, and what a failover
 /// may lose there (docs/high-availability.md).
-pub async fn inspect(url: &str) -> Result<crate::store::Inspection, StoreError> {
+pub(crate) async fn inspect(url: &str) -> Result<crate::store::Inspection, StoreError> {
     let (host, primary) = options(url)?.pick().await?;
     let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
     let (timeline, started) = match primary::ask(&mut *pool.acquire().await?).await? {
