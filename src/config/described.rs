@@ -62,8 +62,8 @@ pub fn describe(c: &Config) -> String {
     );
     let _ = writeln!(out, "store         {} (retention {})", c.store.url, h(c.store.retention));
     let survives = match c.store.sync {
-        crate::store::Durability::Full => "every commit synced to disk: survives a power loss",
-        crate::store::Durability::Normal => {
+        crate::config::Durability::Full => "every commit synced to disk: survives a power loss",
+        crate::config::Durability::Normal => {
             "survives a crash of the process; the last commits may be lost on power loss"
         }
     };

@@ -302,7 +302,7 @@ mod tests {
         let e = changes(&a, &moved).unwrap_err().to_string();
         assert!(e.contains("`server.max_buffered_bodies`") && e.contains("store.url"), "{e}");
         let mut relaxed = config(&route("pay", ""), "");
-        relaxed.store.sync = crate::store::Durability::Normal;
+        relaxed.store.sync = crate::config::Durability::Normal;
         let e = changes(&a, &relaxed).unwrap_err().to_string();
         assert!(e.contains("`store.sync`") && e.contains("restart"), "{e}");
         let mut traced = config(&route("pay", ""), "");

@@ -18,6 +18,8 @@ mod candidate;
 mod described;
 mod diff;
 mod durability;
+pub use durability::Durability;
+pub(crate) use durability::{split_synchronous, Synchronous};
 mod limits;
 mod mcp;
 mod overrides;
@@ -154,7 +156,7 @@ pub struct StoreConfig {
     pub url: String,
     /// What a commit survives before it counts: `store.sync`, or else a SQLite url's own
     /// `synchronous=`.
-    pub sync: crate::store::Durability,
+    pub sync: crate::config::Durability,
     /// How long `done` records are kept and replayed.
     pub retention: Duration,
 }

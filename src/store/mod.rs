@@ -39,7 +39,7 @@ pub use command::{
     AddAnswerCounts, Admit, AttemptEnded, AttemptStarted, Cancel, ClaimQueued, ClaimUnclaimed, ClearSwitch, Probed,
     ProbesDue, Renew, Resolve, Retry, Sweep, TakeOver,
 };
-pub use durability::{Durability, DurabilityInForce};
+pub use durability::DurabilityInForce;
 pub use error::StoreError;
 pub use health::{store_health, watch_store, Health, HEALTH_TIMEOUT};
 pub use listing::{page, Cursor, ListFilter, Page};

@@ -4,7 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{postgres, protocol, sqlite, Durability, LeaseClock, Store, StoreError};
+use super::{postgres, protocol, sqlite, LeaseClock, Store, StoreError};
+use crate::config::Durability;
 
 /// The two backends, as a `store.url` names them.
 enum Backend {

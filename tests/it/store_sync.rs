@@ -5,7 +5,8 @@
 
 use std::process::Command;
 
-use idem::store::{self, Durability, DurabilityInForce, LeaseClock};
+use idem::config::Durability;
+use idem::store::{self, DurabilityInForce, LeaseClock};
 
 use crate::common::{both_stores, send, Backend, Broker, Db, TestConfig, Upstream};
 

@@ -1,7 +1,7 @@
 //! `[store] sync`, and how it meets a SQLite url's own `?synchronous=`.
 
 use super::*;
-use crate::store::Durability;
+use crate::config::Durability;
 
 fn with_store(lines: &str) -> String {
     format!("[store]\n{lines}\n{MINIMAL}")

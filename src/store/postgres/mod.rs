@@ -56,9 +56,10 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice,
-    Page, Probed, ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice, Page, Probed,
+    ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::config::Durability;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;

@@ -30,16 +30,16 @@ use sqlx::{Connection, Row};
 use self::files::DatabaseFiles;
 pub use self::files::FileId;
 use self::migrating::MigrationLock;
-pub use self::synchronous::url_durability;
-use self::synchronous::{split_synchronous, Synchronous};
+use self::synchronous::split_synchronous;
 use self::writer::{Write, Writer};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, ListFilter, Page, Probed,
-    ProbesDue, Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Page, Probed, ProbesDue, Renew,
+    Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
+use crate::config::{Durability, Synchronous};
 use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;

@@ -111,7 +111,7 @@ mod tests {
     async fn the_stats_queries_read_through_indexes() {
         let dir = tempfile::TempDir::new().unwrap();
         let url = format!("sqlite://{}", dir.path().join("idem.db").display());
-        let store = super::super::SqliteStore::open(&url, crate::store::Durability::Full).await.unwrap();
+        let store = super::super::SqliteStore::open(&url, crate::config::Durability::Full).await.unwrap();
         for (sql, index) in [
             (BUCKETS, "USING INDEX records_listing (created_at>? AND created_at<?)"),
             (UNKNOWN, "USING INDEX records_went_unknown (created_at<?)"),

@@ -1,84 +1,16 @@
-//! How often the writer syncs: `[store] sync`, or the `?synchronous=` a SQLite url may carry
-//! (kept for the configurations written before the key). In WAL mode, `FULL` syncs the log at
+//! How often the writer syncs, as `[store] sync` or the url's `?synchronous=` chose it (read by
+//! the configuration, config/durability.rs). In WAL mode, `FULL` syncs the log at
 //! every commit and `NORMAL` only at checkpoints (docs/guarantees.md#power-loss-and-store-sync).
 
 use rusqlite::Connection;
 
-use crate::store::{Durability, DurabilityInForce, StoreError};
-
-/// SQLite's `PRAGMA synchronous` levels the store runs with. `OFF` is not one: it would lose
-/// commits on power loss even past a checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Synchronous {
-    Normal,
-    Full,
-    Extra,
-}
-
-impl Synchronous {
-    /// The level a url's own `synchronous=` names, else the one `sync` asks for.
-    pub(super) fn chosen(url: Option<Synchronous>, sync: Durability) -> Synchronous {
-        url.unwrap_or(match sync {
-            Durability::Full => Synchronous::Full,
-            Durability::Normal => Synchronous::Normal,
-        })
-    }
-
-    pub(super) fn pragma(self) -> &'static str {
-        match self {
-            Synchronous::Normal => "NORMAL",
-            Synchronous::Full => "FULL",
-            Synchronous::Extra => "EXTRA",
-        }
-    }
-
-    fn durability(self) -> Durability {
-        match self {
-            Synchronous::Normal => Durability::Normal,
-            Synchronous::Full | Synchronous::Extra => Durability::Full,
-        }
-    }
-
-    fn parse(value: &str) -> Option<Synchronous> {
-        match value.to_ascii_lowercase().as_str() {
-            "normal" => Some(Synchronous::Normal),
-            "full" => Some(Synchronous::Full),
-            "extra" => Some(Synchronous::Extra),
-            _ => None,
-        }
-    }
-}
+use crate::config::{Durability, Synchronous};
+use crate::store::{DurabilityInForce, StoreError};
 
 /// Takes `synchronous=` out of the url (sqlx does not know it): the url left, and the level it
 /// names, if it names one.
 pub(super) fn split_synchronous(url: &str) -> Result<(String, Option<Synchronous>), StoreError> {
-    split(url).map_err(StoreError::Unavailable)
-}
-
-/// The durability a SQLite url's own `synchronous=` asks for, if it names one: what
-/// `[store] sync` must agree with. The error says why the url's level is refused.
-pub fn url_durability(url: &str) -> Result<Option<Durability>, String> {
-    Ok(split(url)?.1.map(Synchronous::durability))
-}
-
-fn split(url: &str) -> Result<(String, Option<Synchronous>), String> {
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((url.to_string(), None));
-    };
-    let mut synchronous = None;
-    let mut rest = Vec::new();
-    for pair in query.split('&') {
-        match pair.split_once('=') {
-            Some(("synchronous", value)) => {
-                synchronous = Some(Synchronous::parse(value).ok_or_else(|| {
-                    format!("synchronous={value}: use full, normal or extra (off would lose acknowledged records)")
-                })?)
-            }
-            _ => rest.push(pair),
-        }
-    }
-    let url = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
-    Ok((url, synchronous))
+    crate::config::split_synchronous(url).map_err(StoreError::Unavailable)
 }
 
 /// The level `conn` syncs at, as SQLite reports it.
@@ -106,16 +38,6 @@ mod tests {
         assert_eq!(url, "sqlite://idem.db?mode=rwc");
         assert_eq!(s, Some(Synchronous::Normal));
         assert!(split_synchronous("sqlite://idem.db?synchronous=off").is_err());
-    }
-
-    #[test]
-    fn the_url_decides_the_level_where_it_names_one_and_the_key_elsewhere() {
-        assert_eq!(Synchronous::chosen(None, Durability::Full), Synchronous::Full);
-        assert_eq!(Synchronous::chosen(None, Durability::Normal), Synchronous::Normal);
-        assert_eq!(Synchronous::chosen(Some(Synchronous::Extra), Durability::Full), Synchronous::Extra);
-        assert_eq!(url_durability("sqlite://idem.db?synchronous=extra").unwrap(), Some(Durability::Full));
-        assert_eq!(url_durability("sqlite://idem.db?synchronous=NORMAL").unwrap(), Some(Durability::Normal));
-        assert_eq!(url_durability("sqlite://idem.db").unwrap(), None);
     }
 
     #[test]

@@ -25,7 +25,8 @@ use super::checkpointer;
 use super::committer::Committer;
 pub(super) use super::committer::{Reply, Write};
 use super::files::DatabaseFiles;
-use super::synchronous::{self, Synchronous};
+use super::synchronous;
+use crate::config::Synchronous;
 use crate::store::{DurabilityInForce, StoreError};
 
 /// Most writes committed in one transaction. Bounds the latency a batch adds to its first write.
