@@ -19,7 +19,7 @@ use idem::domain::key::IdempotencyKey;
 use idem::domain::StopReason;
 use idem::domain::{AttemptOutcome, Holder, Owner, Tenant, Timestamp};
 use idem::record::{Attempt, StoredRequest, StoredResponse};
-use idem::store::{self, Admission, AfterAttempt, AttemptEnded, Claim, NewRecord, Store};
+use idem::store::{self, Admission, AttemptEnd, AttemptEnded, Claim, NewRecord, Store};
 use sqlx::Connection;
 use uuid::Uuid;
 
@@ -105,7 +105,7 @@ fn bench_store(c: &mut Criterion, label: &str, rt: &tokio::runtime::Runtime, sto
                     unreachable: None,
                     detail: None,
                 };
-                let then = AfterAttempt::Done(StopReason::Success, response());
+                let then = AttemptEnd::Done(StopReason::Success, response());
                 let ended = AttemptEnded {
                     id: r.id,
                     holder: Holder { owner: Owner::from("bench"), token: r.claim },

@@ -53,7 +53,7 @@ pub enum Command {
     },
     Resolve {
         id: String,
-        outcome: Outcome,
+        outcome: Finding,
         note: Option<String>,
     },
     Retry {
@@ -109,7 +109,7 @@ pub struct Bulk {
     pub note: Option<String>,
 }
 
-pub enum Outcome {
+pub enum Finding {
     /// It executed; this is the response duplicates will get.
     Executed {
         status: u16,
@@ -195,7 +195,7 @@ impl Client {
             Command::Resolve { id, outcome, note } => {
                 let mut body = attribution(note);
                 match outcome {
-                    Outcome::Executed { status, headers, body: text } => {
+                    Finding::Executed { status, headers, body: text } => {
                         let mut map = serde_json::Map::new();
                         for (name, value) in headers {
                             map.insert(name, json!(value));
@@ -203,7 +203,7 @@ impl Client {
                         body["outcome"] = json!("executed");
                         body["response"] = json!({"status": status, "headers": map, "body": text});
                     }
-                    Outcome::NotExecuted => body["outcome"] = json!("not_executed"),
+                    Finding::NotExecuted => body["outcome"] = json!("not_executed"),
                 }
                 let path = format!("/admin/requests/{id}/resolve");
                 (self.call(reqwest::Method::POST, &path, Some(body)).await?, render_record)

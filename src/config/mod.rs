@@ -37,7 +37,7 @@ pub use described::describe;
 pub use diff::{changes, Changes, RouteChange, RouteVersion, RESTART_ONLY};
 pub use limits::EdgeLimits;
 pub use mcp::{McpSettings, RouteKind, ToolRule};
-pub use quotas::{BudgetLimits, TenantQuotas, Upstream};
+pub use quotas::{BudgetLimits, NamedUpstream, TenantQuotas};
 pub use telemetry::TelemetryConfig;
 pub use tls::{default_upstream_tls, ListenerTls, UpstreamTls};
 
@@ -114,7 +114,7 @@ pub struct Config {
     pub auth: AuthConfig,
     pub routes: Vec<Route>,
     /// `[[upstreams]]`: providers that routes name, sharing their retry budget and breaker.
-    pub upstreams: Vec<Upstream>,
+    pub upstreams: Vec<NamedUpstream>,
     pub worker: WorkerConfig,
     pub telemetry: TelemetryConfig,
 }

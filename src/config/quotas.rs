@@ -19,7 +19,7 @@ pub struct BudgetLimits {
 /// An upstream (a provider) that routes name instead of a URL: they share its retry budget and
 /// its circuit breaker.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Upstream {
+pub struct NamedUpstream {
     pub name: String,
     /// Its base URL, as validated for a route's `upstream`.
     pub url: String,
@@ -71,8 +71,8 @@ pub(super) fn budget_limits(
     Ok(Some(BudgetLimits { ratio, min_per_sec }))
 }
 
-pub(super) fn validate_upstreams(raw: Vec<RawUpstream>) -> Result<Vec<Upstream>, ConfigError> {
-    let mut upstreams: Vec<Upstream> = Vec::with_capacity(raw.len());
+pub(super) fn validate_upstreams(raw: Vec<RawUpstream>) -> Result<Vec<NamedUpstream>, ConfigError> {
+    let mut upstreams: Vec<NamedUpstream> = Vec::with_capacity(raw.len());
     for (i, u) in raw.into_iter().enumerate() {
         let key = format!("upstreams[{i}]");
         RouteName::parse(&u.name).map_err(|why| invalid(format!("{key}.name"), why))?;
@@ -95,7 +95,7 @@ pub(super) fn validate_upstreams(raw: Vec<RawUpstream>) -> Result<Vec<Upstream>,
             server_name: u.server_name,
         }
         .validate(&key, &url)?;
-        upstreams.push(Upstream { name: u.name, url: url.as_str().to_string(), budget, tls });
+        upstreams.push(NamedUpstream { name: u.name, url: url.as_str().to_string(), budget, tls });
     }
     Ok(upstreams)
 }
@@ -181,7 +181,7 @@ impl Config {
         }
     }
 
-    pub fn upstream_named(&self, name: &str) -> Option<&Upstream> {
+    pub fn upstream_named(&self, name: &str) -> Option<&NamedUpstream> {
         self.upstreams.iter().find(|u| u.name == name)
     }
 }

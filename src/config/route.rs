@@ -16,7 +16,7 @@ impl RawRoute {
         self,
         key: &str,
         store_retention: Duration,
-        upstreams: &[Upstream],
+        upstreams: &[NamedUpstream],
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Route, ConfigError> {
         let name = RouteName::parse(&self.name).map_err(|why| invalid(format!("{key}.name"), why))?;

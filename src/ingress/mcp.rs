@@ -11,7 +11,7 @@ use http::{Method, StatusCode};
 use serde_json::Value;
 
 use super::answers::Answer;
-use super::reading::read_body;
+use super::intake::read_body;
 use super::{Ingress, Read, REPLAYED_HEADER};
 use crate::config::{Config, Route};
 use crate::domain::key::IdempotencyKey;

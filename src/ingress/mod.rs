@@ -30,7 +30,7 @@ use crate::runtime::{Live, ServedRoute};
 use crate::store::Health;
 use crate::switches::Switches;
 use crate::upstream::Upstream;
-use crate::worker::{self, Admit, Admitted, Refusal, Worker};
+use crate::worker::{self, Admitted, Refusal, Submission, Worker};
 
 /// A keyed request as read: whose it is, its key and fingerprint, its head and body, its route
 /// as served when it arrived (with the configuration it belongs to), and when it arrived.
@@ -120,15 +120,15 @@ pub(crate) mod derived;
 mod mcp;
 mod outcomes;
 
+mod intake;
 mod plain;
 pub(crate) mod prefer;
 pub(crate) mod reader;
-mod reading;
 mod replays;
 mod requests;
 
 use answers::{http_date, Answer};
-use reading::{deadline, read_body, stored_headers};
+use intake::{deadline, read_body, stored_headers};
 pub use replays::Replay;
 pub(crate) use replays::Replays;
 use requests::{cancel_request, list_routes, show_request};
@@ -368,7 +368,7 @@ impl Ingress {
         // A new execution is shed before anything is recorded if the route is saturated, its
         // upstream's circuit is open or an operator isolated it — unless the key exists: its
         // record answers then.
-        let admit = Admit { route, policy, request, url, headers: &parts.headers, awaits: !prefer.respond_async };
+        let admit = Submission { route, policy, request, url, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);

@@ -6,7 +6,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use super::answers::response_of;
-use super::reading::{deadline, read_body};
+use super::intake::{deadline, read_body};
 use super::Ingress;
 use crate::config::{Config, Route};
 use crate::problem::Problem;

@@ -15,8 +15,8 @@ mod run;
 mod script;
 
 pub use report::{human, json};
-pub use run::{InOrder, Replay, Upstream};
-pub use script::{DrawError, Draws, Outcome, Script, ScriptError, Scripted};
+pub use run::{AttemptSource, InOrder, Replay};
+pub use script::{DrawError, Draws, Encounter, Script, ScriptError, Scripted};
 
 /// Everything that happened, step by step, and how it ended.
 #[derive(Debug, Clone)]
@@ -29,7 +29,7 @@ pub struct Trace {
     /// Every jitter draw the policy used, in order: given to `--draw`, they reproduce the run.
     pub draws: Vec<f64>,
     /// Scripted outcomes no attempt reached.
-    pub unused: Vec<Outcome>,
+    pub unused: Vec<Encounter>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,7 +61,7 @@ pub enum Step {
 pub struct AttemptStep {
     pub number: u32,
     pub limit: Duration,
-    pub outcome: Outcome,
+    pub outcome: Encounter,
     /// The scripted answer came after the limit: the broker saw a timeout and nothing of it,
     /// its `Retry-After` included.
     pub late: bool,
@@ -100,7 +100,12 @@ pub enum Verdict {
 
 /// Runs `outcomes` through `policy` on a route whose replay safety is `replay_safe`, taking
 /// jitter draws from `draw`.
-pub fn simulate(policy: &RetryPolicy, replay_safe: bool, outcomes: &[Outcome], mut draw: impl FnMut() -> f64) -> Trace {
+pub fn simulate(
+    policy: &RetryPolicy,
+    replay_safe: bool,
+    outcomes: &[Encounter],
+    mut draw: impl FnMut() -> f64,
+) -> Trace {
     // The budget counts in instants; only offsets from this one are ever used.
     let origin = Instant::now();
     let mut budget = RetryBudget::new(policy.budget_ratio, policy.budget_min_per_sec, origin);

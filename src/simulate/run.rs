@@ -5,21 +5,21 @@
 
 use std::time::{Duration, Instant};
 
-use super::{AttemptStep, End, Outcome, Step, Trace, Verdict, WaitStep};
+use super::{AttemptStep, Encounter, End, Step, Trace, Verdict, WaitStep};
 use crate::policy::{Charge, Decision, Ended, Execution, Observed, RetryPolicy, Switched};
 
 /// Where the outcomes of attempts come from: a script, or recorded history.
-pub trait Upstream {
+pub trait AttemptSource {
     /// What attempt `number` meets when it starts `at` after the request's arrival with `limit`
     /// to run; `None` when nothing says.
-    fn outcome(&mut self, number: u32, at: Duration, limit: Duration) -> Option<Outcome>;
+    fn outcome(&mut self, number: u32, at: Duration, limit: Duration) -> Option<Encounter>;
 }
 
 /// A script's outcomes in order, whatever the attempt's time.
-pub struct InOrder<'a>(pub std::slice::Iter<'a, Outcome>);
+pub struct InOrder<'a>(pub std::slice::Iter<'a, Encounter>);
 
-impl Upstream for InOrder<'_> {
-    fn outcome(&mut self, _: u32, _: Duration, _: Duration) -> Option<Outcome> {
+impl AttemptSource for InOrder<'_> {
+    fn outcome(&mut self, _: u32, _: Duration, _: Duration) -> Option<Encounter> {
         self.0.next().cloned()
     }
 }
@@ -28,7 +28,7 @@ impl Upstream for InOrder<'_> {
 struct InFlight {
     number: u32,
     limit: Duration,
-    outcome: Outcome,
+    outcome: Encounter,
 }
 
 pub struct Replay<'p> {
@@ -72,7 +72,12 @@ impl<'p> Replay<'p> {
 
     /// Takes the next step: starts an attempt, or ends the one in flight and asks the policy
     /// what follows.
-    pub fn step(&mut self, upstream: &mut impl Upstream, budget: &mut impl Charge, draw: &mut impl FnMut() -> f64) {
+    pub fn step(
+        &mut self,
+        upstream: &mut impl AttemptSource,
+        budget: &mut impl Charge,
+        draw: &mut impl FnMut() -> f64,
+    ) {
         if self.end.is_some() {
             return;
         }
@@ -82,7 +87,7 @@ impl<'p> Replay<'p> {
         }
     }
 
-    pub fn trace(self, unused: Vec<Outcome>) -> Trace {
+    pub fn trace(self, unused: Vec<Encounter>) -> Trace {
         let end = self.end.unwrap_or(End::ScriptExhausted { next: self.run.attempts() + 1 });
         Trace { steps: self.steps, end, elapsed: self.now, attempts: self.run.attempts(), draws: self.draws, unused }
     }
@@ -91,7 +96,7 @@ impl<'p> Replay<'p> {
         self.end = Some(End::Stopped { reason, state: self.run.settle(reason, self.replay_safe) });
     }
 
-    fn start(&mut self, upstream: &mut impl Upstream, budget: &mut impl Charge) {
+    fn start(&mut self, upstream: &mut impl AttemptSource, budget: &mut impl Charge) {
         let number = self.run.attempts() + 1;
         let limit = match self.run.next_attempt(self.policy, self.now, false, Switched::default()) {
             Ok(limit) => limit,

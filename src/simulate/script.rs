@@ -22,7 +22,7 @@ const MAX_DURATION: Duration = Duration::from_secs(366 * 24 * 3600);
 
 /// What one attempt meets upstream, as scripted.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outcome {
+pub struct Encounter {
     /// The item as written, to show it back in the trace.
     pub text: String,
     /// When, from the attempt's start, the result comes.
@@ -59,7 +59,7 @@ impl Scripted {
     }
 }
 
-impl Outcome {
+impl Encounter {
     /// What the broker would see of it if it came within the attempt's limit.
     pub fn observed(&self) -> Observed {
         match self.result {
@@ -73,10 +73,10 @@ impl Outcome {
 
 /// A whole outcome script: at least one item.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Script(Vec<Outcome>);
+pub struct Script(Vec<Encounter>);
 
 impl Script {
-    pub fn outcomes(&self) -> &[Outcome] {
+    pub fn outcomes(&self) -> &[Encounter] {
         &self.0
     }
 }
@@ -114,7 +114,7 @@ impl FromStr for Script {
     }
 }
 
-fn outcome(item: &str) -> Result<Outcome, String> {
+fn outcome(item: &str) -> Result<Encounter, String> {
     let Some((after, rest)) = item.split_once(':') else {
         return Err("expected DURATION:RESULT, e.g. 400ms:503".into());
     };
@@ -159,7 +159,7 @@ fn outcome(item: &str) -> Result<Outcome, String> {
             return Err(format!("unexpected `{word}`: after the result come only retry-after=VALUE and cancel"));
         }
     }
-    Ok(Outcome { text: item.to_string(), after, result, retry_after, cancel })
+    Ok(Encounter { text: item.to_string(), after, result, retry_after, cancel })
 }
 
 /// As in HTTP, delta-seconds; or, for the sub-second waits a simulation needs, a duration.
@@ -260,7 +260,7 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    fn parse(text: &str) -> Result<Vec<Outcome>, ScriptError> {
+    fn parse(text: &str) -> Result<Vec<Encounter>, ScriptError> {
         text.parse::<Script>().map(|s| s.0)
     }
 

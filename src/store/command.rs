@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::{AfterAttempt, NewRecord, Resolution, SweepPlan, TakeOverTo};
+use super::{AttemptEnd, NewRecord, Resolution, SweepPlan, TakeOverTo};
 use crate::domain::switch::Clearing;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
@@ -91,7 +91,7 @@ pub struct AttemptEnded {
     pub id: RecordId,
     pub holder: Holder,
     pub attempt: Option<Attempt>,
-    pub then: AfterAttempt,
+    pub then: AttemptEnd,
     /// How the attempt's answer streamed (docs/concepts.md), when it did. Stored by the same write as
     /// the outcome: a done record is never seen without knowing whether it kept its body.
     /// `None` leaves what the record holds as it is.
@@ -243,15 +243,15 @@ pub(crate) struct Stored<'a> {
     pub not_before: Option<Timestamp>,
 }
 
-impl AfterAttempt {
+impl AttemptEnd {
     /// The event of the transition table this is.
     pub fn event(&self) -> Event {
         match self {
-            AfterAttempt::Wait { .. } => Event::WaitForRetry,
-            AfterAttempt::Release => Event::Release,
-            AfterAttempt::Done(..) => Event::FinalResponse,
-            AfterAttempt::Unknown(_) | AfterAttempt::Cut(..) => Event::AmbiguousNotReplaySafe,
-            AfterAttempt::Free(_) => Event::StopFree,
+            AttemptEnd::Wait { .. } => Event::WaitForRetry,
+            AttemptEnd::Release => Event::Release,
+            AttemptEnd::Done(..) => Event::FinalResponse,
+            AttemptEnd::Unknown(_) | AttemptEnd::Cut(..) => Event::AmbiguousNotReplaySafe,
+            AttemptEnd::Free(_) => Event::StopFree,
         }
     }
 
@@ -259,11 +259,11 @@ impl AfterAttempt {
     pub(crate) fn stored(&self) -> Result<Stored<'_>, Refused> {
         let phase = transition(Phase::InProgress, self.event())?;
         let (stop, response, not_before) = match self {
-            AfterAttempt::Wait { not_before } => (None, None, Some(*not_before)),
-            AfterAttempt::Release => (None, None, None),
-            AfterAttempt::Done(stop, response) => (Some(*stop), Some(response), None),
-            AfterAttempt::Unknown(stop) | AfterAttempt::Free(stop) => (Some(*stop), None, None),
-            AfterAttempt::Cut(stop, partial) => (Some(*stop), Some(partial), None),
+            AttemptEnd::Wait { not_before } => (None, None, Some(*not_before)),
+            AttemptEnd::Release => (None, None, None),
+            AttemptEnd::Done(stop, response) => (Some(*stop), Some(response), None),
+            AttemptEnd::Unknown(stop) | AttemptEnd::Free(stop) => (Some(*stop), None, None),
+            AttemptEnd::Cut(stop, partial) => (Some(*stop), Some(partial), None),
         };
         Ok(Stored { state: phase.state(), stop, response, queued: phase == Phase::Queued, not_before })
     }
@@ -296,7 +296,7 @@ impl AttemptEnded {
     pub(crate) fn late(&self) -> Option<Late<'_>> {
         let attempt = self.attempt.as_ref()?;
         let answer = match &self.then {
-            AfterAttempt::Done(_, response) => Some(response),
+            AttemptEnd::Done(_, response) => Some(response),
             _ => None,
         };
         let event = late_event(answer.is_some(), attempt.outcome);
@@ -379,11 +379,11 @@ mod tests {
         let response = StoredResponse { status: 200, headers: vec![], body: Default::default() };
         let seven = Timestamp::from_millis(7);
         let cases = [
-            (AfterAttempt::Wait { not_before: seven }, InProgress),
-            (AfterAttempt::Release, Queued),
-            (AfterAttempt::Done(StopReason::Success, response.clone()), Done),
-            (AfterAttempt::Unknown(StopReason::UnsafeReplay), Unknown),
-            (AfterAttempt::Free(StopReason::Deadline), Free),
+            (AttemptEnd::Wait { not_before: seven }, InProgress),
+            (AttemptEnd::Release, Queued),
+            (AttemptEnd::Done(StopReason::Success, response.clone()), Done),
+            (AttemptEnd::Unknown(StopReason::UnsafeReplay), Unknown),
+            (AttemptEnd::Free(StopReason::Deadline), Free),
         ];
         for (then, to) in cases {
             let stored = then.stored().unwrap();
@@ -393,7 +393,7 @@ mod tests {
             assert_eq!(stored.response.is_some(), to == Done, "{then:?}");
         }
         // A streamed answer cut after its first byte: unknown, what arrived of it kept.
-        let cut = AfterAttempt::Cut(StopReason::StreamCut, response.clone());
+        let cut = AttemptEnd::Cut(StopReason::StreamCut, response.clone());
         let stored = cut.stored().unwrap();
         assert_eq!(phase(&stored), Unknown);
         assert_eq!(stored.stop, Some(StopReason::StreamCut));

@@ -207,7 +207,7 @@ pub enum Admission {
 
 /// How an attempt ended, for the record.
 #[derive(Debug, Clone)]
-pub enum AfterAttempt {
+pub enum AttemptEnd {
     /// Another attempt follows, not before this time; the lease is kept.
     Wait { not_before: Timestamp },
     /// `done`, with the response to replay.
@@ -255,7 +255,7 @@ impl TakeOverTo {
 
 /// Whether a worker still holds a record's lease, and whether someone asked it to stop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lease {
+pub enum LeaseStatus {
     Held {
         cancel_requested: bool,
     },
@@ -263,13 +263,13 @@ pub enum Lease {
     Lost,
 }
 
-impl Lease {
+impl LeaseStatus {
     pub fn is_held(self) -> bool {
-        matches!(self, Lease::Held { .. })
+        matches!(self, LeaseStatus::Held { .. })
     }
 
     pub fn cancel_requested(self) -> bool {
-        matches!(self, Lease::Held { cancel_requested: true })
+        matches!(self, LeaseStatus::Held { cancel_requested: true })
     }
 }
 
@@ -350,17 +350,17 @@ pub trait Store: Send + Sync + 'static {
     /// the policy it is sent under, and extends the lease. If the holder's claim is no longer
     /// the record's latest (its token differs), nothing is written and the attempt must not be
     /// sent.
-    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError>;
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<LeaseStatus, StoreError>;
 
     /// Stores an attempt's outcome (or, with no attempt, a stop before any) and what follows,
     /// under the holder's claim. Under a claim that is no longer the record's, it is refused
     /// (`Lost`) — except the late outcome of the attempt that was in flight when a take-over
     /// moved the record to `unknown` under that same claim, which settles the record
     /// ([`AttemptEnded::late`] decides how) and is still answered `Lost`: the worker is done.
-    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError>;
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<LeaseStatus, StoreError>;
 
     /// Extends the holder's lease, under its claim.
-    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError>;
+    async fn renew(&self, renew: Renew) -> Result<LeaseStatus, StoreError>;
 
     async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError>;
 

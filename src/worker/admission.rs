@@ -20,7 +20,7 @@ use crate::runtime::{RouteGuard, ServedRoute};
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 
 /// A new request, as the ingress read it, asking to be executed.
-pub struct Admit<'a> {
+pub struct Submission<'a> {
     /// The route as the request was read under: an execution that starts at once keeps it.
     pub route: &'a ServedRoute,
     /// The policy chosen for it (see [`crate::switches::Switches::policy`]); a record claimed
@@ -79,7 +79,7 @@ impl Request {
     }
 }
 
-/// What became of an [`Admit`]. Its variants differ in size, and it stays unboxed: there is one
+/// What became of an [`Submission`]. Its variants differ in size, and it stays unboxed: there is one
 /// per request, moved once, and boxing the record would cost every duplicate an allocation.
 #[allow(clippy::large_enum_variant)]
 pub enum Admitted {
@@ -128,8 +128,8 @@ pub(super) enum Start {
 impl Worker {
     /// Admits a new request: sheds it, or records it and starts its execution. Per request this
     /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
-    pub async fn admit(&self, admit: Admit<'_>) -> Result<Admitted, StoreError> {
-        let Admit { route, policy, request, url, headers, awaits } = admit;
+    pub async fn admit(&self, admit: Submission<'_>) -> Result<Admitted, StoreError> {
+        let Submission { route, policy, request, url, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
         let mut laps = awaits.then(|| Laps::starting(request.arrival.monotonic));
         let (new, retention_cutoff) = request.record(route);
@@ -295,7 +295,7 @@ pub(super) mod tests {
 
     async fn admit(worker: &Worker, key: &str, awaits: bool) -> Admitted {
         let route = worker.inner.config.served().route_named("payments").unwrap();
-        let admit = Admit {
+        let admit = Submission {
             route: &route,
             policy: route.policy_for(&"default".into(), &crate::domain::key::IdempotencyKey::parse(key).unwrap(), true),
             request: keyed(key),

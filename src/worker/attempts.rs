@@ -19,7 +19,7 @@ use crate::metrics::{self, Laps, Stage};
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::runtime::{Charges, ServedRoute};
-use crate::store::{self, AttemptStarted, Lease};
+use crate::store::{self, AttemptStarted, LeaseStatus};
 use crate::upstream::{self, Answer, Failure, Head, Outbound};
 
 /// What an execution runs with, fixed when it starts.
@@ -265,9 +265,9 @@ impl Inner {
                     Err(e) => self.mark_in_doubt(job, p.number, &e).await?,
                 };
                 match marked {
-                    Lease::Held { cancel_requested: false } => job.trust.renewed(started_here, self.trust()),
-                    Lease::Held { cancel_requested: true } => return Err(End::Stop(StopReason::Cancelled, None)),
-                    Lease::Lost => return Err(End::Lost),
+                    LeaseStatus::Held { cancel_requested: false } => job.trust.renewed(started_here, self.trust()),
+                    LeaseStatus::Held { cancel_requested: true } => return Err(End::Stop(StopReason::Cancelled, None)),
+                    LeaseStatus::Lost => return Err(End::Lost),
                 }
                 started_here
             }
@@ -441,11 +441,11 @@ impl Inner {
     ) -> Result<(), End> {
         let record = job.record;
         let now = self.clock.now();
-        let then = store::AfterAttempt::Wait { not_before: now + wait };
+        let then = store::AttemptEnd::Wait { not_before: now + wait };
         match self.store.attempt_ended(self.ended(record, job.holder, Some(attempt), then, now)).await {
-            Ok(Lease::Held { cancel_requested: false }) => {}
-            Ok(Lease::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
-            Ok(Lease::Lost) => return Err(End::Lost),
+            Ok(LeaseStatus::Held { cancel_requested: false }) => {}
+            Ok(LeaseStatus::Held { cancel_requested: true }) => return Err(End::Stop(StopReason::Cancelled, None)),
+            Ok(LeaseStatus::Lost) => return Err(End::Lost),
             Err(e) => {
                 warn!(error = %e, "could not record an attempt's outcome");
                 return Err(End::Lost);

@@ -29,9 +29,9 @@ impl Default for Drain {
 }
 
 /// Counts a running execution until it is dropped.
-pub(super) struct Running(Arc<Active>);
+pub(super) struct Counted(Arc<Active>);
 
-impl Drop for Running {
+impl Drop for Counted {
     fn drop(&mut self) {
         if self.0.count.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.idle.notify_waiters();
@@ -53,9 +53,9 @@ impl Drain {
         }
     }
 
-    pub(super) fn running(&self) -> Running {
+    pub(super) fn running(&self) -> Counted {
         self.active.count.fetch_add(1, Ordering::SeqCst);
-        Running(self.active.clone())
+        Counted(self.active.clone())
     }
 
     pub(super) fn is_stopping(&self) -> bool {

@@ -19,7 +19,7 @@ use crate::metrics::{self, Laps, Stage};
 use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
 use crate::runtime::ServedRoute;
-use crate::store::{self, AttemptEnded, ClaimQueued, Lease, Renew};
+use crate::store::{self, AttemptEnded, ClaimQueued, LeaseStatus, Renew};
 
 /// What an admission that claimed its record hands the execution: its first attempt's place
 /// and mark, where the ingress found that attempt goes, and the new key's stages so far.
@@ -37,7 +37,7 @@ impl Inner {
         record: &Record,
         holder: &Holder,
         attempt: Option<Attempt>,
-        then: store::AfterAttempt,
+        then: store::AttemptEnd,
         now: Timestamp,
     ) -> AttemptEnded {
         AttemptEnded { id: record.id, holder: holder.clone(), attempt, then, stream: None, now }
@@ -187,7 +187,7 @@ impl Inner {
     /// doubt — for another claim (another worker's, or this node's after its restart) to
     /// continue within the same deadline.
     pub(super) async fn release(&self, record: &Record, holder: &Holder, why: HandBack) -> Outcome {
-        let release = self.ended(record, holder, None, store::AfterAttempt::Release, self.clock.now());
+        let release = self.ended(record, holder, None, store::AttemptEnd::Release, self.clock.now());
         let why = match why {
             HandBack::Shutdown => "at shutdown",
             HandBack::ClaimInDoubt => "as its claim is in doubt",
@@ -247,18 +247,16 @@ impl Inner {
             p.run.attempts() == 1 && matches!(stop, StopReason::Success | StopReason::FinalResponse);
         let (then, outcome) = match (p.run.settle(stop, replay_safe), p.last_response, p.partial) {
             (Settlement::Done, Some(response), _) => {
-                (store::AfterAttempt::Done(stop, response.clone()), Outcome::Done(stop, response))
+                (store::AttemptEnd::Done(stop, response.clone()), Outcome::Done(stop, response))
             }
             (Settlement::Free, last, _) => {
-                (store::AfterAttempt::Free(stop), Outcome::Free { stop, last, unreachable: p.unreachable })
+                (store::AttemptEnd::Free(stop), Outcome::Free { stop, last, unreachable: p.unreachable })
             }
-            (Settlement::Unknown, _, Some(partial)) => {
-                (store::AfterAttempt::Cut(stop, partial), Outcome::Unknown(stop))
-            }
+            (Settlement::Unknown, _, Some(partial)) => (store::AttemptEnd::Cut(stop, partial), Outcome::Unknown(stop)),
             // `Done` always comes with the response that made it so; should it ever not, the
             // safe reading of an execution we cannot show is "unknown".
             (Settlement::Unknown, _, None) | (Settlement::Done, None, _) => {
-                (store::AfterAttempt::Unknown(stop), Outcome::Unknown(stop))
+                (store::AttemptEnd::Unknown(stop), Outcome::Unknown(stop))
             }
         };
         // A streamed answer's facts go with its outcome, in the same write.
@@ -278,15 +276,15 @@ impl Inner {
         }
         self.settled.settled(record.id);
         let outcome = match result {
-            Ok(Lease::Held { .. }) if told_by_its_attempt => {
+            Ok(LeaseStatus::Held { .. }) if told_by_its_attempt => {
                 tracing::debug!(stop = stop.as_str(), "settled");
                 outcome
             }
-            Ok(Lease::Held { .. }) => {
+            Ok(LeaseStatus::Held { .. }) => {
                 tracing::info!(stop = stop.as_str(), "settled");
                 outcome
             }
-            Ok(Lease::Lost) => Outcome::Lost,
+            Ok(LeaseStatus::Lost) => Outcome::Lost,
             Err(e) => {
                 let status = ended.attempt.as_ref().and_then(|a| a.status);
                 self.write_later(ended, &record.route, status, &e);

@@ -10,7 +10,7 @@ use tracing::warn;
 use super::attempts::{End, HandBack, Job};
 use super::Inner;
 use crate::record::Record;
-use crate::store::{self, Admission, Lease, StoreError};
+use crate::store::{self, Admission, LeaseStatus, StoreError};
 
 impl Inner {
     /// Settles a mark whose answer was lost by reading the record back under its claim, before
@@ -23,19 +23,19 @@ impl Inner {
         job: &Job<'_>,
         number: u32,
         error: &store::StoreError,
-    ) -> Result<Lease, End> {
+    ) -> Result<LeaseStatus, End> {
         let held = |r: &Record| r.claim == job.holder.token && r.state == crate::domain::State::InProgress;
         let read = read_back(self.lease, || self.store.get(job.record.id)).await;
         match read {
             Ok(Some(r)) if held(&r) && r.in_flight.map(|(n, _)| n) == Some(number) => {
                 warn!(error = %error, "the answer to an attempt's mark was lost; read back, the mark is there: sending it");
-                Ok(Lease::Held { cancel_requested: r.cancel_requested })
+                Ok(LeaseStatus::Held { cancel_requested: r.cancel_requested })
             }
             Ok(Some(r)) if held(&r) => {
                 warn!(error = %error, "the answer to an attempt's mark was lost; read back, it is not there: not sending it");
                 Err(End::HandBack(HandBack::ClaimInDoubt))
             }
-            Ok(_) => Ok(Lease::Lost),
+            Ok(_) => Ok(LeaseStatus::Lost),
             Err(again) => {
                 // Without a durable "may have been sent" mark known, the attempt must not go out.
                 warn!(error = %error, read = %again, "could not record an attempt, nor read it back; not sending it");

@@ -17,7 +17,7 @@ use super::attempts::Job;
 use super::{lock, Inner};
 use crate::clock::Moment;
 use crate::metrics;
-use crate::store::{Lease, StoreError};
+use crate::store::{LeaseStatus, StoreError};
 
 /// How far this process trusts a claim's lease, and whether a renewal cast doubt on it.
 pub(super) struct LeaseTrust {
@@ -120,8 +120,8 @@ impl Inner {
         let (renew, sent) = (self.renewal(job.record.id, job.holder, self.clock.now()), Moment::now());
         tokio::spawn(async move {
             match store.renew(renew).await {
-                Ok(Lease::Held { .. }) => Renewed::Held(sent),
-                Ok(Lease::Lost) => Renewed::Lost,
+                Ok(LeaseStatus::Held { .. }) => Renewed::Held(sent),
+                Ok(LeaseStatus::Lost) => Renewed::Lost,
                 Err(e) => Renewed::Failed(e),
             }
         })

@@ -9,7 +9,7 @@
 //! - each route's runtime (`crate::runtime`) — what a route and its upstream can take: slots,
 //!   attempts in flight, the retry budget and the breaker; and the pace of its attempts.
 //! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
-//!   attempts and waits between them, each attempt sent within its send window; `waits` — the
+//!   attempts and waits between them, each attempt sent within its send window; `pause` — the
 //!   waits, with the lease kept alive through them; `lease` — a claim's lease as this process
 //!   holds it: trusted for `lease - clock_margin`, renewed beside each attempt.
 //! - `drain` — executions in flight, counted for a graceful shutdown.
@@ -157,15 +157,15 @@ mod running;
 mod streaming;
 mod unrecorded;
 
+mod pause;
 mod waiters;
-mod waits;
 
 pub(crate) use crate::runtime::{Refusal, Slot};
 use admission::Start;
-pub use admission::{Admit, Admitted, Request};
+pub use admission::{Admitted, Request, Submission};
 use credentials::HeldCredentials;
 use drain::Drain;
-use running::Running;
+use running::Claimed;
 pub use waiters::Settled;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -219,7 +219,7 @@ struct Inner {
     /// sent none): held in memory only, from admission until the execution starts, never stored.
     credentials: Mutex<HeldCredentials>,
     /// The execution running here for each record, by the claim it runs under: at most one.
-    running: Mutex<HashMap<RecordId, Running>>,
+    running: Mutex<HashMap<RecordId, Claimed>>,
     /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
     streams: Mutex<HashMap<RecordId, Flow>>,
     /// Queued records this process will claim itself once a worker is free: offers of them

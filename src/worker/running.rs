@@ -29,7 +29,7 @@ impl CancelSignal {
 
 /// The execution of one claim of a record, as this process knows it: at most one per record,
 /// the newest claim's.
-pub(super) struct Running {
+pub(super) struct Claimed {
     token: ClaimToken,
     signal: Arc<CancelSignal>,
 }
@@ -39,7 +39,7 @@ impl Inner {
     /// an older claim's execution, if one still runs, that it is superseded.
     pub(super) fn running(&self, id: RecordId, token: ClaimToken) -> Arc<CancelSignal> {
         let signal = Arc::new(CancelSignal::default());
-        let older = lock(&self.running).insert(id, Running { token, signal: signal.clone() });
+        let older = lock(&self.running).insert(id, Claimed { token, signal: signal.clone() });
         if let Some(older) = older {
             warn!(record = %id, older = %older.token, newer = %token, "a newer claim of the record supersedes one still running here");
             older.signal.superseded.store(true, Ordering::SeqCst);

@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 use super::Inner;
 use crate::domain::RouteName;
 use crate::metrics;
-use crate::store::{AttemptEnded, Lease, Renew, StoreError};
+use crate::store::{AttemptEnded, LeaseStatus, Renew, StoreError};
 
 /// The first wait before an outcome is written again, doubled after each refusal up to
 /// [`LONGEST_WAIT`] (or a third of the lease, if shorter).
@@ -47,13 +47,13 @@ impl Inner {
             loop {
                 tokio::time::sleep(wait).await;
                 match store.attempt_ended(ended.clone()).await {
-                    Ok(Lease::Held { .. }) => {
+                    Ok(LeaseStatus::Held { .. }) => {
                         info!(record = %id, "the outcome the store could not take is stored now");
                         break;
                     }
                     // Taken over meanwhile: the store wrote it as that claim's late outcome, unless
                     // the record was settled or claimed again since, which stands.
-                    Ok(Lease::Lost) => {
+                    Ok(LeaseStatus::Lost) => {
                         info!(record = %id, "the outcome the store could not take was offered as a late outcome: the record takes it if it still awaits it");
                         break;
                     }
@@ -66,7 +66,7 @@ impl Inner {
                         warn!(record = %id, error = %e, "the store still cannot take the outcome; trying again");
                         // The claim kept alive meanwhile, where the store takes that much.
                         let renew = Renew { id, holder: ended.holder.clone(), lease, now: clock.now() };
-                        if let Ok(Lease::Lost) = store.renew(renew).await {
+                        if let Ok(LeaseStatus::Lost) = store.renew(renew).await {
                             info!(record = %id, "the claim of the outcome being written again was taken: it is offered as a late outcome");
                         }
                         wait = (wait * 2).min(longest);

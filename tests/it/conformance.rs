@@ -17,8 +17,8 @@ use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, AttemptOutcome, ClaimToken, HistoryAction, Holder, Phase, RecordId, StopReason, Timestamp};
 use idem::record::{Attempt, HistoryEntry, Record, StoredRequest, StoredResponse};
 use idem::store::{
-    self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
-    Lease, LeaseClock, NewRecord, Probed, Renew, Resolution, Resolve, Retry, Store, TakeOver, TakeOverTo,
+    self, Action, Admission, Admit, AttemptEnd, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
+    LeaseClock, LeaseStatus, NewRecord, Probed, Renew, Resolution, Resolve, Retry, Store, TakeOver, TakeOverTo,
 };
 use idem_model::store::{Answer, Op, PhaseKey, Rec, Resp, Then, Tick};
 use idem_model::walk::{walk, Write};
@@ -145,11 +145,11 @@ impl Replay<'_> {
                     detail: None,
                 });
                 let then = match then {
-                    Then::Wait => AfterAttempt::Wait { not_before: now },
-                    Then::Done(resp) => AfterAttempt::Done(StopReason::Success, response(resp)),
-                    Then::Unknown => AfterAttempt::Unknown(StopReason::UnsafeReplay),
-                    Then::Free => AfterAttempt::Free(StopReason::AttemptCap),
-                    Then::Release => AfterAttempt::Release,
+                    Then::Wait => AttemptEnd::Wait { not_before: now },
+                    Then::Done(resp) => AttemptEnd::Done(StopReason::Success, response(resp)),
+                    Then::Unknown => AttemptEnd::Unknown(StopReason::UnsafeReplay),
+                    Then::Free => AttemptEnd::Free(StopReason::AttemptCap),
+                    Then::Release => AttemptEnd::Release,
                 };
                 let ended =
                     AttemptEnded { id: self.id(), holder: Self::holder(claim), attempt, then, stream: None, now };
@@ -157,7 +157,7 @@ impl Replay<'_> {
                 let answered = self.store.attempt_ended(ended).await.unwrap();
                 let after = self.store.get(self.id()).await.unwrap().map(|r| seen(&r));
                 // A refused outcome was taken as a late one if it changed the record.
-                lease(answered, answered == Lease::Lost && before != after)
+                lease(answered, answered == LeaseStatus::Lost && before != after)
             }
             Op::TakeOver { claim, expires, in_flight, to } => {
                 let to = match to {
@@ -235,10 +235,10 @@ impl Replay<'_> {
     }
 }
 
-fn lease(lease: Lease, late: bool) -> Answer {
+fn lease(lease: LeaseStatus, late: bool) -> Answer {
     match lease {
-        Lease::Held { cancel_requested } => Answer::Held { cancel: cancel_requested },
-        Lease::Lost => Answer::Lost { late },
+        LeaseStatus::Held { cancel_requested } => Answer::Held { cancel: cancel_requested },
+        LeaseStatus::Lost => Answer::Lost { late },
     }
 }
 

@@ -126,7 +126,7 @@ impl Cluster {
     /// `key` sent by a client to `node`, which waits for the outcome.
     async fn send(&self, node: &Node, key: &str) -> tokio::sync::oneshot::Receiver<Told> {
         let route = node.live.served().route_named("payments").unwrap();
-        let admit = worker::Admit {
+        let admit = worker::Submission {
             route: &route,
             policy: route.policy_for(&"default".into(), &IdempotencyKey::parse(key).unwrap(), true),
             request: self.request(key),
@@ -630,7 +630,7 @@ mod postgres_only {
                 "a_node_whose_clock_runs_ahead_ends_no_done_records_retention_early",
             );
         }
-        use idem::store::{AfterAttempt, AttemptEnded, RouteSweep, Sweep, SweepPlan};
+        use idem::store::{AttemptEnd, AttemptEnded, RouteSweep, Sweep, SweepPlan};
         let cluster = Cluster::new(Backend::Postgres, "", LEASE).await;
         let store = cluster.db.deployed_store().await;
         let now = Timestamp::now();
@@ -647,7 +647,7 @@ mod postgres_only {
             id: admitted.id,
             holder: idem::domain::Holder { owner: "holder".into(), token: ClaimToken::FIRST },
             attempt: None,
-            then: AfterAttempt::Done(StopReason::Success, response),
+            then: AttemptEnd::Done(StopReason::Success, response),
             stream: None,
             now,
         };

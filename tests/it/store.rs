@@ -23,9 +23,9 @@ use idem::domain::{
 };
 use idem::record::{header_text, Attempt, HistoryEntry, Record, StoredRequest, StoredResponse, StreamFacts};
 use idem::store::{
-    self, Action, Admission, Admit, AfterAttempt, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
-    ClaimUnclaimed, Cursor, Lease, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve, Retry,
-    RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
+    self, Action, Admission, Admit, AttemptEnd, AttemptEnded, AttemptStarted, Cancel, Cancelled, Claim, ClaimQueued,
+    ClaimUnclaimed, Cursor, LeaseStatus, ListFilter, NewRecord, Notice, Probed, ProbesDue, Renew, Resolution, Resolve,
+    Retry, RouteSweep, Store, Sweep, SweepPlan, TakeOver, TakeOverTo,
 };
 use tokio::sync::broadcast;
 use uuid::Uuid;
@@ -253,7 +253,7 @@ async fn unknown(store: &Arc<dyn Store>, new: NewRecord) -> Record {
             id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "ambiguous", None)),
-            then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+            then: AttemptEnd::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(100),
             stream: None,
         })
@@ -274,7 +274,7 @@ async fn done(store: &Arc<dyn Store>, new: NewRecord, done_at: Timestamp) -> Rec
             id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
-            then: AfterAttempt::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
+            then: AttemptEnd::Done(StopReason::Success, response(201, b"{\"ok\":true}")),
             now: done_at,
             stream: None,
         })
@@ -294,7 +294,7 @@ async fn free(store: &Arc<dyn Store>, new: NewRecord) -> Record {
             id: record.id,
             holder: holder(&record, WORKER),
             attempt: None,
-            then: AfterAttempt::Free(StopReason::Deadline),
+            then: AttemptEnd::Free(StopReason::Deadline),
             now: T0 + ms(100),
             stream: None,
         })

@@ -10,7 +10,7 @@ use idem::domain::StopReason;
 use idem::domain::{AttemptOutcome, ClaimToken, Holder, RecordId, State, Timestamp};
 use idem::record::{Attempt, StoredRequest, StoredResponse};
 use idem::store::recorded::Reader;
-use idem::store::{Admit, AfterAttempt, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
+use idem::store::{Admit, AttemptEnd, AttemptEnded, AttemptStarted, Claim, NewRecord, Store};
 
 const T0: Timestamp = Timestamp::from_millis(1_700_000_000_000);
 
@@ -63,7 +63,7 @@ fn attempt(number: u32, started_at: Timestamp, status: u16, retry_after_ms: Opti
 async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
     let id = admitted(store, "payments", key, at, true).await;
     let first = attempt(1, at, 503, Some(100));
-    let wait = AfterAttempt::Wait { not_before: at + ms(120) };
+    let wait = AttemptEnd::Wait { not_before: at + ms(120) };
     store
         .attempt_ended(AttemptEnded {
             id,
@@ -88,7 +88,7 @@ async fn salvaged(store: &dyn Store, key: &str, at: Timestamp) -> Vec<Attempt> {
         .await
         .unwrap();
     let second = attempt(2, at + ms(120), 200, None);
-    let done = AfterAttempt::Done(
+    let done = AttemptEnd::Done(
         StopReason::Success,
         StoredResponse { status: 200, headers: vec![], body: Bytes::from_static(b"ok") },
     );
@@ -127,7 +127,7 @@ async fn a_routes_requests_since_a_time_are_read_oldest_first_with_their_attempt
     admitted(&*store, "payments", "c-sending", T0 + ms(30), true).await;
     // A key freed after one attempt and sent again by its client: one record, two executions.
     let freed = admitted(&*store, "payments", "d-freed", T0 + ms(40), true).await;
-    let free = AfterAttempt::Free(StopReason::AttemptCap);
+    let free = AttemptEnd::Free(StopReason::AttemptCap);
     store
         .attempt_ended(AttemptEnded {
             id: freed,

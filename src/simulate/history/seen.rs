@@ -9,13 +9,13 @@ use std::time::Duration;
 use crate::domain::AttemptError;
 use crate::domain::Timestamp;
 use crate::record::Attempt;
-use crate::simulate::{Outcome, Scripted, Upstream};
+use crate::simulate::{AttemptSource, Encounter, Scripted};
 
 /// One recorded attempt: when it started after the request's arrival, and what it met.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Seen {
     pub start: Duration,
-    pub outcome: Outcome,
+    pub outcome: Encounter,
     /// No answer came within its limit: what would have come later is unknown.
     pub timed_out: bool,
 }
@@ -106,7 +106,7 @@ pub(super) fn script(created_at: Timestamp, attempts: &[Attempt], cancelled: boo
 }
 
 /// An outcome, with its text in the script syntax of `--outcomes`.
-fn outcome(after: Duration, result: Scripted, retry_after: Option<Duration>, cancel: bool) -> Outcome {
+fn outcome(after: Duration, result: Scripted, retry_after: Option<Duration>, cancel: bool) -> Encounter {
     let mut text = format!("{}ms:", after.as_millis());
     match result {
         Scripted::Status(status) => text.push_str(&status.to_string()),
@@ -120,7 +120,7 @@ fn outcome(after: Duration, result: Scripted, retry_after: Option<Duration>, can
     if cancel {
         text.push_str(" cancel");
     }
-    Outcome { text, after, result, retry_after, cancel }
+    Encounter { text, after, result, retry_after, cancel }
 }
 
 /// A recorded request's attempts as the simulator's upstream, counting what it had to assume.
@@ -130,8 +130,8 @@ pub(super) struct History<'a> {
     pub unobserved: &'a mut Unobserved,
 }
 
-impl Upstream for History<'_> {
-    fn outcome(&mut self, number: u32, at: Duration, limit: Duration) -> Option<Outcome> {
+impl AttemptSource for History<'_> {
+    fn outcome(&mut self, number: u32, at: Duration, limit: Duration) -> Option<Encounter> {
         // The latest recorded attempt that started no later than this one, and never one
         // numbered after it: what the upstream was last seen doing.
         let index = (number as usize).checked_sub(1)?;
@@ -148,7 +148,7 @@ impl Upstream for History<'_> {
 }
 
 impl History<'_> {
-    fn assumed(&self, basis: &Seen, limit: Duration) -> Outcome {
+    fn assumed(&self, basis: &Seen, limit: Duration) -> Encounter {
         let o = &basis.outcome;
         match self.assume {
             Assume::Last if basis.timed_out => outcome(limit.max(o.after), o.result, None, false),

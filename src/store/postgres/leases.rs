@@ -10,7 +10,7 @@ use sqlx::Row;
 
 use crate::domain::{ClaimToken, Phase};
 use crate::record::{transition, Event};
-use crate::store::{span_ms, AttemptStarted, ClaimQueued, Lease, LeaseClock, Renew, StoreError};
+use crate::store::{span_ms, AttemptStarted, ClaimQueued, LeaseClock, LeaseStatus, Renew, StoreError};
 
 /// Takes a queued record.
 pub(super) const CLAIM: &str = "
@@ -54,10 +54,10 @@ pub(super) async fn claim(
     Ok(token.map(ClaimToken))
 }
 
-fn lease_of(row: Option<PgRow>) -> Result<Lease, StoreError> {
+fn lease_of(row: Option<PgRow>) -> Result<LeaseStatus, StoreError> {
     Ok(match row {
-        Some(row) => Lease::Held { cancel_requested: row.try_get("cancel_requested")? },
-        None => Lease::Lost,
+        Some(row) => LeaseStatus::Held { cancel_requested: row.try_get("cancel_requested")? },
+        None => LeaseStatus::Lost,
     })
 }
 
@@ -65,7 +65,7 @@ pub(super) async fn attempt_started(
     pool: &PgPool,
     clock: LeaseClock,
     started: AttemptStarted,
-) -> Result<Lease, StoreError> {
+) -> Result<LeaseStatus, StoreError> {
     let AttemptStarted { id, holder, number, started_at, lease, reach, policy_version } = started;
     let row = sqlx::query(ATTEMPT_STARTED)
         .bind(id.to_string())
@@ -81,7 +81,7 @@ pub(super) async fn attempt_started(
     lease_of(row)
 }
 
-pub(super) async fn renew(pool: &PgPool, clock: LeaseClock, renew: Renew) -> Result<Lease, StoreError> {
+pub(super) async fn renew(pool: &PgPool, clock: LeaseClock, renew: Renew) -> Result<LeaseStatus, StoreError> {
     let Renew { id, holder, lease, now } = renew;
     let row = sqlx::query(RENEW)
         .bind(id.to_string())

@@ -56,8 +56,8 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice, Page, Probed,
-    ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseClock, LeaseStatus, ListFilter, Notice, Page,
+    Probed, ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::config::Durability;
 use crate::domain::key::IdempotencyKey;
@@ -286,15 +286,15 @@ impl Store for PostgresStore {
         leases::claim(&self.pool, self.clock, claim).await
     }
 
-    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<LeaseStatus, StoreError> {
         leases::attempt_started(&self.pool, self.clock, started).await
     }
 
-    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<LeaseStatus, StoreError> {
         self.outcomes.attempt_ended(ended).await
     }
 
-    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+    async fn renew(&self, renew: Renew) -> Result<LeaseStatus, StoreError> {
         leases::renew(&self.pool, self.clock, renew).await
     }
 

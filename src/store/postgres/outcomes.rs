@@ -14,12 +14,12 @@ use super::lanes::{Lanes, Reply, LANES, MAX_BATCH};
 use super::rows::{one_element, record_id};
 use crate::domain::RecordId;
 use crate::domain::StopReason;
-use crate::store::{AttemptEnded, Lease, LeaseClock, StoreError, Stored};
+use crate::store::{AttemptEnded, LeaseClock, LeaseStatus, StoreError, Stored};
 
 /// One attempt's outcome, waiting for its batch.
 struct Ending {
     ended: AttemptEnded,
-    reply: Reply<Lease>,
+    reply: Reply<LeaseStatus>,
 }
 
 pub(super) struct Outcomes {
@@ -32,7 +32,7 @@ impl Outcomes {
     }
 
     /// Stores where the record goes after the attempt, if its owner still holds its lease.
-    pub(super) async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+    pub(super) async fn attempt_ended(&self, ended: AttemptEnded) -> Result<LeaseStatus, StoreError> {
         // Refused here, to its own caller, rather than failing a batch.
         ended.then.stored()?;
         self.lanes.ask(|reply| Ending { ended, reply }).await
@@ -65,7 +65,7 @@ async fn store_alone(pool: PgPool, clock: LeaseClock, ending: Ending) {
 /// Answers an outcome as its batch stored it, after trying a refused one as a late outcome.
 async fn answer(pool: &PgPool, clock: LeaseClock, ending: Ending, ended: &Result<HashMap<RecordId, bool>, StoreError>) {
     let lease = lease(ended, ending.ended.id);
-    if let Ok(Lease::Lost) = lease {
+    if let Ok(LeaseStatus::Lost) = lease {
         if let Err(e) = late_outcome(pool, clock, &ending.ended).await {
             let _ = ending.reply.send(Err(e));
             return;
@@ -106,11 +106,11 @@ async fn late_outcome(pool: &PgPool, clock: LeaseClock, ended: &AttemptEnded) ->
     Ok(done.rows_affected() == 1)
 }
 
-fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> Result<Lease, StoreError> {
+fn lease(ended: &Result<HashMap<RecordId, bool>, StoreError>, id: RecordId) -> Result<LeaseStatus, StoreError> {
     match ended {
         Ok(ended) => Ok(match ended.get(&id) {
-            Some(&cancel_requested) => Lease::Held { cancel_requested },
-            None => Lease::Lost,
+            Some(&cancel_requested) => LeaseStatus::Held { cancel_requested },
+            None => LeaseStatus::Lost,
         }),
         Err(e) => Err(e.clone()),
     }

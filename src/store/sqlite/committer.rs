@@ -17,7 +17,8 @@ use crate::domain::{ClaimToken, Timestamp};
 use crate::record::Record;
 use crate::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
-    ClaimUnclaimed, ClearSwitch, Lease, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimUnclaimed, ClearSwitch, LeaseStatus, Probed, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared,
+    TakeOver,
 };
 
 pub(super) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
@@ -48,9 +49,9 @@ macro_rules! writes {
 writes! {
     Admit(Admit) -> Admission = writes::admit;
     Claim(ClaimQueued) -> Option<ClaimToken> = writes::claim;
-    AttemptStarted(AttemptStarted) -> Lease = writes::attempt_started;
-    AttemptEnded(AttemptEnded) -> Lease = writes::attempt_ended;
-    Renew(Renew) -> Lease = writes::renew;
+    AttemptStarted(AttemptStarted) -> LeaseStatus = writes::attempt_started;
+    AttemptEnded(AttemptEnded) -> LeaseStatus = writes::attempt_ended;
+    Renew(Renew) -> LeaseStatus = writes::renew;
     Cancel(Cancel) -> Cancelled = writes::cancel;
     Resolve(Resolve) -> Action = actions::resolve;
     Retry(Retry) -> Action = actions::retry;

@@ -36,8 +36,8 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Page, Probed, ProbesDue, Renew,
-    Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseStatus, ListFilter, Page, Probed, ProbesDue,
+    Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use crate::config::{Durability, Synchronous};
 use crate::domain::key::IdempotencyKey;
@@ -273,15 +273,15 @@ impl Store for SqliteStore {
         self.write(|r| Write::Claim(claim, r)).await
     }
 
-    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<LeaseStatus, StoreError> {
         self.write(|r| Write::AttemptStarted(started, r)).await
     }
 
-    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<LeaseStatus, StoreError> {
         self.write(|r| Write::AttemptEnded(ended, r)).await
     }
 
-    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+    async fn renew(&self, renew: Renew) -> Result<LeaseStatus, StoreError> {
         self.write(|r| Write::Renew(renew, r)).await
     }
 

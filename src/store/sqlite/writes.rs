@@ -8,8 +8,8 @@ use crate::domain::StopReason;
 use crate::domain::{ClaimToken, Phase, RecordId, Timestamp};
 use crate::record::{transition, Event, Record};
 use crate::store::{
-    span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed, Lease,
-    Overwrite, Renew, StoreError, Stored, Sweep, TakeOver,
+    span_ms, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued, ClaimUnclaimed,
+    LeaseStatus, Overwrite, Renew, StoreError, Stored, Sweep, TakeOver,
 };
 
 /// The one row `sql` returns, decoded, if any.
@@ -145,16 +145,21 @@ pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<Clai
 /// the write's own values) found it: lost if no row changed, else held, with the record's cancel
 /// flag read back. The flag is read by a statement of its own rather than by `RETURNING`, which
 /// SQLite serves through a temporary table it builds and drops per statement.
-fn lease_update(conn: &Connection, update: &str, params: impl rusqlite::Params, id: &str) -> Result<Lease, StoreError> {
+fn lease_update(
+    conn: &Connection,
+    update: &str,
+    params: impl rusqlite::Params,
+    id: &str,
+) -> Result<LeaseStatus, StoreError> {
     if conn.prepare_cached(update)?.execute(params)? == 0 {
-        return Ok(Lease::Lost);
+        return Ok(LeaseStatus::Lost);
     }
     let cancel_requested =
         conn.prepare_cached("SELECT cancel_requested FROM records WHERE id = ?1")?.query_row([id], |row| row.get(0))?;
-    Ok(Lease::Held { cancel_requested })
+    Ok(LeaseStatus::Held { cancel_requested })
 }
 
-pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<Lease, StoreError> {
+pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<LeaseStatus, StoreError> {
     let AttemptStarted { id, holder, number, started_at, lease, reach, policy_version } = started;
     let id = id.to_string();
     lease_update(
@@ -170,9 +175,9 @@ pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Res
 
 /// Stores an outcome under its claim; refused under another, unless it is the late outcome of
 /// the attempt its claim's take-over left `lost` (see [`AttemptEnded::late`]).
-pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Lease, StoreError> {
+pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<LeaseStatus, StoreError> {
     let lease = outcome(conn, &ended)?;
-    if lease == Lease::Lost {
+    if lease == LeaseStatus::Lost {
         late_outcome(conn, &ended)?;
     }
     Ok(lease)
@@ -185,7 +190,7 @@ pub(super) fn attempt_ended(conn: &Connection, ended: AttemptEnded) -> Result<Le
 /// covers that one too, and stays. An ambiguous outcome (a gateway's 504, a timeout, a cut
 /// connection) keeps the whole bound: the request may still take effect within it. (Any time not
 /// later than the bound will do for an attempt that has ended, so the node's clock serves.)
-fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<Lease, StoreError> {
+fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<LeaseStatus, StoreError> {
     let ends = ended.ends_its_attempt();
     let AttemptEnded { id, holder, attempt, then, stream, now } = ended;
     let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
@@ -258,7 +263,7 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
     Ok(changed == 1)
 }
 
-pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<Lease, StoreError> {
+pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<LeaseStatus, StoreError> {
     let Renew { id, holder, lease, now } = renew;
     let id = id.to_string();
     lease_update(

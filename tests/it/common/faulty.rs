@@ -15,8 +15,8 @@ use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
-    ClaimUnclaimed, ClearSwitch, DurabilityInForce, Lease, ListFilter, Notice, Page, Probed, ProbesDue, Renew, Resolve,
-    Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseStatus, ListFilter, Notice, Page, Probed, ProbesDue, Renew,
+    Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -172,7 +172,7 @@ impl Store for Faulty {
         self.inner.claim(claim).await
     }
 
-    async fn attempt_started(&self, started: AttemptStarted) -> Result<Lease, StoreError> {
+    async fn attempt_started(&self, started: AttemptStarted) -> Result<LeaseStatus, StoreError> {
         self.faults.reachable()?;
         let marked = self.inner.attempt_started(started).await;
         self.faults.counted(&self.faults.marks);
@@ -183,13 +183,13 @@ impl Store for Faulty {
         marked
     }
 
-    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<Lease, StoreError> {
+    async fn attempt_ended(&self, ended: AttemptEnded) -> Result<LeaseStatus, StoreError> {
         self.faults.counted(&self.faults.outcomes);
         self.faults.reachable()?;
         self.inner.attempt_ended(ended).await
     }
 
-    async fn renew(&self, renew: Renew) -> Result<Lease, StoreError> {
+    async fn renew(&self, renew: Renew) -> Result<LeaseStatus, StoreError> {
         self.faults.counted(&self.faults.renews);
         self.faults.reachable()?;
         loop {

@@ -32,7 +32,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
             })
             .await
             .unwrap(),
-        Lease::Lost
+        LeaseStatus::Lost
     );
     // A duplicate sees it in progress; it is not admitted twice.
     assert!(
@@ -47,7 +47,7 @@ pub(super) async fn an_admission_with_a_claim_is_recorded_in_progress_with_its_f
             id: first.id,
             holder: holder(&first, WORKER),
             attempt: None,
-            then: AfterAttempt::Free(StopReason::AttemptCap),
+            then: AttemptEnd::Free(StopReason::AttemptCap),
             now: T0 + ms(5),
             stream: None,
         })

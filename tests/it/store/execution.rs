@@ -44,27 +44,27 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             })
             .await
             .unwrap(),
-        Lease::Lost
+        LeaseStatus::Lost
     );
     assert_eq!(
         store
             .renew(Renew { id: record.id, holder: intruder(&record, thief), lease: ms(98_990), now: T0 + ms(10) })
             .await
             .unwrap(),
-        Lease::Lost
+        LeaseStatus::Lost
     );
     let ended = store
         .attempt_ended(AttemptEnded {
             id: record.id,
             holder: intruder(&record, thief),
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
-            then: AfterAttempt::Done(StopReason::Success, response(200, b"stolen")),
+            then: AttemptEnd::Done(StopReason::Success, response(200, b"stolen")),
             now: T0 + ms(20),
             stream: None,
         })
         .await
         .unwrap();
-    assert_eq!(ended, Lease::Lost);
+    assert_eq!(ended, LeaseStatus::Lost);
     let unchanged = fetch(&store, record.id).await;
     assert_eq!(unchanged.phase(), Phase::InProgress);
     assert_eq!(unchanged.lease, record.lease);
@@ -72,7 +72,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
 
     // The holder is told it holds it, and its lease moves.
     let held = store.attempt_started(started(&record, 1, T0 + ms(10), T0 + ms(20_000))).await.unwrap();
-    assert_eq!(held, Lease::Held { cancel_requested: false });
+    assert_eq!(held, LeaseStatus::Held { cancel_requested: false });
     let record = fetch(&store, record.id).await;
     assert_eq!(record.in_flight, Some((1, T0 + ms(10))));
     assert_eq!(record.lease.as_ref().map(|l| l.expires_at), Some(T0 + ms(20_000)));
@@ -91,7 +91,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             id: record.id,
             holder: holder(&record, WORKER),
             attempt: None,
-            then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+            then: AttemptEnd::Unknown(StopReason::UnsafeReplay),
             now: T0 + ms(30),
             stream: None,
         })
@@ -103,7 +103,7 @@ pub(super) async fn a_worker_that_does_not_hold_the_lease_is_told_it_lost_it(bac
             .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: ms(29_969), now: T0 + ms(31) })
             .await
             .unwrap(),
-        Lease::Lost
+        LeaseStatus::Lost
     );
 }
 
@@ -117,7 +117,7 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
 
     let first = attempt(1, T0 + ms(10), "not_executed", Some(503));
     assert!(store.attempt_started(started(&record, 1, T0 + ms(10), T0 + LEASE)).await.unwrap().is_held());
-    let wait = AfterAttempt::Wait { not_before: T0 + ms(250) };
+    let wait = AttemptEnd::Wait { not_before: T0 + ms(250) };
     let lease = store
         .attempt_ended(AttemptEnded {
             id: record.id,
@@ -148,13 +148,13 @@ pub(super) async fn a_done_attempt_stores_the_response_byte_for_byte_and_the_att
             id: record.id,
             holder: holder(&record, WORKER),
             attempt: Some(second.clone()),
-            then: AfterAttempt::Done(StopReason::Success, answer.clone()),
+            then: AttemptEnd::Done(StopReason::Success, answer.clone()),
             now: T0 + ms(320),
             stream: None,
         })
         .await
         .unwrap();
-    assert_eq!(lease, Lease::Held { cancel_requested: false });
+    assert_eq!(lease, LeaseStatus::Held { cancel_requested: false });
 
     let done = fetch(&store, record.id).await;
     assert_eq!(done.phase(), Phase::Done);
@@ -205,7 +205,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
             .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: LEASE - ms(5), now: T0 + ms(5) })
             .await
             .unwrap(),
-        Lease::Held { cancel_requested: false }
+        LeaseStatus::Held { cancel_requested: false }
     );
     let note = entry("operator", HistoryAction::Cancel, T0 + ms(50));
     let flagged = match store.cancel(Cancel { id: record.id, entry: note.clone() }).await.unwrap() {
@@ -220,7 +220,7 @@ pub(super) async fn cancelling_an_in_progress_record_asks_its_worker_to_stop(bac
             .renew(Renew { id: record.id, holder: holder(&record, WORKER), lease: LEASE - ms(60), now: T0 + ms(60) })
             .await
             .unwrap(),
-        Lease::Held { cancel_requested: true }
+        LeaseStatus::Held { cancel_requested: true }
     );
     assert!(store.attempt_started(started(&record, 2, T0 + ms(70), T0 + LEASE)).await.unwrap().cancel_requested());
 }
@@ -327,7 +327,7 @@ pub(super) async fn each_attempt_keeps_the_policy_version_it_was_sent_under(back
     assert_eq!(record.policy_version.as_deref(), Some(old));
     assert_eq!(fetch(&store, record.id).await.policy_version.as_deref(), Some(old));
     let first = Attempt { policy_version: Some(old.into()), ..attempt(1, T0, "not_executed", Some(503)) };
-    let then = AfterAttempt::Wait { not_before: T0 + ms(100) };
+    let then = AttemptEnd::Wait { not_before: T0 + ms(100) };
     assert!(store
         .attempt_ended(AttemptEnded {
             id: record.id,
@@ -389,7 +389,7 @@ async fn sent(
     at: Timestamp,
     version: &str,
     status: u16,
-    then: AfterAttempt,
+    then: AttemptEnd,
 ) {
     let holder = holder(&fetch(store, id).await, WORKER);
     assert!(store
@@ -424,8 +424,8 @@ async fn sent(
 pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(backend: Backend) {
     let (store, _db) = store_on(backend).await;
     let (control, canary) = ("cccccccccccc", "dddddddddddd");
-    let done = || AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
-    let retry = |at: Timestamp| AfterAttempt::Wait { not_before: at };
+    let done = || AttemptEnd::Done(StopReason::Success, response(201, b"{}"));
+    let retry = |at: Timestamp| AttemptEnd::Wait { not_before: at };
 
     // The canary: a 503 then a success, two attempts for one request.
     let salvaged = in_progress(&store, request("default", "salvaged", BODY)).await;
@@ -436,7 +436,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     // record, two executions.
     let freed = request("default", "freed", BODY);
     let first = in_progress(&store, freed.clone()).await;
-    sent(&store, first.id, 1, T0 + ms(10), control, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+    sent(&store, first.id, 1, T0 + ms(10), control, 503, AttemptEnd::Free(StopReason::AttemptCap)).await;
     let again = NewRecord { id: RecordId::new(), now: T0 + ms(500), ..freed };
     assert!(matches!(
         store.admit(Admit { new: again, retention_cutoff: Timestamp::EPOCH }).await.unwrap(),
@@ -467,7 +467,7 @@ pub(super) async fn a_canarys_sides_count_settled_executions_by_policy_version(b
     let elsewhere = in_progress(&store, request_on("emails", "default", "elsewhere", BODY, T0)).await;
     sent(&store, elsewhere.id, 1, T0 + ms(10), control, 201, done()).await;
     let early = in_progress(&store, request_on("payments", "default", "early", BODY, T0 - ms(10_000))).await;
-    sent(&store, early.id, 1, T0 + ms(10), canary, 503, AfterAttempt::Free(StopReason::AttemptCap)).await;
+    sent(&store, early.id, 1, T0 + ms(10), canary, 503, AttemptEnd::Free(StopReason::AttemptCap)).await;
 
     let mut sides = store.sides(&"payments".into(), T0 - ms(1_000)).await.unwrap();
     sides.sort_by(|a, b| a.policy_version.cmp(&b.policy_version));
@@ -484,7 +484,7 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
     let (store, _db) = store_on(backend).await;
     let facts = StreamFacts { bytes: 431, stored: true, cut_at: Some(431), first_byte_ms: 12, duration_ms: 950 };
     let record = in_progress(&store, request("default", "streamed", BODY)).await;
-    let ended = |holder: Holder, then: AfterAttempt, stream: Option<StreamFacts>| AttemptEnded {
+    let ended = |holder: Holder, then: AttemptEnd, stream: Option<StreamFacts>| AttemptEnded {
         id: record.id,
         holder,
         attempt: Some(attempt(1, T0 + ms(10), "success", Some(200))),
@@ -493,13 +493,13 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
         stream,
     };
     store.attempt_started(started(&record, 1, T0 + ms(10), T0 + ms(20_000))).await.unwrap();
-    let waiting = AfterAttempt::Wait { not_before: T0 + ms(25) };
+    let waiting = AttemptEnd::Wait { not_before: T0 + ms(25) };
     let thief = ended(intruder(&record, "node-b/worker-9"), waiting.clone(), Some(facts.clone()));
-    assert_eq!(store.attempt_ended(thief).await.unwrap(), Lease::Lost);
+    assert_eq!(store.attempt_ended(thief).await.unwrap(), LeaseStatus::Lost);
     assert_eq!(fetch(&store, record.id).await.stream, None, "nothing stored without the lease");
 
     let mine = ended(holder(&record, WORKER), waiting.clone(), Some(facts.clone()));
-    assert!(matches!(store.attempt_ended(mine).await.unwrap(), Lease::Held { .. }));
+    assert!(matches!(store.attempt_ended(mine).await.unwrap(), LeaseStatus::Held { .. }));
     assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()));
     store.attempt_ended(ended(holder(&record, WORKER), waiting, None)).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.stream, Some(facts.clone()), "an outcome without facts keeps them");
@@ -507,7 +507,7 @@ pub(super) async fn a_streamed_answers_facts_are_stored_with_its_outcome(backend
     store.attempt_started(started(&record, 2, T0 + ms(30), T0 + ms(20_000))).await.unwrap();
     assert_eq!(fetch(&store, record.id).await.stream, None, "a new attempt clears them");
 
-    let done = AfterAttempt::Done(StopReason::Success, response(200, b"data: [DONE]\n\n"));
+    let done = AttemptEnd::Done(StopReason::Success, response(200, b"data: [DONE]\n\n"));
     store.attempt_ended(ended(holder(&record, WORKER), done, Some(facts.clone()))).await.unwrap();
     let record = fetch(&store, record.id).await;
     assert_eq!(record.phase(), Phase::Done);

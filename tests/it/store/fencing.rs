@@ -36,18 +36,18 @@ async fn assert_every_write_refused(store: &Arc<dyn Store>, record: &Record, hol
         reach: REACH,
         policy_version: VERSION.into(),
     };
-    assert_eq!(store.attempt_started(started).await.unwrap(), Lease::Lost, "a stale claim marks no attempt");
+    assert_eq!(store.attempt_started(started).await.unwrap(), LeaseStatus::Lost, "a stale claim marks no attempt");
     let renew = Renew { id: record.id, holder: holder.clone(), lease: LEASE, now: at };
-    assert_eq!(store.renew(renew).await.unwrap(), Lease::Lost, "nor renews");
+    assert_eq!(store.renew(renew).await.unwrap(), LeaseStatus::Lost, "nor renews");
     let outcomes = [
-        (Some(attempt(1, at, "success", Some(201))), AfterAttempt::Done(StopReason::Success, response(201, b"twice"))),
-        (Some(attempt(1, at, "not_executed", Some(503))), AfterAttempt::Wait { not_before: at + ms(100) }),
-        (None, AfterAttempt::Free(StopReason::Cancelled)),
-        (None, AfterAttempt::Release),
+        (Some(attempt(1, at, "success", Some(201))), AttemptEnd::Done(StopReason::Success, response(201, b"twice"))),
+        (Some(attempt(1, at, "not_executed", Some(503))), AttemptEnd::Wait { not_before: at + ms(100) }),
+        (None, AttemptEnd::Free(StopReason::Cancelled)),
+        (None, AttemptEnd::Release),
     ];
     for (attempt, then) in outcomes {
         let ended = AttemptEnded { id: record.id, holder: holder.clone(), attempt, then, stream: None, now: at };
-        assert_eq!(store.attempt_ended(ended).await.unwrap(), Lease::Lost, "nor stores an outcome");
+        assert_eq!(store.attempt_ended(ended).await.unwrap(), LeaseStatus::Lost, "nor stores an outcome");
     }
     let after = fetch(store, record.id).await;
     assert_eq!(format!("{after:#?}"), format!("{before:#?}"), "a stale claim's writes change nothing");
@@ -80,7 +80,7 @@ pub(super) async fn a_claim_taken_over_and_given_again_fences_off_every_write_of
         id: record.id,
         holder: current,
         attempt: Some(attempt(1, T0 + LEASE + ms(5), "success", Some(201))),
-        then: AfterAttempt::Done(StopReason::Success, response(201, b"once")),
+        then: AttemptEnd::Done(StopReason::Success, response(201, b"once")),
         stream: None,
         now: T0 + LEASE + ms(20),
     };
@@ -138,7 +138,7 @@ async fn lost_in_flight(store: &Arc<dyn Store>, key: &str) -> Record {
 }
 
 /// The outcome of attempt `number` under `record`'s claim, arriving at `now`.
-fn late(record: &Record, number: u32, outcome: &str, status: Option<u16>, then: AfterAttempt) -> AttemptEnded {
+fn late(record: &Record, number: u32, outcome: &str, status: Option<u16>, then: AttemptEnd) -> AttemptEnded {
     AttemptEnded {
         id: record.id,
         holder: holder(record, "node-a"),
@@ -157,9 +157,9 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // A final answer: done, with the upstream's response, the lost attempt replaced by it.
     let record = lost_in_flight(&store, "answered").await;
-    let answered = AfterAttempt::Done(StopReason::Success, response(201, b"{\"id\":\"ch_1\"}"));
+    let answered = AttemptEnd::Done(StopReason::Success, response(201, b"{\"id\":\"ch_1\"}"));
     let ended = late(&record, 1, "success", Some(201), answered.clone());
-    assert_eq!(store.attempt_ended(ended).await.unwrap(), Lease::Lost, "the worker's claim is over all the same");
+    assert_eq!(store.attempt_ended(ended).await.unwrap(), LeaseStatus::Lost, "the worker's claim is over all the same");
     let settled = fetch(&store, record.id).await;
     assert_eq!(settled.phase(), Phase::Done);
     assert_eq!(settled.response.as_ref().map(|r| (r.status, r.body.clone())), Some((201, "{\"id\":\"ch_1\"}".into())));
@@ -176,7 +176,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
 
     // An answer that says nothing executed: the key is free.
     let record = lost_in_flight(&store, "refused").await;
-    let retry = AfterAttempt::Wait { not_before: T0 + LEASE + ms(900) };
+    let retry = AttemptEnd::Wait { not_before: T0 + LEASE + ms(900) };
     store.attempt_ended(late(&record, 1, "not_executed", Some(503), retry)).await.unwrap();
     let freed = fetch(&store, record.id).await;
     assert_eq!((freed.phase(), freed.response.is_none()), (Phase::Free, true));
@@ -185,7 +185,7 @@ pub(super) async fn a_late_outcome_of_the_attempt_lost_in_flight_settles_its_unk
     // An answer that cannot tell: still unknown, but with what was seen instead of "lost" — and
     // so no second late outcome can apply.
     let record = lost_in_flight(&store, "unsure").await;
-    let unsure = AfterAttempt::Unknown(StopReason::UnsafeReplay);
+    let unsure = AttemptEnd::Unknown(StopReason::UnsafeReplay);
     store.attempt_ended(late(&record, 1, "ambiguous", None, unsure)).await.unwrap();
     let still = fetch(&store, record.id).await;
     assert_eq!((still.phase(), still.attempts[0].outcome), (Phase::Unknown, AttemptOutcome::Ambiguous));
@@ -239,7 +239,7 @@ pub(super) async fn a_probe_of_an_earlier_claim_does_not_settle_a_later_executio
         id: read.id,
         holder: current,
         attempt: Some(attempt(2, T0 + LEASE, "ambiguous", None)),
-        then: AfterAttempt::Unknown(StopReason::UnsafeReplay),
+        then: AttemptEnd::Unknown(StopReason::UnsafeReplay),
         stream: None,
         now: T0 + LEASE + ms(100),
     };

@@ -42,7 +42,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
             id: record.id,
             holder: Holder { owner: WORKER.into(), token },
             attempt: Some(attempt(1, T0 + ms(10), "success", Some(201))),
-            then: AfterAttempt::Done(StopReason::Success, response(201, b"{}")),
+            then: AttemptEnd::Done(StopReason::Success, response(201, b"{}")),
             now: T0 + ms(20),
             stream: None,
         })
@@ -54,7 +54,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     // A record nobody watches settles quietly: announcing every one would serialise commits.
     let mut audit = other.notices().expect("PostgreSQL announces changes");
     let quiet = in_progress(&store, request("default", "quiet", BODY)).await;
-    let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
+    let done = AttemptEnd::Done(StopReason::Success, response(201, b"{}"));
     store
         .attempt_ended(AttemptEnded {
             id: quiet.id,
@@ -84,7 +84,7 @@ pub(super) async fn notices_announce_queued_and_settled_records_to_every_process
     assert!(!heard.contains(&Notice::Settled(quiet.id)), "an unwatched record was announced: {heard:?}");
     let retried = in_progress(&store, request("default", "retried", BODY)).await;
     other.watch(retried.id).await.unwrap();
-    let unsure = AfterAttempt::Unknown(StopReason::UnsafeReplay);
+    let unsure = AttemptEnd::Unknown(StopReason::UnsafeReplay);
     store
         .attempt_ended(AttemptEnded {
             id: retried.id,

@@ -270,7 +270,7 @@ pub(super) async fn the_take_over_count_survives_a_requeue_and_starts_afresh_for
         .await
         .unwrap()
         .expect("queued again, claimed again");
-    let done = AfterAttempt::Done(StopReason::Success, response(201, b"{}"));
+    let done = AttemptEnd::Done(StopReason::Success, response(201, b"{}"));
     assert!(store
         .attempt_ended(AttemptEnded {
             id: finished.id,

@@ -9,9 +9,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, Registry};
 
-#[path = "main/args.rs"]
 mod args;
-#[path = "main/manual.rs"]
 mod manual;
 
 use args::{requests_command, switch_command, Cli, Command, LogFormat};

@@ -396,12 +396,12 @@ pub(super) fn requests_command(action: RequestsAction) -> Result<cli::Command, c
         RequestsAction::Show { id } => cli::Command::Show { id },
         RequestsAction::Resolve { id, executed, not_executed, status, headers, body, note } => {
             let outcome = match (executed, not_executed, status) {
-                (true, false, Some(status)) => cli::Outcome::Executed {
+                (true, false, Some(status)) => cli::Finding::Executed {
                     status,
                     headers: headers.iter().map(|h| cli::parse_header(h)).collect::<Result<_, _>>()?,
                     body,
                 },
-                (false, true, _) => cli::Outcome::NotExecuted,
+                (false, true, _) => cli::Finding::NotExecuted,
                 _ => {
                     return Err(cli::CliError::Usage(
                         "say --executed --status N [--header …] [--body …], or --not-executed".into(),

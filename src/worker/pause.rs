@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::attempts::{End, HandBack, Job};
 use super::Inner;
 use crate::domain::StopReason;
-use crate::store::Lease;
+use crate::store::LeaseStatus;
 
 /// How a wait ended, which decides how the execution goes on.
 pub(super) enum WaitEnd {
@@ -70,9 +70,9 @@ impl Inner {
             if tokio::time::Instant::now() < until {
                 let (now, sent) = (self.clock.now(), crate::clock::Moment::now());
                 match self.store.renew(self.renewal(id, job.holder, now)).await {
-                    Ok(Lease::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
-                    Ok(Lease::Held { cancel_requested: false }) => job.trust.renewed(sent, self.trust()),
-                    Ok(Lease::Lost) => return WaitEnd::Lost,
+                    Ok(LeaseStatus::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
+                    Ok(LeaseStatus::Held { cancel_requested: false }) => job.trust.renewed(sent, self.trust()),
+                    Ok(LeaseStatus::Lost) => return WaitEnd::Lost,
                     // The next attempt's mark is a write under the claim too: it finds out.
                     Err(_) => {}
                 }
