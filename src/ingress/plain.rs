@@ -26,20 +26,10 @@ impl Ingress {
         };
         let mut headers = upstream::forwardable_request_headers(&parts.headers, true);
         upstream::forward(&mut headers, parts.extensions.get(), &config.server.forwarded);
-        let mut credentials = route.upstream_headers.clone();
-        if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
-            credentials.insert(header::AUTHORIZATION, credential.clone());
-        }
+        let mut credentials = upstream::route_credentials(route, parts.headers.get(header::AUTHORIZATION));
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        let request = Outbound {
-            method: &parts.method,
-            url,
-            headers: &headers,
-            tls: route.upstream_tls.as_ref(),
-            added: &credentials,
-            body,
-        };
+        let request = Outbound::for_route(route, &parts.method, url, &headers, &credentials, body);
         match self.upstream.send(request, limit).await {
             Ok(answer) => response_of(&answer.response),
             Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {

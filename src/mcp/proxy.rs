@@ -73,14 +73,10 @@ pub(crate) async fn pass(
         Ok(url) => url,
         Err(why) => return Problem::invalid_path(&why).into_response(),
     };
-    let mut credentials = route.upstream_headers.clone();
-    if let Some(credential) = parts.headers.get(header::AUTHORIZATION).filter(|_| route.forward_authorization) {
-        credentials.insert(header::AUTHORIZATION, credential.clone());
-    }
+    let credentials = upstream::route_credentials(route, parts.headers.get(header::AUTHORIZATION));
     // The head within the route's deadline; a stream's body as long as both ends keep it open.
     let until = tokio::time::Instant::now() + route.retry.deadline;
-    let request =
-        Outbound { method: &parts.method, url, headers, tls: route.upstream_tls.as_ref(), added: &credentials, body };
+    let request = Outbound::for_route(route, &parts.method, url, headers, &credentials, body);
     let head = match upstream.send_head(request, until, None).await {
         Ok(head) => head,
         Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {

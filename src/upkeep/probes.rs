@@ -126,14 +126,7 @@ async fn ask(upstream: &Upstream, route: &Route, probe: &Probe, record: &Record)
         Ok(url) => url,
         Err(why) => return (None, format!("{asked} not sent: {why}")),
     };
-    let request = Outbound {
-        tls: route.upstream_tls.as_ref(),
-        method: &probe.method,
-        url,
-        headers: &[],
-        added: &route.upstream_headers,
-        body: bytes::Bytes::new(),
-    };
+    let request = Outbound::for_route(route, &probe.method, url, &[], &route.upstream_headers, bytes::Bytes::new());
     match upstream.send(request, route.retry.per_try_timeout).await {
         Ok(answer) => {
             let status = answer.response.status;

@@ -7,14 +7,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Method};
+use http::{header, HeaderMap, HeaderValue, Method};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::config::UpstreamTls;
+use crate::config::{Route, UpstreamTls};
 use crate::policy::Observed;
 use crate::record::{header_text, StoredResponse};
 
@@ -83,6 +83,32 @@ pub struct Outbound<'a> {
     /// forwarded `Authorization`, an attempt's deadline and claim.
     pub added: &'a HeaderMap,
     pub body: Bytes,
+}
+
+impl<'a> Outbound<'a> {
+    /// A request for `route`'s upstream, sent with the route's own TLS settings: `headers` as
+    /// the request carries them, `added` as [`route_credentials`] made them (and an attempt's
+    /// deadline and claim, for an attempt).
+    pub(crate) fn for_route(
+        route: &'a Route,
+        method: &'a Method,
+        url: url::Url,
+        headers: &'a [(String, String)],
+        added: &'a HeaderMap,
+        body: Bytes,
+    ) -> Outbound<'a> {
+        Outbound { method, url, headers, tls: route.upstream_tls.as_ref(), added, body }
+    }
+}
+
+/// What a route adds to every request it sends, never stored: its `upstream_headers`, and the
+/// client's `Authorization` when the route forwards it.
+pub(crate) fn route_credentials(route: &Route, authorization: Option<&HeaderValue>) -> HeaderMap {
+    let mut added = route.upstream_headers.clone();
+    if let Some(credential) = authorization.filter(|_| route.forward_authorization) {
+        added.insert(header::AUTHORIZATION, credential.clone());
+    }
+    added
 }
 
 /// A send that failed: what the broker can know of it, and why when no connection could be made.

@@ -292,14 +292,14 @@ impl Inner {
         let clock = Instant::now();
         let until = tokio::time::Instant::now() + limit;
         let sent = async {
-            let request = Outbound {
-                tls: route.upstream_tls.as_ref(),
-                method: &record.method,
-                url: job.url.clone(),
-                headers: &record.request.headers,
-                added: &told,
-                body: record.request.body.clone(),
-            };
+            let request = Outbound::for_route(
+                route,
+                &record.method,
+                job.url.clone(),
+                &record.request.headers,
+                &told,
+                record.request.body.clone(),
+            );
             let head = self.upstream.send_head(request, until, Some(send_by)).await?;
             let settles =
                 matches!(chosen.retry.classify(Observed::Response(head.status)), Class::Success | Class::Final);

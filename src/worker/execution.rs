@@ -146,18 +146,13 @@ impl Inner {
         // Chosen once: its attempts are marked, and its end settled, under this one.
         let chosen = self.policy_of(route, record);
         let credential = lock(&self.credentials).take(record.id);
-        let mut credentials = route.upstream_headers.clone();
-        if route.forward_authorization {
-            let Some(sent) = credential else {
-                // Reached here, a record that is not replay-safe has had no attempt that may have
-                // executed (a take-over makes those unknown), so settling frees it.
-                warn!("the client's credential is not held by this process; not sending");
-                return self.settle_unsent(record, holder, chosen.replay_safe, StopReason::CredentialUnavailable).await;
-            };
-            if let Some(credential) = sent {
-                credentials.insert(http::header::AUTHORIZATION, credential);
-            }
+        if route.forward_authorization && credential.is_none() {
+            // Reached here, a record that is not replay-safe has had no attempt that may have
+            // executed (a take-over makes those unknown), so settling frees it.
+            warn!("the client's credential is not held by this process; not sending");
+            return self.settle_unsent(record, holder, chosen.replay_safe, StopReason::CredentialUnavailable).await;
         }
+        let credentials = crate::upstream::route_credentials(route, credential.flatten().as_ref());
         let signal = self.running(record.id, holder.token);
         let trust = LeaseTrust::granted(granted, self.trust());
         let job = Job {

@@ -28,7 +28,7 @@ async fn lock_as_of(
     let row = sqlx::query(&format!(
         "SELECT {COLUMNS}, COALESCE($2::bigint, idem_now()) AS as_of FROM records WHERE id = $1::uuid FOR UPDATE"
     ))
-    .bind(id.to_string())
+    .bind(id)
     .bind(as_of)
     .fetch_optional(&mut **tx)
     .await?;
@@ -54,7 +54,7 @@ pub(super) async fn cancel(pool: &PgPool, cancel: Cancel) -> Result<Cancelled, S
          WHERE id = $1::uuid AND {guard}
          RETURNING {COLUMNS}"
     ))
-    .bind(id.to_string())
+    .bind(id)
     .bind(one_element(&entry)?)
     .bind(entry.at)
     .fetch_optional(&mut *tx)
@@ -96,7 +96,7 @@ async fn settle(
         "($9::bigint IS NULL OR claim_token = $9)",
     );
     let update = sqlx::query(&sql)
-        .bind(id.to_string())
+        .bind(id)
         .bind(state)
         .bind(response.map(|r| i32::from(r.status)))
         .bind(response.map(|r| serde_json::to_string(&r.headers)).transpose()?)
@@ -163,7 +163,7 @@ pub(super) async fn retry(pool: &PgPool, clock: LeaseClock, retry: Retry) -> Res
         "TRUE",
     );
     let update = sqlx::query(&sql)
-        .bind(id.to_string())
+        .bind(id)
         .bind(deadline_at)
         .bind(entry.at)
         .bind(one_element(&entry)?)
@@ -182,11 +182,6 @@ pub(super) async fn probed(pool: &PgPool, clock: LeaseClock, probed: Probed) -> 
         "probe_count = probe_count + 1, next_probe_at = $2, updated_at = $3, history = history || $4::jsonb",
         "claim_token = $5",
     );
-    let update = sqlx::query(&sql)
-        .bind(id.to_string())
-        .bind(next_probe_at)
-        .bind(entry.at)
-        .bind(one_element(&entry)?)
-        .bind(claim.0);
+    let update = sqlx::query(&sql).bind(id).bind(next_probe_at).bind(entry.at).bind(one_element(&entry)?).bind(claim.0);
     on_unknown(pool, as_of, id, Event::ProbeInconclusive, update).await
 }

@@ -71,7 +71,7 @@ async fn insert_fresh(pool: &PgPool, clock: LeaseClock, batch: &mut [Pending]) -
     let fresh: Vec<Fresh> = news.iter().map(|n| n.fresh()).collect();
     let headers = news.iter().map(|n| serde_json::to_string(&n.request.headers)).collect::<Result<Vec<_>, _>>()?;
     let ids: Vec<String> = sqlx::query_scalar(INSERT_FRESH)
-        .bind(news.iter().map(|n| n.id.to_string()).collect::<Vec<_>>())
+        .bind(news.iter().map(|n| n.id).collect::<Vec<_>>())
         .bind(news.iter().map(|n| &n.tenant).collect::<Vec<_>>())
         .bind(news.iter().map(|n| &n.key).collect::<Vec<_>>())
         .bind(news.iter().map(|n| &n.route).collect::<Vec<_>>())
@@ -197,7 +197,7 @@ pub(super) async fn admit(pool: &PgPool, clock: LeaseClock, admit: Admit) -> Res
     let request_headers = serde_json::to_string(&new.request.headers)?;
     for _ in 0..ADMIT_TRIES {
         let row = sqlx::query(&ADMIT)
-            .bind(new.id.to_string())
+            .bind(new.id)
             .bind(&new.tenant)
             .bind(&new.key)
             .bind(&new.route)

@@ -43,7 +43,7 @@ pub(super) async fn claim(
     let ClaimQueued { id, owner, lease, now } = claim;
     let to = transition(Phase::Queued, Event::Claim)?;
     let token: Option<i64> = sqlx::query_scalar(CLAIM)
-        .bind(id.to_string())
+        .bind(id)
         .bind(&owner)
         .bind(span_ms(lease))
         .bind(now)
@@ -68,8 +68,8 @@ pub(super) async fn attempt_started(
 ) -> Result<LeaseStatus, StoreError> {
     let AttemptStarted { id, holder, number, started_at, lease, reach, policy_version } = started;
     let row = sqlx::query(ATTEMPT_STARTED)
-        .bind(id.to_string())
-        .bind(holder.token.0)
+        .bind(id)
+        .bind(holder.token)
         .bind(i64::from(number))
         .bind(started_at)
         .bind(span_ms(lease))
@@ -84,8 +84,8 @@ pub(super) async fn attempt_started(
 pub(super) async fn renew(pool: &PgPool, clock: LeaseClock, renew: Renew) -> Result<LeaseStatus, StoreError> {
     let Renew { id, holder, lease, now } = renew;
     let row = sqlx::query(RENEW)
-        .bind(id.to_string())
-        .bind(holder.token.0)
+        .bind(id)
+        .bind(holder.token)
         .bind(span_ms(lease))
         .bind(now)
         .bind(clock.bind_now(now))

@@ -315,7 +315,7 @@ impl Store for PostgresStore {
         .bind(filter.route.as_deref())
         .bind(filter.tenant.as_deref())
         .bind(filter.cursor.map(|c| c.created_at))
-        .bind(filter.cursor.map(|c| c.id.to_string()))
+        .bind(filter.cursor.map(|c| RecordId(c.id)))
         .bind(i64::from(limit) + 1)
         .fetch_all(&self.pool)
         .await?;
@@ -448,7 +448,7 @@ impl Store for PostgresStore {
 
     async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
         sqlx::query("UPDATE records SET watched = TRUE WHERE id = $1::uuid AND NOT watched")
-            .bind(id.to_string())
+            .bind(id)
             .execute(&self.pool)
             .await?;
         Ok(())

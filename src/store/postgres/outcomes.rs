@@ -89,8 +89,8 @@ async fn late_outcome(pool: &PgPool, clock: LeaseClock, ended: &AttemptEnded) ->
     let Some(late) = ended.late() else { return Ok(false) };
     let response = late.response;
     let done = sqlx::query(LATE_OUTCOME)
-        .bind(ended.id.to_string())
-        .bind(ended.holder.token.0)
+        .bind(ended.id)
+        .bind(ended.holder.token)
         .bind(i64::from(late.attempt.number))
         .bind(serde_json::to_string(late.attempt)?)
         .bind(late.state)
@@ -137,8 +137,8 @@ async fn call(pool: &PgPool, clock: LeaseClock, batch: &[Ending]) -> Result<Hash
              $7::int4[], $8::text[]::jsonb[], $9::bytea[], $10::int8[], $11::int8[], $12::bool[],
              $13::int8[], $14::text[]::jsonb[])",
     )
-    .bind(ended.iter().map(|e| e.id.to_string()).collect::<Vec<_>>())
-    .bind(ended.iter().map(|e| e.holder.token.0).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| e.id).collect::<Vec<_>>())
+    .bind(ended.iter().map(|e| e.holder.token).collect::<Vec<_>>())
     .bind(attempts)
     .bind(ended.iter().map(|e| e.ends_its_attempt()).collect::<Vec<_>>())
     .bind(stored.iter().map(|s| s.state).collect::<Vec<_>>())

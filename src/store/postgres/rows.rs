@@ -21,7 +21,7 @@ pub(super) const COLUMNS: &str = "id::text AS id, tenant, key, route, method, pa
 
 pub(super) async fn get(pool: &PgPool, id: RecordId) -> Result<Option<Record>, StoreError> {
     sqlx::query(&format!("SELECT {COLUMNS} FROM records WHERE id = $1::uuid"))
-        .bind(id.to_string())
+        .bind(id)
         .fetch_optional(pool)
         .await?
         .map(|row| decode(&row))

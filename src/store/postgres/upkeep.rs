@@ -24,7 +24,7 @@ pub(super) async fn take_over(pool: &PgPool, take_over: TakeOver) -> Result<bool
     let TakeOver { id, expired, claim, in_flight, to, lost, entry } = take_over;
     let phase = to.phase();
     let done = sqlx::query(TAKE_OVER)
-        .bind(id.to_string())
+        .bind(id)
         .bind(claim.0)
         .bind(expired.expires_at)
         .bind(phase.state())

@@ -58,7 +58,7 @@ fn settle(
              WHERE id = ?1 AND state = 'unknown' AND (?9 IS NULL OR claim_token = ?9)",
         )?
         .execute(params![
-            id.to_string(),
+            id,
             state,
             response.map(|r| r.status),
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
@@ -87,14 +87,7 @@ pub(super) fn retry(conn: &Connection, retry: Retry) -> Result<Action, StoreErro
                 history = json_insert(history, '$[#]', json(?4))
              WHERE id = ?1 AND state = 'unknown'",
         )?
-        .execute(params![
-            id.to_string(),
-            deadline_at,
-            entry.at,
-            serde_json::to_string(&entry)?,
-            to.state(),
-            to == Phase::Queued
-        ])?;
+        .execute(params![id, deadline_at, entry.at, serde_json::to_string(&entry)?, to.state(), to == Phase::Queued])?;
     answer(conn, id, changed)
 }
 
@@ -112,6 +105,6 @@ pub(super) fn probed(conn: &Connection, probed: Probed) -> Result<Action, StoreE
                 history = json_insert(history, '$[#]', json(?4))
              WHERE id = ?1 AND state = 'unknown' AND claim_token = ?5",
         )?
-        .execute(params![id.to_string(), next_probe_at, entry.at, serde_json::to_string(&entry)?, claim.0])?;
+        .execute(params![id, next_probe_at, entry.at, serde_json::to_string(&entry)?, claim.0])?;
     answer(conn, id, changed)
 }

@@ -262,7 +262,7 @@ impl Store for SqliteStore {
 
     async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
         sqlx::query("SELECT * FROM records WHERE id = ?1")
-            .bind(id.to_string())
+            .bind(id)
             .fetch_optional(self.reads()?)
             .await?
             .map(|row| decode(&row))
@@ -301,7 +301,7 @@ impl Store for SqliteStore {
         .bind(filter.route.as_deref())
         .bind(filter.tenant.as_deref())
         .bind(filter.cursor.map(|c| c.created_at))
-        .bind(filter.cursor.map(|c| c.id.to_string()))
+        .bind(filter.cursor.map(|c| RecordId(c.id)))
         .bind(limit as i64 + 1)
         .fetch_all(self.reads()?)
         .await?;

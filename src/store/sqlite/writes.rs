@@ -20,7 +20,7 @@ fn record_of(conn: &Connection, sql: &str, params: impl rusqlite::Params) -> Res
 }
 
 pub(super) fn get(conn: &Connection, id: RecordId) -> Result<Option<Record>, StoreError> {
-    record_of(conn, "SELECT * FROM records WHERE id = ?1", [id.to_string()])
+    record_of(conn, "SELECT * FROM records WHERE id = ?1", [id])
 }
 
 /// A new key's record, as [`admit`] binds its parameters; what follows it decides a conflict.
@@ -80,7 +80,7 @@ pub(super) fn admit(conn: &Connection, admit: Admit) -> Result<Admission, StoreE
     let Admit { new, retention_cutoff: cutoff } = admit;
     let headers = serde_json::to_string(&new.request.headers)?;
     let fresh = new.fresh();
-    let id = new.id.to_string();
+    let id = new.id;
     let params = params![
         id,
         new.tenant,
@@ -136,7 +136,7 @@ pub(super) fn claim(conn: &Connection, claim: ClaimQueued) -> Result<Option<Clai
              WHERE id = ?1 AND state = 'not_started' AND queued = 1
              RETURNING claim_token",
         )?
-        .query_row(params![id.to_string(), owner, lease_until, now, to.state()], |row| row.get(0))
+        .query_row(params![id, owner, lease_until, now, to.state()], |row| row.get(0))
         .optional()?;
     Ok(token.map(ClaimToken))
 }
@@ -149,7 +149,7 @@ fn lease_update(
     conn: &Connection,
     update: &str,
     params: impl rusqlite::Params,
-    id: &str,
+    id: RecordId,
 ) -> Result<LeaseStatus, StoreError> {
     if conn.prepare_cached(update)?.execute(params)? == 0 {
         return Ok(LeaseStatus::Lost);
@@ -161,15 +161,14 @@ fn lease_update(
 
 pub(super) fn attempt_started(conn: &Connection, started: AttemptStarted) -> Result<LeaseStatus, StoreError> {
     let AttemptStarted { id, holder, number, started_at, lease, reach, policy_version } = started;
-    let id = id.to_string();
     lease_update(
         conn,
         "UPDATE records SET in_flight_number = ?3, in_flight_started_at = ?4, lease_expires_at = ?5,
                 in_flight_until = MAX(COALESCE(in_flight_until, 0), ?7),
                 policy_version = ?6, stream = NULL, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
-        params![id, holder.token.0, number, started_at, started_at + lease, policy_version, started_at + reach],
-        &id,
+        params![id, holder.token, number, started_at, started_at + lease, policy_version, started_at + reach],
+        id,
     )
 }
 
@@ -196,7 +195,6 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<LeaseStatus, Store
     let attempt = attempt.as_ref().map(serde_json::to_string).transpose()?;
     let stream = stream.as_ref().map(serde_json::to_string).transpose()?;
     let Stored { state, stop, response, queued, not_before } = then.stored()?;
-    let id = id.to_string();
     lease_update(
         conn,
         "UPDATE records SET
@@ -214,9 +212,9 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<LeaseStatus, Store
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
         params![
             id,
-            holder.token.0,
+            holder.token,
             attempt,
-            state.as_str(),
+            state,
             stop.map(StopReason::as_str),
             response.map(|r| r.status),
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
@@ -227,7 +225,7 @@ fn outcome(conn: &Connection, ended: &AttemptEnded) -> Result<LeaseStatus, Store
             stream,
             ends,
         ],
-        &id,
+        *id,
     )
 }
 
@@ -248,11 +246,11 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
                AND json_extract(attempts, '$[#-1].outcome') = 'lost'",
         )?
         .execute(params![
-            ended.id.to_string(),
-            ended.holder.token.0,
+            ended.id,
+            ended.holder.token,
             late.attempt.number,
             serde_json::to_string(late.attempt)?,
-            late.state.as_str(),
+            late.state,
             response.map(|r| r.status),
             response.map(|r| serde_json::to_string(&r.headers)).transpose()?,
             response.map(|r| &r.body[..]),
@@ -265,13 +263,12 @@ fn late_outcome(conn: &Connection, ended: &AttemptEnded) -> Result<bool, StoreEr
 
 pub(super) fn renew(conn: &Connection, renew: Renew) -> Result<LeaseStatus, StoreError> {
     let Renew { id, holder, lease, now } = renew;
-    let id = id.to_string();
     lease_update(
         conn,
         "UPDATE records SET lease_expires_at = ?3, updated_at = ?4
          WHERE id = ?1 AND state = 'in_progress' AND claim_token = ?2",
-        params![id, holder.token.0, now + lease, now],
-        &id,
+        params![id, holder.token, now + lease, now],
+        id,
     )
 }
 
@@ -295,8 +292,7 @@ pub(super) fn cancel(conn: &Connection, cancel: Cancel) -> Result<Cancelled, Sto
         }
         _ => return Ok(Cancelled::Refused(record)),
     };
-    let changed =
-        conn.prepare_cached(sql)?.execute(params![id.to_string(), serde_json::to_string(&entry)?, entry.at])?;
+    let changed = conn.prepare_cached(sql)?.execute(params![id, serde_json::to_string(&entry)?, entry.at])?;
     let updated = get(conn, id)?.ok_or_else(|| StoreError::Corrupt("record vanished".into()))?;
     Ok(match (changed, record.phase()) {
         (0, _) => Cancelled::Refused(updated),
@@ -320,10 +316,10 @@ pub(super) fn take_over(conn: &Connection, take_over: TakeOver) -> Result<bool, 
            AND in_flight_number IS ?10",
         )?
         .execute(params![
-            id.to_string(),
+            id,
             claim.0,
             expired.expires_at,
-            phase.state().as_str(),
+            phase.state(),
             phase == Phase::Queued,
             to.stop_reason().map(StopReason::as_str),
             lost,
