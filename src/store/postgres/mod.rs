@@ -26,6 +26,7 @@ mod admissions;
 mod hosts;
 mod lanes;
 mod leases;
+mod migrating;
 mod notices;
 mod outcomes;
 mod primary;
@@ -42,12 +43,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnection, PgPool};
 use sqlx::Connection;
 use tokio::sync::{broadcast, oneshot};
 
 use self::admissions::Admissions;
 use self::hosts::Hosts;
+pub(crate) use self::migrating::{migrate, status};
+use self::migrating::{migrations, status_on, stored_protocol};
 use self::outcomes::Outcomes;
 use self::primary::{Found, Primary};
 pub(crate) use self::replication::inspect;
@@ -56,8 +59,9 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseClock, LeaseStatus, ListFilter, Notice, Page,
-    Probed, ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Condition, DurabilityInForce, Figures, LeaseClock, LeaseStatus,
+    ListFilter, Notice, Notices, Operator, Page, Probed, ProbesDue, Records, Renew, Resolve, Retry, Serving,
+    StoreError, Sweep, SwitchCleared, SwitchLog, TakeOver, Upkeep,
 };
 use crate::config::Durability;
 use crate::domain::key::IdempotencyKey;
@@ -176,94 +180,8 @@ async fn durability_in_force(pool: &PgPool, sync: Durability) -> Result<Durabili
     Ok(DurabilityInForce { sync: in_force, setting: format!("synchronous_commit={setting}") })
 }
 
-/// Migrations only, for `idem migrate`. A migration that moves the store to this build's
-/// protocol waits for every lease of the older one to end, and raises the bound of every record
-/// whose attempt may be on its way to at least `reach` from now, in the server's clock: the
-/// older protocol may have cut one short (docs/operations.md#upgrading).
-pub(crate) async fn migrate(url: &str, reach: Duration) -> Result<(), StoreError> {
-    let (_, primary) = options(url)?.pick().await?;
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
-    let from = stored_protocol(&pool).await?;
-    protocol::check(from)?;
-    let moving = from.filter(|&from| from < protocol::STORE_PROTOCOL);
-    if let Some(from) = moving {
-        // A schema before protocol 2 has no clock of its own: its leases were the nodes'.
-        let leases: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT id::text, lease_owner, lease_expires_at FROM records
-             WHERE state = 'in_progress' AND lease_expires_at >= (extract(epoch FROM now()) * 1000)::bigint
-             ORDER BY lease_expires_at",
-        )
-        .fetch_all(&pool)
-        .await?;
-        protocol::live_leases(from, &leases)?;
-    }
-    migrations().run(&pool).await.map_err(|e| StoreError::Unavailable(format!("migration failed: {e}")))?;
-    if moving.is_some() {
-        sqlx::query(
-            "UPDATE records SET in_flight_until = GREATEST(COALESCE(in_flight_until, 0), idem_now() + $1)
-             WHERE state = 'unknown' OR in_flight_number IS NOT NULL",
-        )
-        .bind(span_ms(reach))
-        .execute(&pool)
-        .await?;
-    }
-    pool.close().await;
-    Ok(())
-}
-
-/// This build's migrations. Those applied by a later build that keeps the protocol are let be:
-/// an upgrade that keeps it rolls both ways (docs/operations.md#upgrading).
-fn migrations() -> sqlx::migrate::Migrator {
-    let mut migrator = sqlx::migrate!("migrations/postgres");
-    migrator.set_ignore_missing(true);
-    migrator
-}
-
-/// The protocol the database at `url` speaks, its migrations and this build's, changing nothing:
-/// `idem migrate --status`.
-pub(crate) async fn status(url: &str) -> Result<protocol::Status, StoreError> {
-    let (_, primary) = options(url)?.pick().await?;
-    let pool = PgPoolOptions::new().max_connections(1).connect_with(primary).await?;
-    let status = status_on(&pool).await;
-    pool.close().await;
-    status
-}
-
-async fn status_on(pool: &PgPool) -> Result<protocol::Status, StoreError> {
-    let store = stored_protocol(pool).await?;
-    let has_migrations: bool =
-        sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL").fetch_one(pool).await?;
-    let applied = match has_migrations {
-        false => Vec::new(),
-        true => {
-            sqlx::query_as("SELECT version, description FROM _sqlx_migrations WHERE success ORDER BY version")
-                .fetch_all(pool)
-                .await?
-        }
-    };
-    Ok(protocol::status(store, applied, &migrations()))
-}
-
-/// The protocol the database speaks: the one it keeps, or for a schema from before it kept one,
-/// 1 once claims carried tokens and 0 before; `None` for an empty database.
-async fn stored_protocol(pool: &PgPool) -> Result<Option<i64>, StoreError> {
-    let (kept, records, tokens): (bool, bool, bool) = sqlx::query_as(
-        "SELECT to_regclass('idem_store') IS NOT NULL, to_regclass('records') IS NOT NULL,
-                EXISTS (SELECT 1 FROM information_schema.columns
-                        WHERE table_name = 'records' AND column_name = 'claim_token'
-                          AND table_schema = current_schema())",
-    )
-    .fetch_one(pool)
-    .await?;
-    if kept {
-        let protocol: i32 = sqlx::query_scalar("SELECT protocol FROM idem_store").fetch_one(pool).await?;
-        return Ok(Some(i64::from(protocol)));
-    }
-    Ok(records.then_some(i64::from(tokens)))
-}
-
 #[async_trait]
-impl Store for PostgresStore {
+impl Records for PostgresStore {
     async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
         self.admissions.admit(admit).await
     }
@@ -301,7 +219,10 @@ impl Store for PostgresStore {
     async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
         actions::cancel(&self.pool, cancel).await
     }
+}
 
+#[async_trait]
+impl Operator for PostgresStore {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, 1000);
         let rows = sqlx::query(&format!(
@@ -329,7 +250,10 @@ impl Store for PostgresStore {
     async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
         actions::retry(&self.pool, self.clock, retry).await
     }
+}
 
+#[async_trait]
+impl Upkeep for PostgresStore {
     async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM records
@@ -378,14 +302,13 @@ impl Store for PostgresStore {
         actions::probed(&self.pool, self.clock, probed).await
     }
 
-    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        upkeep::count_by_phase(&self.pool).await
-    }
-
     async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
         upkeep::sweep_done(&self.pool, self.clock, sweep).await
     }
+}
 
+#[async_trait]
+impl Condition for PostgresStore {
     /// The server answers and takes writes. A server that fails or has become a standby, where the
     /// URL names several, sends the store looking for the new primary; a new timeline or start
     /// behind the same address (a promotion, a managed service's failover) counts as a change of
@@ -434,6 +357,21 @@ impl Store for PostgresStore {
         self.durability.clone()
     }
 
+    async fn close(&self) {
+        let relay = self.relay.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((stop, relaying)) = relay {
+            let _ = stop.send(());
+            let _ = relaying.await;
+        }
+    }
+}
+
+#[async_trait]
+impl Figures for PostgresStore {
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        upkeep::count_by_phase(&self.pool).await
+    }
+
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
         stats::add_answer_counts(&self.pool, add.counts, add.forget_before).await
     }
@@ -445,15 +383,10 @@ impl Store for PostgresStore {
     async fn sides(&self, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.pool, route, since).await
     }
+}
 
-    async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
-        sqlx::query("UPDATE records SET watched = TRUE WHERE id = $1::uuid AND NOT watched")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
-
+#[async_trait]
+impl SwitchLog for PostgresStore {
     async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
         switches::set(&self.pool, &switch).await
     }
@@ -469,16 +402,19 @@ impl Store for PostgresStore {
     async fn switch_history(&self, limit: u32) -> Result<Vec<Switch>, StoreError> {
         switches::history(&self.pool, limit).await
     }
+}
+
+#[async_trait]
+impl Notices for PostgresStore {
+    async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
+        sqlx::query("UPDATE records SET watched = TRUE WHERE id = $1::uuid AND NOT watched")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
 
     fn notices(&self) -> Option<broadcast::Receiver<Notice>> {
         Some(self.notices.subscribe())
-    }
-
-    async fn close(&self) {
-        let relay = self.relay.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some((stop, relaying)) = relay {
-            let _ = stop.send(());
-            let _ = relaying.await;
-        }
     }
 }

@@ -36,8 +36,9 @@ use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
     decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
-    ClaimQueued, ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseStatus, ListFilter, Page, Probed, ProbesDue,
-    Renew, Resolve, Retry, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimQueued, ClaimUnclaimed, ClearSwitch, Condition, DurabilityInForce, Figures, LeaseStatus, ListFilter, Notices,
+    Operator, Page, Probed, ProbesDue, Records, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, SwitchLog,
+    TakeOver, Upkeep,
 };
 use crate::config::{Durability, Synchronous};
 use crate::domain::key::IdempotencyKey;
@@ -245,7 +246,7 @@ fn corrupt(what: &str) -> StoreError {
 }
 
 #[async_trait]
-impl Store for SqliteStore {
+impl Records for SqliteStore {
     async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
         self.write(|r| Write::Admit(admit, r)).await
     }
@@ -288,7 +289,10 @@ impl Store for SqliteStore {
     async fn cancel(&self, cancel: Cancel) -> Result<Cancelled, StoreError> {
         self.write(|r| Write::Cancel(cancel, r)).await
     }
+}
 
+#[async_trait]
+impl Operator for SqliteStore {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
         let limit = filter.limit.clamp(1, 1000);
         let rows = sqlx::query(
@@ -315,7 +319,10 @@ impl Store for SqliteStore {
     async fn retry(&self, retry: Retry) -> Result<Action, StoreError> {
         self.write(|r| Write::Retry(retry, r)).await
     }
+}
 
+#[async_trait]
+impl Upkeep for SqliteStore {
     async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         let rows = sqlx::query(
             "SELECT * FROM records WHERE state = 'in_progress' AND lease_expires_at < ?1
@@ -361,24 +368,13 @@ impl Store for SqliteStore {
         self.write(|r| Write::Probed(probed, r)).await
     }
 
-    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
-            .fetch_all(self.reads()?)
-            .await?;
-        rows.iter()
-            .map(|row| {
-                let state: String = row.try_get(0)?;
-                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
-                let queued = row.try_get::<i64, _>(1)? != 0;
-                Ok((Phase::of(state, queued), row.try_get::<i64, _>(2)? as u64))
-            })
-            .collect()
-    }
-
     async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
         self.write(|r| Write::Sweep(sweep, r)).await
     }
+}
 
+#[async_trait]
+impl Condition for SqliteStore {
     async fn ping(&self) -> Result<(), StoreError> {
         self.files.verify()?;
         self.files.verify_access()?;
@@ -394,6 +390,23 @@ impl Store for SqliteStore {
     fn durability(&self) -> DurabilityInForce {
         self.writer.durability().clone()
     }
+}
+
+#[async_trait]
+impl Figures for SqliteStore {
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
+            .fetch_all(self.reads()?)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get(0)?;
+                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
+                let queued = row.try_get::<i64, _>(1)? != 0;
+                Ok((Phase::of(state, queued), row.try_get::<i64, _>(2)? as u64))
+            })
+            .collect()
+    }
 
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
         self.write(|r| Write::AddAnswerCounts(add, r)).await
@@ -406,7 +419,13 @@ impl Store for SqliteStore {
     async fn sides(&self, route: &RouteName, since: Timestamp) -> Result<Vec<Side>, StoreError> {
         stats::sides(&self.reads, route, since).await
     }
+}
 
+/// One process per file: no other process settles its records (the defaults: nothing to hear).
+impl Notices for SqliteStore {}
+
+#[async_trait]
+impl SwitchLog for SqliteStore {
     async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
         self.write(|r| Write::SetSwitch(switch, r)).await
     }

@@ -15,8 +15,9 @@ use idem::record::Record;
 use idem::store::stats::{Side, StatsRows, StatsSpan};
 use idem::store::{
     Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled, ClaimQueued,
-    ClaimUnclaimed, ClearSwitch, DurabilityInForce, LeaseStatus, ListFilter, Notice, Page, Probed, ProbesDue, Renew,
-    Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
+    ClaimUnclaimed, ClearSwitch, Condition, DurabilityInForce, Figures, LeaseStatus, ListFilter, Notice, Notices,
+    Operator, Page, Probed, ProbesDue, Records, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep,
+    SwitchCleared, SwitchLog, TakeOver, Upkeep,
 };
 use tokio::sync::{Notify, Semaphore};
 
@@ -151,7 +152,7 @@ impl Faulty {
 }
 
 #[async_trait]
-impl Store for Faulty {
+impl Records for Faulty {
     async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
         self.faults.reachable()?;
         self.inner.admit(admit).await
@@ -209,7 +210,10 @@ impl Store for Faulty {
         self.faults.reachable()?;
         self.inner.cancel(cancel).await
     }
+}
 
+#[async_trait]
+impl Operator for Faulty {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
         self.faults.reachable()?;
         self.inner.list(filter).await
@@ -224,7 +228,10 @@ impl Store for Faulty {
         self.faults.reachable()?;
         self.inner.retry(retry).await
     }
+}
 
+#[async_trait]
+impl Upkeep for Faulty {
     async fn expired_leases(&self, now: Timestamp, limit: u32) -> Result<Vec<Record>, StoreError> {
         self.faults.reachable()?;
         self.inner.expired_leases(now, limit).await
@@ -260,19 +267,44 @@ impl Store for Faulty {
         self.inner.probed(probed).await
     }
 
-    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        self.faults.reachable()?;
-        self.inner.count_by_phase().await
-    }
-
     async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
         self.faults.reachable()?;
         self.inner.sweep_done(sweep).await
     }
+}
 
+#[async_trait]
+impl Condition for Faulty {
     async fn ping(&self) -> Result<(), StoreError> {
         self.faults.reachable()?;
         self.inner.ping().await
+    }
+
+    fn durability(&self) -> DurabilityInForce {
+        self.inner.durability()
+    }
+
+    fn serving(&self) -> Option<Serving> {
+        let changes = self.faults.server_changes.load(Ordering::SeqCst);
+        let serving = self.inner.serving();
+        if changes == 0 {
+            return serving;
+        }
+        let serving =
+            serving.unwrap_or_else(|| Serving { host: "the file".into(), timeline: None, started: None, changes: 0 });
+        Some(Serving { changes: serving.changes + changes, ..serving })
+    }
+
+    async fn close(&self) {
+        self.inner.close().await
+    }
+}
+
+#[async_trait]
+impl Figures for Faulty {
+    async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
+        self.faults.reachable()?;
+        self.inner.count_by_phase().await
     }
 
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
@@ -289,7 +321,10 @@ impl Store for Faulty {
         self.faults.reachable()?;
         self.inner.sides(route, since).await
     }
+}
 
+#[async_trait]
+impl SwitchLog for Faulty {
     async fn set_switch(&self, switch: Switch) -> Result<Option<Switch>, StoreError> {
         self.faults.reachable()?;
         self.inner.set_switch(switch).await
@@ -309,32 +344,16 @@ impl Store for Faulty {
         self.faults.reachable()?;
         self.inner.switch_history(limit).await
     }
+}
 
+#[async_trait]
+impl Notices for Faulty {
     async fn watch(&self, id: RecordId) -> Result<(), StoreError> {
         self.faults.reachable()?;
         self.inner.watch(id).await
     }
 
-    fn durability(&self) -> DurabilityInForce {
-        self.inner.durability()
-    }
-
-    fn serving(&self) -> Option<Serving> {
-        let changes = self.faults.server_changes.load(Ordering::SeqCst);
-        let serving = self.inner.serving();
-        if changes == 0 {
-            return serving;
-        }
-        let serving =
-            serving.unwrap_or_else(|| Serving { host: "the file".into(), timeline: None, started: None, changes: 0 });
-        Some(Serving { changes: serving.changes + changes, ..serving })
-    }
-
     fn notices(&self) -> Option<tokio::sync::broadcast::Receiver<Notice>> {
         self.inner.notices()
-    }
-
-    async fn close(&self) {
-        self.inner.close().await
     }
 }
