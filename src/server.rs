@@ -194,7 +194,7 @@ async fn start_on(
 
     let ingress = Arc::new(Ingress::new(ingress::Parts {
         config: live.clone(),
-        records: Records::new(store.clone(), live.clone(), clock.clone()),
+        records: Records::new(store.clone(), clock.clone()),
         worker: worker.clone(),
         upstream: upstream.clone(),
         bodies: bodies.clone(),

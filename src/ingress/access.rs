@@ -71,8 +71,12 @@ impl Kind {
 }
 
 /// Serves `request` and logs its access line, unless `[server] access_log` is off.
-pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, next: Next) -> Response {
-    let config = app.config.current();
+/// The configuration in force when the request arrived is read here, once, and handed to the
+/// handler with the request: the line and the answer are made under the same one.
+pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request, next: Next) -> Response {
+    let served = app.config.served();
+    request.extensions_mut().insert(served.clone());
+    let config = served.config();
     if !config.server.access_log {
         return next.run(request).await;
     }
@@ -84,7 +88,6 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, request: Request, ne
         .extensions()
         .get::<Origin>()
         .map(|origin| crate::upstream::forwarded::client_address(request.headers(), origin, &config.server.forwarded));
-    drop(config);
     let bytes_in = body_size(request.headers());
     // For a request whose serving makes no span of its own.
     let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);

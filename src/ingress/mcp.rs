@@ -2,6 +2,8 @@
 //! a recorded tool, which is keyed, fingerprinted and executed like any keyed request, by the
 //! same admission, and answered in JSON-RPC.
 
+use std::sync::Arc;
+
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
@@ -101,9 +103,9 @@ impl Ingress {
     /// judged otherwise, and its record decides, with the policy stored with it; a key without
     /// one passes through. A store that cannot be asked cannot tell: the call takes the recorded
     /// way, whose answer says the store is unavailable, rather than risk a second execution.
-    async fn decided_before(&self, route: &Route, tenant: &Tenant, call: &ToolCall) -> ToolClass {
+    async fn decided_before(&self, route: &ServedRoute, tenant: &Tenant, call: &ToolCall) -> ToolClass {
         let Some(key) = &call.key else { return ToolClass::PassThrough };
-        match self.records.live(tenant, key).await {
+        match self.records.live(route.config(), tenant, key).await {
             Ok(None) => ToolClass::PassThrough,
             Ok(Some(record)) => {
                 let policy = route.policy_of(record.policy_version.as_ref(), route.own_policy());
@@ -196,7 +198,8 @@ impl Ingress {
         };
         let answer = self.answer_keyed(read, span).await;
         let answer = self.mcp_answer(route, &tenant, &key, &call.id, answer).await;
-        let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone() };
+        let config = route.config().clone();
+        let cut = Cut { id: call.id, tenant, key, replay_safe, records: self.records.clone(), config };
         cut.told_in_json_rpc(answer)
     }
 
@@ -205,7 +208,7 @@ impl Ingress {
     /// `id`; an unknown outcome, a tool error naming its record; any other problem, an error.
     async fn mcp_answer(
         &self,
-        route: &Route,
+        route: &ServedRoute,
         tenant: &Tenant,
         key: &IdempotencyKey,
         id: &Value,
@@ -215,7 +218,7 @@ impl Ingress {
             Ok(response) => response,
             Err(problem) => {
                 super::access::kind(super::access::Kind::Problem);
-                let record = self.record_ref(tenant, key, &problem).await;
+                let record = self.record_ref(route.config(), tenant, key, &problem).await;
                 let message = match problem.is_outcome_unknown() {
                     true => answers::unknown(id, &record),
                     false => answers::problem(id, &problem, Some(&record)),
@@ -249,10 +252,10 @@ impl Ingress {
     }
 
     /// The record a problem is about, as far as the store tells (not at all when it is down).
-    async fn record_ref(&self, tenant: &Tenant, key: &IdempotencyKey, problem: &Problem) -> RecordRef {
+    async fn record_ref(&self, config: &Config, tenant: &Tenant, key: &IdempotencyKey, problem: &Problem) -> RecordRef {
         let mut reference = RecordRef { key: key.clone(), id: None, state: problem.idempotency_status };
         if !problem.is_store_unavailable() {
-            if let Ok(Some(record)) = self.records.live(tenant, key).await {
+            if let Ok(Some(record)) = self.records.live(config, tenant, key).await {
                 reference.id = Some(record.id);
                 reference.state = Some(record.state);
             }
@@ -270,6 +273,8 @@ struct Cut {
     key: IdempotencyKey,
     replay_safe: bool,
     records: Records,
+    /// The configuration the call was served under.
+    config: Arc<Config>,
 }
 
 impl Cut {
@@ -309,7 +314,7 @@ impl Cut {
     async fn message(&self, event: &[u8]) -> Value {
         let problem = sse::message(event).unwrap_or(Value::Null);
         let mut record = RecordRef { key: self.key.clone(), id: None, state: None };
-        if let Ok(Some(found)) = self.records.live(&self.tenant, &self.key).await {
+        if let Ok(Some(found)) = self.records.live(&self.config, &self.tenant, &self.key).await {
             record.id = Some(found.id);
             record.state = Some(found.state);
         }

@@ -26,7 +26,7 @@ use crate::ingress::reader::Records;
 use crate::metrics;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
-use crate::runtime::{Live, ServedRoute};
+use crate::runtime::{Live, ServedRoute, Snapshot};
 use crate::store::Health;
 use crate::switches::Switches;
 use crate::upstream::Upstream;
@@ -144,7 +144,11 @@ pub(crate) fn router(ingress: Arc<Ingress>) -> Router {
 
 /// A data-plane request, answered under the configuration in force when it arrived.
 async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
-    let served = app.config.served();
+    // As the access log read it when the request arrived.
+    let served = match request.extensions().get::<Arc<Snapshot>>() {
+        Some(served) => served.clone(),
+        None => app.config.served(),
+    };
     let config = served.config();
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
@@ -372,7 +376,7 @@ impl Ingress {
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
                 metrics::request(&route.name);
-                self.executing(&record, outcome).await
+                self.executing(route, &record, outcome).await
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,
             Admitted::Refused(refusal) => Err(self.refused(route, refusal)),
@@ -382,7 +386,7 @@ impl Ingress {
     /// The answer for a request whose key already has a record it does not own.
     async fn answer_record(
         &self,
-        route: &Route,
+        route: &ServedRoute,
         record: Record,
         fingerprint: Fingerprint,
         prefer: Prefer,
@@ -391,11 +395,11 @@ impl Ingress {
             metrics::answered(&route.name, AnswerKind::KeyReused);
             return Err(Problem::key_reused().state(record.state));
         }
-        if let Some(spent) = self.records.spent(&record) {
+        if let Some(spent) = self.records.spent(route.config(), &record) {
             metrics::answered(&route.name, AnswerKind::ResultExpired);
             return Err(spent);
         }
-        self.answer_existing(record, prefer.wait).await
+        self.answer_existing(route, record, prefer.wait).await
     }
 
     /// The refusal an operator's `isolate` switch on `route` makes: an open circuit's.

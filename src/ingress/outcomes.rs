@@ -17,6 +17,7 @@ use crate::metrics;
 use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::Record;
+use crate::runtime::ServedRoute;
 use crate::worker::{Outcome, Told};
 
 /// How often a waiting request re-reads its record anyway, should an announcement of its
@@ -29,7 +30,13 @@ impl Ingress {
     /// An execution that went out at once tells its stages with its outcome, and they are
     /// recorded with the whole way (`metrics::Stage`) once the answer is built. A streamed answer
     /// tells none: it is told at its first byte, before the execution keeps any.
-    pub(super) async fn executing(&self, record: &Record, outcome: Option<oneshot::Receiver<Told>>) -> Answer {
+    /// `route`: the request's, with the configuration it is served under, read once.
+    pub(super) async fn executing(
+        &self,
+        route: &ServedRoute,
+        record: &Record,
+        outcome: Option<oneshot::Receiver<Told>>,
+    ) -> Answer {
         super::access::record(record.id);
         let Some(outcome) = outcome else {
             super::access::kind(super::access::Kind::Accepted);
@@ -46,7 +53,7 @@ impl Ingress {
         };
         let id = record.id;
         // The record becomes done after it arrived, so its retention ends later than this entry's.
-        let expires_at = self.records.lifetime(&record.route).expires_at(record.created_at);
+        let expires_at = route.config().lifetime_of(&record.route).expires_at(record.created_at);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
             Ok(Ok(Told { outcome, laps, attempts })) if !matches!(outcome, Outcome::Lost) => {
@@ -66,7 +73,7 @@ impl Ingress {
                 Ok(Some(record)) => {
                     let left = record.deadline_at - self.clock.now();
                     // Its outcome answers this request first-hand: it is not a replay.
-                    self.answer(record, Some(left + Duration::from_secs(1)), false).await
+                    self.answer(route, record, Some(left + Duration::from_secs(1)), false).await
                 }
                 Ok(None) => Err(Problem::not_found()),
                 Err(e) => Err(Problem::store(&e)),
@@ -75,13 +82,15 @@ impl Ingress {
     }
 
     /// A request for a key this request does not own (same fingerprint): replay, wait, refuse.
-    pub(super) async fn answer_existing(&self, record: Record, wait: Option<Duration>) -> Answer {
-        self.answer(record, wait, true).await
+    pub(super) async fn answer_existing(&self, route: &ServedRoute, record: Record, wait: Option<Duration>) -> Answer {
+        self.answer(route, record, wait, true).await
     }
 
     /// Answers from the record, after waiting up to `wait` for it to settle. A `done` answer is
     /// marked as a replay unless this request is the one whose execution produced it.
-    async fn answer(&self, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
+    /// `route` is the request's; `record`'s own route is judged under the same configuration.
+    async fn answer(&self, route: &ServedRoute, mut record: Record, wait: Option<Duration>, replay: bool) -> Answer {
+        let config = route.config();
         super::access::record(record.id);
         if let (Some(wait), Phase::Queued | Phase::InProgress) = (wait, record.phase()) {
             if let Some(attached) = self.attached(&record) {
@@ -105,17 +114,18 @@ impl Ingress {
             Phase::Queued | Phase::InProgress => AnswerKind::InProgress,
             Phase::Free => AnswerKind::Freed,
         };
-        // As served now; `None` for a route no longer configured, whose answers are not counted.
-        let route = self.config.served().route_named(&record.route);
+        // The record's route as this request is served; `None` for a route no longer configured,
+        // whose answers are not counted.
+        let records_route = route.snapshot().route_named(&record.route);
         if replay {
             metrics::answered(&record.route, kind);
-            match (record.phase(), &route) {
+            match (record.phase(), &records_route) {
                 (Phase::Done, Some(route)) => route.count_replay(),
                 (Phase::Queued | Phase::InProgress, Some(route)) => route.count_conflict(),
                 _ => {}
             }
         }
-        if let Some(spent) = self.records.spent(&record) {
+        if let Some(spent) = self.records.spent(config, &record) {
             return Err(spent);
         }
         match record.phase() {
@@ -123,7 +133,7 @@ impl Ingress {
                 // Streamed past `max_stored_body`: done, but there is nothing to replay.
                 Some(_) if record.stream.as_ref().is_some_and(|s| !s.stored) => Err(Problem::response_not_stored()),
                 Some(response) => {
-                    let expires_at = self.records.lifetime(&record.route).expires_at(record.completed());
+                    let expires_at = config.lifetime_of(&record.route).expires_at(record.completed());
                     self.keep_for_replays(&record, response, expires_at);
                     let mut answer = stored_response(response, replay);
                     answer.headers_mut().insert(EXPIRES_HEADER, http_date(expires_at));
@@ -137,13 +147,13 @@ impl Ingress {
                     now: self.clock.now(),
                     in_flight_since: record.in_flight.map(|(_, started)| started),
                     // The limit of the policy the record runs under: a canary's, maybe.
-                    attempt_limit: route.as_ref().map(|route| {
+                    attempt_limit: records_route.as_ref().map(|route| {
                         route.policy_of(record.policy_version.as_ref(), route.own_policy()).retry.per_try_timeout
                     }),
                     next_attempt_at: record.not_before,
                     deadline_at: record.deadline_at,
                 };
-                let eta = outcome_eta(pending, route.and_then(|route| route.pace()));
+                let eta = outcome_eta(pending, records_route.and_then(|route| route.pace()));
                 Err(Problem::in_progress(eta).state(record.state))
             }
             // Freed while we waited: the client may send it again, and it will execute afresh.

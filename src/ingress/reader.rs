@@ -7,30 +7,34 @@
 use std::sync::Arc;
 
 use crate::clock::SharedClock;
+use crate::config::Config;
 use crate::domain::key::IdempotencyKey;
-use crate::domain::{RecordId, RouteName, State, Tenant};
+use crate::domain::{RecordId, State, Tenant};
 use crate::problem::Problem;
-use crate::record::{Lifetime, Record};
-use crate::runtime::Live;
+use crate::record::Record;
 use crate::store::{Store, StoreError};
 
 #[derive(Clone)]
 pub(crate) struct Records {
     store: Arc<dyn Store>,
-    /// The configuration in force: each route's retention, as configured now.
-    config: Arc<Live>,
     clock: SharedClock,
 }
 
 impl Records {
-    pub(crate) fn new(store: Arc<dyn Store>, config: Arc<Live>, clock: SharedClock) -> Records {
-        Records { store, config, clock }
+    pub(crate) fn new(store: Arc<dyn Store>, clock: SharedClock) -> Records {
+        Records { store, clock }
     }
 
     /// The record of `tenant`'s `key`, unless it is a done record past its retention that the
-    /// sweep has not removed yet: that one is read as gone.
-    pub(crate) async fn live(&self, tenant: &Tenant, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        Ok(self.store.lookup(tenant, key).await?.filter(|record| !self.expired(record)))
+    /// sweep has not removed yet: that one is read as gone. Retention is `config`'s: the
+    /// configuration the request is served under.
+    pub(crate) async fn live(
+        &self,
+        config: &Config,
+        tenant: &Tenant,
+        key: &IdempotencyKey,
+    ) -> Result<Option<Record>, StoreError> {
+        Ok(self.store.lookup(tenant, key).await?.filter(|record| !self.expired(config, record)))
     }
 
     pub(crate) async fn get(&self, id: RecordId) -> Result<Option<Record>, StoreError> {
@@ -42,21 +46,16 @@ impl Records {
         self.store.watch(id).await
     }
 
-    /// How long a route's done records live, as configured now; a route no longer configured
-    /// keeps the store's retention.
-    pub(crate) fn lifetime(&self, route: &RouteName) -> Lifetime {
-        self.config.current().lifetime_of(route)
-    }
-
     /// A done record whose answer is no longer kept: a tombstone, or past its retention and not
     /// yet swept. The same request is refused, never executed again (docs/agents.md).
-    pub(crate) fn spent(&self, record: &Record) -> Option<Problem> {
-        let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(record));
+    pub(crate) fn spent(&self, config: &Config, record: &Record) -> Option<Problem> {
+        let spent = record.state == State::Done && (record.tombstone_until.is_some() || self.expired(config, record));
         let status = record.response.as_ref().map(|r| r.status);
         spent.then(|| Problem::result_expired(status, &record.updated_at.rfc3339()).state(State::Done))
     }
 
-    fn expired(&self, record: &Record) -> bool {
-        record.past_retention(self.lifetime(&record.route), self.clock.now())
+    /// Past its route's retention in `config` (a route no longer configured keeps the store's).
+    fn expired(&self, config: &Config, record: &Record) -> bool {
+        record.past_retention(config.lifetime_of(&record.route), self.clock.now())
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use axum::extract::{Path, State as AxumState};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 
 use super::Ingress;
 use crate::domain::key::{IdempotencyKey, KeyError};
@@ -18,15 +18,18 @@ use crate::ingress::credentials;
 use crate::ingress::prefer::Prefer;
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::{HistoryEntry, Record, View};
+use crate::runtime::Snapshot;
 use crate::store::Cancelled;
 
-async fn find(app: &Ingress, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
-    let tenant = credentials::tenant(&app.config.current(), headers)?;
+/// `served`: the configuration in force when the request arrived, as the access log read it.
+async fn find(app: &Ingress, served: &Snapshot, headers: &HeaderMap, key: &str) -> Result<Record, Problem> {
+    let config = served.config();
+    let tenant = credentials::tenant(config, headers)?;
     let key = IdempotencyKey::parse(key).map_err(|e| match e {
         KeyError::Missing => Problem::missing_key(),
         KeyError::Invalid(why) => Problem::invalid_key(why),
     })?;
-    app.records.live(&tenant, &key).await.map_err(|e| Problem::store(&e))?.ok_or_else(Problem::not_found)
+    app.records.live(config, &tenant, &key).await.map_err(|e| Problem::store(&e))?.ok_or_else(Problem::not_found)
 }
 
 fn record_response(status: StatusCode, record: &Record) -> Response {
@@ -45,14 +48,15 @@ fn answered(answer: Result<Response, Problem>) -> Response {
 
 pub(super) async fn show_request(
     AxumState(app): AxumState<Arc<Ingress>>,
+    Extension(served): Extension<Arc<Snapshot>>,
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    answered(show(&app, &key, &headers).await)
+    answered(show(&app, &served, &key, &headers).await)
 }
 
-async fn show(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
-    let mut record = find(app, headers, key).await?;
+async fn show(app: &Ingress, served: &Snapshot, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
+    let mut record = find(app, served, headers, key).await?;
     // An agent can wait for the outcome instead of polling: `Prefer: wait=N`.
     if let (Some(wait), Phase::Queued | Phase::InProgress) = (Prefer::from_headers(headers).wait, record.phase()) {
         record = app.wait_for(&record, wait, false).await?.ok_or_else(Problem::not_found)?;
@@ -62,9 +66,9 @@ async fn show(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response,
 
 /// `GET /_idem/routes`: each route's key rules, so a client (an agent) can tell which calls need
 /// a key, how one is derived, and how long a result is replayed.
-pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers: HeaderMap) -> Response {
-    let config = app.config.current();
-    if let Err(problem) = credentials::tenant(&config, &headers) {
+pub(super) async fn list_routes(Extension(served): Extension<Arc<Snapshot>>, headers: HeaderMap) -> Response {
+    let config = served.config();
+    if let Err(problem) = credentials::tenant(config, &headers) {
         return problem.into_response();
     }
     let h = |d: Duration| humantime::format_duration(d).to_string();
@@ -96,14 +100,15 @@ pub(super) async fn list_routes(AxumState(app): AxumState<Arc<Ingress>>, headers
 
 pub(super) async fn cancel_request(
     AxumState(app): AxumState<Arc<Ingress>>,
+    Extension(served): Extension<Arc<Snapshot>>,
     Path(key): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    answered(cancel(&app, &key, &headers).await)
+    answered(cancel(&app, &served, &key, &headers).await)
 }
 
-async fn cancel(app: &Ingress, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
-    let record = find(app, headers, key).await?;
+async fn cancel(app: &Ingress, served: &Snapshot, key: &str, headers: &HeaderMap) -> Result<Response, Problem> {
+    let record = find(app, served, headers, key).await?;
     let entry = HistoryEntry {
         at: app.clock.now(),
         actor: Actor::Client(Some(record.tenant.clone())),

@@ -10,7 +10,7 @@ use std::time::Instant;
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use super::{lock, Inner, Refusal, Told, Worker};
-use crate::config::{Policy, Route};
+use crate::config::{Config, Policy, Route};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, Phase, RecordId, State, Tenant, Timestamp};
@@ -140,7 +140,7 @@ impl Worker {
         };
         let slot = match entered {
             Ok(slot) => slot,
-            Err(refusal) => return self.shed(refusal, new).await,
+            Err(refusal) => return self.shed(route.config(), refusal, new).await,
         };
         let reservation = reserve(&inner.permits, route.guard(), url);
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
@@ -207,9 +207,9 @@ impl Worker {
     /// one (a duplicate of a done request is replayed whatever the route's load), else the
     /// refusal does. A done record past its route's retention is read as gone, as the record
     /// reader reads it.
-    async fn shed(&self, refusal: Refusal, new: NewRecord) -> Result<Admitted, StoreError> {
+    /// `config`: the one the request is served under.
+    async fn shed(&self, config: &Config, refusal: Refusal, new: NewRecord) -> Result<Admitted, StoreError> {
         let existing = self.inner.store.lookup(&new.tenant, &new.key).await?;
-        let config = self.inner.config.current();
         let expired = |r: &Record| r.past_retention(config.lifetime_of(&r.route), self.inner.clock.now());
         Ok(match existing.filter(|r| r.phase() != Phase::Free && !expired(r)) {
             Some(record) => Admitted::Existing(record),

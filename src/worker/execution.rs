@@ -18,7 +18,7 @@ use crate::domain::{Class, StopReason};
 use crate::metrics::{self, Laps, Stage};
 use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
-use crate::runtime::ServedRoute;
+use crate::runtime::{ServedRoute, Slot};
 use crate::store::{self, AttemptEnded, ClaimQueued, LeaseStatus, Renew};
 
 /// What an admission that claimed its record hands the execution: its first attempt's place
@@ -64,12 +64,12 @@ impl Inner {
     /// A record is claimed only with a worker in hand: one held since admission, one taken
     /// before a bulk claim (see [`Worker::resume`](super::Worker::resume)), or one waited for
     /// before claiming a queued record. A lease never runs while its record waits for a worker.
-    /// `route`: the record's route as the execution keeps it, `None` when it is no longer
-    /// configured.
+    /// `route`: the record's route as the execution keeps it, with its place on the route held
+    /// to the end; `None` when it is no longer configured.
     pub(super) async fn execute(
         &self,
         record: &Record,
-        route: Option<&ServedRoute>,
+        route: Option<(ServedRoute, Slot)>,
         start: Start,
         reply: &Reply,
     ) -> Option<Outcome> {
@@ -77,18 +77,22 @@ impl Inner {
             Start::Reserved { reservation: Reservation { worker, attempt, url }, marked, laps } => {
                 let _permit = worker;
                 let first = FirstAttempt { reserved: Reserved { place: attempt, marked }, url, laps };
-                self.run(record, route, &self.holder(record.claim), marked, Some(first), reply).await
+                let (route, _slot) = route.unzip();
+                self.run(record, route.as_ref(), &self.holder(record.claim), marked, Some(first), reply).await
             }
             Start::Claim => {
                 let _permit = self.permits.acquire().await.ok()?;
                 // Queued behind other work, it runs under the route as served once a worker is
-                // free: a reload meanwhile applies to it, as to any execution not yet begun.
-                let route = self.config.served().route_named(&record.route);
+                // free: a reload meanwhile applies to it, as to any execution not yet begun. Its
+                // place moves with it, so that the place and the attempts count on one route.
+                drop(route);
+                let (route, _slot) = self.route_of(record).unzip();
                 self.claim_and_run(record, route.as_ref(), reply).await
             }
             Start::Claimed { worker, granted } => {
                 let _permit = worker;
-                self.run(record, route, &self.holder(record.claim), granted, None, reply).await
+                let (route, _slot) = route.unzip();
+                self.run(record, route.as_ref(), &self.holder(record.claim), granted, None, reply).await
             }
         };
         Some(outcome)

@@ -343,10 +343,9 @@ impl Worker {
         let running = inner.drain.running();
         tokio::spawn(
             async move {
-                let (route, _slot) = route.unzip();
                 let _running = running;
                 let reply = Reply::to(reply);
-                let Some(outcome) = inner.execute(&record, route.as_ref(), start, &reply).await else { return };
+                let Some(outcome) = inner.execute(&record, route, start, &reply).await else { return };
                 reply.send(outcome);
             }
             .instrument(span),
