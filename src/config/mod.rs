@@ -23,6 +23,8 @@ pub(crate) use durability::{split_synchronous, Synchronous};
 mod limits;
 mod mcp;
 mod overrides;
+mod postgres_url;
+pub(crate) use postgres_url::{PostgresUrl, Target};
 mod quotas;
 mod raw;
 use raw::RawConfig;

@@ -204,7 +204,7 @@ impl ListenerTls {
 /// the authority `sslrootcert` names readable PEM, so that a typo is refused by `idem check`
 /// rather than at the first connection.
 pub(super) fn check_postgres_url(url: &str) -> Result<(), ConfigError> {
-    crate::store::postgres::check_url(url).map_err(|why| invalid("store.url", why))?;
+    super::PostgresUrl::read(url).map_err(|why| invalid("store.url", why))?;
     let query = url.split_once('?').map_or("", |(_, query)| query);
     for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
         if name == "sslrootcert" {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::{info_span, warn, Instrument};
 
-use super::lease::LeaseTrust;
+use super::lease::{LeaseOf, LeaseTrust};
 use super::running::CancelSignal;
 use super::{Inner, Outcome, Reply};
 use crate::clock::Moment;
@@ -43,6 +43,13 @@ pub(super) struct Job<'a> {
     pub(super) charges: Charges,
     /// The request waiting for the outcome, if any: told early when the answer streams.
     pub(super) reply: &'a Reply,
+}
+
+impl Job<'_> {
+    /// Its claim's lease, as it is renewed beside an attempt.
+    pub(super) fn lease(&self) -> LeaseOf<'_> {
+        LeaseOf { id: self.record.id, holder: self.holder, route: &self.route.name, trust: self.trust }
+    }
 }
 
 /// Where an execution stands between attempts.
@@ -221,7 +228,7 @@ impl Inner {
             }
             None => {
                 // A place among the route's attempts in flight, held for this attempt only.
-                let place = self.renewing(job, job.route.guard().attempts.clone().acquire_owned()).await.ok();
+                let place = self.renewing(job.lease(), job.route.guard().attempts.clone().acquire_owned()).await.ok();
                 (self.clock.now(), place, None)
             }
         };
@@ -331,7 +338,7 @@ impl Inner {
             class = tracing::field::Empty,
             status = tracing::field::Empty,
         );
-        let got = self.renewing(job, sent).instrument(span.clone()).await;
+        let got = self.renewing(job.lease(), sent).instrument(span.clone()).await;
         let took = clock.elapsed();
         match got {
             Ok(Got::Flowing(head, first)) => {

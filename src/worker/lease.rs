@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use tracing::{error, warn};
 
-use super::attempts::Job;
 use super::{lock, Inner};
 use crate::clock::Moment;
+use crate::domain::{Holder, RecordId, RouteName};
 use crate::metrics;
 use crate::store::{LeaseStatus, StoreError};
 
@@ -58,6 +58,15 @@ impl LeaseTrust {
     }
 }
 
+/// The lease an execution renews beside its attempts: its record, its claim, its route (to
+/// count a failed renewal on) and how far it is trusted.
+pub(super) struct LeaseOf<'a> {
+    pub(super) id: RecordId,
+    pub(super) holder: &'a Holder,
+    pub(super) route: &'a RouteName,
+    pub(super) trust: &'a LeaseTrust,
+}
+
 /// How a renewal made beside an attempt ended.
 enum Renewed {
     Held(Moment),
@@ -74,7 +83,7 @@ impl Inner {
     /// Awaits `attempt` while its claim's lease is renewed beside it, every third of the lease.
     /// The attempt is polled all along, whatever the store does: a renewal runs as a task of its
     /// own, and one still under way when the attempt ends is left to finish alone.
-    pub(super) async fn renewing<F: Future>(&self, job: &Job<'_>, attempt: F) -> F::Output {
+    pub(super) async fn renewing<F: Future>(&self, job: LeaseOf<'_>, attempt: F) -> F::Output {
         tokio::pin!(attempt);
         let every = self.lease / 3;
         let mut next = tokio::time::Instant::now() + every;
@@ -83,7 +92,7 @@ impl Inner {
             tokio::select! {
                 out = &mut attempt => return out,
                 _ = tokio::time::sleep_until(next), if renewal.is_none() => {
-                    renewal = Some(self.renew_beside(job));
+                    renewal = Some(self.renew_beside(&job));
                 }
                 renewed = async { renewal.as_mut().expect("guarded by the branch").await }, if renewal.is_some() => {
                     renewal = None;
@@ -92,18 +101,18 @@ impl Inner {
                         Ok(Renewed::Held(sent)) => job.trust.renewed(sent, self.trust()),
                         Ok(Renewed::Lost) => {
                             job.trust.doubt();
-                            metrics::renewal_failed(&job.route.name, "lost");
+                            metrics::renewal_failed(job.route, "lost");
                             warn!("the claim was taken while an attempt was in flight: that attempt finishes, no other starts under it");
                         }
                         Ok(Renewed::Failed(e)) => {
                             job.trust.doubt();
-                            metrics::renewal_failed(&job.route.name, "error");
+                            metrics::renewal_failed(job.route, "error");
                             error!(error = %e, "could not renew the lease while an attempt was in flight: that attempt finishes, no other starts under this claim");
                         }
                         // The task panicked or was cancelled: as good as a failed renewal.
                         Err(e) => {
                             job.trust.doubt();
-                            metrics::renewal_failed(&job.route.name, "error");
+                            metrics::renewal_failed(job.route, "error");
                             error!(error = %e, "a lease renewal did not finish");
                         }
                     }
@@ -115,9 +124,9 @@ impl Inner {
     /// One renewal of `job`'s lease, as a task of its own. Its time in the node's clock and on
     /// the monotonic one are read together, before the task is spawned: the lease the store sets
     /// from the first is never shorter than the trust counted from the second.
-    fn renew_beside(&self, job: &Job<'_>) -> tokio::task::JoinHandle<Renewed> {
+    fn renew_beside(&self, job: &LeaseOf<'_>) -> tokio::task::JoinHandle<Renewed> {
         let store = self.store.clone();
-        let (renew, sent) = (self.renewal(job.record.id, job.holder, self.clock.now()), Moment::now());
+        let (renew, sent) = (self.renewal(job.id, job.holder, self.clock.now()), Moment::now());
         tokio::spawn(async move {
             match store.renew(renew).await {
                 Ok(LeaseStatus::Held { .. }) => Renewed::Held(sent),

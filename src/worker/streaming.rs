@@ -93,7 +93,7 @@ impl Inner {
         // The deadline bounds the whole stream, the time a slow reader holds the upstream back
         // included: a client that stops reading a long answer cannot keep it open for ever.
         let read = async { tokio::time::timeout_at(deadline, read).await.unwrap_or(Err(Short::Deadline)) };
-        let ended = self.renewing(job, read).instrument(span.clone()).await;
+        let ended = self.renewing(job.lease(), read).instrument(span.clone()).await;
         let took = sent_at.elapsed();
         drop(in_flight);
 

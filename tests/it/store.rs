@@ -6,8 +6,12 @@ mod admission;
 mod execution;
 mod fencing;
 mod notices;
+mod protocol;
 mod reconciliation;
+mod recorded;
 mod switches;
+mod sync;
+mod tls;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -139,16 +139,6 @@ fn options(url: &str) -> Result<Hosts, StoreError> {
     Ok(Hosts::parse(url)?.map(|options| options.options([("idem.protocol", protocol::STORE_PROTOCOL.to_string())])))
 }
 
-/// Whether `url` is a store URL this store can connect with, one host or several
-/// (docs/high-availability.md), changing nothing: `idem check`.
-pub(crate) fn check_url(url: &str) -> Result<(), String> {
-    match Hosts::parse(url) {
-        Ok(_) => Ok(()),
-        Err(StoreError::Unavailable(why)) => Err(why),
-        Err(other) => Err(other.to_string()),
-    }
-}
-
 /// How this node's store connects, committing as the database does. `normal` is refused: on
 /// PostgreSQL it could only turn `synchronous_commit` off, whose commits any crash of the server
 /// loses (one backend killed by the OOM killer restarts them all), answers told included
