@@ -174,7 +174,7 @@ impl Worker {
         };
         if route.forward_authorization {
             let credential = headers.get(http::header::AUTHORIZATION).cloned();
-            lock(&inner.credentials).hold(record.id, credential, record.deadline_at, inner.clock.now());
+            inner.credentials.hold(record.id, credential, record.deadline_at, inner.clock.now());
         }
         // Admitted claimed only when the insert was fresh; a requeued record waits its turn.
         let start = match reservation.filter(|_| record.state == State::InProgress) {

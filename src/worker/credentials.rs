@@ -1,6 +1,9 @@
 //! Client credentials held in memory for the executions that will forward them.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::lock;
 
 use crate::domain::RecordId;
 use crate::domain::Timestamp;
@@ -8,7 +11,10 @@ use crate::domain::Timestamp;
 /// Client credentials waiting for their execution to start. One whose record another node ran
 /// is never taken: it is dropped once its deadline has passed.
 #[derive(Default)]
-pub(super) struct HeldCredentials {
+pub(super) struct HeldCredentials(Mutex<Held>);
+
+#[derive(Default)]
+struct Held {
     by_record: HashMap<RecordId, (Option<http::HeaderValue>, Timestamp)>,
     /// Expired entries are swept when the map grows past this, which then doubles: amortised,
     /// a hold costs O(1).
@@ -17,21 +23,22 @@ pub(super) struct HeldCredentials {
 
 impl HeldCredentials {
     pub(super) fn hold(
-        &mut self,
+        &self,
         id: RecordId,
         credential: Option<http::HeaderValue>,
         deadline_at: Timestamp,
         now: Timestamp,
     ) {
-        if self.by_record.len() >= self.sweep_at {
-            self.by_record.retain(|_, (_, until)| *until > now);
-            self.sweep_at = (2 * self.by_record.len()).max(256);
+        let mut held = lock(&self.0);
+        if held.by_record.len() >= held.sweep_at {
+            held.by_record.retain(|_, (_, until)| *until > now);
+            held.sweep_at = (2 * held.by_record.len()).max(256);
         }
-        self.by_record.insert(id, (credential, deadline_at));
+        held.by_record.insert(id, (credential, deadline_at));
     }
 
     /// `None` when nothing is held: the request was received by another process.
-    pub(super) fn take(&mut self, id: RecordId) -> Option<Option<http::HeaderValue>> {
-        self.by_record.remove(&id).map(|(credential, _)| credential)
+    pub(super) fn take(&self, id: RecordId) -> Option<Option<http::HeaderValue>> {
+        lock(&self.0).by_record.remove(&id).map(|(credential, _)| credential)
     }
 }

@@ -7,7 +7,8 @@ use std::time::Duration;
 use tracing::warn;
 
 use super::admission::{Reservation, Start};
-use super::attempts::{since, HandBack, Job, Progress, Reserved};
+use super::attempts::{since, HandBack, Progress, Reserved};
+use super::job::Job;
 use super::lease::LeaseTrust;
 use super::{lock, Inner, Outcome, Reply};
 use crate::config::{Policy, Route};
@@ -149,7 +150,7 @@ impl Inner {
         };
         // Chosen once: its attempts are marked, and its end settled, under this one.
         let chosen = self.policy_of(route, record);
-        let credential = lock(&self.credentials).take(record.id);
+        let credential = self.credentials.take(record.id);
         if route.forward_authorization && credential.is_none() {
             // Reached here, a record that is not replay-safe has had no attempt that may have
             // executed (a take-over makes those unknown), so settling frees it.
@@ -157,7 +158,7 @@ impl Inner {
             return self.settle_unsent(record, holder, chosen.replay_safe, StopReason::CredentialUnavailable).await;
         }
         let credentials = crate::upstream::route_credentials(route, credential.flatten().as_ref());
-        let signal = self.running(record.id, holder.token);
+        let signal = self.running.start(record.id, holder.token);
         let trust = LeaseTrust::granted(granted, self.trust());
         let job = Job {
             record,
@@ -172,7 +173,7 @@ impl Inner {
             reply,
         };
         let outcome = self.attempts(&job, reserved).await;
-        self.stopped_running(record.id, holder.token);
+        self.running.stopped(record.id, holder.token);
         outcome
     }
 

@@ -272,14 +272,14 @@ async fn a_newer_claim_running_here_supersedes_the_older_and_a_cancel_reaches_th
     let cluster = Cluster::new("http://127.0.0.1:9").await;
     let node = cluster.node("node-1");
     let id = RecordId::new();
-    let older = node.inner.running(id, ClaimToken(1));
+    let older = node.inner.running.start(id, ClaimToken(1));
     assert!(!older.is_superseded());
-    let newer = node.inner.running(id, ClaimToken(2));
+    let newer = node.inner.running.start(id, ClaimToken(2));
     assert!(older.is_superseded() && !newer.is_superseded());
-    node.inner.stopped_running(id, ClaimToken(1));
+    node.inner.running.stopped(id, ClaimToken(1));
     node.cancel(id);
     assert!(newer.raised.load(Ordering::SeqCst), "the cancel reaches the claim that holds the record");
     assert!(!older.raised.load(Ordering::SeqCst));
-    node.inner.stopped_running(id, ClaimToken(2));
-    assert!(node.inner.signal(id).is_none(), "nothing runs here any more");
+    node.inner.running.stopped(id, ClaimToken(2));
+    assert!(node.inner.running.signal(id).is_none(), "nothing runs here any more");
 }

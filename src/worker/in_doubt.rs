@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::attempts::{End, HandBack, Job};
+use super::attempts::{End, HandBack};
+use super::job::Job;
 use super::Inner;
 use crate::record::Record;
 use crate::store::{self, Admission, LeaseStatus, StoreError};

@@ -97,6 +97,28 @@ impl Flow {
     }
 }
 
+/// The streamed answers in flight here, by record: a duplicate that waits attaches to one.
+#[derive(Default)]
+struct Streams(Mutex<HashMap<RecordId, Flow>>);
+
+impl Streams {
+    fn insert(&self, id: RecordId, flow: Flow) {
+        lock(&self.0).insert(id, flow);
+    }
+
+    fn remove(&self, id: RecordId) {
+        lock(&self.0).remove(&id);
+    }
+
+    fn get(&self, id: RecordId) -> Option<Flow> {
+        lock(&self.0).get(&id).cloned()
+    }
+
+    fn contains(&self, id: RecordId) -> bool {
+        lock(&self.0).contains_key(&id)
+    }
+}
+
 /// What the request waiting for an execution is told: the outcome and, for a new key timed
 /// stage by stage, its stages up to the outcome's commit. The request records them with the
 /// whole way once its answer is built (`Laps::answered`), so every stage counts the requests
@@ -152,6 +174,7 @@ mod execution;
 #[cfg(test)]
 mod fencing_tests;
 mod in_doubt;
+mod job;
 mod lease;
 mod running;
 mod streaming;
@@ -165,7 +188,7 @@ use admission::Start;
 pub use admission::{Admitted, Request, Submission};
 use credentials::HeldCredentials;
 use drain::Drain;
-use running::Claimed;
+use running::Running;
 pub use waiters::Settled;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -217,11 +240,11 @@ struct Inner {
     clock: SharedClock,
     /// The `Authorization` of clients whose route forwards it, by record (`None`: the client
     /// sent none): held in memory only, from admission until the execution starts, never stored.
-    credentials: Mutex<HeldCredentials>,
+    credentials: HeldCredentials,
     /// The execution running here for each record, by the claim it runs under: at most one.
-    running: Mutex<HashMap<RecordId, Claimed>>,
+    running: Running,
     /// Streamed answers in flight here, by record: a duplicate that waits attaches to one.
-    streams: Mutex<HashMap<RecordId, Flow>>,
+    streams: Streams,
     /// Queued records this process will claim itself once a worker is free: offers of them
     /// (announced to every node, this one included) are declined here.
     mine: Mutex<HashSet<RecordId>>,
@@ -252,7 +275,7 @@ impl Worker {
                 lease: current.worker.lease,
                 send_window: current.worker.send_window,
                 clock_margin: current.worker.clock_margin,
-                credentials: Mutex::new(HeldCredentials::default()),
+                credentials: HeldCredentials::default(),
                 mine: Mutex::new(HashSet::new()),
                 drain: Drain::default(),
                 store,
@@ -262,8 +285,8 @@ impl Worker {
                 settled,
                 switches,
                 clock,
-                running: Mutex::new(HashMap::new()),
-                streams: Mutex::new(HashMap::new()),
+                running: Running::default(),
+                streams: Streams::default(),
                 unrecorded: Arc::default(),
             }),
         }
@@ -402,13 +425,13 @@ impl Worker {
     /// A reader of `id`'s answer, if it is streaming through this process and still kept whole:
     /// what a duplicate that waits gets instead of a 409 (docs/concepts.md).
     pub fn attach(&self, id: RecordId) -> Option<Streamed> {
-        let flow = lock(&self.inner.streams).get(&id).cloned();
+        let flow = self.inner.streams.get(id);
         flow?.attach()
     }
 
     /// Whether `id`'s answer is streaming through this process.
     pub fn streaming(&self, id: RecordId) -> bool {
-        lock(&self.inner.streams).contains_key(&id)
+        self.inner.streams.contains(id)
     }
 
     /// Settles an `unknown` record as an operator says (`entry`), and wakes whoever waits for it.
@@ -450,7 +473,7 @@ impl Worker {
 
     /// Stops an execution running here: no further attempt starts; one in flight finishes.
     fn cancel(&self, id: RecordId) {
-        if let Some(s) = self.inner.signal(id) {
+        if let Some(s) = self.inner.running.signal(id) {
             s.raised.store(true, Ordering::SeqCst);
             s.notify.notify_waiters();
         }

@@ -5,7 +5,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::attempts::{End, HandBack, Job};
+use super::attempts::{End, HandBack};
+use super::job::Job;
 use super::Inner;
 use crate::domain::StopReason;
 use crate::store::LeaseStatus;

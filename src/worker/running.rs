@@ -8,7 +8,10 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 use tracing::warn;
 
-use super::{lock, Inner};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::lock;
 use crate::domain::{ClaimToken, RecordId};
 
 /// Lets a cancel reach an execution running in this process at once, even mid-wait; and tells
@@ -29,17 +32,21 @@ impl CancelSignal {
 
 /// The execution of one claim of a record, as this process knows it: at most one per record,
 /// the newest claim's.
-pub(super) struct Claimed {
+struct Claimed {
     token: ClaimToken,
     signal: Arc<CancelSignal>,
 }
 
-impl Inner {
+/// The executions running here, by record: the claim each runs under, and its signal.
+#[derive(Default)]
+pub(super) struct Running(Mutex<HashMap<RecordId, Claimed>>);
+
+impl Running {
     /// Registers the execution of `id` under claim `token` as the one running here, and tells
     /// an older claim's execution, if one still runs, that it is superseded.
-    pub(super) fn running(&self, id: RecordId, token: ClaimToken) -> Arc<CancelSignal> {
+    pub(super) fn start(&self, id: RecordId, token: ClaimToken) -> Arc<CancelSignal> {
         let signal = Arc::new(CancelSignal::default());
-        let older = lock(&self.running).insert(id, Claimed { token, signal: signal.clone() });
+        let older = lock(&self.0).insert(id, Claimed { token, signal: signal.clone() });
         if let Some(older) = older {
             warn!(record = %id, older = %older.token, newer = %token, "a newer claim of the record supersedes one still running here");
             older.signal.superseded.store(true, Ordering::SeqCst);
@@ -49,8 +56,8 @@ impl Inner {
     }
 
     /// Forgets the execution of `id` under claim `token`, unless a newer claim's took its place.
-    pub(super) fn stopped_running(&self, id: RecordId, token: ClaimToken) {
-        let mut running = lock(&self.running);
+    pub(super) fn stopped(&self, id: RecordId, token: ClaimToken) {
+        let mut running = lock(&self.0);
         if running.get(&id).is_some_and(|r| r.token == token) {
             running.remove(&id);
         }
@@ -58,6 +65,6 @@ impl Inner {
 
     /// The cancel signal of the execution of `id` running here, if one is.
     pub(super) fn signal(&self, id: RecordId) -> Option<Arc<CancelSignal>> {
-        lock(&self.running).get(&id).map(|r| r.signal.clone())
+        lock(&self.0).get(&id).map(|r| r.signal.clone())
     }
 }

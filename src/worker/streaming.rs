@@ -8,8 +8,9 @@ use std::sync::atomic::Ordering;
 
 use tracing::Instrument;
 
-use super::attempts::{since, stored_attempt, End, Job, Progress, Sent};
-use super::{lock, Flow, Inner, Outcome};
+use super::attempts::{since, stored_attempt, End, Progress, Sent};
+use super::job::Job;
+use super::{Flow, Inner, Outcome};
 use crate::domain::{AttemptError, BudgetScope, StopReason};
 use crate::metrics;
 use crate::policy::{Decision, Ended, Observed};
@@ -70,7 +71,7 @@ impl Inner {
         let reader = flow.attach();
         let tap = flow.tap.clone();
         tap.push(first).await;
-        lock(&self.streams).insert(record.id, flow);
+        self.streams.insert(record.id, flow);
         // Duplicates waiting for the record are woken to attach to its stream.
         self.settled.settled(record.id);
         if let Some(streamed) = reader {
@@ -142,7 +143,7 @@ impl Inner {
                 short.stop()
             }
         };
-        lock(&self.streams).remove(&record.id);
+        self.streams.remove(record.id);
         span.in_scope(|| {
             tracing::info!(
                 attempt = p.number,
