@@ -7,11 +7,14 @@
 //! sleeps again: at two lines per new key, that thread alone took 26 µs of CPU per key at
 //! concurrency 8, against 1 µs for this one.
 //!
-//! Nothing is dropped: a writer that falls [`MAX_BUFFERED`] bytes behind (a stalled terminal or
-//! pipe) makes loggers wait. Lines reach their destination within [`GATHER`] of being logged,
-//! or when the [`Flushed`] guard is dropped; a process killed outright loses at most that much.
+//! A writer that falls [`MAX_BUFFERED`] bytes behind (a stalled terminal or pipe) makes loggers
+//! wait, but for the access log: a line per request gives way, dropped and counted
+//! ([`access_lines_dropped`], `idem_access_lines_dropped_total`), rather than hold up the requests
+//! it is about. Lines reach their destination within [`GATHER`] of being logged, or when the
+//! [`Flushed`] guard is dropped; a process killed outright loses at most that much.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -22,6 +25,18 @@ pub const MAX_BUFFERED: usize = 8 << 20;
 /// The longest an exit waits for the last lines to be written: a destination that takes
 /// nothing (a stalled pipe) must not keep the process from ending.
 const LAST_WRITE: Duration = Duration::from_secs(1);
+
+/// The target of the access log's lines (`ingress::access`): the lines that give way.
+pub const ACCESS_TARGET: &str = "idem::access";
+
+/// Access lines dropped, since the process started, because the destination was behind.
+static ACCESS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Access lines dropped since the process started because the destination was
+/// [`MAX_BUFFERED`] bytes behind.
+pub fn access_lines_dropped() -> u64 {
+    ACCESS_DROPPED.load(Ordering::Relaxed)
+}
 
 /// A `MakeWriter` for `tracing-subscriber`: each line is appended to the shared buffer.
 #[derive(Clone)]
@@ -99,17 +114,36 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Batched {
     type Writer = Line<'a>;
 
     fn make_writer(&'a self) -> Line<'a> {
-        Line(&self.shared)
+        self.line(false)
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> Line<'a> {
+        self.line(meta.target() == ACCESS_TARGET)
+    }
+}
+
+impl Batched {
+    fn line(&self, gives_way: bool) -> Line<'_> {
+        Line { shared: &self.shared, gives_way }
     }
 }
 
 /// One event's writer: the formatter hands it the whole line in one `write_all`.
-pub struct Line<'a>(&'a Shared);
+pub struct Line<'a> {
+    shared: &'a Shared,
+    /// Dropped, rather than waiting, when the buffer is full: an access line.
+    gives_way: bool,
+}
 
 impl Write for Line<'_> {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        let shared = self.0;
+        let shared = self.shared;
         let mut state = shared.state();
+        if self.gives_way && state.lines.len() >= MAX_BUFFERED && !state.closed {
+            ACCESS_DROPPED.fetch_add(1, Ordering::Relaxed);
+            shared.work.notify_one();
+            return Ok(bytes.len());
+        }
         while state.lines.len() >= MAX_BUFFERED && !state.closed {
             shared.work.notify_one();
             state = shared.room.wait(state).unwrap_or_else(|p| p.into_inner());
@@ -232,6 +266,46 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    #[test]
+    fn behind_a_stalled_destination_access_lines_give_way_and_are_counted_while_others_wait() {
+        let gate = Gate(Arc::default(), Sink::default());
+        let (writer, flushed) = batched(gate.clone()).unwrap();
+        let line = vec![b'a'; 1 << 16];
+        let before = access_lines_dropped();
+        // Three times the bound of access lines, the destination stalled: none waits.
+        let logger = std::thread::spawn({
+            let writer = writer.clone();
+            let line = line.clone();
+            move || {
+                for _ in 0..3 * MAX_BUFFERED / line.len() {
+                    writer.line(true).write_all(&line).unwrap();
+                }
+            }
+        });
+        let started = std::time::Instant::now();
+        while !logger.is_finished() {
+            assert!(started.elapsed() < Duration::from_secs(10), "an access line waited for the destination");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        logger.join().unwrap();
+        let dropped = access_lines_dropped() - before;
+        assert!(dropped >= (MAX_BUFFERED / line.len()) as u64, "only {dropped} access lines were dropped");
+        // Any other line still waits for room.
+        let other = std::thread::spawn({
+            let writer = writer.clone();
+            move || writer.line(false).write_all(b"an error\n").unwrap()
+        });
+        std::thread::sleep(GATHER * 8);
+        assert!(!other.is_finished(), "a line that does not give way went on past a full buffer");
+        let (open, opened) = &*gate.0;
+        *open.lock().unwrap() = true;
+        opened.notify_all();
+        other.join().unwrap();
+        drop(flushed);
+        let written = gate.1 .0.lock().unwrap();
+        assert!(written.ends_with(b"an error\n"), "the waiting line was lost");
     }
 
     #[test]

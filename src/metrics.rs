@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
+use metrics::{counter, describe_gauge, describe_histogram, gauge, histogram, Counter, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::domain::switch::SwitchAction;
@@ -118,6 +118,8 @@ const COUNTERS: &[(&str, &str)] = &[
          client was told the outcome, and it is written again until the store takes it."),
     ("idem_lease_renewals_failed_total", "Lease renewals made while an attempt was in flight that failed (why=error) or found the claim taken \
          (why=lost), per route: the attempt finished, and no other started under that claim."),
+    ("idem_access_lines_dropped_total", "Access log lines dropped because the log's destination was 8 MiB behind: the access \
+         log gives way rather than hold up the requests it is about (other lines wait)."),
     ("idem_switch_held_total", "Attempts not started because an operator's emergency switch was on, per route and action: retries \
          stopped by retries_off, and new keys refused or executions stopped by isolate."),
 ];
@@ -157,11 +159,6 @@ pub(crate) fn canary_side(route: &RouteName, side: CanarySide, version: &PolicyV
     gauge!("idem_canary_requests", &labels).set(cohort.requests as f64);
     gauge!("idem_canary_amplification", &labels).set(cohort.amplification());
     gauge!("idem_canary_final_success", &labels).set(cohort.final_success());
-}
-
-/// A new execution was admitted: one logical request.
-pub(crate) fn request(route: &RouteName) {
-    counter!("idem_requests_total", "route" => route.to_string()).increment(1);
 }
 
 /// One physical attempt, how it was classified, and the version of the policy it was sent under:
@@ -237,6 +234,32 @@ impl Drop for Waiting {
 /// An answer the ingress gave without executing: `replay`, `in_progress` (409), `key_reused`
 /// (422), `unknown` (502), `overloaded`, `buffers_full` (the body budget is spent) or
 /// `circuit_open` (503, shed before recording).
+/// The counters a route's every request may touch, registered once when its runtime is built
+/// (at start and at each reload) rather than looked up by their labels per request.
+pub(crate) struct RouteCounters {
+    requests: Counter,
+    replays: Counter,
+}
+
+impl RouteCounters {
+    pub(crate) fn new(route: &RouteName) -> RouteCounters {
+        RouteCounters {
+            requests: counter!("idem_requests_total", "route" => route.to_string()),
+            replays: counter!("idem_answers_total", "route" => route.to_string(), "kind" => AnswerKind::Replay.as_str()),
+        }
+    }
+
+    /// A new execution admitted (`idem_requests_total`).
+    pub(crate) fn request(&self) {
+        self.requests.increment(1);
+    }
+
+    /// A done answer replayed (`idem_answers_total{kind="replay"}`).
+    pub(crate) fn replay(&self) {
+        self.replays.increment(1);
+    }
+}
+
 pub(crate) fn answered(route: &RouteName, kind: AnswerKind) {
     counter!("idem_answers_total", "route" => route.to_string(), "kind" => kind.as_str()).increment(1);
 }
@@ -446,6 +469,7 @@ pub(crate) fn render(
         gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
     }
     process().collect();
+    counter!("idem_access_lines_dropped_total").absolute(crate::logs::access_lines_dropped());
     // Written here rather than through the process-wide recorder: it is this broker's own
     // figure, even when one process runs several brokers.
     let mut text = handle().render();

@@ -109,7 +109,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
     // A streamed answer's size is not known when its head goes: absent then.
     let bytes_out = body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
     tracing::event!(
-        target: "idem::access",
+        target: crate::logs::ACCESS_TARGET,
         tracing::Level::INFO,
         client.address = %OrDash(client),
         http.request.method = %method,

@@ -338,13 +338,16 @@ impl Ingress {
             metrics::answered(&route.name, AnswerKind::KeyReused);
             return Some(Err(Problem::key_reused().state(State::Done)));
         }
-        metrics::answered(&replay.route, AnswerKind::Replay);
         access::record(replay.record);
         // Counted on the route that recorded it, which is almost always the one asked.
         if replay.route == route.name {
             route.count_replay();
-        } else if let Some(recorded_on) = route.snapshot().route_named(&replay.route) {
-            recorded_on.count_replay();
+            route.counters().replay();
+        } else {
+            metrics::answered(&replay.route, AnswerKind::Replay);
+            if let Some(recorded_on) = route.snapshot().route_named(&replay.route) {
+                recorded_on.count_replay();
+            }
         }
         Some(Ok(replay.answer()))
     }
@@ -375,7 +378,7 @@ impl Ingress {
         let admit = Submission { route, policy, request, url, headers: &parts.headers, awaits: !prefer.respond_async };
         match self.worker.admit(admit).await.map_err(|e| Problem::store(&e))? {
             Admitted::Executing { record, outcome } => {
-                metrics::request(&route.name);
+                route.counters().request();
                 self.executing(route, &record, outcome).await
             }
             Admitted::Existing(record) => self.answer_record(route, record, fingerprint, prefer).await,

@@ -84,6 +84,7 @@ struct RouteRuntime {
     /// What its attempts took here; `None` until it has had one.
     pace: Arc<Mutex<Option<RoutePace>>>,
     answers: Arc<AnswerCounts>,
+    counters: crate::metrics::RouteCounters,
 }
 
 /// Replays and 409s answered on a route since the counts were last taken.
@@ -197,6 +198,7 @@ impl Snapshot {
                     upstream: upstreams[r.upstream_key()].clone(),
                     pace: before.map(|b| b.pace.clone()).unwrap_or_default(),
                     answers: before.map(|b| b.answers.clone()).unwrap_or_default(),
+                    counters: crate::metrics::RouteCounters::new(&r.name),
                 }
             })
             .collect();

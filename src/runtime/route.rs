@@ -116,6 +116,11 @@ impl ServedRoute {
         self.runtime().answers.replays.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Its counters in `/metrics`, registered with the route.
+    pub(crate) fn counters(&self) -> &crate::metrics::RouteCounters {
+        &self.runtime().counters
+    }
+
     /// A 409 `request-in-progress`: a duplicate arrived while its key was being executed.
     pub fn count_conflict(&self) {
         self.runtime().answers.conflicts.fetch_add(1, Ordering::Relaxed);
