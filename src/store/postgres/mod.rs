@@ -26,6 +26,7 @@ mod admissions;
 mod hosts;
 mod lanes;
 mod leases;
+mod listing;
 mod notices;
 mod outcomes;
 mod primary;
@@ -55,7 +56,7 @@ use self::rows::{get, COLUMNS};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    decode, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Durability, DurabilityInForce, Lease, LeaseClock, ListFilter, Notice,
     Page, Probed, ProbesDue, Renew, Resolve, Retry, Serving, Store, StoreError, Sweep, SwitchCleared, TakeOver,
 };
@@ -63,7 +64,7 @@ use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::RouteName;
-use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
+use crate::domain::{ClaimToken, Phase, Tenant, Timestamp};
 use crate::record::Record;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
@@ -302,23 +303,7 @@ impl Store for PostgresStore {
     }
 
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
-        let limit = filter.limit.clamp(1, 1000);
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM records
-             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR route = $2)
-               AND ($3::text IS NULL OR tenant = $3)
-               AND ($4::bigint IS NULL OR (created_at, id) > ($4, $5::uuid))
-             ORDER BY created_at, id LIMIT $6"
-        ))
-        .bind(filter.state.map(State::as_str))
-        .bind(filter.route.as_deref())
-        .bind(filter.tenant.as_deref())
-        .bind(filter.cursor.map(|c| c.created_at))
-        .bind(filter.cursor.map(|c| c.id.to_string()))
-        .bind(i64::from(limit) + 1)
-        .fetch_all(&self.pool)
-        .await?;
-        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
+        listing::list(&self.pool, filter).await
     }
 
     async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
@@ -378,7 +363,7 @@ impl Store for PostgresStore {
     }
 
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        upkeep::count_by_phase(&self.pool).await
+        listing::count_by_phase(&self.pool).await
     }
 
     async fn sweep_done(&self, sweep: Sweep) -> Result<u64, StoreError> {
