@@ -16,7 +16,9 @@
 //! page, and a page from the middle), `/admin/stats` over the last hour, a canary's sides, and
 //! the count by phase behind `/metrics`. Then it puts back the index that every record was in
 //! before (`records_listing_by_state`) and times the statements of the build before on it, for
-//! comparison on the same rows: `IDEM_BENCH_MILLION=1 cargo bench --bench store -- million`.
+//! comparison on the same rows (their rows fetched whole but not decoded into records, which
+//! the store's listing also does: about half a millisecond a page of 50):
+//! `IDEM_BENCH_MILLION=1 cargo bench --bench store -- million`.
 //!
 //! `file_check_then_sync` times what the SQLite store does around each commit: a page written
 //! to a log and synced, then the store's check that the log is still its own, which asks for
@@ -237,6 +239,15 @@ fn pages_per_commit(_: &mut Criterion) {
             per(admissions + outcomes)
         ));
     }
+    for schema in ["before", "after"] {
+        match rt.block_on(postgres_url()) {
+            Some(url) => lines.push(rt.block_on(postgres_pages(&url, schema))),
+            None => {
+                eprintln!("pages_per_commit/postgres skipped: set IDEM_BENCH_POSTGRES_URL to a PostgreSQL server");
+                break;
+            }
+        }
+    }
     for line in lines {
         println!("{line}");
     }
@@ -245,6 +256,78 @@ fn pages_per_commit(_: &mut Criterion) {
 #[cfg(not(unix))]
 fn pages_per_commit(_: &mut Criterion) {}
 
+/// Keys written before PostgreSQL's count, and keys counted.
+const PG_PAGES_SEED: u64 = 5_000;
+
+/// PostgreSQL's counterpart of the frames in SQLite's log: the distinct pages (of this
+/// database's relations) that the WAL records of each transaction name, and those records,
+/// read back with `pg_walinspect`, for a new key's admission and its outcome on the database at
+/// `url` with the indexes of `schema`. The database is dropped after.
+async fn postgres_pages(url: &str, schema: &str) -> String {
+    use sqlx::{Executor, Row};
+    let store = store::open(url).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await.unwrap();
+    pool.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect").await.unwrap();
+    if schema == "before" {
+        pool.execute(
+            "DROP INDEX records_free; DROP INDEX records_listing_unknown;
+             CREATE INDEX records_listing_by_state ON records (state, created_at, id)",
+        )
+        .await
+        .unwrap();
+    }
+    let mut start = String::new();
+    for n in 0..PG_PAGES_SEED + PAGES_COUNTED {
+        if n == PG_PAGES_SEED {
+            start = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(&pool).await.unwrap();
+        }
+        let Admission::Created(r) = store.admit(admit(new_record(&format!("pages-{n}")))).await.unwrap() else {
+            panic!("not created")
+        };
+        store.attempt_ended(ended(r.id, r.claim)).await.unwrap();
+    }
+    let end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text").fetch_one(&pool).await.unwrap();
+    let rows = sqlx::query(
+        "SELECT admission, count(*) AS transactions, avg(pages)::float8 AS pages, avg(records)::float8 AS records
+         FROM (SELECT w.xid::text AS xid, bool_or(w.resource_manager = 'Heap' AND w.record_type LIKE 'INSERT%') AS admission,
+                      count(DISTINCT b.page) AS pages, count(DISTINCT w.start_lsn) AS records
+               FROM pg_get_wal_records_info($1::pg_lsn, $2::pg_lsn) AS w,
+                    LATERAL (SELECT m[1] AS page
+                             FROM regexp_matches(w.block_ref, '(rel [0-9]+/[0-9]+/[0-9]+ fork [a-z]+ blk [0-9]+)', 'g')
+                                  AS m) AS b
+               WHERE b.page LIKE '%/' || (SELECT oid FROM pg_database WHERE datname = current_database()) || '/%'
+               GROUP BY w.xid::text) AS t
+         GROUP BY admission ORDER BY admission DESC",
+    )
+    .bind(&start)
+    .bind(&end)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut line = format!("pages_per_commit/postgres/{schema}:");
+    for row in rows {
+        let kind = if row.get::<bool, _>("admission") { "admission" } else { "outcome" };
+        line += &format!(
+            " {kind} {:.2} pages in {:.2} WAL records ({} transactions);",
+            row.get::<f64, _>("pages"),
+            row.get::<f64, _>("records"),
+            row.get::<i64, _>("transactions")
+        );
+    }
+    pool.close().await;
+    drop(store);
+    drop_database(url).await;
+    line + &format!(" {PAGES_COUNTED} keys after {PG_PAGES_SEED}")
+}
+
+/// Drops the bench's database at `url`, ending what is still connected to it.
+async fn drop_database(url: &str) {
+    let server = std::env::var("IDEM_BENCH_POSTGRES_URL").or_else(|_| std::env::var("IDEM_TEST_POSTGRES_URL")).unwrap();
+    let name = reqwest::Url::parse(url).unwrap().path().trim_start_matches('/').to_string();
+    let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+    sqlx::query(&format!("DROP DATABASE \"{name}\" WITH (FORCE)")).execute(&mut admin).await.unwrap();
+}
+
 /// Records in the `million` store, and how many of them are the newest, in progress or queued.
 const MILLION: i64 = 1_000_000;
 const NEWEST: i64 = 4_000;
@@ -252,7 +335,7 @@ const NEWEST: i64 = 4_000;
 /// A row per record `i` of `0..MILLION`, created over the last day, one every 86.4 ms: the
 /// newest `NEWEST` in progress (even) or queued (one in four) or done, and of the others one in
 /// 500 unknown, one in 1,000 free, the rest done; one in ten of route `refunds`. Written for
-/// both stores: `$ID` is the id's text, `$NOW` the time now, `$TRUE` and `$FALSE` the flags.
+/// both stores: `$ID` is the id's text, `$SERIES` the numbers, `$BLOB…` bytes, `$NOW` the time.
 const MILLION_ROWS: &str = "
 SELECT $ID AS id, 'default' AS tenant, 'k' || i AS key,
        CASE WHEN i % 10 = 0 THEN 'refunds' ELSE 'payments' END AS route, 'POST' AS method,
@@ -281,7 +364,7 @@ fn million_insert(postgres: bool, now: i64) -> String {
         (
             "(lpad(to_hex(at), 12, '0') || lpad(to_hex(i), 20, '0'))::uuid",
             "generate_series(0, $MILLION - 1) AS i",
-            "decode(md5(i::text), 'hex')",
+            "decode(md5(i::text) || md5(i::text), 'hex')",
             "decode(repeat(md5(i::text), 12), 'hex')",
             "decode(repeat(md5(i::text), 6), 'hex')",
         )
@@ -500,7 +583,7 @@ fn million_on(rt: &tokio::runtime::Runtime, label: &str, url: &str) {
         });
         if postgres {
             format!(
-                "SELECT created_at, id::text FROM (SELECT * FROM records
+                "SELECT created_at, id::text, page.* FROM (SELECT * FROM records
                  WHERE ({state}::text IS NULL OR state = {state}) AND (NULL::text IS NULL OR route = NULL)
                    AND (NULL::text IS NULL OR tenant = NULL)
                    AND ({at}::bigint IS NULL OR (created_at, id) > ({at}, {id}::uuid))
@@ -508,7 +591,7 @@ fn million_on(rt: &tokio::runtime::Runtime, label: &str, url: &str) {
             )
         } else {
             format!(
-                "SELECT created_at, id FROM (SELECT * FROM records
+                "SELECT created_at, id, page.* FROM (SELECT * FROM records
                  WHERE ({state} IS NULL OR state = {state}) AND (NULL IS NULL OR route = NULL)
                    AND (NULL IS NULL OR tenant = NULL)
                    AND ({at} IS NULL OR (created_at, id) > ({at}, {id}))
@@ -535,6 +618,11 @@ fn million_on(rt: &tokio::runtime::Runtime, label: &str, url: &str) {
     lines.push(format!("before: count by phase: {t:.2} ms"));
     for line in lines {
         println!("million/{label}: {line}");
+    }
+    drop(pool);
+    drop(store);
+    if postgres {
+        rt.block_on(drop_database(url));
     }
 }
 
