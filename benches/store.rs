@@ -267,7 +267,12 @@ async fn postgres_pages(url: &str, schema: &str) -> String {
     use sqlx::{Executor, Row};
     let store = store::open(url).await.unwrap();
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await.unwrap();
-    pool.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect").await.unwrap();
+    if let Err(e) = pool.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect").await {
+        pool.close().await;
+        drop(store);
+        drop_database(url).await;
+        return format!("pages_per_commit/postgres/{schema} skipped: pg_walinspect: {e}");
+    }
     if schema == "before" {
         pool.execute(
             "DROP INDEX records_free; DROP INDEX records_listing_unknown;
