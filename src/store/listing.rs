@@ -3,7 +3,7 @@
 use uuid::Uuid;
 
 use super::StoreError;
-use crate::domain::{RouteName, State, Tenant, Timestamp};
+use crate::domain::{Phase, RouteName, State, Tenant, Timestamp};
 use crate::record::Record;
 
 /// Which records an operator listing shows, oldest first (a queue is worked from its head);
@@ -53,4 +53,26 @@ pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
     items.truncate(limit as usize);
     let next_cursor = if more { items.last().map(Cursor::of) } else { None };
     Ok(Page { items, next_cursor })
+}
+
+/// The count of every phase, from the count of all records and of each phase but `done`, as
+/// the stores read them in one snapshot: `done` is what is left.
+pub(crate) fn phases(
+    records: u64,
+    queued: u64,
+    free: u64,
+    in_progress: u64,
+    unknown: u64,
+) -> Result<Vec<(Phase, u64)>, StoreError> {
+    let others = queued + free + in_progress + unknown;
+    let done = records.checked_sub(others).ok_or_else(|| {
+        StoreError::Corrupt(format!("{records} records, of which {others} are not done, counted in one snapshot"))
+    })?;
+    Ok(vec![
+        (Phase::Queued, queued),
+        (Phase::Free, free),
+        (Phase::InProgress, in_progress),
+        (Phase::Done, done),
+        (Phase::Unknown, unknown),
+    ])
 }

@@ -6,6 +6,7 @@ mod admission;
 mod execution;
 mod fencing;
 mod notices;
+mod phases;
 mod protocol;
 mod reconciliation;
 mod recorded;
@@ -38,6 +39,7 @@ use admission::*;
 use execution::*;
 use fencing::*;
 use notices::*;
+use phases::*;
 use reconciliation::*;
 use switches::*;
 
@@ -72,6 +74,8 @@ crate::common::both_stores!(
     probes_are_due_after_settle_and_then_at_the_next_probe_time,
     listing_filters_and_pages_through_every_record_exactly_once,
     records_are_counted_by_phase,
+    the_count_by_phase_follows_every_change_of_state,
+    each_state_is_listed_in_order_from_its_own_index,
     sweeping_deletes_only_done_records_finished_before_the_cutoff,
     past_retention_a_done_record_becomes_a_tombstone_that_refuses_its_own_request,
     another_request_under_a_spent_key_and_a_late_one_execute,

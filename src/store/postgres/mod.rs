@@ -26,6 +26,7 @@ mod admissions;
 mod hosts;
 mod lanes;
 mod leases;
+mod listing;
 mod migrating;
 mod notices;
 mod outcomes;
@@ -58,7 +59,7 @@ use self::rows::{get, COLUMNS};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    decode, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Condition, DurabilityInForce, Figures, LeaseClock, LeaseStatus,
     ListFilter, Notice, Notices, Operator, Page, Probed, ProbesDue, Records, Renew, Resolve, Retry, Serving,
     StoreError, Sweep, SwitchCleared, SwitchLog, TakeOver, Upkeep,
@@ -68,7 +69,7 @@ use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::RouteName;
-use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
+use crate::domain::{ClaimToken, Phase, Tenant, Timestamp};
 use crate::record::Record;
 
 /// Connections per process: enough for a node's workers and requests, few enough that a dozen
@@ -214,23 +215,7 @@ impl Records for PostgresStore {
 #[async_trait]
 impl Operator for PostgresStore {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
-        let limit = filter.limit.clamp(1, 1000);
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM records
-             WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR route = $2)
-               AND ($3::text IS NULL OR tenant = $3)
-               AND ($4::bigint IS NULL OR (created_at, id) > ($4, $5::uuid))
-             ORDER BY created_at, id LIMIT $6"
-        ))
-        .bind(filter.state.map(State::as_str))
-        .bind(filter.route.as_deref())
-        .bind(filter.tenant.as_deref())
-        .bind(filter.cursor.map(|c| c.created_at))
-        .bind(filter.cursor.map(|c| RecordId(c.id)))
-        .bind(i64::from(limit) + 1)
-        .fetch_all(&self.pool)
-        .await?;
-        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
+        listing::list(&self.pool, filter).await
     }
 
     async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
@@ -359,7 +344,7 @@ impl Condition for PostgresStore {
 #[async_trait]
 impl Figures for PostgresStore {
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        upkeep::count_by_phase(&self.pool).await
+        listing::count_by_phase(&self.pool).await
     }
 
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {

@@ -2,11 +2,11 @@
 //! the retention sweep. Nodes sweeping at once never wait on each other: a take-over is a
 //! compare-and-set on the lease it saw, and the batch statements skip rows another has locked.
 
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 
 use super::rows::{one_element, COLUMNS};
+use crate::domain::Phase;
 use crate::domain::StopReason;
-use crate::domain::{Phase, State};
 use crate::record::{transition, Event, Record};
 use crate::store::{decode, span_ms, ClaimUnclaimed, LeaseClock, StoreError, Sweep, TakeOver};
 
@@ -132,19 +132,4 @@ pub(super) async fn sweep_done(pool: &PgPool, clock: LeaseClock, sweep: Sweep) -
     .execute(pool)
     .await?;
     Ok(changed + others.rows_affected() + tombstones.rows_affected())
-}
-
-/// How many records are in each phase: the reconciliation queue's depth among them.
-pub(super) async fn count_by_phase(pool: &PgPool) -> Result<Vec<(Phase, u64)>, StoreError> {
-    let corrupt = |what: &str| StoreError::Corrupt(what.to_string());
-    let rows =
-        sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued").fetch_all(pool).await?;
-    rows.iter()
-        .map(|row| {
-            let state: String = row.try_get(0)?;
-            let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
-            let count = u64::try_from(row.try_get::<i64, _>(2)?).map_err(|_| corrupt("record count"))?;
-            Ok((Phase::of(state, row.try_get(1)?), count))
-        })
-        .collect()
 }

@@ -10,6 +10,7 @@ mod actions;
 mod checkpointer;
 mod committer;
 mod files;
+mod listing;
 mod migrating;
 pub(super) mod recorded;
 mod rows;
@@ -25,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
-use sqlx::{Connection, Row};
+use sqlx::Connection;
 
 use self::files::DatabaseFiles;
 pub use self::files::FileId;
@@ -35,7 +36,7 @@ use self::writer::{Write, Writer};
 use super::protocol;
 use super::stats::{Side, StatsRows, StatsSpan};
 use super::{
-    decode, page, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
+    decode, span_ms, Action, AddAnswerCounts, Admission, Admit, AttemptEnded, AttemptStarted, Cancel, Cancelled,
     ClaimQueued, ClaimUnclaimed, ClearSwitch, Condition, DurabilityInForce, Figures, LeaseStatus, ListFilter, Notices,
     Operator, Page, Probed, ProbesDue, Records, Renew, Resolve, Retry, StoreError, Sweep, SwitchCleared, SwitchLog,
     TakeOver, Upkeep,
@@ -45,7 +46,7 @@ use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::Switch;
 use crate::domain::RecordId;
 use crate::domain::RouteName;
-use crate::domain::{ClaimToken, Phase, State, Tenant, Timestamp};
+use crate::domain::{ClaimToken, Phase, Tenant, Timestamp};
 use crate::record::Record;
 
 pub struct SqliteStore {
@@ -241,10 +242,6 @@ async fn stored_protocol(conn: &mut SqliteConnection) -> Result<Option<i64>, Sto
     Ok(Some(i64::from(tokens)))
 }
 
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Corrupt(what.to_string())
-}
-
 #[async_trait]
 impl Records for SqliteStore {
     async fn admit(&self, admit: Admit) -> Result<Admission, StoreError> {
@@ -294,22 +291,7 @@ impl Records for SqliteStore {
 #[async_trait]
 impl Operator for SqliteStore {
     async fn list(&self, filter: &ListFilter) -> Result<Page, StoreError> {
-        let limit = filter.limit.clamp(1, 1000);
-        let rows = sqlx::query(
-            "SELECT * FROM records
-             WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR route = ?2) AND (?3 IS NULL OR tenant = ?3)
-               AND (?4 IS NULL OR (created_at, id) > (?4, ?5))
-             ORDER BY created_at, id LIMIT ?6",
-        )
-        .bind(filter.state.map(State::as_str))
-        .bind(filter.route.as_deref())
-        .bind(filter.tenant.as_deref())
-        .bind(filter.cursor.map(|c| c.created_at))
-        .bind(filter.cursor.map(|c| RecordId(c.id)))
-        .bind(limit as i64 + 1)
-        .fetch_all(self.reads()?)
-        .await?;
-        page(rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?, limit)
+        listing::list(self.reads()?, filter).await
     }
 
     async fn resolve(&self, resolve: Resolve) -> Result<Action, StoreError> {
@@ -395,17 +377,7 @@ impl Condition for SqliteStore {
 #[async_trait]
 impl Figures for SqliteStore {
     async fn count_by_phase(&self) -> Result<Vec<(Phase, u64)>, StoreError> {
-        let rows = sqlx::query("SELECT state, queued, COUNT(*) FROM records GROUP BY state, queued")
-            .fetch_all(self.reads()?)
-            .await?;
-        rows.iter()
-            .map(|row| {
-                let state: String = row.try_get(0)?;
-                let state = State::parse(&state).ok_or_else(|| corrupt("state"))?;
-                let queued = row.try_get::<i64, _>(1)? != 0;
-                Ok((Phase::of(state, queued), row.try_get::<i64, _>(2)? as u64))
-            })
-            .collect()
+        listing::count_by_phase(self.reads()?).await
     }
 
     async fn add_answer_counts(&self, add: AddAnswerCounts) -> Result<(), StoreError> {
