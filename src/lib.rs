@@ -13,7 +13,7 @@
 //!   them the retry quotas of tenants and the budgets of named upstreams. Held with the
 //!   configuration in one snapshot, served replaceable ([`runtime::Live`]) and swapped whole on
 //!   reload: a request resolves its route there once ([`runtime::ServedRoute`]) and carries it
-//!   to its end, as do an execution and a background pass. It counts in the broker's [`clock`].
+//!   to its end, as do an execution and a background pass. It counts in the broker's [`domain::clock`].
 //! - `edge` — what stands between the network and the handlers: each listener's accept loop
 //!   with its connection budget, header and body timeouts, and the bound on request bytes held
 //!   in memory, so that slow or idle clients cannot starve the others.
@@ -44,7 +44,7 @@
 //!   stores every attempt with its policy's version. An answer that arrives in parts is passed
 //!   through a `stream` tap to its client (and to duplicates that attach) as it arrives, and
 //!   read to its end and stored whatever the client does (docs/concepts.md).
-//! - [`switches`] — an operator's emergency switches ([`domain::switch`], docs/operations.md:
+//! - `runtime::switches` — an operator's emergency switches ([`domain::switch`], docs/operations.md:
 //!   `retries_off`, `isolate` or `canary_off` over one route or all, with a reason, an expiry
 //!   and an audit) as this node obeys them: kept by the [`store`], held in memory, refreshed
 //!   from the store twice a second, so that the worker and the ingress obey them without a
@@ -59,19 +59,22 @@
 //!   refuse new requests while the store cannot record them, live in [`store`].
 //! - [`admin`] — the operator listener: the admin API (one record's actions, and the same
 //!   actions over a filter's matches, planned by a dry run first), its CLI, the console, health;
-//!   the `/admin/stats` series, computed from the store; [`metrics`] for `/metrics`.
-//! - [`server`] — wires it together and runs both listeners until a graceful shutdown; [`demo`]
-//!   runs it in front of a built-in flaky upstream.
+//!   the `/admin/stats` series, computed from the store; `observe::metrics` for `/metrics`.
+//! - [`server`] — wires it together and runs both listeners until a graceful shutdown, telling
+//!   systemd where it stands (`server::notify`); [`server::demo`] runs it in front of a
+//!   built-in flaky upstream.
 //! - [`simulate`] — `idem simulate`: a route's policy, through the worker's own sequence of
 //!   decisions, against a scripted upstream on a logical clock; with `--history`, a route's
 //!   recorded requests (read from the store read-only) replayed through its current policy and
 //!   a candidate, sharing each policy's retry budget in time order.
-//! - [`clock`] — the time, passed in: every part above reads what time it is from one
-//!   [`clock::Clock`] (the system's, or a test's [`clock::ManualClock`]); waits use tokio's timer.
-//! - [`logs`] — where log lines go: a buffer that a thread of its own writes to stderr in
-//!   batches, so logging a line wakes nobody.
-//! - [`telemetry`] — the spans exported over OTLP/HTTP, and the W3C trace context carried from
-//!   the client through each attempt to the upstream.
+//! - [`domain::clock`] — the time, passed in: every part above reads what time it is from one
+//!   [`domain::clock::Clock`] (the system's, or a test's [`domain::clock::ManualClock`]); waits use
+//!   tokio's timer.
+//! - [`observe`] — what the broker tells of itself: [`observe::logs`], where log lines go (a
+//!   buffer that a thread of its own writes to stderr in batches, so logging a line wakes
+//!   nobody); `observe::metrics`, the figures of `/metrics`; [`observe::telemetry`], the spans
+//!   exported over OTLP/HTTP, and the W3C trace context carried from the client through each
+//!   attempt to the upstream.
 
 // Everything below the face (the modules declared `pub`, and `test_support`) is `pub(crate)`.
 // The lint is judged where the face is widest, with `test-support`, which every `cargo test`
@@ -79,16 +82,12 @@
 #![cfg_attr(feature = "test-support", warn(unreachable_pub))]
 
 pub mod admin;
-pub mod clock;
 pub mod config;
-pub mod demo;
 pub mod domain;
 pub(crate) mod edge;
 pub(crate) mod ingress;
-pub mod logs;
 pub(crate) mod mcp;
-pub(crate) mod metrics;
-pub(crate) mod notify;
+pub mod observe;
 pub(crate) mod policy;
 pub(crate) mod problem;
 pub mod record;
@@ -97,8 +96,6 @@ pub mod server;
 pub mod simulate;
 pub mod store;
 pub(crate) mod stream;
-pub(crate) mod switches;
-pub mod telemetry;
 pub(crate) mod upkeep;
 pub(crate) mod upstream;
 pub(crate) mod worker;
@@ -117,10 +114,10 @@ pub mod test_support {
     pub use crate::ingress::prefer::{Prefer, MAX_WAIT_SECS};
     pub use crate::ingress::{Replay, EXPIRES_HEADER, REPLAYED_HEADER};
     pub use crate::mcp::{message::read as read_mcp_message, Incoming};
-    pub use crate::metrics::handle as metrics_handle;
+    pub use crate::observe::metrics::handle as metrics_handle;
     pub use crate::policy::{parse_retry_after, MAX_RETRY_AFTER};
     pub use crate::problem::{SHOULD_RETRY_HEADER, STATUS_HEADER};
+    pub use crate::runtime::switches::Switches;
     pub use crate::runtime::Live;
-    pub use crate::switches::Switches;
     pub use crate::upstream::{to_header_map, Upstream};
 }

@@ -10,7 +10,7 @@ use super::tables::{render_bulk, render_list, render_record, render_reload, rend
 pub enum CliError {
     /// Said with its causes (a refused connection, an untrusted certificate), which reqwest's
     /// own words leave out, each once, and what to do about an authority it does not know.
-    #[error("cannot reach the admin API at {url}: {}{}", crate::logs::in_one_line(cause), remedy(cause))]
+    #[error("cannot reach the admin API at {url}: {}{}", crate::observe::logs::in_one_line(cause), remedy(cause))]
     Unreachable { url: String, cause: reqwest::Error },
     /// The API answered with a problem; its title and detail say what to do.
     #[error("{status} {title}: {detail}")]
@@ -21,7 +21,7 @@ pub enum CliError {
 
 /// What to do when the admin listener's certificate is not trusted: name its authority.
 fn remedy(cause: &reqwest::Error) -> &'static str {
-    let said = crate::logs::in_one_line(cause);
+    let said = crate::observe::logs::in_one_line(cause);
     if said.contains("UnknownIssuer") || said.contains("certificate") {
         "; an admin listener whose certificate a private authority issued needs --ca-file naming that authority's PEM"
     } else if said.contains("Connection refused") {

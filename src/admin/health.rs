@@ -10,7 +10,7 @@ const WITHIN: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HealthError {
-    #[error("the node at {url} did not answer: {}", crate::logs::in_one_line(cause))]
+    #[error("the node at {url} did not answer: {}", crate::observe::logs::in_one_line(cause))]
     Unreachable { url: String, cause: reqwest::Error },
     #[error("the node at {url} answered {status}: {body}")]
     Unhealthy { url: String, status: u16, body: String },

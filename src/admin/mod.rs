@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::clock::SharedClock;
+use crate::domain::clock::SharedClock;
 use crate::domain::Actor;
 use crate::domain::HistoryAction;
 use crate::domain::RecordId;
@@ -26,10 +26,10 @@ use crate::domain::{RouteName, State as RecordState, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::problem::Problem;
 use crate::record::{header_text, HistoryEntry, Record, StoredResponse, View};
+use crate::runtime::switches::Switches;
 use crate::runtime::Live;
 use crate::store;
 use crate::store::{Action, Cancelled, Cursor, ListFilter, Resolution, Store};
-use crate::switches::Switches;
 use crate::upkeep::reload::Reloader;
 use crate::worker::Worker;
 
@@ -176,7 +176,7 @@ async fn metrics(State(admin): State<Arc<Admin>>) -> Response {
     let routes: Vec<&str> = served.config().routes.iter().map(|r| r.name.as_str()).collect();
     let switches = admin.switches.render_metric(&routes, admin.clock.now());
     let circuits = served.breaker_states();
-    let body = crate::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
+    let body = crate::observe::metrics::render(phases.as_deref(), &circuits, admin.bodies.held(), &switches);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -6,6 +6,7 @@
 //! It depends on nothing else in the crate.
 
 mod answer;
+pub mod clock;
 pub mod fingerprint;
 pub(crate) mod headers;
 mod history;

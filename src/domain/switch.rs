@@ -2,7 +2,7 @@
 //! make an incident worse. A switch has a scope (one route, or all of them), an action, a reason,
 //! an optional expiry, and who set it and when; clearing it keeps who cleared it, when and why.
 //! This module is the switch as a value, parsed from what an operator sends and checked there;
-//! the store keeps them, and [`crate::switches`] holds the active ones in memory for the hot path.
+//! the store keeps them, and [`crate::runtime::switches`] holds the active ones in memory for the hot path.
 
 use std::time::Duration;
 

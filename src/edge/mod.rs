@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
 use crate::domain::Origin;
-use crate::metrics;
+use crate::observe::metrics;
 use crate::problem::Problem;
 
 pub(crate) mod body;

@@ -90,7 +90,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
         .map(|origin| crate::upstream::forwarded::client_address(request.headers(), origin, &config.server.forwarded));
     let bytes_in = body_size(request.headers());
     // For a request whose serving makes no span of its own.
-    let client_trace = crate::telemetry::client_trace_id(request.headers()).map(str::to_string);
+    let client_trace = crate::observe::telemetry::client_trace_id(request.headers()).map(str::to_string);
     let (response, note) = NOTE
         .scope(Note::default(), async {
             let response = next.run(request).await;
@@ -109,7 +109,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
     // A streamed answer's size is not known when its head goes: absent then.
     let bytes_out = body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
     tracing::event!(
-        target: crate::logs::ACCESS_TARGET,
+        target: crate::observe::logs::ACCESS_TARGET,
         tracing::Level::INFO,
         client.address = %OrDash(client),
         http.request.method = %method,
@@ -230,7 +230,7 @@ pub(super) fn kind(kind: Kind) {
 /// The trace of the request's span, when spans are exported.
 pub(super) fn trace(span: &tracing::Span) {
     note(|n| {
-        if let Some(id) = crate::telemetry::trace_id(span) {
+        if let Some(id) = crate::observe::telemetry::trace_id(span) {
             *n.trace.borrow_mut() = Some(id);
         }
     });

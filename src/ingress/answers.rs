@@ -11,7 +11,7 @@ use super::REPLAYED_HEADER;
 use crate::domain::AnswerKind;
 use crate::domain::StopReason;
 use crate::domain::{State, Timestamp};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER, STATUS_HEADER};
 use crate::record::StoredResponse;
 use crate::stream;

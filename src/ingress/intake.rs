@@ -9,7 +9,7 @@ use bytes::Bytes;
 use crate::config::{Forwarding, Route};
 use crate::domain::AnswerKind;
 use crate::edge::body::{self, BodyBudget, Held, ReadError};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::policy::RetryPolicy;
 use crate::problem::Problem;
 use crate::upstream;

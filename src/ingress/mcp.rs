@@ -26,7 +26,7 @@ use crate::mcp::answers::{self, RecordRef};
 use crate::mcp::proxy::{self, json_answer, Watch};
 use crate::mcp::sse::{self, Events, Piece};
 use crate::mcp::{codes, message, Incoming, ToolCall, ToolClass};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::problem::Problem;
 use crate::runtime::ServedRoute;
 
@@ -192,7 +192,7 @@ impl Ingress {
         // As on any keyed route, naming the tool.
         let span = |tenant: &Tenant| {
             let span = tracing::info_span!("request", %tenant, route = %route.name, tool = %call.tool);
-            crate::telemetry::continue_trace(&span, &parts.headers);
+            crate::observe::telemetry::continue_trace(&span, &parts.headers);
             super::access::trace(&span);
             span
         };

@@ -13,8 +13,8 @@ use bytes::Bytes;
 use tokio::sync::watch;
 use tracing::{info_span, Instrument, Span};
 
-use crate::clock::SharedClock;
 use crate::config::Route;
+use crate::domain::clock::SharedClock;
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::{IdempotencyKey, KeyError};
 use crate::domain::switch::SwitchAction;
@@ -23,12 +23,12 @@ use crate::domain::{Arrival, RouteName, State, Tenant, Timestamp};
 use crate::edge::body::BodyBudget;
 use crate::ingress::prefer::Prefer;
 use crate::ingress::reader::Records;
-use crate::metrics;
+use crate::observe::metrics;
 use crate::problem::{Problem, SHOULD_RETRY_HEADER};
 use crate::record::{Record, StoredRequest, StoredResponse};
+use crate::runtime::switches::Switches;
 use crate::runtime::{Live, ServedRoute, Snapshot};
 use crate::store::Health;
-use crate::switches::Switches;
 use crate::upstream::Upstream;
 use crate::worker::{self, Admitted, Refusal, Submission, Worker};
 
@@ -263,7 +263,7 @@ impl Ingress {
                 route = %route.name,
                 method = %parts.method,
             );
-            crate::telemetry::continue_trace(&span, &parts.headers);
+            crate::observe::telemetry::continue_trace(&span, &parts.headers);
             access::trace(&span);
             span
         };

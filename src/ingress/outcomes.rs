@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::answers::{freed, http_date, outcome_response, stored_response, Answer};
 use super::{Ingress, EXPIRES_HEADER};
 use crate::domain::{AnswerKind, Phase, State};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::Record;

@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::domain::clock::SharedClock;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{RecordId, State, Tenant};
 use crate::problem::Problem;

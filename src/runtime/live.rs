@@ -14,8 +14,8 @@ use std::time::SystemTime;
 use tokio::sync::watch;
 
 use super::{Snapshot, Ticks};
-use crate::clock::SharedClock;
 use crate::config::Config;
+use crate::domain::clock::SharedClock;
 
 #[derive(Clone)]
 struct Loaded {

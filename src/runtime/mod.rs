@@ -10,6 +10,7 @@
 mod budgets;
 mod live;
 mod route;
+pub(crate) mod switches;
 pub(crate) use budgets::BudgetView;
 pub(crate) use budgets::Charges;
 use budgets::{SharedBudget, TenantBudgets};
@@ -23,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
-use crate::clock::SharedClock;
 use crate::config::{BudgetLimits, Config, Route};
+use crate::domain::clock::SharedClock;
 use crate::domain::{BudgetScope, Timestamp};
 use crate::policy::{Breaker, BreakerState, RoutePace};
 use crate::store::stats::AnswerCount;
@@ -84,7 +85,7 @@ struct RouteRuntime {
     /// What its attempts took here; `None` until it has had one.
     pace: Arc<Mutex<Option<RoutePace>>>,
     answers: Arc<AnswerCounts>,
-    counters: crate::metrics::RouteCounters,
+    counters: crate::observe::metrics::RouteCounters,
 }
 
 /// Replays and 409s answered on a route since the counts were last taken.
@@ -198,7 +199,7 @@ impl Snapshot {
                     upstream: upstreams[r.upstream_key()].clone(),
                     pace: before.map(|b| b.pace.clone()).unwrap_or_default(),
                     answers: before.map(|b| b.answers.clone()).unwrap_or_default(),
-                    counters: crate::metrics::RouteCounters::new(&r.name),
+                    counters: crate::observe::metrics::RouteCounters::new(&r.name),
                 }
             })
             .collect();
@@ -300,7 +301,7 @@ mod tests {
     #[test]
     fn a_reload_swaps_every_route_runtime_at_once_keeping_what_each_may_keep() {
         let before = config(&[("payments", "http://127.0.0.1:9", ""), ("ledger", "http://127.0.0.1:9", "")]);
-        let live = Live::new(before, crate::clock::system());
+        let live = Live::new(before, crate::domain::clock::system());
         let payments = served(&live, "payments").unwrap();
         payments.observe(Duration::from_millis(40));
         served(&live, "ledger").unwrap().observe(Duration::from_millis(70));
@@ -326,7 +327,7 @@ mod tests {
                     [[upstreams]]\nname = \"provider\"\nurl = \"http://127.0.0.1:9\"\nbudget_ratio = 0.0\nbudget_min_per_sec = 0.5\n";
         let routes = routes_text(&[("payments", "provider", ""), ("refunds", "provider", "")]);
         let c = Config::parse_with_env(&format!("{text}{routes}"), |_| None).unwrap();
-        let live = Live::new(c, crate::clock::system());
+        let live = Live::new(c, crate::domain::clock::system());
         let (acme, globex) = (Tenant::from("acme"), Tenant::from("globex"));
         let take = |route: &str, tenant: &Tenant| served(&live, route).unwrap().charges(tenant).take_retry();
         // acme's quota is 3 retries a window; globex's is its own.
@@ -358,7 +359,7 @@ mod tests {
     fn routes_that_call_one_upstream_share_its_breaker() {
         let circuit = "[routes.circuit]\nfailures = 2\nopen_for = \"30s\"";
         let c = config(&[("payments", "http://127.0.0.1:9", circuit), ("refunds", "http://127.0.0.1:9", circuit)]);
-        let live = Live::new(c, crate::clock::system());
+        let live = Live::new(c, crate::domain::clock::system());
         let payments = served(&live, "payments").unwrap();
         payments.record_outcome(false);
         payments.record_outcome(false);

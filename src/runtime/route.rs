@@ -117,7 +117,7 @@ impl ServedRoute {
     }
 
     /// Its counters in `/metrics`, registered with the route.
-    pub(crate) fn counters(&self) -> &crate::metrics::RouteCounters {
+    pub(crate) fn counters(&self) -> &crate::observe::metrics::RouteCounters {
         &self.runtime().counters
     }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{Store, StoreError};
-use crate::clock::Turns;
+use crate::domain::clock::Turns;
 
 /// The least time between two log lines about an unavailable store, process-wide.
 const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(1);
@@ -92,7 +92,7 @@ pub async fn watch_store(store: Arc<dyn Store>, health: Arc<Health>, mut turns: 
             Ok(()) => {}
             Err(e) => e.log("the store is unavailable: new requests are refused with 503 store-unavailable"),
         }
-        crate::metrics::store_available(answer.is_ok());
+        crate::observe::metrics::store_available(answer.is_ok());
     }
 }
 

@@ -10,16 +10,16 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::clock::{SharedClock, Turns};
 use crate::config::Route;
+use crate::domain::clock::{SharedClock, Turns};
 use crate::domain::switch::{Scope, Switch, SwitchAction};
 use crate::domain::PolicyVersion;
 use crate::domain::RouteName;
 use crate::domain::Timestamp;
 use crate::policy::{canary_stop_reason, CanarySide, Cohort};
+use crate::runtime::switches::Switches;
 use crate::runtime::Live;
 use crate::store::{Store, StoreError};
-use crate::switches::Switches;
 
 /// How often the sides are compared. Each look is one aggregate read per canary.
 const LOOK_EVERY: Duration = Duration::from_secs(5);
@@ -51,7 +51,7 @@ pub(crate) async fn watch(
             .filter_map(|r| r.canary.as_ref().map(|c| (r.name.clone(), c.policy_version.clone())))
             .collect();
         for (route, version) in watched.iter().filter(|w| !now_watched.contains(w)) {
-            crate::metrics::canary_running(route, version, false);
+            crate::observe::metrics::canary_running(route, version, false);
         }
         watched = now_watched;
         for route in config.routes.iter().filter(|r| r.canary.is_some()) {
@@ -72,10 +72,10 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
     let Some(canary) = &route.canary else { return Ok(()) };
     let off = |s: &Switch| s.action == SwitchAction::CanaryOff && s.scope.covers(&route.name);
     if store.active_switches(now).await?.iter().any(off) {
-        crate::metrics::canary_running(&route.name, &canary.policy_version, false);
+        crate::observe::metrics::canary_running(&route.name, &canary.policy_version, false);
         return Ok(());
     }
-    crate::metrics::canary_running(&route.name, &canary.policy_version, true);
+    crate::observe::metrics::canary_running(&route.name, &canary.policy_version, true);
     // A canary turned on again is judged only on what it does from then on.
     let resumed = store
         .switch_history(HISTORY_READ)
@@ -90,8 +90,8 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
         |version: &str| sides.iter().find(|s| s.policy_version == version).map_or(Cohort::default(), |s| s.requests);
     let control = side(route.policy_version.as_str());
     let trial = side(canary.policy_version.as_str());
-    crate::metrics::canary_side(&route.name, CanarySide::Control, &route.policy_version, control);
-    crate::metrics::canary_side(&route.name, CanarySide::Canary, &canary.policy_version, trial);
+    crate::observe::metrics::canary_side(&route.name, CanarySide::Control, &route.policy_version, control);
+    crate::observe::metrics::canary_side(&route.name, CanarySide::Canary, &canary.policy_version, trial);
     let Some(reason) = canary_stop_reason(&canary.stop, control, trial) else { return Ok(()) };
     let switch = Switch {
         id: Uuid::now_v7(),
@@ -105,7 +105,7 @@ async fn look(store: &dyn Store, switches: &Switches, route: &Route, now: Timest
     };
     store.set_switch(switch.clone()).await?;
     let _ = switches.refresh(store).await;
-    crate::metrics::canary_running(&route.name, &canary.policy_version, false);
+    crate::observe::metrics::canary_running(&route.name, &canary.policy_version, false);
     tracing::warn!(
         route = %route.name,
         canary = %canary.policy_version,

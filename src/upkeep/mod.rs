@@ -17,8 +17,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{SharedClock, Turns};
 use crate::config::Config;
+use crate::domain::clock::{SharedClock, Turns};
 use crate::domain::Timestamp;
 use crate::runtime::Live;
 use crate::store::{RouteSweep, Store, Sweep, SweepPlan};

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::BATCH;
-use crate::clock::{Clock, SharedClock, Turns};
 use crate::config::{Probe, Route};
+use crate::domain::clock::{Clock, SharedClock, Turns};
 use crate::domain::Actor;
 use crate::domain::{HistoryAction, Phase};
 use crate::record::rules::probe_event;

@@ -14,7 +14,7 @@ use std::time::SystemTime;
 
 use crate::config::{self, Changes, Config, ConfigError};
 use crate::edge::tls::Certificates;
-use crate::metrics;
+use crate::observe::metrics;
 use crate::runtime::Live;
 use crate::upstream::Upstream;
 
@@ -38,7 +38,7 @@ impl ReloadError {
     /// The whole story in one line: the error and what caused it (a file that cannot be read
     /// says why).
     pub fn detail(&self) -> String {
-        crate::logs::in_one_line(self)
+        crate::observe::logs::in_one_line(self)
     }
 }
 
@@ -116,7 +116,7 @@ impl Reloader {
 
     /// Reloads on every `SIGHUP` until `turns` end, logging each outcome.
     #[cfg(unix)]
-    pub async fn on_hangup(self: Arc<Self>, mut turns: crate::clock::Turns) {
+    pub async fn on_hangup(self: Arc<Self>, mut turns: crate::domain::clock::Turns) {
         use tokio::signal::unix::{signal, SignalKind};
         let mut hangups = match signal(SignalKind::hangup()) {
             Ok(hangups) => hangups,

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::BATCH;
-use crate::clock::{SharedClock, Turns};
 use crate::config::{Config, Route};
+use crate::domain::clock::{SharedClock, Turns};
 use crate::domain::{Actor, AttemptError, AttemptOutcome, HistoryAction, Owner, StopReason, Timestamp};
 use crate::record::rules::{self, expiry_event, Expiry};
 use crate::record::{Attempt, HistoryEntry, Record};
@@ -106,7 +106,7 @@ impl Sweeper {
     /// One pass, as of `now` (just read): expired leases taken over (unless held since the store
     /// failed), then queued records nobody claimed.
     pub async fn pass(&mut self, config: &Config, now: Timestamp) -> Result<(), crate::store::StoreError> {
-        let read = crate::clock::Moment::now();
+        let read = crate::domain::clock::Moment::now();
         let changes = self.store.serving().map(|s| s.changes);
         if changes != self.changes {
             // A failover: the leases read now were set in another server's clock.
@@ -192,7 +192,7 @@ async fn take_over_expired(
             let phase = to.phase().as_str();
             tracing::warn!(record = %record.id, from = %lease.owner, to = phase, takeovers = record.takeovers + 1, "took over a record");
             if let Some(stop) = to.stop_reason() {
-                crate::metrics::stopped_by_take_over(&record.route, stop);
+                crate::observe::metrics::stopped_by_take_over(&record.route, stop);
             }
             if to == TakeOverTo::Queued {
                 if let Some(record) = store.get(record.id).await? {
@@ -218,7 +218,7 @@ async fn claim_orphans(
     worker: &Worker,
     config: &Config,
     now: Timestamp,
-    read: crate::clock::Moment,
+    read: crate::domain::clock::Moment,
 ) -> Result<(), crate::store::StoreError> {
     let free = worker.free_workers((BATCH as usize).min(worker.idle_workers().div_ceil(2)));
     if free.is_empty() {
@@ -240,8 +240,8 @@ async fn claim_orphans(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::Clock;
     use crate::config::Config;
+    use crate::domain::clock::Clock;
     use crate::domain::RecordId;
     use crate::store::NewRecord;
 
@@ -309,7 +309,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lease_is_taken_over_once_the_clock_passes_its_expiry_and_not_before() {
-        use crate::clock::ManualClock;
+        use crate::domain::clock::ManualClock;
         use crate::store::Claim;
         use crate::worker::Worker;
         let dir = tempfile::TempDir::new().unwrap();
@@ -352,7 +352,7 @@ mod tests {
     /// says: elsewhere a node may hold an answer it told during an outage this one never saw.
     #[tokio::test]
     async fn a_node_that_has_just_started_takes_nothing_over_for_its_first_lease() {
-        use crate::clock::ManualClock;
+        use crate::domain::clock::ManualClock;
         use crate::store::Claim;
         use crate::worker::Worker;
         let dir = tempfile::TempDir::new().unwrap();

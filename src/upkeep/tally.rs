@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::{SharedClock, Turns};
+use crate::domain::clock::{SharedClock, Turns};
 use crate::domain::Timestamp;
 use crate::runtime::{Live, Snapshot};
 use crate::store::{AddAnswerCounts, Store, StoreError};
@@ -57,7 +57,7 @@ mod tests {
             format!("[[routes]]\nname = \"{name}\"\npath_prefix = \"/{name}\"\nupstream = \"http://127.0.0.1:9\"\n")
         };
         let config = Config::parse_with_env(&(route("payments") + &route("ledger")), |_| None).unwrap();
-        let live = Live::new(config.clone(), crate::clock::system());
+        let live = Live::new(config.clone(), crate::domain::clock::system());
         let (payments, ledger) =
             (live.served().route_named("payments").unwrap(), live.served().route_named("ledger").unwrap());
         payments.count_replay();

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::{Client, Failure, Unreachable};
-use crate::clock::Moment;
+use crate::domain::clock::Moment;
 use crate::policy::Observed;
 
 /// Hands `request` to the client if its window (`send_by`) has not passed yet, with the window
@@ -35,7 +35,7 @@ fn failure(e: &hyper_util::client::legacy::Error) -> Failure {
         why: why_unreachable(e),
         // The client's own words ("client error (Connect)") say nothing its sources do not.
         detail: match std::error::Error::source(e) {
-            Some(source) => crate::logs::in_one_line(source),
+            Some(source) => crate::observe::logs::in_one_line(source),
             None => e.to_string(),
         },
     });

@@ -178,7 +178,7 @@ impl Upstream {
         &self,
         request: Outbound<'_>,
         until: tokio::time::Instant,
-        send_by: Option<crate::clock::Moment>,
+        send_by: Option<crate::domain::clock::Moment>,
     ) -> Result<Head, Failure> {
         let Outbound { method, url, headers, tls, added, body } = request;
         let client = self.client_for(tls);
@@ -194,7 +194,7 @@ impl Upstream {
         // stored.
         headers_sent.extend(added.clone());
         // The attempt's own trace context, replacing any the client sent, when spans go out.
-        crate::telemetry::tell_trace(headers_sent);
+        crate::observe::telemetry::tell_trace(headers_sent);
         let response = match tokio::time::timeout_at(until, gate::send_within(&client, request, send_by)).await {
             Ok(sent) => sent?,
             Err(_) => return Err(Observed::TimedOut.into()),

@@ -14,7 +14,7 @@ use crate::config::{Config, Policy, Route};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Arrival, Phase, RecordId, State, Tenant, Timestamp};
-use crate::metrics::{Laps, Stage};
+use crate::observe::metrics::{Laps, Stage};
 use crate::record::{Record, StoredRequest};
 use crate::runtime::{RouteGuard, ServedRoute};
 use crate::store::{self, Admission, Claim, NewRecord, StoreError};
@@ -23,7 +23,7 @@ use crate::store::{self, Admission, Claim, NewRecord, StoreError};
 pub struct Submission<'a> {
     /// The route as the request was read under: an execution that starts at once keeps it.
     pub route: &'a ServedRoute,
-    /// The policy chosen for it (see [`crate::switches::Switches::policy`]); a record claimed
+    /// The policy chosen for it (see [`crate::runtime::switches::Switches::policy`]); a record claimed
     /// at insert has its first attempt marked with this policy's version.
     pub policy: Policy<'a>,
     /// What its record is made of; whether it is claimed at insert is decided here.
@@ -111,14 +111,14 @@ pub(super) enum Start {
     Claimed {
         worker: OwnedSemaphorePermit,
         /// When the write that claimed it was sent: its lease is trusted from then.
-        granted: crate::clock::Moment,
+        granted: crate::domain::clock::Moment,
     },
     /// Admitted claimed, first attempt marked, capacity in hand.
     Reserved {
         reservation: Reservation,
         /// When the insert that claimed it and marked its first attempt was sent: its lease is
         /// trusted, and that attempt's send window runs, from then.
-        marked: crate::clock::Moment,
+        marked: crate::domain::clock::Moment,
         /// The stages of the new key so far, up to its durable record, when its client waits
         /// for the outcome.
         laps: Option<Laps>,
@@ -145,7 +145,7 @@ impl Worker {
         let reservation = reserve(&inner.permits, route.guard(), url);
         // The insert claims the record and marks its first attempt: its lease, and that attempt's
         // send window, are counted from these two readings of one instant, taken just before it.
-        let (marked_at, marked) = (inner.clock.now(), crate::clock::Moment::now());
+        let (marked_at, marked) = (inner.clock.now(), crate::domain::clock::Moment::now());
         let new = NewRecord {
             claim: reservation.as_ref().map(|_| inner.claim(marked_at, &policy)),
             policy_version: Some(policy.version.clone()),
@@ -241,8 +241,8 @@ pub(super) mod tests {
 
     use super::super::Slot;
     use super::*;
-    use crate::clock::ManualClock;
     use crate::config::Config;
+    use crate::domain::clock::ManualClock;
     use crate::runtime::{Live, ServedRoute};
 
     pub(in crate::worker) const NOW: Timestamp = Timestamp::from_millis(1_700_000_000_000);
@@ -253,7 +253,7 @@ pub(super) mod tests {
 
     /// `payments` of `config`, served on the system's clock.
     fn served(config: Config) -> ServedRoute {
-        Live::new(config, crate::clock::system()).served().route_named("payments").unwrap()
+        Live::new(config, crate::domain::clock::system()).served().route_named("payments").unwrap()
     }
 
     /// Two workers, a lease of ten seconds, and one route, `payments`, with `route_extra`.
@@ -378,7 +378,7 @@ pub(super) mod tests {
         assert_eq!(route.guard().pending.load(std::sync::atomic::Ordering::SeqCst), 6, "a take-over is never refused");
         assert_eq!(route.enter().err(), Some(Refusal::Overloaded));
         drop(taken);
-        let live = Live::new(config("max_concurrency = 1"), crate::clock::system());
+        let live = Live::new(config("max_concurrency = 1"), crate::domain::clock::system());
         assert!(live.served().route_named("gone").is_none(), "a route no longer configured has no guard to count on");
     }
 

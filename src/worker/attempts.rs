@@ -10,11 +10,11 @@ use tracing::{info_span, warn, Instrument};
 
 use super::job::Job;
 use super::{Inner, Outcome};
-use crate::clock::Moment;
 use crate::config::Policy;
+use crate::domain::clock::Moment;
 use crate::domain::Timestamp;
 use crate::domain::{Class, StopReason};
-use crate::metrics::{self, Laps, Stage};
+use crate::observe::metrics::{self, Laps, Stage};
 use crate::policy::{self, Decision, Ended, Execution, Observed};
 use crate::record::{Attempt, Record, StoredResponse, StreamFacts};
 use crate::store::{self, AttemptStarted, LeaseStatus};

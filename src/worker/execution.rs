@@ -16,7 +16,7 @@ use crate::domain::switch::SwitchAction;
 use crate::domain::RecordId;
 use crate::domain::{ClaimToken, Holder, Timestamp};
 use crate::domain::{Class, StopReason};
-use crate::metrics::{self, Laps, Stage};
+use crate::observe::metrics::{self, Laps, Stage};
 use crate::policy::Settlement;
 use crate::record::{Attempt, Record};
 use crate::runtime::{ServedRoute, Slot};
@@ -107,7 +107,7 @@ impl Inner {
     }
 
     pub(super) async fn claim_and_run(&self, record: &Record, route: Option<&ServedRoute>, reply: &Reply) -> Outcome {
-        let (now, sent) = (self.clock.now(), crate::clock::Moment::now());
+        let (now, sent) = (self.clock.now(), crate::domain::clock::Moment::now());
         let claimed =
             self.store.claim(ClaimQueued { id: record.id, owner: self.owner.clone(), lease: self.lease, now }).await;
         lock(&self.mine).remove(&record.id);
@@ -131,7 +131,7 @@ impl Inner {
         record: &Record,
         route: Option<&ServedRoute>,
         holder: &Holder,
-        granted: crate::clock::Moment,
+        granted: crate::domain::clock::Moment,
         first: Option<FirstAttempt>,
         reply: &Reply,
     ) -> Outcome {

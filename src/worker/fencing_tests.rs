@@ -12,8 +12,8 @@ use tokio::sync::{Notify, Semaphore};
 
 use super::admission::tests::{request, NOW};
 use super::Worker;
-use crate::clock::{Clock, ManualClock};
 use crate::config::Config;
+use crate::domain::clock::{Clock, ManualClock};
 use crate::domain::{ClaimToken, HistoryAction, Phase, RecordId, Timestamp};
 use crate::record::Record;
 use crate::store::{Admission, Admit, NewRecord, Store};

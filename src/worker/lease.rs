@@ -14,9 +14,9 @@ use std::time::Duration;
 use tracing::{error, warn};
 
 use super::{lock, Inner};
-use crate::clock::Moment;
+use crate::domain::clock::Moment;
 use crate::domain::{Holder, RecordId, RouteName};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::store::{LeaseStatus, StoreError};
 
 /// How far this process trusts a claim's lease, and whether a renewal cast doubt on it.

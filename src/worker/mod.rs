@@ -24,18 +24,18 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{info_span, Instrument};
 
-use crate::clock::SharedClock;
+use crate::domain::clock::SharedClock;
 use crate::domain::Owner;
 use crate::domain::Phase;
 use crate::domain::RecordId;
 use crate::domain::StopReason;
 use crate::domain::Timestamp;
-use crate::metrics::Laps;
+use crate::observe::metrics::Laps;
 use crate::record::{HistoryEntry, Record, StoredResponse};
+use crate::runtime::switches::Switches;
 use crate::runtime::Live;
 use crate::runtime::ServedRoute;
 use crate::store::{Action, Cancel, Cancelled, Resolution, Resolve, Retry, Store, StoreError};
-use crate::switches::Switches;
 use crate::upstream::Upstream;
 
 /// What the request that started an execution is told when it ends, or, for a streamed answer,
@@ -339,7 +339,7 @@ impl Worker {
 
     /// Executes, on the worker set aside for it, a record this process just claimed (a queued
     /// record nobody claimed) by a write sent at `claimed`.
-    pub fn resume(&self, record: Record, worker: FreeWorker, claimed: crate::clock::Moment) {
+    pub fn resume(&self, record: Record, worker: FreeWorker, claimed: crate::domain::clock::Moment) {
         let route = self.inner.route_of(&record);
         self.spawn(Arc::new(record), route, None, Start::Claimed { worker: worker.0, granted: claimed });
     }

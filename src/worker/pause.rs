@@ -69,7 +69,7 @@ impl Inner {
                 _ = stopping.changed() => return WaitEnd::Stopping,
             }
             if tokio::time::Instant::now() < until {
-                let (now, sent) = (self.clock.now(), crate::clock::Moment::now());
+                let (now, sent) = (self.clock.now(), crate::domain::clock::Moment::now());
                 match self.store.renew(self.renewal(id, job.holder, now)).await {
                     Ok(LeaseStatus::Held { cancel_requested: true }) => return WaitEnd::Cancelled,
                     Ok(LeaseStatus::Held { cancel_requested: false }) => job.trust.renewed(sent, self.trust()),

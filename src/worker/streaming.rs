@@ -12,7 +12,7 @@ use super::attempts::{since, stored_attempt, End, Progress, Sent};
 use super::job::Job;
 use super::{Flow, Inner, Outcome};
 use crate::domain::{AttemptError, BudgetScope, StopReason};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::policy::{Decision, Ended, Observed};
 use crate::problem::Problem;
 use crate::record::{StoredResponse, StreamFacts};

@@ -17,7 +17,7 @@ use tracing::{error, info, warn};
 
 use super::Inner;
 use crate::domain::RouteName;
-use crate::metrics;
+use crate::observe::metrics;
 use crate::store::{AttemptEnded, LeaseStatus, Renew, StoreError};
 
 /// The first wait before an outcome is written again, doubled after each refusal up to

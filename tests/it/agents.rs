@@ -9,7 +9,7 @@ use crate::common::{both_stores, send, setup, Backend, Broker, Db, TestConfig, U
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use idem::clock::ManualClock;
+use idem::domain::clock::ManualClock;
 
 use serde_json::{json, Value};
 

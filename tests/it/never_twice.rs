@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use crate::common::faulty::{Faults, Faulty, Renewals};
 use crate::common::{both_stores, Backend, Db, Gate, Reply, Upstream};
-use idem::clock::{Clock, ManualClock, SharedClock};
 use idem::config::Config;
+use idem::domain::clock::{Clock, ManualClock, SharedClock};
 use idem::domain::fingerprint::Fingerprint;
 use idem::domain::key::IdempotencyKey;
 use idem::domain::{Actor, Arrival, ClaimToken, Phase, RecordId, Timestamp};

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime};
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use idem::clock::{Clock, ManualClock};
+use idem::domain::clock::{Clock, ManualClock};
 use serde_json::Value;
 use tokio::net::TcpListener;
 

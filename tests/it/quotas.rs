@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use idem::clock::ManualClock;
+use idem::domain::clock::ManualClock;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 

@@ -87,9 +87,9 @@ impl Rig {
     }
 
     /// Error lines the broker has logged so far. Lines reach the file in batches, within
-    /// `idem::logs::GATHER` of being logged: wait that out, with room to spare, before counting.
+    /// `idem::observe::logs::GATHER` of being logged: wait that out, with room to spare, before counting.
     async fn errors_logged(&self) -> usize {
-        tokio::time::sleep(idem::logs::GATHER * 4).await;
+        tokio::time::sleep(idem::observe::logs::GATHER * 4).await;
         self.node.log_tail(usize::MAX).lines().filter(|l| l.contains("ERROR")).count()
     }
 }

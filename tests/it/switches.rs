@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::clock::ManualClock;
+use idem::domain::clock::ManualClock;
 
 use crate::common::{both_stores, send, Answer, Backend, Broker, Db, Gate, Reply, TestConfig, Upstream};
 use serde_json::{json, Value};

@@ -3,8 +3,8 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Parser;
 use idem::config::Config;
+use idem::observe::telemetry::Telemetry;
 use idem::simulate::history;
-use idem::telemetry::Telemetry;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, Registry};
@@ -21,7 +21,7 @@ use args::{requests_command, switch_command, Cli, Command, LogFormat};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Logs at `level` unless `RUST_LOG` says otherwise. Lines are written to stderr in batches by
-/// a thread of their own (`idem::logs`), so a request never waits on the terminal or the
+/// a thread of their own (`idem::observe::logs`), so a request never waits on the terminal or the
 /// journal, nor wakes anyone per line; none is dropped. Keep the guard until exit: dropping it
 /// writes out what is buffered. `spans`, when traces are exported, sees the same spans the
 /// logs do.
@@ -29,12 +29,12 @@ fn init_logging(
     format: LogFormat,
     level: &str,
     spans: Option<Box<dyn Layer<Registry> + Send + Sync>>,
-) -> anyhow::Result<idem::logs::Flushed> {
+) -> anyhow::Result<idem::observe::logs::Flushed> {
     // PostgreSQL's notices (`relation "_sqlx_migrations" already exists, skipping`) are the
     // driver's business unless they warn.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},sqlx::postgres::notice=warn")));
-    let (writer, flushed) = idem::logs::batched(std::io::stderr()).context("cannot start the log writer")?;
+    let (writer, flushed) = idem::observe::logs::batched(std::io::stderr()).context("cannot start the log writer")?;
     // Colours for a person at a terminal; a file, a pipe or the journal gets plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let lines = tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(ansi);
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
     let serving = match &cli.command {
         Command::Serve { config } => match Config::load(config) {
             Ok(loaded) => Some(loaded),
-            Err(e) => return fail(&idem::logs::in_one_line(&e)),
+            Err(e) => return fail(&idem::observe::logs::in_one_line(&e)),
         },
         _ => None,
     };
@@ -79,7 +79,7 @@ fn main() -> ExitCode {
     };
     let flushed = match init_logging(cli.log_format, level, telemetry.as_ref().map(Telemetry::layer)) {
         Ok(flushed) => flushed,
-        Err(e) => return fail(&idem::logs::in_one_line(e.as_ref())),
+        Err(e) => return fail(&idem::observe::logs::in_one_line(e.as_ref())),
     };
     let ran = runtime.block_on(run(cli.command, serving));
     // The last spans go out while the runtime that sends them still runs.
@@ -90,7 +90,7 @@ fn main() -> ExitCode {
     drop(flushed);
     match ran {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => fail(&idem::logs::in_one_line(e.as_ref())),
+        Err(e) => fail(&idem::observe::logs::in_one_line(e.as_ref())),
     }
 }
 
@@ -114,7 +114,7 @@ async fn run(command: Command, serving: Option<Config>) -> anyhow::Result<()> {
             let loaded = serving.context("the configuration is read before the runtime starts")?;
             idem::server::serve(loaded, config, idem::server::termination()).await?;
         }
-        Command::Demo { listen, admin_listen, .. } => idem::demo::run(listen, admin_listen).await?,
+        Command::Demo { listen, admin_listen, .. } => idem::server::demo::run(listen, admin_listen).await?,
         Command::Migrate { config, status: true } => {
             let (config, _unset) = Config::load_offline(&config)?;
             let status = idem::store::status(&config.store.url)

@@ -81,7 +81,7 @@ impl Hosts {
 
     /// A failed connection's cause, once, and what to do about it.
     fn explain(&self, error: &sqlx::Error) -> String {
-        let said = crate::logs::in_one_line(error);
+        let said = crate::observe::logs::in_one_line(error);
         let remedy = if said.contains("UnknownIssuer") || said.contains("invalid peer certificate") {
             match &self.authority {
                 Some(file) => format!("the server's certificate is not issued by the authority in {file} (sslrootcert), or names another host"),

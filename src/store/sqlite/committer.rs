@@ -129,7 +129,7 @@ impl Committer {
             Ok(()) => {
                 let (began, writes) = (Instant::now(), batch.len());
                 let commit = commit_batch(&mut self.conn, batch, &mut self.done, &self.files);
-                crate::metrics::store_commit(began.elapsed(), writes);
+                crate::observe::metrics::store_commit(began.elapsed(), writes);
                 commit
             }
             Err(lost) => probe_batch(&mut self.conn, batch, &mut self.done, &self.files, lost),

@@ -66,7 +66,7 @@ async fn verify_full_refuses_a_server_reached_by_a_name_its_certificate_does_not
     // The certificate names `localhost`; 127.0.0.1 is the same server by another name.
     let url = url_for(&db, "127.0.0.1", &format!("sslmode=verify-full&sslrootcert={ca}"));
     let e = idem::store::open(&url).await.err().expect("a certificate for another name was accepted");
-    let said = idem::logs::in_one_line(&e);
+    let said = idem::observe::logs::in_one_line(&e);
     assert!(said.contains("certificate") && said.contains("127.0.0.1"), "{said}");
 }
 
@@ -77,11 +77,11 @@ async fn verify_ca_trusts_the_authority_it_is_given_and_no_other() {
     let db = Db::new(Backend::Postgres).await;
     let url = url_for(&db, "localhost", "sslmode=verify-ca");
     let e = idem::store::open(&url).await.err().expect("a private authority was trusted without sslrootcert");
-    let said = idem::logs::in_one_line(&e);
+    let said = idem::observe::logs::in_one_line(&e);
     assert!(said.contains("certificate"), "{said}");
     let url = url_for(&db, "localhost", &format!("sslmode=verify-ca&sslrootcert={ca}"));
     if let Err(e) = idem::store::open(&url).await {
-        panic!("verify-ca refused the server with its authority: {}", idem::logs::in_one_line(&e));
+        panic!("verify-ca refused the server with its authority: {}", idem::observe::logs::in_one_line(&e));
     }
 }
 

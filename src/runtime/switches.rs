@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use crate::clock::{self, SharedClock, Turns};
 use crate::config::{Policy, Route};
+use crate::domain::clock::{self, SharedClock, Turns};
 use crate::domain::key::IdempotencyKey;
 use crate::domain::switch::{Scope, Switch, SwitchAction};
 use crate::domain::{RouteName, Tenant, Timestamp};

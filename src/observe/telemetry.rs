@@ -94,7 +94,7 @@ impl Telemetry {
         let resource = Resource::builder()
             .with_service_name(otlp.service_name)
             .with_attributes([
-                opentelemetry::KeyValue::new("service.version", crate::metrics::VERSION),
+                opentelemetry::KeyValue::new("service.version", crate::observe::metrics::VERSION),
                 opentelemetry::KeyValue::new("service.instance.id", instance_id()),
             ])
             .build();

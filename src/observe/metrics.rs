@@ -50,7 +50,7 @@ pub fn handle() -> &'static PrometheusHandle {
 /// Histogram samples pile up in the recorder until drained, which a scrape does; with nobody
 /// scraping they would grow without bound. This drains them every few seconds anyway, until
 /// `turns` end.
-pub(crate) async fn upkeep(mut turns: crate::clock::Turns) {
+pub(crate) async fn upkeep(mut turns: crate::domain::clock::Turns) {
     let mut tick = tokio::time::interval(UPKEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while turns.next(tick.tick()).await.is_some() {
@@ -469,7 +469,7 @@ pub(crate) fn render(
         gauge!("idem_circuit_state", "upstream" => upstream.clone()).set(value);
     }
     process().collect();
-    counter!("idem_access_lines_dropped_total").absolute(crate::logs::access_lines_dropped());
+    counter!("idem_access_lines_dropped_total").absolute(crate::observe::logs::access_lines_dropped());
     // Written here rather than through the process-wide recorder: it is this broker's own
     // figure, even when one process runs several brokers.
     let mut text = handle().render();

@@ -1,5 +1,8 @@
 //! Wiring: opens the store, starts the worker and both listeners, and stops them on request.
 
+pub mod demo;
+pub(crate) mod notify;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,16 +13,16 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::admin::{self, Admin};
-use crate::clock::{self, SharedClock, Turns};
 use crate::config::Config;
+use crate::domain::clock::{self, SharedClock, Turns};
 use crate::edge::body::BodyBudget;
 use crate::edge::tls::Certificates;
 use crate::edge::{self, process, ListenerLimits};
 use crate::ingress::reader::Records;
 use crate::ingress::{self, Ingress};
+use crate::runtime::switches::{self, Switches};
 use crate::runtime::Live;
 use crate::store::{self, LeaseClock, StoreError};
-use crate::switches::{self, Switches};
 use crate::upkeep;
 use crate::upkeep::reload::Reloader;
 use crate::upstream::Upstream;
@@ -161,7 +164,7 @@ async fn start_on(
     clock: SharedClock,
     leases: LeaseClock,
 ) -> Result<Running, StartError> {
-    crate::metrics::handle();
+    crate::observe::metrics::handle();
     let live = Arc::new(Live::new(config, clock.clone()));
     // The settings a reload cannot change are read here, once.
     let config = live.current();
@@ -239,7 +242,7 @@ async fn start_on(
         upkeep::canaries::watch(store.clone(), live.clone(), switches.clone(), clock.clone(), t)
     });
     loops.start("switch refresh", |t| switches::keep_fresh(switches, store.clone(), t));
-    loops.start("metrics upkeep", crate::metrics::upkeep);
+    loops.start("metrics upkeep", crate::observe::metrics::upkeep);
     // Other nodes sharing the store announce the records they settle: wake our waiters.
     if let Some(mut notices) = store.notices() {
         let worker = worker.clone();
@@ -255,12 +258,12 @@ async fn start_on(
         });
     }
     tracing::info!(
-        version = crate::metrics::VERSION,
-        commit = crate::metrics::COMMIT,
+        version = crate::observe::metrics::VERSION,
+        commit = crate::observe::metrics::COMMIT,
         %listen,
         %admin_listen,
         node = worker.owner(),
-        instance = crate::telemetry::instance_id(),
+        instance = crate::observe::telemetry::instance_id(),
         "idem is serving"
     );
     Ok(Running { listen, admin_listen, worker, reloader, store, clock, live, leaving, stop, servers, upkeep: loops })
@@ -363,10 +366,10 @@ pub async fn serve(
         let reloader = running.reloader.clone();
         running.upkeep.start("reload on SIGHUP", |turns| reloader.on_hangup(turns));
     }
-    crate::notify::ready();
+    crate::server::notify::ready();
     let how = shutdown.await;
     tracing::info!(?how, "shutting down");
-    crate::notify::stopping();
+    crate::server::notify::stopping();
     match how {
         Termination::Terminate => running.leave().await,
         Termination::Interrupt => running.shutdown().await,
