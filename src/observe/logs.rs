@@ -253,12 +253,27 @@ mod tests {
         assert_eq!(&written[..], b"one line\n", "the line was never written");
     }
 
-    /// A sink that takes nothing until it is opened.
+    /// A sink that takes nothing until it is opened, and tells when the writer thread has
+    /// entered a write to it (holding a batch, stalled).
     #[derive(Clone)]
-    struct Gate(Arc<(Mutex<bool>, Condvar)>, Sink);
+    struct Gate(Arc<(Mutex<bool>, Condvar)>, Sink, Arc<(Mutex<bool>, Condvar)>);
+
+    impl Gate {
+        fn new() -> Gate {
+            Gate(Arc::default(), Sink::default(), Arc::default())
+        }
+
+        fn until_entered(&self) {
+            let (entered, changed) = &*self.2;
+            drop(changed.wait_while(entered.lock().unwrap(), |entered| !*entered).unwrap());
+        }
+    }
 
     impl Write for Gate {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            let (entered, changed) = &*self.2;
+            *entered.lock().unwrap() = true;
+            changed.notify_all();
             let (open, opened) = &*self.0;
             let _open = opened.wait_while(open.lock().unwrap(), |open| !*open).unwrap();
             self.1.write(bytes)
@@ -270,11 +285,16 @@ mod tests {
 
     #[test]
     fn behind_a_stalled_destination_access_lines_give_way_and_are_counted_while_others_wait() {
-        let gate = Gate(Arc::default(), Sink::default());
+        let gate = Gate::new();
         let (writer, flushed) = batched(gate.clone()).unwrap();
         let line = vec![b'a'; 1 << 16];
+        // The writer thread takes a first line and stalls on the destination with it: from
+        // here on nothing leaves the buffer.
+        writer.line(true).write_all(&line).unwrap();
+        gate.until_entered();
         let before = access_lines_dropped();
-        // Three times the bound of access lines, the destination stalled: none waits.
+        // Three times the bound of access lines: none waits, and what the buffer cannot hold is
+        // dropped and counted.
         let logger = std::thread::spawn({
             let writer = writer.clone();
             let line = line.clone();
@@ -291,7 +311,7 @@ mod tests {
         }
         logger.join().unwrap();
         let dropped = access_lines_dropped() - before;
-        assert!(dropped >= (MAX_BUFFERED / line.len()) as u64, "only {dropped} access lines were dropped");
+        assert_eq!(dropped, (2 * MAX_BUFFERED / line.len()) as u64, "the lines past the bound are counted");
         // Any other line still waits for room.
         let other = std::thread::spawn({
             let writer = writer.clone();
@@ -310,7 +330,7 @@ mod tests {
 
     #[test]
     fn a_stalled_destination_makes_loggers_wait_past_the_bound_and_loses_nothing() {
-        let gate = Gate(Arc::default(), Sink::default());
+        let gate = Gate::new();
         let (writer, flushed) = batched(gate.clone()).unwrap();
         let line = vec![b'x'; 1 << 16];
         let logger = std::thread::spawn({
@@ -337,7 +357,7 @@ mod tests {
 
     #[test]
     fn a_destination_that_takes_nothing_does_not_keep_the_exit_waiting_past_its_bound() {
-        let gate = Gate(Arc::default(), Sink::default());
+        let gate = Gate::new();
         let (writer, flushed) = batched(gate).unwrap();
         writer.make_writer().write_all(b"never written\n").unwrap();
         let started = Instant::now();

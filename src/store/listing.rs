@@ -55,9 +55,22 @@ pub fn page(mut items: Vec<Record>, limit: u32) -> Result<Page, StoreError> {
     Ok(Page { items, next_cursor })
 }
 
-/// The count of every phase, from the count of all records and of each phase but `done`, as
-/// the stores read them in one snapshot: `done` is what is left.
-pub(crate) fn phases(
+/// The count of every phase, from a row of both stores' count statement (`records`, `queued`,
+/// `free`, `in_progress`, `unknown`, read in one snapshot): `done` is what is left.
+pub(crate) fn phases_of<R>(row: &R) -> Result<Vec<(Phase, u64)>, StoreError>
+where
+    R: sqlx::Row,
+    for<'a> &'a str: sqlx::ColumnIndex<R>,
+    i64: for<'r> sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let count = |name: &str| -> Result<u64, StoreError> {
+        u64::try_from(row.try_get::<i64, _>(name)?).map_err(|_| StoreError::Corrupt(format!("count of {name}")))
+    };
+    phases(count("records")?, count("queued")?, count("free")?, count("in_progress")?, count("unknown")?)
+}
+
+/// The count of every phase, from the count of all records and of each phase but `done`.
+fn phases(
     records: u64,
     queued: u64,
     free: u64,

@@ -63,83 +63,57 @@ macro_rules! bound_as_text {
 
 bound_as_text!(Tenant, IdempotencyKey, RouteName, PolicyVersion, Owner, State, Scope, SwitchAction);
 
-/// A record's id is bound as the text of its UUID, as both schemas' statements take it (a
-/// PostgreSQL statement casts it where its column is `uuid`).
-impl Type<Postgres> for RecordId {
-    fn type_info() -> PgTypeInfo {
-        <String as Type<Postgres>>::type_info()
-    }
+/// A value bound as the `$repr` both schemas store it as, made from it by `$value` (and, for
+/// sqlx's SQLite driver, which only reads here, the argument `$sqlite`).
+macro_rules! bound_as {
+    ($name:ty as $repr:ty, |$it:ident| $value:expr, sqlite: $sqlite:expr) => {
+        impl Type<Postgres> for $name {
+            fn type_info() -> PgTypeInfo {
+                <$repr as Type<Postgres>>::type_info()
+            }
 
-    fn compatible(ty: &PgTypeInfo) -> bool {
-        <String as Type<Postgres>>::compatible(ty)
-    }
+            fn compatible(ty: &PgTypeInfo) -> bool {
+                <$repr as Type<Postgres>>::compatible(ty)
+            }
+        }
+
+        impl Encode<'_, Postgres> for $name {
+            fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
+                let $it = self;
+                <$repr as Encode<Postgres>>::encode($value, buf)
+            }
+        }
+
+        impl PgHasArrayType for $name {
+            fn array_type_info() -> PgTypeInfo {
+                <$repr as PgHasArrayType>::array_type_info()
+            }
+        }
+
+        impl Type<Sqlite> for $name {
+            fn type_info() -> SqliteTypeInfo {
+                <$repr as Type<Sqlite>>::type_info()
+            }
+        }
+
+        impl<'q> Encode<'q, Sqlite> for $name {
+            fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
+                let $it = self;
+                buf.push($sqlite);
+                Ok(IsNull::No)
+            }
+        }
+
+        impl ToSql for $name {
+            fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+                let $it = self;
+                Ok(ToSqlOutput::from($value))
+            }
+        }
+    };
 }
 
-impl Encode<'_, Postgres> for RecordId {
-    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
-        <String as Encode<Postgres>>::encode(self.0.to_string(), buf)
-    }
-}
-
-impl PgHasArrayType for RecordId {
-    fn array_type_info() -> PgTypeInfo {
-        <String as PgHasArrayType>::array_type_info()
-    }
-}
-
-impl Type<Sqlite> for RecordId {
-    fn type_info() -> SqliteTypeInfo {
-        <String as Type<Sqlite>>::type_info()
-    }
-}
-
-impl<'q> Encode<'q, Sqlite> for RecordId {
-    fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
-        buf.push(SqliteArgumentValue::Text(Cow::Owned(self.0.to_string())));
-        Ok(IsNull::No)
-    }
-}
-
-impl ToSql for RecordId {
-    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
-        Ok(ToSqlOutput::from(self.0.to_string()))
-    }
-}
-
-/// A claim's token is bound as the integer both schemas store.
-impl Type<Postgres> for ClaimToken {
-    fn type_info() -> PgTypeInfo {
-        <i64 as Type<Postgres>>::type_info()
-    }
-}
-
-impl Encode<'_, Postgres> for ClaimToken {
-    fn encode_by_ref(&self, buf: &mut PgArgumentBuffer) -> Result<IsNull, BoxDynError> {
-        <i64 as Encode<Postgres>>::encode(self.0, buf)
-    }
-}
-
-impl PgHasArrayType for ClaimToken {
-    fn array_type_info() -> PgTypeInfo {
-        <i64 as PgHasArrayType>::array_type_info()
-    }
-}
-
-impl Type<Sqlite> for ClaimToken {
-    fn type_info() -> SqliteTypeInfo {
-        <i64 as Type<Sqlite>>::type_info()
-    }
-}
-
-impl<'q> Encode<'q, Sqlite> for ClaimToken {
-    fn encode_by_ref(&self, buf: &mut Vec<SqliteArgumentValue<'q>>) -> Result<IsNull, BoxDynError> {
-        buf.push(SqliteArgumentValue::Int64(self.0));
-        Ok(IsNull::No)
-    }
-}
-
-impl ToSql for ClaimToken {
-    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
-        Ok(ToSqlOutput::from(self.0))
-    }
-}
+// A record's id as the text of its UUID, as both schemas' statements take it (a PostgreSQL
+// statement casts it where its column is `uuid`); a claim's token as the integer both store.
+bound_as!(RecordId as String, |id| id.0.to_string(), sqlite: SqliteArgumentValue::Text(Cow::Owned(id.0.to_string())));
+bound_as!(ClaimToken as i64, |token| token.0, sqlite: SqliteArgumentValue::Int64(token.0));

@@ -13,7 +13,7 @@
 
 use std::sync::LazyLock;
 
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::rows::COLUMNS;
@@ -93,16 +93,7 @@ SELECT (SELECT count(*) FROM records) AS records,
 
 pub(super) async fn count_by_phase(pool: &PgPool) -> Result<Vec<(Phase, u64)>, StoreError> {
     let row = sqlx::query(COUNT).fetch_one(pool).await?;
-    let count = |name: &str| -> Result<u64, StoreError> {
-        u64::try_from(row.try_get::<i64, _>(name)?).map_err(|_| StoreError::Corrupt(format!("count of {name}")))
-    };
-    crate::store::listing::phases(
-        count("records")?,
-        count("queued")?,
-        count("free")?,
-        count("in_progress")?,
-        count("unknown")?,
-    )
+    crate::store::listing::phases_of(&row)
 }
 
 #[cfg(test)]

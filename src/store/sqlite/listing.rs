@@ -12,7 +12,6 @@
 //! | `in_progress`  | `records_leases`: every record in progress read, the page sorted    |
 
 use sqlx::sqlite::SqlitePool;
-use sqlx::Row;
 
 use crate::domain::{Phase, State};
 use crate::store::{decode, page, ListFilter, Page, StoreError};
@@ -93,21 +92,13 @@ SELECT (SELECT COUNT(*) FROM records) AS records,
 
 pub(super) async fn count_by_phase(reads: &SqlitePool) -> Result<Vec<(Phase, u64)>, StoreError> {
     let row = sqlx::query(COUNT).fetch_one(reads).await?;
-    let count = |name: &str| -> Result<u64, StoreError> {
-        u64::try_from(row.try_get::<i64, _>(name)?).map_err(|_| StoreError::Corrupt(format!("count of {name}")))
-    };
-    crate::store::listing::phases(
-        count("records")?,
-        count("queued")?,
-        count("free")?,
-        count("in_progress")?,
-        count("unknown")?,
-    )
+    crate::store::listing::phases_of(&row)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sqlx::Row;
 
     /// Every listing and the count read through the indexes named above: an index that a
     /// later migration drops fails these plans here rather than an operator's listing.
