@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 use super::{Ingress, REPLAYED_HEADER};
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Origin, RecordId, RouteName, Tenant};
+use crate::observe::access_line::Value;
 
 tokio::task_local! {
     static NOTE: Note;
@@ -106,29 +107,99 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
     let route = note.route.into_inner();
     let tenant = note.tenant.into_inner();
     let trace = note.trace.into_inner().or(client_trace);
-    // A streamed answer's size is not known when its head goes: absent then.
     let bytes_out = body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
-    tracing::event!(
-        target: crate::observe::logs::ACCESS_TARGET,
-        tracing::Level::INFO,
-        client.address = %OrDash(client),
-        http.request.method = %method,
-        url.path = %LoggedPath(&uri),
-        http.response.status_code = response.status().as_u16(),
-        http.request.body.size = bytes_in,
-        http.response.body.size = bytes_out,
-        duration_ms = started.elapsed().as_secs_f64() * 1000.0,
-        idem.route = route.as_ref().map(RouteName::as_str).unwrap_or("-"),
-        idem.tenant = tenant.as_ref().map(Tenant::as_str).unwrap_or("-"),
-        idem.key = %OrDash(note.key.get().map(Hex)),
-        idem.record = %OrDash(note.record.get()),
-        idem.answer = kind.as_str(),
-        idem.replay = kind == Kind::Replay,
-        idem.attempts = note.attempts.get(),
-        trace_id = trace.as_deref().unwrap_or("-"),
-        "answered"
-    );
+    let line = Line {
+        client: OrDash(client),
+        method: &method,
+        path: LoggedPath(&uri),
+        status: response.status().as_u16(),
+        bytes_in,
+        bytes_out,
+        duration_ms: started.elapsed().as_secs_f64() * 1000.0,
+        route: route.as_ref().map(RouteName::as_str).unwrap_or("-"),
+        tenant: tenant.as_ref().map(Tenant::as_str).unwrap_or("-"),
+        key: OrDash(note.key.get().map(Hex)),
+        record: OrDash(note.record.get()),
+        kind,
+        attempts: note.attempts.get(),
+        trace: trace.as_deref().unwrap_or("-"),
+    };
+    match crate::observe::access_line::installed() {
+        Some(lines) => lines.write(MESSAGE, &line.fields()),
+        None => line.by_tracing(),
+    }
     response
+}
+
+/// What an access line says.
+const MESSAGE: &str = "answered";
+
+/// One access line's fields.
+struct Line<'a> {
+    client: OrDash<crate::upstream::forwarded::ClientAddress>,
+    method: &'a axum::http::Method,
+    path: LoggedPath<'a>,
+    status: u16,
+    bytes_in: Option<u64>,
+    /// A streamed answer's size is not known when its head goes: absent then.
+    bytes_out: Option<u64>,
+    duration_ms: f64,
+    route: &'a str,
+    tenant: &'a str,
+    key: OrDash<Hex>,
+    record: OrDash<RecordId>,
+    kind: Kind,
+    attempts: u32,
+    trace: &'a str,
+}
+
+impl Line<'_> {
+    /// Its fields for the access log's own formatter, in the order, and of the kind, that
+    /// [`Line::by_tracing`] records them.
+    fn fields(&self) -> [(&'static str, Option<Value<'_>>); 15] {
+        [
+            ("client.address", Some(Value::Shown(&self.client))),
+            ("http.request.method", Some(Value::Shown(self.method))),
+            ("url.path", Some(Value::Shown(&self.path))),
+            ("http.response.status_code", Some(Value::Count(self.status.into()))),
+            ("http.request.body.size", self.bytes_in.map(Value::Count)),
+            ("http.response.body.size", self.bytes_out.map(Value::Count)),
+            ("duration_ms", Some(Value::Real(self.duration_ms))),
+            ("idem.route", Some(Value::Str(self.route))),
+            ("idem.tenant", Some(Value::Str(self.tenant))),
+            ("idem.key", Some(Value::Shown(&self.key))),
+            ("idem.record", Some(Value::Shown(&self.record))),
+            ("idem.answer", Some(Value::Str(self.kind.as_str()))),
+            ("idem.replay", Some(Value::Flag(self.kind == Kind::Replay))),
+            ("idem.attempts", Some(Value::Count(self.attempts.into()))),
+            ("trace_id", Some(Value::Str(self.trace))),
+        ]
+    }
+
+    /// The line as a tracing event, for whatever subscriber the process has: a terminal's
+    /// coloured lines, a process that installed no writer of its own.
+    fn by_tracing(&self) {
+        tracing::event!(
+            target: crate::observe::logs::ACCESS_TARGET,
+            tracing::Level::INFO,
+            client.address = %self.client,
+            http.request.method = %self.method,
+            url.path = %self.path,
+            http.response.status_code = self.status,
+            http.request.body.size = self.bytes_in,
+            http.response.body.size = self.bytes_out,
+            duration_ms = self.duration_ms,
+            idem.route = self.route,
+            idem.tenant = self.tenant,
+            idem.key = %self.key,
+            idem.record = %self.record,
+            idem.answer = self.kind.as_str(),
+            idem.replay = self.kind == Kind::Replay,
+            idem.attempts = self.attempts,
+            trace_id = self.trace,
+            "answered"
+        );
+    }
 }
 
 /// A value, or `-` without one.
@@ -243,5 +314,46 @@ struct Hex([u8; 8]);
 impl std::fmt::Display for Hex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::observe::access_line::{render, tests::by_tracing, tests::untimed, Shape};
+
+    #[test]
+    fn the_access_lines_own_formatter_writes_the_line_tracing_would() {
+        let origin = Origin { peer: "[::ffff:192.0.2.7]:4711".parse().unwrap(), tls: false };
+        let forwarding =
+            crate::config::Forwarding { enabled: true, trusted_proxies: vec!["192.0.2.0/24".parse().unwrap()] };
+        let mut forwarded = axum::http::HeaderMap::new();
+        forwarded.insert("x-forwarded-for", "203.0.113.9, 192.0.2.1".parse().unwrap());
+        let (method, uri) = (axum::http::Method::POST, "/_idem/requests/a-key/cancel?x=1".parse().unwrap());
+        for (bytes_out, kind, trace) in [(Some(645), Kind::Replay, "-"), (None, Kind::Executed, "4bf92f35")] {
+            let line = Line {
+                client: OrDash(Some(crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding))),
+                method: &method,
+                path: LoggedPath(&uri),
+                status: 201,
+                bytes_in: Some(2),
+                bytes_out,
+                duration_ms: 67.73366299999999,
+                route: "payments",
+                tenant: "default",
+                key: OrDash(Some(Hex([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x88]))),
+                record: OrDash(Some(RecordId(uuid::Uuid::now_v7()))),
+                kind,
+                attempts: 3,
+                trace,
+            };
+            for shape in [Shape::Text, Shape::Json] {
+                let mut hand = Vec::new();
+                render(&mut hand, shape, std::time::SystemTime::now(), MESSAGE, &line.fields());
+                let hand = String::from_utf8(hand).unwrap();
+                let tracing = by_tracing(shape, || line.by_tracing());
+                assert_eq!(untimed(shape, &hand), untimed(shape, &tracing), "{shape:?}");
+            }
+        }
     }
 }

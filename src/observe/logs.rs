@@ -126,6 +126,11 @@ impl Batched {
     fn line(&self, gives_way: bool) -> Line<'_> {
         Line { shared: &self.shared, gives_way }
     }
+
+    /// The writer of an access line: one that gives way.
+    pub(crate) fn access_line(&self) -> Line<'_> {
+        self.line(true)
+    }
 }
 
 /// One event's writer: the formatter hands it the whole line in one `write_all`.

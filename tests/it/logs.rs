@@ -28,6 +28,16 @@ async fn logs_of_one_request(format: &str) -> String {
 /// What a broker (its `[server]` table given `server` lines) logs in `format` while `drive`
 /// sends it requests, read from a pipe.
 async fn logs_while(format: &str, server: &str, drive: impl AsyncFnOnce(&reqwest::Client, &str)) -> String {
+    logs_under(None, format, server, drive).await
+}
+
+/// As [`logs_while`], with `RUST_LOG` set to `filter`.
+async fn logs_under(
+    filter: Option<&str>,
+    format: &str,
+    server: &str,
+    drive: impl AsyncFnOnce(&reqwest::Client, &str),
+) -> String {
     let upstream = Upstream::start().await;
     let dir = tempfile::TempDir::new().unwrap();
     let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -44,7 +54,12 @@ async fn logs_while(format: &str, server: &str, drive: impl AsyncFnOnce(&reqwest
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    match filter {
+        Some(filter) => command.env("RUST_LOG", filter),
+        None => command.env_remove("RUST_LOG"),
+    };
+    let mut child = command
         .args(["--log-format", format, "serve", "--config"])
         .arg(&config)
         .stdout(Stdio::null())
@@ -201,4 +216,24 @@ async fn access_log_false_turns_the_access_lines_off() {
     .await;
     assert!(access_lines(&logs).is_empty(), "{logs}");
     assert!(logs.contains("\"attempt\""), "the other lines are still written: {logs}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rust_log_drops_the_access_lines_apart_from_the_rest_in_either_format() {
+    for format in ["json", "text"] {
+        let logs = logs_under(Some("info,idem::access=off"), format, "", async |http, base| {
+            let r = http.post(format!("{base}/payments")).header("idempotency-key", "unlogged").body("{}").send().await;
+            assert_eq!(r.unwrap().status(), 201);
+        })
+        .await;
+        assert!(!logs.contains("idem::access"), "{format}: {logs}");
+        assert!(logs.contains("attempt"), "{format}: the other lines are still written: {logs}");
+    }
+    // And the filter keeps it on its own.
+    let logs = logs_under(Some("warn,idem::access=info"), "text", "", async |http, base| {
+        assert_eq!(http.get(format!("{base}/payments/1")).send().await.unwrap().status(), 201);
+    })
+    .await;
+    let lines: Vec<&str> = logs.lines().collect();
+    assert!(lines.len() == 1 && lines[0].contains("INFO idem::access: answered "), "{logs}");
 }
