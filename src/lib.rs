@@ -106,7 +106,7 @@ pub(crate) mod worker;
 #[cfg(feature = "test-support")]
 pub mod test_support {
     pub mod worker {
-        pub use crate::worker::{Admitted, Outcome, Parts, Request, Settled, Submission, Told, Worker};
+        pub use crate::worker::{Admitted, Awaited, Outcome, Parts, Request, Settled, Submission, Told, Worker};
     }
     pub mod upkeep {
         pub use crate::upkeep::{after_lease_expiry, probe_once, Sweeper};

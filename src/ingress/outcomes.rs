@@ -8,7 +8,6 @@ use std::time::Duration;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
 use axum::Json;
-use tokio::sync::oneshot;
 
 use super::answers::{freed, http_date, outcome_response, stored_response, Answer};
 use super::{Ingress, EXPIRES_HEADER};
@@ -18,7 +17,7 @@ use crate::policy::{outcome_eta, Pending};
 use crate::problem::{Problem, STATUS_HEADER};
 use crate::record::Record;
 use crate::runtime::ServedRoute;
-use crate::worker::{Outcome, Told};
+use crate::worker::{Awaited, Outcome, Told};
 
 /// How often a waiting request re-reads its record anyway, should an announcement of its
 /// settlement by another node be lost.
@@ -27,16 +26,14 @@ const WAIT_POLL: Duration = Duration::from_secs(1);
 impl Ingress {
     /// This request owns the record, which a worker executes: answer with the outcome, or at
     /// once when the client asked to be answered asynchronously (`outcome` is `None` then).
+    /// Waiting for the outcome runs the execution on this request's task; when the wait ends
+    /// first (its patience ran out) or the request is dropped (its client left), the execution
+    /// goes on on a task of its own ([`Awaited`]).
     /// An execution that went out at once tells its stages with its outcome, and they are
     /// recorded with the whole way (`metrics::Stage`) once the answer is built. A streamed answer
     /// tells none: it is told at its first byte, before the execution keeps any.
     /// `route`: the request's, with the configuration it is served under, read once.
-    pub(super) async fn executing(
-        &self,
-        route: &ServedRoute,
-        record: &Record,
-        outcome: Option<oneshot::Receiver<Told>>,
-    ) -> Answer {
+    pub(super) async fn executing(&self, route: &ServedRoute, record: &Record, outcome: Option<Awaited>) -> Answer {
         super::access::record(record.id);
         let Some(outcome) = outcome else {
             super::access::kind(super::access::Kind::Accepted);
@@ -56,7 +53,7 @@ impl Ingress {
         let expires_at = route.config().lifetime_of(&record.route).expires_at(record.created_at);
         let patience = record.deadline_at - self.clock.now() + Duration::from_secs(5);
         match tokio::time::timeout(patience, outcome).await {
-            Ok(Ok(Told { outcome, laps, attempts })) if !matches!(outcome, Outcome::Lost) => {
+            Ok(Some(Told { outcome, laps, attempts })) if !matches!(outcome, Outcome::Lost) => {
                 super::access::attempts(attempts);
                 if let Outcome::Done(_, response) = &outcome {
                     self.keep_for_replays(record, response, expires_at);
@@ -68,7 +65,8 @@ impl Ingress {
                 }
                 answer
             }
-            // Another worker (of this node or another) runs it: wait for it like a duplicate.
+            // Another worker (of this node or another) runs it, or this request's patience ran out
+            // (the execution goes on without it): wait for it like a duplicate.
             _ => match self.records.get(id).await {
                 Ok(Some(record)) => {
                     let left = record.deadline_at - self.clock.now();

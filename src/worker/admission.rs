@@ -3,13 +3,16 @@
 //! operator isolated it; else it is recorded and its execution starts. With a worker and a place
 //! among the route's attempts free right now, the record is inserted already claimed by this
 //! process, its first attempt marked as about to be sent: one commit before the send, not three.
+//! The execution runs on the request's own task while its client waits for the outcome, and is
+//! handed to a task of its own when the client stops waiting (`awaited`); an execution nobody
+//! waits for is spawned at once.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::{lock, Inner, Refusal, Told, Worker};
+use super::{lock, Awaited, Inner, Refusal, Worker};
 use crate::config::{Config, Policy, Route};
 use crate::domain::fingerprint::Fingerprint;
 use crate::domain::key::IdempotencyKey;
@@ -83,9 +86,11 @@ impl Request {
 /// per request, moved once, and boxing the record would cost every duplicate an allocation.
 #[allow(clippy::large_enum_variant)]
 pub enum Admitted {
-    /// This request owns the record, which executes now (or once a worker is free); `outcome`
-    /// brings its end to a request that waits for it, with its stages when it went out at once.
-    Executing { record: Arc<Record>, outcome: Option<oneshot::Receiver<Told>> },
+    /// This request owns the record, which executes now (or once a worker is free). A request
+    /// that waits for its end has it in `outcome`, with its stages when it went out at once:
+    /// awaiting it runs the execution, which goes on without the request if it stops waiting.
+    /// One that does not wait has `None`, its execution on a task of its own.
+    Executing { record: Arc<Record>, outcome: Option<Awaited> },
     /// The key already has a record this request does not own: it decides the answer.
     Existing(Record),
     /// Shed before anything was recorded, and the key has no live record to answer instead.
@@ -100,7 +105,7 @@ pub(super) struct Reservation {
     pub(super) url: Option<url::Url>,
 }
 
-// One per execution, moved once into its task: boxing the larger variant would cost every new
+// One per execution, moved once into it: boxing the larger variant would cost every new
 // key an allocation.
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Start {
@@ -127,7 +132,8 @@ pub(super) enum Start {
 
 impl Worker {
     /// Admits a new request: sheds it, or records it and starts its execution. Per request this
-    /// is one store write (the insert, claimed or not) and one spawned task, as it always was.
+    /// is one store write (the insert, claimed or not); the execution runs on the request's own
+    /// task while its client waits for the outcome, else on one spawned for it.
     pub async fn admit(&self, admit: Submission<'_>) -> Result<Admitted, StoreError> {
         let Submission { route, policy, request, url, headers, awaits } = admit;
         // Timed only when the client waits for the outcome: its answer ends the way.
@@ -190,14 +196,16 @@ impl Worker {
                 Start::Claim
             }
         };
-        let (reply, outcome) = if awaits {
-            let (tx, rx) = oneshot::channel();
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
-        };
         let record = Arc::new(record);
-        self.spawn(record.clone(), Some((route.clone(), slot)), reply, start);
+        let route = Some((route.clone(), slot));
+        // A client that waits runs the execution on its own task: spawning it would cost a wake
+        // of another thread, and its outcome another back (see `awaited`).
+        let outcome = if awaits {
+            Some(self.awaited(record.clone(), route, start))
+        } else {
+            self.spawn(record.clone(), route, start);
+            None
+        };
         Ok(Admitted::Executing { record, outcome })
     }
 }

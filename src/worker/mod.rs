@@ -1,11 +1,14 @@
 //! The worker: admits a new request (or sheds it), claims a queued record, executes it under its
-//! deadline, and stores every attempt and the outcome. It runs apart from the client's request,
-//! so a client that disconnects does not cancel an execution, and no database transaction is
-//! ever held across an upstream call.
+//! deadline, and stores every attempt and the outcome. An execution outlives the client's
+//! request: run on the request's own task while its client waits for the outcome, it is handed
+//! to a task of its own when the client stops waiting, so a client that disconnects does not
+//! cancel it. No database transaction is ever held across an upstream call.
 //!
 //! Its parts, by job:
 //! - `admission` — the one call the ingress makes ([`Worker::admit`]): shed or record a new
 //!   request, and start its execution (claimed in the same commit when a worker is free).
+//! - `awaited` — an execution whose client waits ([`Awaited`]): run on the client's task until
+//!   it is told, the rest handed to a task of its own.
 //! - each route's runtime (`crate::runtime`) — what a route and its upstream can take: slots,
 //!   attempts in flight, the retry budget and the breaker; and the pace of its attempts.
 //! - `execution` — one execution from its claim to its settlement; `attempts` — the loop of
@@ -132,7 +135,8 @@ pub struct Told {
 }
 
 /// The request waiting for an execution, told once: at a streamed answer's first byte, or when
-/// the execution ends.
+/// the execution ends. Held by the execution alone, and told only from it ([`Awaited`] reads
+/// the outcome right after each poll of the execution, without waiting on the channel).
 #[derive(Default)]
 pub(super) struct Reply {
     to: Mutex<Option<oneshot::Sender<Told>>>,
@@ -168,6 +172,7 @@ impl Reply {
 
 mod admission;
 mod attempts;
+mod awaited;
 mod credentials;
 mod drain;
 mod execution;
@@ -186,6 +191,7 @@ mod waiters;
 pub(crate) use crate::runtime::{Refusal, Slot};
 use admission::Start;
 pub use admission::{Admitted, Request, Submission};
+pub use awaited::Awaited;
 use credentials::HeldCredentials;
 use drain::Drain;
 use running::Running;
@@ -322,7 +328,7 @@ impl Worker {
     pub fn submit(&self, record: Record) {
         let route = self.inner.route_of(&record);
         lock(&self.inner.mine).insert(record.id);
-        self.spawn(Arc::new(record), route, None, Start::Claim);
+        self.spawn(Arc::new(record), route, Start::Claim);
     }
 
     /// Sets aside up to `most` of the workers free right now, for records about to be claimed
@@ -341,18 +347,31 @@ impl Worker {
     /// record nobody claimed) by a write sent at `claimed`.
     pub fn resume(&self, record: Record, worker: FreeWorker, claimed: crate::domain::clock::Moment) {
         let route = self.inner.route_of(&record);
-        self.spawn(Arc::new(record), route, None, Start::Claimed { worker: worker.0, granted: claimed });
+        self.spawn(Arc::new(record), route, Start::Claimed { worker: worker.0, granted: claimed });
     }
 
     /// Runs `record` on `route` as it is served now (`None`: the route is no longer configured),
-    /// its place on the route held to the end.
-    fn spawn(
+    /// its place on the route held to the end, on a task of its own: nobody waits for it.
+    fn spawn(&self, record: Arc<Record>, route: Option<(ServedRoute, Slot)>, start: Start) {
+        tokio::spawn(self.execution(record, route, None, start));
+    }
+
+    /// Runs `record` as [`Worker::spawn`] does, for a client that waits for the outcome: on the
+    /// task that awaits it, until the outcome is told (see `awaited`).
+    fn awaited(&self, record: Arc<Record>, route: Option<(ServedRoute, Slot)>, start: Start) -> Awaited {
+        let (reply, told) = oneshot::channel();
+        Awaited::new(told, Box::pin(self.execution(record, route, Some(reply), start)))
+    }
+
+    /// The execution of `record` on `route`, which tells `reply` its outcome: run to its end on
+    /// whichever task polls it, in its own span.
+    fn execution(
         &self,
         record: Arc<Record>,
         route: Option<(ServedRoute, Slot)>,
         reply: Option<oneshot::Sender<Told>>,
         start: Start,
-    ) {
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let inner = self.inner.clone();
         let span = info_span!(
             "execution",
@@ -364,15 +383,13 @@ impl Worker {
         // Counted from here, so a shutdown (or anyone waiting for the node to be idle) sees an
         // execution that has not been polled yet.
         let running = inner.drain.running();
-        tokio::spawn(
-            async move {
-                let _running = running;
-                let reply = Reply::to(reply);
-                let Some(outcome) = inner.execute(&record, route, start, &reply).await else { return };
-                reply.send(outcome);
-            }
-            .instrument(span),
-        );
+        async move {
+            let _running = running;
+            let reply = Reply::to(reply);
+            let Some(outcome) = inner.execute(&record, route, start, &reply).await else { return };
+            reply.send(outcome);
+        }
+        .instrument(span)
     }
 
     /// Graceful shutdown: no attempt starts from now on and waits end at once, handing their

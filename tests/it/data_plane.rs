@@ -5,8 +5,11 @@ use crate::common::{both_stores, setup, Backend, Db};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{send, Answer, Broker, Reply, TestConfig, Upstream};
+use crate::common::{send, Answer, Broker, Gate, Reply, TestConfig, Upstream};
+use idem::domain::clock::ManualClock;
 use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 
 const BODY: &str = r#"{"amount":42,"currency":"eur"}"#;
 
@@ -435,15 +438,83 @@ async fn client_errors_and_500s_are_final_and_replayed(b: Backend) {
     }
 }
 
+/// The request body bytes the broker holds: a request's share is held until it is answered, or
+/// until its future is dropped (its client left).
+async fn buffered_body_bytes(broker: &Broker) -> u64 {
+    let text = broker.metrics().await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("/metrics shows idem_buffered_body_bytes")
+}
+
+/// A client that hangs up while the upstream holds its request cancels nothing. Its execution
+/// ran on the request's own task; once the broker has dropped the request (it let go of its
+/// body), the upstream answers, and the execution, on a task of its own now, stores that answer:
+/// executed once, replayed to a duplicate.
 async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
-    let impatient = broker.post("/payments?delay_ms=600", "gone", BODY).timeout(Duration::from_millis(100));
-    assert!(impatient.send().await.is_err(), "the client gave up");
+    let gate = Gate::closed();
+    upstream.script("gone", vec![Reply::status(201).held_by(&gate)]);
+    let mut client = TcpStream::connect(broker.url.trim_start_matches("http://")).await.unwrap();
+    let request = format!(
+        "POST /payments HTTP/1.1\r\nhost: idem\r\nidempotency-key: gone\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{BODY}",
+        BODY.len()
+    );
+    client.write_all(request.as_bytes()).await.unwrap();
+    upstream.await_hits("gone", 1).await;
+    assert!(buffered_body_bytes(&broker).await > 0, "the waiting request holds its body");
+
+    drop(client);
+    let until = Instant::now() + Duration::from_secs(10);
+    while buffered_body_bytes(&broker).await > 0 {
+        assert!(Instant::now() < until, "the broker never dropped the request of the client that left");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(broker.record_json("gone").await["state"], "in_progress", "the execution is still held");
+    gate.open();
+
     let record = broker.await_record("gone", Duration::from_secs(10), |v| v["state"] == "done").await;
     assert_eq!(record["response"]["status"], 201);
-    let replay = send(broker.post("/payments?delay_ms=600", "gone", BODY)).await;
+    let replay = send(broker.post("/payments", "gone", BODY)).await;
+    assert_eq!(replay.status, 201);
     assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(std::str::from_utf8(&replay.body).unwrap(), r#"{"status":201}"#, "the upstream's answer");
     assert_eq!(upstream.hits("gone"), 1);
+}
+
+/// A client whose wait ends first (its deadline and five seconds) cancels nothing either. The
+/// broker's one worker is held by another key's request, which the upstream keeps; the waiting
+/// key's execution waits for that worker on its request's own task, past the request's patience.
+/// The client is answered from the record (not started yet), and the execution, on a task of its
+/// own now, runs once the worker is free. The broker's clock stands still, so the deadline the
+/// client shortened to a second is still whole then.
+async fn a_client_whose_wait_ends_first_does_not_cancel_the_execution(b: Backend) {
+    let upstream = Upstream::start().await;
+    let clock = Arc::new(ManualClock::starting_now());
+    let config =
+        TestConfig::new(&upstream.url()).worker("concurrency = 1").route("deadline_header = \"Request-Timeout-Ms\"");
+    let broker = Broker::start_with_clock(&Db::new(b).await, config, clock).await;
+    let gate = Gate::closed();
+    upstream.script("holder", vec![Reply::status(201).held_by(&gate)]);
+    let holder = tokio::spawn(broker.post("/payments", "holder", BODY).send());
+    upstream.await_hits("holder", 1).await;
+
+    let patient = send(broker.post("/payments", "patient", BODY).header("request-timeout-ms", "1000")).await;
+    assert_eq!(patient.status, 409, "{:?}", patient.body);
+    assert_eq!(patient.header("idempotency-status"), Some("not_started"), "it waits for the worker");
+    assert_eq!(upstream.hits("patient"), 0);
+    gate.open();
+    assert_eq!(holder.await.unwrap().unwrap().status(), 201);
+
+    let record = broker.await_record("patient", Duration::from_secs(10), |v| v["state"] == "done").await;
+    assert_eq!(record["response"]["status"], 201);
+    let replay = send(broker.post("/payments", "patient", BODY)).await;
+    assert_eq!(replay.status, 201);
+    assert_eq!(replay.header("idempotent-replayed"), Some("true"));
+    assert_eq!(replay.json()["key"], "patient");
+    assert_eq!(upstream.hits("patient"), 1);
 }
 
 /// Without a tombstone (see tests/agents.rs for the route that keeps one).
@@ -588,6 +659,7 @@ both_stores!(
     a_not_processed_status_frees_the_key_and_returns_the_upstream_answer,
     client_errors_and_500s_are_final_and_replayed,
     a_client_that_disconnects_does_not_cancel_the_execution,
+    a_client_whose_wait_ends_first_does_not_cancel_the_execution,
     done_records_expire_after_retention_and_the_key_executes_afresh,
     a_cancelled_request_starts_no_further_attempt,
 );

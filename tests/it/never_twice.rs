@@ -123,8 +123,9 @@ impl Cluster {
         }
     }
 
-    /// `key` sent by a client to `node`, which waits for the outcome.
-    async fn send(&self, node: &Node, key: &str) -> tokio::sync::oneshot::Receiver<Told> {
+    /// `key` sent by a client to `node`, which waits for the outcome on a task of its own from
+    /// now on, as the ingress does: its waiting runs the execution.
+    async fn send(&self, node: &Node, key: &str) -> tokio::task::JoinHandle<Option<Told>> {
         let route = node.live.served().route_named("payments").unwrap();
         let admit = worker::Submission {
             route: &route,
@@ -135,7 +136,7 @@ impl Cluster {
             awaits: true,
         };
         match node.worker.admit(admit).await.unwrap() {
-            Admitted::Executing { outcome: Some(outcome), .. } => outcome,
+            Admitted::Executing { outcome: Some(outcome), .. } => tokio::spawn(outcome),
             Admitted::Executing { outcome: None, .. } => panic!("a client that waits is told"),
             Admitted::Existing(record) => panic!("{key} has a record already: {record:?}"),
             Admitted::Refused(_) => panic!("{key} was shed"),
@@ -207,10 +208,11 @@ impl Cluster {
 }
 
 /// What a client was told, within ten seconds.
-async fn told(outcome: tokio::sync::oneshot::Receiver<Told>) -> Outcome {
+async fn told(outcome: tokio::task::JoinHandle<Option<Told>>) -> Outcome {
     tokio::time::timeout(Duration::from_secs(10), outcome)
         .await
         .expect("the client is told within ten seconds")
+        .expect("the client's task ends without a panic")
         .expect("the execution tells its client")
         .outcome
 }
