@@ -124,10 +124,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
         attempts: note.attempts.get(),
         trace: trace.as_deref().unwrap_or("-"),
     };
-    match crate::observe::access_line::installed() {
-        Some(lines) => lines.write(MESSAGE, &line.fields()),
-        None => line.by_tracing(),
-    }
+    line.log();
     response
 }
 
@@ -154,6 +151,44 @@ struct Line<'a> {
 }
 
 impl Line<'_> {
+    /// Writes the line through the access log's own formatter when the binary installed one and
+    /// `RUST_LOG` keeps the line, else through tracing.
+    fn log(&self) {
+        if let Some(lines) = crate::observe::access_line::installed() {
+            if !Line::kept() || lines.write(MESSAGE, &self.fields()) {
+                return;
+            }
+        }
+        self.by_tracing();
+    }
+
+    /// Whether `RUST_LOG` keeps the line, asked of an event with the line's own fields: a filter
+    /// that names a field judges it as it judges the event [`Line::by_tracing`] makes.
+    fn kept() -> bool {
+        tracing::event_enabled!(
+            target: crate::observe::logs::ACCESS_TARGET,
+            tracing::Level::INFO,
+            {
+                message,
+                client.address,
+                http.request.method,
+                url.path,
+                http.response.status_code,
+                http.request.body.size,
+                http.response.body.size,
+                duration_ms,
+                idem.route,
+                idem.tenant,
+                idem.key,
+                idem.record,
+                idem.answer,
+                idem.replay,
+                idem.attempts,
+                trace_id
+            }
+        )
+    }
+
     /// Its fields for the access log's own formatter, in the order, and of the kind, that
     /// [`Line::by_tracing`] records them.
     fn fields(&self) -> [(&'static str, Option<Value<'_>>); 15] {
@@ -313,7 +348,9 @@ struct Hex([u8; 8]);
 
 impl std::fmt::Display for Hex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+        let mut text = [0; 16];
+        hex::encode_to_slice(self.0, &mut text).expect("16 digits for 8 bytes");
+        f.write_str(std::str::from_utf8(&text).expect("hex digits are ASCII"))
     }
 }
 
@@ -321,6 +358,11 @@ impl std::fmt::Display for Hex {
 mod tests {
     use super::*;
     use crate::observe::access_line::{render, tests::by_tracing, tests::untimed, Shape};
+
+    #[test]
+    fn a_keys_hash_reads_as_its_first_eight_bytes_in_hex() {
+        assert_eq!(Hex([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x08]).to_string(), "6ab9f1eb8f7d3308");
+    }
 
     #[test]
     fn the_access_lines_own_formatter_writes_the_line_tracing_would() {

@@ -33,16 +33,21 @@ pub struct AccessLines {
 
 static INSTALLED: OnceLock<AccessLines> = OnceLock::new();
 
+/// 10000-01-01T00:00:00Z, in seconds: from here on tracing writes the year with a sign, and
+/// humantime not at all.
+const YEAR_10000: u64 = 253_402_300_800;
+
 /// From now on, access lines are formatted here in `shape` and appended to `writer`. Once per
 /// process; a second call is ignored.
 pub fn install(writer: Batched, shape: Shape) {
     let _ = INSTALLED.set(AccessLines { writer, shape });
 }
 
-/// The installed writer, if the access line is to be written at all (`RUST_LOG` keeps it).
+/// The installed writer, if any. Whether `RUST_LOG` keeps a line is the caller's to ask, of an
+/// event with the line's own fields (`tracing::event_enabled!`), so that a filter naming a field
+/// judges it as it judges the event tracing would make.
 pub(crate) fn installed() -> Option<&'static AccessLines> {
-    let lines = INSTALLED.get()?;
-    tracing::enabled!(target: ACCESS_TARGET, tracing::Level::INFO).then_some(lines)
+    INSTALLED.get()
 }
 
 /// A field's value, by the kind tracing would record it as.
@@ -65,14 +70,21 @@ thread_local! {
 
 impl AccessLines {
     /// Writes one line, `message` followed by `fields` in order; a field without a value is
-    /// left out, as tracing leaves out a `None`.
-    pub(crate) fn write(&self, message: &str, fields: &[(&str, Option<Value<'_>>)]) {
+    /// left out, as tracing leaves out a `None`. `false`, and nothing written, when the clock
+    /// reads a time this formatter does not write as tracing would (before 1970, after 9999):
+    /// the caller hands the line to tracing then.
+    pub(crate) fn write(&self, message: &str, fields: &[(&str, Option<Value<'_>>)]) -> bool {
+        let now = SystemTime::now();
+        if !writable(now) {
+            return false;
+        }
         LINE.with_borrow_mut(|line| {
             line.clear();
-            render(line, self.shape, SystemTime::now(), message, fields);
+            render(line, self.shape, now, message, fields);
             // An access line gives way to a destination far behind (see `logs`).
             let _ = self.writer.access_line().write_all(line);
         });
+        true
     }
 }
 
@@ -139,7 +151,13 @@ pub(crate) fn render(
     out.push(b'\n');
 }
 
-/// `2026-12-07T18:58:18.887720Z`: the date and second rendered once per second and thread.
+/// A time from 1970 to 9999, which [`timestamp`] writes as tracing does.
+fn writable(now: SystemTime) -> bool {
+    now.duration_since(UNIX_EPOCH).is_ok_and(|since| since.as_secs() < YEAR_10000)
+}
+
+/// `2026-12-07T18:58:18.887720Z`: the date and second rendered once per second and thread. For
+/// a time from 1970 to 9999 ([`writable`]).
 fn timestamp(out: &mut Vec<u8>, now: SystemTime) {
     let since = now.duration_since(UNIX_EPOCH).unwrap_or_default();
     SECOND.with_borrow_mut(|(second, rendered)| {
@@ -267,6 +285,15 @@ pub(crate) mod tests {
                 assert_eq!(untimed(shape, &hand), untimed(shape, &tracing), "{shape:?}, {text:?}");
             }
         }
+    }
+
+    #[test]
+    fn a_time_before_1970_or_from_the_year_10000_on_is_left_to_tracing() {
+        let at = |secs: u64| UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        assert!(writable(UNIX_EPOCH) && writable(at(YEAR_10000 - 1)));
+        assert!(!writable(at(YEAR_10000)) && !writable(UNIX_EPOCH - std::time::Duration::from_micros(1)));
+        let last = humantime::format_rfc3339_seconds(at(YEAR_10000 - 1)).to_string();
+        assert_eq!(last, "9999-12-31T23:59:59Z");
     }
 
     #[test]

@@ -31,22 +31,27 @@ pub(super) type Execution = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// execution ended without telling one (the process was past running any, or it panicked): the
 /// record is the answer then.
 ///
-/// Dropped before the execution ended, it hands the rest of the execution to a task of its own,
-/// so the execution ends whatever the client does. Outside a runtime the rest is dropped, as a
-/// runtime that shuts down drops the tasks it still holds.
+/// Dropped before the execution ended, it hands the rest of the execution to a task of its own
+/// on the runtime it was made on, whichever thread drops it, so the execution ends whatever the
+/// client does. One made outside a runtime (a test's) drops the rest, as a runtime that shuts
+/// down drops the tasks it still holds.
 ///
 /// [`Admitted::Executing`]: super::Admitted::Executing
+#[must_use = "an execution nobody polls makes no progress until it is dropped"]
 pub struct Awaited {
     told: oneshot::Receiver<Told>,
     /// The execution, until it ends.
     execution: Option<Execution>,
+    /// The runtime it was made on, where the rest goes when it is dropped: whichever thread
+    /// drops it.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Awaited {
     /// `execution`, which holds the only sender of `told` and tells its outcome on it, if ever,
     /// while it is polled: never from a task of its own.
     pub(super) fn new(told: oneshot::Receiver<Told>, execution: Execution) -> Awaited {
-        Awaited { told, execution: Some(execution) }
+        Awaited { told, execution: Some(execution), runtime: tokio::runtime::Handle::try_current().ok() }
     }
 }
 
@@ -80,7 +85,7 @@ impl Future for Awaited {
 impl Drop for Awaited {
     fn drop(&mut self) {
         if let Some(execution) = self.execution.take() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            if let Some(runtime) = &self.runtime {
                 runtime.spawn(execution);
             }
         }
@@ -191,7 +196,23 @@ mod tests {
     }
 
     #[test]
-    fn outside_a_runtime_the_rest_is_dropped() {
+    fn dropped_on_a_thread_outside_the_runtime_the_rest_still_runs_on_it() {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (reply, receiver) = oneshot::channel();
+        let (ended, has_ended) = oneshot::channel();
+        let release = Arc::new(Notify::new());
+        let mut awaited =
+            runtime.block_on(async { Awaited::new(receiver, telling_then_held(reply, release.clone(), ended)) });
+        assert!(matches!(poll_once(&mut awaited), Poll::Ready(Some(_))));
+        std::thread::spawn(move || drop(awaited)).join().unwrap();
+        release.notify_one();
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), has_ended).await.expect("the rest ran").unwrap();
+        });
+    }
+
+    #[test]
+    fn made_outside_a_runtime_the_rest_is_dropped() {
         let (reply, receiver) = oneshot::channel();
         let (ended, mut has_ended) = oneshot::channel();
         let mut awaited = Awaited::new(receiver, telling_then_held(reply, Arc::new(Notify::new()), ended));

@@ -438,16 +438,6 @@ async fn client_errors_and_500s_are_final_and_replayed(b: Backend) {
     }
 }
 
-/// The request body bytes the broker holds: a request's share is held until it is answered, or
-/// until its future is dropped (its client left).
-async fn buffered_body_bytes(broker: &Broker) -> u64 {
-    let text = broker.metrics().await;
-    text.lines()
-        .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("/metrics shows idem_buffered_body_bytes")
-}
-
 /// A client that hangs up while the upstream holds its request cancels nothing. Its execution
 /// ran on the request's own task; once the broker has dropped the request (it let go of its
 /// body), the upstream answers, and the execution, on a task of its own now, stores that answer:
@@ -464,11 +454,11 @@ async fn a_client_that_disconnects_does_not_cancel_the_execution(b: Backend) {
     );
     client.write_all(request.as_bytes()).await.unwrap();
     upstream.await_hits("gone", 1).await;
-    assert!(buffered_body_bytes(&broker).await > 0, "the waiting request holds its body");
+    assert!(broker.buffered_body_bytes().await > 0, "the waiting request holds its body");
 
     drop(client);
     let until = Instant::now() + Duration::from_secs(10);
-    while buffered_body_bytes(&broker).await > 0 {
+    while broker.buffered_body_bytes().await > 0 {
         assert!(Instant::now() < until, "the broker never dropped the request of the client that left");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -234,14 +234,6 @@ async fn a_body_trickled_in_forever_is_cut_at_the_route_deadline(b: Backend) {
     broker.stop().await;
 }
 
-async fn buffered_body_bytes(broker: &Broker) -> u64 {
-    let text = broker.metrics().await;
-    text.lines()
-        .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("/metrics shows idem_buffered_body_bytes")
-}
-
 async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend) {
     let (upstream, broker) = start(b, "max_buffered_bodies = \"4KiB\"", "max_body = \"2KiB\"").await;
     let full = 2048;
@@ -254,7 +246,7 @@ async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend
     }
     // Both declared lengths are reserved as soon as their reading starts.
     let until = Instant::now() + PATIENCE;
-    while buffered_body_bytes(&broker).await != 2 * full as u64 {
+    while broker.buffered_body_bytes().await != 2 * full as u64 {
         assert!(Instant::now() < until, "the held uploads were never counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -271,7 +263,7 @@ async fn bodies_past_the_memory_bound_get_503_and_nothing_is_recorded(b: Backend
         let answer = one_answer(upload).await;
         assert!(answer.starts_with("HTTP/1.1 201 "), "{answer}");
     }
-    assert_eq!(buffered_body_bytes(&broker).await, 0, "answered bodies are given back");
+    assert_eq!(broker.buffered_body_bytes().await, 0, "answered bodies are given back");
     let r = send(broker.post("/payments", "one-too-many", BODY)).await;
     assert_eq!(r.status, 201);
     assert_eq!(upstream.hits("held-1") + upstream.hits("held-2") + upstream.hits("one-too-many"), 3);

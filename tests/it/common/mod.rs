@@ -684,6 +684,16 @@ impl Broker {
         String::from_utf8_lossy(&body).into_owned()
     }
 
+    /// The request body bytes this broker holds (`idem_buffered_body_bytes`): a request's share
+    /// is held until it is answered, or until its future is dropped (its client left).
+    pub async fn buffered_body_bytes(&self) -> u64 {
+        let text = self.metrics().await;
+        text.lines()
+            .find_map(|l| l.strip_prefix("idem_buffered_body_bytes "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("/metrics shows idem_buffered_body_bytes")
+    }
+
     /// Polls `/metrics` until it has `line` (a series and its value, as rendered); fails after
     /// 15 s. The metrics are the process's: a series a test waits on should be its own.
     pub async fn await_metric(&self, line: &str) {
