@@ -5,7 +5,6 @@ use axum::extract::Request;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
-use super::answers::response_of;
 use super::intake::{deadline, read_body};
 use super::Ingress;
 use crate::config::{Config, Route};
@@ -30,8 +29,8 @@ impl Ingress {
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
         let request = Outbound::for_route(route, &parts.method, url, &headers, &credentials, body);
-        match self.upstream.send(request, limit).await {
-            Ok(answer) => response_of(&answer.response),
+        match self.upstream.pass(request, limit).await {
+            Ok(answer) => answer.map(axum::body::Body::from),
             Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {
                 Problem::deadline_exceeded().into_response()
             }

@@ -37,6 +37,18 @@ pub(crate) fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, Str
         .collect()
 }
 
+/// An upstream's response headers as a call never recorded passes them on: the same end-to-end
+/// headers [`storable_response_headers`] keeps, left in hyper's map as they came rather than
+/// copied out to be stored and back.
+pub(crate) fn keep_end_to_end(headers: &mut HeaderMap) {
+    for listed in connection_listed(headers) {
+        headers.remove(listed.as_str());
+    }
+    for hop in HOP_BY_HOP {
+        headers.remove(hop);
+    }
+}
+
 /// Header names that the `Connection` header marks as hop-by-hop for this message.
 fn connection_listed(headers: &HeaderMap) -> Vec<String> {
     headers
@@ -105,4 +117,38 @@ pub(crate) fn client_deadline(headers: &HeaderMap, name: Option<&HeaderName>) ->
         return None;
     }
     text.parse::<u64>().ok().map(Duration::from_millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Names an upstream's answer may carry: its own, the hop-by-hop ones, and ones its
+    /// `Connection` may name.
+    const NAMES: [&str; 8] =
+        ["x-kept", "x-listed", "keep-alive", "transfer-encoding", "upgrade", "te", "x-other", "date"];
+
+    proptest! {
+        #[test]
+        fn a_passed_answer_keeps_exactly_the_headers_a_stored_one_keeps(
+            headers in proptest::collection::vec((0..NAMES.len(), "[a-z0-9 ]{0,8}"), 0..12),
+            connection in proptest::collection::vec(prop_oneof![Just("X-Listed"), Just("x-other"), Just("close"), Just(" keep-alive ")], 0..3),
+        ) {
+            let mut map = HeaderMap::new();
+            for (name, value) in &headers {
+                map.append(NAMES[*name], HeaderValue::from_str(value).unwrap());
+            }
+            if !connection.is_empty() {
+                map.append(http::header::CONNECTION, HeaderValue::from_str(&connection.join(",")).unwrap());
+            }
+            let mut stored = storable_response_headers(&map);
+            keep_end_to_end(&mut map);
+            let mut passed: Vec<(String, String)> =
+                map.iter().map(|(n, v)| (n.as_str().to_string(), v.to_str().unwrap().to_string())).collect();
+            stored.sort();
+            passed.sort();
+            prop_assert_eq!(passed, stored);
+        }
+    }
 }

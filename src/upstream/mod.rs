@@ -180,6 +180,41 @@ impl Upstream {
         until: tokio::time::Instant,
         send_by: Option<crate::domain::clock::Moment>,
     ) -> Result<Head, Failure> {
+        let response = self.exchange(request, until, send_by).await?;
+        let (parts, body) = response.into_parts();
+        let status = parts.status.as_u16();
+        let retry_after = parts.headers.get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
+        let streamed = crate::stream::is_streamed(&parts.headers);
+        let event_stream = crate::stream::is_event_stream(&parts.headers);
+        let headers = storable_response_headers(&parts.headers);
+        Ok(Head { status, headers, retry_after, streamed, event_stream, body })
+    }
+
+    /// Sends a call that is never recorded and waits at most `limit` for the whole answer, which
+    /// is passed on as it came: its status, its end-to-end headers in hyper's own map, its body.
+    /// Nothing of it is stored, so nothing is copied out into the stored form and back.
+    pub async fn pass(&self, request: Outbound<'_>, limit: Duration) -> Result<http::Response<Bytes>, Failure> {
+        let until = tokio::time::Instant::now() + limit;
+        let (mut parts, body) = self.exchange(request, until, None).await?.into_parts();
+        headers::keep_end_to_end(&mut parts.headers);
+        // The upstream connection's own version and extensions (a reason phrase, its address)
+        // are not the client's answer's.
+        parts.version = http::Version::default();
+        parts.extensions = http::Extensions::new();
+        let body = match tokio::time::timeout_at(until, body.collect()).await {
+            Ok(body) => body.map_err(|_| Failure::from(Observed::Broken))?.to_bytes(),
+            Err(_) => return Err(Observed::TimedOut.into()),
+        };
+        Ok(http::Response::from_parts(parts, body))
+    }
+
+    /// Sends `request` and waits until `until` for the answer's head (see [`Upstream::send_head`]).
+    async fn exchange(
+        &self,
+        request: Outbound<'_>,
+        until: tokio::time::Instant,
+        send_by: Option<crate::domain::clock::Moment>,
+    ) -> Result<http::Response<Incoming>, Failure> {
         let Outbound { method, url, headers, tls, added, body } = request;
         let client = self.client_for(tls);
         // It cannot fail on what reaches here (a URL that parsed); were it to, the request was
@@ -195,17 +230,10 @@ impl Upstream {
         headers_sent.extend(added.clone());
         // The attempt's own trace context, replacing any the client sent, when spans go out.
         crate::observe::telemetry::tell_trace(headers_sent);
-        let response = match tokio::time::timeout_at(until, gate::send_within(&client, request, send_by)).await {
-            Ok(sent) => sent?,
-            Err(_) => return Err(Observed::TimedOut.into()),
-        };
-        let (parts, body) = response.into_parts();
-        let status = parts.status.as_u16();
-        let retry_after = parts.headers.get(http::header::RETRY_AFTER).map(|v| header_text(v.as_bytes()));
-        let streamed = crate::stream::is_streamed(&parts.headers);
-        let event_stream = crate::stream::is_event_stream(&parts.headers);
-        let headers = storable_response_headers(&parts.headers);
-        Ok(Head { status, headers, retry_after, streamed, event_stream, body })
+        match tokio::time::timeout_at(until, gate::send_within(&client, request, send_by)).await {
+            Ok(sent) => sent,
+            Err(_) => Err(Observed::TimedOut.into()),
+        }
     }
 }
 

@@ -215,6 +215,13 @@ async fn a_route_that_does_not_require_keys_proxies_keyless_calls_unrecorded(b: 
     assert_eq!(r.header("idempotency-status"), None);
     let r = send(broker.http.patch(format!("{}/payments/p1", broker.url)).body(BODY)).await;
     assert_eq!(r.json()["n"], 2, "unrecorded: executed again");
+    // Passed on as the upstream said it, but for what was meant for the hop to Idem alone.
+    let said = Reply::status(202).header("x-kept", "yes").header("connection", "x-hop").header("x-hop", "no");
+    upstream.script("/payments/p3", vec![said]);
+    let r = send(broker.http.patch(format!("{}/payments/p3", broker.url)).body(BODY)).await;
+    assert_eq!((r.status, r.header("x-kept")), (202, Some("yes")));
+    assert_eq!(r.header("x-hop"), None, "named in the upstream's Connection: hop-by-hop");
+    assert_eq!(std::str::from_utf8(&r.body).unwrap(), r#"{"status":202}"#);
     // A PUT with a key is recorded and replayed.
     let put = || broker.http.put(format!("{}/payments/p2", broker.url)).header("idempotency-key", "put-1").body(BODY);
     assert_eq!(send(put()).await.status, 201);
