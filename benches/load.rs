@@ -27,7 +27,8 @@
 //! before each slice (and before the open loop); `IDEM_BENCH_STORES` (default
 //! `full,normal,postgres`) picks the stores. No log subscriber is installed, so Idem's spans and
 //! log lines cost next to nothing; `IDEM_BENCH_LOGS=1` installs what `idem serve` logs by default
-//! (text at `info`: a line per attempt and per settlement) writing to a sink, to price them. Run
+//! to a file (text at `info`: the access line, a line per attempt and per settlement), written as
+//! it writes them, to a sink, to price them. Run
 //! with `cargo bench --bench load`.
 
 use std::sync::Arc;
@@ -989,10 +990,17 @@ fn main() {
         stores: stores_from_env(),
         rounds: rounds_from_env(),
     };
-    if std::env::var_os("IDEM_BENCH_LOGS").is_some() {
-        // What `idem serve` logs by default, formatted as it would be, then thrown away.
-        tracing_subscriber::fmt().with_env_filter("info").with_writer(std::io::sink).init();
-    }
+    // What `idem serve` logs by default to a file, formatted and written as it would be (the
+    // batched writer, the access line's own formatter), then thrown away.
+    let _flushed = std::env::var_os("IDEM_BENCH_LOGS").map(|_| {
+        use tracing_subscriber::layer::SubscriberExt;
+        use tracing_subscriber::util::SubscriberInitExt;
+        let (writer, flushed) = idem::observe::logs::batched(std::io::sink()).unwrap();
+        idem::observe::access_line::install(writer.clone(), idem::observe::access_line::Shape::Text);
+        let lines = tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(false);
+        tracing_subscriber::registry().with(lines).with(tracing_subscriber::EnvFilter::new("info")).init();
+        flushed
+    });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     runtime.block_on(bench(settings));
     runtime.shutdown_timeout(Duration::from_secs(2));

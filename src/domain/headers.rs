@@ -26,4 +26,4 @@ pub(crate) fn is_reserved(name: &str) -> bool {
 }
 
 /// The header an attempt carries its claim in unless its route names another (docs/guarantees.md).
-pub(crate) const ATTEMPT_HEADER: &str = "idem-attempt";
+pub(crate) const ATTEMPT_HEADER: http::HeaderName = http::HeaderName::from_static("idem-attempt");

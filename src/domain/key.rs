@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::HeaderMap;
 use serde::{Serialize, Serializer};
 
-pub const HEADER: &str = "idempotency-key";
+pub const HEADER: http::HeaderName = http::HeaderName::from_static("idempotency-key");
 pub const MAX_LEN: usize = 255;
 /// Keys a route derives for clients that send none (docs/agents.md) carry this prefix, so they
 /// can never be mistaken for a client's own.

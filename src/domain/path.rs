@@ -40,6 +40,14 @@ fn segment_may_climb(segment: &str) -> bool {
     })
 }
 
+/// Whether a path (already [`check`]ed) reaches the upstream as it is, known without building
+/// its URL: every byte one that a URL's path keeps as written, whatever base it follows. For such
+/// a path [`upstream_url`] cannot refuse, so a duplicate answered from memory never pays for a URL
+/// it would not send.
+pub(crate) fn sent_as_is(path: &str) -> bool {
+    path.bytes().all(|b| b.is_ascii_alphanumeric() || b"/-._~!$&'()*+,;=:@%".contains(&b))
+}
+
 /// The upstream URL for a request path (already [`check`]ed) and query: `base` with its path
 /// replaced by its own path (without its trailing slash) followed by `path`, and the query set.
 /// Refused if the URL's path is not then exactly that: the HTTP client would send something
@@ -136,6 +144,25 @@ mod tests {
             let expected = url::Url::parse(&whole).ok().filter(|url| url.path() == format!("{base_path}{path}"));
             let got = upstream_url(&base(&text), &path, &query).ok();
             proptest::prop_assert_eq!(got, expected);
+        }
+
+        /// A path said to reach the upstream as it is does, after any base.
+        #[test]
+        fn a_path_sent_as_is_is_never_refused(
+            base_path in proptest::sample::select(vec!["", "/", "/orders-api", "/orders-api/", "/v1/a%2Fb", "/a.b/..c"]),
+            path in "/[a-zA-Z0-9%./\\;:@!$&'()*+,=~_{}|^`\\[\\] -]{0,12}",
+        ) {
+            proptest::prop_assume!(check(&path).is_ok());
+            let url = upstream_url(&base(&format!("http://up:9000{base_path}")), &path, "");
+            proptest::prop_assert!(!sent_as_is(&path) || url.is_ok(), "{path} after {base_path}: {url:?}");
+        }
+    }
+
+    #[test]
+    fn a_path_a_parser_would_encode_is_not_said_to_be_sent_as_is() {
+        assert!(sent_as_is("/payments/v1.2/a%2Fb;x=1"));
+        for path in ["/payments/{x}", "/payments\\x", "/payments/a b", "/payments/é", "/payments/a|b", "/p/`"] {
+            assert!(!sent_as_is(path), "{path}");
         }
     }
 }

@@ -118,7 +118,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
         duration_ms: started.elapsed().as_secs_f64() * 1000.0,
         route: route.as_ref().map(RouteName::as_str).unwrap_or("-"),
         tenant: tenant.as_ref().map(Tenant::as_str).unwrap_or("-"),
-        key: OrDash(note.key.get().map(Hex)),
+        key: OrDash(note.key.get().map(Hex::of)),
         record: OrDash(note.record.get()),
         kind,
         attempts: note.attempts.get(),
@@ -190,20 +190,25 @@ impl Line<'_> {
     }
 
     /// Its fields for the access log's own formatter, in the order, and of the kind, that
-    /// [`Line::by_tracing`] records them.
+    /// [`Line::by_tracing`] records them; what it can, written without a format call.
     fn fields(&self) -> [(&'static str, Option<Value<'_>>); 15] {
+        const DASH: Value = Value::Text("-");
+        let client = match &self.client.0 {
+            Some(client) => client.peer_only().map_or(Value::Shown(client), Value::Address),
+            None => DASH,
+        };
         [
-            ("client.address", Some(Value::Shown(&self.client))),
-            ("http.request.method", Some(Value::Shown(self.method))),
-            ("url.path", Some(Value::Shown(&self.path))),
+            ("client.address", Some(client)),
+            ("http.request.method", Some(Value::Text(self.method.as_str()))),
+            ("url.path", Some(self.path.as_is().map_or(Value::Shown(&self.path), Value::Text))),
             ("http.response.status_code", Some(Value::Count(self.status.into()))),
             ("http.request.body.size", self.bytes_in.map(Value::Count)),
             ("http.response.body.size", self.bytes_out.map(Value::Count)),
             ("duration_ms", Some(Value::Real(self.duration_ms))),
             ("idem.route", Some(Value::Str(self.route))),
             ("idem.tenant", Some(Value::Str(self.tenant))),
-            ("idem.key", Some(Value::Shown(&self.key))),
-            ("idem.record", Some(Value::Shown(&self.record))),
+            ("idem.key", Some(self.key.0.as_ref().map_or(DASH, |key| Value::Text(key.as_str())))),
+            ("idem.record", Some(self.record.0.map_or(DASH, |record| Value::Id(record.0)))),
             ("idem.answer", Some(Value::Str(self.kind.as_str()))),
             ("idem.replay", Some(Value::Flag(self.kind == Kind::Replay))),
             ("idem.attempts", Some(Value::Count(self.attempts.into()))),
@@ -252,6 +257,14 @@ impl<T: std::fmt::Display> std::fmt::Display for OrDash<T> {
 /// A request's path as the line says it: the client's own endpoints name a key in theirs,
 /// which is never logged as it is.
 struct LoggedPath<'a>(&'a axum::http::Uri);
+
+impl LoggedPath<'_> {
+    /// The path, when the line says it as it came.
+    fn as_is(&self) -> Option<&str> {
+        let path = self.0.path();
+        (!path.starts_with(OWN_RECORD)).then_some(path)
+    }
+}
 
 impl std::fmt::Display for LoggedPath<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -344,13 +357,23 @@ pub(super) fn trace(span: &tracing::Span) {
 
 /// A key's hash, in hex.
 #[derive(Clone, Copy)]
-struct Hex([u8; 8]);
+struct Hex([u8; 16]);
+
+impl Hex {
+    fn of(hash: [u8; 8]) -> Hex {
+        let mut text = [0; 16];
+        hex::encode_to_slice(hash, &mut text).expect("16 digits for 8 bytes");
+        Hex(text)
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
 
 impl std::fmt::Display for Hex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut text = [0; 16];
-        hex::encode_to_slice(self.0, &mut text).expect("16 digits for 8 bytes");
-        f.write_str(std::str::from_utf8(&text).expect("hex digits are ASCII"))
+        f.write_str(self.as_str())
     }
 }
 
@@ -361,18 +384,27 @@ mod tests {
 
     #[test]
     fn a_keys_hash_reads_as_its_first_eight_bytes_in_hex() {
-        assert_eq!(Hex([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x08]).to_string(), "6ab9f1eb8f7d3308");
+        assert_eq!(Hex::of([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x08]).to_string(), "6ab9f1eb8f7d3308");
     }
 
     #[test]
     fn the_access_lines_own_formatter_writes_the_line_tracing_would() {
-        let origin = Origin { peer: "[::ffff:192.0.2.7]:4711".parse().unwrap(), tls: false };
         let forwarding =
             crate::config::Forwarding { enabled: true, trusted_proxies: vec!["192.0.2.0/24".parse().unwrap()] };
         let mut forwarded = axum::http::HeaderMap::new();
         forwarded.insert("x-forwarded-for", "203.0.113.9, 192.0.2.1".parse().unwrap());
-        let (method, uri) = (axum::http::Method::POST, "/_idem/requests/a-key/cancel?x=1".parse().unwrap());
-        for (bytes_out, kind, trace) in [(Some(645), Kind::Replay, "-"), (None, Kind::Executed, "4bf92f35")] {
+        let method = axum::http::Method::POST;
+        // A client told by a trusted proxy, and a peer: one that speaks IPv4, and one IPv6.
+        let told = Origin { peer: "[::ffff:192.0.2.7]:4711".parse().unwrap(), tls: false };
+        let v4 = Origin { peer: "198.51.100.23:4711".parse().unwrap(), tls: false };
+        let v6 = Origin { peer: "[2001:db8::17]:4711".parse().unwrap(), tls: false };
+        let lines = [
+            (told, "/_idem/requests/a-key/cancel?x=1", Some(645), Kind::Replay, "-", true),
+            (v4, "/payments/42?x=1", None, Kind::Executed, "4bf92f35", false),
+            (v6, "/payments", Some(0), Kind::Problem, "-", true),
+        ];
+        for (origin, uri, bytes_out, kind, trace, noted) in lines {
+            let uri = uri.parse().unwrap();
             let line = Line {
                 client: OrDash(Some(crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding))),
                 method: &method,
@@ -383,8 +415,8 @@ mod tests {
                 duration_ms: 67.73366299999999,
                 route: "payments",
                 tenant: "default",
-                key: OrDash(Some(Hex([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x88]))),
-                record: OrDash(Some(RecordId(uuid::Uuid::now_v7()))),
+                key: OrDash(noted.then(|| Hex::of([0x6a, 0xb9, 0xf1, 0xeb, 0x8f, 0x7d, 0x33, 0x88]))),
+                record: OrDash(noted.then(|| RecordId(uuid::Uuid::now_v7()))),
                 kind,
                 attempts: 3,
                 trace,
@@ -396,6 +428,41 @@ mod tests {
                 let tracing = by_tracing(shape, || line.by_tracing());
                 assert_eq!(untimed(shape, &hand), untimed(shape, &tracing), "{shape:?}");
             }
+        }
+    }
+
+    /// `RUST_LOG` is asked about the line with the fields the formatter writes: a filter that
+    /// names any one of them judges the line.
+    #[test]
+    fn a_filter_naming_any_field_of_the_line_judges_it() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let kept_under = |filter: &str| {
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_subscriber::EnvFilter::new(filter))
+                .with(tracing_subscriber::fmt::layer().with_writer(std::io::sink));
+            tracing::subscriber::with_default(subscriber, Line::kept)
+        };
+        assert!(kept_under("info"));
+        assert!(kept_under("info,idem::access[{user}]=off"), "a field the line does not have");
+        let (method, uri) = (axum::http::Method::GET, "/".parse().unwrap());
+        let line = Line {
+            client: OrDash(None),
+            method: &method,
+            path: LoggedPath(&uri),
+            status: 200,
+            bytes_in: None,
+            bytes_out: None,
+            duration_ms: 0.0,
+            route: "-",
+            tenant: "-",
+            key: OrDash(None),
+            record: OrDash(None),
+            kind: Kind::Own,
+            attempts: 0,
+            trace: "-",
+        };
+        for (name, _) in line.fields() {
+            assert!(!kept_under(&format!("info,idem::access[{{{name}}}]=off")), "{name}");
         }
     }
 }

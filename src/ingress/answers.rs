@@ -28,7 +28,7 @@ pub(super) fn http_date(at: Timestamp) -> HeaderValue {
 
 /// On an answer whose outcome the store could not take yet (`false`): it is being written
 /// again, and until it is, a duplicate is told the request is in progress, then unknown.
-pub(super) const RECORDED_HEADER: &str = "idem-recorded";
+pub(super) const RECORDED_HEADER: http::HeaderName = http::HeaderName::from_static("idem-recorded");
 
 /// The answer for the request that drove an execution.
 pub(super) fn outcome_response(outcome: Outcome) -> Answer {

@@ -51,9 +51,9 @@ struct Read<'a> {
     replay_safe: bool,
 }
 
-pub const REPLAYED_HEADER: &str = "idempotent-replayed";
+pub const REPLAYED_HEADER: http::HeaderName = http::HeaderName::from_static("idempotent-replayed");
 /// Until when the answer's key has its result replayed (an HTTP-date).
-pub const EXPIRES_HEADER: &str = "idempotency-key-expires";
+pub const EXPIRES_HEADER: http::HeaderName = http::HeaderName::from_static("idempotency-key-expires");
 
 pub(crate) struct Ingress {
     /// What is served: each request reads it once, when it arrives (its route's configuration
@@ -206,9 +206,13 @@ impl Ingress {
         };
         let query = parts.uri.query().unwrap_or("");
         // A path the upstream would not receive as matched is refused before anything is recorded.
-        let url = match route.upstream_url(parts.uri.path(), query) {
-            Ok(url) => url,
-            Err(why) => return self.keyed_answer(route, sent.as_ref(), Err(Problem::invalid_path(&why))),
+        // Its URL is built here only when that takes building it; else by the execution, if any.
+        let url = match crate::domain::path::sent_as_is(parts.uri.path()) {
+            true => None,
+            false => match route.upstream_url(parts.uri.path(), query) {
+                Ok(url) => Some(url),
+                Err(why) => return self.keyed_answer(route, sent.as_ref(), Err(Problem::invalid_path(&why))),
+            },
         };
         // Held until this request is answered: its body lives at least that long.
         let (body, _held) = match read_body(body, route, &self.bodies).await {
@@ -237,18 +241,8 @@ impl Ingress {
         );
         let prefer = Prefer::from_headers(&parts.headers);
         let replay_safe = route.replay_safe;
-        let read = Read {
-            tenant,
-            key: &key,
-            fingerprint,
-            body,
-            route,
-            parts: &parts,
-            url: Some(url),
-            arrival,
-            prefer,
-            replay_safe,
-        };
+        let read =
+            Read { tenant, key: &key, fingerprint, body, route, parts: &parts, url, arrival, prefer, replay_safe };
         let span = |tenant: &Tenant| {
             // A SERVER span, with OpenTelemetry's HTTP attributes; its status is recorded once
             // the request is answered.

@@ -14,7 +14,7 @@ use crate::upstream::{self, Outbound};
 impl Ingress {
     /// Methods that need no key are proxied as they are: nothing is recorded.
     pub(super) async fn plain(&self, config: &Config, route: &Route, request: Request) -> Response {
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         let url = match route.upstream_url(parts.uri.path(), parts.uri.query().unwrap_or("")) {
             Ok(url) => url,
             Err(why) => return Problem::invalid_path(&why).into_response(),
@@ -23,12 +23,14 @@ impl Ingress {
             Ok(read) => read,
             Err(problem) => return problem.into_response(),
         };
-        let mut headers = upstream::forwardable_request_headers(&parts.headers, true);
-        upstream::forward(&mut headers, parts.extensions.get(), &config.server.forwarded);
         let mut credentials = upstream::route_credentials(route, parts.headers.get(header::AUTHORIZATION));
         let limit = deadline(&route.retry, route, &parts.headers);
         upstream::tell_deadline(&mut credentials, route.deadline_header.as_ref(), limit);
-        let request = Outbound::for_route(route, &parts.method, url, &headers, &credentials, body);
+        // Nothing is stored: the client's own map goes on, with what may go upstream left in it.
+        let mut headers = std::mem::take(&mut parts.headers);
+        upstream::keep_forwardable(&mut headers, true);
+        upstream::forward(&mut headers, parts.extensions.get(), &config.server.forwarded);
+        let request = Outbound::passed(route, &parts.method, url, headers, &credentials, body);
         match self.upstream.pass(request, limit).await {
             Ok(answer) => answer.map(axum::body::Body::from),
             Err(failure) if failure.observed == crate::policy::Observed::TimedOut => {

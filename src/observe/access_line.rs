@@ -13,6 +13,7 @@
 use std::cell::RefCell;
 use std::fmt::{Display, Write as _};
 use std::io::Write as _;
+use std::net::IpAddr;
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -56,6 +57,13 @@ pub(crate) enum Value<'a> {
     Str(&'a str),
     /// Recorded with `%`: as it displays, unquoted in text, a string in JSON.
     Shown(&'a dyn Display),
+    /// Recorded with `%`, its text at hand: as [`Value::Shown`] writes it, with no format call.
+    Text(&'a str),
+    /// An address recorded with `%`: an IPv4 address written octet by octet, with no format
+    /// call; an IPv6 one as it displays.
+    Address(IpAddr),
+    /// A UUID recorded with `%`: hyphenated, in lower case, with no format call.
+    Id(uuid::Uuid),
     Count(u64),
     Real(f64),
     Flag(bool),
@@ -111,7 +119,10 @@ pub(crate) fn render(
                 match value {
                     Value::Str(text) => quoted(out, text),
                     Value::Shown(shown) => shown_as_is(out, shown),
-                    Value::Count(n) => shown_as_is(out, n),
+                    Value::Text(text) => out.extend_from_slice(text.as_bytes()),
+                    Value::Address(ip) => address(out, *ip),
+                    Value::Id(id) => uuid(out, *id),
+                    Value::Count(n) => count(out, *n),
                     Value::Real(x) => {
                         let _ = write!(out, "{x:?}");
                     }
@@ -136,7 +147,19 @@ pub(crate) fn render(
                         let _ = write!(text, "{shown}");
                         json_string(out, &text);
                     }
-                    Value::Count(n) => shown_as_is(out, n),
+                    Value::Text(text) => json_string(out, text),
+                    // Neither has anything to escape.
+                    Value::Address(ip) => {
+                        out.push(b'"');
+                        address(out, *ip);
+                        out.push(b'"');
+                    }
+                    Value::Id(id) => {
+                        out.push(b'"');
+                        uuid(out, *id);
+                        out.push(b'"');
+                    }
+                    Value::Count(n) => count(out, *n),
                     Value::Real(x) => {
                         let _ = serde_json::to_writer(&mut *out, x);
                     }
@@ -176,6 +199,31 @@ fn timestamp(out: &mut Vec<u8>, now: SystemTime) {
 
 fn shown_as_is(out: &mut Vec<u8>, value: &dyn Display) {
     let _ = write!(out, "{value}");
+}
+
+fn count(out: &mut Vec<u8>, n: u64) {
+    out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+}
+
+/// As the address displays.
+fn address(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (at, octet) in v4.octets().into_iter().enumerate() {
+                if at > 0 {
+                    out.push(b'.');
+                }
+                out.extend_from_slice(itoa::Buffer::new().format(octet).as_bytes());
+            }
+        }
+        IpAddr::V6(v6) => shown_as_is(out, &v6),
+    }
+}
+
+/// As the UUID displays.
+fn uuid(out: &mut Vec<u8>, id: uuid::Uuid) {
+    let mut text = uuid::Uuid::encode_buffer();
+    out.extend_from_slice(id.hyphenated().encode_lower(&mut text).as_bytes());
 }
 
 /// As `{:?}` quotes a string; the common case, nothing to escape, copied as it is.
@@ -249,13 +297,20 @@ pub(crate) mod tests {
     fn each_kind_of_field_reads_as_tracing_writes_it_in_text_and_in_json() {
         let shown = "127.0.0.1";
         for shape in [Shape::Text, Shape::Json] {
-            for (text, count, real, flag, absent) in [
-                ("payments", 201, 0.107643, false, None),
-                ("quote \" back\\slash 'apos' tab\t é ünï", u64::MAX, 67.73366299999999, true, Some(7)),
-                ("", 0, 1.0, false, Some(0)),
-                ("-", 3, 1e21, true, None),
-                ("line\nbreak\u{7f}\u{1b}", 12, 0.0, false, Some(u64::MAX)),
+            for ((text, count, real, flag, absent), (v4, v6, id)) in [
+                (("payments", 201, 0.107643, false, None), ("0.0.0.0", "::1", uuid::Uuid::nil())),
+                (
+                    ("quote \" back\\slash 'apos' tab\t é ünï", u64::MAX, 67.73366299999999, true, Some(7)),
+                    ("255.255.255.255", "2001:db8::ff00:42:8329", uuid::Uuid::max()),
+                ),
+                (("", 0, 1.0, false, Some(0)), ("10.0.100.9", "::ffff:192.0.2.7", uuid::Uuid::now_v7())),
+                (("-", 3, 1e21, true, None), ("192.168.1.1", "fe80::1", uuid::Uuid::new_v4())),
+                (
+                    ("line\nbreak\u{7f}\u{1b}", 12, 0.0, false, Some(u64::MAX)),
+                    ("1.22.133.4", "2001:db8:0:1:1:1:1:1", uuid::Uuid::now_v7()),
+                ),
             ] {
+                let (v4, v6): (IpAddr, IpAddr) = (v4.parse().unwrap(), v6.parse().unwrap());
                 let tracing = by_tracing(shape, || {
                     tracing::event!(
                         target: ACCESS_TARGET,
@@ -267,6 +322,10 @@ pub(crate) mod tests {
                         duration_ms = real,
                         idem.replay = flag,
                         idem.record = %text,
+                        client.port = %text,
+                        url.path = %v4,
+                        idem.key = %v6,
+                        idem.id = %id,
                         "answered"
                     );
                 });
@@ -280,9 +339,24 @@ pub(crate) mod tests {
                         ("duration_ms", Some(Value::Real(real))),
                         ("idem.replay", Some(Value::Flag(flag))),
                         ("idem.record", Some(Value::Shown(&text))),
+                        ("client.port", Some(Value::Text(text))),
+                        ("url.path", Some(Value::Address(v4))),
+                        ("idem.key", Some(Value::Address(v6))),
+                        ("idem.id", Some(Value::Id(id))),
                     ],
                 );
                 assert_eq!(untimed(shape, &hand), untimed(shape, &tracing), "{shape:?}, {text:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn an_address_reads_as_it_displays(v4: std::net::Ipv4Addr, v6: std::net::Ipv6Addr) {
+            for ip in [IpAddr::V4(v4), IpAddr::V6(v6)] {
+                let mut out = Vec::new();
+                address(&mut out, ip);
+                proptest::prop_assert_eq!(String::from_utf8(out).unwrap(), ip.to_string());
             }
         }
     }

@@ -10,11 +10,11 @@ use crate::store::StoreError;
 
 mod admin;
 
-pub const STATUS_HEADER: &str = "idempotency-status";
+pub const STATUS_HEADER: http::HeaderName = http::HeaderName::from_static("idempotency-status");
 /// Whether the client's own retry logic should send the request again (`true`/`false`).
-pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
+pub const SHOULD_RETRY_HEADER: http::HeaderName = http::HeaderName::from_static("x-should-retry");
 /// `Retry-After` in milliseconds, for clients that can wait less than a second.
-pub(crate) const RETRY_AFTER_MS_HEADER: &str = "retry-after-ms";
+pub(crate) const RETRY_AFTER_MS_HEADER: http::HeaderName = http::HeaderName::from_static("retry-after-ms");
 
 /// The names of [`Problem::outcome_unknown`] and [`Problem::store`], which some answers tell
 /// apart from every other.

@@ -9,8 +9,11 @@
 
 use std::net::IpAddr;
 
+use http::{HeaderMap, HeaderName, HeaderValue};
+
 use crate::config::Forwarding;
 use crate::domain::Origin;
+use crate::record::{header_bytes, header_text};
 
 const FOR: &str = "x-forwarded-for";
 const PROTO: &str = "x-forwarded-proto";
@@ -19,25 +22,23 @@ const FORWARDED: &str = "forwarded";
 /// `headers` (the request's, as forwarded upstream) with the forwarding headers set for a
 /// request from `origin`. With forwarding off they are left as the client sent them; a request
 /// with no origin (made in-process, never through a listener) has the client's removed.
-pub(crate) fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origin>, config: &Forwarding) {
+pub(crate) fn forward(headers: &mut impl Carried, origin: Option<&Origin>, config: &Forwarding) {
     if !config.enabled {
         return;
     }
     let Some(origin) = origin else {
-        headers.retain(|(name, _)| ![FOR, PROTO, FORWARDED].contains(&name.as_str()));
+        for name in [FOR, PROTO, FORWARDED] {
+            headers.remove_all(name);
+        }
         return;
     };
     let peer = origin.peer.ip().to_canonical();
     let trusted = config.trusted_proxies.iter().any(|net| net.contains(&peer));
     let proto = if origin.tls { "https" } else { "http" };
-    let sent = |name: &str| -> Option<String> {
-        let values: Vec<&str> = headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect();
-        (!values.is_empty()).then(|| values.join(", "))
-    };
     // The scheme the first client used, as the first proxy in front of Idem said it.
     let first_proto = |all: Option<String>| all.and_then(|all| all.split(',').next().map(|p| p.trim().to_string()));
     let (chain, forwarded, sent_proto) = match trusted {
-        true => (sent(FOR), sent(FORWARDED), first_proto(sent(PROTO))),
+        true => (headers.joined(FOR), headers.joined(FORWARDED), first_proto(headers.joined(PROTO))),
         false => (None, None, None),
     };
     // A trusted proxy that sent only `X-Forwarded-For`: `Forwarded` says the same addresses, so
@@ -51,10 +52,56 @@ pub(crate) fn forward(headers: &mut Vec<(String, String)>, origin: Option<&Origi
         Some(before) => format!("{before}, {this}"),
         None => this,
     };
-    headers.retain(|(name, _)| ![FOR, PROTO, FORWARDED].contains(&name.as_str()));
-    headers.push((FOR.into(), joined(chain, peer.to_string())));
-    headers.push((PROTO.into(), sent_proto.unwrap_or_else(|| proto.into())));
-    headers.push((FORWARDED.into(), joined(forwarded, element)));
+    for name in [FOR, PROTO, FORWARDED] {
+        headers.remove_all(name);
+    }
+    headers.add(FOR, joined(chain, peer.to_string()));
+    headers.add(PROTO, sent_proto.unwrap_or_else(|| proto.into()));
+    headers.add(FORWARDED, joined(forwarded, element));
+}
+
+/// The headers a request carries upstream, as [`forward`] reads and sets the forwarding ones in
+/// them: the stored list, or hyper's own map for a call never recorded. Values are read and
+/// written as the stored list holds them (`record::header_text`).
+pub(crate) trait Carried {
+    /// Every value sent under `name`, joined with `, ` into one; `None` when none was.
+    fn joined(&self, name: &str) -> Option<String>;
+    fn remove_all(&mut self, name: &str);
+    fn add(&mut self, name: &'static str, value: String);
+}
+
+impl Carried for Vec<(String, String)> {
+    fn joined(&self, name: &str) -> Option<String> {
+        let values: Vec<&str> = self.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect();
+        (!values.is_empty()).then(|| values.join(", "))
+    }
+
+    fn remove_all(&mut self, name: &str) {
+        self.retain(|(n, _)| n != name);
+    }
+
+    fn add(&mut self, name: &'static str, value: String) {
+        self.push((name.into(), value));
+    }
+}
+
+impl Carried for HeaderMap {
+    fn joined(&self, name: &str) -> Option<String> {
+        let values: Vec<String> = self.get_all(name).iter().map(|v| header_text(v.as_bytes())).collect();
+        (!values.is_empty()).then(|| values.join(", "))
+    }
+
+    fn remove_all(&mut self, name: &str) {
+        self.remove(name);
+    }
+
+    /// A value the stored list would hold and the send would then leave out (one that is no
+    /// header value) is left out here too.
+    fn add(&mut self, name: &'static str, value: String) {
+        if let Ok(value) = HeaderValue::from_bytes(&header_bytes(&value)) {
+            self.append(HeaderName::from_static(name), value);
+        }
+    }
 }
 
 /// The client's address, as the access log names it: the first address a trusted proxy in
@@ -72,6 +119,14 @@ pub(crate) struct ClientAddress {
     peer: IpAddr,
     /// A trusted proxy's `X-Forwarded-For` and `Forwarded`, as it sent them.
     forwarded: Option<(Option<axum::http::HeaderValue>, Option<axum::http::HeaderValue>)>,
+}
+
+impl ClientAddress {
+    /// The peer's address, when that is what the client's address is: no trusted proxy told
+    /// another.
+    pub(crate) fn peer_only(&self) -> Option<IpAddr> {
+        self.forwarded.is_none().then_some(self.peer)
+    }
 }
 
 impl std::fmt::Display for ClientAddress {
@@ -230,5 +285,38 @@ mod tests {
             "not a trusted proxy"
         );
         assert_eq!(client_address(&headers(&[]), &via, &trusted).to_string(), "10.1.2.3", "nothing forwarded");
+    }
+
+    proptest::proptest! {
+        /// A call never recorded has its forwarding headers set in hyper's map; a recorded one in
+        /// its stored list. Both say the same.
+        #[test]
+        fn the_map_and_the_stored_list_are_forwarded_alike(
+            sent in proptest::collection::vec((0..4usize, 0..5usize), 0..6),
+            peer in proptest::sample::select(vec!["10.1.2.3", "192.0.2.10", "2001:db8::7", "::ffff:10.0.0.1"]),
+            tls: bool,
+            enabled: bool,
+            from_listener: bool,
+        ) {
+            const NAMES: [&str; 4] = ["x-forwarded-for", "forwarded", "x-forwarded-proto", "x-other"];
+            const VALUES: [&str; 5] = ["203.0.113.5", "for=203.0.113.5;proto=https", "https, http", "unknown", "caf\u{e9}"];
+            let pairs: Vec<(String, String)> =
+                sent.iter().map(|&(n, v)| (NAMES[n].to_string(), VALUES[v].to_string())).collect();
+            let mut map = HeaderMap::new();
+            for (name, value) in &pairs {
+                map.append(HeaderName::from_bytes(name.as_bytes()).unwrap(), HeaderValue::from_bytes(&header_bytes(value)).unwrap());
+            }
+            let forwarding = Forwarding { enabled, ..config(&["10.0.0.0/8"]) };
+            let origin = origin(peer, tls);
+            let origin = from_listener.then_some(&origin);
+            let mut listed = pairs;
+            forward(&mut listed, origin, &forwarding);
+            forward(&mut map, origin, &forwarding);
+            let mut from_map: Vec<(String, String)> =
+                map.iter().map(|(n, v)| (n.as_str().to_string(), header_text(v.as_bytes()))).collect();
+            listed.sort();
+            from_map.sort();
+            proptest::prop_assert_eq!(from_map, listed);
+        }
     }
 }

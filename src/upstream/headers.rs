@@ -27,6 +27,20 @@ pub(crate) fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool
         .collect()
 }
 
+/// A call never recorded sends the client's own map with what [`forwardable_request_headers`]
+/// keeps left in it, rather than copied out to be stored and back.
+pub(crate) fn keep_forwardable(headers: &mut HeaderMap, forward_key: bool) {
+    for listed in connection_listed(headers) {
+        headers.remove(listed.as_str());
+    }
+    for name in HOP_BY_HOP.into_iter().chain(CLIENT_ONLY) {
+        headers.remove(name);
+    }
+    if !forward_key {
+        headers.remove(crate::domain::key::HEADER);
+    }
+}
+
 /// The response headers to store and return: everything end-to-end.
 pub(crate) fn storable_response_headers(headers: &HeaderMap) -> Vec<(String, String)> {
     let listed = connection_listed(headers);
@@ -150,5 +164,42 @@ mod tests {
             passed.sort();
             prop_assert_eq!(passed, stored);
         }
+
+        #[test]
+        fn a_passed_request_keeps_exactly_the_headers_a_stored_one_keeps(
+            headers in proptest::collection::vec((0..REQUEST_NAMES.len(), "[a-z0-9 ]{0,8}"), 0..12),
+            connection in proptest::collection::vec(prop_oneof![Just("X-Listed"), Just("x-other"), Just("close"), Just(" te ")], 0..3),
+            forward_key: bool,
+        ) {
+            let mut map = HeaderMap::new();
+            for (name, value) in &headers {
+                map.append(REQUEST_NAMES[*name], HeaderValue::from_str(value).unwrap());
+            }
+            if !connection.is_empty() {
+                map.append(http::header::CONNECTION, HeaderValue::from_str(&connection.join(",")).unwrap());
+            }
+            let mut stored = forwardable_request_headers(&map, forward_key);
+            keep_forwardable(&mut map, forward_key);
+            let mut passed: Vec<(String, String)> =
+                map.iter().map(|(n, v)| (n.as_str().to_string(), v.to_str().unwrap().to_string())).collect();
+            stored.sort();
+            passed.sort();
+            prop_assert_eq!(passed, stored);
+        }
     }
+
+    /// Names a client's request may carry: its own, the hop-by-hop ones, the ones never sent
+    /// upstream, its key, and ones its `Connection` may name.
+    const REQUEST_NAMES: [&str; 10] = [
+        "x-kept",
+        "x-listed",
+        "keep-alive",
+        "te",
+        "authorization",
+        "cookie",
+        "prefer",
+        "idempotency-key",
+        "x-other",
+        "accept",
+    ];
 }

@@ -41,7 +41,8 @@ mod headers;
 pub(crate) use forwarded::forward;
 pub use headers::to_header_map;
 pub(crate) use headers::{
-    client_deadline, forwardable_request_headers, storable_response_headers, tell_attempt, tell_deadline,
+    client_deadline, forwardable_request_headers, keep_forwardable, storable_response_headers, tell_attempt,
+    tell_deadline,
 };
 
 use gate::{Outgoing, TimedConnect};
@@ -75,8 +76,8 @@ const POOL_IDLE: Duration = Duration::from_secs(30);
 pub struct Outbound<'a> {
     pub method: &'a Method,
     pub url: url::Url,
-    /// The request's own headers, as stored (or as forwarded for a call never recorded).
-    pub headers: &'a [(String, String)],
+    /// The request's own headers, as stored or as a call never recorded passes them.
+    pub headers: ClientHeaders<'a>,
     /// The route's TLS settings towards its upstream, if it has any of its own.
     pub tls: Option<&'a UpstreamTls>,
     /// Headers added at the send and never stored: the route's credentials, the client's
@@ -97,8 +98,29 @@ impl<'a> Outbound<'a> {
         added: &'a HeaderMap,
         body: Bytes,
     ) -> Outbound<'a> {
-        Outbound { method, url, headers, tls: route.upstream_tls.as_ref(), added, body }
+        Outbound { method, url, headers: ClientHeaders::Stored(headers), tls: route.upstream_tls.as_ref(), added, body }
     }
+
+    /// A call never recorded for `route`'s upstream: the client's own header map, with what may
+    /// go upstream left in it (`headers::keep_forwardable`) and its forwarding headers set.
+    pub(crate) fn passed(
+        route: &'a Route,
+        method: &'a Method,
+        url: url::Url,
+        headers: HeaderMap,
+        added: &'a HeaderMap,
+        body: Bytes,
+    ) -> Outbound<'a> {
+        Outbound { method, url, headers: ClientHeaders::Passed(headers), tls: route.upstream_tls.as_ref(), added, body }
+    }
+}
+
+/// A request's own headers on their way upstream.
+pub enum ClientHeaders<'a> {
+    /// As stored, made into a map at each send.
+    Stored(&'a [(String, String)]),
+    /// A call never recorded: hyper's map of them, sent as it is.
+    Passed(HeaderMap),
 }
 
 /// What a route adds to every request it sends, never stored: its `upstream_headers`, and the
@@ -224,7 +246,10 @@ impl Upstream {
         *request.method_mut() = method.clone();
         *request.uri_mut() = uri;
         let headers_sent = request.headers_mut();
-        *headers_sent = to_header_map(headers);
+        *headers_sent = match headers {
+            ClientHeaders::Stored(stored) => to_header_map(stored),
+            ClientHeaders::Passed(passed) => passed,
+        };
         // Credentials (and the attempt's own headers) are added at the send, never to what is
         // stored.
         headers_sent.extend(added.clone());
@@ -309,7 +334,7 @@ mod tests {
         Outbound {
             method: &Method::POST,
             url: url.parse().unwrap(),
-            headers: &[],
+            headers: ClientHeaders::Stored(&[]),
             tls: None,
             added,
             body: Bytes::from_static(body),
