@@ -992,13 +992,14 @@ fn main() {
     };
     // What `idem serve` logs by default to a file, formatted and written as it would be (the
     // batched writer, the access line's own formatter), then thrown away.
-    let _flushed = std::env::var_os("IDEM_BENCH_LOGS").map(|_| {
+    let _flushed = std::env::var("IDEM_BENCH_LOGS").is_ok_and(|v| v == "1").then(|| {
         use tracing_subscriber::layer::SubscriberExt;
         use tracing_subscriber::util::SubscriberInitExt;
         let (writer, flushed) = idem::observe::logs::batched(std::io::sink()).unwrap();
         idem::observe::access_line::install(writer.clone(), idem::observe::access_line::Shape::Text);
         let lines = tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(false);
-        tracing_subscriber::registry().with(lines).with(tracing_subscriber::EnvFilter::new("info")).init();
+        let filter = tracing_subscriber::EnvFilter::new("info,sqlx::postgres::notice=warn");
+        tracing_subscriber::registry().with(lines).with(filter).init();
         flushed
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();

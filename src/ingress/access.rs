@@ -402,11 +402,14 @@ mod tests {
             (told, "/_idem/requests/a-key/cancel?x=1", Some(645), Kind::Replay, "-", true),
             (v4, "/payments/42?x=1", None, Kind::Executed, "4bf92f35", false),
             (v6, "/payments", Some(0), Kind::Problem, "-", true),
+            // Made in-process: no client.
+            (v4, "/payments", None, Kind::Passed, "-", false),
         ];
-        for (origin, uri, bytes_out, kind, trace, noted) in lines {
+        for (at, (origin, uri, bytes_out, kind, trace, noted)) in lines.into_iter().enumerate() {
             let uri = uri.parse().unwrap();
+            let client = (at < 3).then(|| crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding));
             let line = Line {
-                client: OrDash(Some(crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding))),
+                client: OrDash(client),
                 method: &method,
                 path: LoggedPath(&uri),
                 status: 201,

@@ -15,9 +15,9 @@ use crate::config::Forwarding;
 use crate::domain::Origin;
 use crate::record::{header_bytes, header_text};
 
-const FOR: &str = "x-forwarded-for";
-const PROTO: &str = "x-forwarded-proto";
-const FORWARDED: &str = "forwarded";
+const FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const FORWARDED: HeaderName = http::header::FORWARDED;
 
 /// `headers` (the request's, as forwarded upstream) with the forwarding headers set for a
 /// request from `origin`. With forwarding off they are left as the client sent them; a request
@@ -28,7 +28,7 @@ pub(crate) fn forward(headers: &mut impl Carried, origin: Option<&Origin>, confi
     }
     let Some(origin) = origin else {
         for name in [FOR, PROTO, FORWARDED] {
-            headers.remove_all(name);
+            headers.remove_all(&name);
         }
         return;
     };
@@ -38,7 +38,7 @@ pub(crate) fn forward(headers: &mut impl Carried, origin: Option<&Origin>, confi
     // The scheme the first client used, as the first proxy in front of Idem said it.
     let first_proto = |all: Option<String>| all.and_then(|all| all.split(',').next().map(|p| p.trim().to_string()));
     let (chain, forwarded, sent_proto) = match trusted {
-        true => (headers.joined(FOR), headers.joined(FORWARDED), first_proto(headers.joined(PROTO))),
+        true => (headers.joined(&FOR), headers.joined(&FORWARDED), first_proto(headers.joined(&PROTO))),
         false => (None, None, None),
     };
     // A trusted proxy that sent only `X-Forwarded-For`: `Forwarded` says the same addresses, so
@@ -53,7 +53,7 @@ pub(crate) fn forward(headers: &mut impl Carried, origin: Option<&Origin>, confi
         None => this,
     };
     for name in [FOR, PROTO, FORWARDED] {
-        headers.remove_all(name);
+        headers.remove_all(&name);
     }
     headers.add(FOR, joined(chain, peer.to_string()));
     headers.add(PROTO, sent_proto.unwrap_or_else(|| proto.into()));
@@ -65,41 +65,41 @@ pub(crate) fn forward(headers: &mut impl Carried, origin: Option<&Origin>, confi
 /// written as the stored list holds them (`record::header_text`).
 pub(crate) trait Carried {
     /// Every value sent under `name`, joined with `, ` into one; `None` when none was.
-    fn joined(&self, name: &str) -> Option<String>;
-    fn remove_all(&mut self, name: &str);
-    fn add(&mut self, name: &'static str, value: String);
+    fn joined(&self, name: &HeaderName) -> Option<String>;
+    fn remove_all(&mut self, name: &HeaderName);
+    fn add(&mut self, name: HeaderName, value: String);
 }
 
 impl Carried for Vec<(String, String)> {
-    fn joined(&self, name: &str) -> Option<String> {
-        let values: Vec<&str> = self.iter().filter(|(n, _)| n == name).map(|(_, v)| v.as_str()).collect();
+    fn joined(&self, name: &HeaderName) -> Option<String> {
+        let values: Vec<&str> = self.iter().filter(|(n, _)| n == name.as_str()).map(|(_, v)| v.as_str()).collect();
         (!values.is_empty()).then(|| values.join(", "))
     }
 
-    fn remove_all(&mut self, name: &str) {
-        self.retain(|(n, _)| n != name);
+    fn remove_all(&mut self, name: &HeaderName) {
+        self.retain(|(n, _)| n != name.as_str());
     }
 
-    fn add(&mut self, name: &'static str, value: String) {
-        self.push((name.into(), value));
+    fn add(&mut self, name: HeaderName, value: String) {
+        self.push((name.as_str().into(), value));
     }
 }
 
 impl Carried for HeaderMap {
-    fn joined(&self, name: &str) -> Option<String> {
+    fn joined(&self, name: &HeaderName) -> Option<String> {
         let values: Vec<String> = self.get_all(name).iter().map(|v| header_text(v.as_bytes())).collect();
         (!values.is_empty()).then(|| values.join(", "))
     }
 
-    fn remove_all(&mut self, name: &str) {
+    fn remove_all(&mut self, name: &HeaderName) {
         self.remove(name);
     }
 
     /// A value the stored list would hold and the send would then leave out (one that is no
     /// header value) is left out here too.
-    fn add(&mut self, name: &'static str, value: String) {
+    fn add(&mut self, name: HeaderName, value: String) {
         if let Ok(value) = HeaderValue::from_bytes(&header_bytes(&value)) {
-            self.append(HeaderName::from_static(name), value);
+            self.append(name, value);
         }
     }
 }

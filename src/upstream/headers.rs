@@ -16,28 +16,36 @@ pub(crate) fn forwardable_request_headers(headers: &HeaderMap, forward_key: bool
     let listed = connection_listed(headers);
     headers
         .iter()
-        .filter(|(name, _)| {
-            let n = name.as_str();
-            !HOP_BY_HOP.contains(&n)
-                && !CLIENT_ONLY.contains(&n)
-                && !listed.iter().any(|l| l == n)
-                && (forward_key || n != crate::domain::key::HEADER)
-        })
+        .filter(|(name, _)| forwardable(name, &listed, forward_key))
         .map(|(name, value)| (name.as_str().to_string(), header_text(value.as_bytes())))
         .collect()
 }
 
+/// Whether a client's header named `name` goes upstream, `listed` by its `Connection` or not.
+fn forwardable(name: &HeaderName, listed: &[String], forward_key: bool) -> bool {
+    let n = name.as_str();
+    !HOP_BY_HOP.contains(&n)
+        && !CLIENT_ONLY.contains(&n)
+        && !listed.iter().any(|l| l == n)
+        && (forward_key || n != crate::domain::key::HEADER)
+}
+
 /// A call never recorded sends the client's own map with what [`forwardable_request_headers`]
 /// keeps left in it, rather than copied out to be stored and back.
+/// The map is walked once and what is kept moved to a new one: no header name is parsed.
 pub(crate) fn keep_forwardable(headers: &mut HeaderMap, forward_key: bool) {
-    for listed in connection_listed(headers) {
-        headers.remove(listed.as_str());
-    }
-    for name in HOP_BY_HOP.into_iter().chain(CLIENT_ONLY) {
-        headers.remove(name);
-    }
-    if !forward_key {
-        headers.remove(crate::domain::key::HEADER);
+    let listed = connection_listed(headers);
+    let all = std::mem::take(headers);
+    headers.reserve(all.len());
+    let mut name = None;
+    for (named, value) in all {
+        // A name's further values come without it.
+        if named.is_some() {
+            name = named;
+        }
+        if let Some(name) = name.as_ref().filter(|name| forwardable(name, &listed, forward_key)) {
+            headers.append(name.clone(), value);
+        }
     }
 }
 
