@@ -399,15 +399,16 @@ mod tests {
         let v4 = Origin { peer: "198.51.100.23:4711".parse().unwrap(), tls: false };
         let v6 = Origin { peer: "[2001:db8::17]:4711".parse().unwrap(), tls: false };
         let lines = [
-            (told, "/_idem/requests/a-key/cancel?x=1", Some(645), Kind::Replay, "-", true),
-            (v4, "/payments/42?x=1", None, Kind::Executed, "4bf92f35", false),
-            (v6, "/payments", Some(0), Kind::Problem, "-", true),
+            (Some(told), "/_idem/requests/a-key/cancel?x=1", Some(645), Kind::Replay, "-", true),
+            (Some(v4), "/payments/42?x=1", None, Kind::Executed, "4bf92f35", false),
+            (Some(v6), "/payments", Some(0), Kind::Problem, "-", true),
             // Made in-process: no client.
-            (v4, "/payments", None, Kind::Passed, "-", false),
+            (None, "/payments", None, Kind::Passed, "-", false),
         ];
-        for (at, (origin, uri, bytes_out, kind, trace, noted)) in lines.into_iter().enumerate() {
+        for (origin, uri, bytes_out, kind, trace, noted) in lines {
             let uri = uri.parse().unwrap();
-            let client = (at < 3).then(|| crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding));
+            let client =
+                origin.map(|origin| crate::upstream::forwarded::client_address(&forwarded, &origin, &forwarding));
             let line = Line {
                 client: OrDash(client),
                 method: &method,
