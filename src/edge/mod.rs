@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::routing::future::RouteFuture;
-use axum::Router;
+use axum::response::Response;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -62,11 +61,11 @@ const RECLAIM_AT_ONCE: usize = 32;
 /// How long a new connection waits for a place that idle connections were told to give up.
 const RECLAIM_WAIT: Duration = Duration::from_millis(100);
 
-/// Serves `router` on `listener`, over TLS when `tls` is given, until `stopped` turns true (or
+/// Serves `service` on `listener`, over TLS when `tls` is given, until `stopped` turns true (or
 /// its sender goes), then waits for the open connections to finish their answers.
-pub(crate) async fn serve(
+pub(crate) async fn serve<S: Service>(
     listener: TcpListener,
-    router: Router,
+    service: S,
     limits: ListenerLimits,
     tls: Option<TlsAcceptor>,
     mut stopped: watch::Receiver<bool>,
@@ -74,7 +73,7 @@ pub(crate) async fn serve(
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let table = Arc::new(Table::new());
     let plain = tls.is_none();
-    let connections = Arc::new(Connections::new(router, &limits, tls));
+    let connections = Arc::new(Connections::new(service, &limits, tls));
     let mut accept_errors = Rarely::default();
     let mut refusals = Rarely::default();
     let mut reclaims = Rarely::default();
@@ -192,6 +191,26 @@ static REFUSAL: LazyLock<Vec<u8>> = LazyLock::new(|| {
     .into_bytes()
 });
 
+/// What a listener serves: axum's router, or the data plane's own service. It is always ready
+/// (its `poll_ready` returns at once), so it is called directly.
+pub(crate) trait Service:
+    tower_service::Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> Service for S where
+    S: tower_service::Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Answers a connection past the budget and closes it, without ever waiting on it: a write
 /// that does not fit at once is dropped with the socket.
 fn refuse(stream: TcpStream) {
@@ -199,9 +218,9 @@ fn refuse(stream: TcpStream) {
 }
 
 /// What every connection of one listener shares.
-struct Connections {
+struct Connections<S> {
     http: http1::Builder,
-    router: Router,
+    service: S,
     /// Set on a listener that speaks TLS.
     tls: Option<TlsAcceptor>,
     header_timeout: Duration,
@@ -209,8 +228,8 @@ struct Connections {
     name: &'static str,
 }
 
-impl Connections {
-    fn new(router: Router, limits: &ListenerLimits, tls: Option<TlsAcceptor>) -> Connections {
+impl<S: Service> Connections<S> {
+    fn new(service: S, limits: &ListenerLimits, tls: Option<TlsAcceptor>) -> Connections<S> {
         let mut http = http1::Builder::new();
         // hyper's header timeout runs from the moment a head is awaited, which on a keep-alive
         // connection is as soon as the previous answer went out: idle connections are cut too.
@@ -221,7 +240,7 @@ impl Connections {
         http.max_buf_size(READ_BUFFER_MAX);
         Connections {
             http,
-            router,
+            service,
             tls,
             header_timeout: limits.header_timeout,
             body_timeout: limits.body_timeout,
@@ -266,12 +285,12 @@ impl Connections {
     }
 
     /// HTTP/1.1 on `stream` until either end closes it; each request from `origin`.
-    async fn http<S>(&self, stream: S, origin: Origin, entry: table::Entry, mut stopped: watch::Receiver<bool>)
+    async fn http<T>(&self, stream: T, origin: Origin, entry: table::Entry, mut stopped: watch::Receiver<bool>)
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let handler = Handler {
-            router: self.router.clone(),
+            service: self.service.clone(),
             body_timeout: self.body_timeout,
             connection: entry.connection.clone(),
             origin,
@@ -301,28 +320,27 @@ impl Connections {
     }
 }
 
-/// The router, with every request body under `body_timeout`, and the connection counted busy
+/// The service, with every request body under `body_timeout`, and the connection counted busy
 /// from each request's arrival until its answer is written.
 #[derive(Clone)]
-struct Handler {
-    router: Router,
+struct Handler<S> {
+    service: S,
     body_timeout: Duration,
     connection: Arc<table::Connection>,
     /// Put in each request's extensions: who sent it.
     origin: Origin,
 }
 
-impl hyper::service::Service<Request<Incoming>> for Handler {
+impl<S: Service> hyper::service::Service<Request<Incoming>> for Handler<S> {
     type Response = axum::response::Response;
     type Error = Infallible;
-    type Future = Handled<RouteFuture<Infallible>>;
+    type Future = Handled<S::Future>;
 
     fn call(&self, request: Request<Incoming>) -> Self::Future {
         let busy = self.connection.busy();
         let mut request = request.map(|body| Body::new(TimedBody::new(body, self.body_timeout)));
         request.extensions_mut().insert(self.origin);
-        // A Router is always ready (its poll_ready returns at once), so it is called directly.
-        Handled::new(tower_service::Service::call(&mut self.router.clone(), request), busy)
+        Handled::new(self.service.clone().call(request), busy)
     }
 }
 

@@ -12,11 +12,9 @@
 //! Everything else is read from the request and the answer.
 
 use std::cell::{Cell, RefCell};
-use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::{Request, State};
-use axum::middleware::Next;
+use axum::extract::Request;
 use axum::response::Response;
 use sha2::{Digest, Sha256};
 
@@ -74,12 +72,16 @@ impl Kind {
 /// Serves `request` and logs its access line, unless `[server] access_log` is off.
 /// The configuration in force when the request arrived is read here, once, and handed to the
 /// handler with the request: the line and the answer are made under the same one.
-pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request, next: Next) -> Response {
+pub(super) async fn logged<F: std::future::Future<Output = Response>>(
+    app: &Ingress,
+    mut request: Request,
+    serve: impl FnOnce(Request) -> F,
+) -> Response {
     let served = app.config.served();
     request.extensions_mut().insert(served.clone());
     let config = served.config();
     if !config.server.access_log {
-        return next.run(request).await;
+        return serve(request).await;
     }
     let started = Instant::now();
     let method = request.method().clone();
@@ -94,7 +96,7 @@ pub(super) async fn logged(State(app): State<Arc<Ingress>>, mut request: Request
     let client_trace = crate::observe::telemetry::client_trace_id(request.headers()).map(str::to_string);
     let (response, note) = NOTE
         .scope(Note::default(), async {
-            let response = next.run(request).await;
+            let response = serve(request).await;
             (response, NOTE.with(Note::moved_out))
         })
         .await;

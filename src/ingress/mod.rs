@@ -133,17 +133,56 @@ pub use replays::Replay;
 pub(crate) use replays::Replays;
 use requests::{cancel_request, list_routes, show_request};
 
-pub(crate) fn router(ingress: Arc<Ingress>) -> Router {
-    Router::new()
+/// Where the client's own endpoints live; every other path is a route's.
+const OWN_PREFIX: &str = "/_idem/";
+
+/// The data plane as one service: every request under its access line, the client's own
+/// endpoints routed by axum, and any other path handed straight to [`handle`], which a router
+/// would reach only as its fallback, after a match that cannot succeed and a service boxed and
+/// cloned for each request.
+#[derive(Clone)]
+pub(crate) struct DataPlane {
+    ingress: Arc<Ingress>,
+    own: Router,
+}
+
+pub(crate) fn data_plane(ingress: Arc<Ingress>) -> DataPlane {
+    let own = Router::new()
         .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
         .route("/_idem/routes", get(list_routes))
-        .fallback(handle)
-        .layer(axum::middleware::from_fn_with_state(ingress.clone(), access::logged))
-        .with_state(ingress)
+        .fallback(|AxumState(app): AxumState<Arc<Ingress>>, request: Request| handle(app, request))
+        .with_state(ingress.clone());
+    DataPlane { ingress, own }
+}
+
+impl tower_service::Service<Request> for DataPlane {
+    type Response = Response;
+    type Error = std::convert::Infallible;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        let plane = self.clone();
+        Box::pin(async move { Ok(access::logged(&plane.ingress, request, |request| plane.serve(request)).await) })
+    }
+}
+
+impl DataPlane {
+    async fn serve(&self, request: Request) -> Response {
+        if request.uri().path().starts_with(OWN_PREFIX) {
+            // A Router is always ready (its poll_ready returns at once), so it is called directly.
+            let Ok(response) = tower_service::Service::call(&mut self.own.clone(), request).await;
+            return response;
+        }
+        handle(self.ingress.clone(), request).await
+    }
 }
 
 /// A data-plane request, answered under the configuration in force when it arrived.
-async fn handle(AxumState(app): AxumState<Arc<Ingress>>, request: Request) -> Response {
+async fn handle(app: Arc<Ingress>, request: Request) -> Response {
     // As the access log read it when the request arrived.
     let served = match request.extensions().get::<Arc<Snapshot>>() {
         Some(served) => served.clone(),

@@ -227,7 +227,7 @@ async fn start_on(
         cause,
     })?;
     let servers = vec![
-        tokio::spawn(edge::serve(data, ingress::router(ingress), data_limits, data_tls, stopped.clone())),
+        tokio::spawn(edge::serve(data, ingress::data_plane(ingress), data_limits, data_tls, stopped.clone())),
         tokio::spawn(edge::serve(admin_listener, admin::router(admin), admin_limits, admin_tls, stopped)),
     ];
     let mut loops = Upkeep::new();

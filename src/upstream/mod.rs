@@ -217,8 +217,15 @@ impl Upstream {
     /// Nothing of it is stored, so nothing is copied out into the stored form and back.
     pub async fn pass(&self, request: Outbound<'_>, limit: Duration) -> Result<http::Response<Bytes>, Failure> {
         let until = tokio::time::Instant::now() + limit;
+        let head = request.method == Method::HEAD;
         let (mut parts, body) = self.exchange(request, until, None).await?.into_parts();
+        // An answer's length is the length of the body passed on, and is set again for it; a
+        // HEAD's answer has no body but says the length a GET's would have.
+        let length = head.then(|| parts.headers.get(http::header::CONTENT_LENGTH).cloned()).flatten();
         headers::keep_end_to_end(&mut parts.headers);
+        if let Some(length) = length {
+            parts.headers.insert(http::header::CONTENT_LENGTH, length);
+        }
         // The upstream connection's own version and extensions (a reason phrase, its address)
         // are not the client's answer's.
         parts.version = http::Version::default();

@@ -317,6 +317,18 @@ async fn methods_without_a_key_requirement_are_proxied_unrecorded(b: Backend) {
     assert_eq!(broker.record("get-key").await.status(), 404);
 }
 
+async fn a_head_passed_through_says_the_length_the_upstream_said(b: Backend) {
+    let (upstream, broker) = setup(b, "", "").await;
+    let get = send(broker.http.get(format!("{}/payments/42", broker.url))).await;
+    let head = send(broker.http.head(format!("{}/payments/42", broker.url))).await;
+    assert_eq!(head.status, 201);
+    assert!(head.body.is_empty());
+    let length = get.header("content-length").expect("a GET's answer has its length");
+    assert_ne!(length, "0");
+    assert_eq!(head.header("content-length"), Some(length));
+    assert_eq!(upstream.hits("/payments/42"), 2);
+}
+
 async fn credentials_and_hop_by_hop_headers_are_not_forwarded(b: Backend) {
     let (upstream, broker) = setup(b, "", "").await;
     send(
@@ -641,6 +653,7 @@ both_stores!(
     the_record_is_visible_to_its_tenant_only,
     the_same_key_under_two_tenants_is_two_requests,
     methods_without_a_key_requirement_are_proxied_unrecorded,
+    a_head_passed_through_says_the_length_the_upstream_said,
     credentials_and_hop_by_hop_headers_are_not_forwarded,
     the_key_is_not_forwarded_when_the_route_says_so,
     sixty_four_concurrent_duplicates_execute_once_and_agree,
