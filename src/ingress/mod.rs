@@ -199,7 +199,9 @@ async fn handle(app: Arc<Ingress>, request: Request) -> Response {
     };
     access::route(&route.name);
     if route.mcp.is_some() {
-        return app.mcp(&route, request, arrival).await;
+        // Boxed, as an execution is below: held in place, its state would make every request's
+        // future as large, to be moved and copied for a replay as well.
+        return Box::pin(app.mcp(&route, request, arrival)).await;
     }
     let sent_key = request.headers().get(crate::domain::key::HEADER).cloned();
     let keyed_method = route.methods.contains(request.method());
@@ -347,7 +349,10 @@ impl Ingress {
             return replayed;
         }
         let span = span(&read.tenant);
-        let answer = self.execute_keyed(read).instrument(span.clone()).await;
+        // Boxed: an admission and its execution hold several kilobytes of state across their
+        // waits, which held in place would be in every keyed request's future, a replay's
+        // included, and moved with it.
+        let answer = Box::pin(self.execute_keyed(read)).instrument(span.clone()).await;
         let status = match &answer {
             Ok(response) => response.status(),
             Err(problem) => problem.status,
