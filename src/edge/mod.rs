@@ -306,10 +306,13 @@ impl<S: Service> Connections<S> {
                 }
                 // Closed as a shutdown would close it: it has no request in the handler, so it
                 // ends at once, once any answer still in its write buffer is out (one that came
-                // since it was told is served, and the connection stays).
+                // since it was told is served, and the connection stays, to be reclaimed again
+                // once idle).
                 _ = entry.connection.reclaimed.notified() => if entry.connection.is_idle() {
                     connection.as_mut().graceful_shutdown();
                     break connection.await;
+                } else {
+                    entry.connection.stays();
                 },
             }
         };

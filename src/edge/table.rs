@@ -88,6 +88,12 @@ impl Connection {
         self.busy.load(Ordering::SeqCst) == 0
     }
 
+    /// A reclaimed connection that a request reached first stays, and may be reclaimed again
+    /// once idle.
+    pub(super) fn stays(&self) {
+        self.told.store(false, Ordering::SeqCst);
+    }
+
     /// Counts a request from its arrival in the handler until hyper drops its answer's body (the
     /// answer may still be in the write buffer then: a reclaim closes gracefully, see `edge`).
     pub(super) fn busy(self: &Arc<Self>) -> Busy {
@@ -206,6 +212,18 @@ mod tests {
         assert!(!entry.connection.is_idle(), "pipelined: one answer still to write");
         drop(second);
         assert!(entry.connection.is_idle());
+    }
+
+    #[test]
+    fn a_reclaimed_connection_that_stays_may_be_reclaimed_again() {
+        let table = Arc::new(Table::new());
+        let entry = table.enter();
+        assert_eq!(table.reclaim(1), 1);
+        assert!(told(&entry));
+        // A request came before the connection read its notice: it stays.
+        entry.connection.stays();
+        assert_eq!(table.reclaim(1), 1, "idle again, it can give its place up");
+        assert!(told(&entry));
     }
 
     /// Whether the connection was told to close (consuming the notice).
