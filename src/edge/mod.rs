@@ -63,7 +63,7 @@ const RECLAIM_WAIT: Duration = Duration::from_millis(100);
 
 /// Serves `service` on `listener`, over TLS when `tls` is given, until `stopped` turns true (or
 /// its sender goes), then waits for the open connections to finish their answers.
-pub(crate) async fn serve<S: Service>(
+pub(crate) async fn serve<S: AlwaysReady>(
     listener: TcpListener,
     service: S,
     limits: ListenerLimits,
@@ -191,9 +191,9 @@ static REFUSAL: LazyLock<Vec<u8>> = LazyLock::new(|| {
     .into_bytes()
 });
 
-/// What a listener serves: axum's router, or the data plane's own service. It is always ready
-/// (its `poll_ready` returns at once), so it is called directly.
-pub(crate) trait Service:
+/// What a listener serves: axum's router, or the data plane's own service. Its `poll_ready` is
+/// never called: it must be ready at once, as both are.
+pub(crate) trait AlwaysReady:
     tower_service::Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
     + Clone
     + Send
@@ -202,7 +202,7 @@ pub(crate) trait Service:
 {
 }
 
-impl<S> Service for S where
+impl<S> AlwaysReady for S where
     S: tower_service::Service<Request, Response = Response, Error = Infallible, Future: Send + 'static>
         + Clone
         + Send
@@ -228,7 +228,7 @@ struct Connections<S> {
     name: &'static str,
 }
 
-impl<S: Service> Connections<S> {
+impl<S: AlwaysReady> Connections<S> {
     fn new(service: S, limits: &ListenerLimits, tls: Option<TlsAcceptor>) -> Connections<S> {
         let mut http = http1::Builder::new();
         // hyper's header timeout runs from the moment a head is awaited, which on a keep-alive
@@ -334,7 +334,7 @@ struct Handler<S> {
     origin: Origin,
 }
 
-impl<S: Service> hyper::service::Service<Request<Incoming>> for Handler<S> {
+impl<S: AlwaysReady> hyper::service::Service<Request<Incoming>> for Handler<S> {
     type Response = axum::response::Response;
     type Error = Infallible;
     type Future = Handled<S::Future>;

@@ -32,7 +32,8 @@ pub(super) struct Connection {
     /// When it last had no request, in microseconds since the table's epoch.
     idle_since: AtomicU64,
     /// Told when the table closes it to make room; `told` keeps it from being told (and
-    /// counted) twice while it closes.
+    /// counted) twice while it closes, and is taken back by [`Connection::stays`] when a
+    /// request got in first.
     pub(super) reclaimed: Notify,
     told: AtomicBool,
     epoch: Instant,
@@ -221,7 +222,10 @@ mod tests {
         assert_eq!(table.reclaim(1), 1);
         assert!(told(&entry));
         // A request came before the connection read its notice: it stays.
+        let request = entry.connection.busy();
         entry.connection.stays();
+        assert_eq!(table.reclaim(1), 0, "never while busy");
+        drop(request);
         assert_eq!(table.reclaim(1), 1, "idle again, it can give its place up");
         assert!(told(&entry));
     }

@@ -109,7 +109,11 @@ pub(super) async fn logged<F: std::future::Future<Output = Response>>(
     let route = note.route.into_inner();
     let tenant = note.tenant.into_inner();
     let trace = note.trace.into_inner().or(client_trace);
-    let bytes_out = body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact());
+    // The answer to a HEAD says the length a GET's would have, and sends no body.
+    let bytes_out = match method == axum::http::Method::HEAD {
+        true => Some(0),
+        false => body_size(response.headers()).or_else(|| axum::body::HttpBody::size_hint(response.body()).exact()),
+    };
     let line = Line {
         client: OrDash(client),
         method: &method,
@@ -281,7 +285,8 @@ impl std::fmt::Display for LoggedPath<'_> {
     }
 }
 
-/// Where the client's own endpoint of a key starts: the key follows.
+/// Where the client's own endpoint of a key starts: the key follows (routed in
+/// `ingress::data_plane`).
 const OWN_RECORD: &str = "/_idem/requests/";
 
 /// A body's size, where its `Content-Length` says it.

@@ -133,7 +133,8 @@ pub use replays::Replay;
 pub(crate) use replays::Replays;
 use requests::{cancel_request, list_routes, show_request};
 
-/// Where the client's own endpoints live; every other path is a route's.
+/// Where the client's own endpoints live (the routes of `data_plane`, and
+/// `access::OWN_RECORD`); every other path is a route's.
 const OWN_PREFIX: &str = "/_idem/";
 
 /// The data plane as one service: every request under its access line, the client's own
@@ -158,7 +159,7 @@ pub(crate) fn data_plane(ingress: Arc<Ingress>) -> DataPlane {
 impl tower_service::Service<Request> for DataPlane {
     type Response = Response;
     type Error = std::convert::Infallible;
-    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Response, Self::Error>> + Send>>;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response, Self::Error>>;
 
     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
         std::task::Poll::Ready(Ok(()))
@@ -199,8 +200,8 @@ async fn handle(app: Arc<Ingress>, request: Request) -> Response {
     };
     access::route(&route.name);
     if route.mcp.is_some() {
-        // Boxed, as an execution is below: held in place, its state would make every request's
-        // future as large, to be moved and copied for a replay as well.
+        // Boxed, as an execution is in `Ingress::answer_keyed`: held in place, its state would
+        // make every request's future as large, to be moved and copied for a replay as well.
         return Box::pin(app.mcp(&route, request, arrival)).await;
     }
     let sent_key = request.headers().get(crate::domain::key::HEADER).cloned();

@@ -217,11 +217,11 @@ impl Upstream {
     /// Nothing of it is stored, so nothing is copied out into the stored form and back.
     pub async fn pass(&self, request: Outbound<'_>, limit: Duration) -> Result<http::Response<Bytes>, Failure> {
         let until = tokio::time::Instant::now() + limit;
-        let head = request.method == Method::HEAD;
+        let is_head = request.method == Method::HEAD;
         let (mut parts, body) = self.exchange(request, until, None).await?.into_parts();
         // An answer's length is the length of the body passed on, and is set again for it; a
         // HEAD's answer has no body but says the length a GET's would have.
-        let length = head.then(|| parts.headers.get(http::header::CONTENT_LENGTH).cloned()).flatten();
+        let length = if is_head { parts.headers.get(http::header::CONTENT_LENGTH).cloned() } else { None };
         headers::keep_end_to_end(&mut parts.headers);
         if let Some(length) = length {
             parts.headers.insert(http::header::CONTENT_LENGTH, length);

@@ -151,6 +151,8 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
         assert_eq!(upstream_accepted.body("{}").send().await.unwrap().status(), 202, "the upstream's own 202");
         let too_big = http.put(format!("{base}/payments/7")).body(vec![b'x'; 1024 * 1024 + 1]);
         assert_eq!(too_big.send().await.unwrap().status(), 413, "no key, refused before it passes");
+        let head = http.head(format!("{base}/payments/7"));
+        assert_eq!(head.send().await.unwrap().status(), 201, "passed");
     })
     .await;
     let lines = access_lines(&logs);
@@ -180,8 +182,10 @@ async fn every_answered_request_leaves_one_access_line_that_says_how_it_was_answ
             ("POST", "payments", 202, "accepted", 0),
             ("POST", "payments", 202, "executed", 1),
             ("PUT", "payments", 413, "problem", 0),
+            ("HEAD", "payments", 201, "passed", 0),
         ]
     );
+    assert_eq!(lines[9]["fields"]["http.response.body.size"], 0, "a HEAD's answer carries no body: {lines:#?}");
     // The key's hash, the same on every line of one key, and never the key.
     let key_hash = lines[0]["fields"]["idem.key"].as_str().unwrap();
     assert_eq!(key_hash.len(), 16, "{key_hash}");
