@@ -12,6 +12,7 @@
 //! Everything else is read from the request and the answer.
 
 use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::Request;
@@ -22,6 +23,7 @@ use super::{Ingress, REPLAYED_HEADER};
 use crate::domain::key::IdempotencyKey;
 use crate::domain::{Origin, RecordId, RouteName, Tenant};
 use crate::observe::access_line::Value;
+use crate::runtime::Snapshot;
 
 tokio::task_local! {
     static NOTE: Note;
@@ -70,18 +72,19 @@ impl Kind {
 }
 
 /// Serves `request` and logs its access line, unless `[server] access_log` is off.
-/// The configuration in force when the request arrived is read here, once, and handed to the
-/// handler with the request: the line and the answer are made under the same one.
+/// The configuration in force when the request arrived is read here, once, and handed to
+/// `serve` with the request (and in its extensions, for the client's own endpoints): the line
+/// and the answer are made under the same one.
 pub(super) async fn logged<F: std::future::Future<Output = Response>>(
     app: &Ingress,
     mut request: Request,
-    serve: impl FnOnce(Request) -> F,
+    serve: impl FnOnce(Request, Arc<Snapshot>) -> F,
 ) -> Response {
     let served = app.config.served();
     request.extensions_mut().insert(served.clone());
     let config = served.config();
     if !config.server.access_log {
-        return serve(request).await;
+        return serve(request, served).await;
     }
     let started = Instant::now();
     let method = request.method().clone();
@@ -96,7 +99,7 @@ pub(super) async fn logged<F: std::future::Future<Output = Response>>(
     let client_trace = crate::observe::telemetry::client_trace_id(request.headers()).map(str::to_string);
     let (response, note) = NOTE
         .scope(Note::default(), async {
-            let response = serve(request).await;
+            let response = serve(request, served.clone()).await;
             (response, NOTE.with(Note::moved_out))
         })
         .await;

@@ -8,7 +8,7 @@ use axum::extract::{Request, State as AxumState};
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use axum::Router;
+use axum::{Extension, Router};
 use bytes::Bytes;
 use tokio::sync::watch;
 use tracing::{info_span, Instrument, Span};
@@ -148,11 +148,16 @@ pub(crate) struct DataPlane {
 }
 
 pub(crate) fn data_plane(ingress: Arc<Ingress>) -> DataPlane {
-    let own = Router::new()
-        .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
-        .route("/_idem/routes", get(list_routes))
-        .fallback(|AxumState(app): AxumState<Arc<Ingress>>, request: Request| handle(app, request))
-        .with_state(ingress.clone());
+    let own =
+        Router::new()
+            .route("/_idem/requests/{*key}", get(show_request).delete(cancel_request))
+            .route("/_idem/routes", get(list_routes))
+            .fallback(
+                |AxumState(app): AxumState<Arc<Ingress>>,
+                 Extension(served): Extension<Arc<Snapshot>>,
+                 request: Request| async move { handle(&app, served, request).await },
+            )
+            .with_state(ingress.clone());
     DataPlane { ingress, own }
 }
 
@@ -167,28 +172,28 @@ impl tower_service::Service<Request> for DataPlane {
 
     fn call(&mut self, request: Request) -> Self::Future {
         let plane = self.clone();
-        Box::pin(async move { Ok(access::logged(&plane.ingress, request, |request| plane.serve(request)).await) })
+        Box::pin(async move {
+            Ok(access::logged(&plane.ingress, request, |request, served| plane.serve(request, served)).await)
+        })
     }
 }
 
 impl DataPlane {
-    async fn serve(&self, request: Request) -> Response {
+    /// `request` under the configuration `served`, which the client's own endpoints read from
+    /// its extensions.
+    async fn serve(&self, request: Request, served: Arc<Snapshot>) -> Response {
         if request.uri().path().starts_with(OWN_PREFIX) {
             // A Router is always ready (its poll_ready returns at once), so it is called directly.
             let Ok(response) = tower_service::Service::call(&mut self.own.clone(), request).await;
             return response;
         }
-        handle(self.ingress.clone(), request).await
+        handle(&self.ingress, served, request).await
     }
 }
 
-/// A data-plane request, answered under the configuration in force when it arrived.
-async fn handle(app: Arc<Ingress>, request: Request) -> Response {
-    // As the access log read it when the request arrived.
-    let served = match request.extensions().get::<Arc<Snapshot>>() {
-        Some(served) => served.clone(),
-        None => app.config.served(),
-    };
+/// A data-plane request, answered under the configuration in force when it arrived (`served`,
+/// as the access log read it).
+async fn handle(app: &Ingress, served: Arc<Snapshot>, request: Request) -> Response {
     let config = served.config();
     let arrival = Arrival { at: app.clock.now(), monotonic: Instant::now() };
     let path = request.uri().path().to_string();
